@@ -1,0 +1,60 @@
+"""megatron-peakflat: bounded-memory schedules for long-context MoE training on Megatron-Core.
+
+Public surface (nothing of Megatron is imported or patched on import):
+
+- ``add_args(parser)``: the ``--peakflat-*`` flags, usable as Megatron's ``extra_args_provider``;
+- ``PeakflatConfig``: every knob, validated against Megatron's flags;
+- ``apply(config_or_args)`` / ``remove()``: patch Megatron-Core for the enabled components and undo it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .config import PeakflatConfig, PeakflatConfigError, add_args
+
+__all__ = ["PeakflatConfig", "PeakflatConfigError", "add_args", "apply", "remove", "__version__"]
+__version__ = "0.1.0"
+
+log = logging.getLogger("megatron_peakflat")
+
+
+def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
+    """Patch Megatron-Core for every enabled component; idempotent.
+
+    ``config`` is a PeakflatConfig or Megatron's parsed args (holding the ``--peakflat-*`` flags).
+    Every check runs before anything is patched. Returns the active config.
+    """
+    from .integration import registry, state
+
+    if isinstance(config, PeakflatConfig):
+        cfg = config.validate()
+    else:
+        cfg = PeakflatConfig.from_args(config)
+    components = {name for name, on in cfg.enabled.items() if on}
+    if _attention_wanted(cfg):
+        components.add("attention")
+    state.set_current(cfg)
+    registry.apply_patches(components)
+    if not components:
+        log.info("peakflat: no component enabled; Megatron runs unchanged")
+    return cfg
+
+
+def remove() -> list[str]:
+    """Restore every Megatron symbol that ``apply`` replaced."""
+    from .integration import registry
+
+    return registry.remove_patches()
+
+
+def _attention_wanted(cfg: PeakflatConfig) -> bool:
+    mode = cfg.general.attention
+    if mode == "local":
+        return False
+    if mode == "sdpa":
+        return True
+    from .integration.attention import transformer_engine_available
+
+    return not transformer_engine_available()

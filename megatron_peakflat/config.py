@@ -1,0 +1,158 @@
+"""``PeakflatConfig``: every knob of the four components, the ``--peakflat-*`` flags and their checks.
+
+The flags are derived from the component dataclasses (``config_base.ComponentConfig.add_flags``).
+``PeakflatConfig.from_args(args)`` builds the config from a parsed Megatron namespace and runs
+every check, the checks against Megatron's own flags included, so a bad value or an incompatible
+combination fails at start-up with a message naming the flag, the value and the fix.
+
+No Megatron import: Megatron's parsed arguments are read as a plain namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from .config_base import ComponentConfig, PeakflatConfigError
+from .dispatch.config import DispatchConfig
+from .optimizer.config import OptimizerConfig
+from .recompute.config import SCOConfig
+from .vocab.config import VocabConfig
+
+__all__ = ["PeakflatConfig", "GeneralConfig", "add_args", "PeakflatConfigError"]
+
+
+@dataclass(kw_only=True)
+class GeneralConfig(ComponentConfig):
+    PREFIX: ClassVar[str] = ""
+
+    attention: Literal["auto", "local", "sdpa"] = "auto"
+    """Core attention of Megatron's local spec. 'sdpa' uses torch scaled_dot_product_attention
+    (flash/memory-efficient kernels, no s x s scores); 'auto' picks sdpa when Transformer Engine is
+    absent and leaves TE's attention alone when it is present."""
+    report_peaks: bool = False
+    """Measure each component's peak memory and log it every log interval beside the planner's prediction."""
+
+
+_COMPONENTS: dict[str, type[ComponentConfig]] = {
+    "dispatch": DispatchConfig,
+    "vocab": VocabConfig,
+    "sco": SCOConfig,
+    "optimizer": OptimizerConfig,
+    "general": GeneralConfig,
+}
+
+
+@dataclass(kw_only=True)
+class PeakflatConfig:
+    """All knobs. Every component is off by default: an empty command line changes nothing."""
+
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    sco: SCOConfig = field(default_factory=SCOConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    general: GeneralConfig = field(default_factory=GeneralConfig)
+
+    @property
+    def enabled(self) -> dict[str, bool]:
+        """Which components replace a Megatron part."""
+        return {
+            "dispatch": self.dispatch.impl != "megatron",
+            "vocab": self.vocab.impl != "megatron",
+            "sco": self.sco.enabled,
+            "optimizer": self.optimizer.impl != "megatron",
+        }
+
+    def validate(self, megatron_args: Any | None = None) -> "PeakflatConfig":
+        """Check each field, then the combinations with Megatron's flags when they are given."""
+        for name in _COMPONENTS:
+            getattr(self, name).validate()
+        if megatron_args is not None:
+            _check_against_megatron(self, megatron_args)
+        return self
+
+    @classmethod
+    def from_args(cls, args: Any, *, validate: bool = True) -> "PeakflatConfig":
+        """Build from a namespace holding the ``peakflat_*`` dests (Megatron's parsed args)."""
+        cfg = cls(**{name: comp.from_namespace(args) for name, comp in _COMPONENTS.items()})
+        if validate:
+            cfg.validate(args)
+        return cfg
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every ``--peakflat-*`` flag. Usable as Megatron's ``extra_args_provider``."""
+    titles = {
+        "dispatch": "peakflat: PipelinedLLEP expert dispatch",
+        "vocab": "peakflat: Ring-DTP vocabulary projection",
+        "sco": "peakflat: SCO checkpoint-boundary offload",
+        "optimizer": "peakflat: OffloadStreamAdamW",
+        "general": "peakflat: general",
+    }
+    for name, comp in _COMPONENTS.items():
+        comp.add_flags(parser.add_argument_group(titles[name]))
+    return parser
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
+    """Reject combinations with Megatron's flags that cannot work, before any model is built."""
+    num_experts = _get(args, "num_experts")
+    if cfg.dispatch.impl != "megatron":
+        flag = cfg.dispatch.flag("impl")
+        if not num_experts:
+            raise PeakflatConfigError(flag, cfg.dispatch.impl, "the model has no MoE layers to dispatch for",
+                                      "add --num-experts N, or drop " + flag)
+        if _get(args, "moe_token_dispatcher_type", "alltoall") != "alltoall":
+            raise PeakflatConfigError(flag, cfg.dispatch.impl,
+                                      f"it replaces the alltoall dispatcher, but --moe-token-dispatcher-type is "
+                                      f"{_get(args, 'moe_token_dispatcher_type')!r}",
+                                      "pass --moe-token-dispatcher-type alltoall")
+        etp = _get(args, "expert_tensor_parallel_size", 1) or 1
+        if etp > 1:
+            raise PeakflatConfigError(flag, cfg.dispatch.impl,
+                                      f"expert tensor parallelism ({etp}) is not supported by PipelinedLLEP yet",
+                                      "pass --expert-tensor-parallel-size 1")
+        ep = _get(args, "expert_model_parallel_size", 1) or 1
+        if num_experts % ep:
+            raise PeakflatConfigError(flag, cfg.dispatch.impl,
+                                      f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}",
+                                      "choose an EP size that divides the number of experts")
+    if cfg.vocab.impl != "megatron":
+        flag = cfg.vocab.flag("impl")
+        if _get(args, "mtp_num_layers"):
+            raise PeakflatConfigError(flag, cfg.vocab.impl,
+                                      "multi-token prediction heads build their own logits, which Ring-DTP does not cover yet",
+                                      "drop --mtp-num-layers, or drop " + flag)
+    if cfg.sco.enabled:
+        flag = cfg.sco.flag("enabled")
+        if _get(args, "recompute_granularity") != "full":
+            raise PeakflatConfigError(flag, True,
+                                      "SCO offloads the boundaries of full-recompute checkpoints, but "
+                                      f"--recompute-granularity is {_get(args, 'recompute_granularity')!r}",
+                                      "add --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+        if _get(args, "distribute_saved_activations"):
+            raise PeakflatConfigError(flag, True,
+                                      "--distribute-saved-activations splits boundaries across TP ranks, which SCO does not handle",
+                                      "drop --distribute-saved-activations")
+        if _get(args, "cpu_offloading"):
+            raise PeakflatConfigError(flag, True, "legacy --cpu-offloading cannot run beside SCO",
+                                      "drop --cpu-offloading")
+    if cfg.optimizer.impl != "megatron":
+        flag = cfg.optimizer.flag("impl")
+        if _get(args, "optimizer", "adam") != "adam":
+            raise PeakflatConfigError(flag, cfg.optimizer.impl,
+                                      f"OffloadStreamAdamW implements Adam(W), not --optimizer {_get(args, 'optimizer')}",
+                                      "pass --optimizer adam")
+        if not _get(args, "use_distributed_optimizer", False):
+            raise PeakflatConfigError(flag, cfg.optimizer.impl,
+                                      "it replaces the offloaded optimizer inside Megatron's DistributedOptimizer",
+                                      "add --use-distributed-optimizer")

@@ -1,0 +1,223 @@
+"""Machinery shared by every component's config: field docs, size parsing, flag derivation, errors.
+
+A component config is a keyword-only dataclass whose fields carry a docstring on the line below
+them (Megatron's habit). ``field_docs`` reads those docstrings from the source once, so that the
+``--peakflat-*`` flags and their help text are derived from the dataclass and never written twice.
+
+No Megatron import here: the components import this module.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+import textwrap
+import typing
+from functools import cache
+from typing import Any, Literal, get_args, get_origin
+
+__all__ = [
+    "PeakflatConfigError",
+    "Bytes",
+    "Count",
+    "parse_size",
+    "parse_count",
+    "format_bytes",
+    "field_docs",
+    "flag_name",
+    "ComponentConfig",
+]
+
+
+class PeakflatConfigError(ValueError):
+    """A bad flag value or combination. The message names the flag, the value and the fix."""
+
+    def __init__(self, flag: str, value: Any, problem: str, fix: str) -> None:
+        self.flag, self.value, self.problem, self.fix = flag, value, problem, fix
+        super().__init__(f"{flag}={value!r}: {problem}. Fix: {fix}")
+
+
+class Bytes(int):
+    """Annotation marker: a byte count, given on the command line as ``16GiB``, ``512MiB``, ``1e9``."""
+
+
+class Count(int):
+    """Annotation marker: a count, given as ``100M``, ``2.5B``, ``50k`` or a plain integer."""
+
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_NUM_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def _parse(text: str | int | float, units: dict[str, int], what: str) -> int:
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = _NUM_RE.match(str(text))
+        if not m:
+            raise ValueError(f"{text!r} is not a {what} (examples: {', '.join(_EXAMPLES[what])})")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    if unit not in units:
+        raise ValueError(f"{text!r}: unknown unit {unit!r} for a {what}; use one of {sorted(k for k in units if k)}")
+    return int(round(value * units[unit]))
+
+
+_EXAMPLES = {"size": ["16GiB", "512MiB", "2e9"], "count": ["100M", "2.5B", "50k"]}
+
+
+def parse_size(text: str | int | float) -> int:
+    """Parse a byte size. Binary units (KiB, MiB, GiB, TiB) and decimal ones (KB, MB, GB, TB)."""
+    return _parse(text, _BYTE_UNITS, "size")
+
+
+def parse_count(text: str | int | float) -> int:
+    """Parse a count with an optional k/M/B/T suffix (decimal)."""
+    return _parse(text, _COUNT_UNITS, "count")
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. ``3.12 GiB``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each dataclass field of ``cls`` (and its bases) to the docstring written below it."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def flag_name(cfg_cls: type["ComponentConfig"], field: str) -> str:
+    """The command-line flag of one field: the mode field gets the bare component flag."""
+    if field == cfg_cls.MODE_FIELD:
+        return f"--peakflat-{cfg_cls.MODE_FLAG}"
+    return f"--peakflat-{cfg_cls.PREFIX}-{field.replace('_', '-')}" if cfg_cls.PREFIX else f"--peakflat-{field.replace('_', '-')}"
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+@dataclasses.dataclass(kw_only=True)
+class ComponentConfig:
+    """Base of every component config.
+
+    Subclasses set ``PREFIX`` (flags are ``--peakflat-<PREFIX>-<field>``), and optionally
+    ``MODE_FIELD``/``MODE_FLAG`` for the field that switches the component on
+    (``--peakflat-<MODE_FLAG>``). ``validate()`` raises PeakflatConfigError.
+    """
+
+    PREFIX: typing.ClassVar[str] = ""
+    MODE_FIELD: typing.ClassVar[str | None] = None
+    MODE_FLAG: typing.ClassVar[str] = ""
+
+    def validate(self) -> None:
+        """Check field values on their own. Cross-component and Megatron checks live in config.py."""
+
+    def flag(self, field: str) -> str:
+        return flag_name(type(self), field)
+
+    @classmethod
+    def add_flags(cls, group: Any) -> None:
+        """Add one argparse option per field to ``group``; ``dest`` is ``peakflat_<prefix>_<field>``."""
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            tp, optional = _unwrap_optional(hints[f.name])
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            kw: dict[str, Any] = {"dest": cls.dest(f.name), "default": default}
+            help_text = docs.get(f.name, "")
+            if tp is bool:
+                import argparse
+
+                kw["action"] = argparse.BooleanOptionalAction
+            elif get_origin(tp) is Literal:
+                kw["choices"] = list(get_args(tp))
+                kw["type"] = type(get_args(tp)[0])
+            elif tp is Bytes:
+                kw["type"] = _size_or_auto(optional)
+                kw["metavar"] = "SIZE"
+            elif tp is Count:
+                kw["type"] = _count_or_auto(optional)
+                kw["metavar"] = "N"
+            elif tp in (int, float, str):
+                kw["type"] = _or_auto(tp, optional)
+            else:
+                raise TypeError(f"{cls.__name__}.{f.name}: unsupported flag type {tp}")
+            if optional:
+                help_text += " ('auto' or omitted: chosen at start-up.)"
+            kw["help"] = f"{help_text} (default: {default})"
+            group.add_argument(flag_name(cls, f.name), **kw)
+
+    @classmethod
+    def dest(cls, field: str) -> str:
+        return "peakflat_" + ((cls.PREFIX + "_") if cls.PREFIX else "") + field
+
+    @classmethod
+    def from_namespace(cls, ns: Any) -> "ComponentConfig":
+        """Build from an argparse namespace made by ``add_flags`` (missing dests keep defaults)."""
+        kw = {}
+        for f in dataclasses.fields(cls):
+            d = cls.dest(f.name)
+            if hasattr(ns, d):
+                kw[f.name] = getattr(ns, d)
+        return cls(**kw)
+
+
+def _or_auto(tp: type, optional: bool):
+    def conv(text: str):
+        if optional and str(text).lower() in ("auto", "none"):
+            return None
+        return tp(text)
+
+    conv.__name__ = tp.__name__
+    return conv
+
+
+def _size_or_auto(optional: bool):
+    def size(text: str) -> int | None:
+        if optional and str(text).lower() in ("auto", "none"):
+            return None
+        return parse_size(text)
+
+    return size
+
+
+def _count_or_auto(optional: bool):
+    def count(text: str) -> int | None:
+        if optional and str(text).lower() in ("auto", "none"):
+            return None
+        return parse_count(text)
+
+    return count

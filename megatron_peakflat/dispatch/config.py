@@ -1,0 +1,48 @@
+"""Knobs of PipelinedLLEP: ``--peakflat-dispatch`` and ``--peakflat-dispatch-*``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from ..config_base import ComponentConfig, PeakflatConfigError
+
+
+@dataclass(kw_only=True)
+class DispatchConfig(ComponentConfig):
+    PREFIX: ClassVar[str] = "dispatch"
+    MODE_FIELD: ClassVar[str] = "impl"
+    MODE_FLAG: ClassVar[str] = "dispatch"
+
+    impl: Literal["megatron", "pipelined-llep"] = "megatron"
+    """Expert dispatch. 'pipelined-llep' replaces Megatron's alltoall dispatcher with least-loaded
+    expert parallelism and chunked dispatch, whose working set does not grow with routing skew."""
+    chunk_cap: int = 8192
+    """c: the most tokens (token-expert pairs) that one source rank sends into one dispatch chunk.
+    The dispatch working set is about 2 * E_p * c * hidden * bytes, whatever the routing."""
+    max_chunks: int = 64
+    """The most chunks K one MoE layer is split into; c grows when K would exceed it."""
+    alpha: float = 1.0
+    """Capacity factor: each rank computes at most alpha x the mean load before it spills."""
+    min_spill: int = 1024
+    """m: spills smaller than this many tokens are skipped, unless they are an expert's remainder."""
+    imbalance_threshold: float = 1.3
+    """lambda: when max/mean rank load is below this, plain EP runs (no expert weights move)."""
+
+    def validate(self) -> None:
+        if self.chunk_cap < 1:
+            raise PeakflatConfigError(self.flag("chunk_cap"), self.chunk_cap, "the chunk cap must be at least 1 token",
+                                      "pass a positive token count, e.g. --peakflat-dispatch-chunk-cap 8192")
+        if self.max_chunks < 1:
+            raise PeakflatConfigError(self.flag("max_chunks"), self.max_chunks, "at least one chunk is needed",
+                                      "pass a positive integer, e.g. --peakflat-dispatch-max-chunks 64")
+        if self.alpha < 1.0:
+            raise PeakflatConfigError(self.flag("alpha"), self.alpha, "a capacity below the mean load cannot hold every token",
+                                      "pass alpha >= 1.0, e.g. --peakflat-dispatch-alpha 1.0")
+        if self.min_spill < 0:
+            raise PeakflatConfigError(self.flag("min_spill"), self.min_spill, "a spill size cannot be negative",
+                                      "pass 0 or more, e.g. --peakflat-dispatch-min-spill 1024")
+        if self.imbalance_threshold < 1.0:
+            raise PeakflatConfigError(self.flag("imbalance_threshold"), self.imbalance_threshold,
+                                      "max/mean load is never below 1, so this would always rebalance",
+                                      "pass lambda >= 1.0, e.g. --peakflat-dispatch-imbalance-threshold 1.3")

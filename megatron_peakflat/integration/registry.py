@@ -1,0 +1,151 @@
+"""The one table of every Megatron-Core symbol that megatron-peakflat replaces.
+
+``apply(config)`` patches the entries of the enabled components; ``remove()`` restores every
+original. Both are idempotent. Each replacement is built lazily by a factory
+``factory(original) -> replacement`` named by dotted path, so nothing of Megatron is imported
+before ``apply`` is called. Replacements read the live config through ``state.current()``, so a
+second ``apply`` with another config takes effect without re-patching.
+
+A Megatron that moved or renamed a symbol fails here, at start-up, with an error naming the
+symbol and the megatron-core versions the entry was checked on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import state
+
+__all__ = ["Patch", "PATCHES", "apply_patches", "remove_patches", "applied", "PeakflatIntegrationError"]
+
+log = logging.getLogger("megatron_peakflat")
+
+CHECKED_ON = ("0.19.2",)
+
+
+class PeakflatIntegrationError(ImportError):
+    """A Megatron symbol that a patch needs is missing or has moved."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    component: str
+    """Which component owns it: dispatch, vocab, sco, optimizer or attention."""
+    module: str
+    """Module in which the name is bound, e.g. ``megatron.core.transformer.moe.moe_layer``."""
+    attr: str
+    """Attribute path inside ``module``, e.g. ``MoELayer.__init__``."""
+    factory: str
+    """``package.module:function`` that takes the original and returns the replacement."""
+    what: str
+    """One line for the log: what the replacement does."""
+    checked_on: tuple[str, ...] = CHECKED_ON
+
+    @property
+    def symbol(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+_OPT_FACTORY = "megatron_peakflat.integration.optimizer:replace_hybrid_device_optimizer"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("dispatch", "megatron.core.transformer.moe.moe_layer", "MoELayer.__init__",
+          "megatron_peakflat.integration.dispatch:wrap_moe_layer_init",
+          "swaps MoELayer.token_dispatcher for PipelinedLLEP (config stays 'alltoall')"),
+    Patch("vocab", "megatron.core.models.gpt.gpt_model", "GPTModel.forward",
+          "megatron_peakflat.integration.vocab:wrap_gpt_forward",
+          "passes a Ring-DTP output_processor so the logits are never built"),
+    Patch("sco", "megatron.core.recompute", "checkpointed_forward",
+          "megatron_peakflat.integration.recompute:wrap_checkpointed_forward",
+          "keeps full-recompute boundary inputs in pinned host memory"),
+    Patch("sco", "megatron.core.transformer.transformer_block", "checkpointed_forward",
+          "megatron_peakflat.integration.recompute:wrap_checkpointed_forward",
+          "same, for the name imported into transformer_block"),
+    Patch("optimizer", "megatron.core.optimizer", "HybridDeviceOptimizer", _OPT_FACTORY,
+          "builds OffloadStreamAdamW where Megatron builds HybridDeviceOptimizer"),
+    Patch("optimizer", "megatron.core.optimizer.distrib_optimizer", "HybridDeviceOptimizer", _OPT_FACTORY,
+          "same, for DistributedOptimizer's rebuild over its shard"),
+    Patch("optimizer", "megatron.core.optimizer.cpu_offloading", "HybridDeviceOptimizer", _OPT_FACTORY,
+          "same, for the package-level name"),
+    Patch("attention", "megatron.core.models.gpt.gpt_layer_specs", "DotProductAttention",
+          "megatron_peakflat.integration.attention:replace_dot_product_attention",
+          "local-spec core attention through torch SDPA (no s x s scores)"),
+)
+
+# symbol -> (owner object, attribute name, original value)
+_applied: dict[str, tuple[Any, str, Any]] = {}
+_built: dict[tuple[str, str], Any] = {}
+
+
+def _resolve(p: Patch) -> tuple[Any, str, Any]:
+    try:
+        owner: Any = importlib.import_module(p.module)
+    except ImportError as e:
+        raise PeakflatIntegrationError(
+            f"megatron-peakflat needs module {p.module} (for {p.component}); it could not be imported: {e}. "
+            f"This entry was checked on megatron-core {', '.join(p.checked_on)}."
+        ) from e
+    *path, name = p.attr.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            break
+    if owner is None or not hasattr(owner, name):
+        raise PeakflatIntegrationError(
+            f"megatron-peakflat ({p.component}) patches {p.symbol}, which this megatron-core does not have. "
+            f"It was checked on megatron-core {', '.join(p.checked_on)}; install one of those or turn "
+            f"the {p.component} component off."
+        )
+    raw = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
+    return owner, name, raw
+
+
+def _load_factory(path: str) -> Callable[[Any], Any]:
+    mod, fn = path.split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def applied() -> list[str]:
+    """Symbols currently patched."""
+    return list(_applied)
+
+
+def apply_patches(components: set[str]) -> list[str]:
+    """Patch every entry whose component is in ``components``; return the symbols newly patched.
+
+    All symbols are resolved before anything is patched, so a missing symbol leaves Megatron intact.
+    """
+    todo = [p for p in PATCHES if p.component in components and p.symbol not in _applied]
+    resolved = [(p, *_resolve(p)) for p in todo]
+    done = []
+    for p, owner, name, original in resolved:
+        key = (p.factory, repr(original))
+        if key not in _built:
+            base = original.__func__ if isinstance(original, staticmethod) else original
+            new = _load_factory(p.factory)(base)
+            try:
+                new.__wrapped__ = base
+                new._peakflat_patch = p.symbol
+            except (AttributeError, TypeError):
+                pass
+            _built[key] = new
+        setattr(owner, name, _built[key])
+        _applied[p.symbol] = (owner, name, original)
+        done.append(p.symbol)
+        log.info("peakflat: patched %s: %s", p.symbol, p.what)
+    return done
+
+
+def remove_patches() -> list[str]:
+    """Restore every patched symbol to its original, in reverse order; return what was restored."""
+    restored = []
+    for sym in reversed(list(_applied)):
+        owner, name, original = _applied.pop(sym)
+        setattr(owner, name, original)
+        restored.append(sym)
+        log.info("peakflat: restored %s", sym)
+    state.set_current(None)
+    return restored

@@ -1,0 +1,31 @@
+"""Knobs of SCO, selective checkpoint offload: ``--peakflat-sco`` and ``--peakflat-sco-*``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..config_base import Bytes, ComponentConfig, PeakflatConfigError
+
+
+@dataclass(kw_only=True)
+class SCOConfig(ComponentConfig):
+    PREFIX: ClassVar[str] = "sco"
+    MODE_FIELD: ClassVar[str] = "enabled"
+    MODE_FLAG: ClassVar[str] = "sco"
+
+    enabled: bool = False
+    """Keep each full-recompute checkpoint boundary's input in pinned host memory until backward."""
+    budget: Bytes | None = None
+    """Pinned host bytes per rank for boundaries (e.g. 64GiB). Default: a safe share of free host
+    RAM divided among the local ranks; boundaries past the budget stay on the GPU."""
+    prefetch: int = 1
+    """How many boundaries backward brings back ahead of use."""
+
+    def validate(self) -> None:
+        if self.budget is not None and self.budget < 0:
+            raise PeakflatConfigError(self.flag("budget"), self.budget, "a byte budget cannot be negative",
+                                      "pass a size such as --peakflat-sco-budget 32GiB, or 'auto'")
+        if self.prefetch < 0:
+            raise PeakflatConfigError(self.flag("prefetch"), self.prefetch, "prefetch depth cannot be negative",
+                                      "pass 0 (no prefetch) or more, e.g. --peakflat-sco-prefetch 1")

@@ -1,0 +1,132 @@
+"""Run a test function in N gloo processes and surface any rank's failure.
+
+Guarantees:
+- every rank runs ``fn(rank, world_size, *args)`` inside an initialised default process group
+  (gloo on CPU), with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set as torchrun would set them;
+- a failure on any rank is re-raised in the caller with that rank's traceback, and the other ranks
+  are torn down instead of hanging in a collective;
+- the whole run is bounded by ``timeout`` seconds.
+
+``fn`` must be importable by name (a module-level function), since ranks are spawned processes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "DistributedTestError", "free_port"]
+
+
+class DistributedTestError(AssertionError):
+    """Raised in the parent when one or more ranks failed; carries each rank's traceback."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free when asked."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    errors: Any,
+    results: Any,
+    timeout_s: float,
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=timedelta(seconds=timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, out))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        errors.put((rank, traceback.format_exc()))
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    Raises DistributedTestError naming every failed rank with its traceback. Results must be
+    picklable; they are returned ordered by rank.
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, fn, args, errors, results, timeout),
+            daemon=False,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout
+    failed: list[tuple[int, str]] = []
+    while any(p.is_alive() for p in procs):
+        while not errors.empty():
+            failed.append(errors.get())
+        if failed or time.monotonic() > deadline:
+            break
+        for p in procs:
+            p.join(timeout=0.05)
+    timed_out = any(p.is_alive() for p in procs) and not failed
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+        p.join()
+    while not errors.empty():
+        failed.append(errors.get())
+    if failed:
+        body = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed))
+        raise DistributedTestError(f"{len(failed)} of {world_size} ranks failed:\n{body}")
+    if timed_out:
+        raise DistributedTestError(f"run_distributed timed out after {timeout:.0f}s (world {world_size})")
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise DistributedTestError(f"ranks exited abnormally without a traceback: {bad}")
+    out: dict[int, Any] = {}
+    while not results.empty():
+        r, v = results.get()
+        out[r] = v
+    return [out.get(r) for r in range(world_size)]

@@ -1,0 +1,78 @@
+"""A device-agnostic meter of live tensor storage bytes, for testing memory bounds on CPU.
+
+``LiveBytesMeter`` is a ``TorchDispatchMode``. Every storage that an operator allocates while the
+mode is active is counted from the moment it is created until the moment its last reference dies.
+Views, in-place ops and ``out=`` ops share a storage that already exists and add nothing. Storages
+that existed before the mode was entered are never counted, so a test measures exactly what the
+code under test allocates, as ``torch.cuda.max_memory_allocated`` would minus the inputs, but on
+any device and without the caching allocator's rounding.
+
+Guarantees:
+- ``live`` is the sum of ``nbytes`` of counted storages still alive;
+- ``peak`` is the maximum of ``live`` since entry or the last ``reset_peak()``;
+- ``device`` (optional) restricts counting to storages on that device type, e.g. to ignore
+  pinned host copies when measuring what stays on the compute device.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_iter
+
+__all__ = ["LiveBytesMeter"]
+
+
+def _storages(tree: Any) -> list[torch.UntypedStorage]:
+    out = []
+    for x in tree_iter(tree):
+        if isinstance(x, torch.Tensor):
+            try:
+                out.append(x.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                pass
+    return out
+
+
+class LiveBytesMeter(TorchDispatchMode):
+    """Counts live and peak storage bytes allocated by ops run under it."""
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__()
+        self.device_type = device
+        self.live = 0
+        self.peak = 0
+        self.allocations = 0
+        self._tracked: dict[int, int] = {}
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current live bytes."""
+        self.peak = self.live
+
+    def _release(self, key: int) -> None:
+        nbytes = self._tracked.pop(key, 0)
+        self.live -= nbytes
+
+    def _track(self, st: torch.UntypedStorage) -> None:
+        if self.device_type is not None and st.device.type != self.device_type:
+            return
+        key = st._cdata
+        if key in self._tracked or st.nbytes() == 0:
+            return
+        self._tracked[key] = st.nbytes()
+        self.live += st.nbytes()
+        self.allocations += 1
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._release, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        before = {s._cdata for s in _storages((args, kwargs))}
+        out = func(*args, **kwargs)
+        for st in _storages(out):
+            if st._cdata not in before:
+                self._track(st)
+        return out
