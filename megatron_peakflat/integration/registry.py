@@ -70,8 +70,8 @@ PATCHES: tuple[Patch, ...] = (
           "same, for DistributedOptimizer's rebuild over its shard"),
     Patch("optimizer", "megatron.core.optimizer.cpu_offloading", "HybridDeviceOptimizer", _OPT_FACTORY,
           "same, for the package-level name"),
-    Patch("attention", "megatron.core.models.gpt.gpt_layer_specs", "DotProductAttention",
-          "megatron_peakflat.integration.attention:replace_dot_product_attention",
+    Patch("attention", "megatron.core.models.backends", "LocalSpecProvider.core_attention",
+          "megatron_peakflat.integration.attention:wrap_local_core_attention",
           "local-spec core attention through torch SDPA (no s x s scores)"),
 )
 
