@@ -173,11 +173,12 @@ class ComponentConfig:
                 kw["metavar"] = "N"
             elif tp in (int, float, str):
                 kw["type"] = _or_auto(tp, optional)
+                kw["metavar"] = {int: "INT", float: "FLOAT", str: "STR"}[tp]
             else:
                 raise TypeError(f"{cls.__name__}.{f.name}: unsupported flag type {tp}")
             if optional:
                 help_text += " ('auto' or omitted: chosen at start-up.)"
-            kw["help"] = f"{help_text} (default: {default})"
+            kw["help"] = f"{help_text} (default: {default})".replace("%", "%%")
             group.add_argument(flag_name(cls, f.name), **kw)
 
     @classmethod

@@ -1,0 +1,8 @@
+"""SCO, selective checkpoint offload: full-recompute boundaries kept in a host pool until backward."""
+
+from .api import build_offloader, checkpoint_chunks
+from .offload import BoundaryOffloader
+from .pool import HostPool, HostSlot, TorchHostPool, resolve_budget
+
+__all__ = ["build_offloader", "checkpoint_chunks", "BoundaryOffloader", "HostPool", "HostSlot", "TorchHostPool",
+           "resolve_budget"]

@@ -1,0 +1,23 @@
+// Multi-threaded, vectorised AdamW over flat fp32 host buffers (the host engine of OffloadStreamAdamW).
+#pragma once
+
+#include <torch/extension.h>
+
+namespace peakflat {
+
+// One AdamW step, in place, on contiguous CPU tensors of equal length:
+//   param, exp_avg, exp_avg_sq: float32; grad: float32 or bfloat16;
+//   param_out (optional): float32 or bfloat16, receives the updated param (what is uploaded).
+// The arithmetic is ATen's fused CPU AdamW (decoupled weight decay, lerp for exp_avg, amsgrad off),
+// operation for operation, so results are bitwise equal to torch._fused_adamw_ on the same inputs.
+// `threads` <= 0 means std::thread::hardware_concurrency(). Releases no Python state: the binding
+// drops the GIL around it.
+void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_out, double lr,
+                double beta1, double beta2, double eps, double weight_decay, double step,
+                int64_t threads);
+
+// Which code path adamw_step takes on this CPU: "avx2" or "scalar".
+std::string adamw_isa();
+
+}  // namespace peakflat

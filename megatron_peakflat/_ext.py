@@ -1,0 +1,103 @@
+"""Lazy loader of the compiled extension ``megatron_peakflat._C`` (csrc/).
+
+``load()`` imports the prebuilt module (``python setup.py build_ext --inplace`` or ``pip install``);
+when it is missing and ``PEAKFLAT_JIT=1``, it builds csrc/ with ``torch.utils.cpp_extension.load``
+(C++ only, plus the CUDA parts when torch has CUDA, nvcc is found and a GPU is visible; ``PEAKFLAT_CUDA=0/1``
+forces either way).
+The result, module or None, is cached with the reason, so the attempt happens once per process.
+Nothing here runs at package import: callers (the optimizer's constructor) call ``load()``.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["load", "require", "reason", "ExtensionMissingError"]
+
+log = logging.getLogger("megatron_peakflat")
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_BUILD_HINT = ("build it with `python setup.py build_ext --inplace` (or `pip install -e .`) from the repository root, "
+               "or set PEAKFLAT_JIT=1 to compile csrc/ on first use")
+
+_state: dict[str, object] = {}
+
+
+class ExtensionMissingError(RuntimeError):
+    """A feature needs ``megatron_peakflat._C`` and it could not be loaded."""
+
+
+def _jit_build() -> ModuleType:
+    import torch
+    from torch.utils import cpp_extension
+
+    sources = sorted(glob.glob(str(_CSRC / "*.cpp")))
+    cuda_sources = sorted(glob.glob(str(_CSRC / "*.cu")))
+    # CUDA parts only where they can be used (a visible GPU) unless PEAKFLAT_CUDA=1 forces them.
+    env = os.environ.get("PEAKFLAT_CUDA")
+    want_cuda = env == "1" or (env is None and torch.cuda.is_available())
+    with_cuda = want_cuda and torch.version.cuda is not None and shutil.which("nvcc") is not None
+    flags = ["-O3", "-ffp-contract=off"]
+    defines = []
+    if with_cuda:
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # no device to ask: build for Hopper
+        defines.append("-DPEAKFLAT_WITH_CUDA")
+        sources += cuda_sources
+    return cpp_extension.load(
+        name="megatron_peakflat_C",
+        sources=sources,
+        extra_cflags=flags + defines,
+        extra_cuda_cflags=["-O3"] + defines,
+        with_cuda=with_cuda,
+        verbose=False,
+    )
+
+
+def load() -> ModuleType | None:
+    """The extension module, or None (the reason is logged once and kept in ``reason()``)."""
+    if "module" in _state:
+        return _state["module"]  # type: ignore[return-value]
+    module: ModuleType | None = None
+    why = ""
+    try:
+        module = importlib.import_module("megatron_peakflat._C")
+        why = "prebuilt megatron_peakflat._C"
+    except ImportError as e:
+        why = f"megatron_peakflat._C is not built ({e})"
+        if os.environ.get("PEAKFLAT_JIT") == "1":
+            try:
+                module = _jit_build()
+                why = "JIT-built from csrc/ (PEAKFLAT_JIT=1)"
+            except Exception as je:  # noqa: BLE001 - any build failure means "no extension", with the reason
+                why += f"; JIT build failed: {type(je).__name__}: {je}"
+    _state["module"], _state["reason"] = module, why
+    if module is None:
+        log.info("peakflat: native extension unavailable, using the PyTorch fallbacks: %s", why)
+    else:
+        log.info("peakflat: native extension loaded: %s (cuda=%s)", why, getattr(module, "with_cuda", False))
+    return module
+
+
+def reason() -> str:
+    """Why ``load()`` returned what it returned ('' before the first call)."""
+    return str(_state.get("reason", ""))
+
+
+def require(feature: str) -> ModuleType:
+    """The extension, or ExtensionMissingError naming ``feature`` and how to build it."""
+    module = load()
+    if module is None:
+        raise ExtensionMissingError(f"{feature} needs the native extension megatron_peakflat._C: {reason()}. "
+                                    f"To get it, {_BUILD_HINT}.")
+    return module
+
+
+def _reset_for_tests() -> None:
+    _state.clear()

@@ -1,0 +1,65 @@
+"""PipelinedLLEP, the user-facing call: least-loaded plan + chunked, recomputed dispatch.
+
+    out = llep_moe(x, probs, routing_map, bank, group, cfg)
+
+``x`` [T, H] rows of this rank, ``probs`` [T, E] dense router probabilities (gradients flow to the
+routed entries), ``routing_map`` [T, E] bool, ``bank`` this rank's experts (an ExpertBank), ``group``
+the expert-parallel process group (None: one rank), ``cfg`` a DispatchConfig.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import stats
+from .config import DispatchConfig
+from .experts import ExpertBank
+from .pipelined import pipelined_moe
+from .schedule import Schedule, build_schedule
+
+__all__ = ["llep_moe", "plan_layer", "working_set_bound"]
+
+
+def plan_layer(routing_map: torch.Tensor, bank: ExpertBank, group: dist.ProcessGroup | None,
+               cfg: DispatchConfig, *, num_chunks: int | None = None) -> Schedule:
+    """The schedule of one layer call (one device-to-host sync); ``num_chunks`` forces K."""
+    if num_chunks is not None and num_chunks < 1:
+        raise ValueError(f"num_chunks={num_chunks}: must be at least 1")
+    sched = build_schedule(routing_map, num_local_experts=bank.num_local_experts, group=group,
+                           chunk_cap=cfg.chunk_cap, max_chunks=cfg.max_chunks, alpha=cfg.alpha,
+                           min_spill=cfg.min_spill, imbalance_threshold=cfg.imbalance_threshold,
+                           num_chunks=num_chunks)
+    stats.record("dispatch", "chunks", sched.K)
+    stats.peak("dispatch", "max_chunks_seen", sched.K)
+    stats.record("dispatch", "imbalance", round(sched.plan.imbalance, 3))
+    stats.add("dispatch", "calls", 1)
+    stats.add("dispatch", "rebalanced_calls", int(sched.plan.rebalanced))
+    stats.add("dispatch", "spilled_experts", len(sched.plan.helpers(bank.num_local_experts)))
+    stats.peak("dispatch", "max_chunk_rows", sched.max_chunk_rows())
+    return sched
+
+
+def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, bank: ExpertBank,
+             group: dist.ProcessGroup | None, cfg: DispatchConfig, *, num_chunks: int | None = None) -> torch.Tensor:
+    """MoE output [T, H]: exact (up to summation order) against an unchunked MoE on the same weights."""
+    if x.dim() != 2 or probs.shape != routing_map.shape or probs.shape[0] != x.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)}, probs {tuple(probs.shape)}, routing_map {tuple(routing_map.shape)}: "
+                         "expected x [T, H] and probs, routing_map [T, E]")
+    sched = plan_layer(routing_map, bank, group, cfg, num_chunks=num_chunks)
+    return pipelined_moe(x, probs, sched, bank, group)
+
+
+def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: int, chunk_rows: int,
+                      expert_param_bytes: int, dtype_bytes: int, glu: bool = True) -> int:
+    """Bytes PipelinedLLEP allocates in one forward+backward of one layer, at most.
+
+    Terms: the output and the input gradient ([T, H] each), the probs gradient ([T, E] fp32), the
+    routing metadata (a few int64 per pair, at most E per token), the local experts' weight
+    gradients, and one chunk's working set: ``chunk_rows`` rows (at most P * (c + k) per chunk) times
+    the dispatch, combine and expert activation rows. Only the first three grow with T.
+    """
+    f1 = ffn * (2 if glu else 1)
+    per_row = dtype_bytes * (12 * hidden + 3 * f1 + 4 * ffn) + 64
+    per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8
+    return num_tokens * per_token + 2 * expert_param_bytes + chunk_rows * per_row

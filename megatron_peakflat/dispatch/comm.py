@@ -1,0 +1,54 @@
+"""Collectives of the dispatch, for any backend (NCCL on GPU, gloo on CPU) and for a group of one.
+
+Every rank of the EP group calls these in the same order (the schedule is derived from the same
+all-gathered counts on every rank), so no send/recv pairing can deadlock, in forward, in the
+backward recompute, or under pipeline schedules.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["group_size", "group_rank", "all_to_all", "all_gather_rows", "all_reduce_max"]
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+               group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Rows ``x[send offsets of r]`` go to rank r; returns the rows received, ordered by source rank."""
+    if group_size(group) == 1:
+        return x
+    out = x.new_empty((int(sum(recv_splits)), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), [int(s) for s in recv_splits], [int(s) for s in send_splits],
+                           group=group)
+    return out
+
+
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[P, *x.shape]: every rank's ``x``, in group-rank order."""
+    P = group_size(group)
+    if P == 1:
+        return x.unsqueeze(0)
+    out = x.new_empty(P * x.numel())
+    dist.all_gather_into_tensor(out, x.contiguous().reshape(-1), group=group)
+    return out.view(P, *x.shape)
+
+
+def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x

@@ -1,0 +1,94 @@
+"""What PipelinedLLEP needs from an expert implementation, and how weights move between ranks.
+
+An ``ExpertBank`` holds a rank's local experts. PipelinedLLEP calls ``compute`` on one chunk's rows
+grouped by expert, with either the bank's own experts or weights received from another rank (a
+spilled expert). All experts of a bank have the same parameter shapes, so one expert's weights
+travel as one flat vector.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .schedule import Schedule
+
+__all__ = ["ExpertBank", "flatten_weights", "unflatten_weights", "exchange_weights", "return_weight_grads"]
+
+
+class ExpertBank(Protocol):
+    num_local_experts: int
+
+    def expert_params(self, local: int) -> list[torch.Tensor]:
+        """The parameters of local expert ``local``, in a fixed order shared by every expert."""
+        ...
+
+    def compute(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: Sequence[int],
+                local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]) -> torch.Tensor:
+        """Rows of ``x`` grouped by expert -> expert outputs (probs applied as the bank's MLP does).
+
+        Segment i has ``tokens_per_expert[i]`` rows; it runs the bank's own expert ``local[i]`` when that
+        is not None, else an expert of the same shape with parameters ``weights[i]``.
+        """
+        ...
+
+
+def flatten_weights(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def unflatten_weights(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, o = [], 0
+    for p in like:
+        out.append(flat[o:o + p.numel()].view(p.shape))
+        o += p.numel()
+    return out
+
+
+def _numel(bank: ExpertBank) -> int:
+    return sum(p.numel() for p in bank.expert_params(0))
+
+
+def exchange_weights(sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup | None) -> dict[int, torch.Tensor]:
+    """Owners send the weights of spilled experts to their helpers; returns expert -> flat weights here.
+
+    One all-to-all on every rank of the group, or none at all when the plan spills nothing (every
+    rank knows the same plan, so every rank skips it together).
+    """
+    if not sched.moves_weights:
+        return {}
+    like = bank.expert_params(0)
+    W, e_p, P = _numel(bank), sched.num_local_experts, sched.ep
+    base = sched.rank * e_p
+    send = [flatten_weights(bank.expert_params(e - base)) for _, e in sched.weight_sends]
+    send_buf = torch.cat(send) if send else like[0].new_empty(0)
+    send_splits = [W * sum(1 for r, _ in sched.weight_sends if r == d) for d in range(P)]
+    recv_splits = [W * sum(1 for s, _ in sched.weight_recvs if s == d) for d in range(P)]
+    recv = comm.all_to_all(send_buf, send_splits, recv_splits, group)
+    return {e: recv[i * W:(i + 1) * W] for i, (_, e) in enumerate(sched.weight_recvs)}
+
+
+def return_weight_grads(sched: Schedule, grads: dict[int, torch.Tensor], bank: ExpertBank,
+                        group: dist.ProcessGroup | None) -> dict[int, torch.Tensor]:
+    """Helpers send the gradients of spilled experts' weights back; returns expert -> summed flat grad at the owner.
+
+    The reverse of ``exchange_weights``: same pairs, opposite direction. Each helper's contribution is
+    returned separately and summed at the owner, so nothing is lost or double counted.
+    """
+    if not sched.moves_weights:
+        return {}
+    like = bank.expert_params(0)
+    W, P = _numel(bank), sched.ep
+    send = [grads[e] if e in grads else like[0].new_zeros(W) for _, e in sched.weight_recvs]
+    send_buf = torch.cat(send) if send else like[0].new_empty(0)
+    send_splits = [W * sum(1 for s, _ in sched.weight_recvs if s == d) for d in range(P)]
+    recv_splits = [W * sum(1 for r, _ in sched.weight_sends if r == d) for d in range(P)]
+    recv = comm.all_to_all(send_buf, send_splits, recv_splits, group)
+    out: dict[int, torch.Tensor] = {}
+    for i, (_, e) in enumerate(sched.weight_sends):
+        g = recv[i * W:(i + 1) * W]
+        out[e] = out[e] + g if e in out else g
+    return out

@@ -1,0 +1,171 @@
+"""Chunked dispatch -> experts -> combine, as one autograd Function recomputed chunk by chunk.
+
+Forward runs the K chunks one after another (dispatch all-to-all, experts, combine all-to-all,
+accumulate into the output) under no_grad and keeps only the routing metadata. Backward runs the
+chunks again: it re-dispatches the chunk's rows and output gradients, recomputes the experts with
+grad, backpropagates, and sends the row and prob gradients home. So only one chunk's expert
+activations are ever alive, in forward and in backward.
+
+Exactness: every token-expert pair is computed by the same expert math on the same weights as an
+unchunked MoE; only the summation order of a token's k expert outputs (and of each expert's weight
+gradient over chunks) changes. Gradients of spilled experts' weights are computed on the helper
+and added at the owner.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .experts import ExpertBank, exchange_weights, flatten_weights, return_weight_grads, unflatten_weights
+from .schedule import Schedule
+
+__all__ = ["pipelined_moe"]
+
+
+def _segments(sched: Schedule, bank: ExpertBank, foreign: dict[int, torch.Tensor]
+              ) -> tuple[list[int | None], list[list[torch.Tensor] | None]]:
+    like = bank.expert_params(0)
+    base = sched.rank * sched.num_local_experts
+    local: list[int | None] = []
+    weights: list[list[torch.Tensor] | None] = []
+    for e in sched.compute_experts:
+        if base <= e < base + sched.num_local_experts:
+            local.append(e - base)
+            weights.append(None)
+        else:
+            local.append(None)
+            weights.append(unflatten_weights(foreign[e], like))
+    return local, weights
+
+
+def _dispatch(sched: Schedule, j: int, rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    out = comm.all_to_all(rows, sched.send_splits[j], sched.recv_splits[j], group)
+    idx = sched.regroup[j]
+    return out if idx is None else out.index_select(0, idx)
+
+
+def _combine(sched: Schedule, j: int, rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    idx = sched.regroup[j]
+    if idx is not None:
+        rows = torch.empty_like(rows).index_copy_(0, idx, rows)
+    return comm.all_to_all(rows, sched.recv_splits[j], sched.send_splits[j], group)
+
+
+class _PipelinedMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
+                group: dist.ProcessGroup | None, *params: torch.Tensor) -> torch.Tensor:
+        foreign = exchange_weights(sched, bank, group)
+        local, weights = _segments(sched, bank, foreign)
+        out = torch.zeros_like(x)
+        with torch.no_grad():
+            for j in range(sched.K):
+                a, b = sched.chunk_offsets[j], sched.chunk_offsets[j + 1]
+                tok, exp = sched.pair_token[a:b], sched.pair_expert[a:b]
+                xr = _dispatch(sched, j, x.index_select(0, tok), group)
+                pr = _dispatch(sched, j, probs[tok, exp], group)
+                y = bank.compute(xr, pr, sched.tokens_per_expert[j], local, weights)
+                del xr, pr
+                out.index_add_(0, tok, _combine(sched, j, y, group))
+                del y
+        del foreign, weights
+        ctx.sched, ctx.bank, ctx.group, ctx.n_params = sched, bank, group, len(params)
+        ctx.save_for_backward(x, probs)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        sched: Schedule = ctx.sched
+        bank: ExpertBank = ctx.bank
+        group = ctx.group
+        x, probs = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        foreign = exchange_weights(sched, bank, group)
+        foreign = {e: w.detach().requires_grad_(True) for e, w in foreign.items()}
+        local, weights = _segments(sched, bank, foreign)
+        like = bank.expert_params(0)
+        gx = torch.zeros_like(x)
+        gp = torch.zeros_like(probs)
+        wgrad: dict[int, list[torch.Tensor | None]] = {}  # compute-expert position -> grads
+        for j in range(sched.K):
+            a, b = sched.chunk_offsets[j], sched.chunk_offsets[j + 1]
+            tok, exp = sched.pair_token[a:b], sched.pair_expert[a:b]
+            H = x.shape[1]
+            both = _dispatch(sched, j, torch.cat([x.index_select(0, tok), grad_out.index_select(0, tok)], 1), group)
+            xr, gr = both[:, :H].detach().requires_grad_(True), both[:, H:]
+            del both
+            pr = _dispatch(sched, j, probs[tok, exp], group).detach().requires_grad_(True)
+            tpe = sched.tokens_per_expert[j]
+            wins: list[torch.Tensor] = []
+            where: list[tuple[int, int]] = []  # (compute-expert position, param index) of each wins entry
+            for i, n in enumerate(tpe):
+                if n == 0:
+                    continue
+                ps = bank.expert_params(local[i]) if local[i] is not None else weights[i]
+                for k, p in enumerate(ps):
+                    if p.requires_grad:
+                        wins.append(p)
+                        where.append((i, k))
+            with torch.enable_grad():
+                y = bank.compute(xr, pr, tpe, local, weights)
+            grads = torch.autograd.grad(y, [xr, pr, *wins], gr, allow_unused=True)
+            del y, gr
+            dx, dp = grads[0], grads[1]
+            if dx is not None:
+                gx.index_add_(0, tok, _combine(sched, j, dx, group))
+            if dp is not None:
+                gp.index_put_((tok, exp), _combine(sched, j, dp, group), accumulate=True)
+            for (i, k), g in zip(where, grads[2:]):
+                if g is None:
+                    continue
+                slot = wgrad.setdefault(i, [None] * len(like))
+                slot[k] = g if slot[k] is None else slot[k].add_(g)
+            del grads, xr, pr
+        base = sched.rank * sched.num_local_experts
+        out_grads: list[torch.Tensor | None] = [None] * ctx.n_params
+        m = len(like)
+        foreign_grads: dict[int, torch.Tensor] = {}
+        for i, e in enumerate(sched.compute_experts):
+            g = wgrad.get(i)
+            if local[i] is not None:
+                if g is not None:
+                    for k in range(m):
+                        out_grads[local[i] * m + k] = g[k]
+            elif g is not None:
+                foreign_grads[e] = flatten_weights([gk if gk is not None else torch.zeros_like(w)
+                                                    for gk, w in zip(g, weights[i])])
+        del foreign, weights
+        back = return_weight_grads(sched, foreign_grads, bank, group)
+        for e, flat in back.items():
+            li = e - base
+            for k, g in enumerate(unflatten_weights(flat, like)):
+                cur = out_grads[li * m + k]
+                out_grads[li * m + k] = g.clone() if cur is None else cur.add_(g)
+        for idx, needed in enumerate(ctx.needs_input_grad[5:]):
+            if not needed:
+                out_grads[idx] = None
+            elif out_grads[idx] is None:  # an expert without rows: zero, as Megatron's SequentialMLP gives
+                p = bank.expert_params(idx // m)[idx % m]
+                out_grads[idx] = torch.zeros_like(p)
+        return (gx if ctx.needs_input_grad[0] else None, gp if ctx.needs_input_grad[1] else None,
+                None, None, None, *out_grads)
+
+
+def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
+                  group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The MoE output [T, H] for rows ``x`` [T, H] with dense ``probs`` [T, E], under schedule ``sched``.
+
+    Gradients flow to ``x``, ``probs`` (at routed entries) and every local expert parameter of ``bank``.
+    """
+    params: list[torch.Tensor] = []
+    for i in range(bank.num_local_experts):
+        params.extend(bank.expert_params(i))
+    return _PipelinedMoE.apply(x, probs, sched, bank, group, *params)
+
+
+def expert_params_flat(bank: ExpertBank) -> Sequence[torch.Tensor]:
+    return [p for i in range(bank.num_local_experts) for p in bank.expert_params(i)]

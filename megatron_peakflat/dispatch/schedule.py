@@ -1,0 +1,153 @@
+"""The per-layer schedule of PipelinedLLEP: chunk count, plan, and every split size and index.
+
+``build_schedule`` costs two tiny collectives (an all-reduce of the chunk count and an all-gather of
+the per-chunk expert counts) and exactly one device-to-host copy. Everything else is host arithmetic
+on [P, K, E] integers and a few uploads. Forward and backward reuse the same schedule, so the
+backward recompute issues no synchronisation and exchanges exactly what the forward exchanged.
+
+Guarantees:
+- ``K`` is identical on every rank of the group (max over the group), ``1 <= K <= max_chunks``, and
+  when K is not clamped, no source puts more than ``chunk_cap`` token-expert pairs into one chunk;
+- chunk membership is strided: token i belongs to chunk ``i mod K``;
+- every local token-expert pair appears in exactly one chunk's send list, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .plan import Plan, chunk_routes, least_loaded_plan
+
+__all__ = ["Schedule", "build_schedule", "chunk_count"]
+
+
+@dataclass
+class Schedule:
+    K: int
+    plan: Plan
+    ep: int
+    rank: int
+    num_local_experts: int
+    pair_token: torch.Tensor
+    """[n] long: token of each local pair, ordered by (chunk, destination rank, expert, token)."""
+    pair_expert: torch.Tensor
+    """[n] long: global expert of each local pair, same order."""
+    chunk_offsets: list[int]
+    """[K + 1]: the pairs of chunk j are ``pair_*[chunk_offsets[j]:chunk_offsets[j + 1]]``."""
+    send_splits: list[list[int]]
+    """[K][P]: pairs this rank sends to each rank in chunk j."""
+    recv_splits: list[list[int]]
+    """[K][P]: pairs this rank receives from each rank in chunk j."""
+    regroup: list[torch.Tensor | None]
+    """[K]: index turning received rows (source, expert, token) into (expert, source, token); None: identity."""
+    compute_experts: list[int]
+    """Global ids of the experts this rank computes for (its own and any spilled to it), ascending."""
+    tokens_per_expert: list[list[int]]
+    """[K][len(compute_experts)]: rows per compute expert in chunk j, after regrouping."""
+    weight_sends: list[tuple[int, int]] = field(default_factory=list)
+    """(destination rank, expert) for each expert whose weights this rank sends, by (rank, expert)."""
+    weight_recvs: list[tuple[int, int]] = field(default_factory=list)
+    """(owner rank, expert) for each foreign expert this rank receives, by (rank, expert)."""
+
+    @property
+    def moves_weights(self) -> bool:
+        return bool(self.plan.helpers(self.num_local_experts))
+
+    def max_chunk_rows(self) -> int:
+        """The most rows this rank receives in any chunk (the expert working set of one chunk)."""
+        return max((sum(r) for r in self.recv_splits), default=0)
+
+
+def chunk_count(num_tokens: int, max_pairs_per_token: int, chunk_cap: int, max_chunks: int) -> int:
+    """K on one rank: enough chunks that ``ceil(T / K) * k <= chunk_cap``, at most ``max_chunks``."""
+    tokens_per_chunk = max(1, chunk_cap // max(1, max_pairs_per_token))
+    return int(min(max_chunks, max(1, -(-num_tokens // tokens_per_chunk))))
+
+
+def _nonzero(mask: torch.Tensor, n: int) -> torch.Tensor:
+    try:
+        return torch.nonzero_static(mask, size=n)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return mask.nonzero()
+
+
+def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup | None,
+                   chunk_cap: int, max_chunks: int, alpha: float, min_spill: int,
+                   imbalance_threshold: float, num_chunks: int | None = None) -> Schedule:
+    """Plan one MoE layer call. ``routing_map`` [T, E] bool. ``num_chunks`` forces K (tests, peers)."""
+    T, E = routing_map.shape
+    dev = routing_map.device
+    P, me = comm.group_size(group), comm.group_rank(group)
+    if E != P * num_local_experts:
+        raise ValueError(f"routing_map has {E} experts but the EP group holds {P} x {num_local_experts}")
+    if num_chunks is not None:
+        K_dev = torch.tensor(int(num_chunks), device=dev, dtype=torch.int64)
+        kmax_cap = int(num_chunks)
+    else:
+        kmax = routing_map.sum(1).max().clamp(min=1) if T > 0 else torch.ones((), device=dev, dtype=torch.int64)
+        per_chunk = (chunk_cap // kmax).clamp(min=1)
+        K_dev = ((T + per_chunk - 1) // per_chunk).clamp(1, max_chunks).to(torch.int64)
+        kmax_cap = max_chunks
+    K_dev = comm.all_reduce_max(K_dev.reshape(1).clone(), group)
+    cid = torch.arange(T, device=dev) % K_dev
+    counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
+    counts.index_add_(0, cid, routing_map.to(torch.int64))
+    payload = torch.cat([counts.reshape(-1), K_dev.reshape(1)])
+    host = comm.all_gather_rows(payload, group).cpu().numpy()  # the one device-to-host sync
+    K = int(host[0, -1])
+    cnt = host[:, :-1].reshape(P, kmax_cap, E)[:, :K, :]  # [P, K, E]
+    plan = least_loaded_plan(cnt.sum((0, 1)), P, alpha=alpha, min_spill=min_spill,
+                             imbalance_threshold=imbalance_threshold)
+    routes = chunk_routes(cnt, plan.assign)  # [K, P_src, E, P_dst]
+
+    # Local pairs ordered by (chunk, expert, token), then stably by (chunk, destination).
+    mine = cnt[me]  # [K, E]
+    n = int(mine.sum())
+    nz = _nonzero(routing_map, n)
+    tok, exp = nz[:, 0], nz[:, 1]
+    j = tok % K
+    key = j * E + exp
+    order = torch.sort(key, stable=True).indices
+    tok, exp, key = tok[order], exp[order], key[order]
+    if P > 1:
+        grp_start = np.cumsum(mine.reshape(-1)) - mine.reshape(-1)  # [K*E], start of each (j, e) group
+        off = (np.cumsum(cnt, axis=0) - cnt)[me].reshape(-1)  # [K*E], offset of my pairs among sources
+        bounds = np.cumsum(routes.sum(1), axis=2).reshape(K * E, P)  # [K*E, P]: end of each rank's range
+        up = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64).to(dev)  # noqa: E731
+        pos = torch.arange(n, device=dev) - up(grp_start)[key] + up(off)[key]
+        dest = (pos.unsqueeze(1) >= up(bounds)[key]).sum(1)
+        order = torch.sort(key // E * P + dest, stable=True).indices
+        tok, exp = tok[order], exp[order]
+    chunk_sizes = mine.sum(1)
+    chunk_offsets = [0, *np.cumsum(chunk_sizes).tolist()]
+
+    owner = np.arange(E) // num_local_experts
+    compute = sorted(set(range(me * num_local_experts, (me + 1) * num_local_experts))
+                     | {int(e) for e in np.nonzero(plan.assign[:, me])[0]})
+    recv = routes[:, :, :, me]  # [K, P_src, E]
+    send_splits = routes[:, me, :, :].sum(1).tolist()  # [K][P]
+    recv_splits = recv.sum(2).tolist()
+    regroup: list[torch.Tensor | None] = []
+    tpe = []
+    for jj in range(K):
+        blocks = recv[jj][:, compute]  # [P, C]
+        tpe.append(blocks.sum(0).tolist())
+        if P == 1:
+            regroup.append(None)
+            continue
+        sizes = blocks.reshape(-1)
+        starts = (np.cumsum(sizes) - sizes).reshape(P, len(compute))
+        sz_t, st_t = blocks.T.reshape(-1), starts.T.reshape(-1)
+        total = int(sz_t.sum())
+        idx = np.repeat(st_t - (np.cumsum(sz_t) - sz_t), sz_t) + np.arange(total)
+        regroup.append(torch.as_tensor(idx, dtype=torch.int64).to(dev))
+    helpers = plan.helpers(num_local_experts)
+    sends = sorted((r, e) for e, r in helpers if owner[e] == me)
+    recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
+    return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, send_splits, recv_splits,
+                    regroup, compute, tpe, sends, recvs)

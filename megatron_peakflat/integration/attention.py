@@ -1,0 +1,121 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention`` for Megatron's local spec.
+
+Without Transformer Engine, Megatron's local spec builds ``DotProductAttention``, which materialises
+the [b, heads, s, s] scores and their softmax: at 128K tokens that alone is hundreds of GiB, so long
+context is out of reach before any of the four peaks matters. ``SDPAttention`` keeps
+DotProductAttention's constructor, parameters and checkpoint layout and replaces only its forward:
+
+- causal with no explicit mask -> ``is_causal=True`` (flash / memory-efficient kernels, O(s) memory);
+- an explicit bool mask (True = masked out) -> the same additive -10000 fill that Megatron's
+  ``attention_mask_func`` applies, so fully masked rows behave as in Megatron;
+- configurations it does not cover (packed sequences, sliding windows, non-vanilla softmax) hand
+  back to DotProductAttention's own forward, logged once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("megatron_peakflat")
+
+__all__ = ["transformer_engine_available", "wrap_local_core_attention", "sdpa_core_attention_class"]
+
+_MASK_FILL = -10000.0
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine can be imported (its own attention is then left in place)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+_CLASS: Any = None
+
+
+def sdpa_core_attention_class() -> type:
+    """Build (once) the DotProductAttention subclass whose forward runs torch SDPA."""
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    class SDPAttention(DotProductAttention):
+        """DotProductAttention with a torch-SDPA forward; same parameters, same results."""
+
+        _handed_back = False
+
+        def _unsupported(self, packed_seq_params: Any, attention_bias: Any) -> str | None:
+            if packed_seq_params is not None:
+                return "packed sequences"
+            if attention_bias is not None:
+                return "attention bias"
+            if self.config.softmax_type != "vanilla":
+                return f"softmax_type={self.config.softmax_type}"
+            if is_layer_window_attention(self.config.window_size, self.config.window_attn_skip_freq, self.layer_number):
+                return "sliding-window attention"
+            return None
+
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: Optional[torch.Tensor],
+            attn_mask_type: Optional[Any] = None,
+            attention_bias: Optional[torch.Tensor] = None,
+            packed_seq_params: Optional[Any] = None,
+        ) -> torch.Tensor:
+            reason = self._unsupported(packed_seq_params, attention_bias)
+            if reason is not None:
+                if not SDPAttention._handed_back:
+                    SDPAttention._handed_back = True
+                    log.warning("peakflat: sdpa attention hands %s back to Megatron's DotProductAttention", reason)
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params)
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            sq, b, np_, hn = query.shape
+            q = query.permute(1, 2, 0, 3)
+            k = key.permute(1, 2, 0, 3)
+            v = value.permute(1, 2, 0, 3)
+            groups = np_ // k.shape[1]
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            scale = self.softmax_scale
+            if self.config.apply_query_key_layer_scaling:
+                scale = scale * self.layer_number
+            mask = None
+            is_causal = False
+            if attention_mask is None:
+                is_causal = mask_type == AttnMaskType.causal
+            else:
+                mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
+                mask.masked_fill_(attention_mask.to(torch.bool), _MASK_FILL)
+            p = self.attention_dropout.p if self.training else 0.0
+            if p > 0.0 and not self.config.sequence_parallel:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                         is_causal=is_causal, scale=scale)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                     is_causal=is_causal, scale=scale)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+    _CLASS = SDPAttention
+    return _CLASS
+
+
+def wrap_local_core_attention(original: Callable[[Any], type]) -> Callable[[Any], type]:
+    """Replacement for ``LocalSpecProvider.core_attention``: returns SDPAttention."""
+
+    def core_attention(self: Any) -> type:
+        return sdpa_core_attention_class()
+
+    return core_attention

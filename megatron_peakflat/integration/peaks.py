@@ -1,0 +1,134 @@
+"""Runtime peak report (``--peakflat-report-peaks``): measured peak of each component beside the planner's.
+
+The lead's pretrain loop calls, once after ``megatron_peakflat.apply``::
+
+    peaks.setup(args)                       # turns memory.meter on when --peakflat-report-peaks
+
+and every log interval::
+
+    peaks.report(iteration, args, writer=tb_writer, wandb_writer=wandb_writer)
+
+Components measure their region with ``memory.meter.component_region(name)``, ``name`` one of
+``dispatch``, ``vocab``, ``boundaries`` (SCO; ``sco`` is accepted too) and ``optimizer``. The
+prediction per component is the planner's peakflat row when the component is on and its baseline
+row when it is off, for this rank's pipeline stage, from Megatron's parsed args.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..memory import meter
+from ..memory.model import GIB, Plan, RunConfig, plan
+from .. import stats
+
+__all__ = ["setup", "report", "prediction"]
+
+log = logging.getLogger("megatron_peakflat")
+
+_ALIASES = {"sco": "boundaries", "recompute": "boundaries"}
+_ROW_OF_COMPONENT = {"dispatch": "dispatch", "vocab": "vocab", "boundaries": "sco", "optimizer": "optimizer"}
+_cache: dict[str, Any] = {}
+
+
+def _config(args: Any):  # noqa: ANN202
+    from . import state
+
+    cfg = state.get()
+    if cfg is None:
+        from ..config import PeakflatConfig
+
+        cfg = PeakflatConfig.from_args(args, validate=False)
+    return cfg
+
+
+def setup(args: Any) -> bool:
+    """Turn the per-component meter on when ``--peakflat-report-peaks`` is given; returns whether it is."""
+    on = bool(_config(args).general.report_peaks)
+    meter.enable(on)
+    _cache.clear()
+    meter.reset()
+    if on:
+        log.info("peakflat: reporting each component's measured peak beside the planner's every log interval")
+    return on
+
+
+def _hbm_bytes() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    except Exception:  # noqa: BLE001
+        pass
+    return 80 * GIB
+
+
+def prediction(args: Any) -> tuple[Plan, str]:
+    """The planner's plan for this run (cached) and this rank's stage name ('only', 'first', 'last')."""
+    if "plan" not in _cache:
+        from ..memory.cli import local_host_gib
+        from ..memory.megatron_args import run_fields_from_namespace, shape_from_namespace
+
+        shape = shape_from_namespace(args)
+        fields = run_fields_from_namespace(args)
+        fields.setdefault("seq_len", getattr(args, "seq_length", 4096))
+        tp, pp, cp = fields.get("tp", 1), fields.get("pp", 1), fields.get("cp", 1)
+        world = getattr(args, "world_size", None) or tp * pp * cp
+        fields["dp"] = getattr(args, "data_parallel_size", None) or max(1, world // (tp * pp * cp))
+        fields["hbm_bytes"] = _hbm_bytes()
+        fields["host_bytes_per_node"] = int((local_host_gib() or 1024) * GIB)
+        fields["gpus_per_node"] = int(__import__("os").environ.get("LOCAL_WORLD_SIZE", 8))
+        run = RunConfig(**fields)
+        _cache["plan"] = plan(shape, run, _config(args))
+        _cache["stage"] = _stage_name(run)
+    return _cache["plan"], _cache["stage"]
+
+
+def _stage_name(run: RunConfig) -> str:
+    if run.pp == 1:
+        return "only"
+    try:
+        from megatron.core import parallel_state
+
+        return "first" if parallel_state.get_pipeline_model_parallel_rank() < run.pp - 1 else "last"
+    except Exception:  # noqa: BLE001
+        return "last"
+
+
+def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = None) -> dict[str, dict[str, float]] | None:
+    """Log measured vs predicted GiB per component, write them to tensorboard/wandb, start a new interval.
+
+    Returns ``{component: {"measured_gib", "predicted_gib"}}`` (plus ``total``), or None when the report is off.
+    """
+    if not meter.enabled():
+        return None
+    pl, stage_name = prediction(args)
+    st = next((s for s in pl.stages if s.stage == stage_name), pl.stages[-1])
+    cfg = _config(args)
+    on = cfg.enabled
+    out: dict[str, dict[str, float]] = {}
+    for name, peak in meter.measured().items():
+        comp = _ALIASES.get(name, name)
+        row = st.rows.get(comp)
+        predicted = None
+        if row is not None:
+            predicted = row.peakflat if on.get(_ROW_OF_COMPONENT.get(comp, ""), False) else row.baseline
+        out[comp] = {"measured_gib": peak.delta / GIB, "predicted_gib": (predicted or 0.0) / GIB,
+                     "absolute_gib": peak.absolute / GIB, "calls": float(peak.calls)}
+    which = "peakflat" if any(on.values()) else "baseline"
+    out["total"] = {"measured_gib": meter.process_peak() / GIB, "predicted_gib": st.total(which) / GIB}
+    parts = [f"{k} {v['measured_gib']:.2f}/{v['predicted_gib']:.2f}" for k, v in out.items()]
+    log.info("peakflat peaks iter %d (%s stage), GiB measured/predicted: %s", iteration, st.stage, ", ".join(parts))
+    for k, v in out.items():
+        stats.record("peaks", f"{k}_measured_gib", v["measured_gib"])
+        stats.record("peaks", f"{k}_predicted_gib", v["predicted_gib"])
+        if writer is not None:
+            writer.add_scalar(f"peakflat/peak_{k}_measured_gib", v["measured_gib"], iteration)
+            writer.add_scalar(f"peakflat/peak_{k}_predicted_gib", v["predicted_gib"], iteration)
+    if wandb_writer is not None:
+        wandb_writer.log({f"peakflat/peak_{k}_{m}": v[m] for k, v in out.items()
+                          for m in ("measured_gib", "predicted_gib")}, iteration)
+    meter.reset()
+    return out

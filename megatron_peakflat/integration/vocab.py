@@ -1,0 +1,142 @@
+"""Ring-DTP in Megatron: ``GPTModel.forward`` gets an ``output_processor`` that returns the per-token loss.
+
+The ring group is the output layer's tensor-parallel group; its vocab-parallel weight shard (or the
+shared embedding passed as ``output_weight``) is the ring's shard. With sequence parallelism each
+rank already holds its s/TP slice of the sequence. Without it the hidden states are replicated, so
+each rank takes a 1/TP slice of the tokens, and the per-token losses are all-gathered (their
+gradient is replicated, so backward keeps the local slice), while dX slices are all-gathered in
+backward (Megatron all-reduces the replicated input's gradient; the slices here are already complete
+over the vocabulary). TP=1 runs the single-device fused path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..vocab.api import ring_linear_cross_entropy
+from . import state
+
+__all__ = ["wrap_gpt_forward", "ring_output_processor"]
+
+log = logging.getLogger("megatron_peakflat")
+_said: set[str] = set()
+
+
+def _say_once(msg: str, *args: Any) -> None:
+    key = msg % args
+    if key not in _said:
+        _said.add(key)
+        log.info(key)
+
+
+def _bounds(total: int, parts: int) -> list[int]:
+    """Start offsets (parts + 1 of them) of a near-even split of ``total`` rows."""
+    return [total * i // parts for i in range(parts + 1)]
+
+
+def _gather_rows(t: torch.Tensor, bounds: list[int], group: Any) -> torch.Tensor:
+    """All-gather row slices of possibly different lengths (padded to the longest for the collective)."""
+    P = len(bounds) - 1
+    longest = max(bounds[i + 1] - bounds[i] for i in range(P))
+    pad = t.new_zeros((longest, *t.shape[1:]))
+    pad[: t.shape[0]] = t
+    parts = [torch.empty_like(pad) for _ in range(P)]
+    dist.all_gather(parts, pad, group=group)
+    return torch.cat([p[: bounds[i + 1] - bounds[i]] for i, p in enumerate(parts)])
+
+
+class _GatherRowsKeepGrad(torch.autograd.Function):
+    """Forward: all-gather row slices. Backward: this rank's slice of a replicated gradient."""
+
+    @staticmethod
+    def forward(ctx, t, bounds, rank, group):
+        ctx.lo, ctx.hi = bounds[rank], bounds[rank + 1]
+        return _gather_rows(t, bounds, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.lo:ctx.hi].contiguous(), None, None, None
+
+
+class _SliceRowsGatherGrad(torch.autograd.Function):
+    """Forward: this rank's rows of a replicated tensor. Backward: all-gather the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, t, bounds, rank, group):
+        ctx.bounds, ctx.group = bounds, group
+        return t[bounds[rank]:bounds[rank + 1]].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_rows(g.contiguous(), ctx.bounds, ctx.group), None, None, None
+
+
+def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: torch.Tensor | None,
+                          labels: torch.Tensor, **_: Any) -> torch.Tensor:
+    """Megatron ``output_processor``: per-token loss [b, s] with Ring-DTP; never builds the logits."""
+    cfg = state.current().vocab
+    weight = output_weight if output_weight is not None else output_layer.weight
+    group = output_layer.tp_group
+    tp = dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
+    s_local, b, h = hidden_states.shape
+    labels_sb = labels.transpose(0, 1)  # [s, b]
+    common = dict(schedule=cfg.schedule, block_size=cfg.block_size, kernel=cfg.kernel, check_labels=cfg.check_labels)
+    if tp == 1:
+        loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, labels_sb.reshape(-1), None, **common)
+        return loss.view(s_local, b).transpose(0, 1).contiguous()
+    rank = dist.get_rank(group)
+    if output_layer.sequence_parallel:
+        lo = rank * s_local
+        lab = labels_sb[lo:lo + s_local].reshape(-1)
+        loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, lab, group, **common)
+        full = _GatherRowsKeepGrad.apply(loss.view(s_local, b), _bounds(labels_sb.shape[0], tp), rank, group)
+        return full.transpose(0, 1).contiguous()
+    tokens = hidden_states.reshape(-1, h)
+    bounds = _bounds(tokens.shape[0], tp)
+    mine = _SliceRowsGatherGrad.apply(tokens, bounds, rank, group)
+    lab = labels_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]]
+    loss = ring_linear_cross_entropy(mine, weight, lab, group, **common)
+    full = _GatherRowsKeepGrad.apply(loss, bounds, rank, group)
+    return full.view(s_local, b).transpose(0, 1).contiguous()
+
+
+def _hand_back_reason(model: Any, kwargs: dict[str, Any]) -> str | None:
+    cfg = model.config
+    if kwargs.get("output_processor") is not None:
+        return "the caller passed its own output_processor"
+    if getattr(cfg, "mtp_num_layers", None):
+        return "multi-token prediction heads build their own logits"
+    if getattr(cfg, "use_mup", False) and getattr(cfg, "mup_output_mult", 1.0) != 1.0:
+        return "MuP output scaling of the logits is not folded into Ring-DTP"
+    if not getattr(model, "post_process", True):
+        return "this pipeline stage has no output layer"
+    if getattr(model.output_layer, "bias", None) is not None:
+        return "the output layer has a bias"
+    return None
+
+
+def wrap_gpt_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Return a ``GPTModel.forward`` that passes the Ring-DTP ``output_processor`` when
+    ``--peakflat-vocab ring-dtp`` is on and labels are given; otherwise it calls ``original_forward``."""
+
+    @functools.wraps(original_forward)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cfg = state.get()
+        labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
+        if cfg is None or cfg.vocab.impl != "ring-dtp" or labels is None:
+            return original_forward(self, *args, **kwargs)
+        reason = _hand_back_reason(self, kwargs)
+        if reason is not None:
+            _say_once("peakflat vocab: Megatron's own output layer and loss used: %s", reason)
+            return original_forward(self, *args, **kwargs)
+        _say_once("peakflat vocab: Ring-DTP loss (schedule=%s, block=%d rows, kernel=%s); logits are not built",
+                  cfg.vocab.schedule, cfg.vocab.block_size, cfg.vocab.kernel)
+        kwargs["output_processor"] = ring_output_processor
+        return original_forward(self, *args, **kwargs)
+
+    return forward

@@ -1,0 +1,360 @@
+"""``python -m megatron_peakflat.plan``: per-rank memory of a Megatron MoE run, peakflat off and on.
+
+Examples::
+
+    python -m megatron_peakflat.plan --preset gpt-oss-120b --seq-len 1048576 --gpus 16
+    python -m megatron_peakflat.plan --megatron-args "--num-layers 24 --hidden-size 2880 ..." --gpus 8 --json
+    python -m megatron_peakflat.plan --preset deepseek-v3 --seq-len 131072 --gpus 256 --plot peaks.png
+
+Precedence: explicit planner flags > --megatron-args > --preset > defaults chosen from --gpus.
+Answers in well under a second: no torch, no GPU, no process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any, Sequence
+
+from ..config import PeakflatConfig, add_args
+from ..config_base import PeakflatConfigError, format_bytes
+from .megatron_args import parse_megatron_args, run_fields_from_namespace, shape_from_namespace
+from .model import COMPONENTS, GIB, Plan, RunConfig, plan
+from .recommend import Recommendation, recommend
+from .shapes import PRESETS, ModelShape, preset
+
+__all__ = ["main", "build", "default_parallel"]
+
+
+def local_hbm_gib() -> float | None:
+    """Total memory of local GPU 0 via nvidia-smi (no torch import); None without a GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=3, check=True).stdout.split()
+        return float(out[0]) / 1024 if out else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def local_host_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        return None
+    return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_peakflat.plan",
+        description="Analytic per-rank memory of a Megatron MoE run with peakflat off and on; names the binding "
+                    "peak and recommends the knobs that fit.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", help=f"a public model shape: {', '.join(PRESETS)}")
+    g.add_argument("--megatron-args", default="", metavar='"FLAGS"',
+                   help="the Megatron pretraining flags (and --peakflat-* flags) of the run, in one string")
+    g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
+    g = p.add_argument_group("run")
+    g.add_argument("--seq-len", type=int, help="sequence length (tokens); default: --seq-length or 4096")
+    g.add_argument("--gpus", type=int, help="total GPUs; default: TPxPPxCPxDP, else 8")
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--hbm-gib", type=float, help="GPU memory per device; default: the local GPU's, else 80")
+    g.add_argument("--host-gib", type=float, help="host RAM per node; default: this machine's when it has a GPU, "
+                                                  "else 1024")
+    for name in ("tp", "pp", "ep", "cp", "etp"):
+        g.add_argument(f"--{name}", type=int, help=f"{name.upper()} size (default: chosen from --gpus)")
+    g.add_argument("--micro-batch", type=int)
+    g.add_argument("--global-batch", type=int)
+    g.add_argument("--recompute", choices=["none", "selective", "full"],
+                   help="recompute granularity (default: full for presets, Megatron's flags otherwise)")
+    g.add_argument("--recompute-num-layers", type=int)
+    g.add_argument("--precision", choices=["bf16", "fp16", "fp32"])
+    g.add_argument("--routing-skew", type=float, default=None,
+                   help="max/mean tokens received per EP rank for the baseline dispatch (1 = balanced)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    g.add_argument("--plot", metavar="OUT.png", help="write a bar chart of the binding stage (matplotlib)")
+    add_args(p)
+    return p
+
+
+def _err(flag: str, value: Any, problem: str, fix: str) -> PeakflatConfigError:
+    return PeakflatConfigError(flag, value, problem, fix)
+
+
+def default_parallel(shape: ModelShape, gpus: int, seq_len: int, given: dict[str, int | None]) -> dict[str, int]:
+    """Sensible sizes for ``gpus``: TP=1, PP=1, CP the smallest power of two that brings each rank's
+    sequence to at most 128K tokens (capped by the GPUs), EP the largest power of two dividing the
+    experts and TP x CP x DP. Given sizes are kept."""
+    tp, pp, etp = given.get("tp") or 1, given.get("pp") or 1, given.get("etp") or 1
+    cp = given.get("cp")
+    if cp is None:
+        cp = 1
+        while seq_len / cp > 131072 and gpus % (tp * pp * cp * 2) == 0:
+            cp *= 2
+    dp = max(1, gpus // (tp * pp * cp))
+    ep = given.get("ep")
+    if ep is None:
+        ep = 1
+        if shape.experts:
+            while shape.experts % (ep * 2) == 0 and (tp * cp * dp) % (ep * 2 * etp) == 0:
+                ep *= 2
+    return {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "ep": ep, "etp": etp}
+
+
+def validate(shape: ModelShape, run: RunConfig, gpus: int) -> None:
+    """Reject impossible sizes with the flag, the value and the fix."""
+    for flag, value in (("--seq-len", run.seq_len), ("--gpus", gpus), ("--tp", run.tp), ("--pp", run.pp),
+                        ("--ep", run.ep), ("--cp", run.cp), ("--etp", run.etp), ("--micro-batch", run.micro_batch),
+                        ("--hidden-size", shape.hidden), ("--num-layers", shape.layers),
+                        ("--num-attention-heads", shape.heads), ("--vocab-size", shape.vocab)):
+        if value is None or value < 1:
+            raise _err(flag, value, "must be a positive integer", f"pass {flag} 1 or more")
+    if run.hbm_bytes <= 0:
+        raise _err("--hbm-gib", run.hbm_bytes / GIB, "must be positive", "pass the GPU memory, e.g. --hbm-gib 141")
+    if run.host_bytes_per_node <= 0:
+        raise _err("--host-gib", run.host_bytes_per_node / GIB, "must be positive", "pass the node's RAM, e.g. --host-gib 2048")
+    if shape.heads % run.tp:
+        raise _err("--tp", run.tp, f"does not divide the {shape.heads} attention heads",
+                   "choose a TP size that divides --num-attention-heads, e.g. " +
+                   str(max(d for d in (1, 2, 4, 8) if shape.heads % d == 0)))
+    if shape.mla is None and shape.kv_heads % run.tp:
+        raise _err("--tp", run.tp, f"does not divide the {shape.kv_heads} query groups (kv heads)",
+                   "choose a TP size that divides --num-query-groups")
+    if shape.experts and shape.experts % run.ep:
+        raise _err("--ep", run.ep, f"does not divide the {shape.experts} experts",
+                   "choose an EP size that divides --num-experts")
+    if not shape.experts and run.ep > 1:
+        raise _err("--ep", run.ep, "the model has no experts", "drop --ep or pass --num-experts")
+    if gpus % (run.tp * run.pp * run.cp):
+        raise _err("--gpus", gpus, f"not divisible by TPxPPxCP = {run.tp}x{run.pp}x{run.cp}",
+                   "make the GPU count a multiple of TPxPPxCP")
+    if (run.tp * run.cp * run.dp) % (run.ep * run.etp):
+        raise _err("--ep", run.ep, f"EPxETP = {run.ep * run.etp} does not divide TPxCPxDP = {run.tp * run.cp * run.dp}",
+                   "choose EP so that EPxETP divides the GPUs of one pipeline stage")
+    if run.pp > shape.layers:
+        raise _err("--pp", run.pp, f"more stages than the {shape.layers} layers", "pass --pp <= --num-layers")
+    if run.cp > 1 and run.seq_len % (2 * run.cp):
+        raise _err("--seq-len", run.seq_len, f"context parallelism {run.cp} needs a multiple of 2xCP",
+                   f"pass a multiple of {2 * run.cp}")
+    if shape.experts and not 1 <= shape.topk <= shape.experts:
+        raise _err("--moe-router-topk", shape.topk, f"must be between 1 and the {shape.experts} experts",
+                   "pass a top-k no larger than --num-experts")
+    if run.routing_skew < 1.0:
+        raise _err("--routing-skew", run.routing_skew, "max/mean load is never below 1", "pass 1.0 or more")
+
+
+def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, PeakflatConfig, argparse.Namespace, list[str]]:
+    """Parse the command line into (shape, run, peakflat knobs, namespace, ignored Megatron flags)."""
+    p = _parser()
+    ns = p.parse_args(argv)
+    if ns.list_presets:
+        return None, None, None, ns, []  # type: ignore[return-value]
+    base = None
+    if ns.preset:
+        try:
+            base = preset(ns.preset)
+        except KeyError:
+            raise _err("--preset", ns.preset, "unknown preset", f"use one of {', '.join(PRESETS)}") from None
+    mns, ignored = parse_megatron_args(ns.megatron_args) if ns.megatron_args else (argparse.Namespace(), [])
+    if base is None and not ns.megatron_args:
+        raise _err("--preset", None, "no model given", f"pass --preset ({', '.join(PRESETS)}) or --megatron-args")
+    shape = shape_from_namespace(mns, base) if ns.megatron_args else base
+    fields = run_fields_from_namespace(mns)
+    seq = ns.seq_len if ns.seq_len is not None else fields.pop("seq_len", 4096)
+    fields.pop("seq_len", None)
+    given = {k: getattr(ns, k) if getattr(ns, k) is not None else fields.get(k) for k in ("tp", "pp", "ep", "cp", "etp")}
+    for k, v in given.items():
+        if v is not None and v < 1:
+            raise _err(f"--{k}", v, "must be a positive integer", f"pass --{k} 1 or more")
+    if seq is not None and seq < 1:
+        raise _err("--seq-len", seq, "must be a positive integer", "pass the sequence length in tokens, e.g. 131072")
+    gpus = ns.gpus
+    if gpus is None:
+        if all(given.get(k) for k in ("tp", "pp", "cp")):
+            gpus = given["tp"] * given["pp"] * given["cp"] * 1
+        else:
+            gpus = 8
+    if gpus < 1:
+        raise _err("--gpus", gpus, "must be a positive integer", "pass the total GPU count, e.g. --gpus 16")
+    if shape.experts and given.get("ep") and shape.experts % given["ep"]:
+        raise _err("--ep", given["ep"], f"does not divide the {shape.experts} experts",
+                   "choose an EP size that divides --num-experts")
+    par = default_parallel(shape, gpus, seq, given)
+    hbm = ns.hbm_gib if ns.hbm_gib is not None else (local_hbm_gib() or 80.0)
+    host = ns.host_gib
+    if host is None:
+        host = (local_host_gib() if local_hbm_gib() else None) or 1024.0
+    kw: dict[str, Any] = dict(fields)
+    kw.update(par)
+    kw["seq_len"] = seq
+    for src, dst in (("micro_batch", "micro_batch"), ("global_batch", "global_batch"), ("recompute", "recompute"),
+                     ("recompute_num_layers", "recompute_num_layers"), ("precision", "precision"),
+                     ("routing_skew", "routing_skew")):
+        if getattr(ns, src) is not None:
+            kw[dst] = getattr(ns, src)
+    kw["hbm_bytes"] = int(hbm * GIB)
+    kw["host_bytes_per_node"] = int(host * GIB)
+    kw["gpus_per_node"] = ns.gpus_per_node
+    run = RunConfig(**kw)
+    validate(shape, run, gpus)
+    # --peakflat-* knobs: planner flags win over the ones inside --megatron-args.
+    merged = argparse.Namespace(**{k: v for k, v in vars(mns).items() if k.startswith("peakflat_")})
+    defaults = vars(_parser().parse_args([]))
+    for k, v in vars(ns).items():
+        if k.startswith("peakflat_") and (v != defaults.get(k) or not hasattr(merged, k)):
+            setattr(merged, k, v)
+    pf = PeakflatConfig.from_args(merged, validate=False).validate()
+    pf = _all_on(pf, shape, run)
+    return shape, run, pf, ns, ignored
+
+
+def _all_on(pf: PeakflatConfig, shape: ModelShape, run: RunConfig) -> PeakflatConfig:
+    """The 'peakflat' column turns every applicable component on with the knobs given."""
+    return PeakflatConfig(
+        dispatch=dataclasses.replace(pf.dispatch, impl="pipelined-llep") if shape.experts else pf.dispatch,
+        vocab=dataclasses.replace(pf.vocab, impl="ring-dtp"),
+        sco=dataclasses.replace(pf.sco, enabled=run.recompute == "full"),
+        optimizer=dataclasses.replace(pf.optimizer, impl="offload-stream"),
+        general=pf.general)
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / GIB:9.2f}"
+
+
+def render(pl: Plan, rec: Recommendation) -> str:
+    s, r = pl.shape, pl.run
+    out = []
+    out.append(f"peakflat plan: {s.name}  seq {r.seq_len:,}  GPUs {r.world} (TP{r.tp} PP{r.pp} CP{r.cp} DP{r.dp} "
+               f"EP{r.ep}{' ETP' + str(r.etp) if r.etp > 1 else ''})  micro-batch {r.micro_batch}  {r.precision}  "
+               f"recompute {r.recompute}  HBM {r.hbm_bytes / GIB:.0f} GiB  host {r.host_bytes_per_node / GIB:.0f} GiB/node "
+               f"({r.host_bytes_per_rank / GIB:.0f} GiB/rank)")
+    for st in pl.stages:
+        out.append("")
+        out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight} micro-batch(es) in flight;"
+                   "  GiB per rank")
+        out.append(f"  {'term':18s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
+        order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "boundaries",
+                 "dispatch", "vocab", "reserve"]
+        for name in order:
+            if name not in st.rows:
+                continue
+            row = st.rows[name]
+            mark = "*" if name in COMPONENTS else " "
+            out.append(f" {mark}{name:18s} {_gib(row.baseline)} {_gib(row.peakflat)} {_gib(row.bound)} "
+                       f"{_gib(row.host_peakflat)}  {row.phase}")
+        tb, tp_ = st.total("baseline"), st.total("peakflat")
+        out.append(f"  {'total':18s} {_gib(tb)} {_gib(tp_)} {'':9s} {_gib(st.host('peakflat'))}"
+                   f"  = persistent + max(layer, loss)")
+        out.append(f"  binding peak: baseline '{st.binding('baseline')}' ({'fits' if tb <= r.hbm_bytes else 'OOM'}), "
+                   f"peakflat '{st.binding('peakflat')}' ({'fits' if tp_ <= r.hbm_bytes else 'OOM'})")
+        for n in st.notes:
+            out.append(f"  note: {n}")
+    wb, wp = pl.worst("baseline"), pl.worst("peakflat")
+    out.append("")
+    out.append(f"baseline: {wb.total('baseline') / GIB:.1f} GiB per GPU, binding peak '{wb.binding('baseline')}' -> "
+               f"{'fits' if pl.fits('baseline') else 'does NOT fit'} in {r.hbm_bytes / GIB:.0f} GiB")
+    out.append(f"peakflat (knobs as given): {wp.total('peakflat') / GIB:.1f} GiB, binding peak "
+               f"'{wp.binding('peakflat')}' -> {'fits' if pl.fits('peakflat') else 'does NOT fit'}")
+    rw = rec.plan.worst("peakflat")
+    if rec.fits:
+        out.append(f"recommended: {rw.total('peakflat') / GIB:.1f} GiB per GPU, "
+                   f"{max(x.host('peakflat') for x in rec.plan.stages) / GIB:.1f} GiB host per rank; "
+                   f"binding peak '{rw.binding('peakflat')}'")
+    else:
+        out.append("recommended: nothing fits")
+    out.append("  " + " ".join(rec.flags))
+    for reason in rec.reasons:
+        out.append(f"  why: {reason}")
+    return "\n".join(out)
+
+
+def to_json(pl: Plan, rec: Recommendation) -> dict[str, Any]:
+    def stage(st: Any) -> dict[str, Any]:
+        return {"stage": st.stage, "layers": st.layers, "inflight": st.inflight,
+                "rows": {k: {"baseline_gib": v.baseline / GIB, "peakflat_gib": v.peakflat / GIB,
+                             "bound_gib": None if v.bound is None else v.bound / GIB,
+                             "host_gib": v.host_peakflat / GIB, "phase": v.phase, "source": v.source}
+                         for k, v in st.rows.items()},
+                "total_baseline_gib": st.total("baseline") / GIB, "total_peakflat_gib": st.total("peakflat") / GIB,
+                "host_peakflat_gib": st.host("peakflat") / GIB,
+                "binding_baseline": st.binding("baseline"), "binding_peakflat": st.binding("peakflat"),
+                "notes": st.notes}
+    return {
+        "model": dataclasses.asdict(pl.shape), "run": dataclasses.asdict(pl.run),
+        "stages": [stage(s) for s in pl.stages],
+        "baseline": {"fits": pl.fits("baseline"), "binding": pl.worst("baseline").binding("baseline"),
+                     "total_gib": pl.worst("baseline").total("baseline") / GIB},
+        "peakflat": {"fits": pl.fits("peakflat"), "binding": pl.worst("peakflat").binding("peakflat"),
+                     "total_gib": pl.worst("peakflat").total("peakflat") / GIB},
+        "recommended": {"fits": rec.fits, "flags": rec.flags, "reasons": rec.reasons,
+                        "chunk_cap": rec.config.dispatch.chunk_cap, "vocab_block_size": rec.config.vocab.block_size,
+                        "vocab_schedule": rec.plan.vocab_schedule, "sco_budget_gib": (rec.config.sco.budget or 0) / GIB,
+                        "opt_bucket": rec.config.optimizer.bucket, "opt_slots": rec.config.optimizer.slots,
+                        "total_gib": rec.plan.worst("peakflat").total("peakflat") / GIB,
+                        "binding": rec.plan.worst("peakflat").binding("peakflat")},
+    }
+
+
+def plot(pl: Plan, path: str) -> None:
+    """Bar chart of the binding stage: baseline vs peakflat per term, HBM as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    st = pl.worst("baseline")
+    names = [n for n in st.rows]
+    base = [st.rows[n].baseline / GIB for n in names]
+    pfl = [st.rows[n].peakflat / GIB for n in names]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], base, width=0.4, label="baseline")
+    ax.bar([x + 0.2 for x in xs], pfl, width=0.4, label="peakflat")
+    ax.axhline(pl.run.hbm_bytes / GIB, color="red", linestyle="--", label="HBM")
+    ax.set_xticks(list(xs), names, rotation=30, ha="right")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(f"{pl.shape.name}, seq {pl.run.seq_len:,}, {pl.run.world} GPUs ({st.stage} stage)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        shape, run, pf, ns, ignored = build(argv)
+    except PeakflatConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if ns.list_presets:
+        for name, s in PRESETS.items():
+            print(f"{name:18s} layers {s.layers:3d}  hidden {s.hidden:5d}  heads {s.heads:3d}/{s.kv_heads:<3d} "
+                  f"experts {s.experts:3d} top-{s.topk}  moe-ffn {s.moe_ffn:5d}  ffn {s.ffn:5d}  vocab {s.vocab}  "
+                  f"({s.source})")
+        return 0
+    pl = plan(shape, run, pf)
+    rec = recommend(shape, run, pf)
+    if ns.json:
+        doc = to_json(pl, rec)
+        doc["ignored_megatron_flags"] = ignored
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render(pl, rec))
+        if ignored:
+            print(f"(ignored Megatron flags that do not change memory: {' '.join(ignored)})")
+    if ns.plot:
+        plot(pl, ns.plot)
+        if not ns.json:
+            print(f"wrote {ns.plot}")
+    return 0

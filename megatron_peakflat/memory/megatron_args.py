@@ -1,0 +1,150 @@
+"""Read the Megatron pretraining flags that decide memory, without importing Megatron.
+
+``parse_megatron_args("--num-layers 36 --hidden-size 2880 ...")`` accepts the same spelling as
+``megatron/training/arguments.py`` for the flags the planner uses and ignores the rest (listed
+back to the caller). ``from_namespace(args)`` reads the same fields from Megatron's own parsed
+namespace at run time (used by integration/peaks.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shlex
+from typing import Any
+
+from ..config import add_args
+from .model import RunConfig
+from .shapes import MLA, ModelShape
+
+__all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace"]
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """The memory-relevant subset of Megatron's flags, plus every --peakflat-* flag."""
+    p = argparse.ArgumentParser(prog="--megatron-args", add_help=False, allow_abbrev=False)
+    ints = ["num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "num-query-groups", "kv-channels",
+            "padded-vocab-size", "vocab-size", "seq-length", "micro-batch-size", "global-batch-size",
+            "tensor-model-parallel-size", "pipeline-model-parallel-size", "expert-model-parallel-size",
+            "expert-tensor-parallel-size", "context-parallel-size", "num-experts", "moe-router-topk",
+            "moe-ffn-hidden-size", "moe-shared-expert-intermediate-size", "recompute-num-layers",
+            "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim", "mtp-num-layers"]
+    for name in ints:
+        p.add_argument("--" + name, type=int, default=None)
+    for name in ["group-query-attention", "sequence-parallel", "bf16", "fp16", "use-distributed-optimizer",
+                 "optimizer-cpu-offload", "accumulate-allreduce-grads-in-fp32", "untie-embeddings-and-output-weights",
+                 "swiglu", "cross-entropy-loss-fusion", "multi-latent-attention"]:
+        p.add_argument("--" + name, action="store_true", default=None)
+    p.add_argument("--optimizer-offload-fraction", type=float, default=None)
+    p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    p.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    p.add_argument("--moe-layer-freq", default=None)
+    p.add_argument("--optimizer", default=None)
+    add_args(p)
+    return p
+
+
+def parse_megatron_args(text: str) -> tuple[argparse.Namespace, list[str]]:
+    """Parse a Megatron command-line fragment; returns (namespace, ignored flags)."""
+    ns, unknown = megatron_parser().parse_known_args(shlex.split(text))
+    return ns, [u for u in unknown if u.startswith("--")]
+
+
+def _dense_layers(freq: Any, layers: int) -> int:
+    """Leading dense layers from --moe-layer-freq (an int N: every Nth layer is MoE; or a list)."""
+    if freq is None:
+        return 0
+    if isinstance(freq, int):
+        return layers - layers // freq if freq > 1 else 0
+    text = str(freq).strip()
+    try:
+        val = eval(text, {"__builtins__": {}}, {}) if text.startswith("(") or text.startswith("[") else int(text)  # noqa: S307
+    except Exception:  # noqa: BLE001
+        val = ast.literal_eval(text)
+    if isinstance(val, int):
+        return layers - layers // val if val > 1 else 0
+    return sum(1 for v in val if not v)
+
+
+def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
+    """A ModelShape from Megatron flags; fields the flags leave unset come from ``base``."""
+    def get(name: str, fallback: Any) -> Any:
+        v = getattr(ns, name, None)
+        return fallback if v is None else v
+
+    b = base
+    hidden = get("hidden_size", b.hidden if b else None)
+    layers = get("num_layers", b.layers if b else None)
+    heads = get("num_attention_heads", b.heads if b else None)
+    missing = [f for f, v in (("--hidden-size", hidden), ("--num-layers", layers), ("--num-attention-heads", heads))
+               if v is None]
+    if missing:
+        from ..config_base import PeakflatConfigError
+
+        raise PeakflatConfigError("--megatron-args", " ".join(missing), "these model flags are missing and no "
+                                  "--preset supplies them", "pass them in --megatron-args or add --preset NAME")
+    gqa = getattr(ns, "group_query_attention", None)
+    kv = get("num_query_groups", None) if (gqa or getattr(ns, "num_query_groups", None)) else None
+    kv = kv if kv is not None else (b.kv_heads if b and not getattr(ns, "num_attention_heads", None) else heads)
+    ffn = get("ffn_hidden_size", b.ffn if b else 4 * hidden)
+    experts = get("num_experts", b.experts if b else 0) or 0
+    vocab = get("padded_vocab_size", get("vocab_size", b.vocab if b else None))
+    if vocab is None:
+        vocab = 50304
+    mla = b.mla if b else None
+    if getattr(ns, "multi_latent_attention", None):
+        mla = MLA(q_lora_rank=get("q_lora_rank", None), kv_lora_rank=get("kv_lora_rank", 512),
+                  qk_head_dim=get("qk_head_dim", 128), qk_pos_emb_head_dim=get("qk_pos_emb_head_dim", 64),
+                  v_head_dim=get("v_head_dim", 128))
+    freq = getattr(ns, "moe_layer_freq", None)
+    dense = _dense_layers(freq, layers) if freq is not None else (b.dense_layers if b else 0)
+    untie = getattr(ns, "untie_embeddings_and_output_weights", None)
+    return ModelShape(
+        name=(b.name if b else "custom") + ("+args" if b else ""),
+        hidden=hidden, layers=layers, heads=heads, kv_heads=kv,
+        head_dim=get("kv_channels", b.head_dim if b and not getattr(ns, "num_attention_heads", None)
+                     and not getattr(ns, "hidden_size", None) else hidden // heads),
+        ffn=ffn, vocab=vocab, experts=experts, topk=get("moe_router_topk", b.topk if b else 2),
+        moe_ffn=get("moe_ffn_hidden_size", b.moe_ffn if b else ffn),
+        shared_ffn=get("moe_shared_expert_intermediate_size", b.shared_ffn if b else 0),
+        dense_layers=dense, gated=bool(get("swiglu", b.gated if b else False)),
+        tied_embeddings=(not untie) if untie is not None else (b.tied_embeddings if b else True),
+        mla=mla, source=(b.source + " + " if b else "") + "Megatron flags")
+
+
+def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
+    """RunConfig fields that Megatron flags set (only those present)."""
+    m = {"seq_length": "seq_len", "micro_batch_size": "micro_batch", "global_batch_size": "global_batch",
+         "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
+         "expert_model_parallel_size": "ep", "context_parallel_size": "cp", "expert_tensor_parallel_size": "etp",
+         "recompute_method": "recompute_method", "recompute_num_layers": "recompute_num_layers",
+         "optimizer_offload_fraction": "optimizer_offload_fraction"}
+    out: dict[str, Any] = {dst: getattr(ns, src) for src, dst in m.items() if getattr(ns, src, None) is not None}
+    if getattr(ns, "recompute_granularity", None) is not None:
+        out["recompute"] = ns.recompute_granularity
+    elif any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size")):
+        out["recompute"] = "none"  # a Megatron command line without --recompute-granularity recomputes nothing
+    if getattr(ns, "sequence_parallel", None):
+        out["sequence_parallel"] = True
+    if getattr(ns, "fp16", None):
+        out["precision"] = "fp16"
+    elif getattr(ns, "bf16", None):
+        out["precision"] = "bf16"
+    elif any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size")):
+        out["precision"] = "fp32"  # Megatron trains in fp32 unless --bf16 or --fp16
+    for src, dst in (("use_distributed_optimizer", "distributed_optimizer"),
+                     ("accumulate_allreduce_grads_in_fp32", "grads_fp32"),
+                     ("cross_entropy_loss_fusion", "cross_entropy_fusion")):
+        if getattr(ns, src, None) is not None:
+            out[dst] = bool(getattr(ns, src))
+    if getattr(ns, "optimizer_cpu_offload", None) and "optimizer_offload_fraction" not in out:
+        out["optimizer_offload_fraction"] = 1.0
+    if not getattr(ns, "optimizer_cpu_offload", None) and "optimizer_offload_fraction" in out:
+        out["optimizer_offload_fraction"] = 0.0
+    return out
+
+
+def fields_of(run_cls: type = RunConfig) -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(run_cls)}

@@ -1,0 +1,472 @@
+"""Analytic per-rank memory model of a Megatron MoE run, with peakflat off and on.
+
+``plan(shape, run, peakflat)`` returns, for the first and the last pipeline stage, one ``Row`` per
+memory term: parameters, gradients, optimizer state, saved activations, the four peaks (expert
+dispatch, vocabulary projection, checkpoint boundaries, optimizer staging) and a runtime reserve.
+Each row holds the baseline bytes (Megatron as flagged), the peakflat bytes (all four components
+on, with the knobs given), the bound that the component guarantees whatever the routing or token
+count, the pinned host bytes, and the source of the formula.
+
+Notation (per rank, per micro-batch): ``w`` bytes per element of params/activations (2 for
+bf16/fp16, 4 for fp32); ``T = seq_len * micro_batch / cp`` tokens that each CP rank's layers
+see; ``r = T / tp`` with sequence parallelism (the rows of [s, b, h] tensors a rank holds between
+layers), else ``T``; ``R = r * topk * skew`` token-expert pairs a rank's experts receive
+(balanced routing has ``skew = 1``). ``E_p`` = expert-parallel size.
+
+The total of a stage is ``persistent + max(phase)``, not the sum of every row: the vocabulary
+projection (end of forward) and a layer's backward (recompute + dispatch) never overlap.
+``persistent`` = parameters + gradients + optimizer + boundaries + saved activations + reserve.
+
+Calibration: the dispatch and vocabulary baselines reproduce the H200 anchors in
+/work/shared (Megatron alltoall 5.1/10.3/20.6 GiB at 16K/32K/64K tokens, H=4096, 64 experts top-8,
+F=1536; native / fused cross-entropy 36.8 / 61.4 GiB at N=32768, V=201088) within 5%; the tests
+check that.
+
+No torch import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from ..config import PeakflatConfig
+from .shapes import ModelShape
+
+__all__ = ["RunConfig", "Row", "StagePlan", "Plan", "plan", "GIB", "COMPONENTS"]
+
+GIB = 2**30
+RESERVE_FIXED = 2 * GIB
+"""CUDA context, NCCL/gloo buffers and cuBLAS workspaces (measured ~1-2 GiB on H200 nodes)."""
+RESERVE_FRACTION = 0.05
+"""Caching-allocator fragmentation, as a share of HBM."""
+COMPONENTS = ("dispatch", "vocab", "boundaries", "optimizer")
+"""The rows that a peakflat component bounds."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The Megatron run around a model: sequence, batch, parallel sizes, recompute, precision."""
+
+    seq_len: int
+    """--seq-length."""
+    micro_batch: int = 1
+    """--micro-batch-size."""
+    global_batch: int | None = None
+    """--global-batch-size; None: 2 x PP micro-batches per DP rank (1 without PP)."""
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    dp: int = 1
+    etp: int = 1
+    """--expert-tensor-parallel-size."""
+    sequence_parallel: bool | None = None
+    """--sequence-parallel; None: on when TP > 1 (Megatron requires it for MoE with TP)."""
+    recompute: Literal["none", "selective", "full"] = "full"
+    """--recompute-granularity."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    recompute_num_layers: int = 1
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    distributed_optimizer: bool = True
+    """--use-distributed-optimizer."""
+    grads_fp32: bool = False
+    """--accumulate-allreduce-grads-in-fp32 (grad buffer in fp32)."""
+    optimizer_offload_fraction: float = 0.0
+    """--optimizer-cpu-offload with --optimizer-offload-fraction (Megatron's HybridDeviceOptimizer)."""
+    cross_entropy_fusion: bool = False
+    """--cross-entropy-loss-fusion (fused_vocab_parallel_cross_entropy)."""
+    routing_skew: float = 1.0
+    """max/mean tokens received per expert-parallel rank (1: balanced)."""
+    hbm_bytes: int = 80 * GIB
+    host_bytes_per_node: int = 1024 * GIB
+    gpus_per_node: int = 8
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    @property
+    def w(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def expert_dp(self) -> int:
+        """Megatron's expert-data-parallel size: world / (PP x ETP x EP)."""
+        return max(1, self.tp * self.cp * self.dp // (self.etp * self.ep))
+
+    @property
+    def num_micro(self) -> int:
+        if self.global_batch is None:
+            return 2 * self.pp if self.pp > 1 else 1
+        return max(1, self.global_batch // (self.micro_batch * self.dp))
+
+    @property
+    def ranks_per_node(self) -> int:
+        return max(1, min(self.world, self.gpus_per_node))
+
+    @property
+    def host_bytes_per_rank(self) -> int:
+        """90% of the node's host RAM, shared by its local ranks."""
+        return int(self.host_bytes_per_node * 0.9) // self.ranks_per_node
+
+
+@dataclass
+class Row:
+    """One memory term of one stage, per rank, in bytes."""
+
+    name: str
+    baseline: float
+    peakflat: float
+    bound: float | None = None
+    host_baseline: float = 0.0
+    host_peakflat: float = 0.0
+    phase: Literal["persistent", "layer", "loss"] = "persistent"
+    source: str = ""
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    layers: int
+    moe_layers: int
+    inflight: int
+    rows: dict[str, Row]
+    notes: list[str] = field(default_factory=list)
+
+    def total(self, which: Literal["baseline", "peakflat"]) -> float:
+        """persistent + max over the phases that never overlap (layer backward vs loss)."""
+        per = {"persistent": 0.0, "layer": 0.0, "loss": 0.0}
+        for row in self.rows.values():
+            per[row.phase] += getattr(row, which)
+        return per["persistent"] + max(per["layer"], per["loss"])
+
+    def host(self, which: Literal["baseline", "peakflat"]) -> float:
+        return sum(getattr(r, "host_" + which) for r in self.rows.values())
+
+    def binding(self, which: Literal["baseline", "peakflat"]) -> str:
+        """The largest row that counts in the total (the peak to lower next)."""
+        per = {"layer": 0.0, "loss": 0.0}
+        for row in self.rows.values():
+            if row.phase in per:
+                per[row.phase] += getattr(row, which)
+        live = "layer" if per["layer"] >= per["loss"] else "loss"
+        rows = [r for r in self.rows.values() if r.phase in ("persistent", live) and r.name != "reserve"]
+        return max(rows, key=lambda r: getattr(r, which)).name
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    run: RunConfig
+    peakflat: PeakflatConfig
+    stages: list[StagePlan]
+    chunk_cap_effective: int
+    vocab_schedule: str
+    sco_budget: int
+
+    def worst(self, which: Literal["baseline", "peakflat"]) -> StagePlan:
+        return max(self.stages, key=lambda s: s.total(which))
+
+    def fits(self, which: Literal["baseline", "peakflat"]) -> bool:
+        st = self.worst(which)
+        host_ok = max(s.host(which) for s in self.stages) <= self.run.host_bytes_per_rank
+        return st.total(which) <= self.run.hbm_bytes and host_ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter counts. Source: the weights Megatron's local spec allocates per layer
+# (megatron/core/transformer/attention.py SelfAttention linear_qkv / linear_proj,
+# multi_latent_attention.py, mlp.py linear_fc1 (2 x FFN with --swiglu) / linear_fc2,
+# moe/router.py TopKRouter.weight [E, H], moe/experts.py SequentialMLP / GroupedMLP E/EP experts,
+# moe/shared_experts.py, models/common/embeddings/language_model_embedding.py, gpt_model.output_layer).
+# ----------------------------------------------------------------------------------------------
+
+def attention_params(s: ModelShape, tp: int) -> float:
+    """Attention weights of one layer on one TP rank (norms included, replicated)."""
+    h = s.hidden
+    if s.mla is None:
+        qkv = h * (s.heads + 2 * s.kv_heads) * s.head_dim
+        proj = s.heads * s.head_dim * h
+        return (qkv + proj) / tp + 2 * h
+    m = s.mla
+    qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+    q = (h * m.q_lora_rank + m.q_lora_rank * s.heads * qk / tp) if m.q_lora_rank else h * s.heads * qk / tp
+    kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * s.heads * (m.qk_head_dim + m.v_head_dim) / tp
+    proj = s.heads * m.v_head_dim * h / tp
+    return q + kv + proj + 2 * h + (m.q_lora_rank or 0) + m.kv_lora_rank
+
+
+def mlp_params(h: int, ffn: int, gated: bool, tp: int) -> float:
+    return (3 if gated else 2) * h * ffn / tp
+
+
+def stage_params(s: ModelShape, run: RunConfig, n_dense: int, n_moe: int, embedding: bool, output: bool
+                 ) -> tuple[float, float]:
+    """(dense params, expert params) held by one rank of a stage."""
+    dense = (n_dense + n_moe) * attention_params(s, run.tp) + n_dense * mlp_params(s.hidden, s.ffn, s.gated, run.tp)
+    dense += n_moe * (s.hidden * s.experts + mlp_params(s.hidden, s.shared_ffn, s.gated, run.tp))
+    expert = n_moe * (s.experts / run.ep) * mlp_params(s.hidden, s.moe_ffn, s.gated, run.etp)
+    if embedding:
+        dense += s.vocab * s.hidden / run.tp
+    if output and not (s.tied_embeddings and embedding):
+        dense += s.vocab * s.hidden / run.tp + s.hidden
+    return dense, expert
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations saved for backward by one layer, per micro-batch (Korthikanti et al. 2022 counting,
+# redone for Megatron-Core's local spec with SDPA/flash core attention, RMSNorm, SwiGLU, no dropout):
+#   RMSNorm saves its input (w) and rstd (fp32);   ColumnParallelLinear saves its un-gathered input
+#   under SP (tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication);
+#   SDPA saves q, k, v, out and a fp32 logsumexp per head; bias_swiglu saves fc1's output;
+#   linear_fc2 saves the activation output.
+# ----------------------------------------------------------------------------------------------
+
+def attention_activations(s: ModelShape, run: RunConfig) -> float:
+    t, w = run.tp, run.w
+    T = run.seq_len * run.micro_batch / run.cp
+    r = T / t if run.sp else T
+    norm = r * s.hidden * (2 * w) + r * 4  # ln input + ln output (qkv input) + rstd
+    if s.mla is None:
+        qkvo = T / t * ((s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim) * w
+    else:
+        m = s.mla
+        qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+        latent = T * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_pos_emb_head_dim) * w
+        qkvo = T / t * s.heads * (2 * qk + 2 * m.v_head_dim) * w + latent
+    lse = T / t * s.heads * 4
+    return norm + qkvo + lse
+
+
+def mlp_activations(s: ModelShape, run: RunConfig, ffn: int) -> float:
+    """Dense MLP: pre-MLP norm (input, output) + fc1 output + activation output."""
+    t, w = run.tp, run.w
+    T = run.seq_len * run.micro_batch / run.cp
+    r = T / t if run.sp else T
+    return r * s.hidden * 2 * w + r * 4 + T / t * ((2 if s.gated else 1) * ffn + ffn) * w
+
+
+def moe_nondispatch_activations(s: ModelShape, run: RunConfig) -> float:
+    """MoE layer minus the dispatched part: norm, router (fp32 logits + probs, bool map), shared expert."""
+    t, w = run.tp, run.w
+    T = run.seq_len * run.micro_batch / run.cp
+    r = T / t if run.sp else T
+    shared = T / t * ((2 if s.gated else 1) + 1) * s.shared_ffn * w if s.shared_ffn else 0.0
+    return r * s.hidden * 2 * w + r * 4 + r * s.experts * 9 + shared
+
+
+def routed_pairs(s: ModelShape, run: RunConfig) -> float:
+    """R: token-expert pairs one rank's experts receive per MoE layer and micro-batch."""
+    T = run.seq_len * run.micro_batch / run.cp
+    r = T / run.tp if run.sp else T
+    return r * s.topk * run.routing_skew
+
+
+def routed_pairs_worst(s: ModelShape, run: RunConfig) -> float:
+    """All EP sources send every token to this rank's experts: E_p x r x min(k, E/E_p)."""
+    T = run.seq_len * run.micro_batch / run.cp
+    r = T / run.tp if run.sp else T
+    return run.ep * r * min(s.topk, s.experts // run.ep)
+
+
+def dispatch_saved_per_layer(s: ModelShape, run: RunConfig, pairs: float) -> float:
+    """Saved by Megatron's alltoall path per layer: expert input (fc1 input), fc1 output (2F),
+    activation output (F), prob-weighted expert output kept by unpermute (moe/moe_utils.py)."""
+    return pairs * (2 * s.hidden + 3 * s.moe_ffn) * run.w
+
+
+def dispatch_working_set(s: ModelShape, run: RunConfig, pairs: float) -> float:
+    """One MoE layer's dispatch-to-combine bytes: the saved tensors plus the permute/sort copy and
+    the combine receive buffer (token_dispatcher.py MoEAlltoAllTokenDispatcher + moe_utils.permute,
+    sort_chunks_by_idxs, unpermute): pairs x (4H + 3F) x w. Calibrated on the H200 anchor."""
+    return pairs * (4 * s.hidden + 3 * s.moe_ffn) * run.w
+
+
+def llep_chunk(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> int:
+    """Effective chunk cap c: the configured cap, raised when K = ceil(pairs_per_source / c)
+    would exceed max_chunks (dispatch/config.py)."""
+    pairs_per_source = routed_pairs(s, replace(run, routing_skew=1.0))
+    c = pf.dispatch.chunk_cap
+    if math.ceil(pairs_per_source / c) > pf.dispatch.max_chunks:
+        c = math.ceil(pairs_per_source / pf.dispatch.max_chunks)
+    return int(c)
+
+
+def llep_bound(s: ModelShape, run: RunConfig, c: int) -> float:
+    """PipelinedLLEP's dispatch working set: dispatch + combine receive buffers of one chunk
+    (2 x E_p x c x H x w, DESIGN.md) plus that chunk's expert intermediates (E_p x c x 3F x w),
+    whatever the routing: each of the E_p sources sends at most c pairs per chunk."""
+    return 2 * run.ep * c * s.hidden * run.w + run.ep * c * 3 * s.moe_ffn * run.w
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocabulary projection. Megatron: output_layer gathers the SP sequence and writes [T, V/tp] logits
+# in w bytes; vocab_parallel_cross_entropy (tensor_parallel/cross_entropy.py) keeps an fp32 softmax
+# of the whole logits for backward (+4 bytes); the fused variant keeps an fp32 logits copy as well
+# (+4). Anchors: N x V x 6 = 36.8 GiB, N x V x 10 = 61.4 GiB at N=32768, V=201088.
+# Ring-DTP (vocab/config.py): tokens x block x 4 bytes of block logits, the bf16 dX and dW of the
+# local shard, and the travelling ring buffer (send + receive) of activations or weight shards.
+# ----------------------------------------------------------------------------------------------
+
+def vocab_baseline(s: ModelShape, run: RunConfig) -> float:
+    T = run.seq_len * run.micro_batch / run.cp
+    per_elem = run.w + 4 + (4 if run.cross_entropy_fusion else 0)
+    return T * s.vocab / run.tp * per_elem
+
+
+def vocab_schedule(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> str:
+    if pf.vocab.schedule != "auto":
+        return pf.vocab.schedule
+    n = run.seq_len * run.micro_batch / run.cp / run.tp
+    return "activations" if n <= s.vocab / run.tp else "weights"
+
+
+def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
+    P = run.tp
+    n = run.seq_len * run.micro_batch / run.cp / P
+    shard = s.vocab / P
+    block = min(pf.vocab.block_size, shard)
+    ws = n * block * 4 + shard * s.hidden * run.w + n * s.hidden * run.w
+    if P > 1:
+        travelling = n * s.hidden if vocab_schedule(s, run, pf) == "activations" else shard * s.hidden
+        ws += 2 * travelling * run.w
+    return ws
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan
+# ----------------------------------------------------------------------------------------------
+
+def _stage_layers(s: ModelShape, run: RunConfig, stage: int) -> tuple[int, int]:
+    """(dense, moe) layers of pipeline stage ``stage`` (even split, dense layers first)."""
+    per = math.ceil(s.layers / run.pp)
+    start, stop = stage * per, min(s.layers, (stage + 1) * per)
+    dense = max(0, min(stop, s.dense_layers if s.experts else s.layers) - start)
+    return dense, (stop - start) - dense
+
+
+def sco_budget(s: ModelShape, run: RunConfig, pf: PeakflatConfig, optimizer_host: float) -> int:
+    """SCO's pinned host budget per rank: the flag, else the host share left after the optimizer."""
+    if pf.sco.budget is not None:
+        return int(pf.sco.budget)
+    return int(max(0.0, run.host_bytes_per_rank - optimizer_host))
+
+
+def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Plan:
+    """Per-rank bytes of every term, for the first and last pipeline stages (one stage at PP=1)."""
+    pf = pf or PeakflatConfig()
+    w = run.w
+    T = run.seq_len * run.micro_batch / run.cp
+    r = T / run.tp if run.sp else T
+    c_eff = llep_chunk(s, run, pf) if s.experts else 0
+    stages_idx = [0] if run.pp == 1 else [0, run.pp - 1]
+    stages: list[StagePlan] = []
+    budget_used = 0
+    for st in stages_idx:
+        n_dense, n_moe = _stage_layers(s, run, st)
+        n_layers = n_dense + n_moe
+        first, last = st == 0, st == run.pp - 1
+        inflight = min(run.pp - st, run.num_micro)
+        dense_p, expert_p = stage_params(s, run, n_dense, n_moe, first, last)
+        params = dense_p + expert_p
+        rows: dict[str, Row] = {}
+        notes: list[str] = []
+
+        rows["parameters"] = Row("parameters", params * w, params * w,
+                                 source="param_and_grad_buffer.py _ParamAndGradBuffer.param_data (w bytes/param)")
+        gbytes = 4 if run.grads_fp32 else w
+        rows["gradients"] = Row("gradients", params * gbytes, params * gbytes,
+                                source="param_and_grad_buffer.py grad_data, full size even with the distributed optimizer")
+
+        # Optimizer: fp32 master (when params are not fp32) + exp_avg + exp_avg_sq, sharded over
+        # DP x CP for dense params and over expert-DP for experts (optimizer/distrib_optimizer.py).
+        per_param = (4 if w < 4 else 0) + 8
+        shard = (dense_p / (run.dp * run.cp) + expert_p / run.expert_dp) if run.distributed_optimizer else params
+        state = shard * per_param
+        f = run.optimizer_offload_fraction
+        opt_gpu_base, opt_host_base = state * (1 - f), (state + 4 * shard) * f
+        slots, bucket = pf.optimizer.slots, pf.optimizer.bucket
+        staging = slots * min(bucket, shard) * 16
+        rows["optimizer"] = Row(
+            "optimizer", opt_gpu_base, staging, bound=slots * bucket * 16,
+            host_baseline=opt_host_base, host_peakflat=shard * 16,
+            source="distrib_optimizer.py fp32 master + Adam moments (12 B/param shard); "
+                   "OffloadStreamAdamW: slots x bucket x 16 B staging, 16 B/param pinned host")
+
+        # Activations and checkpoint boundaries.
+        attn = attention_activations(s, run)
+        layer_act = [attn + mlp_activations(s, run, s.ffn)] * n_dense + [attn + moe_nondispatch_activations(s, run)] * n_moe
+        one_layer = max(layer_act) if layer_act else 0.0
+        boundary = r * s.hidden * w
+        if run.recompute == "full":
+            n = max(1, run.recompute_num_layers)
+            if run.recompute_method == "uniform":
+                n_ckpt, stored_layers, work_layers = math.ceil(n_layers / n), 0, min(n, n_layers)
+            else:  # block: the first n layers are checkpointed, the others keep their activations
+                n_ckpt, stored_layers, work_layers = min(n, n_layers), max(0, n_layers - n), 1
+        else:
+            n_ckpt, stored_layers, work_layers = 0, n_layers, 1
+        saved = inflight * stored_layers * (sum(layer_act) / max(1, n_layers))
+        # 'selective' recomputes core attention only; with SDPA/flash it saves no s x s scores, so
+        # it frees nothing the model counts and is treated like 'none'.
+        rows["activations"] = Row("activations", saved, saved,
+                                  source="saved tensors per layer (model.py attention/mlp/moe_nondispatch), "
+                                         f"{stored_layers} stored layers x {inflight} micro-batches in flight")
+        rows["layer working set"] = Row(
+            "layer working set", work_layers * one_layer, work_layers * one_layer, phase="layer",
+            source="one recompute chunk re-materialised in backward (recompute.py checkpointed_forward)"
+            if run.recompute == "full" else "the layer in backward")
+
+        total_b = inflight * n_ckpt * boundary
+        if run.recompute == "full":
+            opt_host_pf = rows["optimizer"].host_peakflat
+            budget = sco_budget(s, run, pf, opt_host_pf)
+            budget_used = budget
+            on_host = min(total_b, (budget // boundary) * boundary) if boundary else 0
+            resident = min(1 + pf.sco.prefetch, inflight * n_ckpt) * boundary
+            gpu_pf = total_b - on_host + (resident if on_host else 0)
+            rows["boundaries"] = Row(
+                "boundaries", total_b, min(gpu_pf, total_b), bound=resident, host_peakflat=on_host,
+                source="CheckpointFunction saves the chunk input [s/tp, b, h] (tensor_parallel/random.py); "
+                       "SCO keeps them pinned on host up to its budget, 1+prefetch on GPU")
+            if on_host < total_b:
+                notes.append(f"SCO budget {on_host / GIB:.1f} GiB holds {on_host / max(1, total_b):.0%} of the "
+                             "boundaries; the rest stay on the GPU")
+        else:
+            rows["boundaries"] = Row("boundaries", 0.0, 0.0, bound=None,
+                                     source="no full recompute: layers keep their activations (row 'activations')")
+            notes.append("SCO needs --recompute-granularity full; without it the boundary peak is the activations row")
+
+        if n_moe:
+            pairs = routed_pairs(s, run)
+            if run.recompute == "full":
+                base = dispatch_working_set(s, run, pairs)
+            else:
+                base = inflight * stored_layers / n_layers * n_moe * dispatch_saved_per_layer(s, run, pairs) \
+                    + dispatch_working_set(s, run, pairs) - dispatch_saved_per_layer(s, run, pairs)
+            bound = llep_bound(s, run, c_eff)
+            acc = r * s.hidden * w  # combine accumulator of the layer output
+            rows["dispatch"] = Row(
+                "dispatch", base, bound + acc, bound=bound,
+                phase="layer" if run.recompute == "full" else "persistent",
+                source=f"alltoall dispatcher: R x (4H + 3F) x w per layer, R = {pairs:.3g} pairs (skew "
+                       f"{run.routing_skew:g}, worst {routed_pairs_worst(s, run):.3g}); PipelinedLLEP: chunk c={c_eff}")
+        if last:
+            rows["vocab"] = Row(
+                "vocab", vocab_baseline(s, run), vocab_ring_dtp(s, run, pf),
+                bound=vocab_ring_dtp(s, run, pf), phase="loss",
+                source=("fused" if run.cross_entropy_fusion else "native") + " vocab_parallel_cross_entropy: "
+                       f"T x V/tp x {w + 4 + (4 if run.cross_entropy_fusion else 0)} B; Ring-DTP: "
+                       "T/P x block x 4 + dW shard + dX + ring buffers")
+        reserve = RESERVE_FIXED + RESERVE_FRACTION * run.hbm_bytes
+        rows["reserve"] = Row("reserve", reserve, reserve,
+                              source="CUDA context, NCCL buffers, allocator fragmentation (2 GiB + 5% HBM)")
+        stages.append(StagePlan("first" if first and run.pp > 1 else ("last" if last and run.pp > 1 else "only"),
+                                n_layers, n_moe, inflight, rows, notes))
+    return Plan(s, run, pf, stages, c_eff, vocab_schedule(s, run, pf), budget_used)

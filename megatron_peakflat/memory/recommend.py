@@ -1,0 +1,132 @@
+"""Pick the peakflat knobs that fit a run into the HBM and host RAM given, or say why nothing fits.
+
+Start from the fastest knobs (large dispatch chunks, large vocabulary blocks, large optimizer
+buckets, 3 staging slots), give SCO the host RAM the optimizer leaves, then halve whichever knob's
+row is the largest in the binding stage until the total fits or every knob is at its floor.
+Smaller knobs only cost time (more chunks, blocks, buckets), never exactness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..config import PeakflatConfig
+from ..config_base import flag_name, format_bytes
+from ..dispatch.config import DispatchConfig
+from ..optimizer.config import OptimizerConfig
+from ..recompute.config import SCOConfig
+from ..vocab.config import VocabConfig
+from .model import GIB, Plan, RunConfig, plan
+from .shapes import ModelShape
+
+__all__ = ["Recommendation", "recommend", "FLOORS"]
+
+FLOORS = {"chunk_cap": 1024, "block_size": 1024, "bucket": 5_000_000}
+STARTS = {"chunk_cap": 16384, "block_size": 16384, "bucket": 100_000_000}
+
+
+@dataclass
+class Recommendation:
+    fits: bool
+    config: PeakflatConfig
+    plan: Plan
+    flags: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+
+def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
+    out: list[str] = []
+    if cfg.dispatch.impl != "megatron":
+        out += [flag_name(DispatchConfig, "impl"), cfg.dispatch.impl,
+                flag_name(DispatchConfig, "chunk_cap"), str(cfg.dispatch.chunk_cap)]
+    out += [flag_name(VocabConfig, "impl"), cfg.vocab.impl,
+            flag_name(VocabConfig, "schedule"), plan_.vocab_schedule,
+            flag_name(VocabConfig, "block_size"), str(cfg.vocab.block_size)]
+    if cfg.sco.enabled:
+        out += [flag_name(SCOConfig, "enabled"), flag_name(SCOConfig, "budget"), f"{cfg.sco.budget / GIB:.0f}GiB"]
+    if cfg.optimizer.impl != "megatron":
+        out += [flag_name(OptimizerConfig, "impl"), cfg.optimizer.impl,
+                flag_name(OptimizerConfig, "bucket"), f"{cfg.optimizer.bucket // 1_000_000}M",
+                flag_name(OptimizerConfig, "slots"), str(cfg.optimizer.slots)]
+    return out
+
+
+def _why(p: Plan) -> list[str]:
+    """Name the rows that no knob can shrink, largest first, each with its fix."""
+    st = p.worst("peakflat")
+    run = p.run
+    fixes = {
+        "parameters": "raise --expert-model-parallel-size or --pipeline-model-parallel-size, or use more GPUs",
+        "gradients": "raise --expert-model-parallel-size or --pipeline-model-parallel-size, or use more GPUs",
+        "optimizer": "the optimizer shard stays on the GPU because host RAM is short: raise --host-gib or DP",
+        "activations": "turn on --recompute-granularity full",
+        "layer working set": "raise --context-parallel-size or --tensor-model-parallel-size",
+        "boundaries": "the SCO budget cannot hold the boundaries: raise --host-gib or --context-parallel-size",
+        "dispatch": "raise --expert-model-parallel-size (the chunk is at its floor)",
+        "vocab": "raise --tensor-model-parallel-size or --context-parallel-size (the block is at its floor)",
+    }
+    out = [f"the {st.stage} stage needs {format_bytes(st.total('peakflat'))} per GPU with every knob at its floor, "
+           f"HBM is {format_bytes(run.hbm_bytes)}"]
+    rows = sorted((r for r in st.rows.values() if r.name != "reserve"), key=lambda r: -r.peakflat)
+    for r in rows[:3]:
+        if r.peakflat > 0:
+            out.append(f"{r.name}: {format_bytes(r.peakflat)}; fix: {fixes.get(r.name, '')}")
+    host = max(s.host("peakflat") for s in p.stages)
+    if host > run.host_bytes_per_rank:
+        out.append(f"host: {format_bytes(host)} per rank needed, {format_bytes(run.host_bytes_per_rank)} available "
+                   "(90% of --host-gib over the local ranks)")
+    return out
+
+
+def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None) -> Recommendation:
+    """Knobs for every component that make the worst stage fit ``run.hbm_bytes`` and the host share."""
+    base = base or PeakflatConfig()
+    disp = dataclasses.replace(base.dispatch, impl="pipelined-llep" if shape.experts else "megatron",
+                               chunk_cap=STARTS["chunk_cap"])
+    voc = dataclasses.replace(base.vocab, impl="ring-dtp", block_size=STARTS["block_size"])
+    opt = dataclasses.replace(base.optimizer, impl="offload-stream", bucket=STARTS["bucket"], slots=3)
+    sco = dataclasses.replace(base.sco, enabled=run.recompute == "full", budget=None)
+    cfg = PeakflatConfig(dispatch=disp, vocab=voc, sco=sco, optimizer=opt, general=base.general)
+
+    probe = plan(shape, run, cfg)
+    opt_host = max(s.rows["optimizer"].host_peakflat for s in probe.stages)
+    reasons: list[str] = []
+    if opt_host > run.host_bytes_per_rank:
+        cfg.optimizer = dataclasses.replace(cfg.optimizer, impl="megatron")
+        reasons.append(f"optimizer offload needs {format_bytes(opt_host)} host per rank, more than the "
+                       f"{format_bytes(run.host_bytes_per_rank)} available: the optimizer stays on the GPU")
+        opt_host = 0.0
+    if cfg.sco.enabled:
+        need = max(s.rows["boundaries"].baseline for s in probe.stages)
+        avail = max(0.0, run.host_bytes_per_rank - opt_host)
+        cfg.sco = dataclasses.replace(cfg.sco, budget=int(min(need, avail) // GIB + (1 if need < avail else 0)) * GIB)
+
+    for _ in range(64):
+        p = plan(shape, run, cfg)
+        if p.fits("peakflat"):
+            return Recommendation(True, cfg, p, _flags(cfg, p), reasons)
+        st = p.worst("peakflat")
+        live_phase = "layer" if sum(r.peakflat for r in st.rows.values() if r.phase == "layer") >= \
+            sum(r.peakflat for r in st.rows.values() if r.phase == "loss") else "loss"
+        candidates = []
+        if "dispatch" in st.rows and cfg.dispatch.impl != "megatron" and cfg.dispatch.chunk_cap > FLOORS["chunk_cap"] \
+                and st.rows["dispatch"].phase in ("persistent", live_phase):
+            candidates.append((st.rows["dispatch"].peakflat, "chunk_cap"))
+        if "vocab" in st.rows and cfg.vocab.block_size > FLOORS["block_size"] and live_phase == "loss":
+            candidates.append((st.rows["vocab"].peakflat, "block_size"))
+        if cfg.optimizer.impl != "megatron" and (cfg.optimizer.bucket > FLOORS["bucket"] or cfg.optimizer.slots > 2):
+            candidates.append((st.rows["optimizer"].peakflat, "bucket"))
+        if not candidates:
+            break
+        _, knob = max(candidates)
+        if knob == "chunk_cap":
+            cfg.dispatch = dataclasses.replace(cfg.dispatch, chunk_cap=cfg.dispatch.chunk_cap // 2)
+        elif knob == "block_size":
+            cfg.vocab = dataclasses.replace(cfg.vocab, block_size=cfg.vocab.block_size // 2)
+        elif cfg.optimizer.bucket > FLOORS["bucket"]:
+            cfg.optimizer = dataclasses.replace(cfg.optimizer, bucket=cfg.optimizer.bucket // 2)
+        else:
+            cfg.optimizer = dataclasses.replace(cfg.optimizer, slots=2)
+    p = plan(shape, run, cfg)
+    return Recommendation(False, cfg, p, _flags(cfg, p), reasons + _why(p))

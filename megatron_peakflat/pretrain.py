@@ -1,0 +1,145 @@
+"""``python -m megatron_peakflat.pretrain``: Megatron's GPT/MoE pretraining with the peakflat patches.
+
+Built on ``megatron.training`` from the megatron-core wheel, so no Megatron-LM checkout is needed.
+It takes every ``pretrain_gpt.py`` flag plus the ``--peakflat-*`` flags. The order of start-up is
+what makes bad input fail early:
+
+1. Megatron parses and validates its flags and ours (``extra_args_provider=add_args``);
+2. ``megatron_peakflat.apply(args)`` checks every peakflat value and combination, then patches;
+3. only then does Megatron build the model, the optimizer and the data.
+
+Users who keep their own ``pretrain_gpt.py`` make the same two-line change:
+``parse_and_validate_args(extra_args_provider=extra_args_provider, ...)`` and then
+``megatron_peakflat.apply(args)`` before ``pretrain(...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+
+import megatron_peakflat
+from megatron_peakflat.integration.attention import transformer_engine_available
+
+log = logging.getLogger("megatron_peakflat")
+
+
+def _default_argv(argv: list[str]) -> list[str]:
+    """Without Transformer Engine, Megatron's default ``--transformer-impl`` cannot build: use the local spec."""
+    if not transformer_engine_available() and not any(a.startswith("--transformer-impl") for a in argv):
+        log.info("peakflat: Transformer Engine not found; using --transformer-impl local")
+        argv = [*argv, "--transformer-impl", "local"]
+    return argv
+
+
+def extra_args_provider(parser: Any) -> Any:
+    """``add_args`` plus a fix for help strings that break ``--help`` (a bare '%' in megatron-core 0.19.2)."""
+    megatron_peakflat.add_args(parser)
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            try:
+                formatter._expand_help(action)
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
+    return parser
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Sum of masked per-token losses and the token count, as Megatron's pretrain_gpt reports them."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Any]:
+    """Megatron's GPT forward step. Ring-DTP enters through the patched ``GPTModel.forward``."""
+    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training import get_timers
+    from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank, is_first_or_last_pipeline_stage
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    if is_first_or_last_pipeline_stage(vp_stage):
+        batch = get_batch_on_this_cp_rank(get_batch_on_this_tp_rank(data_iterator))
+        tokens, labels, loss_mask, attention_mask, position_ids = batch.values()
+    else:
+        tokens = labels = loss_mask = attention_mask = position_ids = None
+    timers("batch-generator").stop()
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(num_samples: list[int], vp_stage: int | None = None) -> tuple:
+    """Megatron's GPT datasets: mock data with ``--mock-data``, indexed datasets with ``--data-path``."""
+    from megatron.core import parallel_state
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer, print_rank_0
+    from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
+
+    args = get_args()
+    if args.legacy_tokenizer:
+        tokenizer = get_tokenizer()
+    else:
+        from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer(args)
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0("> building GPT datasets (%s) ..." % dataset_type.__name__)
+
+    def built_on_rank() -> bool:
+        return is_first_or_last_pipeline_stage(vp_stage) and parallel_state.get_tensor_model_parallel_rank() == 0
+
+    return BlendedMegatronDatasetBuilder(dataset_type, num_samples, built_on_rank, config).build()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse Megatron's and peakflat's flags, apply the patches, and run Megatron's pretrain loop."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sys.argv = [sys.argv[0], *_default_argv(list(sys.argv[1:] if argv is None else argv))]
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=extra_args_provider,
+                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    try:
+        cfg = megatron_peakflat.apply(args)
+    except megatron_peakflat.PeakflatConfigError as e:
+        raise SystemExit(f"megatron-peakflat: {e}") from None
+    log.info("peakflat: components %s", {k: v for k, v in cfg.enabled.items()})
+    train_valid_test_datasets_provider.is_distributed = True  # type: ignore[attr-defined]
+    full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    from megatron_peakflat.integration import peaks
+
+    peaks.log_final_summary() if hasattr(peaks, "log_final_summary") else None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""User-facing Ring-DTP: ``ring_linear_cross_entropy``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .. import stats
+from .blocks import block_ops
+from .ring import RingLinearCrossEntropy, RingPlan
+
+__all__ = ["ring_linear_cross_entropy", "resolve_schedule"]
+
+log = logging.getLogger("megatron_peakflat")
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def resolve_schedule(schedule: str, max_tokens: int, vocab_size: int, ring_size: int) -> str:
+    """'auto' -> 'activations' when the tokens per rank are no more than V/P (they are the smaller thing
+    to move), else 'weights'."""
+    if schedule not in ("auto", "activations", "weights"):
+        raise ValueError(f"schedule={schedule!r}: use 'auto', 'activations' or 'weights'")
+    if schedule != "auto":
+        return schedule
+    return "activations" if max_tokens * ring_size <= vocab_size else "weights"
+
+
+def ring_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight_shard: torch.Tensor,
+    labels: torch.Tensor,
+    group: object | None = None,
+    *,
+    schedule: str = "auto",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "none",
+    block_size: int = 8192,
+    kernel: str = "auto",
+    vocab_size: int | None = None,
+    check_labels: bool = False,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ W.T`` where W's rows are sharded over ``group``; the logits never exist.
+
+    - ``hidden`` [n, h]: this rank's tokens (n may differ between ranks).
+    - ``weight_shard`` [v_p, h]: rows [sum of lower ranks' v_p, + v_p) of the vocabulary (Megatron's
+      vocab-parallel layout; shard sizes may differ).
+    - ``labels`` [n]: global vocabulary ids or ``ignore_index``.
+    - ``group``: the ring; None or a 1-rank group is the single-device path.
+
+    Returns the loss per token (fp32, 0 for ignored tokens) for ``reduction='none'``, else its sum or
+    its mean over non-ignored tokens. The result equals ``F.cross_entropy(hidden @ W.T, labels, ...)``
+    (PyTorch's label-smoothing definition) and so do the gradients of ``hidden`` and ``weight_shard``,
+    up to the summation order. The working set is ``n x block_size`` logits plus O(n) state per step.
+
+    ``vocab_size`` (optional) is checked against the sum of the shards, to catch a ``group`` that does
+    not match the weight sharding. ``check_labels`` checks every label (one host sync, collective).
+    Labels outside [0, V) are otherwise not detected: they behave as if their target logit were 0.
+    """
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [n, h], got shape {tuple(hidden.shape)}")
+    if weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight_shard must be [v_p, h={hidden.shape[1]}], got {tuple(weight_shard.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must be [n={hidden.shape[0]}], got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer class ids, got {labels.dtype}")
+    if hidden.dtype != weight_shard.dtype or hidden.dtype not in _DTYPES:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight_shard ({weight_shard.dtype}) must share one float dtype")
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction={reduction!r}: use 'none', 'sum' or 'mean'")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing}: must lie in [0, 1]")
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size}: must be positive")
+
+    size = 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
+    rank = 0 if size == 1 else dist.get_rank(group)
+    labels = labels.long().contiguous()
+    valid = labels != ignore_index
+
+    meta = torch.tensor([hidden.shape[0], hidden.shape[1], _DTYPES.index(hidden.dtype), weight_shard.shape[0]],
+                        dtype=torch.long)
+    if size > 1:
+        dev = hidden.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        gathered = [torch.empty_like(meta, device=dev) for _ in range(size)]
+        dist.all_gather(gathered, meta.to(dev), group=group)
+        rows = [t.cpu().tolist() for t in gathered]
+    else:
+        rows = [meta.tolist()]
+    hs = {r[1] for r in rows}
+    dts = {r[2] for r in rows}
+    if len(hs) > 1 or len(dts) > 1:
+        raise ValueError("ring ranks disagree on the hidden size or dtype: "
+                         + ", ".join(f"rank {i}: h={r[1]} {_DTYPES[r[2]]}" for i, r in enumerate(rows))
+                         + "; every rank of the ring group must pass hidden states of the same model")
+    tokens = tuple(r[0] for r in rows)
+    shard_rows = tuple(r[3] for r in rows)
+    V = sum(shard_rows)
+    if vocab_size is not None and V != vocab_size:
+        raise ValueError(f"the {size} shards of group hold {V} vocabulary rows ({list(shard_rows)}), not "
+                         f"vocab_size={vocab_size}: the group does not match the weight sharding")
+    if check_labels:
+        bad = valid & ((labels < 0) | (labels >= V))
+        nbad = torch.stack([bad.sum(), torch.where(bad, labels, torch.zeros_like(labels)).amax()
+                            if bad.any() else labels.new_zeros(())]).cpu()
+        if size > 1:
+            dev = hidden.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            t = nbad.to(dev)
+            dist.all_reduce(t, group=group)
+            nbad = t.cpu()
+        if int(nbad[0]):
+            raise ValueError(f"{int(nbad[0])} label(s) lie outside [0, {V}) and are not ignore_index={ignore_index} "
+                             f"(e.g. {int(nbad[1])} on this or another ring rank); fix the data or the vocabulary size")
+
+    plan = RingPlan(
+        group=group if size > 1 else None, rank=rank, size=size, tokens=tokens, shard_rows=shard_rows,
+        schedule=resolve_schedule(schedule, max(tokens), V, size) if size > 1 else "single",
+        block_size=block_size, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
+        ops=block_ops(kernel, hidden.device),
+    )
+    stats.record("vocab", "schedule", plan.schedule)
+    stats.record("vocab", "kernel", plan.ops.name)
+    stats.peak("vocab", "block_logits_bytes", hidden.shape[0] * min(block_size, max(shard_rows)) * 4)
+    stats.add("vocab", "calls", 1)
+
+    eff_labels = torch.where(valid, labels, torch.full_like(labels, -1))
+    loss = RingLinearCrossEntropy.apply(hidden.contiguous(), weight_shard.contiguous(), eff_labels, valid, plan)
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / valid.sum()
+    return loss

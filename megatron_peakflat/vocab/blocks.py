@@ -1,0 +1,86 @@
+"""One rank's work on one vocabulary shard, a block of ``block_size`` rows at a time.
+
+``fold_shard`` is the forward step (matmul + online log-sum-exp); ``grad_shard`` is the backward
+step (recompute the block, its softmax gradient, then dX and dW by matmul). The working set is one
+block of logits, ``n x block_size``, whatever the shard size: the [n, v_p] logits never exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .block_torch import fold_logits_torch, grad_logits_torch
+
+__all__ = ["BlockOps", "block_ops", "fold_shard", "grad_shard"]
+
+
+@dataclass(frozen=True)
+class BlockOps:
+    name: str
+    fold: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+    grad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def block_ops(kernel: str, device: torch.device) -> BlockOps:
+    """Resolve ``kernel`` ('auto' | 'triton' | 'torch') for tensors on ``device``."""
+    if kernel not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernel={kernel!r}: use 'auto', 'triton' or 'torch'")
+    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
+        return BlockOps("torch", fold_logits_torch, grad_logits_torch)
+    if device.type != "cuda":
+        raise ValueError(f"kernel='triton' needs CUDA tensors, got {device}; use kernel='torch' or 'auto'")
+    from .block_triton import fold_logits_triton, grad_logits_triton
+
+    return BlockOps("triton", fold_logits_triton, grad_logits_triton)
+
+
+_MM_OUT_DTYPE_OK: bool | None = None
+
+
+def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32; low-precision inputs keep the GEMM's fp32 result unrounded where
+    the backend supports it (``out_dtype`` on CUDA)."""
+    global _MM_OUT_DTYPE_OK
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda and _MM_OUT_DTYPE_OK is not False:
+        try:
+            acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+            _MM_OUT_DTYPE_OK = True
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE_OK = False
+    acc.add_(a @ b)
+
+
+def fold_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, state: torch.Tensor,
+               block_size: int, ops: BlockOps) -> None:
+    """Fold the logits ``x @ w.T`` of shard rows [vocab_start, vocab_start + len(w)) into ``state``."""
+    for b0 in range(0, w.shape[0], block_size):
+        wb = w[b0:b0 + block_size]
+        z = x @ wb.t()
+        ops.fold(z, labels - (vocab_start + b0), state)
+        del z
+
+
+def grad_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, coef: torch.Tensor,
+               dx_acc: torch.Tensor, dw: torch.Tensor, *, accumulate: bool, block_size: int, ops: BlockOps) -> None:
+    """Add this shard's contribution to ``dx_acc`` (fp32 [n, h]) and write (or add, ``accumulate``) ``dw`` [v, h].
+
+    Each block of logits is recomputed, turned into its gradient in place, then used by two matmuls.
+    Without ``accumulate`` dW is written once per block by one GEMM over all n tokens (fp32 inside).
+    """
+    for b0 in range(0, w.shape[0], block_size):
+        wb = w[b0:b0 + block_size]
+        d = ops.grad(x @ wb.t(), labels - (vocab_start + b0), coef)
+        _acc_mm(dx_acc, d, wb)
+        rows = dw[b0:b0 + wb.shape[0]]
+        if accumulate:
+            _acc_mm(rows, d.t(), x)
+        else:
+            torch.mm(d.t(), x, out=rows)
+        del d

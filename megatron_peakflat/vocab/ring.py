@@ -1,0 +1,209 @@
+"""The two Ring-DTP schedules and the autograd function that runs them.
+
+P ranks of a ring group each hold their own tokens and one contiguous vocabulary shard.
+- ``activations``: tokens travel with their (max, sum-exp, target, sum) state; each rank folds the
+  visiting tokens against its own shard. Backward sends tokens with (lse, coefficients) around again,
+  the visiting tokens' dX accumulator travels with them, and each rank accumulates dW of its own shard.
+- ``weights``: shards travel; each rank folds its own tokens against every shard. Backward sends the
+  shards around again with their dW accumulator, which arrives back at its owner after P hops.
+
+Each hop of the travelling input is posted (``batch_isend_irecv``: one send to the next rank and one
+receive from the previous, in the same order on every rank) before the local block work starts, so
+communication overlaps compute. The state/accumulator hop that depends on the local result follows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .blocks import BlockOps, fold_shard, grad_shard
+
+__all__ = ["RingPlan", "RingLinearCrossEntropy"]
+
+_TAG_INPUT, _TAG_STATE = 0, 8
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    group: object | None
+    rank: int
+    size: int
+    tokens: tuple[int, ...]
+    """Tokens held by each ring rank."""
+    shard_rows: tuple[int, ...]
+    """Vocabulary rows of each rank's shard; shard r starts at sum(shard_rows[:r])."""
+    schedule: str
+    """'activations' or 'weights' (resolved, identical on every rank)."""
+    block_size: int
+    ignore_index: int
+    label_smoothing: float
+    ops: BlockOps
+
+    @property
+    def vocab_size(self) -> int:
+        return sum(self.shard_rows)
+
+    def start(self, r: int) -> int:
+        return sum(self.shard_rows[:r])
+
+    def peer(self, offset: int) -> int:
+        """Global rank of the ring rank ``rank + offset``."""
+        r = (self.rank + offset) % self.size
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+
+def _shift(plan: RingPlan, sends: list[torch.Tensor], recvs: list[torch.Tensor], tag: int) -> list:
+    """Post one ring hop: each ``sends[i]`` to the next rank, ``recvs[i]`` from the previous one."""
+    nxt, prv = plan.peer(1), plan.peer(-1)
+    ops = []
+    for i, (s, r) in enumerate(zip(sends, recvs)):
+        ops.append(dist.P2POp(dist.isend, s, nxt, plan.group, tag + i))
+        ops.append(dist.P2POp(dist.irecv, r, prv, plan.group, tag + i))
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list | None) -> None:
+    for w in works or ():
+        w.wait()
+
+
+def _new_state(n: int, device: torch.device) -> torch.Tensor:
+    st = torch.zeros(4, n, dtype=torch.float32, device=device)
+    st[0].fill_(float("-inf"))
+    return st
+
+
+def _forward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    P, r = plan.size, plan.rank
+    own_start = plan.start(r)
+    cur_x, cur_l, cur_s = x, labels, _new_state(x.shape[0], x.device)
+    for k in range(P):
+        nsrc = (r - k - 1) % P
+        pending = None
+        if k < P - 1:
+            nx = x.new_empty(plan.tokens[nsrc], x.shape[1])
+            nl = labels.new_empty(plan.tokens[nsrc])
+            pending = _shift(plan, [cur_x, cur_l], [nx, nl], _TAG_INPUT)
+        fold_shard(cur_x, w, own_start, cur_l, cur_s, plan.block_size, plan.ops)
+        if P > 1:
+            ns = torch.empty(4, plan.tokens[nsrc], dtype=torch.float32, device=x.device)
+            _wait(_shift(plan, [cur_s], [ns], _TAG_STATE))
+            cur_s = ns
+        _wait(pending)
+        if k < P - 1:
+            cur_x, cur_l = nx, nl
+    return cur_s  # after P hops the state of this rank's own tokens is back home
+
+
+def _forward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    P, r = plan.size, plan.rank
+    state = _new_state(x.shape[0], x.device)
+    cur_w = w
+    for k in range(P):
+        src, nsrc = (r - k) % P, (r - k - 1) % P
+        pending = None
+        if k < P - 1:
+            nw = w.new_empty(plan.shard_rows[nsrc], w.shape[1])
+            pending = _shift(plan, [cur_w], [nw], _TAG_INPUT)
+        fold_shard(x, cur_w, plan.start(src), labels, state, plan.block_size, plan.ops)
+        _wait(pending)
+        if k < P - 1:
+            cur_w = nw
+    return state
+
+
+def _backward_single(plan, x, w, labels, coef):
+    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    dw = torch.empty_like(w)
+    grad_shard(x, w, 0, labels, coef, dx, dw, accumulate=False, block_size=plan.block_size, ops=plan.ops)
+    return dx.to(x.dtype), dw
+
+
+def _backward_activations(plan, x, w, labels, coef):
+    P, r = plan.size, plan.rank
+    own_start = plan.start(r)
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    cur_x, cur_l, cur_c = x, labels, coef
+    cur_dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for k in range(P):
+        nsrc = (r - k - 1) % P
+        pending = None
+        if k < P - 1:
+            nx = x.new_empty(plan.tokens[nsrc], x.shape[1])
+            nl = labels.new_empty(plan.tokens[nsrc])
+            nc = coef.new_empty(4, plan.tokens[nsrc])
+            pending = _shift(plan, [cur_x, cur_l, cur_c], [nx, nl, nc], _TAG_INPUT)
+        grad_shard(cur_x, w, own_start, cur_l, cur_c, cur_dx, dw, accumulate=True,
+                   block_size=plan.block_size, ops=plan.ops)
+        ndx = torch.empty(plan.tokens[nsrc], x.shape[1], dtype=torch.float32, device=x.device)
+        _wait(_shift(plan, [cur_dx], [ndx], _TAG_STATE))
+        cur_dx = ndx
+        _wait(pending)
+        if k < P - 1:
+            cur_x, cur_l, cur_c = nx, nl, nc
+    return cur_dx.to(x.dtype), dw.to(w.dtype)
+
+
+def _backward_weights(plan, x, w, labels, coef):
+    P, r = plan.size, plan.rank
+    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    cur_w = w
+    cur_dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    for k in range(P):
+        src, nsrc = (r - k) % P, (r - k - 1) % P
+        pending = None
+        if k < P - 1:
+            nw = w.new_empty(plan.shard_rows[nsrc], w.shape[1])
+            pending = _shift(plan, [cur_w], [nw], _TAG_INPUT)
+        grad_shard(x, cur_w, plan.start(src), labels, coef, dx, cur_dw, accumulate=True,
+                   block_size=plan.block_size, ops=plan.ops)
+        ndw = torch.empty(plan.shard_rows[nsrc], w.shape[1], dtype=torch.float32, device=w.device)
+        _wait(_shift(plan, [cur_dw], [ndw], _TAG_STATE))
+        cur_dw = ndw
+        _wait(pending)
+        if k < P - 1:
+            cur_w = nw
+    return dx.to(x.dtype), cur_dw.to(w.dtype)
+
+
+class RingLinearCrossEntropy(torch.autograd.Function):
+    """Per-token loss [n] (fp32) of ``hidden @ W.T`` against ``labels``, W sharded over ``plan``'s ring.
+
+    ``labels`` must already have ``ignore_index`` replaced by -1 (``valid`` marks the others).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                plan: RingPlan) -> torch.Tensor:
+        if plan.size == 1:
+            state = _new_state(hidden.shape[0], hidden.device)
+            fold_shard(hidden, weight, 0, labels, state, plan.block_size, plan.ops)
+        elif plan.schedule == "activations":
+            state = _forward_activations(plan, hidden, weight, labels)
+        else:
+            state = _forward_weights(plan, hidden, weight, labels)
+        eps = plan.label_smoothing
+        lse = state[0] + torch.log(state[1])
+        loss = lse - (1.0 - eps) * state[2] - (eps / plan.vocab_size) * state[3]
+        loss = torch.where(valid, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+        ctx.save_for_backward(hidden, weight, labels, valid, lse)
+        ctx.plan = plan
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        hidden, weight, labels, valid, lse = ctx.saved_tensors
+        plan: RingPlan = ctx.plan
+        g = torch.where(valid, grad_loss.float(), torch.zeros((), device=grad_loss.device))
+        eps = plan.label_smoothing
+        coef = torch.stack([lse, g, g * (1.0 - eps), g * (eps / plan.vocab_size)]).contiguous()
+        if plan.size == 1:
+            dx, dw = _backward_single(plan, hidden, weight, labels, coef)
+        elif plan.schedule == "activations":
+            dx, dw = _backward_activations(plan, hidden, weight, labels, coef)
+        else:
+            dx, dw = _backward_weights(plan, hidden, weight, labels, coef)
+        return dx, dw, None, None, None

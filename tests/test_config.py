@@ -1,0 +1,125 @@
+"""Flags parse, derive from the config dataclasses, and every bad value or combination fails early."""
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_peakflat import PeakflatConfig, PeakflatConfigError, add_args
+from megatron_peakflat.config_base import field_docs, parse_count, parse_size
+from megatron_peakflat.dispatch.config import DispatchConfig
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return add_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def megatron_args(**kw):
+    base = dict(num_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2,
+                expert_tensor_parallel_size=1, mtp_num_layers=None, recompute_granularity="full",
+                distribute_saved_activations=False, cpu_offloading=False, optimizer="adam",
+                use_distributed_optimizer=True)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_sizes_and_counts():
+    assert parse_size("16GiB") == 16 * 2**30
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("2e9") == 2_000_000_000
+    assert parse_size("1.5 GB") == 1_500_000_000
+    assert parse_count("100M") == 100_000_000
+    assert parse_count("2.5B") == 2_500_000_000
+    assert parse_count("50k") == 50_000
+    with pytest.raises(ValueError, match="unknown unit"):
+        parse_size("3 parsecs")
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+
+
+def test_defaults_change_nothing():
+    cfg = PeakflatConfig.from_args(parse(), validate=False)
+    assert cfg == PeakflatConfig()
+    assert not any(cfg.enabled.values())
+
+
+def test_flags_round_trip_into_config():
+    ns = parse("--peakflat-dispatch", "pipelined-llep", "--peakflat-dispatch-chunk-cap", "4096",
+               "--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule", "weights",
+               "--peakflat-sco", "--peakflat-sco-budget", "32GiB",
+               "--peakflat-optimizer", "offload-stream", "--peakflat-opt-bucket", "100M",
+               "--peakflat-attention", "sdpa", "--peakflat-report-peaks")
+    for k, v in vars(megatron_args()).items():
+        setattr(ns, k, v)
+    cfg = PeakflatConfig.from_args(ns)
+    assert cfg.dispatch.impl == "pipelined-llep" and cfg.dispatch.chunk_cap == 4096
+    assert cfg.vocab.impl == "ring-dtp" and cfg.vocab.schedule == "weights"
+    assert cfg.sco.enabled and cfg.sco.budget == 32 * 2**30
+    assert cfg.optimizer.impl == "offload-stream" and cfg.optimizer.bucket == 100_000_000
+    assert cfg.general.attention == "sdpa" and cfg.general.report_peaks
+    assert all(cfg.enabled.values())
+
+
+def test_every_field_has_a_flag_with_its_docstring():
+    parser = add_args(argparse.ArgumentParser())
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    docs = field_docs(DispatchConfig)
+    assert set(docs) >= {"impl", "chunk_cap", "alpha", "min_spill", "imbalance_threshold", "max_chunks"}
+    assert "--peakflat-dispatch" in helps and "least-loaded" in helps["--peakflat-dispatch"]
+    assert "--peakflat-dispatch-chunk-cap" in helps
+    assert all(h for f, h in helps.items() if f.startswith("--peakflat"))
+
+
+def test_unknown_choice_is_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        parse("--peakflat-vocab", "magic")
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--peakflat-dispatch-chunk-cap", "0"], "--peakflat-dispatch-chunk-cap"),
+        (["--peakflat-dispatch-alpha", "0.5"], "--peakflat-dispatch-alpha"),
+        (["--peakflat-dispatch-max-chunks", "0"], "--peakflat-dispatch-max-chunks"),
+        (["--peakflat-dispatch-imbalance-threshold", "0.9"], "--peakflat-dispatch-imbalance-threshold"),
+        (["--peakflat-dispatch-min-spill", "-1"], "--peakflat-dispatch-min-spill"),
+        (["--peakflat-vocab-block-size", "4"], "--peakflat-vocab-block-size"),
+        (["--peakflat-sco-prefetch", "-1"], "--peakflat-sco-prefetch"),
+        (["--peakflat-opt-slots", "5"], "--peakflat-opt-slots"),
+        (["--peakflat-opt-bucket", "0"], "--peakflat-opt-bucket"),
+    ],
+)
+def test_bad_values_name_flag_value_and_fix(argv, flag):
+    ns = parse(*argv)
+    with pytest.raises(PeakflatConfigError) as e:
+        PeakflatConfig.from_args(ns, validate=False).validate()
+    msg = str(e.value)
+    assert e.value.flag == flag and msg.startswith(flag + "=")
+    assert "Fix:" in msg and argv[1] in msg
+
+
+@pytest.mark.parametrize(
+    "argv, megatron, flag, words",
+    [
+        (["--peakflat-dispatch", "pipelined-llep"], dict(num_experts=None), "--peakflat-dispatch", "no MoE"),
+        (["--peakflat-dispatch", "pipelined-llep"], dict(moe_token_dispatcher_type="allgather"), "--peakflat-dispatch", "alltoall"),
+        (["--peakflat-dispatch", "pipelined-llep"], dict(expert_tensor_parallel_size=2), "--peakflat-dispatch", "expert tensor"),
+        (["--peakflat-dispatch", "pipelined-llep"], dict(num_experts=6, expert_model_parallel_size=4), "--peakflat-dispatch", "divisible"),
+        (["--peakflat-vocab", "ring-dtp"], dict(mtp_num_layers=1), "--peakflat-vocab", "multi-token"),
+        (["--peakflat-sco"], dict(recompute_granularity=None), "--peakflat-sco", "--recompute-granularity full"),
+        (["--peakflat-sco"], dict(recompute_granularity="selective"), "--peakflat-sco", "--recompute-granularity full"),
+        (["--peakflat-sco"], dict(distribute_saved_activations=True), "--peakflat-sco", "distribute-saved-activations"),
+        (["--peakflat-sco"], dict(cpu_offloading=True), "--peakflat-sco", "cpu-offloading"),
+        (["--peakflat-optimizer", "offload-stream"], dict(optimizer="sgd"), "--peakflat-optimizer", "--optimizer adam"),
+        (["--peakflat-optimizer", "offload-stream"], dict(use_distributed_optimizer=False), "--peakflat-optimizer", "--use-distributed-optimizer"),
+    ],
+)
+def test_incompatible_combinations_fail_at_startup(argv, megatron, flag, words):
+    ns = parse(*argv)
+    for k, v in vars(megatron_args(**megatron)).items():
+        setattr(ns, k, v)
+    with pytest.raises(PeakflatConfigError) as e:
+        PeakflatConfig.from_args(ns)
+    assert e.value.flag == flag
+    assert words in str(e.value)

@@ -1,0 +1,199 @@
+"""PipelinedLLEP without Megatron: the plan, the chunk routes, exactness on 1/2/4 gloo ranks, config errors.
+
+Exactness: output, input gradient, probs gradient and every expert weight gradient against the
+plain-PyTorch ``reference_moe`` (all experts on one rank, no chunking) on the same weights and rows,
+for balanced routing, 95% of tokens on one expert, and all tokens on one expert, with K = 1, 2, 7 and
+K chosen from the chunk cap. fp32, 1e-5 relative; bitwise at one rank and K = 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_peakflat.config_base import PeakflatConfigError
+from megatron_peakflat.dispatch.api import llep_moe, plan_layer
+from megatron_peakflat.dispatch.config import DispatchConfig
+from megatron_peakflat.dispatch.plan import chunk_routes, least_loaded_plan
+from megatron_peakflat.dispatch.reference import ReferenceExperts, reference_moe
+from megatron_peakflat.testing.distributed import run_distributed
+
+# ---------------------------------------------------------------- the plan on hand-made loads
+
+
+def _check_plan(load, ep, alpha, **kw):
+    plan = least_loaded_plan(np.array(load), ep, alpha=alpha, **kw)
+    assert (plan.assign >= 0).all()
+    np.testing.assert_array_equal(plan.assign.sum(1), load)  # every token assigned exactly once
+    return plan
+
+
+def test_plan_balanced_is_plain_ep():
+    plan = _check_plan([10, 10, 10, 10, 11, 9, 10, 10], 4, 1.0, imbalance_threshold=1.3)
+    assert not plan.rebalanced
+    assert plan.helpers(2) == []
+    np.testing.assert_array_equal(plan.assign.argmax(1), np.arange(8) // 2)
+
+
+def test_plan_hot_expert_spills_to_least_loaded_within_capacity():
+    load = [1000, 10, 10, 10, 10, 10, 10, 10]  # expert 0 on rank 0 holds most tokens
+    plan = _check_plan(load, 4, 1.0, min_spill=1, imbalance_threshold=1.3)
+    assert plan.rebalanced
+    cap = int(np.ceil(sum(load) / 4))
+    assert plan.rank_load.max() <= cap, plan.rank_load  # every rank within alpha x mean
+    assert {r for e, r in plan.helpers(2)} == {1, 2, 3}
+    assert plan.assign[0, 0] > 0  # the home keeps what fits
+
+
+def test_plan_alpha_and_min_spill():
+    load = [900, 0, 50, 50, 0, 0, 0, 0]
+    plan = _check_plan(load, 4, 1.2, min_spill=1, imbalance_threshold=1.0)
+    cap = int(np.ceil(1.2 * sum(load) / 4))
+    assert plan.rank_load.max() <= cap
+    # a large min_spill forbids small spills: the remainder goes to one helper in one piece
+    plan2 = _check_plan(load, 4, 1.0, min_spill=10_000, imbalance_threshold=1.0)
+    spills = [int(plan2.assign[e, r]) for e, r in plan2.helpers(2)]
+    assert len(spills) == 1, plan2.assign
+    assert plan2.rebalanced
+
+
+def test_plan_all_on_one_expert_and_determinism():
+    load = [0, 0, 0, 0, 0, 4096, 0, 0]
+    a = _check_plan(load, 4, 1.0, min_spill=0, imbalance_threshold=1.3)
+    b = _check_plan(load, 4, 1.0, min_spill=0, imbalance_threshold=1.3)
+    np.testing.assert_array_equal(a.assign, b.assign)
+    np.testing.assert_array_equal(a.rank_load, [1024] * 4)
+    with pytest.raises(ValueError, match="alpha"):
+        least_loaded_plan(np.array(load), 4, alpha=0.5)
+    with pytest.raises(ValueError, match="multiple"):
+        least_loaded_plan(np.array(load), 3)
+
+
+def test_plan_random_loads_property():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ep = int(rng.choice([1, 2, 4, 8]))
+        E = ep * int(rng.integers(1, 5))
+        load = rng.integers(0, 50, E) * (rng.random(E) < 0.3) + rng.integers(0, 3, E)
+        alpha = float(rng.choice([1.0, 1.1, 1.5]))
+        plan = _check_plan(load, ep, alpha, min_spill=int(rng.integers(0, 20)), imbalance_threshold=1.0)
+        if plan.rebalanced and plan.helpers(E // ep):
+            # spilling never raises the most loaded rank above plain EP's
+            assert plan.rank_load.max() <= load.reshape(ep, -1).sum(1).max()
+
+
+def test_chunk_routes_conserve_pairs():
+    rng = np.random.default_rng(1)
+    counts = rng.integers(0, 9, (4, 3, 8))  # [P, K, E]
+    plan = least_loaded_plan(counts.sum((0, 1)), 4, alpha=1.0, min_spill=0, imbalance_threshold=1.0)
+    routes = chunk_routes(counts, plan.assign)
+    np.testing.assert_array_equal(routes.sum(3), counts.transpose(1, 0, 2))
+    zero = plan.assign == 0  # no rows for (expert, rank) the plan does not use
+    assert (routes.sum((0, 1))[zero] == 0).all()
+
+
+# ---------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("chunk_cap", 0, "--peakflat-dispatch-chunk-cap"),
+    ("alpha", 0.5, "--peakflat-dispatch-alpha"),
+    ("max_chunks", 0, "--peakflat-dispatch-max-chunks"),
+    ("min_spill", -1, "--peakflat-dispatch-min-spill"),
+    ("imbalance_threshold", 0.9, "--peakflat-dispatch-imbalance-threshold"),
+])
+def test_config_errors_name_the_flag(field, value, flag):
+    with pytest.raises(PeakflatConfigError, match=flag):
+        DispatchConfig(impl="pipelined-llep", **{field: value}).validate()
+
+
+def test_bad_arguments():
+    bank = ReferenceExperts([torch.randn(4, 2)] * 2, [torch.randn(2, 2)] * 2)
+    with pytest.raises(ValueError, match="num_chunks"):
+        llep_moe(torch.randn(3, 2), torch.rand(3, 2), torch.ones(3, 2, dtype=torch.bool), bank, None,
+                 DispatchConfig(), num_chunks=0)
+    with pytest.raises(ValueError, match="experts"):
+        llep_moe(torch.randn(3, 2), torch.rand(3, 4), torch.ones(3, 4, dtype=torch.bool), bank, None, DispatchConfig())
+
+
+# ---------------------------------------------------------------- exactness on 1, 2, 4 ranks
+
+H, F, TOPK = 12, 10, 2
+
+
+def make_routing(T: int, E: int, k: int, skew: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router-like (probs [T, E], routing_map [T, E]); ``skew`` puts a share of tokens on expert 1."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g)
+    share = {"balanced": 0.0, "hot95": 0.95, "all": 1.0}[skew]
+    hot = torch.rand(T, generator=g) < share
+    logits[hot, 1] += 100.0
+    top = logits.topk(k, dim=1).indices
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top, True)
+    probs = torch.softmax(logits.clamp(max=20), dim=1)
+    return probs, routing_map
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
+    torch.manual_seed(0)
+    E = 4 * world if world < 4 else 8
+    e_p = E // world
+    g = torch.Generator().manual_seed(1234)
+    fc1 = [torch.randn(2 * F, H, generator=g) * 0.3 for _ in range(E)]
+    fc2 = [torch.randn(H, F, generator=g) * 0.3 for _ in range(E)]
+    group = dist.group.WORLD
+    results = []
+    T = 23 + 4 * rank  # ranks hold different token counts: K must still agree
+    for skew in ("balanced", "hot95", "all"):
+        for k, chunks in ((TOPK, 1), (TOPK, 2), (TOPK, 7), (TOPK, None), (1, 3)):
+            probs, rmap = make_routing(T, E, k, skew, seed=100 * rank + 7)
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 50), requires_grad=True)
+            probs.requires_grad_(True)
+            cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=16, max_chunks=5, alpha=1.0, min_spill=2,
+                                 imbalance_threshold=1.1)
+            bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p])
+            sched = plan_layer(rmap, bank, group, cfg, num_chunks=chunks)
+            out = llep_moe(x, probs, rmap, bank, group, cfg, num_chunks=chunks)
+            gout = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 99))
+            params = [p for i in range(e_p) for p in bank.expert_params(i)]
+            got = torch.autograd.grad(out, [x, probs, *params], gout)
+
+            w1 = [w.clone().requires_grad_(True) for w in fc1]
+            w2 = [w.clone().requires_grad_(True) for w in fc2]
+            ref = reference_moe(x, probs, rmap, w1, w2)
+            want = torch.autograd.grad(ref, [x, probs, *w1, *w2], gout, allow_unused=True, materialize_grads=True)
+            wgrads = torch.stack([torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in zip(want[2:2 + E], want[2 + E:])])
+            dist.all_reduce(wgrads)  # the reference's weight gradient summed over every rank's rows
+            name = f"{skew},k={k},K={chunks},rank={rank}"
+            errs = [_rel(out, ref), _rel(got[0], want[0]), _rel(got[1], want[1])]
+            for i in range(e_p):
+                mine = torch.cat([got[2 + 2 * i].reshape(-1), got[3 + 2 * i].reshape(-1)])
+                errs.append(_rel(mine, wgrads[rank * e_p + i]))
+            bitwise = world == 1 and chunks == 1 and bool((out == ref).all())
+            if chunks is not None:
+                assert sched.K == chunks
+            if skew == "all" and world > 1:
+                assert sched.plan.rebalanced and sched.plan.helpers(e_p), name  # weights really moved
+            results.append((name, max(errs), bitwise, sched.K))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_exact_against_reference(world):
+    per_rank = run_distributed(exactness_worker, world, timeout=240)
+    ks = {}
+    for rank_results in per_rank:
+        for name, err, bitwise, K in rank_results:
+            assert err <= 1e-5, (name, err)
+            ks.setdefault(name.rsplit(",rank", 1)[0], set()).add(K)
+    assert all(len(v) == 1 for v in ks.values()), ks  # every rank ran the same K
+    assert any(K > 1 for v in ks.values() for K in v)  # the chunk cap really split the layer
+    if world == 1:
+        assert any(b for _, _, b, _ in per_rank[0])

@@ -1,0 +1,241 @@
+"""SCO on a plain PyTorch model (torch.utils.checkpoint, reentrant): exactness, budget, bounds, pool."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from megatron_peakflat import stats
+from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool, checkpoint_chunks, resolve_budget
+from megatron_peakflat.testing.live_bytes import LiveBytesMeter
+
+S, B, H = 24, 3, 40  # odd shape; boundary = S*B*H*4 bytes
+BOUNDARY = S * B * H * 4
+
+
+class Chunk(torch.nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.up = torch.nn.Linear(h, 3 * h)
+        self.down = torch.nn.Linear(3 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _model(layers: int, seed: int = 0) -> torch.nn.ModuleList:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(Chunk(H) for _ in range(layers))
+
+
+def _x(seed: int = 1) -> torch.Tensor:
+    return torch.randn(S, B, H, generator=torch.Generator().manual_seed(seed))
+
+
+def _step(model, x, offloader):
+    for p in model.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_(True)
+    out = checkpoint_chunks(list(model), x, offloader)
+    loss = (out.float() ** 2).mean()
+    loss.backward()
+    return loss.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _offloader(budget: int = 1 << 30, prefetch: int = 1) -> BoundaryOffloader:
+    return BoundaryOffloader(TorchHostPool(budget, pin=False), prefetch=prefetch)
+
+
+@pytest.mark.parametrize("layers,prefetch", [(1, 1), (5, 0), (5, 1), (6, 3)])
+def test_bitwise_equal_and_counts(layers, prefetch):
+    model, x = _model(layers), _x()
+    ref = _step(model, x, None)
+    off = _offloader(prefetch=prefetch)
+    for it in range(3):  # the pool is reused across iterations: no new host allocation after the first
+        got = _step(model, x, off)
+        assert torch.equal(got[0], ref[0])
+        assert torch.equal(got[1], ref[1])
+        assert got[2].keys() == ref[2].keys()
+        for n in ref[2]:
+            assert torch.equal(got[2][n], ref[2][n]), n
+        assert off.packed == layers * (it + 1)
+        # the last boundary of the group stays on the device (backward needs it first)
+        assert off.offloaded == (layers - 1) * (it + 1)
+        assert off.pool.in_use == 0
+        assert off.pool.allocations == layers - 1
+        assert off.offloaded_bytes_live == 0
+
+
+def test_budget_keeps_the_last_layers_on_device():
+    layers, fit = 6, 2
+    off = _offloader(budget=fit * BOUNDARY + BOUNDARY // 2)
+    model, x = _model(layers), _x()
+    handles: list = []
+    original = off._pack
+
+    def spy(t):
+        h = original(t)
+        if not isinstance(h, torch.Tensor):
+            handles.append(h)
+        return h
+
+    off._pack = spy
+    ref = _step(model, x, None)
+    got = _step(model, x, off)
+    assert torch.equal(got[0], ref[0]) and all(torch.equal(got[2][n], ref[2][n]) for n in ref[2])
+    assert off.pool.reserved <= off.pool.budget
+    assert off.pool.peak_in_use == fit * BOUNDARY
+    assert [int(h.offloaded) for h in handles] == [1] * fit + [0] * (layers - fit)  # first layers offloaded, the last stay
+    assert off.offloaded == fit
+
+
+def test_only_the_boundary_is_offloaded():
+    """Other tensors saved by the same checkpoint (a mask, a rotary table) are left alone."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(H, H)
+    mask = torch.rand(S, B, H) > 0.5
+    rope = torch.randn(S, 1, H)
+
+    def fn(x, m, r):
+        return lin(x * r).masked_fill(m, 0.0) + x
+
+    off = _offloader()
+    x = _x().requires_grad_(True)
+    with off.group():
+        with off.boundary(x):
+            y = torch.utils.checkpoint.checkpoint(fn, x, mask, rope, use_reentrant=True)
+        with off.boundary(y):
+            z = torch.utils.checkpoint.checkpoint(fn, y, mask, rope, use_reentrant=True)
+    assert off.packed == 2 and off.offloaded == 1
+    assert off.pool.peak_in_use == BOUNDARY  # neither mask nor rope took a slot
+    z.sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = torch.utils.checkpoint.checkpoint(fn, x2, mask, rope, use_reentrant=True)
+    torch.utils.checkpoint.checkpoint(fn, y2, mask, rope, use_reentrant=True).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def _live_at_backward_start(layers: int, offloader: BoundaryOffloader | None) -> int:
+    model, x = _model(layers), _x().requires_grad_(True)
+    if offloader is not None:
+        offloader.pool.reserve(BOUNDARY, layers)  # host slots exist before the meter: not device bytes
+    with LiveBytesMeter() as meter:
+        out = checkpoint_chunks(list(model), x, offloader)
+        loss = (out ** 2).mean()
+        live = meter.live
+        loss.backward()
+    return live
+
+
+def test_live_bytes_do_not_grow_with_depth():
+    base = {n: _live_at_backward_start(n, None) for n in (2, 4, 8)}
+    sco = {n: _live_at_backward_start(n, _offloader()) for n in (2, 4, 8)}
+    # without SCO every boundary stays: 4 more layers keep 4 more boundaries
+    assert base[8] - base[4] == 4 * BOUNDARY and base[4] - base[2] == 2 * BOUNDARY
+    # with SCO only the last boundary and the output stay, whatever the depth
+    assert sco[2] == sco[4] == sco[8]
+    assert sco[8] <= base[2]
+
+
+def test_live_bytes_respect_the_budget_rule():
+    """Boundaries past the budget stay on the device: live bytes grow by exactly those."""
+    fit = 3
+    live = {n: _live_at_backward_start(n, _offloader(budget=fit * BOUNDARY)) for n in (4, 6)}
+    assert live[6] - live[4] == 2 * BOUNDARY
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_prefetch_bounds_boundaries_back_on_device(prefetch):
+    layers = 6
+    off = _offloader(prefetch=prefetch)
+    counts: list[tuple[int, int]] = []
+    model = _model(layers)
+
+    def probe(i):
+        def fn(x):
+            if torch.is_grad_enabled():  # recompute during backward
+                handles = [h for g in list(off._live_groups) for h in g.live()]
+                counts.append((i, sum(h.device_tensor is not None for h in handles)))
+            return model[i](x)
+        return fn
+
+    x = _x().requires_grad_(True)
+    out = checkpoint_chunks([probe(i) for i in range(layers)], x, off)
+    out.sum().backward()
+    assert [i for i, _ in counts] == list(reversed(range(layers)))
+    for i, n in counts:
+        assert n == min(1 + prefetch, i + 1) or (prefetch == 0 and n == 1), (i, n)
+
+
+def test_graph_dropped_without_backward_returns_slots():
+    off = _offloader()
+    model = _model(4)
+    out = checkpoint_chunks(list(model), _x().requires_grad_(True), off)
+    assert off.pool.in_use == 3 * BOUNDARY
+    del out
+    gc.collect()
+    assert off.pool.in_use == 0 and off.offloaded_bytes_live == 0
+
+
+def test_stats_and_log(caplog):
+    stats.reset()
+    off = _offloader()
+    model = _model(3)
+    with caplog.at_level(logging.INFO, logger="megatron_peakflat"):
+        for _ in range(2):
+            _step(model, _x(), off)
+    lines = [r.getMessage() for r in caplog.records if "SCO (first" in r.getMessage()]
+    assert len(lines) == 1 and "6 boundaries" not in lines[0] and "3 boundaries packed, 2 offloaded" in lines[0]
+    snap = stats.snapshot()["sco"]
+    assert snap["boundaries_packed"] == 6 and snap["boundaries_offloaded"] == 4
+    assert snap["device_bytes_saved_peak"] == 2 * BOUNDARY
+
+
+def test_pool_budget_and_resolve(caplog):
+    pool = TorchHostPool(100, pin=False)
+    a = pool.acquire(60)
+    assert a is not None and pool.acquire(60) is None  # would exceed the budget
+    pool.release(a)
+    b = pool.acquire(50)  # reuses the free 60-byte slot (within 2x)
+    assert b is a and pool.allocations == 1
+    pool.release(b)
+    c = pool.acquire(90)  # drops the free slot to make room
+    assert c is not None and pool.reserved == 90
+    with pytest.raises(RuntimeError):
+        pool.release(c), pool.release(c)
+    assert resolve_budget(None, available=8 << 30, local_ranks=4) == (8 << 30) // 2 // 4
+    with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
+        assert resolve_budget(100 << 30, available=8 << 30, local_ranks=2) == int((8 << 30) * 0.9) // 2
+    assert any("clamped" in r.getMessage() for r in caplog.records)
+    assert resolve_budget(1 << 20, available=8 << 30, local_ranks=2) == 1 << 20
+
+
+def test_pool_degrades_when_pinning_fails(monkeypatch, caplog):
+    real_empty = torch.empty
+
+    def failing_empty(*a, **k):
+        if k.get("pin_memory"):
+            raise RuntimeError("cudaHostAlloc failed: out of memory")
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    pool = TorchHostPool(1000, pin=True)
+    with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
+        slot = pool.acquire(100)
+    assert slot is not None and not pool.pinned
+    assert any("pageable" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="prefetch"):
+        BoundaryOffloader(TorchHostPool(0, pin=False), prefetch=-1)
+    with pytest.raises(ValueError, match="budget"):
+        TorchHostPool(-1, pin=False)
+    off = _offloader()
+    with pytest.raises(RuntimeError, match="inside group"):
+        with off.boundary(_x()):
+            pass
