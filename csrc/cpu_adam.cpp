@@ -57,7 +57,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN -> canon
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Scalar path: the same operations as the vector path, with the lerp's fused multiply-add explicit,
+// Scalar path: the same operations as the vector path, with every fused multiply-add explicit,
 // so that both paths agree bit for bit. Compiled without FP contraction.
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
@@ -71,9 +71,7 @@ void adam_scalar(float* p, const void* g, bool g_bf16, float* m, float* v, void*
     const float mv0 = m[i];
     const float base = c.lerp_small ? mv0 : gv;
     const float mv = std::fma(c.lerp_coeff, gv - mv0, base);
-    const float a = v[i] * c.beta2;
-    const float b = (c.sq_coeff * gv) * gv;
-    const float vv = a + b;
+    const float vv = std::fma(c.sq_coeff * gv, gv, v[i] * c.beta2);  // ATen's build contracts this one
     m[i] = mv;
     v[i] = vv;
     const float denom = (std::sqrt(vv) / c.bc2_sqrt) + c.eps;
@@ -119,7 +117,7 @@ __attribute__((target("avx2,fma"))) void adam_avx2(float* p, const void* g, bool
     __m256 mv = _mm256_loadu_ps(m + i);
     __m256 base = c.lerp_small ? mv : gv;
     mv = _mm256_fmadd_ps(coeff, _mm256_sub_ps(gv, mv), base);
-    __m256 vv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i), beta2), _mm256_mul_ps(_mm256_mul_ps(sq, gv), gv));
+    __m256 vv = _mm256_fmadd_ps(_mm256_mul_ps(sq, gv), gv, _mm256_mul_ps(_mm256_loadu_ps(v + i), beta2));
     _mm256_storeu_ps(m + i, mv);
     _mm256_storeu_ps(v + i, vv);
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2), eps);

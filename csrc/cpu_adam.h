@@ -8,8 +8,9 @@ namespace peakflat {
 // One AdamW step, in place, on contiguous CPU tensors of equal length:
 //   param, exp_avg, exp_avg_sq: float32; grad: float32 or bfloat16;
 //   param_out (optional): float32 or bfloat16, receives the updated param (what is uploaded).
-// The arithmetic is ATen's fused CPU AdamW (decoupled weight decay, lerp for exp_avg, amsgrad off),
-// operation for operation, so results are bitwise equal to torch._fused_adamw_ on the same inputs.
+// The arithmetic follows ATen's fused CPU AdamW (decoupled weight decay, lerp for exp_avg, amsgrad off)
+// operation for operation, including the multiply-adds that ATen's build fuses; exp_avg and exp_avg_sq
+// match torch._fused_adamw_ bitwise, the param within one ulp on a small fraction of elements.
 // `threads` <= 0 means std::thread::hardware_concurrency(). Releases no Python state: the binding
 // drops the GIL around it.
 void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,

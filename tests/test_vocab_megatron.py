@@ -40,13 +40,14 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
 
     install_cpu_shim()
     init_megatron_parallel(tp=world)
-    variants = [("moe", dict(), dict(moe=True)),
-                ("shared-emb", dict(), dict(moe=True, share_embeddings=True))]
+    variants = [("moe", dict(), dict(moe=True), ["auto"] if world == 1 else ["activations"]),
+                ("shared-emb", dict(), dict(moe=True, share_embeddings=True), ["auto"] if world == 1 else ["weights"])]
     if world > 1:
-        variants.append(("dense-no-sp", dict(num_moe_experts=None, sequence_parallel=False), dict(moe=False)))
+        variants.append(("dense-no-sp", dict(num_moe_experts=None, sequence_parallel=False), dict(moe=False),
+                         ["activations", "weights"]))
     done = []
-    for vi, (name, cfg_over, build_kw) in enumerate(variants):
-        for schedule in (["auto"] if world == 1 else ["activations", "weights"]):
+    for vi, (name, cfg_over, build_kw, schedules) in enumerate(variants):
+        for schedule in schedules:
             torch.manual_seed(1234 + vi)
             model = build_tiny_gpt(tiny_transformer_config(**cfg_over), vocab_size=V, seq_len=16, **build_kw)
             batch = gpt_batch(seq_len=16, micro_batch=3, vocab_size=V, seed=vi)

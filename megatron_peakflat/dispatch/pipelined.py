@@ -86,7 +86,8 @@ class _PipelinedMoE(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         foreign = exchange_weights(sched, bank, group)
         foreign = {e: w.detach().requires_grad_(True) for e, w in foreign.items()}
-        local, weights = _segments(sched, bank, foreign)
+        with torch.enable_grad():  # views of the received weights must carry grad
+            local, weights = _segments(sched, bank, foreign)
         like = bank.expert_params(0)
         gx = torch.zeros_like(x)
         gp = torch.zeros_like(probs)

@@ -85,7 +85,8 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
     tp = dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
     s_local, b, h = hidden_states.shape
     labels_sb = labels.transpose(0, 1)  # [s, b]
-    common = dict(schedule=cfg.schedule, block_size=cfg.block_size, kernel=cfg.kernel, check_labels=cfg.check_labels)
+    common = dict(schedule=cfg.schedule, block_size=cfg.block_size, kernel=cfg.kernel, accumulate=cfg.accumulate,
+                  check_labels=cfg.check_labels)
     if tp == 1:
         loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, labels_sb.reshape(-1), None, **common)
         return loss.view(s_local, b).transpose(0, 1).contiguous()
@@ -134,7 +135,7 @@ def wrap_gpt_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]
         if reason is not None:
             _say_once("peakflat vocab: Megatron's own output layer and loss used: %s", reason)
             return original_forward(self, *args, **kwargs)
-        _say_once("peakflat vocab: Ring-DTP loss (schedule=%s, block=%d rows, kernel=%s); logits are not built",
+        _say_once("peakflat vocab: Ring-DTP loss (schedule=%s, block=%s rows, kernel=%s); logits are not built",
                   cfg.vocab.schedule, cfg.vocab.block_size, cfg.vocab.kernel)
         kwargs["output_processor"] = ring_output_processor
         return original_forward(self, *args, **kwargs)

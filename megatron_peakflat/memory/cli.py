@@ -229,7 +229,7 @@ def _all_on(pf: PeakflatConfig, shape: ModelShape, run: RunConfig) -> PeakflatCo
 
 
 def _gib(x: float | None) -> str:
-    return "-" if x is None else f"{x / GIB:9.2f}"
+    return f"{'-':>9s}" if x is None else f"{x / GIB:9.2f}"
 
 
 def render(pl: Plan, rec: Recommendation) -> str:

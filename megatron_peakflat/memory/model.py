@@ -310,9 +310,13 @@ def llep_bound(s: ModelShape, run: RunConfig, c: int) -> float:
 # in w bytes; vocab_parallel_cross_entropy (tensor_parallel/cross_entropy.py) keeps an fp32 softmax
 # of the whole logits for backward (+4 bytes); the fused variant keeps an fp32 logits copy as well
 # (+4). Anchors: N x V x 6 = 36.8 GiB, N x V x 10 = 61.4 GiB at N=32768, V=201088.
-# Ring-DTP (vocab/config.py): tokens x block x 4 bytes of block logits, the bf16 dX and dW of the
+# Ring-DTP (vocab/config.py): 3 x tokens x block x 4 bytes of block logits and temporaries, the bf16 dX and dW of the
 # local shard, and the travelling ring buffer (send + receive) of activations or weight shards.
 # ----------------------------------------------------------------------------------------------
+
+BLOCK_TEMPORARIES = 3
+"""fp32 [tokens, block] buffers alive at once in Ring-DTP's block step (measured, torch kernel)."""
+
 
 def vocab_baseline(s: ModelShape, run: RunConfig) -> float:
     T = run.seq_len * run.micro_batch / run.cp
@@ -332,7 +336,10 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     n = run.seq_len * run.micro_batch / run.cp / P
     shard = s.vocab / P
     block = min(pf.vocab.block_size, shard)
-    ws = n * block * 4 + shard * s.hidden * run.w + n * s.hidden * run.w
+    # Three fp32 [n, block] temporaries are alive at once in the plain-PyTorch block kernel
+    # (vocab/block_torch.py: logits, their exp / softmax, the gradient block), measured with
+    # LiveBytesMeter; the config's "n x block x 4" counts one. The fused Triton kernel needs fewer.
+    ws = BLOCK_TEMPORARIES * n * block * 4 + shard * s.hidden * run.w + n * s.hidden * run.w
     if P > 1:
         travelling = n * s.hidden if vocab_schedule(s, run, pf) == "activations" else shard * s.hidden
         ws += 2 * travelling * run.w

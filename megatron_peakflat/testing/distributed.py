@@ -1,4 +1,4 @@
-"""Run a test function in N gloo processes and surface any rank's failure.
+"""Run a function in N processes (gloo on CPU, or nccl) and surface any rank's failure.
 
 Guarantees:
 - every rank runs ``fn(rank, world_size, *args)`` inside an initialised default process group
@@ -44,6 +44,7 @@ def _worker(
     errors: Any,
     results: Any,
     timeout_s: float,
+    backend: str,
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -57,8 +58,10 @@ def _worker(
 
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             rank=rank,
             world_size=world_size,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -78,9 +81,11 @@ def _worker(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, backend: str = "gloo"
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
+
+    ``backend`` is gloo (CPU, the default) or nccl (one GPU per rank, for the demo on GPU machines).
 
     Raises DistributedTestError naming every failed rank with its traceback. Results must be
     picklable; they are returned ordered by rank.
@@ -92,7 +97,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, errors, results, timeout),
+            args=(r, world_size, port, fn, args, errors, results, timeout, backend),
             daemon=False,
         )
         for r in range(world_size)

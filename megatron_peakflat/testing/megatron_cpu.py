@@ -164,9 +164,14 @@ def install_cpu_shim() -> None:
     backends.WrappedTorchNorm = _SPTorchNorm  # type: ignore[misc]
 
 
-def init_megatron_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, seed: int = 1234, **kwargs: Any) -> None:
-    """``initialize_model_parallel`` on the already-initialised gloo default group, plus Megatron's RNG."""
-    install_cpu_shim()
+def init_megatron_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, seed: int = 1234,
+                           cpu: bool = True, **kwargs: Any) -> None:
+    """``initialize_model_parallel`` on the already-initialised default group, plus Megatron's RNG.
+
+    With ``cpu=True`` (tests) the CPU shim is installed first; ``cpu=False`` leaves CUDA alone.
+    """
+    if cpu:
+        install_cpu_shim()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

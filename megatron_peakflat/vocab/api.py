@@ -11,11 +11,21 @@ from .. import stats
 from .blocks import block_ops
 from .ring import RingLinearCrossEntropy, RingPlan
 
-__all__ = ["ring_linear_cross_entropy", "resolve_schedule"]
+__all__ = ["ring_linear_cross_entropy", "resolve_schedule", "auto_block_size", "AUTO_BLOCK_BYTES"]
 
 log = logging.getLogger("megatron_peakflat")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+AUTO_BLOCK_BYTES = 128 * 2**20
+
+
+def auto_block_size(tokens: int, element_size: int) -> int:
+    """Vocabulary rows per block so that one [tokens, rows] block of logits is about AUTO_BLOCK_BYTES
+    (a multiple of 256 rows, between 256 and 16384): big enough for efficient GEMMs, small next to dW."""
+    rows = AUTO_BLOCK_BYTES // max(1, tokens * element_size)
+    return int(min(16384, max(256, rows // 256 * 256)))
 
 
 def resolve_schedule(schedule: str, max_tokens: int, vocab_size: int, ring_size: int) -> str:
@@ -38,8 +48,9 @@ def ring_linear_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "none",
-    block_size: int = 8192,
+    block_size: int = 0,
     kernel: str = "auto",
+    accumulate: str = "fp32",
     vocab_size: int | None = None,
     check_labels: bool = False,
 ) -> torch.Tensor:
@@ -55,6 +66,11 @@ def ring_linear_cross_entropy(
     its mean over non-ignored tokens. The result equals ``F.cross_entropy(hidden @ W.T, labels, ...)``
     (PyTorch's label-smoothing definition) and so do the gradients of ``hidden`` and ``weight_shard``,
     up to the summation order. The working set is ``n x block_size`` logits plus O(n) state per step.
+
+    ``block_size`` rows of the shard are folded at a time (0: rows such that one block of logits is
+    about ``AUTO_BLOCK_BYTES``). ``accumulate='fp32'`` sums dX over vocabulary blocks (and dW over ring
+    steps) in fp32; ``'input'`` sums in the gradients' dtype, one rounding per block, which keeps bf16
+    training at the gradient floor (no fp32 copy of dX) at a small cost in bf16 rounding.
 
     ``vocab_size`` (optional) is checked against the sum of the shards, to catch a ``group`` that does
     not match the weight sharding. ``check_labels`` checks every label (one host sync, collective).
@@ -74,8 +90,10 @@ def ring_linear_cross_entropy(
         raise ValueError(f"reduction={reduction!r}: use 'none', 'sum' or 'mean'")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing}: must lie in [0, 1]")
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size}: must be positive")
+    if block_size < 0:
+        raise ValueError(f"block_size={block_size}: must be positive (or 0 for automatic)")
+    if accumulate not in ("fp32", "input"):
+        raise ValueError(f"accumulate={accumulate!r}: use 'fp32' or 'input'")
 
     size = 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
     rank = 0 if size == 1 else dist.get_rank(group)
@@ -116,11 +134,13 @@ def ring_linear_cross_entropy(
             raise ValueError(f"{int(nbad[0])} label(s) lie outside [0, {V}) and are not ignore_index={ignore_index} "
                              f"(e.g. {int(nbad[1])} on this or another ring rank); fix the data or the vocabulary size")
 
+    if block_size == 0:
+        block_size = auto_block_size(max(tokens), hidden.element_size())
     plan = RingPlan(
         group=group if size > 1 else None, rank=rank, size=size, tokens=tokens, shard_rows=shard_rows,
         schedule=resolve_schedule(schedule, max(tokens), V, size) if size > 1 else "single",
         block_size=block_size, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
-        ops=block_ops(kernel, hidden.device),
+        ops=block_ops(kernel, hidden.device), acc_dtype_fp32=accumulate == "fp32",
     )
     stats.record("vocab", "schedule", plan.schedule)
     stats.record("vocab", "kernel", plan.ops.name)

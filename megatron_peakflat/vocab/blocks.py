@@ -41,20 +41,24 @@ _MM_OUT_DTYPE_OK: bool | None = None
 
 
 def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` fp32; low-precision inputs keep the GEMM's fp32 result unrounded where
-    the backend supports it (``out_dtype`` on CUDA)."""
+    """``acc += a @ b`` in place. Same dtypes: one GEMM with beta=1 (fp32 inside, one rounding to acc's
+    dtype). An fp32 ``acc`` with low-precision inputs: the GEMM writes its fp32 result straight into
+    ``acc`` where the backend supports ``out_dtype`` (CUDA), else a temporary is added."""
     global _MM_OUT_DTYPE_OK
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
     if a.is_cuda and _MM_OUT_DTYPE_OK is not False:
         try:
-            acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             _MM_OUT_DTYPE_OK = True
             return
         except (TypeError, RuntimeError, NotImplementedError):
             _MM_OUT_DTYPE_OK = False
-    acc.add_(a @ b)
+    if not a.is_cuda:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # CPU: exact fp32 products of the low-precision inputs
+        return
+    acc.add_((a @ b).to(acc.dtype))
 
 
 def fold_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, state: torch.Tensor,

@@ -41,6 +41,11 @@ class RingPlan:
     ignore_index: int
     label_smoothing: float
     ops: BlockOps
+    acc_dtype_fp32: bool = True
+    """Accumulate dX (and a travelling or visited dW) in fp32; else in the gradients' own dtype."""
+
+    def acc_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return torch.float32 if self.acc_dtype_fp32 else t.dtype
 
     @property
     def vocab_size(self) -> int:
@@ -116,7 +121,7 @@ def _forward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: t
 
 
 def _backward_single(plan, x, w, labels, coef):
-    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    dx = torch.zeros(x.shape, dtype=plan.acc_dtype(x), device=x.device)
     dw = torch.empty_like(w)
     grad_shard(x, w, 0, labels, coef, dx, dw, accumulate=False, block_size=plan.block_size, ops=plan.ops)
     return dx.to(x.dtype), dw
@@ -125,9 +130,9 @@ def _backward_single(plan, x, w, labels, coef):
 def _backward_activations(plan, x, w, labels, coef):
     P, r = plan.size, plan.rank
     own_start = plan.start(r)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    dw = torch.zeros(w.shape, dtype=plan.acc_dtype(w), device=w.device)
     cur_x, cur_l, cur_c = x, labels, coef
-    cur_dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    cur_dx = torch.zeros(x.shape, dtype=plan.acc_dtype(x), device=x.device)
     for k in range(P):
         nsrc = (r - k - 1) % P
         pending = None
@@ -138,7 +143,7 @@ def _backward_activations(plan, x, w, labels, coef):
             pending = _shift(plan, [cur_x, cur_l, cur_c], [nx, nl, nc], _TAG_INPUT)
         grad_shard(cur_x, w, own_start, cur_l, cur_c, cur_dx, dw, accumulate=True,
                    block_size=plan.block_size, ops=plan.ops)
-        ndx = torch.empty(plan.tokens[nsrc], x.shape[1], dtype=torch.float32, device=x.device)
+        ndx = torch.empty(plan.tokens[nsrc], x.shape[1], dtype=plan.acc_dtype(x), device=x.device)
         _wait(_shift(plan, [cur_dx], [ndx], _TAG_STATE))
         cur_dx = ndx
         _wait(pending)
@@ -149,9 +154,9 @@ def _backward_activations(plan, x, w, labels, coef):
 
 def _backward_weights(plan, x, w, labels, coef):
     P, r = plan.size, plan.rank
-    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    dx = torch.zeros(x.shape, dtype=plan.acc_dtype(x), device=x.device)
     cur_w = w
-    cur_dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    cur_dw = torch.zeros(w.shape, dtype=plan.acc_dtype(w), device=w.device)
     for k in range(P):
         src, nsrc = (r - k) % P, (r - k - 1) % P
         pending = None
@@ -160,7 +165,7 @@ def _backward_weights(plan, x, w, labels, coef):
             pending = _shift(plan, [cur_w], [nw], _TAG_INPUT)
         grad_shard(x, cur_w, plan.start(src), labels, coef, dx, cur_dw, accumulate=True,
                    block_size=plan.block_size, ops=plan.ops)
-        ndw = torch.empty(plan.shard_rows[nsrc], w.shape[1], dtype=torch.float32, device=w.device)
+        ndw = torch.empty(plan.shard_rows[nsrc], w.shape[1], dtype=plan.acc_dtype(w), device=w.device)
         _wait(_shift(plan, [cur_dw], [ndw], _TAG_STATE))
         cur_dw = ndw
         _wait(pending)

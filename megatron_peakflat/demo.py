@@ -1,0 +1,232 @@
+"""``python -m megatron_peakflat.demo``: the main job on its built-in defaults (``make demo``).
+
+It trains a small Megatron-Core MoE GPT twice on the same data and the same initial weights:
+once as Megatron ships it, once with every peakflat component that is available. It prints both
+loss curves side by side (they must agree: the components change schedules, not math), a table of
+the four peaks with what each component did, and the planner's table for a real model.
+
+With CUDA it runs one rank per GPU over NCCL. Without, it runs 2 ranks on CPU with gloo through the
+Megatron-on-CPU shim from ``megatron_peakflat.testing`` and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import math
+import sys
+import time
+from typing import Any
+
+import torch
+
+from .config_base import format_bytes
+
+log = logging.getLogger("megatron_peakflat")
+
+PEAKS = [
+    ("expert dispatch", "MoELayer alltoall dispatcher", "dispatch", "PipelinedLLEP"),
+    ("vocabulary projection", "output layer + cross-entropy", "vocab", "Ring-DTP"),
+    ("checkpoint boundaries", "full-recompute boundary inputs", "sco", "SCO"),
+    ("optimizer state", "Adam state on the GPU / HybridDeviceOptimizer", "optimizer", "OffloadStreamAdamW"),
+]
+
+
+def available_components() -> dict[str, str | None]:
+    """For each component: None when its integration imports, else the reason it is not available."""
+    from .integration.registry import PATCHES
+
+    out: dict[str, str | None] = {}
+    for comp in ("dispatch", "vocab", "sco", "optimizer"):
+        reason = None
+        for p in PATCHES:
+            if p.component != comp:
+                continue
+            mod, fn = p.factory.split(":")
+            try:
+                getattr(importlib.import_module(mod), fn)
+            except (ImportError, AttributeError) as e:
+                reason = f"{type(e).__name__}: {e}"
+                break
+        out[comp] = reason
+    return out
+
+
+def _demo_batches(n: int, seq: int, mb: int, vocab: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Sequences that count upward modulo vocab from a random start: learnable, so the loss falls."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start = torch.randint(0, vocab, (mb, 1), generator=g)
+        step = torch.randint(1, 4, (mb, 1), generator=g)
+        seq_tokens = (start + step * torch.arange(seq + 1)) % vocab
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1).view(1, 1, seq, seq).expand(mb, 1, -1, -1)
+        out.append({
+            "tokens": seq_tokens[:, :-1].contiguous(),
+            "labels": seq_tokens[:, 1:].contiguous(),
+            "loss_mask": torch.ones(mb, seq),
+            "position_ids": torch.arange(seq).unsqueeze(0).expand(mb, -1).contiguous(),
+            "attention_mask": mask.contiguous(),
+        })
+    return out
+
+
+def _run(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """One rank: train with peakflat off, then on, from the same weights and data."""
+    import megatron_peakflat
+    from megatron_peakflat import stats
+    from megatron_peakflat.config import GeneralConfig, PeakflatConfig
+    from megatron_peakflat.dispatch.config import DispatchConfig
+    from megatron_peakflat.optimizer.config import OptimizerConfig
+    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.testing.live_bytes import LiveBytesMeter
+    from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, init_megatron_parallel, tiny_transformer_config
+    from megatron_peakflat.testing.train_loop import build_training, train_steps
+    from megatron_peakflat.vocab.config import VocabConfig
+
+    cuda = opts["cuda"]
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    import warnings
+
+    warnings.filterwarnings("ignore")  # Megatron warns at length about absent TE/apex; the header says it
+    logging.basicConfig(level=logging.WARNING, format="[rank%d] %%(message)s" % rank)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    init_megatron_parallel(tp=1, ep=world, cpu=not cuda)
+    on = opts["components"]
+    batches = _demo_batches(opts["steps"] * opts["microbatches"], opts["seq"], opts["mb"], opts["vocab"], seed=11)
+
+    def one_run(peakflat: bool) -> dict[str, Any]:
+        megatron_peakflat.remove()
+        stats.reset()
+        cfg = PeakflatConfig(
+            dispatch=DispatchConfig(impl="pipelined-llep" if peakflat and "dispatch" in on else "megatron",
+                                    chunk_cap=opts["chunk_cap"]),
+            vocab=VocabConfig(impl="ring-dtp" if peakflat and "vocab" in on else "megatron"),
+            sco=SCOConfig(enabled=peakflat and "sco" in on),
+            optimizer=OptimizerConfig(impl="offload-stream" if peakflat and "optimizer" in on else "megatron"),
+            general=GeneralConfig(attention="sdpa"),
+        )
+        megatron_peakflat.apply(cfg)
+        torch.manual_seed(1234)
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234, inference_rng_tracker=not cuda)
+        tcfg = tiny_transformer_config(
+            num_layers=opts["layers"], hidden_size=opts["hidden"], num_attention_heads=4, ffn_hidden_size=2 * opts["hidden"],
+            num_moe_experts=opts["experts"], moe_router_topk=2, moe_ffn_hidden_size=opts["hidden"],
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        )
+        model = build_tiny_gpt(tcfg, vocab_size=opts["vocab"], seq_len=opts["seq"])
+        if cuda:
+            model.cuda()
+        offload = cfg.optimizer.impl != "megatron"
+        setup = build_training(model, tcfg, seq_len=opts["seq"], micro_batch=opts["mb"], lr=3e-3,
+                               optimizer_cpu_offload=offload)
+        t0 = time.perf_counter()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            losses = train_steps(setup, batches, num_microbatches=opts["microbatches"], device=device)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+        else:
+            losses = train_steps(setup, batches[: opts["microbatches"]], num_microbatches=opts["microbatches"])
+            with LiveBytesMeter() as meter:  # one metered step: the meter slows every op
+                train_steps(setup, batches[opts["microbatches"]: 2 * opts["microbatches"]],
+                            num_microbatches=opts["microbatches"])
+            losses = train_steps(setup, batches[2 * opts["microbatches"]:], num_microbatches=opts["microbatches"])
+            peak = meter.peak
+        elapsed = time.perf_counter() - t0
+        return {"losses": list(setup.losses), "peak": peak, "seconds": elapsed, "stats": stats.snapshot(),
+                "enabled": cfg.enabled}
+
+    off = one_run(False)
+    on_run = one_run(True)
+    megatron_peakflat.remove()
+    return {"off": off, "on": on_run}
+
+
+def _print_report(res: dict[str, Any], opts: dict[str, Any], unavailable: dict[str, str | None]) -> bool:
+    off, on = res["off"], res["on"]
+    print("\n== loss curves (same weights, same data) ==")
+    print(f"{'step':>4}  {'megatron':>12}  {'peakflat':>12}  {'|diff|':>10}")
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(off["losses"], on["losses"])):
+        d = abs(a - b)
+        worst = max(worst, d / max(abs(a), 1e-12))
+        print(f"{i + 1:>4}  {a:12.6f}  {b:12.6f}  {d:10.2e}")
+    agree = worst <= opts["rtol"] and len(off["losses"]) == len(on["losses"]) and all(map(math.isfinite, on["losses"]))
+    print(f"largest relative difference {worst:.2e} -> {'AGREE' if agree else 'DISAGREE'} (tolerance {opts['rtol']:.0e})")
+
+    print("\n== the four peaks ==")
+    print(f"{'peak':22s} {'Megatron part':44s} {'component':18s} {'status':14s} what it did")
+    for peak, part, comp, name in PEAKS:
+        if unavailable.get(comp):
+            status, did = "not available", unavailable[comp][:60]
+        elif on["enabled"].get(comp):
+            status = "on"
+            st = on["stats"].get(comp, {})
+            did = ", ".join(f"{k}={v}" for k, v in st.items()) or "(recorded nothing)"
+        else:
+            status, did = "off", ""
+        print(f"{peak:22s} {part:44s} {name:18s} {status:14s} {did}")
+    where = "GPU max_memory_allocated" if opts["cuda"] else "live bytes of one step (CPU meter)"
+    print(f"\nwhole-step peak ({where}): megatron {format_bytes(off['peak'])}, peakflat {format_bytes(on['peak'])}")
+    print(f"time: megatron {off['seconds']:.1f} s, peakflat {on['seconds']:.1f} s "
+          "(tiny model: the schedules' overhead, not their benefit, shows at this size)")
+    return agree
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
+    ap.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, or 2 on CPU)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--mb", type=int, default=2, help="micro-batch size")
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--chunk-cap", type=int, default=32, help="PipelinedLLEP chunk cap (small, so chunking shows)")
+    ap.add_argument("--rtol", type=float, default=1e-4, help="loss agreement tolerance (fp32)")
+    ap.add_argument("--no-plan", action="store_true", help="skip the planner table at the end")
+    a = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
+    world = a.world or (torch.cuda.device_count() if cuda else 2)
+    if world > 1 and a.experts % world:
+        raise SystemExit(f"--experts {a.experts} must be divisible by --world {world} (EP = world)")
+    if cuda:
+        print(f"megatron-peakflat demo: {world} rank(s) on CUDA ({torch.cuda.get_device_name()}), NCCL")
+    else:
+        print(f"megatron-peakflat demo: no CUDA here, so {world} ranks run on CPU with gloo through the "
+              "Megatron-on-CPU shim (megatron_peakflat.testing); GPU figures come from bench/ on a GPU machine")
+    unavailable = available_components()
+    comps = [c for c, why in unavailable.items() if why is None]
+    print(f"components available: {', '.join(comps) or 'none'}; "
+          f"not available: {', '.join(c for c, w in unavailable.items() if w) or 'none'}")
+    print(f"model: Megatron-Core GPTModel, {a.layers} layers, hidden {a.hidden}, {a.experts} experts top-2, "
+          f"vocab {a.vocab}, seq {a.seq}, EP={world}, full recompute, distributed optimizer, {a.steps} steps")
+    opts = dict(vars(a), cuda=cuda, components=comps)
+    from .testing.distributed import run_distributed
+
+    t0 = time.perf_counter()
+    results = run_distributed(_run, world, opts, timeout=1800, backend="nccl" if cuda else "gloo")
+    print(f"(both runs took {time.perf_counter() - t0:.0f} s)")
+    ok = _print_report(results[0], opts, unavailable)
+    if not a.no_plan:
+        print("\n== peak planner: gpt-oss-120b at 1M context on 16 GPUs ==")
+        try:
+            from .plan import main as plan_main
+
+            plan_main(["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16"])
+        except ImportError as e:
+            print(f"planner not available: {e}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Host memory for the optimizer state: one large (pinned) region carved into flat buffers.
+
+The region comes from the native ``HostPool`` (one mmap, one ``cudaHostRegister``) when the
+extension is built, else from one torch byte tensor registered through ``torch.cuda.cudart()``.
+Either way a single registration covers the whole state: torch's caching host allocator would round
+a 42 GB request up to 64 GB. Pinning that fails falls back to pageable memory with a warning.
+Before anything is allocated, ``check_host_budget`` refuses a state that does not fit this rank's
+share of the node's available memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+from ..config_base import format_bytes
+
+__all__ = ["HostMemoryError", "HostRegion", "check_host_budget", "mem_available"]
+
+log = logging.getLogger("megatron_peakflat")
+
+
+class HostMemoryError(RuntimeError):
+    """The pinned optimizer state would not fit this rank's share of host memory."""
+
+
+def mem_available(path: str = "/proc/meminfo") -> int | None:
+    """MemAvailable in bytes, or None where /proc/meminfo is unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_budget(need: int, *, what: str, available: int | None = None,
+                      local_world_size: int | None = None) -> int | None:
+    """Raise HostMemoryError when ``need`` bytes exceed MemAvailable / LOCAL_WORLD_SIZE; return the share."""
+    avail = mem_available() if available is None else available
+    if avail is None:
+        log.warning("peakflat optimizer: /proc/meminfo unreadable; cannot check %s of host memory", format_bytes(need))
+        return None
+    ranks = local_world_size if local_world_size is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    share = avail // max(1, ranks)
+    if need > share:
+        raise HostMemoryError(
+            f"OffloadStreamAdamW needs {format_bytes(need)} of host memory for {what} on this rank, but this rank's "
+            f"share is {format_bytes(share)} (MemAvailable {format_bytes(avail)} / LOCAL_WORLD_SIZE={ranks}). "
+            f"Fix: shard the state over more data-parallel ranks (--use-distributed-optimizer with a larger DP size), "
+            f"run fewer ranks per node, or keep part of the state on the GPU (--peakflat-optimizer megatron with "
+            f"--optimizer-offload-fraction < 1).")
+    return share
+
+
+class HostRegion:
+    """``nbytes`` of zeroed host memory, pinned when ``pin`` and possible, carved into typed tensors."""
+
+    def __init__(self, nbytes: int, *, pin: bool, ext: ModuleType | None):
+        self.nbytes = int(nbytes)
+        self.pinned = False
+        self.pin_error = ""
+        self._pool = None
+        self._bytes: torch.Tensor | None = None
+        self._used = 0
+        self._registered_ptr = 0
+        pin = pin and torch.cuda.is_available()
+        if ext is not None:
+            self._pool = ext.HostPool(self.nbytes, pin)
+            self.pinned, self.pin_error = bool(self._pool.pinned), str(self._pool.pin_error)
+            self.backend = "native HostPool"
+        else:
+            self._bytes = torch.zeros(self.nbytes, dtype=torch.uint8)
+            self.backend = "torch"
+            if pin:
+                err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self.nbytes, 0)
+                if int(err) == 0:
+                    self.pinned, self._registered_ptr = True, self._bytes.data_ptr()
+                else:
+                    self.pin_error = f"cudaHostRegister returned {err}"
+        if pin and not self.pinned:
+            log.warning("peakflat optimizer: pinning %s of host memory failed (%s); using pageable memory, "
+                        "host<->GPU copies will be slower", format_bytes(self.nbytes), self.pin_error)
+
+    def carve(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled 1-D tensor of ``numel`` elements inside the region (256-byte aligned)."""
+        if self._pool is not None:
+            return self._pool.carve(int(numel), dtype)
+        size = torch.empty((), dtype=dtype).element_size()
+        off = (self._used + 255) // 256 * 256
+        end = off + numel * size
+        if end > self.nbytes:
+            raise MemoryError(f"HostRegion: {end} bytes needed, {self.nbytes} reserved")
+        self._used = end
+        assert self._bytes is not None
+        return self._bytes[off:end].view(dtype)
+
+    def __del__(self) -> None:
+        if self._registered_ptr:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass

@@ -1,0 +1,66 @@
+"""SDPAttention equals Megatron's DotProductAttention (outputs and input gradients), causal and padded."""
+
+import torch
+
+from megatron_peakflat.testing import run_distributed
+
+
+def _compare(rank, world_size):
+    from megatron_peakflat.testing.megatron_cpu import init_megatron_parallel, tiny_transformer_config
+
+    init_megatron_parallel(tp=world_size)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_peakflat.integration.attention import sdpa_core_attention_class
+
+    SDPAttention = sdpa_core_attention_class()
+    results = []
+    s, b, hn = 37, 2, 16
+    for groups, mask_type, mask_kind in [
+        (4, AttnMaskType.causal, None),
+        (4, AttnMaskType.causal, "causal"),
+        (2, AttnMaskType.causal, None),
+        (4, AttnMaskType.padding, "padding"),
+        (2, AttnMaskType.padding, "padding"),
+    ]:
+        cfg = tiny_transformer_config(num_attention_heads=4, num_query_groups=groups, kv_channels=hn,
+                                      hidden_size=64, num_moe_experts=None)
+        ref = DotProductAttention(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self")
+        ours = SDPAttention(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self")
+        np_ = 4 // world_size
+        ng = groups // world_size
+        g = torch.Generator().manual_seed(7)
+        q = torch.randn(s, b, np_, hn, generator=g)
+        k = torch.randn(s, b, ng, hn, generator=g)
+        v = torch.randn(s, b, ng, hn, generator=g)
+        mask = None
+        if mask_kind == "causal":
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1).view(1, 1, s, s)
+        elif mask_kind == "padding":
+            valid = torch.tensor([s, s - 9])
+            keys = torch.arange(s).view(1, 1, 1, s) >= valid.view(b, 1, 1, 1)
+            mask = keys.expand(b, 1, s, s)
+        outs, grads = [], []
+        for mod in (ref, ours):
+            qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+            out = mod(qi, ki, vi, mask, attn_mask_type=mask_type)
+            out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+            outs.append(out.detach())
+            grads.append([t.grad for t in (qi, ki, vi)])
+        assert outs[0].shape == outs[1].shape == (s, b, np_ * hn)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        for gr, go in zip(*grads):
+            torch.testing.assert_close(go, gr, rtol=1e-5, atol=1e-5)
+        results.append((groups, str(mask_type), mask_kind))
+    return results
+
+
+def test_sdpa_matches_dot_product_attention_world1():
+    (res,) = run_distributed(_compare, 1)
+    assert len(res) == 5
+
+
+def test_sdpa_matches_dot_product_attention_tp2():
+    res = run_distributed(_compare, 2)
+    assert all(len(r) == 5 for r in res)

@@ -1,0 +1,258 @@
+"""Planner CLI (presets, Megatron flags, errors, JSON, plot), the region meter and the runtime report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pytest
+
+from megatron_peakflat.memory import meter
+from megatron_peakflat.memory.cli import build, main
+from megatron_peakflat.memory.model import GIB, plan
+from megatron_peakflat.memory.recommend import recommend
+from megatron_peakflat.memory.shapes import PRESETS
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv) + (["--hbm-gib", "80"] if "--hbm-gib" not in argv else []) +
+              (["--host-gib", "1024"] if "--host-gib" not in argv else []))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_each_preset_runs(capsys, name):
+    rc, out, _ = run_cli(capsys, "--preset", name, "--seq-len", "131072", "--gpus", "64")
+    assert rc == 0
+    assert "binding peak" in out and "recommended" in out
+    for row in ("parameters", "optimizer", "boundaries", "dispatch", "vocab"):
+        assert row in out
+
+
+def test_demo_command_names_binding_peak(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16")
+    assert rc == 0
+    assert "TP1 PP1 CP8 DP2 EP16" in out
+    assert "baseline: " in out and "binding peak 'vocab'" in out  # 131K tokens x 201K vocab x 6 B
+    assert "does NOT fit" in out.split("baseline:")[1].splitlines()[0]
+    assert "--peakflat-sco-budget" in out
+
+
+def test_json_output_and_fit_logic(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "gpt-oss-20b", "--seq-len", "65536", "--gpus", "8", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["run"]["seq_len"] == 65536 and doc["model"]["experts"] == 32
+    st = doc["stages"][0]
+    assert st["total_peakflat_gib"] < st["total_baseline_gib"]
+    assert set(st["rows"]) >= {"parameters", "gradients", "optimizer", "boundaries", "dispatch", "vocab"}
+    assert doc["recommended"]["fits"] is True and doc["recommended"]["total_gib"] <= 80
+
+
+def test_megatron_args_match_preset(capsys):
+    flags = ("--num-layers 24 --hidden-size 2880 --ffn-hidden-size 2880 --num-attention-heads 64 "
+             "--group-query-attention --num-query-groups 8 --kv-channels 64 --num-experts 32 --moe-router-topk 4 "
+             "--moe-ffn-hidden-size 2880 --padded-vocab-size 201088 --swiglu --untie-embeddings-and-output-weights "
+             "--seq-length 32768 --micro-batch-size 1 --bf16 --use-distributed-optimizer "
+             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+             "--expert-model-parallel-size 8 --lr 1e-4 --peakflat-dispatch-chunk-cap 4096")
+    shape, run, pf, _, ignored = build(["--megatron-args", flags, "--gpus", "8", "--hbm-gib", "80", "--host-gib", "512"])
+    ref = PRESETS["gpt-oss-20b"]
+    for f in ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "topk", "moe_ffn",
+              "gated", "tied_embeddings"):
+        assert getattr(shape, f) == getattr(ref, f), f
+    assert run.seq_len == 32768 and run.ep == 8 and run.recompute == "full" and run.precision == "bf16"
+    assert pf.dispatch.chunk_cap == 4096 and pf.dispatch.impl == "pipelined-llep"
+    assert ignored == ["--lr"]
+    # Planner flags win over --megatron-args.
+    _, run2, pf2, _, _ = build(["--megatron-args", flags, "--gpus", "8", "--seq-len", "1024", "--ep", "4",
+                                "--peakflat-dispatch-chunk-cap", "2048", "--hbm-gib", "80", "--host-gib", "512"])
+    assert run2.seq_len == 1024 and run2.ep == 4 and pf2.dispatch.chunk_cap == 2048
+
+
+def test_megatron_args_without_recompute_or_bf16_mean_none_and_fp32():
+    _, run, _, _, _ = build(["--megatron-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                             "--seq-length 128", "--gpus", "1", "--hbm-gib", "80", "--host-gib", "64"])
+    assert run.recompute == "none" and run.precision == "fp32"
+
+
+@pytest.mark.parametrize("argv,flag,value", [
+    (["--preset", "gpt-oss-120b", "--seq-len", "-5"], "--seq-len", "-5"),
+    (["--preset", "gpt-oss-120b", "--gpus", "0"], "--gpus", "0"),
+    (["--preset", "gpt-oss-120b", "--tp", "3", "--gpus", "6"], "--tp", "3"),
+    (["--preset", "gpt-oss-120b", "--ep", "3", "--gpus", "6"], "--ep", "3"),
+    (["--preset", "gpt-oss-120b", "--ep", "-2"], "--ep", "-2"),
+    (["--preset", "gpt-oss-121b"], "--preset", "gpt-oss-121b"),
+    (["--preset", "gpt-oss-120b", "--hbm-gib", "-1"], "--hbm-gib", "-1"),
+    (["--preset", "gpt-oss-120b", "--gpus", "12", "--cp", "8"], "--gpus", "12"),
+    (["--preset", "gpt-oss-120b", "--peakflat-dispatch-chunk-cap", "0"], "--peakflat-dispatch-chunk-cap", "0"),
+    (["--megatron-args", "--num-layers 2 --hidden-size 64"], "--megatron-args", "--num-attention-heads"),
+])
+def test_bad_flags_name_flag_value_and_fix(capsys, argv, flag, value):
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2
+    assert err.startswith("error: ") and flag in err and value in err and "Fix:" in err, err
+
+
+def test_unknown_preset_lists_presets(capsys):
+    rc, _, err = run_cli(capsys, "--preset", "llama-moe")
+    assert rc == 2 and "gpt-oss-120b" in err and "deepseek-v3" in err
+
+
+def test_nothing_fits_says_why(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "deepseek-v3", "--seq-len", "1048576", "--gpus", "8", "--hbm-gib", "80",
+                         "--host-gib", "256")
+    assert rc == 0
+    assert "nothing fits" in out
+    assert "why:" in out and "parameters" in out.split("nothing fits")[1]
+
+
+def test_planner_answers_fast():
+    """plan + recommend for the demo configuration, without imports, well under a second."""
+    shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16",
+                                  "--hbm-gib", "141", "--host-gib", "2048"])
+    t0 = time.perf_counter()
+    rec = recommend(shape, run, pf)
+    plan(shape, run, pf)
+    assert time.perf_counter() - t0 < 0.2
+    assert rec.fits
+
+
+def test_recommendation_shrinks_knobs_until_fit():
+    shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16",
+                                  "--hbm-gib", "70", "--host-gib", "2048"])
+    rec = recommend(shape, run, pf)
+    assert rec.fits and rec.plan.worst("peakflat").total("peakflat") <= 70 * GIB
+    assert rec.config.dispatch.chunk_cap < 16384 or rec.config.vocab.block_size < 16384  # something had to shrink
+
+
+def test_plot_writes_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "peaks.png"
+    rc, _, _ = run_cli(capsys, "--preset", "gpt-oss-20b", "--seq-len", "65536", "--gpus", "8", "--plot", str(out))
+    assert rc == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_list_presets(capsys):
+    assert main(["--list-presets"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in PRESETS)
+
+
+# ---- meter ----------------------------------------------------------------------------------
+
+class FakeAllocator:
+    def __init__(self) -> None:
+        self.now = 0
+        self.top = 0
+
+    def alloc(self, n: int) -> None:
+        self.now += n
+        self.top = max(self.top, self.now)
+
+    def free(self, n: int) -> None:
+        self.now -= n
+
+    def reset(self) -> None:
+        self.top = self.now
+
+
+@pytest.fixture
+def fake():
+    a = FakeAllocator()
+    meter.set_backend(lambda: a.now, lambda: a.top, a.reset)
+    meter.reset()
+    yield a
+    meter.enable(False)
+    meter.set_backend(None)
+    meter.reset()
+
+
+def test_region_is_free_when_off(fake):
+    meter.enable(False)
+    assert meter.component_region("dispatch") is meter.component_region("vocab")
+    with meter.component_region("dispatch"):
+        fake.alloc(100)
+    assert meter.measured() == {}
+
+
+def test_nested_regions_measure_true_peaks(fake):
+    meter.enable(True)
+    fake.alloc(1000)  # already allocated before any region
+    with meter.component_region("boundaries"):
+        fake.alloc(50)
+        fake.free(50)           # outer transient of 50 before the inner region resets the counter
+        with meter.component_region("dispatch"):
+            fake.alloc(30)
+            fake.free(30)
+        fake.alloc(10)
+    with meter.component_region("dispatch"):
+        fake.alloc(5)
+    got = meter.measured()
+    assert got["boundaries"].delta == 50 and got["boundaries"].absolute == 1050
+    assert got["dispatch"].delta == 30 and got["dispatch"].calls == 2
+    assert meter.process_peak() == 1050
+    meter.reset()
+    assert meter.measured() == {}
+
+
+# ---- runtime report -------------------------------------------------------------------------
+
+class Writer:
+    def __init__(self) -> None:
+        self.scalars: dict[str, tuple[float, int]] = {}
+        self.logged: dict = {}
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        self.scalars[name] = (value, step)
+
+    def log(self, d: dict, step: int) -> None:
+        self.logged = dict(d, step=step)
+
+
+def _megatron_namespace(**kw) -> argparse.Namespace:
+    from megatron_peakflat.memory.megatron_args import megatron_parser
+
+    ns = megatron_parser().parse_args(
+        "--num-layers 4 --hidden-size 256 --ffn-hidden-size 512 --num-attention-heads 4 --num-experts 8 "
+        "--moe-router-topk 2 --moe-ffn-hidden-size 128 --padded-vocab-size 32000 --seq-length 4096 "
+        "--micro-batch-size 1 --bf16 --use-distributed-optimizer --recompute-granularity full "
+        "--recompute-method uniform --recompute-num-layers 1 --swiglu --peakflat-report-peaks "
+        "--peakflat-vocab ring-dtp".split())
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_report_logs_measured_beside_predicted(fake, caplog):
+    from megatron_peakflat.integration import peaks
+
+    args = _megatron_namespace(world_size=1, data_parallel_size=1)
+    assert peaks.setup(args) is True
+    with meter.component_region("vocab"):
+        fake.alloc(2 * GIB)
+        fake.free(2 * GIB)
+    with meter.component_region("dispatch"):
+        fake.alloc(GIB // 2)
+    tb, wb = Writer(), Writer()
+    with caplog.at_level("INFO", logger="megatron_peakflat"):
+        out = peaks.report(100, args, writer=tb, wandb_writer=wb)
+    pl, _ = peaks.prediction(args)
+    rows = pl.stages[0].rows
+    assert out["vocab"]["measured_gib"] == pytest.approx(2.0)
+    assert out["vocab"]["predicted_gib"] == pytest.approx(rows["vocab"].peakflat / GIB)   # ring-dtp on
+    assert out["dispatch"]["predicted_gib"] == pytest.approx(rows["dispatch"].baseline / GIB)  # dispatch off
+    assert tb.scalars["peakflat/peak_vocab_measured_gib"] == (pytest.approx(2.0), 100)
+    assert wb.logged["step"] == 100 and "peakflat/peak_total_predicted_gib" in wb.logged
+    assert "peakflat peaks iter 100" in caplog.text and "vocab 2.00/" in caplog.text
+    assert meter.measured() == {}  # a new interval starts
+
+
+def test_report_is_off_without_flag(fake):
+    from megatron_peakflat.integration import peaks
+
+    args = _megatron_namespace(peakflat_report_peaks=False)
+    assert peaks.setup(args) is False
+    assert peaks.report(10, args) is None
