@@ -121,6 +121,11 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
             raise PeakflatConfigError(flag, cfg.dispatch.impl,
                                       f"expert tensor parallelism ({etp}) is not supported by PipelinedLLEP yet",
                                       "pass --expert-tensor-parallel-size 1")
+        if _get(args, "moe_pad_expert_input_to_capacity", False):
+            raise PeakflatConfigError(flag, cfg.dispatch.impl,
+                                      "--moe-pad-expert-input-to-capacity pads the dispatcher's buffers, which "
+                                      "PipelinedLLEP replaces (it is dropless and never pads)",
+                                      "drop --moe-pad-expert-input-to-capacity, or drop " + flag)
         ep = _get(args, "expert_model_parallel_size", 1) or 1
         if num_experts % ep:
             raise PeakflatConfigError(flag, cfg.dispatch.impl,
@@ -156,3 +161,15 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
             raise PeakflatConfigError(flag, cfg.optimizer.impl,
                                       "it replaces the offloaded optimizer inside Megatron's DistributedOptimizer",
                                       "add --use-distributed-optimizer")
+        # Megatron builds HybridDeviceOptimizer, the class OffloadStreamAdamW takes the place of, only under
+        # --optimizer-cpu-offload, which Megatron ties to --use-precision-aware-optimizer. The user passes both.
+        for dest, megatron_flag in (("optimizer_cpu_offload", "--optimizer-cpu-offload"),
+                                    ("use_precision_aware_optimizer", "--use-precision-aware-optimizer")):
+            if not _get(args, dest, False):
+                raise PeakflatConfigError(flag, cfg.optimizer.impl,
+                                          f"Megatron builds the offloaded optimizer that it replaces only with "
+                                          f"{megatron_flag}",
+                                          "add --optimizer-cpu-offload --use-precision-aware-optimizer")
+        if not _get(args, "decoupled_weight_decay", True):
+            raise PeakflatConfigError(flag, cfg.optimizer.impl, "it implements AdamW (decoupled weight decay)",
+                                      "drop --no-decoupled-weight-decay")

@@ -58,23 +58,59 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[tor
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask",
+               "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
+
+
+def get_batch(data_iterator: Iterator, vp_stage: int | None) -> dict[str, Any] | None:
+    """This rank's micro-batch: TP rank 0 reads it and broadcasts it to its TP group, then the
+    sequence is split for context parallelism (the steps of Megatron's own GPT ``get_batch``)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.training import get_args
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None
+    args = get_args()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch: dict[str, Any] = {}
+    if tp_rank == 0:
+        raw = next(data_iterator)
+        batch = {k: (raw[k].cuda(non_blocking=True) if raw.get(k) is not None else None) for k in _BATCH_KEYS}
+    has_cu_seqlens = getattr(args, "sft", False) or getattr(args, "dataloader_inter_document_masking", False)
+    batch = get_batch_on_this_tp_rank(
+        batch,
+        has_cu_seqlens=has_cu_seqlens,
+        is_hybrid_cp=args.hybrid_context_parallel,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+    )
+    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=args.hybrid_context_parallel,
+                                     cp_group=mpu.get_context_parallel_group())
+
+
 def forward_step(data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Any]:
     """Megatron's GPT forward step. Ring-DTP enters through the patched ``GPTModel.forward``."""
     from megatron.core.utils import get_attr_wrapped_model
     from megatron.training import get_timers
-    from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank, is_first_or_last_pipeline_stage
 
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    if is_first_or_last_pipeline_stage(vp_stage):
-        batch = get_batch_on_this_cp_rank(get_batch_on_this_tp_rank(data_iterator))
-        tokens, labels, loss_mask, attention_mask, position_ids = batch.values()
-    else:
-        tokens = labels = loss_mask = attention_mask = position_ids = None
+    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage")) or {}
     timers("batch-generator").stop()
-    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
-    return output, partial(loss_func, loss_mask)
+    output = model(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"),
+                   labels=batch.get("labels"), loss_mask=batch.get("loss_mask"))
+    return output, partial(loss_func, batch.get("loss_mask"))
 
 
 def train_valid_test_datasets_provider(num_samples: list[int], vp_stage: int | None = None) -> tuple:
@@ -86,12 +122,7 @@ def train_valid_test_datasets_provider(num_samples: list[int], vp_stage: int | N
     from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
     args = get_args()
-    if args.legacy_tokenizer:
-        tokenizer = get_tokenizer()
-    else:
-        from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
-
-        tokenizer = build_tokenizer(args)
+    tokenizer = get_tokenizer()  # built by Megatron's set_global_variables from --tokenizer-type
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
         random_seed=args.seed,
@@ -132,7 +163,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = megatron_peakflat.apply(args)
     except megatron_peakflat.PeakflatConfigError as e:
         raise SystemExit(f"megatron-peakflat: {e}") from None
-    log.info("peakflat: components %s", {k: v for k, v in cfg.enabled.items()})
+    from megatron_peakflat.integration import registry
+
+    registry.apply_patches({"wheel-fixes"})
+    log.info("peakflat: components on: %s", ", ".join(k for k, v in cfg.enabled.items() if v) or "none")
     train_valid_test_datasets_provider.is_distributed = True  # type: ignore[attr-defined]
     full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)

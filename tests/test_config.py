@@ -18,7 +18,7 @@ def megatron_args(**kw):
     base = dict(num_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2,
                 expert_tensor_parallel_size=1, mtp_num_layers=None, recompute_granularity="full",
                 distribute_saved_activations=False, cpu_offloading=False, optimizer="adam",
-                use_distributed_optimizer=True)
+                use_distributed_optimizer=True, optimizer_cpu_offload=True, use_precision_aware_optimizer=True)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -113,6 +113,8 @@ def test_bad_values_name_flag_value_and_fix(argv, flag):
         (["--peakflat-sco"], dict(cpu_offloading=True), "--peakflat-sco", "cpu-offloading"),
         (["--peakflat-optimizer", "offload-stream"], dict(optimizer="sgd"), "--peakflat-optimizer", "--optimizer adam"),
         (["--peakflat-optimizer", "offload-stream"], dict(use_distributed_optimizer=False), "--peakflat-optimizer", "--use-distributed-optimizer"),
+        (["--peakflat-optimizer", "offload-stream"], dict(optimizer_cpu_offload=False), "--peakflat-optimizer", "--optimizer-cpu-offload"),
+        (["--peakflat-optimizer", "offload-stream"], dict(use_precision_aware_optimizer=False), "--peakflat-optimizer", "--use-precision-aware-optimizer"),
     ],
 )
 def test_incompatible_combinations_fail_at_startup(argv, megatron, flag, words):

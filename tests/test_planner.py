@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from torch import nn
 
 from megatron_peakflat.config import PeakflatConfig
 from megatron_peakflat.dispatch.config import DispatchConfig
+from megatron_peakflat.optimizer.config import OptimizerConfig
 from megatron_peakflat.memory import model as M
 from megatron_peakflat.memory.model import GIB, RunConfig, plan
 from megatron_peakflat.memory.shapes import PRESETS, ModelShape
@@ -83,22 +83,39 @@ def test_boundaries_sco_and_optimizer_by_hand():
     opt = st.rows["optimizer"]
     assert opt.baseline == pytest.approx(12 * (dense / (run.dp * run.cp) + expert / run.expert_dp))
     assert run.expert_dp == 2  # TPxCPxDP / EP = 4 / 2
-    assert plan(TINY, run).stages[0].rows["optimizer"].peakflat == pytest.approx(
-        3 * min(50_000_000, dense / 2 + expert / 2) * 16)
+    assert opt.peakflat == opt.baseline  # the optimizer component is off in this config
+    on = PeakflatConfig(optimizer=OptimizerConfig(impl="offload-stream"))
+    opt = plan(TINY, run, on).stages[0].rows["optimizer"]
+    assert opt.peakflat == pytest.approx(3 * min(50_000_000, dense / 2 + expert / 2) * 16)
+    assert opt.host_peakflat == pytest.approx(16 * (dense / 2 + expert / 2))
 
 
 def test_llep_bound_and_chunk_growth_by_hand():
     run = RunConfig(seq_len=4096, ep=4, dp=4)
-    c = M.llep_chunk(TINY, run, PeakflatConfig(dispatch=DispatchConfig(chunk_cap=1024)))
-    assert c == 1024  # 4096 x 2 pairs / 1024 = 8 chunks <= 64
-    assert M.llep_bound(TINY, run, c) == 2 * 4 * 1024 * 64 * 2 + 4 * 1024 * 3 * 32 * 2
-    # K would be 8192 / 16 = 512 > max_chunks 4: c grows to 8192 / 4.
-    c = M.llep_chunk(TINY, run, PeakflatConfig(dispatch=DispatchConfig(chunk_cap=16, max_chunks=4)))
-    assert c == 2048
-    # The baseline grows with skew, the peakflat row does not.
-    a = plan(TINY, run).stages[0].rows["dispatch"]
-    b = plan(TINY, dataclasses.replace(run, routing_skew=3.0)).stages[0].rows["dispatch"]
-    assert b.baseline == pytest.approx(3 * a.baseline) and b.peakflat == a.peakflat
+    pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=1024))
+    assert M.llep_chunks(TINY, run, pf) == (8, 1024)  # 512 tokens x top-2 per chunk, 4096 tokens
+    bound_rows, expected_rows = M.llep_rows(TINY, run, pf)
+    assert bound_rows == 4 * (1024 + 2) and expected_rows == 4096 * 2 / 8
+    per_row = 2 * (12 * 64 + 3 * 64 + 4 * 32) + 64  # dispatch/api.py working_set_bound
+    per_token = 2 * 64 * 2 + 4 * 8 + 64
+    experts = 2 * 3 * 64 * 32 * 2
+    assert M.llep_working_set(TINY, run, bound_rows) == 4096 * per_token + 2 * experts + bound_rows * per_row
+    # K would be 512 > max_chunks 4: the chunk grows to 1024 tokens x 2.
+    assert M.llep_chunks(TINY, run, PeakflatConfig(dispatch=DispatchConfig(chunk_cap=16, max_chunks=4))) == (4, 2048)
+    # The baseline grows with skew; PipelinedLLEP rebalances skew >= lambda to alpha x mean.
+    a = plan(TINY, run, pf).stages[0].rows["dispatch"]
+    b = plan(TINY, dataclasses.replace(run, routing_skew=3.0), pf).stages[0].rows["dispatch"]
+    assert b.baseline == pytest.approx(3 * a.baseline) and b.peakflat == a.peakflat and b.bound == a.bound
+    assert a.peakflat <= a.bound
+
+
+def test_llep_working_set_matches_component_bound():
+    api = pytest.importorskip("megatron_peakflat.dispatch.api")
+    run = RunConfig(seq_len=4096, ep=4, dp=4)
+    rows = 4104
+    theirs = api.working_set_bound(num_tokens=4096, hidden=64, ffn=32, num_experts=8, chunk_rows=rows,
+                                   expert_param_bytes=2 * 3 * 64 * 32 * 2, dtype_bytes=2, glu=True)
+    assert M.llep_working_set(TINY, run, rows) == theirs
 
 
 def test_dispatch_baseline_matches_h200_anchor():
@@ -118,10 +135,13 @@ def test_vocab_baseline_matches_h200_anchor():
     fused = M.vocab_baseline(shape, RunConfig(seq_len=32768, cross_entropy_fusion=True))
     assert abs(native / GIB - 36.8) / 36.8 < 0.05
     assert abs(fused / GIB - 61.4) / 61.4 < 0.05
-    # Ring-DTP at P=1: 3 fp32 blocks + dW + dX, the DESIGN.md gradient floor (3.12 GiB) plus the blocks.
+    # Ring-DTP at P=1, bf16 dX accumulation: 3 fp32 blocks + dW + dX, the DESIGN.md gradient floor
+    # (3.12 GiB) plus the blocks; the automatic block is 128 MiB / (32768 x 2 B) = 2048 rows.
     pf = PeakflatConfig()
+    pf.vocab = dataclasses.replace(pf.vocab, block_size=8192, accumulate="input")
     ring = M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), pf)
     assert ring == pytest.approx(3 * 32768 * 8192 * 4 + 201088 * 7168 * 2 + 32768 * 7168 * 2)
+    assert M.vocab_block(32768, 2, 0) == 2048 and M.vocab_block(10**7, 2, 0) == 256
     assert abs((201088 * 7168 * 2 + 32768 * 7168 * 2) / GIB - 3.12) < 0.02
 
 

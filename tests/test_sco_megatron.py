@@ -14,8 +14,10 @@ S, MB, V = 16, 2, 128
 def _one_run(config, model, batches, pp: int):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    for p in model.parameters():
-        p.grad = None
+    chunks = model if isinstance(model, list) else [model]
+    for m in chunks:
+        for p in m.parameters():
+            p.grad = None
 
     def forward_step(data_iterator, m):
         b = next(data_iterator)
@@ -28,11 +30,13 @@ def _one_run(config, model, batches, pp: int):
 
         return out, loss_func
 
+    data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+        forward_step_func=forward_step, data_iterator=data, model=chunks,
         num_microbatches=len(batches), seq_length=S, micro_batch_size=MB, forward_only=False)
     losses = torch.stack([d["lm loss"] for d in losses]) if losses else torch.empty(0)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(chunks) for n, p in m.named_parameters()
+             if p.grad is not None}
     return losses, grads
 
 
@@ -85,6 +89,82 @@ def _case(rank, pp, *, layers, method, rnl, microbatches, budget=None, moe=True)
             "peak_boundaries": off.pool.peak_in_use / boundary}
 
 
+def _case_interleaved(rank, *, layers, microbatches):
+    """PP=2 with two virtual stages per rank: several (microbatch, chunk) groups in flight, interleaved."""
+    import megatron_peakflat
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.testing.megatron_cpu import gpt_batch, tiny_transformer_config
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()  # sized by the previous cases' layer count
+    config = tiny_transformer_config(num_layers=layers, recompute_granularity="full", recompute_method="uniform",
+                                     recompute_num_layers=1, pipeline_dtype=torch.float32,
+                                     virtual_pipeline_model_parallel_size=2)
+    torch.manual_seed(7)
+    chunks = []
+    for vp in range(2):
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
+            vocab_size=V, max_sequence_length=S, position_embedding_type="rope", vp_stage=vp,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)).train())
+    batches = [gpt_batch(S, MB, V, seed=200 + i) for i in range(microbatches)]
+    ref = _one_run(config, chunks, batches, 2)
+    megatron_peakflat.apply(PeakflatConfig(sco=SCOConfig(enabled=True, prefetch=1),
+                                           general=GeneralConfig(attention="local")))
+    sco_integration.reset()
+    try:
+        got = _one_run(config, chunks, batches, 2)
+        off = sco_integration.offloader()
+    finally:
+        megatron_peakflat.remove()
+    assert torch.equal(got[0], ref[0])
+    assert got[1].keys() == ref[1].keys() and len(ref[1]) > 0
+    for n in ref[1]:
+        assert torch.equal(got[1][n], ref[1][n]), n
+    assert off.pool.in_use == 0 and off.offloaded_bytes_live == 0
+    return {"rank": rank, "packed": off.packed, "offloaded": off.offloaded,
+            "in_flight_peak": off.offloaded_bytes_peak // (S * MB * config.hidden_size * 4)}
+
+
+def _live_after_forward(layers: int, sco: bool) -> int:
+    """Bytes allocated by one forward (loss included) and still alive when backward would start."""
+    import megatron_peakflat
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.testing.live_bytes import LiveBytesMeter
+    from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, gpt_batch, gpt_loss, tiny_transformer_config
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    config = tiny_transformer_config(num_layers=layers, recompute_granularity="full", recompute_method="uniform",
+                                     recompute_num_layers=1)
+    model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
+    b = gpt_batch(S, MB, V, seed=3)
+    if sco:
+        megatron_peakflat.apply(PeakflatConfig(sco=SCOConfig(enabled=True), general=GeneralConfig(attention="local")))
+        sco_integration.reset()
+        # the host pool exists before the meter, so only device-side storages are counted
+        sco_integration.get_offloader(None, 1, torch.device("cpu")).pool.reserve(S * MB * 64 * 4, layers)
+    try:
+        with LiveBytesMeter() as meter:
+            loss = gpt_loss(model, b)
+            live = meter.live
+            loss.backward()
+    finally:
+        if sco:
+            megatron_peakflat.remove()
+    return live
+
+
 def _rank_main(rank, world_size, pp):
     from megatron_peakflat.testing.megatron_cpu import destroy_megatron_parallel, init_megatron_parallel, install_cpu_shim
 
@@ -97,9 +177,13 @@ def _rank_main(rank, world_size, pp):
             out.append(_case(rank, pp, layers=4, method="uniform", rnl=2, microbatches=2, moe=False))
             out.append(_case(rank, pp, layers=4, method="block", rnl=3, microbatches=2))
             out.append(_case(rank, pp, layers=4, method="uniform", rnl=1, microbatches=2, budget=S * MB * 64 * 4 + 100))
+            out.append({n: (_live_after_forward(n, False), _live_after_forward(n, True)) for n in (2, 6)})
         else:
             out.append(_case(rank, pp, layers=6, method="uniform", rnl=1, microbatches=4))
             out.append(_case(rank, pp, layers=6, method="uniform", rnl=1, microbatches=3, budget=2 * S * MB * 64 * 4))
+            destroy_megatron_parallel()
+            init_megatron_parallel(pp=pp, virtual_pipeline_model_parallel_size=2)
+            out.append(_case_interleaved(rank, layers=12, microbatches=4))
         return out
     finally:
         destroy_megatron_parallel()
@@ -107,6 +191,13 @@ def _rank_main(rank, world_size, pp):
 
 def test_sco_megatron_world1():
     (res,) = run_distributed(_rank_main, 1, 1, timeout=240)
+    live = res.pop()
+    boundary = S * MB * 64 * 4
+    # SCO off: 4 more layers keep 4 more boundaries alive into backward; SCO on: none of them
+    grow_off, grow_on = live[6][0] - live[2][0], live[6][1] - live[2][1]
+    # exactly the 4 extra boundaries are gone; what remains per layer is small router bookkeeping
+    assert grow_off - grow_on == 4 * boundary, live
+    assert grow_on < 4 * boundary // 4, live
     assert [r["packed"] for r in res] == [8, 4, 6, 8]
     assert [r["offloaded"] for r in res] == [6, 2, 4, 2]
     assert res[3]["peak_boundaries"] == 1  # budget of one boundary (plus change)
@@ -114,7 +205,12 @@ def test_sco_megatron_world1():
 
 def test_sco_megatron_world2_pp2():
     res = run_distributed(_rank_main, 2, 2, timeout=240)
-    assert [r["packed"] for r in res[0]] == [12, 9] and [r["packed"] for r in res[1]] == [12, 9]
+    assert [r["packed"] for r in res[0]] == [12, 9, 24] and [r["packed"] for r in res[1]] == [12, 9, 24]
     assert res[0][0]["offloaded"] == 8 and res[1][0]["offloaded"] == 4
     # stage 0 has two microbatches in flight under 1F1B, 2 offloadable boundaries each: the budget of 2 binds
     assert res[0][1]["peak_boundaries"] == 2 and res[1][1]["peak_boundaries"] == 1
+    # interleaved: 2 chunks x 3 layers x 4 microbatches; offloaded: the first chunk of rank 0 keeps only its
+    # last boundary, every other chunk also keeps its received input
+    assert res[0][2]["packed"] == 24 and res[1][2]["packed"] == 24
+    assert res[0][2]["offloaded"] == 2 * 4 + 1 * 4 and res[1][2]["offloaded"] == 1 * 4 + 1 * 4
+    assert res[0][2]["in_flight_peak"] > 2  # several (microbatch, chunk) groups held at once

@@ -71,7 +71,8 @@ def _ring_checks(rank: int, world: int) -> list[str]:
         x = xs[rank].clone().requires_grad_(True)
         wp = w[start:start + shards[rank]].clone().requires_grad_(True)
         loss = ring_linear_cross_entropy(x, wp, ys[rank], group, schedule=sched, label_smoothing=eps,
-                                         block_size=8, kernel="torch", vocab_size=V, check_labels=True)
+                                         block_size=8, kernel="torch", vocab_size=V, check_labels=True,
+                                         accumulate="input" if i % 2 else "fp32")
         (loss * gs[rank]).sum().backward()
 
         wr = w.clone().requires_grad_(True)

@@ -84,3 +84,45 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
 def test_gpt_model_loss_and_grads_match_megatron(world: int) -> None:
     out = run_distributed(_megatron_checks, world, timeout=180)
     assert all(len(o) == len(out[0]) > 0 for o in out)
+
+
+def test_wrapper_passes_processor_only_when_enabled_with_labels() -> None:
+    from types import SimpleNamespace
+
+    from megatron_peakflat.config import PeakflatConfig
+    from megatron_peakflat.integration import state
+    from megatron_peakflat.integration.vocab import ring_output_processor, wrap_gpt_forward
+    from megatron_peakflat.vocab import VocabConfig
+
+    seen = []
+
+    def original(self, *args, **kwargs):
+        seen.append(kwargs.get("output_processor"))
+        return "out"
+
+    fwd = wrap_gpt_forward(original)
+
+    def model(**cfg):
+        base = dict(mtp_num_layers=None, use_mup=False)
+        base.update(cfg)
+        return SimpleNamespace(config=SimpleNamespace(**base), post_process=True,
+                               output_layer=SimpleNamespace(bias=None))
+
+    labels = torch.zeros(2, 3, dtype=torch.long)
+    try:
+        state.set_current(None)
+        assert fwd(model(), 1, 2, 3, labels=labels) == "out" and seen[-1] is None
+        state.set_current(PeakflatConfig(vocab=VocabConfig(impl="megatron")))
+        fwd(model(), 1, 2, 3, labels=labels)
+        assert seen[-1] is None
+        state.set_current(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp")))
+        fwd(model(), 1, 2, 3)  # no labels: logits wanted, original path
+        assert seen[-1] is None
+        fwd(model(), 1, 2, 3, None, labels)  # labels given positionally
+        assert seen[-1] is ring_output_processor
+        fwd(model(), 1, 2, 3, labels=labels)
+        assert seen[-1] is ring_output_processor
+        fwd(model(mtp_num_layers=1), 1, 2, 3, labels=labels)  # MTP: handed back to Megatron
+        assert seen[-1] is None
+    finally:
+        state.set_current(None)

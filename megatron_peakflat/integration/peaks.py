@@ -28,7 +28,6 @@ __all__ = ["setup", "report", "prediction"]
 log = logging.getLogger("megatron_peakflat")
 
 _ALIASES = {"sco": "boundaries", "recompute": "boundaries"}
-_ROW_OF_COMPONENT = {"dispatch": "dispatch", "vocab": "vocab", "boundaries": "sco", "optimizer": "optimizer"}
 _cache: dict[str, Any] = {}
 
 
@@ -112,9 +111,7 @@ def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = No
     for name, peak in meter.measured().items():
         comp = _ALIASES.get(name, name)
         row = st.rows.get(comp)
-        predicted = None
-        if row is not None:
-            predicted = row.peakflat if on.get(_ROW_OF_COMPONENT.get(comp, ""), False) else row.baseline
+        predicted = row.peakflat if row is not None else None  # baseline for components that are off
         out[comp] = {"measured_gib": peak.delta / GIB, "predicted_gib": (predicted or 0.0) / GIB,
                      "absolute_gib": peak.absolute / GIB, "calls": float(peak.calls)}
     which = "peakflat" if any(on.values()) else "baseline"

@@ -25,7 +25,7 @@ import torch
 from ..recompute import BoundaryOffloader, build_offloader
 from . import state
 
-__all__ = ["wrap_checkpointed_forward", "offloader", "reset"]
+__all__ = ["wrap_checkpointed_forward", "offloader", "get_offloader", "reset"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -46,7 +46,8 @@ def reset() -> None:
     _handed_back.clear()
 
 
-def _get_offloader(budget: int | None, prefetch: int, device: torch.device) -> BoundaryOffloader:
+def get_offloader(budget: int | None, prefetch: int, device: torch.device) -> BoundaryOffloader:
+    """The process's offloader for these settings, built on first use (its pool lives across steps)."""
     global _offloader, _offloader_key
     key = (budget, prefetch, device.type)
     if _offloader is None or _offloader_key != key:
@@ -114,7 +115,7 @@ def wrap_checkpointed_forward(original: Callable[..., Any]) -> Callable[..., Any
                 _handed_back.add(reason)
                 log.warning("peakflat SCO: handing back to Megatron's full recompute: %s", reason)
             return original(self, hidden_states, *args, **kwargs)
-        off = _get_offloader(cfg.sco.budget, cfg.sco.prefetch, hidden_states.device)
+        off = get_offloader(cfg.sco.budget, cfg.sco.prefetch, hidden_states.device)
         # A pipeline stage's received input is also held by the schedule until backward: moving it
         # would cost host memory and bandwidth and free nothing.
         keep_first = not getattr(self, "pre_process", True)

@@ -55,6 +55,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("dispatch", "megatron.core.transformer.moe.moe_layer", "MoELayer.__init__",
           "megatron_peakflat.integration.dispatch:wrap_moe_layer_init",
           "swaps MoELayer.token_dispatcher for PipelinedLLEP (config stays 'alltoall')"),
+    Patch("dispatch", "megatron.core.transformer.moe.moe_layer", "MoELayer.routed_experts_compute",
+          "megatron_peakflat.integration.dispatch:wrap_routed_experts_compute",
+          "runs PipelinedLLEP's chunked dispatch -> experts -> combine for layers holding its dispatcher"),
     Patch("vocab", "megatron.core.models.gpt.gpt_model", "GPTModel.forward",
           "megatron_peakflat.integration.vocab:wrap_gpt_forward",
           "passes a Ring-DTP output_processor so the logits are never built"),
@@ -76,6 +79,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("attention", "megatron.core.models.backends", "LocalSpecProvider.core_attention",
           "megatron_peakflat.integration.attention:wrap_local_core_attention",
           "local-spec core attention through torch SDPA (no s x s scores)"),
+    Patch("wheel-fixes", "megatron.core.datasets.utils", "compile_helpers",
+          "megatron_peakflat.integration.wheel_fixes:skip_compile_when_prebuilt",
+          "keeps the wheel's prebuilt dataset helpers (the wheel has no Makefile to rebuild them)"),
 )
 
 # symbol -> (owner object, attribute name, original value)

@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import os
 import subprocess
 import sys
 from typing import Any, Sequence
 
 from ..config import PeakflatConfig, add_args
-from ..config_base import PeakflatConfigError, format_bytes
+from ..config_base import PeakflatConfigError
 from .megatron_args import parse_megatron_args, run_fields_from_namespace, shape_from_namespace
 from .model import COMPONENTS, GIB, Plan, RunConfig, plan
 from .recommend import Recommendation, recommend
@@ -69,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--hbm-gib", type=float, help="GPU memory per device; default: the local GPU's, else 80")
     g.add_argument("--host-gib", type=float, help="host RAM per node; default: this machine's when it has a GPU, "
-                                                  "else 1024")
+                                                  "else 2048 (a DGX H100/H200 node)")
     for name in ("tp", "pp", "ep", "cp", "etp"):
         g.add_argument(f"--{name}", type=int, help=f"{name.upper()} size (default: chosen from --gpus)")
     g.add_argument("--micro-batch", type=int)
@@ -193,7 +191,7 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     hbm = ns.hbm_gib if ns.hbm_gib is not None else (local_hbm_gib() or 80.0)
     host = ns.host_gib
     if host is None:
-        host = (local_host_gib() if local_hbm_gib() else None) or 1024.0
+        host = (local_host_gib() if local_hbm_gib() else None) or 2048.0
     kw: dict[str, Any] = dict(fields)
     kw.update(par)
     kw["seq_len"] = seq
@@ -264,11 +262,15 @@ def render(pl: Plan, rec: Recommendation) -> str:
     out.append("")
     out.append(f"baseline: {wb.total('baseline') / GIB:.1f} GiB per GPU, binding peak '{wb.binding('baseline')}' -> "
                f"{'fits' if pl.fits('baseline') else 'does NOT fit'} in {r.hbm_bytes / GIB:.0f} GiB")
-    out.append(f"peakflat (knobs as given): {wp.total('peakflat') / GIB:.1f} GiB, binding peak "
-               f"'{wp.binding('peakflat')}' -> {'fits' if pl.fits('peakflat') else 'does NOT fit'}")
+    guar = max(x.total("peakflat", guaranteed=True) for x in pl.stages)
+    out.append(f"peakflat (knobs as given): {wp.total('peakflat') / GIB:.1f} GiB expected, {guar / GIB:.1f} GiB whatever "
+               f"the routing, binding peak '{wp.binding('peakflat')}' -> "
+               f"{'fits' if pl.fits('peakflat', guaranteed=True) else 'does NOT fit'}")
     rw = rec.plan.worst("peakflat")
     if rec.fits:
-        out.append(f"recommended: {rw.total('peakflat') / GIB:.1f} GiB per GPU, "
+        out.append(f"recommended (component defaults, shrunk until they fit): {rw.total('peakflat') / GIB:.1f} GiB per GPU expected, "
+                   f"{max(x.total('peakflat', guaranteed=True) for x in rec.plan.stages) / GIB:.1f} GiB whatever "
+                   "the routing, "
                    f"{max(x.host('peakflat') for x in rec.plan.stages) / GIB:.1f} GiB host per rank; "
                    f"binding peak '{rw.binding('peakflat')}'")
     else:
@@ -295,13 +297,15 @@ def to_json(pl: Plan, rec: Recommendation) -> dict[str, Any]:
         "stages": [stage(s) for s in pl.stages],
         "baseline": {"fits": pl.fits("baseline"), "binding": pl.worst("baseline").binding("baseline"),
                      "total_gib": pl.worst("baseline").total("baseline") / GIB},
-        "peakflat": {"fits": pl.fits("peakflat"), "binding": pl.worst("peakflat").binding("peakflat"),
+        "peakflat": {"fits": pl.fits("peakflat", guaranteed=True), "binding": pl.worst("peakflat").binding("peakflat"),
                      "total_gib": pl.worst("peakflat").total("peakflat") / GIB},
         "recommended": {"fits": rec.fits, "flags": rec.flags, "reasons": rec.reasons,
                         "chunk_cap": rec.config.dispatch.chunk_cap, "vocab_block_size": rec.config.vocab.block_size,
                         "vocab_schedule": rec.plan.vocab_schedule, "sco_budget_gib": (rec.config.sco.budget or 0) / GIB,
                         "opt_bucket": rec.config.optimizer.bucket, "opt_slots": rec.config.optimizer.slots,
                         "total_gib": rec.plan.worst("peakflat").total("peakflat") / GIB,
+                        "guaranteed_total_gib": max(x.total("peakflat", guaranteed=True)
+                                                    for x in rec.plan.stages) / GIB,
                         "binding": rec.plan.worst("peakflat").binding("peakflat")},
     }
 

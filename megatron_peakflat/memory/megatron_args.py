@@ -14,7 +14,6 @@ import shlex
 from typing import Any
 
 from ..config import add_args
-from .model import RunConfig
 from .shapes import MLA, ModelShape
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace"]
@@ -143,8 +142,3 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
         out["optimizer_offload_fraction"] = 0.0
     return out
 
-
-def fields_of(run_cls: type = RunConfig) -> set[str]:
-    import dataclasses
-
-    return {f.name for f in dataclasses.fields(run_cls)}

@@ -139,11 +139,17 @@ class StagePlan:
     rows: dict[str, Row]
     notes: list[str] = field(default_factory=list)
 
-    def total(self, which: Literal["baseline", "peakflat"]) -> float:
-        """persistent + max over the phases that never overlap (layer backward vs loss)."""
+    def total(self, which: Literal["baseline", "peakflat"], *, guaranteed: bool = False) -> float:
+        """persistent + max over the phases that never overlap (layer backward vs loss).
+
+        ``guaranteed``: count each bounded peakflat row at its bound when that is larger (dispatch
+        under the worst routing), so a fit holds whatever the tokens do."""
         per = {"persistent": 0.0, "layer": 0.0, "loss": 0.0}
         for row in self.rows.values():
-            per[row.phase] += getattr(row, which)
+            v = getattr(row, which)
+            if guaranteed and which == "peakflat" and row.bound is not None:
+                v = max(v, row.bound)
+            per[row.phase] += v
         return per["persistent"] + max(per["layer"], per["loss"])
 
     def host(self, which: Literal["baseline", "peakflat"]) -> float:
@@ -173,10 +179,10 @@ class Plan:
     def worst(self, which: Literal["baseline", "peakflat"]) -> StagePlan:
         return max(self.stages, key=lambda s: s.total(which))
 
-    def fits(self, which: Literal["baseline", "peakflat"]) -> bool:
-        st = self.worst(which)
+    def fits(self, which: Literal["baseline", "peakflat"], *, guaranteed: bool = False) -> bool:
+        hbm_ok = all(s.total(which, guaranteed=guaranteed) <= self.run.hbm_bytes for s in self.stages)
         host_ok = max(s.host(which) for s in self.stages) <= self.run.host_bytes_per_rank
-        return st.total(which) <= self.run.hbm_bytes and host_ok
+        return hbm_ok and host_ok
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,21 +294,43 @@ def dispatch_working_set(s: ModelShape, run: RunConfig, pairs: float) -> float:
     return pairs * (4 * s.hidden + 3 * s.moe_ffn) * run.w
 
 
-def llep_chunk(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> int:
-    """Effective chunk cap c: the configured cap, raised when K = ceil(pairs_per_source / c)
-    would exceed max_chunks (dispatch/config.py)."""
-    pairs_per_source = routed_pairs(s, replace(run, routing_skew=1.0))
-    c = pf.dispatch.chunk_cap
-    if math.ceil(pairs_per_source / c) > pf.dispatch.max_chunks:
-        c = math.ceil(pairs_per_source / pf.dispatch.max_chunks)
-    return int(c)
+def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int, int]:
+    """(K, c_eff): chunks per layer and pairs per source rank per chunk, as PipelinedLLEP picks them
+    (dispatch/schedule.py chunk_count: enough chunks that ceil(T / K) x k <= chunk_cap, K <= max_chunks;
+    at the max_chunks cap a chunk grows past chunk_cap)."""
+    T = run.seq_len * run.micro_batch / run.cp
+    r = int(math.ceil(T / run.tp if run.sp else T))
+    k = max(1, s.topk)
+    per_chunk_tokens = max(1, pf.dispatch.chunk_cap // k)
+    K = int(min(pf.dispatch.max_chunks, max(1, -(-r // per_chunk_tokens))))
+    return K, int(math.ceil(r / K) * k)
 
 
-def llep_bound(s: ModelShape, run: RunConfig, c: int) -> float:
-    """PipelinedLLEP's dispatch working set: dispatch + combine receive buffers of one chunk
-    (2 x E_p x c x H x w, DESIGN.md) plus that chunk's expert intermediates (E_p x c x 3F x w),
-    whatever the routing: each of the E_p sources sends at most c pairs per chunk."""
-    return 2 * run.ep * c * s.hidden * run.w + run.ep * c * 3 * s.moe_ffn * run.w
+def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float) -> float:
+    """PipelinedLLEP's bytes for one layer's forward + backward (dispatch/api.py working_set_bound):
+    per token the output and input gradient (2Hw), probs gradient (4E) and routing metadata (64 B);
+    the local experts' weight gradients and any spilled expert weights (2 x expert bytes); and per
+    received row of one chunk w x (12H + 3 x fc1 + 4F) + 64 B (dispatch, combine, expert activations)."""
+    T = run.seq_len * run.micro_batch / run.cp
+    r = T / run.tp if run.sp else T
+    w, h, f = run.w, s.hidden, s.moe_ffn
+    f1 = f * (2 if s.gated else 1)
+    per_row = w * (12 * h + 3 * f1 + 4 * f) + 64
+    per_token = 2 * h * w + 4 * s.experts + 64
+    expert_bytes = (s.experts / run.ep) * mlp_params(h, f, s.gated, run.etp) * w
+    return r * per_token + 2 * expert_bytes + chunk_rows * per_row
+
+
+def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float, float]:
+    """(bound, expected) rows one rank receives in one chunk. Bound: every one of the E_p sources
+    sends its c_eff (+k rounding) pairs here, whatever the routing. Expected: the rank's whole load
+    spread over K strided chunks; its load is skew x mean under plain EP (skew below the imbalance
+    threshold lambda) and at most alpha x mean once LLEP rebalances."""
+    K, c = llep_chunks(s, run, pf)
+    bound = run.ep * (c + s.topk)
+    load = run.routing_skew if run.routing_skew < pf.dispatch.imbalance_threshold else pf.dispatch.alpha
+    expected = min(bound, load * routed_pairs(s, replace(run, routing_skew=1.0)) / K)
+    return bound, expected
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,6 +343,7 @@ def llep_bound(s: ModelShape, run: RunConfig, c: int) -> float:
 # ----------------------------------------------------------------------------------------------
 
 BLOCK_TEMPORARIES = 3
+AUTO_BLOCK_BYTES = 128 * 2**20
 """fp32 [tokens, block] buffers alive at once in Ring-DTP's block step (measured, torch kernel)."""
 
 
@@ -331,15 +360,27 @@ def vocab_schedule(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> str:
     return "activations" if n <= s.vocab / run.tp else "weights"
 
 
+def vocab_block(n_tokens: float, w: int, block_size: int) -> int:
+    """Rows per block: the flag, or Ring-DTP's automatic choice (vocab/api.py auto_block_size: one
+    [tokens, rows] block of about 128 MiB, a multiple of 256 rows in [256, 16384])."""
+    if block_size:
+        return int(block_size)
+    rows = AUTO_BLOCK_BYTES // max(1, int(n_tokens) * w)
+    return int(min(16384, max(256, rows // 256 * 256)))
+
+
 def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     P = run.tp
     n = run.seq_len * run.micro_batch / run.cp / P
     shard = s.vocab / P
-    block = min(pf.vocab.block_size, shard)
+    block = min(vocab_block(n, run.w, pf.vocab.block_size), shard)
+    acc = 4 if getattr(pf.vocab, "accumulate", "fp32") == "fp32" else run.w
     # Three fp32 [n, block] temporaries are alive at once in the plain-PyTorch block kernel
     # (vocab/block_torch.py: logits, their exp / softmax, the gradient block), measured with
     # LiveBytesMeter; the config's "n x block x 4" counts one. The fused Triton kernel needs fewer.
-    ws = BLOCK_TEMPORARIES * n * block * 4 + shard * s.hidden * run.w + n * s.hidden * run.w
+    # dX is summed over blocks in ``acc`` bytes; dW of the local shard in w bytes at P=1 and in
+    # ``acc`` bytes on a ring (vocab/config.py ``accumulate``).
+    ws = BLOCK_TEMPORARIES * n * block * 4 + shard * s.hidden * (acc if P > 1 else run.w) + n * s.hidden * acc
     if P > 1:
         travelling = n * s.hidden if vocab_schedule(s, run, pf) == "activations" else shard * s.hidden
         ws += 2 * travelling * run.w
@@ -366,12 +407,15 @@ def sco_budget(s: ModelShape, run: RunConfig, pf: PeakflatConfig, optimizer_host
 
 
 def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Plan:
-    """Per-rank bytes of every term, for the first and last pipeline stages (one stage at PP=1)."""
+    """Per-rank bytes of every term, for the first and last pipeline stages (one stage at PP=1).
+
+    The peakflat column counts the components that ``pf`` enables; the others keep their baseline
+    (the CLI turns all four on)."""
     pf = pf or PeakflatConfig()
     w = run.w
     T = run.seq_len * run.micro_batch / run.cp
     r = T / run.tp if run.sp else T
-    c_eff = llep_chunk(s, run, pf) if s.experts else 0
+    c_eff = llep_chunks(s, run, pf)[1] if s.experts else 0
     stages_idx = [0] if run.pp == 1 else [0, run.pp - 1]
     stages: list[StagePlan] = []
     budget_used = 0
@@ -457,13 +501,15 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
             else:
                 base = inflight * stored_layers / n_layers * n_moe * dispatch_saved_per_layer(s, run, pairs) \
                     + dispatch_working_set(s, run, pairs) - dispatch_saved_per_layer(s, run, pairs)
-            bound = llep_bound(s, run, c_eff)
-            acc = r * s.hidden * w  # combine accumulator of the layer output
+            rows_bound, rows_expected = llep_rows(s, run, pf)
+            bound = llep_working_set(s, run, rows_bound)
             rows["dispatch"] = Row(
-                "dispatch", base, bound + acc, bound=bound,
+                "dispatch", base, llep_working_set(s, run, rows_expected), bound=bound,
                 phase="layer" if run.recompute == "full" else "persistent",
                 source=f"alltoall dispatcher: R x (4H + 3F) x w per layer, R = {pairs:.3g} pairs (skew "
-                       f"{run.routing_skew:g}, worst {routed_pairs_worst(s, run):.3g}); PipelinedLLEP: chunk c={c_eff}")
+                       f"{run.routing_skew:g}, worst {routed_pairs_worst(s, run):.3g}); PipelinedLLEP "
+                       f"(dispatch/api.py working_set_bound): K={llep_chunks(s, run, pf)[0]} chunks of c={c_eff} "
+                       f"pairs per source, {rows_expected:.3g} rows per chunk expected, {rows_bound:.3g} at most")
         if last:
             rows["vocab"] = Row(
                 "vocab", vocab_baseline(s, run), vocab_ring_dtp(s, run, pf),
@@ -471,6 +517,12 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                 source=("fused" if run.cross_entropy_fusion else "native") + " vocab_parallel_cross_entropy: "
                        f"T x V/tp x {w + 4 + (4 if run.cross_entropy_fusion else 0)} B; Ring-DTP: "
                        "T/P x block x 4 + dW shard + dX + ring buffers")
+        # A component that is off leaves Megatron's path: its peakflat value is the baseline.
+        for row_name, comp in (("dispatch", "dispatch"), ("vocab", "vocab"), ("boundaries", "sco"),
+                               ("optimizer", "optimizer")):
+            if row_name in rows and not pf.enabled[comp]:
+                row = rows[row_name]
+                row.peakflat, row.host_peakflat = row.baseline, row.host_baseline
         reserve = RESERVE_FIXED + RESERVE_FRACTION * run.hbm_bytes
         rows["reserve"] = Row("reserve", reserve, reserve,
                               source="CUDA context, NCCL buffers, allocator fragmentation (2 GiB + 5% HBM)")

@@ -1,14 +1,16 @@
 """Pick the peakflat knobs that fit a run into the HBM and host RAM given, or say why nothing fits.
 
-Start from the fastest knobs (large dispatch chunks, large vocabulary blocks, large optimizer
-buckets, 3 staging slots), give SCO the host RAM the optimizer leaves, then halve whichever knob's
-row is the largest in the binding stage until the total fits or every knob is at its floor.
+Start from each component's default knobs (the sizes its author found fast: dispatch chunk cap,
+automatic vocabulary block, optimizer bucket, 3 staging slots), give SCO the host RAM the optimizer
+leaves, then halve whichever knob's row is the largest in the binding stage until the total fits,
+whatever the routing, or every knob is at its floor.
 Smaller knobs only cost time (more chunks, blocks, buckets), never exactness.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from ..config import PeakflatConfig
@@ -17,13 +19,15 @@ from ..dispatch.config import DispatchConfig
 from ..optimizer.config import OptimizerConfig
 from ..recompute.config import SCOConfig
 from ..vocab.config import VocabConfig
-from .model import GIB, Plan, RunConfig, plan
+from .model import GIB, Plan, RunConfig, plan, vocab_block
 from .shapes import ModelShape
 
 __all__ = ["Recommendation", "recommend", "FLOORS"]
 
-FLOORS = {"chunk_cap": 1024, "block_size": 1024, "bucket": 5_000_000}
-STARTS = {"chunk_cap": 16384, "block_size": 16384, "bucket": 100_000_000}
+FLOORS = {"chunk_cap": 1024, "block_size": 256, "bucket": 5_000_000}
+STARTS = {"chunk_cap": DispatchConfig().chunk_cap, "block_size": VocabConfig().block_size,
+          "bucket": OptimizerConfig().bucket}
+"""The components' own defaults (block_size 0: Ring-DTP's automatic ~128 MiB block)."""
 
 
 @dataclass
@@ -35,19 +39,33 @@ class Recommendation:
     reasons: list[str] = field(default_factory=list)
 
 
+def _vocab_tokens(run: RunConfig) -> float:
+    return run.seq_len * run.micro_batch / run.cp / run.tp
+
+
+def _chunks_needed(shape: ModelShape, run: RunConfig, cap: int) -> int:
+    """K that keeps every chunk within ``cap`` pairs per source rank (max_chunks must allow it)."""
+    T = run.seq_len * run.micro_batch / run.cp
+    r = math.ceil(T / run.tp if run.sp else T)
+    return int(-(-r // max(1, cap // max(1, shape.topk))))
+
+
 def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
     out: list[str] = []
     if cfg.dispatch.impl != "megatron":
         out += [flag_name(DispatchConfig, "impl"), cfg.dispatch.impl,
                 flag_name(DispatchConfig, "chunk_cap"), str(cfg.dispatch.chunk_cap)]
+        if cfg.dispatch.max_chunks != DispatchConfig().max_chunks:
+            out += [flag_name(DispatchConfig, "max_chunks"), str(cfg.dispatch.max_chunks)]
     out += [flag_name(VocabConfig, "impl"), cfg.vocab.impl,
             flag_name(VocabConfig, "schedule"), plan_.vocab_schedule,
-            flag_name(VocabConfig, "block_size"), str(cfg.vocab.block_size)]
+            flag_name(VocabConfig, "block_size"),
+            str(cfg.vocab.block_size or vocab_block(_vocab_tokens(plan_.run), plan_.run.w, 0))]
     if cfg.sco.enabled:
         out += [flag_name(SCOConfig, "enabled"), flag_name(SCOConfig, "budget"), f"{cfg.sco.budget / GIB:.0f}GiB"]
     if cfg.optimizer.impl != "megatron":
         out += [flag_name(OptimizerConfig, "impl"), cfg.optimizer.impl,
-                flag_name(OptimizerConfig, "bucket"), f"{cfg.optimizer.bucket // 1_000_000}M",
+                flag_name(OptimizerConfig, "bucket"), f"{cfg.optimizer.bucket / 1_000_000:g}M",
                 flag_name(OptimizerConfig, "slots"), str(cfg.optimizer.slots)]
     return out
 
@@ -66,7 +84,8 @@ def _why(p: Plan) -> list[str]:
         "dispatch": "raise --expert-model-parallel-size (the chunk is at its floor)",
         "vocab": "raise --tensor-model-parallel-size or --context-parallel-size (the block is at its floor)",
     }
-    out = [f"the {st.stage} stage needs {format_bytes(st.total('peakflat'))} per GPU with every knob at its floor, "
+    out = [f"the {st.stage} stage needs {format_bytes(st.total('peakflat', guaranteed=True))} per GPU with every "
+           "knob at its floor (bounded peaks at their bounds), "
            f"HBM is {format_bytes(run.hbm_bytes)}"]
     rows = sorted((r for r in st.rows.values() if r.name != "reserve"), key=lambda r: -r.peakflat)
     for r in rows[:3]:
@@ -104,28 +123,36 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
 
     for _ in range(64):
         p = plan(shape, run, cfg)
-        if p.fits("peakflat"):
+        if p.fits("peakflat", guaranteed=True):
             return Recommendation(True, cfg, p, _flags(cfg, p), reasons)
-        st = p.worst("peakflat")
-        live_phase = "layer" if sum(r.peakflat for r in st.rows.values() if r.phase == "layer") >= \
-            sum(r.peakflat for r in st.rows.values() if r.phase == "loss") else "loss"
+        st = max(p.stages, key=lambda x: x.total("peakflat", guaranteed=True))
+
+        def g(r):  # noqa: ANN001, ANN202
+            return max(r.peakflat, r.bound or 0.0)
+
+        live_phase = "layer" if sum(g(r) for r in st.rows.values() if r.phase == "layer") >= \
+            sum(g(r) for r in st.rows.values() if r.phase == "loss") else "loss"
         candidates = []
         if "dispatch" in st.rows and cfg.dispatch.impl != "megatron" and cfg.dispatch.chunk_cap > FLOORS["chunk_cap"] \
                 and st.rows["dispatch"].phase in ("persistent", live_phase):
-            candidates.append((st.rows["dispatch"].peakflat, "chunk_cap"))
-        if "vocab" in st.rows and cfg.vocab.block_size > FLOORS["block_size"] and live_phase == "loss":
-            candidates.append((st.rows["vocab"].peakflat, "block_size"))
+            candidates.append((g(st.rows["dispatch"]), "chunk_cap"))
+        block = cfg.vocab.block_size or vocab_block(_vocab_tokens(run), run.w, 0)
+        if "vocab" in st.rows and block > FLOORS["block_size"] and live_phase == "loss":
+            candidates.append((g(st.rows["vocab"]), "block_size"))
         if cfg.optimizer.impl != "megatron" and (cfg.optimizer.bucket > FLOORS["bucket"] or cfg.optimizer.slots > 2):
-            candidates.append((st.rows["optimizer"].peakflat, "bucket"))
+            candidates.append((g(st.rows["optimizer"]), "bucket"))
         if not candidates:
             break
         _, knob = max(candidates)
         if knob == "chunk_cap":
-            cfg.dispatch = dataclasses.replace(cfg.dispatch, chunk_cap=cfg.dispatch.chunk_cap // 2)
+            cap = max(FLOORS["chunk_cap"], cfg.dispatch.chunk_cap // 2)
+            cfg.dispatch = dataclasses.replace(cfg.dispatch, chunk_cap=cap,
+                                               max_chunks=max(cfg.dispatch.max_chunks, _chunks_needed(shape, run, cap)))
         elif knob == "block_size":
-            cfg.vocab = dataclasses.replace(cfg.vocab, block_size=cfg.vocab.block_size // 2)
+            cur = cfg.vocab.block_size or vocab_block(_vocab_tokens(run), run.w, 0)
+            cfg.vocab = dataclasses.replace(cfg.vocab, block_size=max(FLOORS["block_size"], cur // 2))
         elif cfg.optimizer.bucket > FLOORS["bucket"]:
-            cfg.optimizer = dataclasses.replace(cfg.optimizer, bucket=cfg.optimizer.bucket // 2)
+            cfg.optimizer = dataclasses.replace(cfg.optimizer, bucket=max(FLOORS["bucket"], cfg.optimizer.bucket // 2))
         else:
             cfg.optimizer = dataclasses.replace(cfg.optimizer, slots=2)
     p = plan(shape, run, cfg)

@@ -123,16 +123,18 @@ def ring_linear_cross_entropy(
                          f"vocab_size={vocab_size}: the group does not match the weight sharding")
     if check_labels:
         bad = valid & ((labels < 0) | (labels >= V))
-        nbad = torch.stack([bad.sum(), torch.where(bad, labels, torch.zeros_like(labels)).amax()
-                            if bad.any() else labels.new_zeros(())]).cpu()
+        local = int(bad.sum())
+        example = int(labels[bad][0]) if local else None
+        anywhere = torch.tensor([local], dtype=torch.long)
         if size > 1:
             dev = hidden.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-            t = nbad.to(dev)
-            dist.all_reduce(t, group=group)
-            nbad = t.cpu()
-        if int(nbad[0]):
-            raise ValueError(f"{int(nbad[0])} label(s) lie outside [0, {V}) and are not ignore_index={ignore_index} "
-                             f"(e.g. {int(nbad[1])} on this or another ring rank); fix the data or the vocabulary size")
+            t = anywhere.to(dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            anywhere = t.cpu()
+        if int(anywhere[0]):
+            where = f"{local} here, e.g. {example}" if local else "on another ring rank"
+            raise ValueError(f"labels outside [0, {V}) that are not ignore_index={ignore_index} ({where}); "
+                             "fix the data or the vocabulary size")
 
     if block_size == 0:
         block_size = auto_block_size(max(tokens), hidden.element_size())

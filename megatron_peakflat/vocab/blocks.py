@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .. import stats
 from .block_torch import fold_logits_torch, grad_logits_torch
 
 __all__ = ["BlockOps", "block_ops", "fold_shard", "grad_shard"]
@@ -37,28 +38,34 @@ def block_ops(kernel: str, device: torch.device) -> BlockOps:
     return BlockOps("triton", fold_logits_triton, grad_logits_triton)
 
 
-_MM_OUT_DTYPE_OK: bool | None = None
+_CUDA_ACC_WAY: str | None = None  # "addmm" | "mm" | "round", the first that works on this torch
 
 
 def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` in place. Same dtypes: one GEMM with beta=1 (fp32 inside, one rounding to acc's
-    dtype). An fp32 ``acc`` with low-precision inputs: the GEMM writes its fp32 result straight into
-    ``acc`` where the backend supports ``out_dtype`` (CUDA), else a temporary is added."""
-    global _MM_OUT_DTYPE_OK
+    dtype). An fp32 ``acc`` with low-precision inputs: the GEMM's fp32 result is added unrounded
+    (``out_dtype`` on CUDA, upcast on CPU); only a torch without ``out_dtype`` rounds each block."""
+    global _CUDA_ACC_WAY
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
-    if a.is_cuda and _MM_OUT_DTYPE_OK is not False:
+    if not a.is_cuda:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        return
+    for way in ([_CUDA_ACC_WAY] if _CUDA_ACC_WAY else ["addmm", "mm", "round"]):
         try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            _MM_OUT_DTYPE_OK = True
+            if way == "addmm":
+                torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            elif way == "mm":
+                acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+            else:
+                acc.add_(a @ b)
+            if _CUDA_ACC_WAY is None:
+                _CUDA_ACC_WAY = way
+                stats.record("vocab", "fp32_accumulate_via", way)
             return
         except (TypeError, RuntimeError, NotImplementedError):
-            _MM_OUT_DTYPE_OK = False
-    if not a.is_cuda:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # CPU: exact fp32 products of the low-precision inputs
-        return
-    acc.add_((a @ b).to(acc.dtype))
+            continue
 
 
 def fold_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, state: torch.Tensor,

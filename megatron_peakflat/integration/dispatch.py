@@ -1,0 +1,219 @@
+"""PipelinedLLEP in Megatron: a token dispatcher whose routed-experts step is one chunked autograd call.
+
+Two registry entries:
+- ``wrap_moe_layer_init`` wraps ``MoELayer.__init__``: after Megatron built its alltoall dispatcher,
+  the layer gets a ``PeakflatDispatcher`` when ``--peakflat-dispatch pipelined-llep`` is on (the
+  config value stays ``alltoall``), and ``set_shared_experts`` is called again under shared-expert overlap;
+- ``wrap_routed_experts_compute`` wraps ``MoELayer.routed_experts_compute``: for a layer holding a
+  PeakflatDispatcher it runs dispatch -> experts -> combine for all chunks in one autograd Function
+  (``dispatch.pipelined``), calling the layer's own ``SequentialMLP`` experts on each chunk.
+
+The dispatcher's other steps are cheap pass-throughs (reshape in, reshape out, shared experts
+added at the end), so MoELayer.forward, the router, its aux losses and expert bias, and
+``--recompute-modules moe`` all run unchanged.
+
+Handed back to Megatron's own dispatcher, with one logged reason per layer kind, for: TE grouped
+experts (or any experts other than SequentialMLP), expert tensor parallelism, pad-to-capacity,
+router padding for quantization, fp8/fp4, latent MoE, CUDA graphs, delayed/overlapped wgrad, and
+gradient-accumulation fusion (its wgrads bypass autograd).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.func import functional_call
+
+from .. import stats
+from ..dispatch.api import llep_moe
+from . import state
+
+__all__ = ["wrap_moe_layer_init", "wrap_routed_experts_compute", "PeakflatDispatcher", "SequentialMLPBank",
+           "unsupported_reason"]
+
+log = logging.getLogger("megatron_peakflat")
+_said: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        log.info(msg)
+
+
+class SequentialMLPBank:
+    """Megatron's SequentialMLP as an ExpertBank: the same expert MLP math, with own or received weights."""
+
+    def __init__(self, experts: Any) -> None:
+        self.experts = experts
+        self.config = experts.config
+        self.num_local_experts = experts.num_local_experts
+        template = experts.local_experts[0]
+        self._template = template
+        self._names = [n for n, _ in template.named_parameters()]
+
+    def expert_params(self, local: int) -> list[torch.Tensor]:
+        return list(self.experts.local_experts[local].parameters())
+
+    def compute(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: Sequence[int],
+                local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]) -> torch.Tensor:
+        if self.config.moe_apply_probs_on_input:  # as SequentialMLP.forward does
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        outs, o = [], 0
+        for n, li, w in zip(tokens_per_expert, local, weights):
+            if n == 0:
+                continue
+            xs, ps = x[o:o + n], probs[o:o + n]
+            if li is not None:
+                y, _ = self.experts.local_experts[li](xs, ps)
+            else:
+                y, _ = functional_call(self._template, dict(zip(self._names, w)), (xs, ps))
+            outs.append(y)
+            o += n
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+
+
+def _dispatcher_base() -> type:
+    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+    return MoETokenDispatcher
+
+
+class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazily by ``_make_dispatcher``
+    """MoETokenDispatcher interface; the real work happens in ``run`` (from routed_experts_compute)."""
+
+    def _setup(self, original: Any) -> None:
+        base = _dispatcher_base()
+        pgs = SimpleNamespace(ep=original.ep_group, expt_tp=original.tp_group, tp_ep=original.tp_ep_group)
+        base.__init__(self, config=original.config, pg_collection=pgs)
+        self.num_local_experts = original.num_local_experts
+        self.local_expert_indices = original.local_expert_indices
+        self.hidden_shape: torch.Size | None = None
+        self.routing_map: torch.Tensor | None = None
+        self._shared_input: torch.Tensor | None = None
+
+    def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        self.hidden_shape = tokens.shape
+        self.routing_map = routing_map
+        if self.shared_experts is not None:
+            self._shared_input = tokens
+        return tokens.view(-1, tokens.shape[-1]), probs
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        raise RuntimeError("PeakflatDispatcher runs dispatch and experts together in MoELayer.routed_experts_compute; "
+                           "the megatron-peakflat patch of that method is missing (call megatron_peakflat.apply)")
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            # Shared-expert overlap: Megatron leaves the shared experts to the dispatcher.
+            out = out + self.shared_experts(self._shared_input)
+            self._shared_input = None
+        self.routing_map = None
+        return out
+
+    def run(self, hidden_states: torch.Tensor, probs: torch.Tensor, experts: Any) -> torch.Tensor:
+        """Dispatch, experts and combine for all chunks: [T, H] rows in, [T, H] MoE output out."""
+        cfg = state.current().dispatch
+        bank = getattr(self, "_bank", None)
+        if bank is None or bank.experts is not experts:
+            bank = self._bank = SequentialMLPBank(experts)
+        group = self.ep_group if self.ep_size > 1 else None
+        out = llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg,
+                       num_chunks=getattr(self, "force_chunks", None))
+        return out
+
+
+@functools.cache
+def _make_dispatcher_class() -> type:
+    return type("PeakflatDispatcher", (PeakflatDispatcher, _dispatcher_base()), {})
+
+
+def make_dispatcher(original: Any) -> PeakflatDispatcher:
+    cls = _make_dispatcher_class()
+    d = cls.__new__(cls)
+    d._setup(original)
+    return d
+
+
+def unsupported_reason(layer: Any) -> str | None:
+    """Why this MoELayer must keep Megatron's dispatcher, or None when PipelinedLLEP can run it."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    c = layer.config
+    if not isinstance(layer.token_dispatcher, MoEAlltoAllTokenDispatcher):
+        return f"moe_token_dispatcher_type is {c.moe_token_dispatcher_type!r}, not 'alltoall'"
+    if not isinstance(layer.experts, SequentialMLP):
+        return f"experts are {type(layer.experts).__name__} (TE grouped experts); only SequentialMLP is supported"
+    if layer.token_dispatcher.tp_size > 1:
+        return "expert tensor parallelism > 1"
+    checks = [
+        ("moe_pad_expert_input_to_capacity", "pad-to-capacity"),
+        ("moe_router_padding_for_quantization", "router padding for quantization"),
+        ("fp8", "fp8"), ("fp4", "fp4"),
+        ("moe_latent_size", "latent MoE projections"),
+        ("overlap_dispatch_backward_with_experts_wgrad", "dispatch/wgrad overlap"),
+        ("delay_wgrad_compute", "delayed wgrad"),
+        ("gradient_accumulation_fusion", "gradient-accumulation fusion (wgrads bypass autograd)"),
+        ("add_bias_linear", "expert biases"),
+    ]
+    for attr, what in checks:
+        if getattr(c, attr, None):
+            return what
+    if getattr(c, "cuda_graph_impl", "none") not in (None, "none"):
+        return "CUDA graphs"
+    if getattr(c, "transformer_impl", None) == "inference_optimized":
+        return "inference-optimized transformer"
+    return None
+
+
+def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., None]:
+    """MoELayer.__init__ that swaps in the PipelinedLLEP dispatcher when the config asks for it."""
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        cfg = state.get()
+        if cfg is None or cfg.dispatch.impl != "pipelined-llep":
+            return
+        why = unsupported_reason(self)
+        if why is not None:
+            _say_once(f"peakflat dispatch: MoE layer keeps Megatron's dispatcher: {why}")
+            stats.add("dispatch", "handed_back_layers", 1)
+            return
+        self.token_dispatcher = make_dispatcher(self.token_dispatcher)
+        if self.shared_experts is not None and self.shared_expert_overlap:
+            self.token_dispatcher.set_shared_experts(self.shared_experts)
+        stats.add("dispatch", "layers", 1)
+        _say_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={self.token_dispatcher.ep_size}, "
+                  f"c={cfg.dispatch.chunk_cap}, max K={cfg.dispatch.max_chunks}, alpha={cfg.dispatch.alpha}, "
+                  f"m={cfg.dispatch.min_spill}, lambda={cfg.dispatch.imbalance_threshold})")
+
+    return __init__
+
+
+def wrap_routed_experts_compute(original: Callable[..., Any]) -> Callable[..., Any]:
+    """MoELayer.routed_experts_compute that runs the chunked schedule for a PeakflatDispatcher layer."""
+
+    @functools.wraps(original)
+    def routed_experts_compute(self: Any, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if not isinstance(self.token_dispatcher, PeakflatDispatcher):
+            return original(self, hidden_states, probs)
+        return self.token_dispatcher.run(hidden_states, probs, self.experts), None
+
+    return routed_experts_compute

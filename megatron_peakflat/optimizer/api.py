@@ -1,0 +1,375 @@
+"""``OffloadStreamAdamW``: AdamW whose fp32 master weights and moments live in host buckets.
+
+Semantics are ``torch.optim.AdamW``'s (decoupled weight decay, bias correction, amsgrad off, per-group
+lr / weight decay / betas / eps, params without a gradient skipped). Gradients are read from
+``param.decoupled_grad`` when present (Megatron's precision-aware path), else ``param.grad``; loss
+scaling and clipping are applied to those gradients by the caller before ``step()``, exactly as
+Megatron's ``MixedPrecisionOptimizer.step`` does for any inner optimizer. The model parameters may be
+bf16 or fp32, on a GPU or the CPU; they receive the updated master weights after each step.
+
+State contract (what Megatron's DistributedOptimizer checkpointing reads and writes):
+``state[param]`` holds ``step``, ``exp_avg``, ``exp_avg_sq`` and ``master_param``, each a view of
+the host buckets; ``_sync_hdo_state_to_sub_optimizers()`` adopts tensors that were put in their place;
+``update_fp32_param_by_new_param()`` reloads the masters from the model params; ``dummy_step()``
+materialises the state; ``sub_optimizers`` is ``[self]``.
+
+The host state is allocated lazily (first ``step``, ``state_dict``, ``dummy_step`` or ``load_state_dict``),
+so an instance that is only built to be rebuilt (Megatron builds the optimizer over the whole model,
+then again over each rank's shard) never allocates.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable, Literal
+
+import torch
+
+from .. import stats
+from ..config_base import format_bytes
+from .engines import CpuEngineWorker, GroupHyper, HostSlot, Slot, Streams, run_gpu_engine
+from .host_memory import HostRegion, check_host_budget
+from .layout import Layout, plan_layout
+
+__all__ = ["OffloadStreamAdamW"]
+
+log = logging.getLogger("megatron_peakflat")
+
+_STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
+_AUTO_MEASURE_STEPS = 3
+
+
+class OffloadStreamAdamW(torch.optim.Optimizer):
+    """AdamW with pinned host state, streamed through GPU staging slots and/or updated on the host cores.
+
+    Args:
+        params: parameters or param groups (as torch.optim).
+        lr, betas, eps, weight_decay: AdamW hyperparameters (per group overridable).
+        bucket: parameters per bucket; the GPU engine holds ``slots`` x ``bucket`` x 16 bytes.
+        engine: 'gpu', 'cpu' or 'auto' (split buckets between both so they finish together,
+            measured in the first steps; the split is saved in ``state_dict``).
+        slots: GPU staging slots (2 or 3); the CPU engine uses as many host slots.
+        host_threads: threads of the host kernel (None: all cores torch uses).
+        host_kernel: 'auto' (native if built, else torch), 'native' (error if not built) or 'torch'.
+        pin: pin the host state (falls back to pageable with a warning when pinning fails).
+        **extra_defaults: kept in ``defaults`` untouched (Megatron passes HybridDeviceOptimizer's knobs).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, bucket: int = 50_000_000,
+                 engine: Literal["auto", "gpu", "cpu"] = "auto", slots: int = 3, host_threads: int | None = None,
+                 host_kernel: Literal["auto", "native", "torch"] = "auto", pin: bool = True,
+                 **extra_defaults: Any):
+        if not 0.0 <= lr:
+            raise ValueError(f"OffloadStreamAdamW: lr must be >= 0, got {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"OffloadStreamAdamW: eps must be >= 0, got {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"OffloadStreamAdamW: betas must be in [0, 1), got {betas}")
+        if engine not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"OffloadStreamAdamW: engine must be 'auto', 'gpu' or 'cpu', got {engine!r}")
+        if slots not in (2, 3):
+            raise ValueError(f"OffloadStreamAdamW: slots must be 2 or 3, got {slots}")
+        if int(bucket) < 1:
+            raise ValueError(f"OffloadStreamAdamW: bucket must be >= 1 parameter, got {bucket}")
+        if host_kernel not in ("auto", "native", "torch"):
+            raise ValueError(f"OffloadStreamAdamW: host_kernel must be 'auto', 'native' or 'torch', got {host_kernel!r}")
+        for k in ("amsgrad", "maximize"):
+            if extra_defaults.get(k):
+                raise ValueError(f"OffloadStreamAdamW: {k}=True is not supported")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra_defaults)
+        torch.optim.Optimizer.__init__(self, params, defaults)  # explicit: subclasses may mix in other optimizers
+        self.bucket, self.engine, self.slots = int(bucket), engine, slots
+        self.host_threads, self.host_kernel, self.pin = host_threads, host_kernel, pin
+        from .. import _ext
+
+        self._ext = _ext.load() if host_kernel != "torch" else None
+        if host_kernel == "native":
+            self._ext = _ext.require("OffloadStreamAdamW(host_kernel='native')")
+        self._materialized = False
+        self._gpu_fraction: float | None = {"gpu": 1.0, "cpu": 0.0}.get(engine)
+        self._measured: list[tuple[int, float, int, float]] = []
+        self._step_tensors: dict[int, torch.Tensor] = {}
+
+    # ----------------------------------------------------------------------------------------------
+    # layout and allocation
+
+    def _flat_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _materialize(self) -> None:
+        if self._materialized:
+            return
+        params = self._flat_params()
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("OffloadStreamAdamW: a parameter appears in more than one param group")
+        groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self._layout: Layout = plan_layout([p.numel() for p in params], groups, self.bucket)
+        self._params = params
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"OffloadStreamAdamW: all parameters must be on one device, got {sorted(map(str, devices))}")
+        self.device = next(iter(devices)) if devices else torch.device("cpu")
+        n, B = self._layout.total, max(1, self._layout.max_bucket)
+        out_dtype = self._out_dtype()
+        grad_dtype = torch.float32
+        host_slot_bytes = self.slots * B * (grad_dtype.itemsize + out_dtype.itemsize) if self.engine != "gpu" else 0
+        need = 3 * 4 * n + host_slot_bytes + 256 * (4 + 2 * self.slots)
+        check_host_budget(need, what=f"{n:,} parameters (fp32 master, exp_avg, exp_avg_sq) and staging")
+        self._region = HostRegion(need, pin=self.pin and self.device.type == "cuda", ext=self._ext)
+        self._master = self._region.carve(n, torch.float32)
+        self._exp_avg = self._region.carve(n, torch.float32)
+        self._exp_avg_sq = self._region.carve(n, torch.float32)
+        self._host_slots = [HostSlot(self._region.carve(B, grad_dtype), self._region.carve(B, out_dtype))
+                            for _ in range(self.slots)] if self.engine != "gpu" else []
+        self._gpu_slots: list[Slot] = []
+        self._streams = Streams(self.device)
+        self._steps = [0] * len(params)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                self._view(self._master, i).copy_(p.detach().reshape(-1))
+        for i, p in enumerate(params):
+            self._bind_state(i, p)
+        self._materialized = True
+        stats.record("optimizer", "host_bytes", need)
+        stats.record("optimizer", "host_pinned", self._region.pinned)
+        stats.record("optimizer", "host_backend", self._region.backend)
+        stats.record("optimizer", "buckets", len(self._layout.buckets))
+        stats.record("optimizer", "params", n)
+        log.info("peakflat optimizer: OffloadStreamAdamW holds %s parameters in %d buckets of <= %s, %s of %s host "
+                 "memory (%s), engine=%s, host kernel=%s", f"{n:,}", len(self._layout.buckets), f"{B:,}",
+                 format_bytes(need), "pinned" if self._region.pinned else "pageable", self._region.backend,
+                 self.engine, "native" if self._ext is not None and self.host_kernel != "torch" else "torch")
+
+    def _out_dtype(self) -> torch.dtype:
+        dts = {p.dtype for g in self.param_groups for p in g["params"]}
+        return dts.pop() if len(dts) == 1 and next(iter(dts)) in (torch.float32, torch.bfloat16) else torch.float32
+
+    def _view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        off, n = self._layout.offsets[i], self._layout.numels[i]
+        return flat[off:off + n]
+
+    def _bind_state(self, i: int, p: torch.Tensor) -> None:
+        shape = p.shape
+        self.state[p] = {
+            "step": torch.tensor(float(self._steps[i]), dtype=torch.float32),
+            "exp_avg": self._view(self._exp_avg, i).view(shape),
+            "exp_avg_sq": self._view(self._exp_avg_sq, i).view(shape),
+            "master_param": self._view(self._master, i).view(shape),
+        }
+
+    def _gpu_slot_list(self) -> list[Slot]:
+        if not self._gpu_slots:
+            B = max(1, self._layout.max_bucket)
+            self._gpu_slots = [Slot(B, self.device) for _ in range(self.slots)]
+            stats.record("optimizer", "gpu_staging_bytes", self.slots * B * 16)
+        return self._gpu_slots
+
+    def _step_tensor(self, step: int) -> torch.Tensor:
+        t = self._step_tensors.get(step)
+        if t is None:
+            if len(self._step_tensors) > 8:
+                self._step_tensors.clear()
+            t = self._step_tensors[step] = torch.tensor(float(step), dtype=torch.float32, device=self.device)
+        return t
+
+    # ----------------------------------------------------------------------------------------------
+    # the step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._materialize()
+        self._sync_hdo_state_to_sub_optimizers()
+        params = self._params
+        has_grad = []
+        for p in params:
+            g = getattr(p, "decoupled_grad", None)
+            g = p.grad if g is None else g
+            if g is not None and g.is_sparse:
+                raise RuntimeError("OffloadStreamAdamW does not support sparse gradients")
+            has_grad.append(g is not None)
+        for i, h in enumerate(has_grad):
+            if h:
+                self._steps[i] += 1
+        hyper = [GroupHyper(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+                            float(g["weight_decay"])) for g in self.param_groups]
+        buckets = self._layout.buckets
+        frac = self._current_fraction()
+        n_gpu = min(len(buckets), max(0, round(frac * len(buckets))))
+        if self._gpu_fraction is None and len(buckets) > 1:  # measuring: both engines need buckets
+            n_gpu = min(len(buckets) - 1, max(1, n_gpu))
+        gpu_b, cpu_b = buckets[:n_gpu], buckets[n_gpu:]
+        t0 = time.perf_counter()
+        start = self._streams.event()
+        worker = None
+        if cpu_b:
+            worker = CpuEngineWorker(cpu_b, params=params, steps=self._steps, has_grad=has_grad, hyper=hyper,
+                                     master=self._master, exp_avg=self._exp_avg, exp_avg_sq=self._exp_avg_sq,
+                                     slots=self._host_slots, streams=self._streams, start_event=start,
+                                     threads=self.host_threads, ext=self._ext,
+                                     impl="torch" if self.host_kernel == "torch" else "auto")
+            worker.start(background=bool(gpu_b))
+        gpu_done: list = []
+        t_gpu = 0.0
+        if gpu_b:
+            gpu_done = run_gpu_engine(gpu_b, params=params, steps=self._steps, has_grad=has_grad, hyper=hyper,
+                                      master=self._master, exp_avg=self._exp_avg, exp_avg_sq=self._exp_avg_sq,
+                                      slots=self._gpu_slot_list(), streams=self._streams,
+                                      step_tensor=self._step_tensor, start_event=start)
+            for ev in gpu_done[-self.slots:]:
+                Streams.sync(ev)
+            t_gpu = time.perf_counter() - t0
+        if worker is not None:
+            worker.join()
+            if self._streams.cuda:
+                for ev in worker.done[-self.slots:]:
+                    torch.cuda.current_stream().wait_event(ev)  # params are uploaded before anyone reads them
+                    Streams.sync(ev)
+        t_all = time.perf_counter() - t0
+        for i, p in enumerate(params):
+            self.state[p]["step"].fill_(float(self._steps[i]))
+        if self.engine == "auto":
+            self._record_split(len(gpu_b), t_gpu, len(cpu_b), worker.seconds if worker else 0.0)
+        stats.record("optimizer", "step_ms", round(t_all * 1e3, 3))
+        stats.record("optimizer", "gpu_buckets", len(gpu_b))
+        stats.record("optimizer", "cpu_buckets", len(cpu_b))
+        return loss
+
+    def _current_fraction(self) -> float:
+        if self._gpu_fraction is not None:
+            return self._gpu_fraction
+        return 0.5 if not self._measured else self._measured_fraction()
+
+    def _measured_fraction(self) -> float:
+        rate_g = sum(n for n, t, _, _ in self._measured if n and t) / max(1e-9, sum(t for n, t, _, _ in self._measured if n and t))
+        rate_c = sum(n for _, _, n, t in self._measured if n and t) / max(1e-9, sum(t for _, _, n, t in self._measured if n and t))
+        if rate_g + rate_c <= 0:
+            return 0.5
+        return rate_g / (rate_g + rate_c)
+
+    def _record_split(self, n_gpu: int, t_gpu: float, n_cpu: int, t_cpu: float) -> None:
+        if self._gpu_fraction is not None:
+            return
+        self._measured.append((n_gpu, t_gpu, n_cpu, t_cpu))
+        if len(self._measured) >= _AUTO_MEASURE_STEPS:
+            self._gpu_fraction = self._measured_fraction()
+            stats.record("optimizer", "auto_gpu_fraction", round(self._gpu_fraction, 4))
+            log.info("peakflat optimizer: engine=auto sends %.1f%% of the buckets through the GPU, the rest to the "
+                     "host kernel (measured over %d steps)", 100 * self._gpu_fraction, len(self._measured))
+
+    # ----------------------------------------------------------------------------------------------
+    # Megatron's HybridDeviceOptimizer contract
+
+    @property
+    def sub_optimizers(self) -> list[torch.optim.Optimizer]:
+        """One optimizer does all the work (Megatron iterates this list)."""
+        return [self]
+
+    def dummy_step(self) -> None:
+        """Materialise the state (zero moments, masters from the params) without changing anything."""
+        self._materialize()
+
+    def _sync_hdo_state_to_sub_optimizers(self) -> None:
+        """Adopt state tensors that callers put into ``state[param]`` (e.g. a checkpoint load) into the buckets."""
+        if not self._materialized:
+            return
+        for i, p in enumerate(self._params):
+            st = self.state.get(p)
+            if st is None:
+                self._bind_state(i, p)
+                continue
+            mine = {"master_param": self._master, "exp_avg": self._exp_avg, "exp_avg_sq": self._exp_avg_sq}
+            rebind = False
+            for k, flat in mine.items():
+                v = st.get(k)
+                dst = self._view(flat, i)
+                if v is None:
+                    rebind = True
+                elif not isinstance(v, torch.Tensor) or v.data_ptr() != dst.data_ptr():
+                    dst.copy_(torch.as_tensor(v).reshape(-1))
+                    rebind = True
+            s = st.get("step")
+            if s is not None:
+                self._steps[i] = int(float(s))
+            if rebind or not isinstance(s, torch.Tensor):
+                self._bind_state(i, p)
+
+    def update_fp32_param_by_new_param(self) -> None:
+        """Reload the fp32 masters from the model parameters (Megatron calls this after loading weights only)."""
+        if not self._materialized:
+            return
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                self._view(self._master, i).copy_(p.detach().reshape(-1))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if getattr(p, "decoupled_grad", None) is not None:
+                    if set_to_none:
+                        p.decoupled_grad = None
+                    else:
+                        p.decoupled_grad.zero_()
+
+    # ----------------------------------------------------------------------------------------------
+    # checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim layout: ``state`` by parameter index, ``param_groups`` with indices (and the step)."""
+        self._materialize()
+        self._sync_hdo_state_to_sub_optimizers()
+        index = {id(p): i for i, p in enumerate(self._params)}
+        groups = []
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = [index[id(p)] for p in g["params"]]
+            steps = {self._steps[index[id(p)]] for p in g["params"]}
+            if len(steps) == 1:
+                d["step"] = steps.pop()
+            groups.append(d)
+        state = {i: dict(self.state[p]) for i, p in enumerate(self._params)}
+        return {"state": state, "param_groups": groups,
+                "peakflat": {"gpu_fraction": self._gpu_fraction, "measured": list(self._measured)}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` (ours, or torch.optim.AdamW's without ``master_param``: masters then
+        come from the current parameters). Tensors are copied into the host buckets."""
+        self._materialize()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"OffloadStreamAdamW.load_state_dict: {len(groups)} param groups saved, "
+                             f"{len(self.param_groups)} here")
+        id_map = {}
+        for saved, mine in zip(groups, self.param_groups):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError("OffloadStreamAdamW.load_state_dict: a param group's size differs from the saved one")
+            for k, v in saved.items():
+                if k not in ("params", "step"):
+                    mine[k] = v
+            for idx, p in zip(saved["params"], mine["params"]):
+                id_map[idx] = p
+        index = {id(p): i for i, p in enumerate(self._params)}
+        with torch.no_grad():
+            for idx, st in state_dict["state"].items():
+                p = id_map[idx]
+                i = index[id(p)]
+                for k, flat in (("master_param", self._master), ("exp_avg", self._exp_avg),
+                                ("exp_avg_sq", self._exp_avg_sq)):
+                    if k in st and st[k] is not None:
+                        dst = self._view(flat, i)
+                        src = torch.as_tensor(st[k])
+                        if src.data_ptr() != dst.data_ptr():
+                            dst.copy_(src.reshape(-1))
+                if "step" in st:
+                    self._steps[i] = int(float(st["step"]))
+                self._bind_state(i, p)
+        extra = state_dict.get("peakflat")
+        if extra and self.engine == "auto":
+            self._gpu_fraction = extra.get("gpu_fraction")
+            self._measured = [tuple(m) for m in extra.get("measured", [])]

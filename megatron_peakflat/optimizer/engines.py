@@ -1,0 +1,240 @@
+"""The two ways a bucket is updated, and the streams and events that pipeline them.
+
+- GPU engine: upload bucket i+1's fp32 state (master, exp_avg, exp_avg_sq) into a staging slot,
+  run torch's fused AdamW on bucket i in its slot, write bucket i-1's state back to the host. The
+  GPU holds ``slots`` staging slots and nothing else.
+- CPU engine: copy bucket i+1's gradients down, run the host AdamW kernel on bucket i, copy bucket
+  i-1's new parameters up. Only gradients and parameters cross PCIe.
+
+On a machine without CUDA the same code runs on CPU tensors: streams and events become no-ops and
+copies are synchronous, so the math and the order of operations are those of the GPU run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .host_adam import host_adamw_
+from .layout import Bucket
+
+__all__ = ["Streams", "Slot", "HostSlot", "GroupHyper", "run_gpu_engine", "CpuEngineWorker"]
+
+
+@dataclass(frozen=True)
+class GroupHyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+class Streams:
+    """CUDA side streams when the device is CUDA; no-op stand-ins on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.up = torch.cuda.Stream(device)
+            self.down = torch.cuda.Stream(device)
+            self.host_down = torch.cuda.Stream(device)
+            self.host_up = torch.cuda.Stream(device)
+
+    def on(self, stream) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def event(self, stream=None):
+        """Record an event on ``stream`` (the current stream when None); None on CPU."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream if stream is not None else torch.cuda.current_stream())
+        return ev
+
+    def wait(self, stream, event) -> None:
+        if self.cuda and event is not None:
+            stream.wait_event(event)
+
+    @staticmethod
+    def sync(event) -> None:
+        if event is not None:
+            event.synchronize()
+
+
+class Slot:
+    """One GPU staging slot: fp32 state [3, bucket] and an fp32 gradient [bucket]."""
+
+    def __init__(self, bucket: int, device: torch.device):
+        self.state = torch.empty(3, bucket, dtype=torch.float32, device=device)
+        self.grad = torch.empty(bucket, dtype=torch.float32, device=device)
+        self.free = None  # event: the slot's last write-back has finished
+
+
+class HostSlot:
+    """One host staging slot of the CPU engine: gradients down, new parameters up (pinned when possible)."""
+
+    def __init__(self, grad: torch.Tensor, out: torch.Tensor):
+        self.grad, self.out = grad, out
+        self.free = None  # event: the slot's last upload has finished
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    g = getattr(p, "decoupled_grad", None)
+    return p.grad if g is None else g
+
+
+def _calls(bucket: Bucket, steps: Sequence[int], has_grad: Sequence[bool]):
+    """Pieces of ``bucket`` grouped by (param group, step): one fused call each."""
+    out: dict[tuple[int, int], list] = {}
+    for pc in bucket.pieces:
+        if has_grad[pc.param]:
+            out.setdefault((pc.group, steps[pc.param]), []).append(pc)
+    return out
+
+
+def run_gpu_engine(buckets: Sequence[Bucket], *, params: Sequence[torch.Tensor], steps: Sequence[int],
+                   has_grad: Sequence[bool], hyper: Sequence[GroupHyper], master: torch.Tensor,
+                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, slots: Sequence[Slot], streams: Streams,
+                   step_tensor: Callable[[int], torch.Tensor], start_event) -> list:
+    """Issue the GPU engine's pipeline for ``buckets``; return the write-back events (one per bucket).
+
+    Nothing here waits on the host: every copy and kernel is queued on its stream, ordered by events.
+    """
+    host = (master, exp_avg, exp_avg_sq)
+    done = []
+    for i, b in enumerate(buckets):
+        slot = slots[i % len(slots)]
+        n, lo = b.numel, b.start
+        # upload: after the slot's previous write-back, and after the grads are ready
+        if streams.cuda:
+            streams.wait(streams.up, slot.free)
+        with streams.on(streams.up if streams.cuda else None):
+            for k in range(3):
+                slot.state[k, :n].copy_(host[k][lo:lo + n], non_blocking=True)
+        uploaded = streams.event(streams.up if streams.cuda else None)
+        # update, on the current stream
+        if streams.cuda:
+            torch.cuda.current_stream().wait_event(uploaded)
+        groups = _calls(b, steps, has_grad)
+        for (gi, step), pieces in groups.items():
+            ps, gs, ms, vs = [], [], [], []
+            for pc in pieces:
+                g = _grad_of(params[pc.param])
+                dst = slot.grad[pc.at:pc.at + pc.numel]
+                dst.copy_(g.reshape(-1)[pc.lo:pc.hi])
+                ps.append(slot.state[0, pc.at:pc.at + pc.numel])
+                gs.append(dst)
+                ms.append(slot.state[1, pc.at:pc.at + pc.numel])
+                vs.append(slot.state[2, pc.at:pc.at + pc.numel])
+            h = hyper[gi]
+            st = step_tensor(step)
+            torch._fused_adamw_(ps, gs, ms, vs, [], [st] * len(ps), lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                                weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
+            for pc, pm in zip(pieces, ps):
+                params[pc.param].data.view(-1)[pc.lo:pc.hi].copy_(pm)
+        computed = streams.event()
+        # write back
+        if streams.cuda:
+            streams.wait(streams.down, computed)
+        with streams.on(streams.down if streams.cuda else None):
+            for k in range(3):
+                host[k][lo:lo + n].copy_(slot.state[k, :n], non_blocking=True)
+        slot.free = streams.event(streams.down if streams.cuda else None)
+        done.append(slot.free)
+    return done
+
+
+class CpuEngineWorker:
+    """Runs the CPU engine's pipeline for some buckets, on a host thread beside the GPU engine."""
+
+    def __init__(self, buckets: Sequence[Bucket], *, params: Sequence[torch.Tensor], steps: Sequence[int],
+                 has_grad: Sequence[bool], hyper: Sequence[GroupHyper], master: torch.Tensor,
+                 exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, slots: Sequence[HostSlot], streams: Streams,
+                 start_event, threads: int | None, ext, impl: str):
+        self.buckets, self.params, self.steps, self.has_grad = buckets, params, steps, has_grad
+        self.hyper, self.master, self.exp_avg, self.exp_avg_sq = hyper, master, exp_avg, exp_avg_sq
+        self.slots, self.streams, self.start_event = slots, streams, start_event
+        self.threads, self.ext, self.impl = threads, ext, impl
+        self.done: list = []
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._thread: threading.Thread | None = None
+
+    def _download(self, i: int):
+        b, slot, s = self.buckets[i], self.slots[i % len(self.slots)], self.streams
+        if s.cuda:
+            s.wait(s.host_down, self.start_event)
+        with s.on(s.host_down if s.cuda else None):
+            for pc in b.pieces:
+                if self.has_grad[pc.param]:
+                    g = _grad_of(self.params[pc.param])
+                    slot.grad[pc.at:pc.at + pc.numel].copy_(g.reshape(-1)[pc.lo:pc.hi], non_blocking=True)
+        return s.event(s.host_down if s.cuda else None)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        s, nb, R = self.streams, len(self.buckets), len(self.slots)
+        down = [None] * nb
+        for j in range(min(R, nb)):
+            down[j] = self._download(j)
+        for i, b in enumerate(self.buckets):
+            slot = self.slots[i % R]
+            Streams.sync(down[i])
+            Streams.sync(slot.free)  # the previous upload from slot.out has left
+            for (gi, step), pieces in _calls(b, self.steps, self.has_grad).items():
+                h = self.hyper[gi]
+                for run_lo, run_hi in _runs(pieces):
+                    a, z = run_lo, run_hi
+                    host_adamw_(self.master[b.start + a:b.start + z], slot.grad[a:z],
+                                self.exp_avg[b.start + a:b.start + z], self.exp_avg_sq[b.start + a:b.start + z],
+                                slot.out[a:z], lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                                weight_decay=h.weight_decay, step=step, threads=self.threads, ext=self.ext,
+                                impl=self.impl)
+            if s.cuda and i == 0:
+                s.wait(s.host_up, self.start_event)  # nothing overwrites a param the step's caller still reads
+            with s.on(s.host_up if s.cuda else None):
+                for pc in b.pieces:
+                    if self.has_grad[pc.param]:
+                        self.params[pc.param].data.view(-1)[pc.lo:pc.hi].copy_(
+                            slot.out[pc.at:pc.at + pc.numel], non_blocking=True)
+            slot.free = s.event(s.host_up if s.cuda else None)
+            self.done.append(slot.free)
+            if i + R < nb:
+                down[i + R] = self._download(i + R)  # the kernel has consumed slot.grad
+        self.seconds = time.perf_counter() - t0
+
+    def _guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - re-raised on join, in the caller's thread
+            self.error = e
+
+    def start(self, background: bool) -> None:
+        if background:
+            self._thread = threading.Thread(target=self._guarded, name="peakflat-cpu-adam", daemon=True)
+            self._thread.start()
+        else:
+            self._guarded()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _runs(pieces) -> list[tuple[int, int]]:
+    """Merge pieces that are adjacent inside the bucket into contiguous runs (one kernel call each)."""
+    runs: list[list[int]] = []
+    for pc in sorted(pieces, key=lambda p: p.at):
+        if runs and runs[-1][1] == pc.at:
+            runs[-1][1] = pc.at + pc.numel
+        else:
+            runs.append([pc.at, pc.at + pc.numel])
+    return [(a, z) for a, z in runs]

@@ -1,0 +1,50 @@
+"""``python -m megatron_peakflat.testing.pretrain_dryrun <flags>``: the pretrain entry on CPU, one gloo rank.
+
+A dry run of ``megatron_peakflat.pretrain`` for tests and for checking a command line without a
+GPU: the CPU shim is installed, ``initialize_megatron``'s CUDA assertion is satisfied for its
+duration only, torch.compile is off, and the data loader runs in-process. Test use only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main(argv: list[str]) -> None:
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        from .distributed import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+    import torch
+
+    from .megatron_cpu import install_cpu_shim
+
+    install_cpu_shim()
+    from megatron.training import initialize, training
+
+    real_init = training.initialize_megatron
+
+    def initialize_megatron(*args, **kwargs):
+        real = torch.cuda.is_available
+        torch.cuda.is_available = lambda: True  # type: ignore[assignment]
+        try:
+            return real_init(*args, **kwargs)
+        finally:
+            torch.cuda.is_available = real  # type: ignore[assignment]
+
+    training.initialize_megatron = initialize_megatron
+    initialize.initialize_megatron = initialize_megatron
+    from megatron_peakflat import pretrain
+
+    extra = [("--distributed-backend", "gloo"), ("--num-workers", "0"), ("--use-cpu-initialization",),
+             ("--no-gradient-accumulation-fusion",), ("--no-masked-softmax-fusion",), ("--no-bias-dropout-fusion",),
+             ("--no-bias-swiglu-fusion",), ("--no-rope-fusion",)]
+    pretrain.main([*argv, *[a for flag in extra if flag[0] not in argv for a in flag]])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,148 @@
+"""Ring-DTP on CUDA: the Triton block kernels against the plain-PyTorch fallback, both against an
+fp64 reference, in bf16 and fp32; plus the single-GPU working set.
+
+bf16 rule: the error (relative Frobenius norm vs fp64) of ours is not worse than that of the naive
+same-dtype reference (full bf16 logits + F.cross_entropy), plus a small tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_peakflat.vocab import reference_linear_cross_entropy, ring_linear_cross_entropy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+N, H, V = 1999, 512, 20011  # odd everything; V not a multiple of any block size used
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(N, H, generator=g)
+    w = torch.randn(V, H, generator=g) * 0.05
+    y = torch.randint(0, V, (N,), generator=g)
+    y[:4] = torch.tensor([0, V - 1, 4096, 4095])
+    y[::11] = -100
+    gout = torch.rand(N, generator=g)
+    return x.cuda(), w.cuda(), y.cuda(), gout.cuda()
+
+
+def _run(fn, x, w, gout, dt):
+    xx = x.to(dt).requires_grad_(True)
+    ww = w.to(dt).requires_grad_(True)
+    loss = fn(xx, ww)
+    (loss.double() * gout.double()).sum().backward()
+    return loss.detach().double(), xx.grad.double(), ww.grad.double()
+
+
+def _err(out, ref):
+    return [float((a - r).norm() / r.norm()) for a, r in zip(out, ref)]
+
+
+@pytest.fixture(scope="module")
+def case():
+    x, w, y, gout = _inputs()
+    ref = _run(lambda a, b: reference_linear_cross_entropy(a, b, y), x, w, gout, torch.float64)
+    return x, w, y, gout, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+@pytest.mark.parametrize("block", [4096, 0])
+def test_kernel_vs_fp64_not_worse_than_naive(case, dtype, kernel, block) -> None:
+    x, w, y, gout, ref = case
+    naive = _err(_run(lambda a, b: reference_linear_cross_entropy(a, b, y), x, w, gout, dtype), ref)
+    ours = _err(_run(lambda a, b: ring_linear_cross_entropy(a, b, y, kernel=kernel, block_size=block),
+                     x, w, gout, dtype), ref)
+    tol = 2e-4 if dtype == torch.bfloat16 else 2e-6
+    for what, o, nv in zip(("loss", "dX", "dW"), ours, naive):
+        assert o <= nv * 1.05 + tol, (what, dtype, kernel, o, nv)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_equals_fallback(case, dtype) -> None:
+    x, w, y, gout, _ = case
+    tri = _run(lambda a, b: ring_linear_cross_entropy(a, b, y, kernel="triton", block_size=3000), x, w, gout, dtype)
+    ref = _run(lambda a, b: ring_linear_cross_entropy(a, b, y, kernel="torch", block_size=3000), x, w, gout, dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for what, a, b in zip(("loss", "dX", "dW"), tri, ref):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < tol, (what, dtype, rel)
+
+
+def test_fp32_matches_cross_entropy_1e5(case) -> None:
+    x, w, y, gout, _ = case
+    ref = _run(lambda a, b: reference_linear_cross_entropy(a, b, y, label_smoothing=0.1), x, w, gout, torch.float32)
+    ours = _run(lambda a, b: ring_linear_cross_entropy(a, b, y, label_smoothing=0.1), x, w, gout, torch.float32)
+    for what, a, b in zip(("loss", "dX", "dW"), ours, ref):
+        rel = float((a - b).abs().max() / b.abs().max())
+        assert rel < 1e-5, (what, rel)
+
+
+def test_accumulate_input_is_bounded(case) -> None:
+    """accumulate='input' (gradient-floor memory) keeps dX within 3x the naive bf16 error."""
+    x, w, y, gout, ref = case
+    naive = _err(_run(lambda a, b: reference_linear_cross_entropy(a, b, y), x, w, gout, torch.bfloat16), ref)
+    ours = _err(_run(lambda a, b: ring_linear_cross_entropy(a, b, y, accumulate="input"), x, w, gout, torch.bfloat16), ref)
+    assert ours[1] <= 3 * naive[1] + 2e-4 and ours[2] <= naive[2] * 1.05 + 2e-4, (ours, naive)
+
+
+@pytest.mark.parametrize("accumulate", ["fp32", "input"])
+def test_single_gpu_peak_is_gradients_plus_one_block(accumulate) -> None:
+    n, h, v = 8192, 1024, 65536
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_(True)
+    y = torch.randint(0, v, (n,), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ring_linear_cross_entropy(x, w, y, block_size=4096, accumulate=accumulate).sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    grads = x.numel() * 2 + w.numel() * 2
+    block = n * 4096 * 2
+    dx_acc = n * h * 4 if accumulate == "fp32" else 0
+    bound = grads + dx_acc + x.numel() * 2 + 2 * block + 64 * 2**20
+    assert extra <= bound, (extra / 2**20, bound / 2**20)
+    assert extra < grads + n * v * 2  # far below the logits of the naive path
+
+
+def _nccl_ring(rank: int, world: int) -> list[float]:
+    """Both schedules over an NCCL group (default group is gloo from run_distributed), fp32 exactness."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    group = dist.new_group(list(range(world)), backend="nccl")
+    errs = []
+    for schedule in ("activations", "weights"):
+        g = torch.Generator().manual_seed(7)
+        Vt, h = 4099, 256
+        tokens = [300 + 17 * r for r in range(world)]
+        shards = [Vt // world + (1 if r < Vt % world else 0) for r in range(world)]
+        w = torch.randn(Vt, h, generator=g) * 0.05
+        xs = [torch.randn(n, h, generator=g) for n in tokens]
+        ys = [torch.randint(0, Vt, (n,), generator=g) for n in tokens]
+        gs = [torch.rand(n, generator=g) for n in tokens]
+        lo = sum(shards[:rank])
+        x = xs[rank].cuda().requires_grad_(True)
+        wp = w[lo:lo + shards[rank]].cuda().requires_grad_(True)
+        loss = ring_linear_cross_entropy(x, wp, ys[rank].cuda(), group, schedule=schedule, block_size=512)
+        (loss * gs[rank].cuda()).sum().backward()
+        wr = w.cuda().requires_grad_(True)
+        xr = [t.cuda().requires_grad_(True) for t in xs]
+        tot = sum((reference_linear_cross_entropy(xr[r], wr, ys[r].cuda()) * gs[r].cuda()).sum() for r in range(world))
+        tot.backward()
+        ref_loss = reference_linear_cross_entropy(xr[rank], wr, ys[rank].cuda()).detach()
+        for a, b in ((loss.detach(), ref_loss), (x.grad, xr[rank].grad), (wp.grad, wr.grad[lo:lo + shards[rank]])):
+            errs.append(float((a - b).abs().max() / b.abs().max()))
+    return errs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_ring_two_gpus() -> None:
+    from megatron_peakflat.testing import run_distributed
+
+    world = min(torch.cuda.device_count(), 4)
+    for errs in run_distributed(_nccl_ring, world, timeout=240):
+        assert max(errs) < 1e-5, errs

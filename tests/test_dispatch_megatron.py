@@ -1,0 +1,173 @@
+"""PipelinedLLEP inside Megatron-Core (CPU, gloo): exact against Megatron's own alltoall dispatcher.
+
+Per world size (1, 2, 4 with EP = world), one process group runs every case: a tiny GPT with MoE
+on the local spec (SequentialMLP) is built with Megatron's dispatcher; the same weights are loaded
+into a second model built after ``megatron_peakflat.apply`` (PipelinedLLEP); both run the same batch.
+The loss and the gradient of every parameter (embeddings, attention, router, every expert, output
+layer) must agree to 1e-5 relative, for balanced routing, 95% and 100% of tokens on one expert,
+K = 1, 2, 7 chunks, and with ``--recompute-modules moe`` and full recompute.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_peakflat.testing.distributed import run_distributed
+
+SEQ, MB, VOCAB = 16, 2, 64  # 32 tokens per rank, top-2: 64 token-expert pairs per rank
+
+
+def _skew_router(model, skew: str, seed: int) -> None:
+    """Add a fixed offset to the router logits so that a share of tokens prefers expert 1."""
+    share = {"balanced": 0.0, "hot95": 0.95, "all": 1.0}[skew]
+    if share == 0.0:
+        return
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for i, m in enumerate(mod for mod in model.modules() if isinstance(mod, TopKRouter)):
+        gating = m.gating
+
+        def skewed(x, gating=gating, layer=i):
+            logits = gating(x)
+            T = logits.reshape(-1, logits.shape[-1]).shape[0]
+            g = torch.Generator().manual_seed(seed + layer)
+            hot = (torch.rand(T, generator=g) < share).to(logits.dtype).view(*logits.shape[:-1], 1)
+            bump = torch.zeros(logits.shape[-1], dtype=logits.dtype)
+            bump[1] = 8.0
+            return logits + hot * bump
+
+        m.gating = skewed
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-20))
+
+
+def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
+    import megatron_peakflat
+    from megatron_peakflat import PeakflatConfig, stats
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.dispatch.config import DispatchConfig
+    from megatron_peakflat.integration.dispatch import PeakflatDispatcher
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    mc.install_cpu_shim()
+    mc.init_megatron_parallel(ep=world)
+    E = 4 * world if world < 4 else 8
+    out = []
+    cases = [
+        ("balanced", 1, {}), ("balanced", 2, {}), ("balanced", 7, {}),
+        ("hot95", 2, {}), ("hot95", 7, {}),
+        ("all", 1, {}), ("all", 7, {}),
+        ("hot95", 2, {"recompute_granularity": "selective", "recompute_modules": ["moe"]}),
+        ("all", 2, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+    ]
+    if world == 2:
+        cases = [cases[i] for i in (1, 3, 4, 5, 7, 8)]
+    elif world == 4:
+        cases = [cases[i] for i in (1, 4, 6, 7)]
+    caps = {1: 64, 2: 32, 7: 10}  # chunk_cap -> K at 32 tokens x top-2
+    for skew, K, extra in cases:
+        megatron_peakflat.remove()
+        torch.manual_seed(1234)
+        mc.init_megatron_parallel(ep=world, seed=1234)
+        config = mc.tiny_transformer_config(num_moe_experts=E, **extra)
+        ref_model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+        cfg = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8,
+                                                     alpha=1.0, min_spill=0, imbalance_threshold=1.05),
+                             general=GeneralConfig(attention="local"))
+        megatron_peakflat.apply(cfg)
+        model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+        model.load_state_dict(ref_model.state_dict())
+        swapped = [m for m in model.modules() if isinstance(getattr(m, "token_dispatcher", None), PeakflatDispatcher)]
+        assert len(swapped) == config.num_layers, "every MoE layer must hold PipelinedLLEP's dispatcher"
+        assert all(m.config.moe_token_dispatcher_type == "alltoall" for m in swapped)
+        _skew_router(ref_model, skew, 77 + rank)
+        _skew_router(model, skew, 77 + rank)
+        batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=5 + rank)
+        stats.reset()
+        losses = []
+        grads = []
+        for m in (ref_model, model):
+            m.train()
+            loss = mc.gpt_loss(m, batch)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad.detach().clone() if p.grad is not None else None for n, p in m.named_parameters()})
+        snap = stats.snapshot().get("dispatch", {})
+        assert snap.get("chunks") == K, (K, snap)
+        name = f"{skew},K={K},{'+'.join(f'{k}={v}' for k, v in extra.items() if k != 'recompute_method')},rank={rank}"
+        errs = [_rel(losses[1], losses[0])]
+        for n, g in grads[0].items():
+            mine = grads[1][n]
+            assert (g is None) == (mine is None), (name, n)
+            if g is not None:
+                e = _rel(mine, g)
+                assert e <= 1e-5, (name, n, e)
+                errs.append(e)
+        spilled = int(snap.get("spilled_experts", 0))
+        out.append((name, max(errs), spilled))
+        megatron_peakflat.remove()
+    mc.destroy_megatron_parallel()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_exact_against_megatron_alltoall(world):
+    per_rank = run_distributed(megatron_worker, world, timeout=300)
+    for rows in per_rank:
+        for name, err, spilled in rows:
+            assert err <= 1e-5, (name, err)
+            if world > 1 and name.startswith("all,"):
+                assert spilled > 0, name  # expert weights really moved to helper ranks
+
+
+def handback_worker(rank: int, world: int) -> list[str]:
+    import megatron_peakflat
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.dispatch.config import DispatchConfig
+    from megatron_peakflat.integration.dispatch import PeakflatDispatcher
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    mc.install_cpu_shim()
+    mc.init_megatron_parallel()
+    megatron_peakflat.apply(PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep"),
+                                           general=GeneralConfig(attention="local")))
+    kinds = []
+    for extra in ({}, {"moe_token_dispatcher_type": "allgather"}):
+        config = mc.tiny_transformer_config(**extra)
+        model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+        kinds.append(sorted({type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")
+                             and m.token_dispatcher is not None}))
+        if not extra:
+            assert any(isinstance(m.token_dispatcher, PeakflatDispatcher) for m in model.modules()
+                       if hasattr(m, "token_dispatcher"))
+    megatron_peakflat.remove()
+    return kinds
+
+
+def test_unsupported_configuration_hands_back_to_megatron():
+    kinds = run_distributed(handback_worker, 1, timeout=120)[0]
+    assert kinds[0] == ["PeakflatDispatcher"]
+    assert kinds[1] == ["MoEAllGatherTokenDispatcher"]  # not alltoall: Megatron's own dispatcher stays
+
+
+def test_startup_errors_name_the_flag():
+    from types import SimpleNamespace
+
+    from megatron_peakflat import PeakflatConfig, PeakflatConfigError
+    from megatron_peakflat.dispatch.config import DispatchConfig
+
+    cfg = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep"))
+    base = dict(num_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2,
+                expert_tensor_parallel_size=1)
+    for bad, match in ((dict(num_experts=None), "no MoE"), (dict(expert_tensor_parallel_size=2), "expert tensor"),
+                       (dict(expert_model_parallel_size=3), "divisible"),
+                       (dict(moe_token_dispatcher_type="flex"), "alltoall"),
+                       (dict(moe_pad_expert_input_to_capacity=True), "capacity")):
+        with pytest.raises(PeakflatConfigError, match="--peakflat-dispatch") as e:
+            cfg.validate(SimpleNamespace(**{**base, **bad}))
+        assert match in str(e.value)
+    cfg.validate(SimpleNamespace(**base))

@@ -1,0 +1,59 @@
+"""``python -m megatron_peakflat.pretrain``: help lists both flag sets, bad peakflat input fails before
+the model is built, and a short run (CPU dry run through Megatron's own pretrain loop) trains with
+peakflat on to the same losses as with it off."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --num-experts 4 "
+        "--moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-token-dispatcher-type alltoall --disable-bias-linear "
+        "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 3 "
+        "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 256 --log-interval 1 --eval-iters 0 "
+        "--eval-interval 1000 --position-embedding-type rope").split()
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
+
+
+def run(module: str, *argv: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def test_help_lists_megatron_and_peakflat_flags():
+    out = run("megatron_peakflat.pretrain", "--help")
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in ("--num-experts", "--recompute-granularity", "--peakflat-dispatch", "--peakflat-vocab",
+                 "--peakflat-sco", "--peakflat-optimizer", "--peakflat-opt-bucket", "--peakflat-attention"):
+        assert flag in out.stdout, flag
+
+
+def test_bad_combination_fails_before_the_model_is_built():
+    out = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, "--peakflat-sco")
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "--peakflat-sco=True" in text and "--recompute-granularity full" in text
+    assert "Number of parameters" not in text and "building GPT model" not in text
+    assert not re.search(r"iteration +1/", text)
+
+
+def _losses(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
+
+
+def test_short_run_same_loss_with_peakflat_on():
+    off = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, *RECOMPUTE)
+    assert off.returncode == 0, (off.stdout + off.stderr)[-3000:]
+    base = _losses(off.stdout + off.stderr)
+    assert len(base) == 3
+    on = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, *RECOMPUTE, "--peakflat-sco",
+              "--peakflat-vocab", "ring-dtp")
+    text = on.stdout + on.stderr
+    assert on.returncode == 0, text[-3000:]
+    assert "patched megatron.core.recompute.checkpointed_forward" in text
+    assert "patched megatron.core.models.gpt.gpt_model.GPTModel.forward" in text
+    assert _losses(text) == pytest.approx(base, rel=1e-5)
