@@ -101,10 +101,9 @@ def bench_model_state() -> list[Row]:
     return rows
 
 
-def bench_boundaries() -> list[Row]:
+def bench_boundaries(S: int = 32768, h: int = 4096, L: int = 8, b: int = 1) -> list[Row]:
     from torch.utils.checkpoint import checkpoint
 
-    S, b, h, L = 32768, 1, 4096, 8
     shape = ModelShape(name="ckpt", hidden=h, layers=L, heads=32, kv_heads=32, head_dim=128, ffn=4 * h, vocab=1000,
                        gated=False)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
@@ -134,13 +133,12 @@ def _one_rank_group():  # noqa: ANN202
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("nccl", rank=0, world_size=1)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     return dist.group.WORLD
 
 
-def bench_vocab() -> list[Row]:
+def bench_vocab(N: int = 16384, H: int = 4096, V: int = 201088) -> list[Row]:
     rows: list[Row] = []
-    N, H, V = 16384, 4096, 201088
     shape = ModelShape(name="vocab", hidden=H, layers=1, heads=32, kv_heads=8, head_dim=128, ffn=1, vocab=V)
     hidden = torch.randn(N, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(V, H, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
@@ -167,7 +165,7 @@ def bench_vocab() -> list[Row]:
     except Exception as e:  # noqa: BLE001
         print(f"ring-dtp skipped: {type(e).__name__}: {e}")
         return rows
-    for block in (4096, 8192):
+    for block in (0, 4096):
         pf = PeakflatConfig()
         pf.vocab = dataclasses.replace(pf.vocab, block_size=block)
 
@@ -176,7 +174,7 @@ def bench_vocab() -> list[Row]:
             hidden.grad = weight.grad = None
 
         pred = M.vocab_ring_dtp(shape, RunConfig(seq_len=N), pf)
-        rows.append(row(case, "peakflat" if block == 8192 else f"peakflat-b{block}", peak_of(ring), pred, "vocab"))
+        rows.append(row(case, "peakflat" if block == 0 else f"peakflat-b{block}", peak_of(ring), pred, "vocab"))
     return rows
 
 

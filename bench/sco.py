@@ -37,7 +37,8 @@ def setup() -> None:
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    parallel_state.initialize_model_parallel(1, 1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234)
 
 
@@ -73,16 +74,23 @@ def build_gpt(layers: int, hidden: int, heads: int, ffn: int, seq: int, vocab: i
 
 
 def batch(seq: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    tokens = torch.randint(0, vocab, (1, seq + 1), device="cuda", generator=g)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (1, seq + 1), generator=g).cuda()
     return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
             "position_ids": torch.arange(seq, device="cuda").unsqueeze(0)}
 
 
 def step(model: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Forward + backward of one microbatch; returns the loss (grads in p.grad)."""
+    """Forward + backward of one microbatch; returns the loss (grads in p.grad).
+
+    Gradients live in persistent buffers zeroed in place, as Megatron's DDP grad buffers do, so the
+    peak is the step's activations and boundaries, not gradients allocated as backward proceeds.
+    """
     for p in model.parameters():
-        p.grad = None
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
     losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
     loss = losses.float().mean()
     loss.backward()
@@ -107,6 +115,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget", default=None, help="SCO budget, e.g. 64GiB (default: the flag's default)")
+    ap.add_argument("--max-seq-limit-gib", type=float, default=None,
+                    help="also find the largest sequence (doubling from --seq, up to 8x) that trains under this "
+                         "GPU memory limit, SCO off and on (one step per try; adds minutes)")
     args = ap.parse_args()
     import megatron_peakflat
     from megatron_peakflat.config_base import parse_size
@@ -163,8 +174,38 @@ def main() -> None:
         ours.extra["time_ratio_vs_off"] = round(base.ms / ours.ms, 4)
         print(f"peak saved {saved:.3f} GiB of {pred:.3f} GiB predicted ({saved / max(pred, 1e-9):.1%}); "
               f"speed vs SCO off {base.ms / ours.ms:.3f}x", flush=True)
+    if args.max_seq_limit_gib:
+        rows += max_seq_rows(model, args, on, off)
     harness.write("sco", rows)
     megatron_peakflat.remove()
+
+
+def max_seq_rows(model: Any, args: Any, on: Any, off: Any) -> list[harness.Row]:
+    """Largest sequence (doubling) whose step fits under ``--max-seq-limit-gib``, SCO off versus on."""
+    from megatron_peakflat.integration import state
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_seq_limit_gib * 2**30 / total))
+    rows = []
+    for method, cfg in (("megatron-full-recompute", off), ("peakflat", on)):
+        state.set_current(cfg)
+        best = None
+        seq = args.seq
+        while seq <= 8 * args.seq:
+            try:
+                step(model, batch(seq, args.vocab))
+                torch.cuda.synchronize()
+                best = seq
+            except torch.OutOfMemoryError:
+                break
+            finally:
+                torch.cuda.empty_cache()
+            seq *= 2
+        rows.append(harness.Row(f"max-seq,L={args.layers},H={args.hidden},limit={args.max_seq_limit_gib}GiB",
+                                method, None, None, None, {"max_seq": best}))
+        print(f"{method}: largest sequence under {args.max_seq_limit_gib} GiB: {best}", flush=True)
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return rows
 
 
 if __name__ == "__main__":

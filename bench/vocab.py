@@ -7,7 +7,7 @@ the allocation above the inputs (bench/harness.py). ``exact`` says whether loss,
 themselves are in each row's extras (``err_loss``, ``err_dx``, ``err_dw``).
 
     python bench/vocab.py                      # default cases (about 2-3 minutes on an H200)
-    python bench/vocab.py --cases 16384x4096x201088 --methods peakflat,liger-flce
+    python bench/vocab.py --cases 16384x4096x201088 --methods peakflat,peakflat-b4096,liger-flce
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from bench.harness import Row, run_row, write  # noqa: E402
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 
 DEFAULT_CASES = "32768x7168x201088,16384x4096x201088,32768x7168x128256,16384x4096x128256"
-ALL_METHODS = "peakflat,peakflat-input,megatron-native-ce,megatron-fused-ce,liger-flce,cce"
+ALL_METHODS = "peakflat,peakflat-input,peakflat-b4096,megatron-native-ce,megatron-fused-ce,liger-flce,cce"
 
 Method = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -39,7 +39,9 @@ def _init_megatron() -> bool:
 
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29517")
+            from megatron_peakflat.testing.distributed import free_port
+
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             dist.init_process_group("nccl", rank=0, world_size=1)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1)
@@ -49,13 +51,26 @@ def _init_megatron() -> bool:
         return False
 
 
+def _peakflat_variant(name: str) -> Method:
+    """'peakflat' (the flags' defaults), 'peakflat-input' (accumulate='input'), '-b<rows>' (block size),
+    '-torch' (plain-PyTorch block kernel); suffixes combine, e.g. 'peakflat-input-b4096'."""
+    kw: dict[str, Any] = {}
+    for part in name.split("-")[1:]:
+        if part == "input":
+            kw["accumulate"] = "input"
+        elif part == "torch":
+            kw["kernel"] = "torch"
+        elif part.startswith("b") and part[1:].isdigit():
+            kw["block_size"] = int(part[1:])
+        else:
+            raise SystemExit(f"unknown peakflat variant {name!r} (suffixes: input, torch, b<rows>)")
+    return lambda x, w, y: ring_linear_cross_entropy(x, w, y, reduction="mean", **kw)
+
+
 def methods(wanted: set[str]) -> dict[str, Method]:
     out: dict[str, Method] = {}
-    if "peakflat" in wanted:
-        out["peakflat"] = lambda x, w, y: ring_linear_cross_entropy(x, w, y, reduction="mean")
-    if "peakflat-input" in wanted:
-        out["peakflat-input"] = lambda x, w, y: ring_linear_cross_entropy(x, w, y, reduction="mean",
-                                                                        accumulate="input")
+    for name in sorted(m for m in wanted if m == "peakflat" or m.startswith("peakflat-")):
+        out[name] = _peakflat_variant(name)
     if wanted & {"megatron-native-ce", "megatron-fused-ce"} and _init_megatron():
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy

@@ -236,3 +236,26 @@ def test_working_set_bounded_as_tokens_grow():
         assert peaks[1024, 1] > 3 * peaks[256, 1]
         per_token = 2 * Hb * 4 + 4 * E + 64
         assert peaks[1024, None] - peaks[256, None] <= 768 * per_token  # ours grows by the [T, H] terms only
+
+
+def test_megatron_ddp_main_grad_path():
+    """Params with DDP's main_grad get their fp32 gradient there, and a zero dummy as .grad."""
+    E, T = 4, 19
+    g = torch.Generator().manual_seed(3)
+    fc1 = [torch.randn(2 * F, H, generator=g) for _ in range(E)]
+    fc2 = [torch.randn(H, F, generator=g) for _ in range(E)]
+    bank = ReferenceExperts(fc1, fc2)
+    for p in bank.parameters():
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+    probs, rmap = make_routing(T, E, TOPK, "hot95", 4)
+    x = torch.randn(T, H, requires_grad=True)
+    gout = torch.randn(T, H)
+    llep_moe(x, probs, rmap, bank, None, DispatchConfig(), num_chunks=3).backward(gout)
+    w1 = [w.clone().requires_grad_(True) for w in fc1]
+    w2 = [w.clone().requires_grad_(True) for w in fc2]
+    reference_moe(x.detach(), probs, rmap, w1, w2).backward(gout)
+    for p, r in zip(bank.parameters(), [*w1, *w2]):
+        assert p.grad_added_to_main_grad
+        assert _rel(p.main_grad, r.grad) <= 1e-5
+        assert not p.grad.any()  # a zero dummy: DDP's hook must not add the gradient twice

@@ -109,8 +109,49 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         spilled = int(snap.get("spilled_experts", 0))
         out.append((name, max(errs), spilled))
         megatron_peakflat.remove()
+    if world <= 2:
+        out.append(_ddp_case(rank, world, E))
     mc.destroy_megatron_parallel()
     return out
+
+
+def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:
+    """Megatron DDP with overlapped grad reduce: main_grad after finish_grad_sync matches, 2 iterations."""
+    import megatron_peakflat
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.dispatch.config import DispatchConfig
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    megatron_peakflat.remove()
+    mc.init_megatron_parallel(ep=world, seed=1234)
+    config = mc.tiny_transformer_config(num_moe_experts=E)
+    ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
+    ref_inner = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+    megatron_peakflat.apply(PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=10, min_spill=0,
+                                                                   imbalance_threshold=1.05),
+                                           general=GeneralConfig(attention="local")))
+    inner = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+    inner.load_state_dict(ref_inner.state_dict())
+    _skew_router(ref_inner, "hot95", 5 + rank)
+    _skew_router(inner, "hot95", 5 + rank)
+    models = [DistributedDataParallel(config, ddp_cfg, m) for m in (ref_inner, inner)]
+    worst = 0.0
+    for it in range(2):
+        batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=40 + it + rank)
+        grads = []
+        for m in models:
+            m.zero_grad_buffer()
+            mc.gpt_loss(m, batch).backward()
+            m.finish_grad_sync()
+            grads.append({n: p.main_grad.clone() for n, p in m.module.named_parameters()})
+        for n, g in grads[0].items():
+            e = _rel(grads[1][n], g)
+            assert e <= 1e-5, ("ddp", it, n, e)
+            worst = max(worst, e)
+    megatron_peakflat.remove()
+    return (f"ddp-overlap,rank={rank}", worst, 0)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -188,7 +188,7 @@ def test_stats_and_log(caplog):
     with caplog.at_level(logging.INFO, logger="megatron_peakflat"):
         for _ in range(2):
             _step(model, _x(), off)
-    lines = [r.getMessage() for r in caplog.records if "SCO (first" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "SCO (first backward" in r.getMessage()]
     assert len(lines) == 1 and "6 boundaries" not in lines[0] and "3 boundaries packed, 2 offloaded" in lines[0]
     snap = stats.snapshot()["sco"]
     assert snap["boundaries_packed"] == 6 and snap["boundaries_offloaded"] == 4
@@ -239,3 +239,60 @@ def test_bad_arguments():
     with pytest.raises(RuntimeError, match="inside group"):
         with off.boundary(_x()):
             pass
+
+
+def test_integration_wrapper_mechanics(caplog):
+    """The Megatron factory on a stand-in module: off = untouched, on = boundaries offloaded and the
+    module's tensor_parallel restored, fp8 = handed back with one warning, no_grad = untouched."""
+    import sys
+    import types
+
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.integration import state
+    from megatron_peakflat.recompute.config import SCOConfig
+
+    mod = types.ModuleType("fake_megatron_recompute")
+    real_tp = types.SimpleNamespace(
+        checkpoint=lambda fn, distribute, *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True))
+    mod.tensor_parallel = real_tp
+    exec(
+        "def checkpointed_forward(self, hidden_states, rope):\n"
+        "    for layer in self.layers:\n"
+        "        hidden_states = tensor_parallel.checkpoint(lambda h, r, l=layer: l(h) * r, False, hidden_states, rope)\n"
+        "    return hidden_states\n", mod.__dict__)
+    mod.checkpointed_forward.__module__ = mod.__name__
+    sys.modules[mod.__name__] = mod
+    try:
+        wrapped = sco_integration.wrap_checkpointed_forward(mod.checkpointed_forward)
+        block = types.SimpleNamespace(layers=list(_model(4)), config=types.SimpleNamespace(fp8=False, fp4=False),
+                                      pre_process=True)
+        rope = torch.ones(1, 1, H)
+
+        def run(fp8=False):
+            block.config.fp8 = fp8
+            x = _x().requires_grad_(True)
+            y = wrapped(block, x, rope)
+            y.square().mean().backward()
+            return x.grad
+
+        sco_integration.reset()
+        state.set_current(PeakflatConfig(sco=SCOConfig(enabled=False)))
+        ref = run()
+        assert sco_integration.offloader() is None
+        state.set_current(PeakflatConfig(sco=SCOConfig(enabled=True, budget=1 << 30)))
+        assert torch.equal(run(), ref)
+        off = sco_integration.offloader()
+        assert off.packed == 4 and off.offloaded == 3
+        assert mod.tensor_parallel is real_tp
+        with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
+            assert torch.equal(run(fp8=True), ref) and torch.equal(run(fp8=True), ref)
+        assert off.packed == 4
+        assert sum("handing back" in r.getMessage() for r in caplog.records) == 1
+        with torch.no_grad():
+            wrapped(block, _x(), rope)
+        assert off.packed == 4
+    finally:
+        state.set_current(None)
+        sco_integration.reset()
+        del sys.modules[mod.__name__]

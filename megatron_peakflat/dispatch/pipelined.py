@@ -42,6 +42,13 @@ def _segments(sched: Schedule, bank: ExpertBank, foreign: dict[int, torch.Tensor
     return local, weights
 
 
+def _main_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """Megatron DDP's fp32 gradient buffer of ``p``, when it has one and its hook honours grad_added_to_main_grad."""
+    if hasattr(p, "grad_added_to_main_grad"):
+        return getattr(p, "main_grad", None)
+    return None
+
+
 def _dispatch(sched: Schedule, j: int, rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     out = comm.all_to_all(rows, sched.send_splits[j], sched.recv_splits[j], group)
     idx = sched.regroup[j]
@@ -123,6 +130,9 @@ class _PipelinedMoE(torch.autograd.Function):
             for (i, k), g in zip(where, grads[2:]):
                 if g is None:
                     continue
+                if local[i] is not None and _main_grad(bank.expert_params(local[i])[k]) is not None:
+                    _main_grad(bank.expert_params(local[i])[k]).add_(g)  # fp32, no full-set buffer
+                    continue
                 slot = wgrad.setdefault(i, [None] * len(like))
                 slot[k] = g if slot[k] is None else slot[k].add_(g)
             del grads, xr, pr
@@ -144,11 +154,21 @@ class _PipelinedMoE(torch.autograd.Function):
         for e, flat in back.items():
             li = e - base
             for k, g in enumerate(unflatten_weights(flat, like)):
+                mg = _main_grad(bank.expert_params(li)[k])
+                if mg is not None:
+                    mg.add_(g)
+                    continue
                 cur = out_grads[li * m + k]
                 out_grads[li * m + k] = g.clone() if cur is None else cur.add_(g)
         for idx, needed in enumerate(ctx.needs_input_grad[5:]):
+            p = bank.expert_params(idx // m)[idx % m]
             if not needed:
                 out_grads[idx] = None
+            elif _main_grad(p) is not None:
+                # Megatron DDP: the gradient is already in main_grad (as with gradient-accumulation
+                # fusion); a one-element dummy lets the DDP hook fire once without adding it again.
+                p.grad_added_to_main_grad = True
+                out_grads[idx] = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
             elif out_grads[idx] is None:  # an expert without rows: zero, as Megatron's SequentialMLP gives
                 p = bank.expert_params(idx // m)[idx % m]
                 out_grads[idx] = torch.zeros_like(p)

@@ -92,6 +92,26 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         self._measured: list[tuple[int, float, int, float]] = []
         self._step_tensors: dict[int, torch.Tensor] = {}
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch.optim, but views are accepted: Megatron hands over fp32 shards that are views of the
+        parameter buffer (non-leaf tensors). Nothing here differentiates through them."""
+        if self.__dict__.get("_materialized"):
+            raise RuntimeError("OffloadStreamAdamW: param groups cannot be added after the host state exists")
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"OffloadStreamAdamW: params must be tensors, got {type(p).__name__}")
+            if not p.is_floating_point():
+                raise ValueError(f"OffloadStreamAdamW: params must be floating point, got {p.dtype}")
+        group = dict(param_group, params=params)
+        for k, v in self.defaults.items():
+            group.setdefault(k, v)
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in seen for p in params) or len({id(p) for p in params}) != len(params):
+            raise ValueError("OffloadStreamAdamW: a parameter appears in more than one param group")
+        self.param_groups.append(group)
+
     # ----------------------------------------------------------------------------------------------
     # layout and allocation
 

@@ -10,9 +10,9 @@ hidden state ``[s, b, h]``. ``BoundaryOffloader`` moves exactly that tensor to a
   a saved tensor only when it is ``x`` (same storage, offset, shape and stride); every other saved
   tensor (masks, rotary tables) passes through untouched.
 - forward: when the next boundary of the group is packed (so ``x`` is known not to be the last),
-  ``x`` is copied to a pool slot on a side stream that waits only for the event recorded when ``x``
-  was packed; ``record_stream`` keeps the allocator from reusing ``x``'s memory before that copy is
-  done, and the offloader drops its reference at once.
+  ``x`` is copied to a pool slot on a side stream that waits only for the event recorded when its
+  checkpoint began (so the copy overlaps that chunk's forward); ``record_stream`` keeps the allocator
+  from reusing ``x``'s memory before that copy is done, and the offloader drops its reference at once.
 - the last boundary of a group stays on the device: it is the first one backward needs, so
   offloading it would only make backward wait for its copy. So does a boundary that the caller
   says is held elsewhere anyway (``group(keep_first=True)``: a pipeline stage's received input),
@@ -108,9 +108,9 @@ class BoundaryOffloader:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.pool = pool
         self.prefetch = prefetch
-        self._groups_open: set[int] = set()
         self._group: _Group | None = None
         self._boundary: torch.Tensor | None = None
+        self._produced: Any = None
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
         self._live_groups: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._log_pending = log_summary
@@ -144,11 +144,14 @@ class BoundaryOffloader:
         if self._boundary is not None:
             raise RuntimeError("BoundaryOffloader.boundary() does not nest")
         self._boundary = x
+        # x exists now: its copy may start as soon as the GPU gets here, overlapping the chunk's forward
+        self._produced = torch.cuda.current_stream(x.device).record_event() if x.device.type == "cuda" else None
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             self._boundary = None
+            self._produced = None
 
     def _pack(self, t: torch.Tensor) -> Any:
         x, g = self._boundary, self._group
@@ -157,8 +160,7 @@ class BoundaryOffloader:
         self._boundary = None  # only the first save of x is the boundary
         h = Handle(t.shape, t.dtype, t.device, t.numel() * t.element_size(), g, len(g.handles),
                    device_tensor=t, owner=weakref.ref(self))
-        if t.device.type == "cuda":
-            h.produced = torch.cuda.current_stream(t.device).record_event()
+        h.produced = self._produced
         prev = g.last()
         if prev is not None:
             self._offload(prev)  # not the last boundary after all
@@ -283,8 +285,8 @@ class BoundaryOffloader:
         self._log_pending = False
         s = self.summary()
         stats.record(COMPONENT, "copy_wait_s", s["copy_wait_s"])
-        log.info("peakflat SCO (first step): %d boundaries packed, %d offloaded, %s on host (%s pinned), "
+        log.info("peakflat SCO (first backward done): %d boundaries packed, %d offloaded, %s on host (%s), "
                  "%s saved on the device at peak, %.3f s waited on copies, %d unpacks before their copy was done",
                  s["boundaries_packed"], s["boundaries_offloaded"], format_bytes(s["host_bytes"]),
-                 "" if s["pinned"] else "not", format_bytes(s["device_bytes_saved_peak"]), s["copy_wait_s"],
-                 s["unpacks_before_copy_done"])
+                 "pinned" if s["pinned"] else "pageable", format_bytes(s["device_bytes_saved_peak"]),
+                 s["copy_wait_s"], s["unpacks_before_copy_done"])

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Train a small MoE GPT with Megatron-Core, peakflat off or on. Mock data unless DATA_PATH is set.
+#
+#   examples/pretrain_moe.sh            # PEAKFLAT=on (default): every peakflat component on
+#   PEAKFLAT=off examples/pretrain_moe.sh
+#   sbatch examples/pretrain_moe.sh     # under SLURM: one srun task per node, torchrun per node
+#   examples/pretrain_moe.sh --save /ckpt --save-interval 100   # extra flags go to Megatron
+#
+# Environment (defaults in brackets): GPUS_PER_NODE [all visible], NUM_LAYERS [4], HIDDEN [1024],
+# HEADS [8], FFN [2816], MOE_FFN [704], EXPERTS [8], TOPK [2], EP [GPUS_PER_NODE*NNODES, capped at EXPERTS],
+# TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8], TRAIN_ITERS [20], VOCAB [32768],
+# PEAKFLAT [on], CHUNK_CAP [4096], DATA_PATH, TOKENIZER_MODEL, PYTHON [python3].
+#
+#SBATCH --job-name=peakflat-moe
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --output=peakflat-moe-%j.out
+set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+GPUS_PER_NODE=${GPUS_PER_NODE:-$($PYTHON -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
+NNODES=${SLURM_NNODES:-${NNODES:-1}}
+NODE_RANK=${SLURM_NODEID:-${NODE_RANK:-0}}
+if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+  MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+else
+  MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+fi
+MASTER_PORT=${MASTER_PORT:-29500}
+WORLD=$((GPUS_PER_NODE * NNODES))
+
+NUM_LAYERS=${NUM_LAYERS:-4}
+HIDDEN=${HIDDEN:-1024}
+HEADS=${HEADS:-8}
+FFN=${FFN:-2816}
+MOE_FFN=${MOE_FFN:-704}
+EXPERTS=${EXPERTS:-8}
+TOPK=${TOPK:-2}
+TP=${TP:-1}
+EP=${EP:-$(( WORLD / TP < EXPERTS ? WORLD / TP : EXPERTS ))}
+SEQ_LEN=${SEQ_LEN:-4096}
+MICRO_BATCH=${MICRO_BATCH:-1}
+GLOBAL_BATCH=${GLOBAL_BATCH:-8}
+TRAIN_ITERS=${TRAIN_ITERS:-20}
+VOCAB=${VOCAB:-32768}
+PEAKFLAT=${PEAKFLAT:-on}
+CHUNK_CAP=${CHUNK_CAP:-4096}
+
+MODEL=(
+  --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --ffn-hidden-size "$FFN"
+  --num-experts "$EXPERTS" --moe-router-topk "$TOPK" --moe-ffn-hidden-size "$MOE_FFN"
+  --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+  --disable-bias-linear --normalization RMSNorm --swiglu --position-embedding-type rope
+  --untie-embeddings-and-output-weights
+  --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
+)
+PARALLEL=(
+  --tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP"
+  --use-distributed-optimizer
+)
+[[ "$TP" -gt 1 ]] && PARALLEL+=(--sequence-parallel)
+TRAIN=(
+  --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
+  --bf16 --seed 1234
+  --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+  --log-interval 1 --eval-iters 0 --eval-interval 1000000
+)
+if [[ -n "${DATA_PATH:-}" ]]; then
+  DATA=(--data-path "$DATA_PATH" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL with DATA_PATH}")
+else
+  DATA=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB")
+fi
+case "$PEAKFLAT" in
+  on)  PF=(--peakflat-dispatch pipelined-llep --peakflat-dispatch-chunk-cap "$CHUNK_CAP"
+           --peakflat-vocab ring-dtp --peakflat-sco
+           --peakflat-optimizer offload-stream --optimizer-cpu-offload --use-precision-aware-optimizer
+           --peakflat-report-peaks) ;;
+  off) PF=() ;;
+  *)   echo "PEAKFLAT must be on or off, not '$PEAKFLAT'" >&2; exit 2 ;;
+esac
+
+LAUNCH=(
+  "$PYTHON" -m torch.distributed.run --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+  -m megatron_peakflat.pretrain "${MODEL[@]}" "${PARALLEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${PF[@]}" "$@"
+)
+echo "peakflat=$PEAKFLAT nodes=$NNODES gpus/node=$GPUS_PER_NODE tp=$TP ep=$EP seq=$SEQ_LEN layers=$NUM_LAYERS experts=$EXPERTS"
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && "$NNODES" -gt 1 ]]; then
+  # One task per node; each task runs torchrun with its own node rank.
+  exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c \
+    "NODE_RANK=\$SLURM_NODEID SLURM_STEP_ID=\$SLURM_STEP_ID MASTER_ADDR=$MASTER_ADDR $(printf '%q ' "$0" "$@")"
+fi
+exec "${LAUNCH[@]}"
