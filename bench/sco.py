@@ -42,13 +42,13 @@ def setup() -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def peakflat_configs(budget: int | None = None, prefetch: int = 1) -> tuple[Any, Any]:
+def peakflat_configs(budget: int | None = None, prefetch: int = 1, pool: str = "torch") -> tuple[Any, Any]:
     """(SCO on, SCO off) configs, both with torch-SDPA attention for the local spec."""
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.recompute.config import SCOConfig
 
-    on = PeakflatConfig(sco=SCOConfig(enabled=True, budget=budget, prefetch=prefetch),
+    on = PeakflatConfig(sco=SCOConfig(enabled=True, budget=budget, prefetch=prefetch, pool=pool),
                         general=GeneralConfig(attention="sdpa"))
     off = PeakflatConfig(sco=SCOConfig(enabled=False), general=GeneralConfig(attention="sdpa"))
     return on, off
@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget", default=None, help="SCO budget, e.g. 64GiB (default: the flag's default)")
+    ap.add_argument("--native-pool", action="store_true",
+                    help="also measure SCO on the compiled host pool (row peakflat-native; PEAKFLAT_JIT=1 builds it)")
     ap.add_argument("--max-seq-limit-gib", type=float, default=None,
                     help="also find the largest sequence (doubling from --seq, up to 8x) that trains under this "
                          "GPU memory limit, SCO off and on (one step per try; adds minutes)")
@@ -151,13 +153,25 @@ def main() -> None:
     rows.append(harness.run_row(case, "megatron-full-recompute", lambda: step(model, b), exact=True,
                                 warmup=1, reps=args.reps, boundary_bytes=boundary))
     state.set_current(on)
-    off_ = sco_integration.offloader()
     prefetch = on.sco.prefetch
     rows.append(harness.run_row(case, "peakflat", lambda: step(model, b), exact=exact_sco, warmup=1, reps=args.reps,
                                 boundary_bytes=boundary,
-                                offloaded_bytes_peak=off_.offloaded_bytes_peak if off_ else None,
-                                predicted_saving_gib=round(max(args.layers - 1 - prefetch, 0) * boundary / 2**30, 4),
-                                sco=off_.summary() if off_ else None))
+                                predicted_saving_gib=round(max(args.layers - 1 - prefetch, 0) * boundary / 2**30, 4)))
+    off_ = sco_integration.offloader()
+    if off_ is not None:
+        rows[-1].extra["offloaded_bytes_peak"] = off_.offloaded_bytes_peak
+        rows[-1].extra["sco"] = off_.summary()  # counters over every SCO step so far (exactness run included)
+    if args.native_pool:
+        # the native pool maps and pins its whole budget up front: size it to the boundaries, not to host RAM
+        native_budget = on.sco.budget or args.layers * boundary + (64 << 20)
+        native, _ = peakflat_configs(native_budget, prefetch, pool="native")
+        state.set_current(native)
+        sco_integration.reset()
+        rows.append(harness.run_row(case, "peakflat-native", lambda: step(model, b), exact=None, warmup=1,
+                                    reps=args.reps, sco=None))
+        o = sco_integration.offloader()
+        rows[-1].extra["sco"] = o.summary() if o else None
+        rows[-1].extra["pool"] = type(o.pool).__name__ if o else None
     state.set_current(off)
 
     def soc_step() -> torch.Tensor:

@@ -35,8 +35,14 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
     components = {name for name, on in cfg.enabled.items() if on}
     if _attention_wanted(cfg):
         components.add("attention")
+    if cfg.general.report_peaks:
+        components.add("report")
     state.set_current(cfg)
     registry.apply_patches(components)
+    if not isinstance(config, PeakflatConfig):
+        from .integration import peaks
+
+        peaks.setup(config)
     if not components:
         log.info("peakflat: no component enabled; Megatron runs unchanged")
     return cfg

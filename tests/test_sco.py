@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_peakflat import stats
-from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool, checkpoint_chunks, resolve_budget
+from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool, checkpoint_chunks, make_pool, resolve_budget
 from megatron_peakflat.testing.live_bytes import LiveBytesMeter
 
 S, B, H = 24, 3, 40  # odd shape; boundary = S*B*H*4 bytes
@@ -46,15 +46,27 @@ def _step(model, x, offloader):
     return loss.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _offloader(budget: int = 1 << 30, prefetch: int = 1) -> BoundaryOffloader:
-    return BoundaryOffloader(TorchHostPool(budget, pin=False), prefetch=prefetch)
+def _offloader(budget: int = 1 << 30, prefetch: int = 1, impl: str = "torch") -> BoundaryOffloader:
+    return BoundaryOffloader(make_pool(budget, pin=False, impl=impl), prefetch=prefetch)
 
 
+def _native_available() -> bool:
+    from megatron_peakflat import _ext
+
+    return _ext.load() is not None
+
+
+POOLS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not _native_available(),
+                                                                   reason="megatron_peakflat._C not built"))]
+
+
+@pytest.mark.parametrize("impl", POOLS)
 @pytest.mark.parametrize("layers,prefetch", [(1, 1), (5, 0), (5, 1), (6, 3)])
-def test_bitwise_equal_and_counts(layers, prefetch):
+def test_bitwise_equal_and_counts(layers, prefetch, impl):
     model, x = _model(layers), _x()
     ref = _step(model, x, None)
-    off = _offloader(prefetch=prefetch)
+    off = _offloader(prefetch=prefetch, impl=impl)
+    assert type(off.pool).__name__ == {"torch": "TorchHostPool", "native": "NativeHostPool"}[impl]
     for it in range(3):  # the pool is reused across iterations: no new host allocation after the first
         got = _step(model, x, off)
         assert torch.equal(got[0], ref[0])
@@ -70,9 +82,10 @@ def test_bitwise_equal_and_counts(layers, prefetch):
         assert off.offloaded_bytes_live == 0
 
 
-def test_budget_keeps_the_last_layers_on_device():
+@pytest.mark.parametrize("impl", POOLS)
+def test_budget_keeps_the_last_layers_on_device(impl):
     layers, fit = 6, 2
-    off = _offloader(budget=fit * BOUNDARY + BOUNDARY // 2)
+    off = _offloader(budget=fit * BOUNDARY + BOUNDARY // 2, impl=impl)
     model, x = _model(layers), _x()
     handles: list = []
     original = off._pack
@@ -207,11 +220,26 @@ def test_pool_budget_and_resolve(caplog):
     assert c is not None and pool.reserved == 90
     with pytest.raises(RuntimeError):
         pool.release(c), pool.release(c)
+    # torch's pinned allocator rounds blocks up to a power of two: the budget counts the rounded size
+    assert TorchHostPool(1 << 20, pin=True)._cost(3 * 1024 + 1) == 4096
+    assert TorchHostPool(1 << 20, pin=False)._cost(3 * 1024 + 1) == 3 * 1024 + 1
     assert resolve_budget(None, available=8 << 30, local_ranks=4) == (8 << 30) // 2 // 4
     with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
         assert resolve_budget(100 << 30, available=8 << 30, local_ranks=2) == int((8 << 30) * 0.9) // 2
     assert any("clamped" in r.getMessage() for r in caplog.records)
     assert resolve_budget(1 << 20, available=8 << 30, local_ranks=2) == 1 << 20
+
+
+def test_native_pool_falls_back_when_missing(monkeypatch, caplog):
+    from megatron_peakflat import _ext
+
+    monkeypatch.setattr(_ext, "load", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
+        pool = make_pool(1 << 20, pin=False, impl="native")
+    assert isinstance(pool, TorchHostPool) and any("native host pool unavailable" in r.getMessage()
+                                                   for r in caplog.records)
+    with pytest.raises(ValueError, match="impl"):
+        make_pool(1 << 20, pin=False, impl="cuda")
 
 
 def test_pool_degrades_when_pinning_fails(monkeypatch, caplog):
@@ -296,3 +324,13 @@ def test_integration_wrapper_mechanics(caplog):
         state.set_current(None)
         sco_integration.reset()
         del sys.modules[mod.__name__]
+
+
+def test_config_rejects_bad_values():
+    from megatron_peakflat import PeakflatConfigError
+    from megatron_peakflat.recompute.config import SCOConfig
+
+    for bad, flag in ((dict(prefetch=-1), "--peakflat-sco-prefetch"), (dict(budget=-5), "--peakflat-sco-budget"),
+                      (dict(pool="cuda"), "--peakflat-sco-pool")):
+        with pytest.raises(PeakflatConfigError, match=flag):
+            SCOConfig(enabled=True, **bad).validate()

@@ -1,0 +1,12 @@
+"""PipelinedLLEP: least-loaded expert parallelism with chunked, recomputed dispatch (no Megatron import).
+
+- ``plan.py``: the least-loaded plan and the per-chunk routes (host arithmetic, identical on every rank);
+- ``schedule.py``: one layer call's chunk count, split sizes and indices (one device-to-host sync);
+- ``pipelined.py``: the autograd Function (dispatch -> experts -> combine per chunk, recomputed in backward);
+- ``experts.py``: the ExpertBank protocol and the expert-weight exchange;
+- ``reference.py``: plain-PyTorch twins; ``api.py``: ``llep_moe`` and ``working_set_bound``.
+"""
+
+from .api import llep_moe, plan_layer, working_set_bound
+
+__all__ = ["llep_moe", "plan_layer", "working_set_bound"]

@@ -18,8 +18,9 @@ class DispatchConfig(ComponentConfig):
     """Expert dispatch. 'pipelined-llep' replaces Megatron's alltoall dispatcher with least-loaded
     expert parallelism and chunked dispatch, whose working set does not grow with routing skew."""
     chunk_cap: int = 8192
-    """c: the most tokens (token-expert pairs) that one source rank sends into one dispatch chunk.
-    The dispatch working set is about 2 * E_p * c * hidden * bytes, whatever the routing."""
+    """c: the most token-expert pairs that one source rank sends into one dispatch chunk (K is the
+    smallest chunk count that respects it, the same on every EP rank). The expert working set of a
+    chunk is at most EP * c rows, whatever the routing."""
     max_chunks: int = 64
     """The most chunks K one MoE layer is split into; c grows when K would exceed it."""
     alpha: float = 1.0

@@ -10,6 +10,11 @@ Exactness: every token-expert pair is computed by the same expert math on the sa
 unchunked MoE; only the summation order of a token's k expert outputs (and of each expert's weight
 gradient over chunks) changes. Gradients of spilled experts' weights are computed on the helper
 and added at the owner.
+
+Weight gradients: a parameter with Megatron DDP's ``main_grad`` gets each chunk's gradient added
+there in fp32 (as gradient-accumulation fusion does) and returns a zero dummy with
+``grad_added_to_main_grad`` set, so DDP's hook fires once per backward and adds nothing twice.
+Other parameters get their summed gradient returned through autograd, once.
 """
 
 from __future__ import annotations
@@ -102,10 +107,8 @@ class _PipelinedMoE(torch.autograd.Function):
         for j in range(sched.K):
             a, b = sched.chunk_offsets[j], sched.chunk_offsets[j + 1]
             tok, exp = sched.pair_token[a:b], sched.pair_expert[a:b]
-            H = x.shape[1]
-            both = _dispatch(sched, j, torch.cat([x.index_select(0, tok), grad_out.index_select(0, tok)], 1), group)
-            xr, gr = both[:, :H].detach().requires_grad_(True), both[:, H:]
-            del both
+            xr = _dispatch(sched, j, x.index_select(0, tok), group).detach().requires_grad_(True)
+            gr = _dispatch(sched, j, grad_out.index_select(0, tok), group)
             pr = _dispatch(sched, j, probs[tok, exp], group).detach().requires_grad_(True)
             tpe = sched.tokens_per_expert[j]
             wins: list[torch.Tensor] = []

@@ -45,16 +45,61 @@ def _say_once(msg: str) -> None:
         log.info(msg)
 
 
-class SequentialMLPBank:
-    """Megatron's SequentialMLP as an ExpertBank: the same expert MLP math, with own or received weights."""
+def _plain_mlp_reason(experts: Any) -> str | None:
+    """Why the experts' MLP math cannot be run as plain torch ops on their weights (None: it can)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    def __init__(self, experts: Any) -> None:
+    c = experts.config
+    mlp = experts.local_experts[0]
+    if type(mlp.linear_fc1) is not ColumnParallelLinear or type(mlp.linear_fc2) is not RowParallelLinear:
+        return f"linear layers {type(mlp.linear_fc1).__name__}/{type(mlp.linear_fc2).__name__}"
+    if [n for n, _ in mlp.named_parameters()] != ["linear_fc1.weight", "linear_fc2.weight"]:
+        return "expert parameters other than two weights"
+    for attr in ("use_te_activation_func", "bias_activation_fusion", "add_bias_linear", "fp8", "fp4"):
+        if getattr(c, attr, None):
+            return attr
+    if getattr(c, "_cpu_offloading_context", None) is not None:
+        return "cpu offloading"
+    from megatron.core.utils import get_pg_size
+
+    if get_pg_size(mlp.linear_fc1.tp_group) != 1 or get_pg_size(mlp.linear_fc2.tp_group) != 1:
+        return "expert tensor parallelism"
+    return None
+
+
+class SequentialMLPBank:
+    """Megatron's SequentialMLP as an ExpertBank: the same expert MLP math, with own or received weights.
+
+    ``plain=True`` (used when ``_plain_mlp_reason`` finds nothing against it) runs the MLP's unfused
+    branch (``MLP.forward``: fc1, activation or gated unit with clamp and offset, per-token prob
+    scale, fc2) as plain torch ops on the experts' weights: the same GEMMs and elementwise ops
+    without Megatron's per-call Python layers, which dominate when a chunk gives each expert few
+    rows. Otherwise every segment calls the expert module itself.
+    """
+
+    def __init__(self, experts: Any, plain: bool | None = None) -> None:
         self.experts = experts
         self.config = experts.config
         self.num_local_experts = experts.num_local_experts
         template = experts.local_experts[0]
         self._template = template
         self._names = [n for n, _ in template.named_parameters()]
+        self.plain = _plain_mlp_reason(experts) is None if plain is None else plain
+
+    def _plain(self, x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        h = torch.nn.functional.linear(x, fc1)
+        if c.gated_linear_unit:
+            a, b = torch.chunk(h, 2, dim=-1)
+            if (val := c.activation_func_clamp_value) is not None:
+                a = a.clamp(min=None, max=val)
+                b = b.clamp(min=-val, max=val)
+            h = c.activation_func(a) * (b + c.glu_linear_offset)
+        else:
+            h = c.activation_func(h)
+        dtype = h.dtype
+        h = (h * probs.unsqueeze(-1)).to(dtype)
+        return torch.nn.functional.linear(h, fc2)
 
     def expert_params(self, local: int) -> list[torch.Tensor]:
         return list(self.experts.local_experts[local].parameters())
@@ -69,7 +114,10 @@ class SequentialMLPBank:
             if n == 0:
                 continue
             xs, ps = x[o:o + n], probs[o:o + n]
-            if li is not None:
+            if self.plain:
+                w = self.expert_params(li) if li is not None else w
+                y = self._plain(xs, ps, w[0], w[1])
+            elif li is not None:
                 y, _ = self.experts.local_experts[li](xs, ps)
             else:
                 y, _ = functional_call(self._template, dict(zip(self._names, w)), (xs, ps))
@@ -96,6 +144,7 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
         self.hidden_shape: torch.Size | None = None
         self.routing_map: torch.Tensor | None = None
         self._shared_input: torch.Tensor | None = None
+        self.plain_experts: bool | None = None  # None: plain torch ops when the config allows (tests may force)
 
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = tokens.shape
@@ -131,11 +180,11 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
         cfg = state.current().dispatch
         bank = getattr(self, "_bank", None)
         if bank is None or bank.experts is not experts:
-            bank = self._bank = SequentialMLPBank(experts)
+            bank = self._bank = SequentialMLPBank(experts, plain=self.plain_experts)
+            if not bank.plain:
+                _say_once(f"peakflat dispatch: experts run through their modules ({_plain_mlp_reason(experts)})")
         group = self.ep_group if self.ep_size > 1 else None
-        out = llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg,
-                       num_chunks=getattr(self, "force_chunks", None))
-        return out
+        return llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg)
 
 
 @functools.cache
@@ -196,7 +245,9 @@ def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., Non
             _say_once(f"peakflat dispatch: MoE layer keeps Megatron's dispatcher: {why}")
             stats.add("dispatch", "handed_back_layers", 1)
             return
-        self.token_dispatcher = make_dispatcher(self.token_dispatcher)
+        original = self.token_dispatcher
+        self.token_dispatcher = make_dispatcher(original)
+        self.token_dispatcher.megatron_dispatcher = original  # kept for side-by-side benchmarks
         if self.shared_experts is not None and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
         stats.add("dispatch", "layers", 1)

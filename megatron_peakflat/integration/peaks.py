@@ -129,3 +129,19 @@ def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = No
                           for m in ("measured_gib", "predicted_gib")}, iteration)
     meter.reset()
     return out
+
+
+def wrap_training_log(original: Any) -> Any:
+    """Replacement for Megatron's ``training_log``: after Megatron logs an interval, log the peaks too."""
+
+    def training_log(loss_dict: Any, total_loss_dict: Any, learning_rate: Any, iteration: int, *args: Any, **kwargs: Any) -> Any:
+        out = original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
+        from megatron.training import get_args
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        margs = get_args()
+        if iteration % max(1, margs.log_interval) == 0:
+            report(iteration, margs, writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer())
+        return out
+
+    return training_log

@@ -46,12 +46,12 @@ def reset() -> None:
     _handed_back.clear()
 
 
-def get_offloader(budget: int | None, prefetch: int, device: torch.device) -> BoundaryOffloader:
+def get_offloader(budget: int | None, prefetch: int, device: torch.device, pool: str = "torch") -> BoundaryOffloader:
     """The process's offloader for these settings, built on first use (its pool lives across steps)."""
     global _offloader, _offloader_key
-    key = (budget, prefetch, device.type)
+    key = (budget, prefetch, device.type, pool)
     if _offloader is None or _offloader_key != key:
-        _offloader = build_offloader(budget, prefetch, device)
+        _offloader = build_offloader(budget, prefetch, device, pool=pool)
         _offloader_key = key
     return _offloader
 
@@ -115,7 +115,7 @@ def wrap_checkpointed_forward(original: Callable[..., Any]) -> Callable[..., Any
                 _handed_back.add(reason)
                 log.warning("peakflat SCO: handing back to Megatron's full recompute: %s", reason)
             return original(self, hidden_states, *args, **kwargs)
-        off = get_offloader(cfg.sco.budget, cfg.sco.prefetch, hidden_states.device)
+        off = get_offloader(cfg.sco.budget, cfg.sco.prefetch, hidden_states.device, cfg.sco.pool)
         # A pipeline stage's received input is also held by the schedule until backward: moving it
         # would cost host memory and bandwidth and free nothing.
         keep_first = not getattr(self, "pre_process", True)

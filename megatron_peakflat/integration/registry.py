@@ -33,7 +33,7 @@ class PeakflatIntegrationError(ImportError):
 @dataclass(frozen=True)
 class Patch:
     component: str
-    """Which component owns it: dispatch, vocab, sco, optimizer or attention."""
+    """Which part owns it: dispatch, vocab, sco, optimizer, attention, report (peak log) or wheel-fixes."""
     module: str
     """Module in which the name is bound, e.g. ``megatron.core.transformer.moe.moe_layer``."""
     attr: str
@@ -79,6 +79,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("attention", "megatron.core.models.backends", "LocalSpecProvider.core_attention",
           "megatron_peakflat.integration.attention:wrap_local_core_attention",
           "local-spec core attention through torch SDPA (no s x s scores)"),
+    Patch("report", "megatron.training.training", "training_log",
+          "megatron_peakflat.integration.peaks:wrap_training_log",
+          "logs each component's measured peak beside the planner's every log interval"),
     Patch("wheel-fixes", "megatron.core.datasets.utils", "compile_helpers",
           "megatron_peakflat.integration.wheel_fixes:skip_compile_when_prebuilt",
           "keeps the wheel's prebuilt dataset helpers (the wheel has no Makefile to rebuild them)"),

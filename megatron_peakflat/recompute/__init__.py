@@ -2,7 +2,7 @@
 
 from .api import build_offloader, checkpoint_chunks
 from .offload import BoundaryOffloader
-from .pool import HostPool, HostSlot, TorchHostPool, resolve_budget
+from .pool import HostPool, HostSlot, NativeHostPool, TorchHostPool, make_pool, resolve_budget
 
 __all__ = ["build_offloader", "checkpoint_chunks", "BoundaryOffloader", "HostPool", "HostSlot", "TorchHostPool",
-           "resolve_budget"]
+           "NativeHostPool", "make_pool", "resolve_budget"]

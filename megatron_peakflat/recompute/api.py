@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config_base import format_bytes
 from .offload import BoundaryOffloader
-from .pool import TorchHostPool, resolve_budget
+from .pool import make_pool, resolve_budget
 
 __all__ = ["build_offloader", "checkpoint_chunks"]
 
@@ -24,11 +24,12 @@ log = logging.getLogger("megatron_peakflat")
 
 
 def build_offloader(budget: int | None = None, prefetch: int = 1, device: torch.device | str | None = None,
-                    *, log_summary: bool = True) -> BoundaryOffloader:
+                    *, pool: str = "torch", log_summary: bool = True) -> BoundaryOffloader:
     """An offloader over a new pool of ``budget`` bytes (resolved by ``resolve_budget``).
 
     The pool is pinned when ``device`` is a CUDA device (so copies are asynchronous), pageable
-    otherwise. Nothing is allocated until the first boundary is offloaded.
+    otherwise. With ``pool='torch'`` nothing is allocated until the first boundary is offloaded;
+    ``pool='native'`` maps (and pins) the whole budget now.
     """
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
@@ -36,10 +37,10 @@ def build_offloader(budget: int | None = None, prefetch: int = 1, device: torch.
         raise ValueError(f"budget must be >= 0 bytes, got {budget}")
     device = torch.device(device) if device is not None else torch.device("cpu")
     nbytes = resolve_budget(budget)
-    pool = TorchHostPool(nbytes, pin=device.type == "cuda")
-    log.info("peakflat SCO: host pool budget %s per rank (%s), prefetch %d", format_bytes(nbytes),
-             "pinned" if pool.pinned else "pageable", prefetch)
-    return BoundaryOffloader(pool, prefetch=prefetch, log_summary=log_summary)
+    host = make_pool(nbytes, pin=device.type == "cuda", impl=pool)
+    log.info("peakflat SCO: %s host pool, budget %s per rank (%s), prefetch %d", type(host).__name__,
+             format_bytes(nbytes), "pinned" if host.pinned else "pageable", prefetch)
+    return BoundaryOffloader(host, prefetch=prefetch, log_summary=log_summary)
 
 
 def checkpoint_chunks(chunks: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from ..config_base import Bytes, ComponentConfig, PeakflatConfigError
 
@@ -21,11 +21,18 @@ class SCOConfig(ComponentConfig):
     RAM divided among the local ranks; boundaries past the budget stay on the GPU."""
     prefetch: int = 1
     """How many boundaries backward brings back ahead of use."""
+    pool: Literal["torch", "native"] = "torch"
+    """Host pool: 'torch' pins slots lazily as boundaries arrive (torch rounds each up to a power of
+    two); 'native' maps and pins the whole budget once at start-up in the compiled extension, at
+    exact sizes (falls back to 'torch', logged, when the extension is not built)."""
 
     def validate(self) -> None:
         if self.budget is not None and self.budget < 0:
             raise PeakflatConfigError(self.flag("budget"), self.budget, "a byte budget cannot be negative",
                                       "pass a size such as --peakflat-sco-budget 32GiB, or 'auto'")
+        if self.pool not in ("torch", "native"):
+            raise PeakflatConfigError(self.flag("pool"), self.pool, "unknown host pool",
+                                      "pass --peakflat-sco-pool torch (default) or native")
         if self.prefetch < 0:
             raise PeakflatConfigError(self.flag("prefetch"), self.prefetch, "prefetch depth cannot be negative",
                                       "pass 0 (no prefetch) or more, e.g. --peakflat-sco-prefetch 1")

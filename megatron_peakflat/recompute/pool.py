@@ -3,11 +3,11 @@
 The pool hands out host slots (flat uint8 tensors) and takes them back. Slots are kept and reused
 across iterations, so after the first step no host allocation (``cudaHostAlloc`` for pinned
 memory) happens on the training path. ``HostPool`` is the interface the offloader uses; the torch
-implementation here (``TorchHostPool``) can be replaced by a compiled pool exposing the same four
-members.
+implementation (``TorchHostPool``, the default) allocates slots lazily; ``NativeHostPool`` carves
+them from the compiled extension's single pre-registered region (``--peakflat-sco-pool native``).
 
 Guarantees:
-- ``reserved`` (bytes of slots the pool holds, in use or free) never exceeds ``budget``;
+- ``reserved`` (host bytes of the slots the pool holds, in use or free) never exceeds ``budget``;
 - ``acquire`` returns ``None`` instead of exceeding the budget; it never raises for lack of memory;
 - when pinning fails, the pool shrinks its budget to what it already holds and, if it holds
   nothing, falls back to pageable memory; both are logged once.
@@ -24,7 +24,8 @@ import torch
 
 from ..config_base import format_bytes
 
-__all__ = ["HostSlot", "HostPool", "TorchHostPool", "host_available_bytes", "resolve_budget"]
+__all__ = ["HostSlot", "HostPool", "TorchHostPool", "NativeHostPool", "make_pool", "host_available_bytes",
+           "resolve_budget"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -41,6 +42,8 @@ class HostSlot:
     buffer: torch.Tensor
     ready: Any = None
     in_use: bool = field(default=False, repr=False)
+    cost: int = 0
+    """Host bytes the slot really takes (torch's pinned allocator rounds up to a power of two)."""
 
     @property
     def nbytes(self) -> int:
@@ -106,20 +109,13 @@ def resolve_budget(requested: int | None, *, available: int | None = None, local
     return int(requested)
 
 
-class TorchHostPool:
-    """``HostPool`` on torch host tensors, pinned when ``pin`` (needed for asynchronous copies).
+class _RecyclingPool:
+    """Slot bookkeeping shared by the pools: a free list served best-fit, and usage counters."""
 
-    Slots are allocated lazily at the sizes asked for and recycled: a request is served by a free
-    slot of at least the size and at most twice it, else by a new slot if the budget allows, else
-    by dropping free slots of other sizes to make room. Boundaries of one model share a size, so in
-    steady state every request is served from the free list.
-    """
+    budget: int
+    pinned: bool
 
-    def __init__(self, budget: int, *, pin: bool) -> None:
-        if budget < 0:
-            raise ValueError(f"budget must be >= 0 bytes, got {budget}")
-        self.budget = int(budget)
-        self.pinned = bool(pin)
+    def __init__(self) -> None:
         self.reserved = 0
         self.in_use = 0
         self.peak_in_use = 0
@@ -133,17 +129,11 @@ class TorchHostPool:
             self.release(s)
 
     def acquire(self, nbytes: int) -> HostSlot | None:
-        slot = self._take_free(nbytes)
+        slot = self._take_free(nbytes) or self._new_slot(nbytes)
         if slot is None:
-            if self.reserved + nbytes > self.budget:
-                self._drop_free(self.reserved + nbytes - self.budget)
-            if self.reserved + nbytes > self.budget:
-                return None
-            slot = self._allocate(nbytes)
-            if slot is None:
-                return None
+            return None
         slot.in_use = True
-        self.in_use += slot.nbytes
+        self.in_use += slot.cost
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return slot
 
@@ -153,7 +143,7 @@ class TorchHostPool:
             raise RuntimeError("host slot released twice")
         slot.in_use = False
         slot.ready = ready
-        self.in_use -= slot.nbytes
+        self.in_use -= slot.cost
         self._free.append(slot)
 
     def _take_free(self, nbytes: int) -> HostSlot | None:
@@ -165,13 +155,46 @@ class TorchHostPool:
             self._free.remove(best)
         return best
 
+    def _new_slot(self, nbytes: int) -> HostSlot | None:
+        raise NotImplementedError
+
+
+class TorchHostPool(_RecyclingPool):
+    """``HostPool`` on torch host tensors, pinned when ``pin`` (needed for asynchronous copies).
+
+    Slots are allocated lazily at the sizes asked for and recycled: a request is served by a free
+    slot of at least the size and at most twice it, else by a new slot if the budget allows, else
+    by dropping free slots of other sizes to make room. Boundaries of one model share a size, so in
+    steady state every request is served from the free list. The budget counts what the host
+    really gives: torch's pinned allocator rounds each block up to a power of two, so a pinned
+    slot costs that rounded size.
+    """
+
+    def __init__(self, budget: int, *, pin: bool) -> None:
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0 bytes, got {budget}")
+        super().__init__()
+        self.budget = int(budget)
+        self.pinned = bool(pin)
+
+    def _new_slot(self, nbytes: int) -> HostSlot | None:
+        cost = self._cost(nbytes)
+        if self.reserved + cost > self.budget:
+            self._drop_free(self.reserved + cost - self.budget)
+        if self.reserved + cost > self.budget:
+            return None
+        return self._allocate(nbytes)
+
+    def _cost(self, nbytes: int) -> int:
+        return 1 << max(nbytes - 1, 0).bit_length() if self.pinned else nbytes
+
     def _drop_free(self, need: int) -> None:
         while self._free and need > 0:
             s = self._free.pop()
             if s.ready is not None:
                 s.ready.synchronize()
-            self.reserved -= s.nbytes
-            need -= s.nbytes
+            self.reserved -= s.cost
+            need -= s.cost
 
     def _allocate(self, nbytes: int) -> HostSlot | None:
         try:
@@ -192,6 +215,57 @@ class TorchHostPool:
                         format_bytes(nbytes), str(e).splitlines()[0], format_bytes(self.reserved))
             self.budget = self.reserved
             return None
-        self.reserved += nbytes
+        slot = HostSlot(buf, cost=self._cost(nbytes))
+        self.reserved += slot.cost
         self.allocations += 1
-        return HostSlot(buf)
+        return slot
+
+
+class NativeHostPool(_RecyclingPool):
+    """``HostPool`` over the compiled pool (``megatron_peakflat._C.HostPool``): one host region of
+    ``budget`` bytes, registered (pinned) with CUDA once, carved into slots at exact sizes.
+
+    Unlike ``TorchHostPool`` nothing is rounded up, but the whole budget is mapped, and pinned when
+    ``pin``, when the pool is built. Slots are recycled like ``TorchHostPool``'s; a carved slot is
+    never returned to the region, so a request that fits no free slot and no remaining space gets
+    ``None`` (the boundary stays on the device).
+    """
+
+    def __init__(self, budget: int, *, pin: bool, module: Any) -> None:
+        if budget <= 0:
+            raise ValueError(f"budget must be > 0 bytes for the native pool, got {budget}")
+        super().__init__()
+        self._region = module.HostPool(int(budget), bool(pin))
+        self.budget = int(budget)
+        self.pinned = bool(self._region.pinned)
+        if pin and not self.pinned:
+            log.warning("peakflat SCO: native host pool is pageable (%s); copies will not overlap compute",
+                        self._region.pin_error)
+
+    def _new_slot(self, nbytes: int) -> HostSlot | None:
+        if self._region.used + nbytes + 256 > self._region.capacity:  # 256: the region's carve alignment
+            return None
+        slot = HostSlot(self._region.carve(nbytes, torch.uint8), cost=nbytes)
+        self.reserved = self._region.used
+        self.allocations += 1
+        return slot
+
+
+def make_pool(budget: int, *, pin: bool, impl: str = "torch") -> "TorchHostPool | NativeHostPool":
+    """The pool for ``impl`` ('torch' or 'native'); 'native' falls back to 'torch', logged, when the
+    compiled extension is missing or its region cannot be mapped."""
+    if impl == "native" and budget > 0:
+        from .. import _ext
+
+        module = _ext.load()
+        if module is None:
+            log.warning("peakflat SCO: native host pool unavailable (%s); using torch pinned tensors", _ext.reason())
+        else:
+            try:
+                return NativeHostPool(budget, pin=pin, module=module)
+            except RuntimeError as e:
+                log.warning("peakflat SCO: native host pool of %s failed (%s); using torch pinned tensors",
+                            format_bytes(budget), str(e).splitlines()[0])
+    elif impl not in ("torch", "native"):
+        raise ValueError(f"pool impl must be 'torch' or 'native', got {impl!r}")
+    return TorchHostPool(budget, pin=pin)

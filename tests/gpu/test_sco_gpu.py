@@ -43,14 +43,22 @@ def _run(model, x, off):
     return loss.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()}, peak
 
 
+def _native_available() -> bool:
+    from megatron_peakflat import _ext
+
+    return _ext.load() is not None
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("native", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or not _native_available(), reason="megatron_peakflat._C not built"))])
 @pytest.mark.parametrize("prefetch", [0, 1])
-def test_plain_bf16_exact_and_peak_equals_offloaded(prefetch):
-    from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool
+def test_plain_bf16_exact_and_peak_equals_offloaded(prefetch, impl):
+    from megatron_peakflat.recompute import BoundaryOffloader, make_pool
 
     torch.manual_seed(0)
     model = torch.nn.ModuleList(Chunk() for _ in range(L)).cuda().bfloat16()
     x = torch.randn(S, B, H, device="cuda", dtype=torch.bfloat16)
-    off = BoundaryOffloader(TorchHostPool(1 << 34, pin=True), prefetch=prefetch)
+    off = BoundaryOffloader(make_pool(L * BOUNDARY + (1 << 20), pin=True, impl=impl), prefetch=prefetch)
     ref = _run(model, x, None)
     _run(model, x, off)  # warm the pool and the side streams
     got = _run(model, x, off)

@@ -1,0 +1,274 @@
+"""PipelinedLLEP benchmark on one GPU (EP=1): Megatron's MoELayer (local spec, SequentialMLP, bf16,
+64 experts top-8, SwiGLU, F=1536) forward + backward, three ways on the same layer, weights and tokens:
+
+- ``megatron-alltoall``: Megatron's own alltoall dispatcher (the layer as Megatron builds it);
+- ``llep-unchunked``: PipelinedLLEP with one chunk (the plan and recompute, no chunking);
+- ``peakflat``: PipelinedLLEP with the flags' defaults; ``peakflat-c<N>``: other chunk caps.
+
+At EP=1 the plan is trivial; chunking alone bounds the expert activations. The layer is wrapped in
+Megatron's DDP (fp32 main_grad), as in training, so every method's weight gradients land in the same
+preallocated buffer. Regimes (the ``regime`` part of the case string):
+
+- ``recompute=full``: the layer runs inside ``tensor_parallel.checkpoint`` (what full recompute does
+  to a transformer layer), identically for every method;
+- ``recompute=moe``: Megatron's ``--recompute-modules moe`` for the Megatron peer; PipelinedLLEP runs
+  without it (it recomputes its chunks itself), as a user would configure it.
+
+Skewed routing: a share of the tokens (30%, 80%, 95%) gets +10 on the logits of ``--hot`` experts, so
+those tokens all route to them. ``exact`` compares the output, the input gradient and every
+parameter's main_grad with the Megatron peer's (bf16-level relative tolerance ``--tol``).
+
+Usage (one H200, no TE):
+    python -m bench.dispatch                      # H=4096 grid + H=7168 at 32K/64K, ~4-5 min
+    python -m bench.dispatch --hidden 4096 --tokens 32768 --skews 0,95 --regimes full
+    python -m bench.dispatch --dry-run            # tiny shapes on CPU (gloo, Megatron CPU shim): checks only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+from bench import harness
+
+OURS_DEFAULT = "peakflat"
+
+
+def setup(cpu: bool) -> None:
+    import torch.distributed as dist
+
+    from megatron_peakflat.testing import megatron_cpu
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
+    if not cpu:
+        torch.cuda.set_device(0)
+    megatron_cpu.init_megatron_parallel(ep=1, cpu=cpu)
+
+
+def build_layer(hidden: int, experts: int, topk: int, ffn: int, cpu: bool, ddp: bool = True,
+                dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """(DDP-wrapped MoELayer, the MoELayer) built after ``megatron_peakflat.apply`` (so it holds both dispatchers).
+
+    ``ddp=False`` returns the bare layer twice (weight gradients in ``.grad``)."""
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = dtype or (torch.float32 if cpu else torch.bfloat16)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=max(1, hidden // 128), ffn_hidden_size=4 * hidden,
+        num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
+        gradient_accumulation_fusion=False, moe_permute_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        bf16=not cpu, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=cpu,
+        recompute_granularity="selective", recompute_modules=["moe"])
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    mlp = spec.submodules.mlp
+    torch.manual_seed(0)
+    layer = build_module(mlp, config=config) if hasattr(mlp, "module") else mlp(config=config)
+    layer = layer.to(dtype)
+    if not cpu:
+        layer = layer.cuda()
+    if not ddp:
+        return layer, layer
+    wrapped = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer)
+    return wrapped, layer
+
+
+def skew_router(layer: Any, share: float, hot: int, seed: int = 0) -> None:
+    """Route ``share`` of the tokens to experts 0..hot-1 (a +10 logit bump on those tokens)."""
+    router = layer.router
+    gating = getattr(router, "_bench_gating", None) or router.gating
+    router._bench_gating = gating
+    if share <= 0:
+        router.gating = gating
+        return
+
+    def skewed(x: torch.Tensor) -> torch.Tensor:
+        logits = gating(x)
+        flat = logits.reshape(-1, logits.shape[-1])
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        on = (torch.rand(flat.shape[0], generator=g) < share).to(flat.device, flat.dtype).unsqueeze(1)
+        bump = torch.zeros(flat.shape[-1], device=flat.device, dtype=flat.dtype)
+        bump[:hot] = 10.0
+        return (flat + on * bump).view_as(logits)
+
+    router.gating = skewed
+
+
+def configs(chunk_caps: list[int]) -> dict[str, Any]:
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.dispatch.config import DispatchConfig
+
+    base = dict(impl="pipelined-llep")
+    out = {OURS_DEFAULT: PeakflatConfig(dispatch=DispatchConfig(**base), general=GeneralConfig(attention="local")),
+           "llep-unchunked": PeakflatConfig(dispatch=DispatchConfig(**base, max_chunks=1),
+                                            general=GeneralConfig(attention="local"))}
+    for c in chunk_caps:
+        out[f"peakflat-c{c}"] = PeakflatConfig(dispatch=DispatchConfig(**base, chunk_cap=c, max_chunks=1024),
+                                               general=GeneralConfig(attention="local"))
+    return out
+
+
+def select(layer: Any, method: str, cfgs: dict[str, Any], regime: str) -> None:
+    """Point the layer at the method's dispatcher and recompute setting."""
+    from megatron_peakflat.integration import state
+
+    ours = layer.token_dispatcher if not hasattr(layer, "_bench_ours") else layer._bench_ours
+    layer._bench_ours = ours
+    if method == "megatron-alltoall":
+        layer.token_dispatcher = ours.megatron_dispatcher
+        layer.moe_layer_recompute = regime == "moe"  # any other regime: no MoE-level recompute
+    else:
+        layer.token_dispatcher = ours
+        layer.moe_layer_recompute = False
+        state.set_current(cfgs[method])
+
+
+def make_step(ddp: Any, x: torch.Tensor, gout: torch.Tensor, regime: str) -> Callable[[], torch.Tensor]:
+    from megatron.core import tensor_parallel
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        return ddp(h)[0]
+
+    def step() -> torch.Tensor:
+        x.grad = None
+        out = tensor_parallel.checkpoint(run, False, x) if regime == "full" else run(x)
+        out.backward(gout)
+        return out.detach()
+
+    return step
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def check(ddp: Any, layer: Any, step: Callable[[], torch.Tensor], x: torch.Tensor, ref: dict[str, Any] | None
+          ) -> tuple[dict[str, Any], float | None]:
+    """One step from zeroed grads; returns (its output, input grad, main_grads) and the worst relative error vs ``ref``."""
+    ddp.zero_grad_buffer()
+    out = step()
+    got = {"out": out, "dx": x.grad.detach().clone(),
+           **{n: p.main_grad.detach().clone() for n, p in layer.named_parameters()}}
+    if ref is None:
+        return got, None
+    return got, max(_rel(got[k], ref[k]) for k in ref)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", default="4096,7168", help="comma list (default: %(default)s)")
+    ap.add_argument("--tokens", default="16384,32768,65536", help="tokens per rank (default: %(default)s)")
+    ap.add_argument("--wide-tokens", default="32768,65536", help="tokens for hidden > 4096 (default: %(default)s)")
+    ap.add_argument("--skews", default="0,30,80,95", help="percent of tokens on the hot experts (default: %(default)s)")
+    ap.add_argument("--wide-skews", default="0,95", help="skews for hidden > 4096 (default: %(default)s)")
+    ap.add_argument("--hot", type=int, default=4, help="number of hot experts (1-4)")
+    ap.add_argument("--regimes", default="full,moe", help="full,moe (default: %(default)s)")
+    ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat,peakflat-c32768",
+                    help="comma list; peakflat-c<N> sets the chunk cap (default: %(default)s)")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=1536)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--tol", type=float, default=2e-2, help="relative error for exact=True (bf16 level)")
+    ap.add_argument("--no-check", action="store_true", help="skip the exactness step (exact=None)")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, no timing: checks the setup")
+    args = ap.parse_args(argv)
+
+    cpu = args.dry_run
+    if cpu:
+        from megatron_peakflat.testing import megatron_cpu
+
+        megatron_cpu.install_cpu_shim()
+        args.hidden, args.tokens, args.wide_tokens, args.experts, args.topk, args.ffn = "64", "64,128", "", 8, 2, 32
+    import megatron_peakflat
+
+    setup(cpu)
+    methods = args.methods.split(",")
+    caps = [int(m.split("-c", 1)[1]) for m in methods if m.startswith("peakflat-c")]
+    cfgs = configs(caps)
+    if cpu:
+        cfgs = {k: v for k, v in cfgs.items()}
+        for v in cfgs.values():
+            v.dispatch.chunk_cap = min(v.dispatch.chunk_cap, 64)
+    megatron_peakflat.apply(cfgs[OURS_DEFAULT])
+    device = torch.device("cpu" if cpu else "cuda")
+    rows: list[harness.Row] = []
+    t0 = time.time()
+    for H in [int(h) for h in args.hidden.split(",")]:
+        ddp, layer = build_layer(H, args.experts, args.topk, args.ffn, cpu)
+        wide = H > 4096
+        tokens = [int(t) for t in (args.wide_tokens if wide else args.tokens).split(",") if t]
+        skews = [int(s) for s in (args.wide_skews if wide else args.skews).split(",") if s]
+        for T in tokens:
+            seq = 4096 if T >= 4096 else T
+            g = torch.Generator(device="cpu").manual_seed(T)
+            x = (torch.randn(seq, T // seq, H, generator=g) * 0.5).to(device, layer.router.weight.dtype)
+            x.requires_grad_(True)
+            gout = torch.randn(seq, T // seq, H, generator=g).to(device, x.dtype)
+            for skew in skews:
+                skew_router(layer, skew / 100, args.hot)
+                for regime in args.regimes.split(","):
+                    case = f"recompute={regime},N={T},H={H},ep=1,skew={skew}%@{args.hot}"
+                    ref = None
+                    for method in methods:
+                        select(layer, method, cfgs, regime)
+                        step = make_step(ddp, x, gout, regime)
+                        exact = None
+                        if not args.no_check:
+                            try:
+                                got, err = check(ddp, layer, step, x, ref)
+                            except torch.OutOfMemoryError:
+                                got, err = None, None
+                            if method == "megatron-alltoall":
+                                ref = got
+                            elif err is not None:
+                                exact = err <= args.tol
+                            del got
+                        if cpu:
+                            out = step()
+                            assert torch.isfinite(out).all()
+                            rows.append(harness.Row(case, method, None, None, exact, {}))
+                            print(f"{case:52s} {method:22s} exact={exact}", flush=True)
+                            continue
+                        ours = layer.token_dispatcher
+                        extra: dict[str, Any] = {}
+                        if method != "megatron-alltoall":
+                            extra["chunk_cap"] = cfgs[method].dispatch.chunk_cap
+                            extra["max_chunks"] = cfgs[method].dispatch.max_chunks
+                        row = harness.run_row(case, method, step, exact=exact, warmup=args.warmup, reps=args.reps,
+                                              **extra)
+                        if method != "megatron-alltoall":
+                            from megatron_peakflat import stats
+
+                            row.extra["chunks"] = stats.snapshot().get("dispatch", {}).get("chunks")
+                        del ours
+                        rows.append(row)
+                    ref = None
+                    if cpu:
+                        assert all(r.exact in (True, None) for r in rows if r.case == case), case
+        del ddp, layer
+        if not cpu:
+            torch.cuda.empty_cache()
+    print(f"total {time.time() - t0:.0f}s")
+    if not cpu:
+        harness.write("dispatch", rows)
+    megatron_peakflat.remove()
+
+
+if __name__ == "__main__":
+    main()
