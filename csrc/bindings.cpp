@@ -11,7 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
-  m.def("adamw_step", &peakflat::adamw_step, "AdamW step on flat CPU buffers (bitwise = torch._fused_adamw_)",
+  m.def("adamw_step", &peakflat::adamw_step, "AdamW step on flat CPU buffers, ATen fused CPU AdamW arithmetic",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_out"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
         py::arg("threads"), py::call_guard<py::gil_scoped_release>());

@@ -57,12 +57,17 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN -> canon
   return static_cast<uint16_t>(u >> 16);
 }
 
-// Scalar path: the same operations as the vector path, with every fused multiply-add explicit,
-// so that both paths agree bit for bit. Compiled without FP contraction.
+// Every multiply-add that should fuse is written as one; no other may be fused by the compiler,
+// whatever flags the build passes (GCC contracts even intrinsics under its default -ffp-contract=fast).
 #if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
+#define PEAKFLAT_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define PEAKFLAT_NO_CONTRACT
+#pragma clang fp contract(off)
 #endif
-void adam_scalar(float* p, const void* g, bool g_bf16, float* m, float* v, void* out, int out_kind,
+
+// Scalar path: the same operations as the vector path, so that both paths agree bit for bit.
+PEAKFLAT_NO_CONTRACT void adam_scalar(float* p, const void* g, bool g_bf16, float* m, float* v, void* out, int out_kind,
                  int64_t n, const Consts& c) {
   for (int64_t i = 0; i < n; ++i) {
     const float gv = g_bf16 ? bf16_to_float(static_cast<const uint16_t*>(g)[i]) : static_cast<const float*>(g)[i];
@@ -104,7 +109,7 @@ __attribute__((target("avx2,fma"))) inline __m128i to_bf16(__m256 x) {
   return _mm_packus_epi32(lo, hi);
 }
 
-__attribute__((target("avx2,fma"))) void adam_avx2(float* p, const void* g, bool g_bf16, float* m, float* v,
+__attribute__((target("avx2,fma"))) PEAKFLAT_NO_CONTRACT void adam_avx2(float* p, const void* g, bool g_bf16, float* m, float* v,
                                                      void* out, int out_kind, int64_t n, const Consts& c) {
   const __m256 wd_mul = _mm256_set1_ps(c.wd_mul), coeff = _mm256_set1_ps(c.lerp_coeff);
   const __m256 beta2 = _mm256_set1_ps(c.beta2), sq = _mm256_set1_ps(c.sq_coeff);

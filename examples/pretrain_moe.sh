@@ -9,7 +9,7 @@
 # Environment (defaults in brackets): GPUS_PER_NODE [all visible], NUM_LAYERS [4], HIDDEN [1024],
 # HEADS [8], FFN [2816], MOE_FFN [704], EXPERTS [8], TOPK [2], EP [GPUS_PER_NODE*NNODES, capped at EXPERTS],
 # TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8], TRAIN_ITERS [20], VOCAB [32768],
-# PEAKFLAT [on], CHUNK_CAP [4096], DATA_PATH, TOKENIZER_MODEL, PYTHON [python3].
+# PEAKFLAT [on], PEAKFLAT_COMPONENTS [dispatch,vocab,sco,optimizer], CHUNK_CAP [4096], DATA_PATH, TOKENIZER_MODEL, PYTHON [python3].
 #
 #SBATCH --job-name=peakflat-moe
 #SBATCH --nodes=1
@@ -72,13 +72,22 @@ if [[ -n "${DATA_PATH:-}" ]]; then
 else
   DATA=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB")
 fi
+PF=()
 case "$PEAKFLAT" in
-  on)  PF=(--peakflat-dispatch pipelined-llep --peakflat-dispatch-chunk-cap "$CHUNK_CAP"
-           --peakflat-vocab ring-dtp --peakflat-sco
-           --peakflat-optimizer offload-stream --optimizer-cpu-offload --use-precision-aware-optimizer
-           --peakflat-report-peaks) ;;
-  off) PF=() ;;
-  *)   echo "PEAKFLAT must be on or off, not '$PEAKFLAT'" >&2; exit 2 ;;
+  on)
+    IFS=, read -ra COMPS <<< "${PEAKFLAT_COMPONENTS:-dispatch,vocab,sco,optimizer}"
+    for c in "${COMPS[@]}"; do
+      case "$c" in
+        dispatch)  PF+=(--peakflat-dispatch pipelined-llep --peakflat-dispatch-chunk-cap "$CHUNK_CAP") ;;
+        vocab)     PF+=(--peakflat-vocab ring-dtp) ;;
+        sco)       PF+=(--peakflat-sco) ;;
+        optimizer) PF+=(--peakflat-optimizer offload-stream --optimizer-cpu-offload --use-precision-aware-optimizer) ;;
+        *) echo "unknown component '$c' in PEAKFLAT_COMPONENTS" >&2; exit 2 ;;
+      esac
+    done
+    PF+=(--peakflat-report-peaks) ;;
+  off) ;;
+  *) echo "PEAKFLAT must be on or off, not '$PEAKFLAT'" >&2; exit 2 ;;
 esac
 
 LAUNCH=(

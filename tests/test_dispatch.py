@@ -238,6 +238,47 @@ def test_working_set_bounded_as_tokens_grow():
         assert peaks[1024, None] - peaks[256, None] <= 768 * per_token  # ours grows by the [T, H] terms only
 
 
+def bound_worker(rank: int, world: int) -> dict[str, int]:
+    """Peak live bytes per rank of ours (chunked) and of K=1, at T and 4T, all tokens on one expert."""
+    from megatron_peakflat.testing.live_bytes import LiveBytesMeter
+
+    Hb, Fb, E, k, c = 64, 48, 4 * world, 2, 64
+    e_p = E // world
+    g = torch.Generator().manual_seed(0)
+    fc1 = [torch.randn(2 * Fb, Hb, generator=g) for _ in range(E)]
+    fc2 = [torch.randn(Hb, Fb, generator=g) for _ in range(E)]
+    bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p])
+    cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=c, max_chunks=1000, min_spill=0, imbalance_threshold=1.1)
+    peaks = {}
+    for T in (256, 1024):
+        probs, rmap = make_routing(T, E, k, "all", 10 + rank)
+        x = torch.randn(T, Hb, requires_grad=True)
+        gout = torch.randn(T, Hb)
+        for K in (None, 1):
+            with LiveBytesMeter() as meter:
+                out = llep_moe(x, probs, rmap, bank, dist.group.WORLD, cfg, num_chunks=K)
+                grads = torch.autograd.grad(out, [x, *bank.parameters()], gout)
+                del out, grads
+            peaks[f"{T},{K}"] = meter.peak
+    peaks["param_bytes"] = sum(p.numel() * 4 for p in bank.parameters())
+    return peaks
+
+
+def test_working_set_bounded_under_ep_and_skew():
+    """EP=2, every token on one expert: each rank stays under the bound with EP x (c + k) chunk rows."""
+    from megatron_peakflat.dispatch.api import working_set_bound
+
+    world, Hb, Fb, k, c = 2, 64, 48, 2, 64
+    for peaks in run_distributed(bound_worker, world, timeout=120):
+        for T in (256, 1024):
+            bound = working_set_bound(num_tokens=T, hidden=Hb, ffn=Fb, num_experts=4 * world,
+                                      chunk_rows=world * (c + k), expert_param_bytes=peaks["param_bytes"],
+                                      dtype_bytes=4)
+            assert peaks[f"{T},None"] <= bound, (T, peaks, bound)
+            if T == 1024:
+                assert peaks[f"{T},1"] > bound, peaks  # unchunked outgrows it
+
+
 def test_megatron_ddp_main_grad_path():
     """Params with DDP's main_grad get their fp32 gradient there, and a zero dummy as .grad."""
     E, T = 4, 19

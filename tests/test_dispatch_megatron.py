@@ -5,7 +5,9 @@ on the local spec (SequentialMLP) is built with Megatron's dispatcher; the same 
 into a second model built after ``megatron_peakflat.apply`` (PipelinedLLEP); both run the same batch.
 The loss and the gradient of every parameter (embeddings, attention, router, every expert, output
 layer) must agree to 1e-5 relative, for balanced routing, 95% and 100% of tokens on one expert,
-K = 1, 2, 7 chunks, and with ``--recompute-modules moe`` and full recompute.
+K = 1, 2, 7 chunks, with ``--recompute-modules moe`` and full recompute, with Megatron's fused
+weighted swiglu, with shared-expert overlap, with token dropping (capacity factor), under
+Megatron DDP with overlapped grad reduce (world 1, 2), and TP=2 + SP with EP=2 (world 4).
 """
 
 from __future__ import annotations
@@ -64,7 +66,11 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         ("all", 2, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
     ]
     if world == 1:
-        cases = [cases[i] for i in (0, 2, 3, 6, 7, 8)]
+        swiglu = {"bias_activation_fusion": True, "gated_linear_unit": True,
+                  "activation_func": torch.nn.functional.silu}
+        shared = {"moe_shared_expert_intermediate_size": 32, "moe_shared_expert_overlap": True}
+        cases = [cases[i] for i in (0, 2, 3, 6, 7, 8)] + [("hot95", 2, swiglu), ("all", 2, shared),
+                                                         ("hot95", 2, {"moe_expert_capacity_factor": 0.5})]
     elif world == 2:
         cases = [cases[i] for i in (1, 3, 5, 7, 8)]
     else:
@@ -103,7 +109,7 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         assert all(m.token_dispatcher._bank.plain == plain for m in swapped)
         snap = stats.snapshot().get("dispatch", {})
         assert snap.get("chunks") == K, (K, snap)
-        name = f"{skew},K={K},{'+'.join(f'{k}={v}' for k, v in extra.items() if k != 'recompute_method')},rank={rank}"
+        name = f"{skew},K={K},{'+'.join(k for k in extra if k != 'recompute_method')},rank={rank}"
         errs = [_rel(losses[1], losses[0])]
         for n, g in grads[0].items():
             mine = grads[1][n]
@@ -117,8 +123,43 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         megatron_peakflat.remove()
     if world <= 2:
         out.append(_ddp_case(rank, world, E))
+    else:
+        out.append(_tp_case(rank))
     mc.destroy_megatron_parallel()
     return out
+
+
+def _tp_case(rank: int) -> tuple[str, float, int]:
+    """TP=2 with sequence parallelism, EP=2, expert TP=1: each rank dispatches its sequence shard."""
+    import megatron_peakflat
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.dispatch.config import DispatchConfig
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    megatron_peakflat.remove()
+    mc.init_megatron_parallel(tp=2, ep=2, seed=1234)
+    config = mc.tiny_transformer_config(num_moe_experts=4)
+    ref = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+    megatron_peakflat.apply(PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=10, min_spill=0,
+                                                                   imbalance_threshold=1.0),
+                                           general=GeneralConfig(attention="local")))
+    model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+    model.load_state_dict(ref.state_dict())
+    batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=3)
+    losses = []
+    for m in (ref, model):
+        loss = mc.gpt_loss(m, batch)
+        loss.backward()
+        losses.append(loss.detach())
+    errs = [_rel(losses[1], losses[0])]
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:
+            errs.append(_rel(p.grad, q.grad))
+            assert errs[-1] <= 1e-5, ("tp2-ep2", n, errs[-1])
+    megatron_peakflat.remove()
+    return (f"tp2-ep2-sp,rank={rank}", max(errs), 0)
 
 
 def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:

@@ -234,3 +234,29 @@ def test_bad_arguments_name_the_argument():
         OffloadStreamAdamW(p, slots=5)
     with pytest.raises(ValueError, match="amsgrad"):
         OffloadStreamAdamW(p, amsgrad=True)
+
+
+@pytest.mark.parametrize("engine", ["gpu", "cpu"])
+def test_step_working_set_is_the_staging_slots_whatever_the_model_size(engine):
+    """Bounded: after the first step, a step allocates no more than the staging slots, whatever N."""
+    from megatron_peakflat.testing.live_bytes import LiveBytesMeter
+
+    bucket, slots = 4096, 2
+    peaks, firsts = [], []
+    for n_params in (8, 64):
+        ps = [torch.nn.Parameter(torch.randn(1000)) for _ in range(n_params)]
+        for p in ps:
+            p.grad = torch.randn(1000)
+        opt = OffloadStreamAdamW(ps, lr=1e-3, bucket=bucket, engine=engine, slots=slots, pin=False)
+        opt.dummy_step()
+        with LiveBytesMeter() as meter:
+            opt.step()  # first step: the GPU engine allocates its slots here
+            firsts.append(meter.peak)
+            meter.reset_peak()
+            opt.step()
+            opt.step()
+            peaks.append(meter.peak)
+    staging = slots * bucket * 16 if engine == "gpu" else 0  # the cpu engine's host slots exist from dummy_step
+    state = 12 * 64 * 1000
+    assert firsts[0] == firsts[1] <= staging + 4096 < state
+    assert peaks[0] == peaks[1] <= staging + 4096  # live: the slots, plus a step scalar; same for 8x the params

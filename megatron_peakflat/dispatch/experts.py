@@ -31,7 +31,8 @@ class ExpertBank(Protocol):
         """Rows of ``x`` grouped by expert -> expert outputs (probs applied as the bank's MLP does).
 
         Segment i has ``tokens_per_expert[i]`` rows; it runs the bank's own expert ``local[i]`` when that
-        is not None, else an expert of the same shape with parameters ``weights[i]``.
+        is not None, else an expert of the same shape with parameters ``weights[i]`` (received weights,
+        or aliases of the bank's own in the backward recompute). Segments with no rows may be None.
         """
         ...
 

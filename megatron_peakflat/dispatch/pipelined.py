@@ -11,15 +11,17 @@ unchunked MoE; only the summation order of a token's k expert outputs (and of ea
 gradient over chunks) changes. Gradients of spilled experts' weights are computed on the helper
 and added at the owner.
 
-Weight gradients: a parameter with Megatron DDP's ``main_grad`` gets each chunk's gradient added
+Weight gradients: each chunk's backward runs on detached aliases of the expert weights, whose
+post-accumulate hooks take each weight's gradient as soon as autograd produces it, so at most one
+expert weight's gradient is in flight. A parameter with Megatron DDP's ``main_grad`` gets it added
 there in fp32 (as gradient-accumulation fusion does) and returns a zero dummy with
 ``grad_added_to_main_grad`` set, so DDP's hook fires once per backward and adds nothing twice.
-Other parameters get their summed gradient returned through autograd, once.
+Other parameters get their gradient summed over chunks in fp32 and returned through autograd, once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -97,13 +99,27 @@ class _PipelinedMoE(torch.autograd.Function):
         x, probs = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         foreign = exchange_weights(sched, bank, group)
-        foreign = {e: w.detach().requires_grad_(True) for e, w in foreign.items()}
-        with torch.enable_grad():  # views of the received weights must carry grad
-            local, weights = _segments(sched, bank, foreign)
+        local, weights = _segments(sched, bank, foreign)
         like = bank.expert_params(0)
+        m = len(like)
         gx = torch.zeros_like(x)
         gp = torch.zeros_like(probs)
-        wgrad: dict[int, list[torch.Tensor | None]] = {}  # compute-expert position -> grads
+        # Weight gradients leave autograd one tensor at a time (a hook on a per-chunk alias of each
+        # weight), so no chunk ever holds every expert's gradient at once.
+        acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum
+
+        def sink(i: int, k: int, main_grad: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+            def hook(alias: torch.Tensor) -> None:
+                g = alias.grad
+                alias.grad = None
+                if main_grad is not None:
+                    main_grad.add_(g)
+                elif (i, k) in acc:
+                    acc[i, k].add_(g)
+                else:
+                    acc[i, k] = g.float()
+            return hook
+
         for j in range(sched.K):
             a, b = sched.chunk_offsets[j], sched.chunk_offsets[j + 1]
             tok, exp = sched.pair_token[a:b], sched.pair_expert[a:b]
@@ -111,47 +127,49 @@ class _PipelinedMoE(torch.autograd.Function):
             gr = _dispatch(sched, j, grad_out.index_select(0, tok), group)
             pr = _dispatch(sched, j, probs[tok, exp], group).detach().requires_grad_(True)
             tpe = sched.tokens_per_expert[j]
-            wins: list[torch.Tensor] = []
-            where: list[tuple[int, int]] = []  # (compute-expert position, param index) of each wins entry
+            seg_weights: list[list[torch.Tensor] | None] = []
+            aliases: list[torch.Tensor] = []
             for i, n in enumerate(tpe):
                 if n == 0:
+                    seg_weights.append(None)
                     continue
-                ps = bank.expert_params(local[i]) if local[i] is not None else weights[i]
-                for k, p in enumerate(ps):
-                    if p.requires_grad:
-                        wins.append(p)
-                        where.append((i, k))
+                own = local[i] is not None
+                ws = []
+                for k, p in enumerate(bank.expert_params(local[i]) if own else weights[i]):
+                    if own and not p.requires_grad:
+                        ws.append(p)
+                        continue
+                    alias = p.detach().requires_grad_(True)
+                    alias.register_post_accumulate_grad_hook(sink(i, k, _main_grad(p) if own else None))
+                    ws.append(alias)
+                    aliases.append(alias)
+                seg_weights.append(ws)
             with torch.enable_grad():
-                y = bank.compute(xr, pr, tpe, local, weights)
-            grads = torch.autograd.grad(y, [xr, pr, *wins], gr, allow_unused=True)
-            del y, gr
-            dx, dp = grads[0], grads[1]
-            if dx is not None:
-                gx.index_add_(0, tok, _combine(sched, j, dx, group))
-            if dp is not None:
-                gp.index_put_((tok, exp), _combine(sched, j, dp, group), accumulate=True)
-            for (i, k), g in zip(where, grads[2:]):
-                if g is None:
-                    continue
-                if local[i] is not None and _main_grad(bank.expert_params(local[i])[k]) is not None:
-                    _main_grad(bank.expert_params(local[i])[k]).add_(g)  # fp32, no full-set buffer
-                    continue
-                slot = wgrad.setdefault(i, [None] * len(like))
-                slot[k] = g if slot[k] is None else slot[k].add_(g)
-            del grads, xr, pr
+                y = bank.compute(xr, pr, tpe, [None] * len(tpe), seg_weights)
+            if y.requires_grad:
+                torch.autograd.backward(y, gr, inputs=[xr, pr, *aliases])
+            del y, gr, aliases, seg_weights
+            dx = xr.grad if xr.grad is not None else torch.zeros_like(xr)
+            dp = pr.grad if pr.grad is not None else torch.zeros_like(pr)
+            del xr, pr
+            # Every rank runs both combines for every chunk, rows or not: the collectives stay matched.
+            gx.index_add_(0, tok, _combine(sched, j, dx, group))
+            gp.index_put_((tok, exp), _combine(sched, j, dp, group), accumulate=True)
+            del dx, dp
         base = sched.rank * sched.num_local_experts
         out_grads: list[torch.Tensor | None] = [None] * ctx.n_params
-        m = len(like)
+        foreign_parts: dict[int, list[torch.Tensor | None]] = {}
+        for (i, k), g in acc.items():
+            if local[i] is not None:
+                out_grads[local[i] * m + k] = g  # fp32 until every contribution is in
+            else:
+                foreign_parts.setdefault(sched.compute_experts[i], [None] * m)[k] = g
         foreign_grads: dict[int, torch.Tensor] = {}
         for i, e in enumerate(sched.compute_experts):
-            g = wgrad.get(i)
-            if local[i] is not None:
-                if g is not None:
-                    for k in range(m):
-                        out_grads[local[i] * m + k] = g[k]
-            elif g is not None:
-                foreign_grads[e] = flatten_weights([gk if gk is not None else torch.zeros_like(w)
-                                                    for gk, w in zip(g, weights[i])])
+            if e in foreign_parts:
+                foreign_grads[e] = flatten_weights([g.to(w.dtype) if g is not None else torch.zeros_like(w)
+                                                    for g, w in zip(foreign_parts[e], weights[i])])
+        del acc, foreign_parts
         del foreign, weights
         back = return_weight_grads(sched, foreign_grads, bank, group)
         for e, flat in back.items():
@@ -162,7 +180,7 @@ class _PipelinedMoE(torch.autograd.Function):
                     mg.add_(g)
                     continue
                 cur = out_grads[li * m + k]
-                out_grads[li * m + k] = g.clone() if cur is None else cur.add_(g)
+                out_grads[li * m + k] = g.float() if cur is None else cur.add_(g)
         for idx, needed in enumerate(ctx.needs_input_grad[5:]):
             p = bank.expert_params(idx // m)[idx % m]
             if not needed:
@@ -173,8 +191,9 @@ class _PipelinedMoE(torch.autograd.Function):
                 p.grad_added_to_main_grad = True
                 out_grads[idx] = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
             elif out_grads[idx] is None:  # an expert without rows: zero, as Megatron's SequentialMLP gives
-                p = bank.expert_params(idx // m)[idx % m]
                 out_grads[idx] = torch.zeros_like(p)
+            else:
+                out_grads[idx] = out_grads[idx].to(p.dtype)
         return (gx if ctx.needs_input_grad[0] else None, gp if ctx.needs_input_grad[1] else None,
                 None, None, None, *out_grads)
 
@@ -190,6 +209,3 @@ def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: E
         params.extend(bank.expert_params(i))
     return _PipelinedMoE.apply(x, probs, sched, bank, group, *params)
 
-
-def expert_params_flat(bank: ExpertBank) -> Sequence[torch.Tensor]:
-    return [p for i in range(bank.num_local_experts) for p in bank.expert_params(i)]

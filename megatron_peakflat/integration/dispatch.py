@@ -55,9 +55,14 @@ def _plain_mlp_reason(experts: Any) -> str | None:
         return f"linear layers {type(mlp.linear_fc1).__name__}/{type(mlp.linear_fc2).__name__}"
     if [n for n, _ in mlp.named_parameters()] != ["linear_fc1.weight", "linear_fc2.weight"]:
         return "expert parameters other than two weights"
-    for attr in ("use_te_activation_func", "bias_activation_fusion", "add_bias_linear", "fp8", "fp4"):
+    for attr in ("use_te_activation_func", "add_bias_linear", "fp8", "fp4"):
         if getattr(c, attr, None):
             return attr
+    if c.bias_activation_fusion:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        if not c.gated_linear_unit or c.activation_func not in (torch.nn.functional.silu, quick_gelu):
+            return "bias_activation_fusion without swiglu/quick-geglu"
     if getattr(c, "_cpu_offloading_context", None) is not None:
         return "cpu offloading"
     from megatron.core.utils import get_pg_size
@@ -70,9 +75,9 @@ def _plain_mlp_reason(experts: Any) -> str | None:
 class SequentialMLPBank:
     """Megatron's SequentialMLP as an ExpertBank: the same expert MLP math, with own or received weights.
 
-    ``plain=True`` (used when ``_plain_mlp_reason`` finds nothing against it) runs the MLP's unfused
-    branch (``MLP.forward``: fc1, activation or gated unit with clamp and offset, per-token prob
-    scale, fc2) as plain torch ops on the experts' weights: the same GEMMs and elementwise ops
+    ``plain=True`` (used when ``_plain_mlp_reason`` finds nothing against it) runs ``MLP.forward``'s
+    math (fc1; the unfused activation or gated unit with clamp and offset and the per-token prob
+    scale, or Megatron's own weighted swiglu/quick-geglu fusion; fc2) on the experts' weights: the same GEMMs and elementwise ops
     without Megatron's per-call Python layers, which dominate when a chunk gives each expert few
     rows. Otherwise every segment calls the expert module itself.
     """
@@ -89,6 +94,16 @@ class SequentialMLPBank:
     def _plain(self, x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
         c = self.config
         h = torch.nn.functional.linear(x, fc1)
+        if c.bias_activation_fusion:  # MLP.forward's fused branch with a per-token scale
+            from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
+            from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+            if c.activation_func == torch.nn.functional.silu:
+                h = weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1), c.activation_func_fp8_input_store)
+            else:
+                h = weighted_bias_quick_geglu_impl(h, None, probs.unsqueeze(-1), c.activation_func_fp8_input_store,
+                                                   c.glu_linear_offset, c.activation_func_clamp_value)
+            return torch.nn.functional.linear(h, fc2)
         if c.gated_linear_unit:
             a, b = torch.chunk(h, 2, dim=-1)
             if (val := c.activation_func_clamp_value) is not None:

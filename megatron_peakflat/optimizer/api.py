@@ -21,6 +21,7 @@ then again over each rank's shard) never allocates.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Iterable, Literal
 
@@ -40,6 +41,15 @@ _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
 _AUTO_MEASURE_STEPS = 3
 
 
+def _default_host_threads() -> int:
+    """This rank's share of the cores it may run on (LOCAL_WORLD_SIZE ranks share a node)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+
+
 class OffloadStreamAdamW(torch.optim.Optimizer):
     """AdamW with pinned host state, streamed through GPU staging slots and/or updated on the host cores.
 
@@ -50,7 +60,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         engine: 'gpu', 'cpu' or 'auto' (split buckets between both so they finish together,
             measured in the first steps; the split is saved in ``state_dict``).
         slots: GPU staging slots (2 or 3); the CPU engine uses as many host slots.
-        host_threads: threads of the host kernel (None: all cores torch uses).
+        host_threads: threads of the host kernel (None: this rank's share of its cores, i.e. the
+            cores it may run on divided by LOCAL_WORLD_SIZE).
         host_kernel: 'auto' (native if built, else torch), 'native' (error if not built) or 'torch'.
         pin: pin the host state (falls back to pageable with a warning when pinning fails).
         **extra_defaults: kept in ``defaults`` untouched (Megatron passes HybridDeviceOptimizer's knobs).
@@ -81,7 +92,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra_defaults)
         torch.optim.Optimizer.__init__(self, params, defaults)  # explicit: subclasses may mix in other optimizers
         self.bucket, self.engine, self.slots = int(bucket), engine, slots
-        self.host_threads, self.host_kernel, self.pin = host_threads, host_kernel, pin
+        self.host_threads = host_threads if host_threads is not None else _default_host_threads()
+        self.host_kernel, self.pin = host_kernel, pin
         from .. import _ext
 
         self._ext = _ext.load() if host_kernel != "torch" else None
@@ -127,6 +139,10 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._layout: Layout = plan_layout([p.numel() for p in params], groups, self.bucket)
         self._params = params
+        for p in params:
+            if not p.is_contiguous():
+                raise ValueError(f"OffloadStreamAdamW: parameters must be contiguous, got one of shape {tuple(p.shape)} "
+                                 f"with strides {p.stride()}")
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(f"OffloadStreamAdamW: all parameters must be on one device, got {sorted(map(str, devices))}")
@@ -189,9 +205,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
     def _step_tensor(self, step: int) -> torch.Tensor:
         t = self._step_tensors.get(step)
         if t is None:
-            if len(self._step_tensors) > 8:
-                self._step_tensors.clear()
-            t = self._step_tensors[step] = torch.tensor(float(step), dtype=torch.float32, device=self.device)
+            t = self._step_tensors[step] = torch.full((), float(step), dtype=torch.float32, device=self.device)
         return t
 
     # ----------------------------------------------------------------------------------------------
@@ -205,6 +219,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._materialize()
         self._sync_hdo_state_to_sub_optimizers()
+        self._step_tensors.clear()  # one device scalar per distinct step value, for this step only
         params = self._params
         has_grad = []
         for p in params:
@@ -236,20 +251,22 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             worker.start(background=bool(gpu_b))
         gpu_done: list = []
         t_gpu = 0.0
-        if gpu_b:
-            gpu_done = run_gpu_engine(gpu_b, params=params, steps=self._steps, has_grad=has_grad, hyper=hyper,
-                                      master=self._master, exp_avg=self._exp_avg, exp_avg_sq=self._exp_avg_sq,
-                                      slots=self._gpu_slot_list(), streams=self._streams,
-                                      step_tensor=self._step_tensor, start_event=start)
-            for ev in gpu_done[-self.slots:]:
-                Streams.sync(ev)
-            t_gpu = time.perf_counter() - t0
-        if worker is not None:
-            worker.join()
-            if self._streams.cuda:
-                for ev in worker.done[-self.slots:]:
-                    torch.cuda.current_stream().wait_event(ev)  # params are uploaded before anyone reads them
+        try:
+            if gpu_b:
+                gpu_done = run_gpu_engine(gpu_b, params=params, steps=self._steps, has_grad=has_grad, hyper=hyper,
+                                          master=self._master, exp_avg=self._exp_avg, exp_avg_sq=self._exp_avg_sq,
+                                          slots=self._gpu_slot_list(), streams=self._streams,
+                                          step_tensor=self._step_tensor, start_event=start)
+                for ev in gpu_done[-self.slots:]:
                     Streams.sync(ev)
+                t_gpu = time.perf_counter() - t0
+        finally:
+            if worker is not None:
+                worker.join()  # also when the GPU engine failed: never leave the host thread running
+        if worker is not None and self._streams.cuda:
+            for ev in worker.done[-self.slots:]:
+                torch.cuda.current_stream().wait_event(ev)  # params are uploaded before anyone reads them
+                Streams.sync(ev)
         t_all = time.perf_counter() - t0
         for i, p in enumerate(params):
             self.state[p]["step"].fill_(float(self._steps[i]))
@@ -260,14 +277,28 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         stats.record("optimizer", "cpu_buckets", len(cpu_b))
         return loss
 
+    def set_engine(self, engine: Literal["auto", "gpu", "cpu"]) -> None:
+        """Switch the engine between steps; the state stays where it is ('auto' measures again).
+        Switching to 'cpu' or 'auto' needs host staging, which an optimizer built with 'gpu' does not have."""
+        if engine not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"OffloadStreamAdamW.set_engine: engine must be 'auto', 'gpu' or 'cpu', got {engine!r}")
+        if engine != "gpu" and self.engine == "gpu" and self._materialized:
+            raise ValueError("OffloadStreamAdamW.set_engine: built with engine='gpu', it has no host staging; "
+                             "build it with engine='auto' to switch between engines")
+        self.engine = engine
+        self._gpu_fraction = {"gpu": 1.0, "cpu": 0.0}.get(engine)
+        self._measured = []
+
     def _current_fraction(self) -> float:
         if self._gpu_fraction is not None:
             return self._gpu_fraction
         return 0.5 if not self._measured else self._measured_fraction()
 
     def _measured_fraction(self) -> float:
-        rate_g = sum(n for n, t, _, _ in self._measured if n and t) / max(1e-9, sum(t for n, t, _, _ in self._measured if n and t))
-        rate_c = sum(n for _, _, n, t in self._measured if n and t) / max(1e-9, sum(t for _, _, n, t in self._measured if n and t))
+        # the first step pays one-time costs (slot allocation, first kernel launches): drop it when others exist
+        measured = self._measured[1:] if len(self._measured) > 1 else self._measured
+        rate_g = sum(n for n, t, _, _ in measured if n and t) / max(1e-9, sum(t for n, t, _, _ in measured if n and t))
+        rate_c = sum(n for _, _, n, t in measured if n and t) / max(1e-9, sum(t for _, _, n, t in measured if n and t))
         if rate_g + rate_c <= 0:
             return 0.5
         return rate_g / (rate_g + rate_c)
@@ -352,6 +383,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             steps = {self._steps[index[id(p)]] for p in g["params"]}
             if len(steps) == 1:
                 d["step"] = steps.pop()
+            # in each group, because Megatron's DistributedOptimizer keeps only param_groups and state
+            d["peakflat_gpu_fraction"] = self._gpu_fraction
             groups.append(d)
         state = {i: dict(self.state[p]) for i, p in enumerate(self._params)}
         return {"state": state, "param_groups": groups,
@@ -370,7 +403,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError("OffloadStreamAdamW.load_state_dict: a param group's size differs from the saved one")
             for k, v in saved.items():
-                if k not in ("params", "step"):
+                if k not in ("params", "step", "peakflat_gpu_fraction"):
                     mine[k] = v
             for idx, p in zip(saved["params"], mine["params"]):
                 id_map[idx] = p
@@ -389,7 +422,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 if "step" in st:
                     self._steps[i] = int(float(st["step"]))
                 self._bind_state(i, p)
-        extra = state_dict.get("peakflat")
-        if extra and self.engine == "auto":
-            self._gpu_fraction = extra.get("gpu_fraction")
+        extra = state_dict.get("peakflat") or {}
+        fraction = extra.get("gpu_fraction", groups[0].get("peakflat_gpu_fraction") if groups else None)
+        if self.engine == "auto" and fraction is not None:
+            self._gpu_fraction = float(fraction)  # the split the saved run used: a resumed run continues bitwise
             self._measured = [tuple(m) for m in extra.get("measured", [])]

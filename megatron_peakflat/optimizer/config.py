@@ -16,7 +16,9 @@ class OptimizerConfig(ComponentConfig):
 
     impl: Literal["megatron", "offload-stream"] = "megatron"
     """Offloaded optimizer. 'offload-stream' keeps fp32 master weights and Adam moments in pinned
-    host buckets and pipelines upload / GPU Adam / write-back, in place of HybridDeviceOptimizer."""
+    host buckets and pipelines upload / GPU Adam / write-back, in place of HybridDeviceOptimizer.
+    Pass it with Megatron's --use-distributed-optimizer --optimizer-cpu-offload
+    --use-precision-aware-optimizer (the path on which Megatron builds HybridDeviceOptimizer)."""
     bucket: Count = Count(50_000_000)
     """Parameters per bucket (e.g. 50M). The GPU holds slots x bucket x 16 bytes of staging."""
     engine: Literal["auto", "gpu", "cpu"] = "auto"

@@ -74,18 +74,25 @@ class HostRegion:
             self._pool = ext.HostPool(self.nbytes, pin)
             self.pinned, self.pin_error = bool(self._pool.pinned), str(self._pool.pin_error)
             self.backend = "native HostPool"
+            if pin and not self.pinned and not getattr(ext, "with_cuda", False):
+                # a C++-only build cannot register memory itself: register its region through torch
+                self._register(int(self._pool.base_address), int(self._pool.capacity))
         else:
             self._bytes = torch.zeros(self.nbytes, dtype=torch.uint8)
             self.backend = "torch"
             if pin:
-                err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self.nbytes, 0)
-                if int(err) == 0:
-                    self.pinned, self._registered_ptr = True, self._bytes.data_ptr()
-                else:
-                    self.pin_error = f"cudaHostRegister returned {err}"
+                self._register(self._bytes.data_ptr(), self.nbytes)
         if pin and not self.pinned:
             log.warning("peakflat optimizer: pinning %s of host memory failed (%s); using pageable memory, "
                         "host<->GPU copies will be slower", format_bytes(self.nbytes), self.pin_error)
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        """One cudaHostRegister of the whole region (torch's binding of the CUDA runtime)."""
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) == 0:
+            self.pinned, self._registered_ptr, self.pin_error = True, ptr, ""
+        else:
+            self.pin_error = f"cudaHostRegister returned {err}"
 
     def carve(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled 1-D tensor of ``numel`` elements inside the region (256-byte aligned)."""

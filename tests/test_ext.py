@@ -1,0 +1,85 @@
+"""The native extension megatron_peakflat._C and its loader: clear errors when it is missing, the
+host pool's carving, and the host AdamW kernel's thread-count invariance and bf16 upload rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_peakflat import _ext
+
+EXT = _ext.load()
+native = pytest.mark.skipif(EXT is None, reason=f"megatron_peakflat._C not built: {_ext.reason()}")
+
+
+def test_require_names_the_feature_and_the_build_command(monkeypatch):
+    monkeypatch.setattr(_ext, "_state", {"module": None, "reason": "megatron_peakflat._C is not built (test)"})
+    with pytest.raises(_ext.ExtensionMissingError) as e:
+        _ext.require("the host AdamW kernel")
+    msg = str(e.value)
+    assert "the host AdamW kernel" in msg and "build_ext --inplace" in msg and "PEAKFLAT_JIT=1" in msg
+    assert _ext.load() is None  # cached: no second attempt
+
+
+def test_load_is_lazy_and_cached():
+    import importlib
+
+    importlib.import_module("megatron_peakflat.optimizer")  # importing the optimizer builds nothing
+    assert _ext.load() is _ext.load()
+    assert _ext.reason()
+
+
+@native
+def test_host_pool_carves_aligned_zeroed_tensors():
+    pool = EXT.HostPool(1 << 20, False)
+    a = pool.carve(1000, torch.float32)
+    b = pool.carve(3, torch.bfloat16)
+    c = pool.carve(10, torch.float32)
+    assert a.numel() == 1000 and b.dtype == torch.bfloat16
+    assert float(a.abs().sum()) == 0.0
+    for t in (a, b, c):
+        assert t.data_ptr() % 256 == 0
+    assert c.data_ptr() >= b.data_ptr() + 6
+    a.fill_(1.0)
+    assert float(c.sum()) == 0.0  # carved ranges do not overlap
+    assert not pool.pinned and pool.pin_error == ""  # no pinning asked
+    asked = EXT.HostPool(4096, True)
+    assert asked.pinned or asked.pin_error  # pinned, or it says why not (no CUDA build / no device)
+    with pytest.raises(RuntimeError, match="exceed"):
+        pool.carve(1 << 20, torch.float32)
+    del pool
+    a.add_(1.0)  # the carved tensor keeps the pool alive
+    assert float(a.sum()) == 2000.0
+
+
+@native
+def test_kernel_is_invariant_to_thread_count_and_rounds_bf16_like_torch():
+    g = torch.Generator().manual_seed(0)
+    n = 3 * (1 << 16) + 5
+    base = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01]
+    grad = torch.randn(n, generator=g)
+    outs = []
+    for threads in (1, 2, 3):
+        p, m, v = (t.clone() for t in base)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        for step in (1, 2, 3):
+            EXT.adamw_step(p, grad, m, v, out, 1e-3, 0.9, 0.999, 1e-8, 0.01, float(step), threads)
+        outs.append((p, m, v, out))
+        assert torch.equal(out, p.bfloat16())
+    for o in outs[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(o, outs[0]))
+    special = torch.tensor([float("nan"), float("inf"), -0.0, 1.00390625, 1.01171875])
+    p = special.clone()
+    out = torch.empty(5, dtype=torch.bfloat16)
+    EXT.adamw_step(p, torch.zeros(5), torch.zeros(5), torch.zeros(5), out, 0.0, 0.9, 0.999, 1e-8, 0.0, 1.0, 1)
+    assert torch.isnan(out[0])  # torch's vector path writes 0xFFFF, c10::BFloat16 0x7FC0: both NaN
+    assert torch.equal(out[1:].view(torch.int16), p[1:].bfloat16().view(torch.int16))  # inf, -0, ties to even
+
+
+@native
+def test_kernel_rejects_bad_arguments():
+    p = torch.zeros(8)
+    with pytest.raises(RuntimeError, match="grad has 4 elements"):
+        EXT.adamw_step(p, torch.zeros(4), torch.zeros(8), torch.zeros(8), None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1)
+    with pytest.raises(RuntimeError, match="float32"):
+        EXT.adamw_step(p.double(), torch.zeros(8), torch.zeros(8), torch.zeros(8), None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1)
