@@ -34,7 +34,7 @@ def _extensions() -> tuple[list, dict]:
     use_cuda = bool(cu) and torch.version.cuda is not None and bool(has_nvcc)
     if want_cuda is not None:
         use_cuda = want_cuda == "1" and bool(cu)
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx = ["-O3", "-fopenmp"]  # the C++ standard is the one torch's headers ask for
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         ext = CUDAExtension(

@@ -15,7 +15,8 @@ step on a 64M-parameter copy of the same setup, compared with fused GPU AdamW on
 (bitwise for peakflat-gpu, max relative error <= 1e-6 for the others). The roofline printed per case
 is max(PCIe bytes / 55 GB/s, host-kernel time) at the best GPU/host split.
 
-    python -m bench.optimizer                       # ~4-5 min on one H200 (builds csrc/ first if needed)
+    python -m bench.optimizer                       # ~5-6 min on one H200 (builds csrc/ first if needed)
+    PEAKFLAT_JIT=1 python -m bench.optimizer        # same, JIT-building csrc/ instead of setup.py
     python -m bench.optimizer --sizes 1.0 --threads 16
 """
 
@@ -40,13 +41,16 @@ DUPLEX = 50.3e9  # each direction when both run at once
 
 
 def ensure_extension() -> str:
-    """Build megatron_peakflat._C in place when missing (about a minute on the GPU machine)."""
+    """Build megatron_peakflat._C in place when missing (about a minute on the GPU machine);
+    with PEAKFLAT_JIT=1, leave it to the JIT build of megatron_peakflat._ext instead."""
     try:
         import megatron_peakflat._C  # noqa: F401
 
         return "prebuilt"
     except ImportError:
         pass
+    if os.environ.get("PEAKFLAT_JIT") == "1":
+        return "jit (PEAKFLAT_JIT=1)"
     env = dict(os.environ, TORCH_CUDA_ARCH_LIST=os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"))
     t0 = time.time()
     r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=ROOT, env=env,

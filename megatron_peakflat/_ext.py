@@ -43,6 +43,12 @@ def _jit_build() -> ModuleType:
     env = os.environ.get("PEAKFLAT_CUDA")
     want_cuda = env == "1" or (env is None and torch.cuda.is_available())
     with_cuda = want_cuda and torch.version.cuda is not None and shutil.which("nvcc") is not None
+    if with_cuda and not (Path(cpp_extension.CUDA_HOME or "/nonexistent") / "include" / "cuda_runtime_api.h").exists():
+        # e.g. nvcc is a wrapper outside the toolkit: build C++ only; the optimizer then pins its host
+        # region through torch.cuda.cudart() instead of the extension's own cudaHostRegister
+        log.info("peakflat: CUDA headers not found under CUDA_HOME=%s; JIT-building megatron_peakflat._C as C++ only",
+                 cpp_extension.CUDA_HOME)
+        with_cuda = False
     flags = ["-O3", "-ffp-contract=off"]
     defines = []
     if with_cuda:

@@ -28,12 +28,27 @@ from megatron_peakflat.integration.attention import transformer_engine_available
 log = logging.getLogger("megatron_peakflat")
 
 
+def _flag_given(argv: list[str], *names: str) -> bool:
+    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
+
+
 def _default_argv(argv: list[str]) -> list[str]:
-    """Without Transformer Engine, Megatron's default ``--transformer-impl`` cannot build: use the local spec."""
-    if not transformer_engine_available() and not any(a.startswith("--transformer-impl") for a in argv):
-        log.info("peakflat: Transformer Engine not found; using --transformer-impl local")
-        argv = [*argv, "--transformer-impl", "local"]
-    return argv
+    """Defaults that let Megatron build without Transformer Engine or apex, each logged; a flag the
+    user passed always wins."""
+    import importlib.util
+
+    adds: list[tuple[str, ...]] = []
+    if not transformer_engine_available():
+        if not _flag_given(argv, "--transformer-impl"):
+            adds.append(("--transformer-impl", "local"))
+        if not _flag_given(argv, "--rope-fusion", "--no-rope-fusion"):
+            adds.append(("--no-rope-fusion",))
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None and not _flag_given(
+            argv, "--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"):
+        adds.append(("--no-gradient-accumulation-fusion",))
+    for flags in adds:
+        log.info("peakflat: Transformer Engine/apex not found; adding %s", " ".join(flags))
+    return [*argv, *(a for flags in adds for a in flags)]
 
 
 def extra_args_provider(parser: Any) -> Any:

@@ -4,7 +4,6 @@ Megatron relies on; host-memory refusal before allocation."""
 
 from __future__ import annotations
 
-import copy
 import io
 
 import pytest
@@ -260,3 +259,21 @@ def test_step_working_set_is_the_staging_slots_whatever_the_model_size(engine):
     state = 12 * 64 * 1000
     assert firsts[0] == firsts[1] <= staging + 4096 < state
     assert peaks[0] == peaks[1] <= staging + 4096  # live: the slots, plus a step scalar; same for 8x the params
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bf16_grads_travel_as_bf16_and_match(kernel):
+    """bf16 gradients (Megatron without fp32 grad accumulation) reach the host kernel as bf16."""
+    ps = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params()]
+    rs = [torch.nn.Parameter(p.detach().float()) for p in ps]
+    opt = OffloadStreamAdamW(_groups(ps), lr=1e-3, bucket=1500, engine="cpu", host_kernel=kernel, host_threads=2)
+    ref = torch.optim.AdamW(_groups(rs), lr=1e-3, foreach=False)
+    for it in range(5):
+        for p, r, g in zip(ps, rs, _grads(it, ps)):
+            p.decoupled_grad = None if g is None else g.bfloat16()
+            r.grad = None if g is None else g.bfloat16().float()
+        opt.step()
+        ref.step()
+    for p, r in zip(ps, rs):
+        assert _rel(opt.state[p]["master_param"], r.detach()) <= 1e-6
+        assert torch.equal(p.detach(), opt.state[p]["master_param"].bfloat16())

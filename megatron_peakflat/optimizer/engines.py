@@ -77,11 +77,19 @@ class Slot:
 
 
 class HostSlot:
-    """One host staging slot of the CPU engine: gradients down, new parameters up (pinned when possible)."""
+    """One host staging slot of the CPU engine: gradients down, new parameters up (pinned when possible).
+
+    The gradient buffer is fp32-sized; bf16 gradients travel as bf16 (half the PCIe bytes) in its front half.
+    """
 
     def __init__(self, grad: torch.Tensor, out: torch.Tensor):
-        self.grad, self.out = grad, out
+        self._grad32, self.out = grad, out
         self.free = None  # event: the slot's last upload has finished
+
+    def grad(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.bfloat16:
+            return self._grad32.view(torch.bfloat16)[: self._grad32.numel()]
+        return self._grad32
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
@@ -166,20 +174,26 @@ class CpuEngineWorker:
         self.seconds = 0.0
         self._thread: threading.Thread | None = None
 
+    def _grad_dtype(self, b: Bucket) -> torch.dtype:
+        dts = {_grad_of(self.params[pc.param]).dtype for pc in b.pieces if self.has_grad[pc.param]}
+        return torch.bfloat16 if dts == {torch.bfloat16} else torch.float32
+
     def _download(self, i: int):
         b, slot, s = self.buckets[i], self.slots[i % len(self.slots)], self.streams
+        dst = slot.grad(self.grad_dtypes[i])
         if s.cuda:
             s.wait(s.host_down, self.start_event)
         with s.on(s.host_down if s.cuda else None):
             for pc in b.pieces:
                 if self.has_grad[pc.param]:
                     g = _grad_of(self.params[pc.param])
-                    slot.grad[pc.at:pc.at + pc.numel].copy_(g.reshape(-1)[pc.lo:pc.hi], non_blocking=True)
+                    dst[pc.at:pc.at + pc.numel].copy_(g.reshape(-1)[pc.lo:pc.hi], non_blocking=True)
         return s.event(s.host_down if s.cuda else None)
 
     def _run(self) -> None:
         t0 = time.perf_counter()
         s, nb, R = self.streams, len(self.buckets), len(self.slots)
+        self.grad_dtypes = [self._grad_dtype(b) for b in self.buckets]
         down = [None] * nb
         for j in range(min(R, nb)):
             down[j] = self._download(j)
@@ -191,7 +205,7 @@ class CpuEngineWorker:
                 h = self.hyper[gi]
                 for run_lo, run_hi in _runs(pieces):
                     a, z = run_lo, run_hi
-                    host_adamw_(self.master[b.start + a:b.start + z], slot.grad[a:z],
+                    host_adamw_(self.master[b.start + a:b.start + z], slot.grad(self.grad_dtypes[i])[a:z],
                                 self.exp_avg[b.start + a:b.start + z], self.exp_avg_sq[b.start + a:b.start + z],
                                 slot.out[a:z], lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                                 weight_decay=h.weight_decay, step=step, threads=self.threads, ext=self.ext,

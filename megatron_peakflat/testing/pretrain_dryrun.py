@@ -41,8 +41,7 @@ def main(argv: list[str]) -> None:
     from megatron_peakflat import pretrain
 
     extra = [("--distributed-backend", "gloo"), ("--num-workers", "0"), ("--use-cpu-initialization",),
-             ("--no-gradient-accumulation-fusion",), ("--no-masked-softmax-fusion",), ("--no-bias-dropout-fusion",),
-             ("--no-bias-swiglu-fusion",), ("--no-rope-fusion",)]
+             ("--no-masked-softmax-fusion",), ("--no-bias-dropout-fusion",), ("--no-bias-swiglu-fusion",)]
     pretrain.main([*argv, *[a for flag in extra if flag[0] not in argv for a in flag]])
 
 

@@ -90,4 +90,4 @@ def test_gpu_memory_is_only_the_staging_slots():
     assert peak <= 1 << 20, peak  # the step allocates nothing beyond the slots that already exist
     slots_bytes = sum(s.state.numel() * 4 + s.grad.numel() * 4 for s in opt._gpu_slots)
     assert slots_bytes == staging
-    assert staging < 12 * n_params / 4  # the GPU holds far less than the fp32 state (768 MB here)
+    assert staging <= 12 * n_params / 4  # the GPU holds a quarter of the fp32 state (768 MB here) or less

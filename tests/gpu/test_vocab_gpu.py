@@ -29,8 +29,8 @@ def _inputs(seed: int = 0):
 
 
 def _run(fn, x, w, gout, dt):
-    xx = x.to(dt).requires_grad_(True)
-    ww = w.to(dt).requires_grad_(True)
+    xx = x.detach().to(dt, copy=True).requires_grad_(True)  # a fresh leaf per run, whatever dt is
+    ww = w.detach().to(dt, copy=True).requires_grad_(True)
     loss = fn(xx, ww)
     (loss.double() * gout.double()).sum().backward()
     return loss.detach().double(), xx.grad.double(), ww.grad.double()
