@@ -43,6 +43,8 @@ def _default_argv(argv: list[str]) -> list[str]:
             adds.append(("--transformer-impl", "local"))
         if not _flag_given(argv, "--rope-fusion", "--no-rope-fusion"):
             adds.append(("--no-rope-fusion",))
+        if not _flag_given(argv, "--no-persist-layer-norm"):
+            adds.append(("--no-persist-layer-norm",))
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None and not _flag_given(
             argv, "--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"):
         adds.append(("--no-gradient-accumulation-fusion",))

@@ -282,7 +282,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         Switching to 'cpu' or 'auto' needs host staging, which an optimizer built with 'gpu' does not have."""
         if engine not in ("auto", "gpu", "cpu"):
             raise ValueError(f"OffloadStreamAdamW.set_engine: engine must be 'auto', 'gpu' or 'cpu', got {engine!r}")
-        if engine != "gpu" and self.engine == "gpu" and self._materialized:
+        if engine != "gpu" and self._materialized and not self._host_slots:
             raise ValueError("OffloadStreamAdamW.set_engine: built with engine='gpu', it has no host staging; "
                              "build it with engine='auto' to switch between engines")
         self.engine = engine
