@@ -38,7 +38,9 @@ def _run(model, x, off):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = checkpoint_chunks(list(model), x, off)
+    # the first boundary is an activation (as the embedding output is in a model), not the caller's
+    # leaf, which stays alive whatever SCO does
+    out = checkpoint_chunks(list(model), x * 1.0, off)
     loss = out.sum()  # no large loss-side buffers: the peak is in the chunks' backward
     loss.backward()
     torch.cuda.synchronize()
@@ -70,9 +72,10 @@ def test_plain_bf16_exact_and_peak_equals_offloaded(prefetch, impl):
     assert all(torch.equal(got[2][n], ref[2][n]) for n in ref[2])
     assert off.offloaded_bytes_peak == (L - 1) * BOUNDARY
     saved = ref[3] - got[3]
-    # at the backward peak (last chunk) SCO holds the last boundary and `prefetch` brought back
-    expected = (L - 1 - prefetch) * BOUNDARY
-    assert abs(saved - expected) <= 0.05 * expected, (saved / 2**20, expected / 2**20)
+    # ideal: at the backward peak SCO holds only the last boundary and the `prefetch` brought back;
+    # one boundary of slack: while chunk i's backward runs, the copy of boundary i-1 may be landing
+    ideal = (L - 1 - prefetch) * BOUNDARY
+    assert ideal - BOUNDARY - 0.05 * BOUNDARY <= saved <= ideal + 0.05 * BOUNDARY, (saved / 2**20, ideal / 2**20)
 
 
 @pytest.fixture(scope="module")
