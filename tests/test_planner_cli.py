@@ -208,6 +208,26 @@ def test_nested_regions_measure_true_peaks(fake):
     assert meter.measured() == {}
 
 
+def test_region_decorator_measures_each_call(fake):
+    meter.enable(True)
+
+    @meter.region("optimizer")
+    def step(n: int) -> int:
+        fake.alloc(n)
+        fake.free(n)
+        return n
+
+    assert step(64) == 64 and step(16) == 16
+    got = meter.measured()["optimizer"]
+    assert (got.delta, got.calls) == (64, 2)
+
+
+def test_process_peak_reads_the_allocator_before_any_region(fake):
+    meter.enable(True)
+    fake.alloc(700)
+    assert meter.process_peak() == 700
+
+
 # ---- runtime report -------------------------------------------------------------------------
 
 class Writer:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from . import comm
 from .experts import ExpertBank, exchange_weights, flatten_weights, return_weight_grads, unflatten_weights
 from .schedule import Schedule
+from ..memory.meter import region
 
 __all__ = ["pipelined_moe"]
 
@@ -71,6 +72,7 @@ def _combine(sched: Schedule, j: int, rows: torch.Tensor, group: dist.ProcessGro
 
 class _PipelinedMoE(torch.autograd.Function):
     @staticmethod
+    @region("dispatch")
     def forward(ctx: Any, x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
                 group: dist.ProcessGroup | None, *params: torch.Tensor) -> torch.Tensor:
         foreign = exchange_weights(sched, bank, group)
@@ -92,6 +94,7 @@ class _PipelinedMoE(torch.autograd.Function):
         return out
 
     @staticmethod
+    @region("dispatch")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         sched: Schedule = ctx.sched
         bank: ExpertBank = ctx.bank

@@ -117,7 +117,10 @@ def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = No
     which = "peakflat" if any(on.values()) else "baseline"
     out["total"] = {"measured_gib": meter.process_peak() / GIB, "predicted_gib": st.total(which) / GIB}
     parts = [f"{k} {v['measured_gib']:.2f}/{v['predicted_gib']:.2f}" for k, v in out.items()]
-    log.info("peakflat peaks iter %d (%s stage), GiB measured/predicted: %s", iteration, st.stage, ", ".join(parts))
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("peakflat peaks iter %d (%s stage), GiB measured/predicted: %s", iteration, st.stage, ", ".join(parts))
     for k, v in out.items():
         stats.record("peaks", f"{k}_measured_gib", v["measured_gib"])
         stats.record("peaks", f"{k}_predicted_gib", v["predicted_gib"])

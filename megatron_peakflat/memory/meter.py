@@ -23,8 +23,9 @@ is imported only when a region runs with the report on.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 __all__ = ["component_region", "enable", "enabled", "set_backend", "measured", "reset", "process_peak",
            "RegionPeak"]
@@ -132,6 +133,20 @@ def component_region(name: str) -> ContextManager[None]:
     return _measure(name)
 
 
+def region(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator form of ``component_region``: the whole call is measured as ``name``'s region."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def measured_call(*args: Any, **kwargs: Any) -> Any:
+            with component_region(name):
+                return fn(*args, **kwargs)
+
+        return measured_call
+
+    return wrap
+
+
 def measured() -> dict[str, RegionPeak]:
     """Peaks per component since the last ``reset()``."""
     return {k: RegionPeak(v.delta, v.absolute, v.calls) for k, v in _S.peaks.items()}
@@ -139,7 +154,7 @@ def measured() -> dict[str, RegionPeak]:
 
 def process_peak() -> int:
     """The process's peak allocated bytes since the last ``reset()``, regions' resets included."""
-    be = _S.backend
+    be = _backend()
     return max(_S.process_peak, be.max_allocated() if be is not None else 0)
 
 

@@ -29,6 +29,7 @@ import torch
 
 from .. import stats
 from ..config_base import format_bytes
+from ..memory.meter import region
 from .engines import CpuEngineWorker, GroupHyper, HostSlot, Slot, Streams, run_gpu_engine
 from .host_memory import HostRegion, check_host_budget
 from .layout import Layout, plan_layout
@@ -212,6 +213,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
     # the step
 
     @torch.no_grad()
+    @region("optimizer")
     def step(self, closure=None):
         loss = None
         if closure is not None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .blocks import BlockOps, fold_shard, grad_shard
+from ..memory.meter import region
 
 __all__ = ["RingPlan", "RingLinearCrossEntropy"]
 
@@ -181,6 +182,7 @@ class RingLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
+    @region("vocab")
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                 plan: RingPlan) -> torch.Tensor:
         if plan.size == 1:
@@ -199,6 +201,7 @@ class RingLinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @region("vocab")
     def backward(ctx, grad_loss: torch.Tensor):
         hidden, weight, labels, valid, lse = ctx.saved_tensors
         plan: RingPlan = ctx.plan
