@@ -269,7 +269,7 @@ def test_working_set_bounded_under_ep_and_skew():
     from megatron_peakflat.dispatch.api import working_set_bound
 
     world, Hb, Fb, k, c = 2, 64, 48, 2, 64
-    for peaks in run_distributed(bound_worker, world, timeout=120):
+    for peaks in run_distributed(bound_worker, world, timeout=300):
         for T in (256, 1024):
             bound = working_set_bound(num_tokens=T, hidden=Hb, ffn=Fb, num_experts=4 * world,
                                       chunk_rows=world * (c + k), expert_param_bytes=peaks["param_bytes"],

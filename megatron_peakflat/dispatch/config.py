@@ -17,7 +17,7 @@ class DispatchConfig(ComponentConfig):
     impl: Literal["megatron", "pipelined-llep"] = "megatron"
     """Expert dispatch. 'pipelined-llep' replaces Megatron's alltoall dispatcher with least-loaded
     expert parallelism and chunked dispatch, whose working set does not grow with routing skew."""
-    chunk_cap: int = 8192
+    chunk_cap: int = 32768
     """c: the most token-expert pairs that one source rank sends into one dispatch chunk (K is the
     smallest chunk count that respects it, the same on every EP rank). The expert working set of a
     chunk is at most EP * c rows, whatever the routing."""
@@ -33,7 +33,7 @@ class DispatchConfig(ComponentConfig):
     def validate(self) -> None:
         if self.chunk_cap < 1:
             raise PeakflatConfigError(self.flag("chunk_cap"), self.chunk_cap, "the chunk cap must be at least 1 token",
-                                      "pass a positive token count, e.g. --peakflat-dispatch-chunk-cap 8192")
+                                      "pass a positive token count, e.g. --peakflat-dispatch-chunk-cap 32768")
         if self.max_chunks < 1:
             raise PeakflatConfigError(self.flag("max_chunks"), self.max_chunks, "at least one chunk is needed",
                                       "pass a positive integer, e.g. --peakflat-dispatch-max-chunks 64")
