@@ -173,3 +173,21 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
         if not _get(args, "decoupled_weight_decay", True):
             raise PeakflatConfigError(flag, cfg.optimizer.impl, "it implements AdamW (decoupled weight decay)",
                                       "drop --no-decoupled-weight-decay")
+
+
+def flags_markdown() -> str:
+    """The README's flags table, derived from the dataclasses (``python -m megatron_peakflat.config``)."""
+    parser = add_args(argparse.ArgumentParser(add_help=False))
+    rows = ["| flag | default | what it does |", "|---|---|---|"]
+    for action in parser._actions:
+        if not action.option_strings:
+            continue
+        flag = " / ".join(f"`{o}`" for o in action.option_strings)
+        choices = f" ({', '.join(map(str, action.choices))})" if action.choices else ""
+        text = (action.help or "").replace("%%", "%").rsplit(" (default:", 1)[0]
+        rows.append(f"| {flag}{choices} | `{action.default}` | {text} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(flags_markdown())

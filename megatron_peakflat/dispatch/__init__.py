@@ -7,6 +7,6 @@
 - ``reference.py``: plain-PyTorch twins; ``api.py``: ``llep_moe`` and ``working_set_bound``.
 """
 
-from .api import llep_moe, plan_layer, working_set_bound
+from .._lazy import lazy_exports
 
-__all__ = ["llep_moe", "plan_layer", "working_set_bound"]
+__getattr__, __all__ = lazy_exports(__name__, {name: ".api" for name in ("llep_moe", "plan_layer", "working_set_bound")})

@@ -1,7 +1,6 @@
 """OffloadStreamAdamW: fp32 master weights and Adam moments in pinned host buckets, streamed through
 GPU staging slots and/or updated by a host AdamW kernel. No Megatron import here."""
 
-from .api import OffloadStreamAdamW
-from .host_memory import HostMemoryError
+from .._lazy import lazy_exports
 
-__all__ = ["OffloadStreamAdamW", "HostMemoryError"]
+__getattr__, __all__ = lazy_exports(__name__, {"OffloadStreamAdamW": ".api", "HostMemoryError": ".host_memory"})

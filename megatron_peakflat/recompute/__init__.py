@@ -1,8 +1,11 @@
 """SCO, selective checkpoint offload: full-recompute boundaries kept in a host pool until backward."""
 
-from .api import build_offloader, checkpoint_chunks
-from .offload import BoundaryOffloader
-from .pool import HostPool, HostSlot, NativeHostPool, TorchHostPool, make_pool, resolve_budget
+from .._lazy import lazy_exports
 
-__all__ = ["build_offloader", "checkpoint_chunks", "BoundaryOffloader", "HostPool", "HostSlot", "TorchHostPool",
-           "NativeHostPool", "make_pool", "resolve_budget"]
+__getattr__, __all__ = lazy_exports(__name__, {
+    "build_offloader": ".api",
+    "checkpoint_chunks": ".api",
+    "BoundaryOffloader": ".offload",
+    **{name: ".pool" for name in ("HostPool", "HostSlot", "NativeHostPool", "TorchHostPool", "make_pool",
+                                   "resolve_budget")},
+})

@@ -1,0 +1,70 @@
+"""Print the README's results tables from bench/results/*.json (``python bench/summarize.py``).
+
+Nothing here is measured: every figure comes from a committed results file, so the README's tables
+can be regenerated and checked against the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    if row.get("peak_gib") is None:
+        return row.get("extra", {}).get("error", "failed")
+    return f"{row['peak_gib']:.2f} GiB, {row['ms']:.0f} ms"
+
+
+def table(name: str, methods: list[str], title: str) -> str:
+    doc = _load(name)
+    if doc is None:
+        return f"_{name}: no results committed_\n"
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in doc["rows"]:
+        by_case.setdefault(r["case"], {})[r["method"]] = r
+    present = [m for m in methods if any(m in rows for rows in by_case.values())]
+    out = [f"**{title}** ({doc['device']}, torch {doc['torch']}, megatron-core {doc['megatron_core']}; "
+           f"`{doc.get('command', '')}`)", "",
+           "| case | " + " | ".join(present) + " |", "|---" * (len(present) + 1) + "|"]
+    for case, rows in by_case.items():
+        out.append(f"| `{case}` | " + " | ".join(_cell(rows.get(m)) for m in present) + " |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    sections = [
+        ("vocab", ["peakflat", "peakflat-b4096", "peakflat-input", "megatron-native-ce", "megatron-fused-ce",
+                   "liger-flce", "cce"], "Vocabulary projection + loss, forward + backward, bf16"),
+        ("dispatch", ["peakflat", "peakflat-c32768", "llep-unchunked", "megatron-alltoall"],
+         "MoE layer dispatch, forward + backward, bf16, 64 experts top-8, F=1536"),
+        ("sco", ["peakflat", "megatron-full-recompute", "save-on-cpu"],
+         "Checkpoint boundaries: GPT forward + backward under full recompute, bf16"),
+        ("optimizer", ["peakflat", "peakflat-gpu", "peakflat-cpu", "megatron-hybrid-optimizer",
+                       "megatron-hybrid-optimizer-nooverlap", "gpu-fused-adamw"],
+         "Optimizer step, 2.6B fp32 master parameters"),
+    ]
+    for name, methods, title in sections:
+        sys.stdout.write(table(name, methods, title) + "\n")
+    planner = _load("planner")
+    if planner:
+        sys.stdout.write(f"**Planner: measured vs predicted** ({planner['device']})\n\n| case | method | term | measured | "
+                         "predicted | error |\n|---|---|---|---|---|---|\n")
+        for r in planner["rows"]:
+            e = r.get("extra", {})
+            sys.stdout.write(f"| `{r['case']}` | {r['method']} | {e.get('term', '')} | {r['peak_gib']:.3f} GiB | "
+                             f"{e.get('predicted_gib', float('nan')):.3f} GiB | {e.get('error_pct', float('nan')):+.1f}% |\n")
+
+
+if __name__ == "__main__":
+    main()
