@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..pretrain import loss_func
+
 __all__ = ["TrainSetup", "build_training", "train_steps", "make_batches"]
 
 
@@ -56,19 +58,11 @@ def make_batches(n: int, seq_len: int, micro_batch: int, vocab_size: int, seed: 
     return [gpt_batch(seq_len, micro_batch, vocab_size, seed=seed + i) for i in range(n)]
 
 
-def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    losses = output.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    ntok = mask.sum().clone().detach().to(torch.int)
-    return loss, ntok, {"lm loss": torch.cat([loss.clone().detach().view(1), ntok.view(1)])}
-
-
 def _forward_step(device: torch.device, data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Callable]:
     batch = {k: v.to(device) for k, v in next(data_iterator).items()}
     out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                 loss_mask=batch["loss_mask"])
-    return out, partial(_loss_func, batch["loss_mask"])
+    return out, partial(loss_func, batch["loss_mask"])
 
 
 def train_steps(setup: TrainSetup, batches: list[dict[str, torch.Tensor]], *, num_microbatches: int = 1,

@@ -71,6 +71,16 @@ def _shift(plan: RingPlan, sends: list[torch.Tensor], recvs: list[torch.Tensor],
     return dist.batch_isend_irecv(ops)
 
 
+def _post_next(plan: RingPlan, k: int, sends: list[torch.Tensor],
+               shapes: list[tuple[int, ...]]) -> tuple[list[torch.Tensor] | None, list | None]:
+    """Before hop ``k``'s compute, post the shift of ``sends`` into fresh buffers of ``shapes``, so the
+    transfer overlaps the compute; nothing moves after the last hop."""
+    if k == plan.size - 1:
+        return None, None
+    recvs = [t.new_empty(shape) for t, shape in zip(sends, shapes)]
+    return recvs, _shift(plan, sends, recvs, _TAG_INPUT)
+
+
 def _wait(works: list | None) -> None:
     for w in works or ():
         w.wait()
@@ -88,19 +98,16 @@ def _forward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, label
     cur_x, cur_l, cur_s = x, labels, _new_state(x.shape[0], x.device)
     for k in range(P):
         nsrc = (r - k - 1) % P
-        pending = None
-        if k < P - 1:
-            nx = x.new_empty(plan.tokens[nsrc], x.shape[1])
-            nl = labels.new_empty(plan.tokens[nsrc])
-            pending = _shift(plan, [cur_x, cur_l], [nx, nl], _TAG_INPUT)
+        n = plan.tokens[nsrc]
+        nxt, pending = _post_next(plan, k, [cur_x, cur_l], [(n, x.shape[1]), (n,)])
         fold_shard(cur_x, w, own_start, cur_l, cur_s, plan.block_size, plan.ops)
         if P > 1:
-            ns = torch.empty(4, plan.tokens[nsrc], dtype=torch.float32, device=x.device)
+            ns = torch.empty(4, n, dtype=torch.float32, device=x.device)
             _wait(_shift(plan, [cur_s], [ns], _TAG_STATE))
             cur_s = ns
         _wait(pending)
-        if k < P - 1:
-            cur_x, cur_l = nx, nl
+        if nxt:
+            cur_x, cur_l = nxt
     return cur_s  # after P hops the state of this rank's own tokens is back home
 
 
@@ -110,14 +117,11 @@ def _forward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: t
     cur_w = w
     for k in range(P):
         src, nsrc = (r - k) % P, (r - k - 1) % P
-        pending = None
-        if k < P - 1:
-            nw = w.new_empty(plan.shard_rows[nsrc], w.shape[1])
-            pending = _shift(plan, [cur_w], [nw], _TAG_INPUT)
+        nxt, pending = _post_next(plan, k, [cur_w], [(plan.shard_rows[nsrc], w.shape[1])])
         fold_shard(x, cur_w, plan.start(src), labels, state, plan.block_size, plan.ops)
         _wait(pending)
-        if k < P - 1:
-            cur_w = nw
+        if nxt:
+            (cur_w,) = nxt
     return state
 
 
@@ -136,20 +140,16 @@ def _backward_activations(plan, x, w, labels, coef):
     cur_dx = torch.zeros(x.shape, dtype=plan.acc_dtype(x), device=x.device)
     for k in range(P):
         nsrc = (r - k - 1) % P
-        pending = None
-        if k < P - 1:
-            nx = x.new_empty(plan.tokens[nsrc], x.shape[1])
-            nl = labels.new_empty(plan.tokens[nsrc])
-            nc = coef.new_empty(4, plan.tokens[nsrc])
-            pending = _shift(plan, [cur_x, cur_l, cur_c], [nx, nl, nc], _TAG_INPUT)
+        n = plan.tokens[nsrc]
+        nxt, pending = _post_next(plan, k, [cur_x, cur_l, cur_c], [(n, x.shape[1]), (n,), (4, n)])
         grad_shard(cur_x, w, own_start, cur_l, cur_c, cur_dx, dw, accumulate=True,
                    block_size=plan.block_size, ops=plan.ops)
-        ndx = torch.empty(plan.tokens[nsrc], x.shape[1], dtype=plan.acc_dtype(x), device=x.device)
+        ndx = torch.empty(n, x.shape[1], dtype=plan.acc_dtype(x), device=x.device)
         _wait(_shift(plan, [cur_dx], [ndx], _TAG_STATE))
         cur_dx = ndx
         _wait(pending)
-        if k < P - 1:
-            cur_x, cur_l, cur_c = nx, nl, nc
+        if nxt:
+            cur_x, cur_l, cur_c = nxt
     return cur_dx.to(x.dtype), dw.to(w.dtype)
 
 
@@ -160,18 +160,16 @@ def _backward_weights(plan, x, w, labels, coef):
     cur_dw = torch.zeros(w.shape, dtype=plan.acc_dtype(w), device=w.device)
     for k in range(P):
         src, nsrc = (r - k) % P, (r - k - 1) % P
-        pending = None
-        if k < P - 1:
-            nw = w.new_empty(plan.shard_rows[nsrc], w.shape[1])
-            pending = _shift(plan, [cur_w], [nw], _TAG_INPUT)
+        rows = plan.shard_rows[nsrc]
+        nxt, pending = _post_next(plan, k, [cur_w], [(rows, w.shape[1])])
         grad_shard(x, cur_w, plan.start(src), labels, coef, dx, cur_dw, accumulate=True,
                    block_size=plan.block_size, ops=plan.ops)
-        ndw = torch.empty(plan.shard_rows[nsrc], w.shape[1], dtype=plan.acc_dtype(w), device=w.device)
+        ndw = torch.empty(rows, w.shape[1], dtype=plan.acc_dtype(w), device=w.device)
         _wait(_shift(plan, [cur_dw], [ndw], _TAG_STATE))
         cur_dw = ndw
         _wait(pending)
-        if k < P - 1:
-            cur_w = nw
+        if nxt:
+            (cur_w,) = nxt
     return dx.to(x.dtype), cur_dw.to(w.dtype)
 
 
