@@ -151,8 +151,8 @@ def bench_vocab(N: int = 16384, H: int = 4096, V: int = 201088) -> list[Row]:
         group = _one_rank_group()
         for fused, fn in ((False, vocab_parallel_cross_entropy), (True, fused_vocab_parallel_cross_entropy)):
             def step() -> None:
-                logits = (hidden @ weight.t()).unsqueeze(1)  # [s, b, v]
-                loss = fn(logits, labels.unsqueeze(1), tp_group=group)
+                # as in GPTModel, nothing but the loss function holds the [s, b, v] logits
+                loss = fn((hidden @ weight.t()).unsqueeze(1), labels.unsqueeze(1), tp_group=group)
                 loss.sum().backward()
                 hidden.grad = weight.grad = None
 

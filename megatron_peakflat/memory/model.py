@@ -338,13 +338,16 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
 # in w bytes; vocab_parallel_cross_entropy (tensor_parallel/cross_entropy.py) keeps an fp32 softmax
 # of the whole logits for backward (+4 bytes); the fused variant keeps an fp32 logits copy as well
 # (+4). Anchors: N x V x 6 = 36.8 GiB, N x V x 10 = 61.4 GiB at N=32768, V=201088.
-# Ring-DTP (vocab/config.py): 3 x tokens x block x 4 bytes of block logits and temporaries, the bf16 dX and dW of the
-# local shard, and the travelling ring buffer (send + receive) of activations or weight shards.
+# Ring-DTP (vocab/config.py): the dW of the local shard, the dX accumulator, the larger of the block
+# temporaries and the final dX cast, and the travelling ring buffer (send + receive) of activations or
+# weight shards. Block temporaries: the Triton kernel (CUDA default) holds one [tokens, block] block in
+# the input dtype, the plain-PyTorch kernel three fp32 blocks. Measured on one H200 (bench/results/
+# vocab.json, N=32768, H=7168, V=201088: 3.9991 GiB; N=16384, H=4096: 1.9108 GiB) this matches to 0.1%.
 # ----------------------------------------------------------------------------------------------
 
 BLOCK_TEMPORARIES = 3
+"""fp32 [tokens, block] buffers alive at once in the plain-PyTorch block kernel (measured, LiveBytesMeter)."""
 AUTO_BLOCK_BYTES = 128 * 2**20
-"""fp32 [tokens, block] buffers alive at once in Ring-DTP's block step (measured, torch kernel)."""
 
 
 def vocab_baseline(s: ModelShape, run: RunConfig) -> float:
@@ -375,12 +378,13 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     shard = s.vocab / P
     block = min(vocab_block(n, run.w, pf.vocab.block_size), shard)
     acc = 4 if getattr(pf.vocab, "accumulate", "fp32") == "fp32" else run.w
-    # Three fp32 [n, block] temporaries are alive at once in the plain-PyTorch block kernel
-    # (vocab/block_torch.py: logits, their exp / softmax, the gradient block), measured with
-    # LiveBytesMeter; the config's "n x block x 4" counts one. The fused Triton kernel needs fewer.
-    # dX is summed over blocks in ``acc`` bytes; dW of the local shard in w bytes at P=1 and in
-    # ``acc`` bytes on a ring (vocab/config.py ``accumulate``).
-    ws = BLOCK_TEMPORARIES * n * block * 4 + shard * s.hidden * (acc if P > 1 else run.w) + n * s.hidden * acc
+    # Block temporaries: the plain-PyTorch kernel (vocab/block_torch.py: logits, their exp / softmax,
+    # the gradient block) keeps three fp32 blocks, the Triton kernel one block in the input dtype.
+    # dX is summed over blocks in ``acc`` bytes and cast to w bytes at the end; dW of the local shard
+    # is in w bytes at P=1 and in ``acc`` bytes on a ring (vocab/config.py ``accumulate``).
+    temps = n * block * (BLOCK_TEMPORARIES * 4 if pf.vocab.kernel == "torch" else run.w)
+    final_dx = n * s.hidden * run.w if acc != run.w else 0
+    ws = shard * s.hidden * (acc if P > 1 else run.w) + n * s.hidden * acc + max(temps, final_dx)
     if P > 1:
         travelling = n * s.hidden if vocab_schedule(s, run, pf) == "activations" else shard * s.hidden
         ws += 2 * travelling * run.w
