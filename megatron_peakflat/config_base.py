@@ -9,14 +9,16 @@ No Megatron import here: the components import this module.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
 import re
 import textwrap
+import types
 import typing
 from functools import cache
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Callable, Literal, get_args, get_origin
 
 __all__ = [
     "PeakflatConfigError",
@@ -122,7 +124,8 @@ def flag_name(cfg_cls: type["ComponentConfig"], field: str) -> str:
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    if get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    """``(T, True)`` for ``T | None``, else ``(tp, False)``."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         if len(args) == 1:
             return args[0], True
@@ -159,21 +162,13 @@ class ComponentConfig:
             kw: dict[str, Any] = {"dest": cls.dest(f.name), "default": default}
             help_text = docs.get(f.name, "")
             if tp is bool:
-                import argparse
-
                 kw["action"] = argparse.BooleanOptionalAction
             elif get_origin(tp) is Literal:
                 kw["choices"] = list(get_args(tp))
                 kw["type"] = type(get_args(tp)[0])
-            elif tp is Bytes:
-                kw["type"] = _size_or_auto(optional)
-                kw["metavar"] = "SIZE"
-            elif tp is Count:
-                kw["type"] = _count_or_auto(optional)
-                kw["metavar"] = "N"
-            elif tp in (int, float, str):
-                kw["type"] = _or_auto(tp, optional)
-                kw["metavar"] = {int: "INT", float: "FLOAT", str: "STR"}[tp]
+            elif tp in _PARSERS:
+                parse, kw["metavar"] = _PARSERS[tp]
+                kw["type"] = _or_auto(parse, optional)
             else:
                 raise TypeError(f"{cls.__name__}.{f.name}: unsupported flag type {tp}")
             if optional:
@@ -196,29 +191,25 @@ class ComponentConfig:
         return cls(**kw)
 
 
-def _or_auto(tp: type, optional: bool):
-    def conv(text: str):
+def _or_auto(parse: Callable[[str], Any], optional: bool) -> Callable[[str], Any]:
+    """An argparse ``type``: ``parse``, plus 'auto'/'none' -> None for optional fields."""
+
+    def convert(text: str) -> Any:
         if optional and str(text).lower() in ("auto", "none"):
             return None
-        return tp(text)
+        try:
+            return parse(text)
+        except ValueError as e:  # argparse prints this after the flag's name
+            kind = {int: "an integer", float: "a number"}.get(parse, "")
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}" if kind else str(e)) from None
 
-    conv.__name__ = tp.__name__
-    return conv
-
-
-def _size_or_auto(optional: bool):
-    def size(text: str) -> int | None:
-        if optional and str(text).lower() in ("auto", "none"):
-            return None
-        return parse_size(text)
-
-    return size
+    return convert
 
 
-def _count_or_auto(optional: bool):
-    def count(text: str) -> int | None:
-        if optional and str(text).lower() in ("auto", "none"):
-            return None
-        return parse_count(text)
-
-    return count
+_PARSERS: dict[type, tuple[Callable[[str], Any], str]] = {
+    Bytes: (parse_size, "SIZE"),
+    Count: (parse_count, "N"),
+    int: (int, "INT"),
+    float: (float, "FLOAT"),
+    str: (str, "STR"),
+}

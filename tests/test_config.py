@@ -70,6 +70,18 @@ def test_every_field_has_a_flag_with_its_docstring():
     assert all(h for f, h in helps.items() if f.startswith("--peakflat"))
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--peakflat-sco-budget", "lots"], ["--peakflat-sco-budget", "'lots' is not a size", "16GiB"]),
+    (["--peakflat-opt-bucket", "3 parsecs"], ["--peakflat-opt-bucket", "unknown unit"]),
+    (["--peakflat-dispatch-chunk-cap", "big"], ["--peakflat-dispatch-chunk-cap", "'big' is not an integer"]),
+])
+def test_unparsable_values_name_the_flag_and_the_expected_form(argv, words, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
 def test_unknown_choice_is_rejected_by_argparse(capsys):
     with pytest.raises(SystemExit):
         parse("--peakflat-vocab", "magic")
