@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TENSOR = 50_000_000
 PCIE = 55e9  # pinned copies, one direction at a time (DESIGN.md)
 DUPLEX = 50.3e9  # each direction when both run at once
+ENGINE = {"peakflat": "auto", "peakflat-gpu": "gpu", "peakflat-cpu": "cpu"}
+"""OffloadStreamAdamW's engine per benchmarked method."""
 
 
 def ensure_extension() -> str:
@@ -87,8 +89,7 @@ def build(method: str, ps, *, bucket: int, threads: int):
     from megatron_peakflat.optimizer import OffloadStreamAdamW
 
     if method.startswith("peakflat"):
-        engine = {"peakflat": "auto", "peakflat-gpu": "gpu", "peakflat-cpu": "cpu"}[method]
-        return OffloadStreamAdamW(groups(ps), **HYPER, bucket=bucket, engine=engine, host_threads=threads)
+        return OffloadStreamAdamW(groups(ps), **HYPER, bucket=bucket, engine=ENGINE[method], host_threads=threads)
     if method.startswith("megatron-hybrid-optimizer"):
         from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
@@ -98,17 +99,17 @@ def build(method: str, ps, *, bucket: int, threads: int):
                                      lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=0.1,
                                      fused=True)
     if method == "gpu-fused-adamw":
-        masters = masters_ = [torch.nn.Parameter(p.detach().float()) for p in ps]
-        for m, p in zip(masters, ps):
+        fp32 = [torch.nn.Parameter(p.detach().float()) for p in ps]
+        for m, p in zip(fp32, ps):
             m.grad = p.decoupled_grad
-        opt = torch.optim.AdamW(groups(masters), **HYPER, fused=True)
+        opt = torch.optim.AdamW(groups(fp32), **HYPER, fused=True)
 
         class _WithCopyBack:
-            masters = masters_
+            masters = fp32
 
             def step(self):
                 opt.step()
-                torch._foreach_copy_([p.data for p in ps], [m.data for m in masters])
+                torch._foreach_copy_([p.data for p in ps], [m.data for m in fp32])
 
         return _WithCopyBack()
     raise ValueError(method)
@@ -228,7 +229,7 @@ def main() -> None:
                         if shared is None:
                             shared = build("peakflat", ps, bucket=args.bucket, threads=threads)
                         opt = shared
-                        opt.set_engine({"peakflat": "auto", "peakflat-gpu": "gpu", "peakflat-cpu": "cpu"}[method])
+                        opt.set_engine(ENGINE[method])
                     else:
                         if shared is not None:
                             shared = None

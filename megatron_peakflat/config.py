@@ -157,19 +157,15 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
             raise PeakflatConfigError(flag, cfg.optimizer.impl,
                                       f"OffloadStreamAdamW implements Adam(W), not --optimizer {_get(args, 'optimizer')}",
                                       "pass --optimizer adam")
-        if not _get(args, "use_distributed_optimizer", False):
+        # Megatron builds HybridDeviceOptimizer, the class OffloadStreamAdamW takes the place of, only inside
+        # its DistributedOptimizer under --optimizer-cpu-offload, which it ties to
+        # --use-precision-aware-optimizer. The user passes all three.
+        needed = OptimizerConfig.MEGATRON_FLAGS
+        missing = [f for f in needed if not _get(args, f.lstrip("-").replace("-", "_"), False)]
+        if missing:
             raise PeakflatConfigError(flag, cfg.optimizer.impl,
-                                      "it replaces the offloaded optimizer inside Megatron's DistributedOptimizer",
-                                      "add --use-distributed-optimizer")
-        # Megatron builds HybridDeviceOptimizer, the class OffloadStreamAdamW takes the place of, only under
-        # --optimizer-cpu-offload, which Megatron ties to --use-precision-aware-optimizer. The user passes both.
-        for dest, megatron_flag in (("optimizer_cpu_offload", "--optimizer-cpu-offload"),
-                                    ("use_precision_aware_optimizer", "--use-precision-aware-optimizer")):
-            if not _get(args, dest, False):
-                raise PeakflatConfigError(flag, cfg.optimizer.impl,
-                                          f"Megatron builds the offloaded optimizer that it replaces only with "
-                                          f"{megatron_flag}",
-                                          "add --optimizer-cpu-offload --use-precision-aware-optimizer")
+                                      "it takes the place of the offloaded optimizer that Megatron builds only with "
+                                      f"{' '.join(needed)}", "add " + " ".join(missing))
         if not _get(args, "decoupled_weight_decay", True):
             raise PeakflatConfigError(flag, cfg.optimizer.impl, "it implements AdamW (decoupled weight decay)",
                                       "drop --no-decoupled-weight-decay")

@@ -187,9 +187,6 @@ def main(argv: list[str] | None = None) -> None:
     train_valid_test_datasets_provider.is_distributed = True  # type: ignore[attr-defined]
     full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
-    from megatron_peakflat.integration import peaks
-
-    peaks.log_final_summary() if hasattr(peaks, "log_final_summary") else None
 
 
 if __name__ == "__main__":

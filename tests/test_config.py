@@ -137,3 +137,15 @@ def test_incompatible_combinations_fail_at_startup(argv, megatron, flag, words):
         PeakflatConfig.from_args(ns)
     assert e.value.flag == flag
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("dest, flag", [("use_distributed_optimizer", "--use-distributed-optimizer"),
+                                        ("optimizer_cpu_offload", "--optimizer-cpu-offload"),
+                                        ("use_precision_aware_optimizer", "--use-precision-aware-optimizer")])
+def test_offload_stream_names_exactly_the_missing_megatron_flag(dest, flag):
+    ns = parse("--peakflat-optimizer", "offload-stream")
+    for k, v in vars(megatron_args(**{dest: False})).items():
+        setattr(ns, k, v)
+    with pytest.raises(PeakflatConfigError) as e:
+        PeakflatConfig.from_args(ns)
+    assert e.value.fix == f"add {flag}"

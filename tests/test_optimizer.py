@@ -277,3 +277,17 @@ def test_bf16_grads_travel_as_bf16_and_match(kernel):
     for p, r in zip(ps, rs):
         assert _rel(opt.state[p]["master_param"], r.detach()) <= 1e-6
         assert torch.equal(p.detach(), opt.state[p]["master_param"].bfloat16())
+
+
+def test_unsupported_adam_variants_are_refused_per_group_too():
+    """amsgrad / maximize are not implemented: refused in defaults, in a param group and in a loaded state_dict,
+    never silently ignored."""
+    ps = _params()
+    with pytest.raises(ValueError, match="maximize"):
+        OffloadStreamAdamW([{"params": ps[:2]}, {"params": ps[2:], "maximize": True}])
+    with pytest.raises(ValueError, match="amsgrad"):
+        OffloadStreamAdamW([{"params": ps, "amsgrad": True}])
+    opt = OffloadStreamAdamW(_groups(ps), bucket=1500)
+    ref = torch.optim.AdamW(_groups(_params()), amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.load_state_dict(ref.state_dict())

@@ -138,6 +138,41 @@ def test_recommendation_shrinks_knobs_until_fit():
     assert c <= rec.config.dispatch.chunk_cap
 
 
+def _startup_namespace(flags: list[str]) -> argparse.Namespace:
+    """The recommended flags parsed as Megatron would, on top of the gpt-oss-120b run they were made for."""
+    from megatron_peakflat.config import add_args
+
+    p = add_args(argparse.ArgumentParser(allow_abbrev=False))
+    for name in ("use-distributed-optimizer", "optimizer-cpu-offload", "use-precision-aware-optimizer"):
+        p.add_argument("--" + name, action="store_true")
+    ns = p.parse_args(flags)
+    ns.num_experts, ns.optimizer, ns.recompute_granularity = 128, "adam", "full"
+    return ns
+
+
+def test_recommended_flags_pass_startup_checks(capsys):
+    """offload-stream is rejected at start-up without Megatron's offload flags: the recommendation carries them."""
+    from megatron_peakflat import PeakflatConfig
+
+    megatron_flags = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+    shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16",
+                                  "--hbm-gib", "141", "--host-gib", "2048"])
+    rec = recommend(shape, run, pf)
+    assert rec.fits and rec.config.optimizer.impl == "offload-stream"
+    assert all(f in rec.flags for f in megatron_flags), rec.flags
+    cfg = PeakflatConfig.from_args(_startup_namespace(rec.flags))  # start-up's checks, Megatron's flags included
+    assert cfg.optimizer.impl == "offload-stream" and cfg.sco.enabled
+    rc, out, _ = run_cli(capsys, "--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16", "--hbm-gib", "141",
+                         "--host-gib", "2048")
+    assert rc == 0 and " ".join(megatron_flags) in out
+    # Host RAM too short for the offloaded state: the optimizer stays Megatron's, and so do its flags.
+    shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "4096", "--gpus", "16",
+                                  "--hbm-gib", "141", "--host-gib", "16"])
+    rec = recommend(shape, run, pf)
+    assert rec.config.optimizer.impl == "megatron"
+    assert not any(f in rec.flags for f in megatron_flags + ["--peakflat-optimizer"]), rec.flags
+
+
 def test_plot_writes_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "peaks.png"

@@ -184,6 +184,32 @@ def test_prefetch_bounds_boundaries_back_on_device(prefetch):
         assert n == min(1 + prefetch, i + 1) or (prefetch == 0 and n == 1), (i, n)
 
 
+def _peak_over_step(layers: int, offloader: BoundaryOffloader | None, loss: str) -> int:
+    model, x = _model(layers), _x().requires_grad_(True)
+    for p in [x, *model.parameters()]:
+        p.grad = torch.zeros_like(p)  # every chunk's backward then has the same working set
+    w = torch.randn(S, B, H)
+    if offloader is not None:
+        offloader.pool.reserve(BOUNDARY, layers)
+    with LiveBytesMeter() as meter:
+        out = checkpoint_chunks(list(model), x * 1.0, offloader)  # the first boundary is an activation
+        (out.sum() if loss == "sum" else (out * w).sum()).backward()
+    return meter.peak
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_step_peak_drops_by_all_but_the_kept_and_prefetched_boundaries(prefetch):
+    """Over forward and backward, SCO lowers the peak by exactly (layers - 1 - prefetch) boundaries when
+    each chunk's backward receives a materialised gradient, as in a model. With ``out.sum()`` the last
+    chunk receives a zero-stride gradient, so the run without SCO peaks at the last two chunks alike
+    while SCO peaks at the second-to-last one (which holds a real gradient): one boundary less is saved."""
+    layers = 8
+    for loss, expect in (("weighted", layers - 1 - prefetch), ("sum", layers - 2 - prefetch)):
+        ref = _peak_over_step(layers, None, loss)
+        got = _peak_over_step(layers, _offloader(prefetch=prefetch), loss)
+        assert ref - got == expect * BOUNDARY, (loss, (ref - got) / BOUNDARY, expect)
+
+
 def test_graph_dropped_without_backward_returns_slots():
     off = _offloader()
     model = _model(4)
@@ -228,6 +254,18 @@ def test_pool_budget_and_resolve(caplog):
         assert resolve_budget(100 << 30, available=8 << 30, local_ranks=2) == int((8 << 30) * 0.9) // 2
     assert any("clamped" in r.getMessage() for r in caplog.records)
     assert resolve_budget(1 << 20, available=8 << 30, local_ranks=2) == 1 << 20
+
+
+def test_pool_keeps_free_slots_it_cannot_trade_for_room():
+    """A request that does not fit even after dropping every free slot leaves the free slots alone, so the
+    next request of their size reuses one instead of allocating (pinning) host memory again."""
+    pool = TorchHostPool(100, pin=False)
+    a, b = pool.acquire(60), pool.acquire(30)
+    pool.release(b)
+    assert pool.acquire(50) is None  # 60 in use + 50 > 100 with or without the free 30
+    assert pool.acquire(30) is b and pool.allocations == 2 and pool.reserved == 90
+    pool.release(a)
+    assert pool.acquire(70) is not None and pool.reserved == 100  # the free 60 is dropped: that makes room
 
 
 def test_native_pool_falls_back_when_missing(monkeypatch, caplog):

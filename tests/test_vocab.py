@@ -209,3 +209,27 @@ def test_bf16_not_worse_than_naive_same_dtype_reference() -> None:
                 x, w, y, g, torch.bfloat16, ref)
     assert inp[0] == ours[0] and inp[2] == ours[2]
     assert inp[1] <= 3 * naive[1], (inp[1], naive[1])
+
+
+def test_fp32_accumulation_never_swallows_errors(monkeypatch) -> None:
+    """Once the CUDA way of adding a low-precision GEMM into an fp32 accumulator is known, an error in it
+    (out of memory above all) must propagate: skipping the addition would silently drop a gradient block."""
+    from megatron_peakflat.vocab import blocks
+
+    class FakeCuda(torch.Tensor):  # reaches the CUDA branch on CPU
+        @property
+        def is_cuda(self) -> bool:
+            return True
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    acc = torch.zeros(3, 5)
+    a, b = torch.randn(3, 4, dtype=torch.bfloat16).as_subclass(FakeCuda), torch.randn(4, 5, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch, "addmm", oom)
+    monkeypatch.setattr(blocks, "_CUDA_ACC_WAY", "addmm")
+    with pytest.raises(torch.OutOfMemoryError):
+        blocks._acc_mm(acc, a, b)
+    monkeypatch.setattr(blocks, "_CUDA_ACC_WAY", None)  # while probing, an out-of-memory is not "unsupported"
+    with pytest.raises(torch.OutOfMemoryError):
+        blocks._acc_mm(acc, a, b)

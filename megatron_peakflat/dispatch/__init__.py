@@ -4,7 +4,8 @@
 - ``schedule.py``: one layer call's chunk count, split sizes and indices (one device-to-host sync);
 - ``pipelined.py``: the autograd Function (dispatch -> experts -> combine per chunk, recomputed in backward);
 - ``experts.py``: the ExpertBank protocol and the expert-weight exchange;
-- ``reference.py``: plain-PyTorch twins; ``api.py``: ``llep_moe`` and ``working_set_bound``.
+- ``comm.py``: the collectives (any backend, or a group of one); ``config.py``: ``DispatchConfig``;
+- ``reference.py``: plain-PyTorch twins; ``api.py``: ``llep_moe``, ``plan_layer`` and ``working_set_bound``.
 """
 
 from .._lazy import lazy_exports

@@ -16,12 +16,14 @@ __all__ = ["group_size", "group_rank", "all_to_all", "all_gather_rows", "all_red
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in ``group``; 1 for None or when torch.distributed is not initialised."""
     if group is None or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This rank's index in ``group``; 0 for None or when torch.distributed is not initialised."""
     if group is None or not dist.is_initialized():
         return 0
     return dist.get_rank(group)
@@ -29,7 +31,10 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 
 def all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Rows ``x[send offsets of r]`` go to rank r; returns the rows received, ordered by source rank."""
+    """Rows ``x[send offsets of r]`` go to rank r; returns the rows received, ordered by source rank.
+
+    In a group of one, returns ``x`` itself (no copy).
+    """
     if group_size(group) == 1:
         return x
     out = x.new_empty((int(sum(recv_splits)), *x.shape[1:]))
@@ -49,6 +54,7 @@ def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
 
 
 def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The element-wise max of ``x`` over the group, in place; returns ``x``."""
     if group_size(group) > 1:
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x

@@ -38,10 +38,12 @@ class ExpertBank(Protocol):
 
 
 def flatten_weights(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One expert's parameters as one new 1-D tensor (detached, in ``params`` order)."""
     return torch.cat([p.detach().reshape(-1) for p in params])
 
 
 def unflatten_weights(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``like`` (the inverse of ``flatten_weights``; no copy)."""
     out, o = [], 0
     for p in like:
         out.append(flat[o:o + p.numel()].view(p.shape))
@@ -51,6 +53,11 @@ def unflatten_weights(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[
 
 def _numel(bank: ExpertBank) -> int:
     return sum(p.numel() for p in bank.expert_params(0))
+
+
+def _splits(pairs: Sequence[tuple[int, int]], numel: int, ep: int) -> list[int]:
+    """Elements exchanged with each rank: ``numel`` per (rank, expert) pair naming that rank."""
+    return [numel * sum(1 for r, _ in pairs if r == d) for d in range(ep)]
 
 
 def exchange_weights(sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup | None) -> dict[int, torch.Tensor]:
@@ -66,9 +73,7 @@ def exchange_weights(sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup
     base = sched.rank * e_p
     send = [flatten_weights(bank.expert_params(e - base)) for _, e in sched.weight_sends]
     send_buf = torch.cat(send) if send else like[0].new_empty(0)
-    send_splits = [W * sum(1 for r, _ in sched.weight_sends if r == d) for d in range(P)]
-    recv_splits = [W * sum(1 for s, _ in sched.weight_recvs if s == d) for d in range(P)]
-    recv = comm.all_to_all(send_buf, send_splits, recv_splits, group)
+    recv = comm.all_to_all(send_buf, _splits(sched.weight_sends, W, P), _splits(sched.weight_recvs, W, P), group)
     return {e: recv[i * W:(i + 1) * W] for i, (_, e) in enumerate(sched.weight_recvs)}
 
 
@@ -85,9 +90,7 @@ def return_weight_grads(sched: Schedule, grads: dict[int, torch.Tensor], bank: E
     W, P = _numel(bank), sched.ep
     send = [grads[e] if e in grads else like[0].new_zeros(W) for _, e in sched.weight_recvs]
     send_buf = torch.cat(send) if send else like[0].new_empty(0)
-    send_splits = [W * sum(1 for s, _ in sched.weight_recvs if s == d) for d in range(P)]
-    recv_splits = [W * sum(1 for r, _ in sched.weight_sends if r == d) for d in range(P)]
-    recv = comm.all_to_all(send_buf, send_splits, recv_splits, group)
+    recv = comm.all_to_all(send_buf, _splits(sched.weight_recvs, W, P), _splits(sched.weight_sends, W, P), group)
     out: dict[int, torch.Tensor] = {}
     for i, (_, e) in enumerate(sched.weight_sends):
         g = recv[i * W:(i + 1) * W]

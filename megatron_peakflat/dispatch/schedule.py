@@ -28,11 +28,18 @@ __all__ = ["Schedule", "build_schedule", "chunk_count"]
 
 @dataclass
 class Schedule:
+    """Everything one layer call's forward and backward need to replay the same chunks and collectives."""
+
     K: int
+    """Chunks of this layer call, the same on every rank of the group."""
     plan: Plan
+    """The least-loaded plan over the whole layer call."""
     ep: int
+    """P: ranks in the expert-parallel group."""
     rank: int
+    """This rank's index in the group."""
     num_local_experts: int
+    """Experts owned by each rank; rank r owns experts ``r * num_local_experts`` onwards."""
     pair_token: torch.Tensor
     """[n] long: token of each local pair, ordered by (chunk, destination rank, expert, token)."""
     pair_expert: torch.Tensor
@@ -56,6 +63,7 @@ class Schedule:
 
     @property
     def moves_weights(self) -> bool:
+        """True when the plan spills any expert (the same answer on every rank)."""
         return bool(self.plan.helpers(self.num_local_experts))
 
     def max_chunk_rows(self) -> int:
@@ -64,7 +72,11 @@ class Schedule:
 
 
 def chunk_count(num_tokens: int, max_pairs_per_token: int, chunk_cap: int, max_chunks: int) -> int:
-    """K on one rank: enough chunks that ``ceil(T / K) * k <= chunk_cap``, at most ``max_chunks``."""
+    """K on one rank: enough chunks that ``ceil(T / K) * k <= chunk_cap``, at most ``max_chunks``.
+
+    The host twin of the device arithmetic in ``build_schedule`` (which avoids a sync), for planners;
+    ``build_schedule`` then takes the max over the group.
+    """
     tokens_per_chunk = max(1, chunk_cap // max(1, max_pairs_per_token))
     return int(min(max_chunks, max(1, -(-num_tokens // tokens_per_chunk))))
 
@@ -79,7 +91,11 @@ def _nonzero(mask: torch.Tensor, n: int) -> torch.Tensor:
 def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup | None,
                    chunk_cap: int, max_chunks: int, alpha: float, min_spill: int,
                    imbalance_threshold: float, num_chunks: int | None = None) -> Schedule:
-    """Plan one MoE layer call. ``routing_map`` [T, E] bool. ``num_chunks`` forces K (tests, peers)."""
+    """Plan one MoE layer call. ``routing_map`` [T, E] bool. ``num_chunks`` forces K (tests, peers).
+
+    A collective: every rank of ``group`` must call it for the same layer call. See the module
+    docstring for what the result guarantees.
+    """
     T, E = routing_map.shape
     dev = routing_map.device
     P, me = comm.group_size(group), comm.group_rank(group)

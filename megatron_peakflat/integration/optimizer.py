@@ -26,11 +26,6 @@ __all__ = ["replace_hybrid_device_optimizer"]
 
 log = logging.getLogger("megatron_peakflat")
 
-# Knobs of HybridDeviceOptimizer that OffloadStreamAdamW does not use; kept in ``defaults`` so that
-# DistributedOptimizer's rebuild (``cls(params=..., **defaults)``) and its checkpoints see them.
-_HDO_KNOBS = ("offload_fraction", "cpu_optimizer_cls", "gpu_optimizer_cls", "param_update_in_fp32",
-              "pin_cpu_grads", "pin_cpu_params", "overlap_cpu_optimizer_d2h_h2d")
-
 _classes: dict[type, type] = {}
 
 
@@ -69,6 +64,8 @@ def replace_hybrid_device_optimizer(original_cls: type) -> type:
             kwargs.pop("fused", None)
             if "momentum" in kwargs:
                 raise ValueError("--peakflat-optimizer offload-stream implements Adam(W); Megatron asked for SGD")
+            # HybridDeviceOptimizer's knobs, unused here, are kept in ``defaults`` so that DistributedOptimizer's
+            # rebuild (``cls(params=..., **defaults)``) and its checkpoints see them.
             knobs = dict(offload_fraction=offload_fraction, cpu_optimizer_cls=cpu_optimizer_cls,
                          gpu_optimizer_cls=gpu_optimizer_cls, param_update_in_fp32=param_update_in_fp32,
                          pin_cpu_grads=pin_cpu_grads, pin_cpu_params=pin_cpu_params,

@@ -1,12 +1,10 @@
 """Runtime peak report (``--peakflat-report-peaks``): measured peak of each component beside the planner's.
 
-The lead's pretrain loop calls, once after ``megatron_peakflat.apply``::
+``megatron_peakflat.apply(args)`` calls ``setup(args)``, which turns ``memory.meter`` on when
+``--peakflat-report-peaks`` is given; the registry's 'report' entry wraps Megatron's ``training_log``
+(``wrap_training_log``) so that every log interval calls::
 
-    peaks.setup(args)                       # turns memory.meter on when --peakflat-report-peaks
-
-and every log interval::
-
-    peaks.report(iteration, args, writer=tb_writer, wandb_writer=wandb_writer)
+    report(iteration, args, writer=tb_writer, wandb_writer=wandb_writer)
 
 Components measure their region with ``memory.meter.component_region(name)``, ``name`` one of
 ``dispatch``, ``vocab``, ``boundaries`` (SCO; ``sco`` is accepted too) and ``optimizer``. The
@@ -17,6 +15,7 @@ row when it is off, for this rank's pipeline stage, from Megatron's parsed args.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ..memory import meter
@@ -31,7 +30,8 @@ _ALIASES = {"sco": "boundaries", "recompute": "boundaries"}
 _cache: dict[str, Any] = {}
 
 
-def _config(args: Any):  # noqa: ANN202
+def _config(args: Any) -> Any:
+    """The applied PeakflatConfig, else one read (unchecked) from ``args``."""
     from . import state
 
     cfg = state.get()
@@ -54,6 +54,7 @@ def setup(args: Any) -> bool:
 
 
 def _hbm_bytes() -> int:
+    """This GPU's memory; 80 GiB when there is none (the planner's default)."""
     try:
         import torch
 
@@ -78,7 +79,7 @@ def prediction(args: Any) -> tuple[Plan, str]:
         fields["dp"] = getattr(args, "data_parallel_size", None) or max(1, world // (tp * pp * cp))
         fields["hbm_bytes"] = _hbm_bytes()
         fields["host_bytes_per_node"] = int((local_host_gib() or 1024) * GIB)
-        fields["gpus_per_node"] = int(__import__("os").environ.get("LOCAL_WORLD_SIZE", 8))
+        fields["gpus_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", 8))
         run = RunConfig(**fields)
         _cache["plan"] = plan(shape, run, _config(args))
         _cache["stage"] = _stage_name(run)

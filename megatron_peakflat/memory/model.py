@@ -96,6 +96,21 @@ class RunConfig:
         return 4 if self.precision == "fp32" else 2
 
     @property
+    def tokens(self) -> float:
+        """T: tokens of one micro-batch that each CP rank's layers see."""
+        return self.seq_len * self.micro_batch / self.cp
+
+    @property
+    def layer_rows(self) -> float:
+        """r: rows of the [s, b, h] tensors one rank holds between layers (T / TP under SP, else T)."""
+        return self.tokens / self.tp if self.sp else self.tokens
+
+    @property
+    def tp_tokens(self) -> float:
+        """T / TP: the tokens of one TP rank's share (the vocabulary projection's rows)."""
+        return self.tokens / self.tp
+
+    @property
     def expert_dp(self) -> int:
         """Megatron's expert-data-parallel size: world / (PP x ETP x EP)."""
         return max(1, self.tp * self.cp * self.dp // (self.etp * self.ep))
@@ -236,8 +251,7 @@ def stage_params(s: ModelShape, run: RunConfig, n_dense: int, n_moe: int, embedd
 
 def attention_activations(s: ModelShape, run: RunConfig) -> float:
     t, w = run.tp, run.w
-    T = run.seq_len * run.micro_batch / run.cp
-    r = T / t if run.sp else T
+    T, r = run.tokens, run.layer_rows
     norm = r * s.hidden * (2 * w) + r * 4  # ln input + ln output (qkv input) + rstd
     if s.mla is None:
         qkvo = T / t * ((s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim) * w
@@ -253,32 +267,26 @@ def attention_activations(s: ModelShape, run: RunConfig) -> float:
 def mlp_activations(s: ModelShape, run: RunConfig, ffn: int) -> float:
     """Dense MLP: pre-MLP norm (input, output) + fc1 output + activation output."""
     t, w = run.tp, run.w
-    T = run.seq_len * run.micro_batch / run.cp
-    r = T / t if run.sp else T
+    T, r = run.tokens, run.layer_rows
     return r * s.hidden * 2 * w + r * 4 + T / t * ((2 if s.gated else 1) * ffn + ffn) * w
 
 
 def moe_nondispatch_activations(s: ModelShape, run: RunConfig) -> float:
     """MoE layer minus the dispatched part: norm, router (fp32 logits + probs, bool map), shared expert."""
     t, w = run.tp, run.w
-    T = run.seq_len * run.micro_batch / run.cp
-    r = T / t if run.sp else T
+    T, r = run.tokens, run.layer_rows
     shared = T / t * ((2 if s.gated else 1) + 1) * s.shared_ffn * w if s.shared_ffn else 0.0
     return r * s.hidden * 2 * w + r * 4 + r * s.experts * 9 + shared
 
 
 def routed_pairs(s: ModelShape, run: RunConfig) -> float:
     """R: token-expert pairs one rank's experts receive per MoE layer and micro-batch."""
-    T = run.seq_len * run.micro_batch / run.cp
-    r = T / run.tp if run.sp else T
-    return r * s.topk * run.routing_skew
+    return run.layer_rows * s.topk * run.routing_skew
 
 
 def routed_pairs_worst(s: ModelShape, run: RunConfig) -> float:
     """All EP sources send every token to this rank's experts: E_p x r x min(k, E/E_p)."""
-    T = run.seq_len * run.micro_batch / run.cp
-    r = T / run.tp if run.sp else T
-    return run.ep * r * min(s.topk, s.experts // run.ep)
+    return run.ep * run.layer_rows * min(s.topk, s.experts // run.ep)
 
 
 def dispatch_saved_per_layer(s: ModelShape, run: RunConfig, pairs: float) -> float:
@@ -298,8 +306,7 @@ def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int,
     """(K, c_eff): chunks per layer and pairs per source rank per chunk, as PipelinedLLEP picks them
     (dispatch/schedule.py chunk_count: enough chunks that ceil(T / K) x k <= chunk_cap, K <= max_chunks;
     at the max_chunks cap a chunk grows past chunk_cap)."""
-    T = run.seq_len * run.micro_batch / run.cp
-    r = int(math.ceil(T / run.tp if run.sp else T))
+    r = int(math.ceil(run.layer_rows))
     k = max(1, s.topk)
     per_chunk_tokens = max(1, pf.dispatch.chunk_cap // k)
     K = int(min(pf.dispatch.max_chunks, max(1, -(-r // per_chunk_tokens))))
@@ -311,8 +318,7 @@ def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float) -> float:
     per token the output and input gradient (2Hw), probs gradient (4E) and routing metadata (64 B);
     the local experts' weight gradients and any spilled expert weights (2 x expert bytes); and per
     received row of one chunk w x (12H + 3 x fc1 + 4F) + 64 B (dispatch, combine, expert activations)."""
-    T = run.seq_len * run.micro_batch / run.cp
-    r = T / run.tp if run.sp else T
+    r = run.layer_rows
     w, h, f = run.w, s.hidden, s.moe_ffn
     f1 = f * (2 if s.gated else 1)
     per_row = w * (12 * h + 3 * f1 + 4 * f) + 64
@@ -351,7 +357,7 @@ AUTO_BLOCK_BYTES = 128 * 2**20
 
 
 def vocab_baseline(s: ModelShape, run: RunConfig) -> float:
-    T = run.seq_len * run.micro_batch / run.cp
+    T = run.tokens
     per_elem = run.w + 4 + (4 if run.cross_entropy_fusion else 0)
     return T * s.vocab / run.tp * per_elem
 
@@ -359,7 +365,7 @@ def vocab_baseline(s: ModelShape, run: RunConfig) -> float:
 def vocab_schedule(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> str:
     if pf.vocab.schedule != "auto":
         return pf.vocab.schedule
-    n = run.seq_len * run.micro_batch / run.cp / run.tp
+    n = run.tp_tokens
     return "activations" if n <= s.vocab / run.tp else "weights"
 
 
@@ -374,10 +380,10 @@ def vocab_block(n_tokens: float, w: int, block_size: int) -> int:
 
 def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     P = run.tp
-    n = run.seq_len * run.micro_batch / run.cp / P
+    n = run.tp_tokens
     shard = s.vocab / P
     block = min(vocab_block(n, run.w, pf.vocab.block_size), shard)
-    acc = 4 if getattr(pf.vocab, "accumulate", "fp32") == "fp32" else run.w
+    acc = 4 if pf.vocab.accumulate == "fp32" else run.w
     # Block temporaries: the plain-PyTorch kernel (vocab/block_torch.py: logits, their exp / softmax,
     # the gradient block) keeps three fp32 blocks, the Triton kernel one block in the input dtype.
     # dX is summed over blocks in ``acc`` bytes and cast to w bytes at the end; dW of the local shard
@@ -417,8 +423,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
     (the CLI turns all four on)."""
     pf = pf or PeakflatConfig()
     w = run.w
-    T = run.seq_len * run.micro_batch / run.cp
-    r = T / run.tp if run.sp else T
+    r = run.layer_rows
     c_eff = llep_chunks(s, run, pf)[1] if s.experts else 0
     stages_idx = [0] if run.pp == 1 else [0, run.pp - 1]
     stages: list[StagePlan] = []
@@ -515,9 +520,9 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                        f"(dispatch/api.py working_set_bound): K={llep_chunks(s, run, pf)[0]} chunks of c={c_eff} "
                        f"pairs per source, {rows_expected:.3g} rows per chunk expected, {rows_bound:.3g} at most")
         if last:
+            ring = vocab_ring_dtp(s, run, pf)
             rows["vocab"] = Row(
-                "vocab", vocab_baseline(s, run), vocab_ring_dtp(s, run, pf),
-                bound=vocab_ring_dtp(s, run, pf), phase="loss",
+                "vocab", vocab_baseline(s, run), ring, bound=ring, phase="loss",
                 source=("fused" if run.cross_entropy_fusion else "native") + " vocab_parallel_cross_entropy: "
                        f"T x V/tp x {w + 4 + (4 if run.cross_entropy_fusion else 0)} B; Ring-DTP: "
                        "T/P x block x 4 + dW shard + dX + ring buffers")

@@ -19,7 +19,7 @@ from ..dispatch.config import DispatchConfig
 from ..optimizer.config import OptimizerConfig
 from ..recompute.config import SCOConfig
 from ..vocab.config import VocabConfig
-from .model import GIB, Plan, RunConfig, plan, vocab_block
+from .model import GIB, Plan, Row, RunConfig, plan, vocab_block
 from .shapes import ModelShape
 
 __all__ = ["Recommendation", "recommend", "FLOORS"]
@@ -39,18 +39,15 @@ class Recommendation:
     reasons: list[str] = field(default_factory=list)
 
 
-def _vocab_tokens(run: RunConfig) -> float:
-    return run.seq_len * run.micro_batch / run.cp / run.tp
-
-
 def _chunks_needed(shape: ModelShape, run: RunConfig, cap: int) -> int:
     """K that keeps every chunk within ``cap`` pairs per source rank (max_chunks must allow it)."""
-    T = run.seq_len * run.micro_batch / run.cp
-    r = math.ceil(T / run.tp if run.sp else T)
+    r = math.ceil(run.layer_rows)
     return int(-(-r // max(1, cap // max(1, shape.topk))))
 
 
 def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
+    """The command line of ``cfg``: its --peakflat-* flags, plus the Megatron flags that
+    'offload-stream' needs to pass start-up's checks."""
     out: list[str] = []
     if cfg.dispatch.impl != "megatron":
         out += [flag_name(DispatchConfig, "impl"), cfg.dispatch.impl,
@@ -60,13 +57,13 @@ def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
     out += [flag_name(VocabConfig, "impl"), cfg.vocab.impl,
             flag_name(VocabConfig, "schedule"), plan_.vocab_schedule,
             flag_name(VocabConfig, "block_size"),
-            str(cfg.vocab.block_size or vocab_block(_vocab_tokens(plan_.run), plan_.run.w, 0))]
+            str(cfg.vocab.block_size or vocab_block(plan_.run.tp_tokens, plan_.run.w, 0))]
     if cfg.sco.enabled:
         out += [flag_name(SCOConfig, "enabled"), flag_name(SCOConfig, "budget"), f"{cfg.sco.budget / GIB:.0f}GiB"]
     if cfg.optimizer.impl != "megatron":
         out += [flag_name(OptimizerConfig, "impl"), cfg.optimizer.impl,
                 flag_name(OptimizerConfig, "bucket"), f"{cfg.optimizer.bucket / 1_000_000:g}M",
-                flag_name(OptimizerConfig, "slots"), str(cfg.optimizer.slots)]
+                flag_name(OptimizerConfig, "slots"), str(cfg.optimizer.slots), *OptimizerConfig.MEGATRON_FLAGS]
     return out
 
 
@@ -98,6 +95,11 @@ def _why(p: Plan) -> list[str]:
     return out
 
 
+def _guaranteed(r: Row) -> float:
+    """A row's bytes whatever the routing: its bound when that is larger."""
+    return max(r.peakflat, r.bound or 0.0)
+
+
 def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None) -> Recommendation:
     """Knobs for every component that make the worst stage fit ``run.hbm_bytes`` and the host share."""
     base = base or PeakflatConfig()
@@ -126,21 +128,17 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
         if p.fits("peakflat", guaranteed=True):
             return Recommendation(True, cfg, p, _flags(cfg, p), reasons)
         st = max(p.stages, key=lambda x: x.total("peakflat", guaranteed=True))
-
-        def g(r):  # noqa: ANN001, ANN202
-            return max(r.peakflat, r.bound or 0.0)
-
-        live_phase = "layer" if sum(g(r) for r in st.rows.values() if r.phase == "layer") >= \
-            sum(g(r) for r in st.rows.values() if r.phase == "loss") else "loss"
+        live_phase = "layer" if sum(_guaranteed(r) for r in st.rows.values() if r.phase == "layer") >= \
+            sum(_guaranteed(r) for r in st.rows.values() if r.phase == "loss") else "loss"
         candidates = []
         if "dispatch" in st.rows and cfg.dispatch.impl != "megatron" and cfg.dispatch.chunk_cap > FLOORS["chunk_cap"] \
                 and st.rows["dispatch"].phase in ("persistent", live_phase):
-            candidates.append((g(st.rows["dispatch"]), "chunk_cap"))
-        block = cfg.vocab.block_size or vocab_block(_vocab_tokens(run), run.w, 0)
+            candidates.append((_guaranteed(st.rows["dispatch"]), "chunk_cap"))
+        block = cfg.vocab.block_size or vocab_block(run.tp_tokens, run.w, 0)
         if "vocab" in st.rows and block > FLOORS["block_size"] and live_phase == "loss":
-            candidates.append((g(st.rows["vocab"]), "block_size"))
+            candidates.append((_guaranteed(st.rows["vocab"]), "block_size"))
         if cfg.optimizer.impl != "megatron" and (cfg.optimizer.bucket > FLOORS["bucket"] or cfg.optimizer.slots > 2):
-            candidates.append((g(st.rows["optimizer"]), "bucket"))
+            candidates.append((_guaranteed(st.rows["optimizer"]), "bucket"))
         if not candidates:
             break
         _, knob = max(candidates)
@@ -149,8 +147,7 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
             cfg.dispatch = dataclasses.replace(cfg.dispatch, chunk_cap=cap,
                                                max_chunks=max(cfg.dispatch.max_chunks, _chunks_needed(shape, run, cap)))
         elif knob == "block_size":
-            cur = cfg.vocab.block_size or vocab_block(_vocab_tokens(run), run.w, 0)
-            cfg.vocab = dataclasses.replace(cfg.vocab, block_size=max(FLOORS["block_size"], cur // 2))
+            cfg.vocab = dataclasses.replace(cfg.vocab, block_size=max(FLOORS["block_size"], block // 2))
         elif cfg.optimizer.bucket > FLOORS["bucket"]:
             cfg.optimizer = dataclasses.replace(cfg.optimizer, bucket=max(FLOORS["bucket"], cfg.optimizer.bucket // 2))
         else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 
@@ -31,15 +31,17 @@ from .. import stats
 from ..config_base import format_bytes
 from ..memory.meter import region
 from .engines import CpuEngineWorker, GroupHyper, HostSlot, Slot, Streams, run_gpu_engine
-from .host_memory import HostRegion, check_host_budget
+from .host_memory import HostRegion, check_host_budget, ranks_on_node
 from .layout import Layout, plan_layout
 
 __all__ = ["OffloadStreamAdamW"]
 
 log = logging.getLogger("megatron_peakflat")
 
-_STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
 _AUTO_MEASURE_STEPS = 3
+_FIXED_GPU_FRACTION = {"gpu": 1.0, "cpu": 0.0}
+"""Share of the buckets sent through the GPU per engine; 'auto' measures its own."""
+_UNSUPPORTED = ("amsgrad", "maximize")
 
 
 def _default_host_threads() -> int:
@@ -48,7 +50,15 @@ def _default_host_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    return max(1, cores // ranks_on_node())
+
+
+def _refuse_unsupported(options: dict[str, Any], where: str) -> None:
+    """ValueError when ``options`` (defaults, a param group, a saved group) turn on an Adam variant
+    that the step does not implement: it would otherwise be silently ignored."""
+    for k in _UNSUPPORTED:
+        if options.get(k):
+            raise ValueError(f"OffloadStreamAdamW: {k}=True is not supported ({where})")
 
 
 class OffloadStreamAdamW(torch.optim.Optimizer):
@@ -87,9 +97,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             raise ValueError(f"OffloadStreamAdamW: bucket must be >= 1 parameter, got {bucket}")
         if host_kernel not in ("auto", "native", "torch"):
             raise ValueError(f"OffloadStreamAdamW: host_kernel must be 'auto', 'native' or 'torch', got {host_kernel!r}")
-        for k in ("amsgrad", "maximize"):
-            if extra_defaults.get(k):
-                raise ValueError(f"OffloadStreamAdamW: {k}=True is not supported")
+        _refuse_unsupported(extra_defaults, "in the defaults")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra_defaults)
         torch.optim.Optimizer.__init__(self, params, defaults)  # explicit: subclasses may mix in other optimizers
         self.bucket, self.engine, self.slots = int(bucket), engine, slots
@@ -97,11 +105,12 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         self.host_kernel, self.pin = host_kernel, pin
         from .. import _ext
 
-        self._ext = _ext.load() if host_kernel != "torch" else None
         if host_kernel == "native":
             self._ext = _ext.require("OffloadStreamAdamW(host_kernel='native')")
+        else:
+            self._ext = _ext.load() if host_kernel == "auto" else None
         self._materialized = False
-        self._gpu_fraction: float | None = {"gpu": 1.0, "cpu": 0.0}.get(engine)
+        self._gpu_fraction: float | None = _FIXED_GPU_FRACTION.get(engine)
         self._measured: list[tuple[int, float, int, float]] = []
         self._step_tensors: dict[int, torch.Tensor] = {}
 
@@ -120,6 +129,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         group = dict(param_group, params=params)
         for k, v in self.defaults.items():
             group.setdefault(k, v)
+        _refuse_unsupported(group, f"in param group {len(self.param_groups)}")
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         if any(id(p) in seen for p in params) or len({id(p) for p in params}) != len(params):
             raise ValueError("OffloadStreamAdamW: a parameter appears in more than one param group")
@@ -177,11 +187,15 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         log.info("peakflat optimizer: OffloadStreamAdamW holds %s parameters in %d buckets of <= %s, %s of %s host "
                  "memory (%s), engine=%s, host kernel=%s", f"{n:,}", len(self._layout.buckets), f"{B:,}",
                  format_bytes(need), "pinned" if self._region.pinned else "pageable", self._region.backend,
-                 self.engine, "native" if self._ext is not None and self.host_kernel != "torch" else "torch")
+                 self.engine, "native" if self._ext is not None else "torch")
 
     def _out_dtype(self) -> torch.dtype:
         dts = {p.dtype for g in self.param_groups for p in g["params"]}
         return dts.pop() if len(dts) == 1 and next(iter(dts)) in (torch.float32, torch.bfloat16) else torch.float32
+
+    def _flat_state(self) -> dict[str, torch.Tensor]:
+        """The flat host buffer behind each tensor key of ``state[param]``."""
+        return {"master_param": self._master, "exp_avg": self._exp_avg, "exp_avg_sq": self._exp_avg_sq}
 
     def _view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         off, n = self._layout.offsets[i], self._layout.numels[i]
@@ -214,7 +228,12 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     @region("optimizer")
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW step of every parameter that has a gradient (``decoupled_grad``, else ``grad``).
+
+        On return the host masters and moments are updated, ``state[p]["step"]`` counts the steps
+        each parameter took, and every model parameter holds its new master (cast to its dtype);
+        the caller's CUDA stream is ordered after those copies. Returns ``closure()``'s value, if any."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -258,7 +277,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 gpu_done = run_gpu_engine(gpu_b, params=params, steps=self._steps, has_grad=has_grad, hyper=hyper,
                                           master=self._master, exp_avg=self._exp_avg, exp_avg_sq=self._exp_avg_sq,
                                           slots=self._gpu_slot_list(), streams=self._streams,
-                                          step_tensor=self._step_tensor, start_event=start)
+                                          step_tensor=self._step_tensor)
                 for ev in gpu_done[-self.slots:]:
                     Streams.sync(ev)
                 t_gpu = time.perf_counter() - t0
@@ -288,7 +307,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             raise ValueError("OffloadStreamAdamW.set_engine: built with engine='gpu', it has no host staging; "
                              "build it with engine='auto' to switch between engines")
         self.engine = engine
-        self._gpu_fraction = {"gpu": 1.0, "cpu": 0.0}.get(engine)
+        self._gpu_fraction = _FIXED_GPU_FRACTION.get(engine)
         self._measured = []
 
     def _current_fraction(self) -> float:
@@ -331,14 +350,14 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         """Adopt state tensors that callers put into ``state[param]`` (e.g. a checkpoint load) into the buckets."""
         if not self._materialized:
             return
+        flats = self._flat_state()
         for i, p in enumerate(self._params):
             st = self.state.get(p)
             if st is None:
                 self._bind_state(i, p)
                 continue
-            mine = {"master_param": self._master, "exp_avg": self._exp_avg, "exp_avg_sq": self._exp_avg_sq}
             rebind = False
-            for k, flat in mine.items():
+            for k, flat in flats.items():
                 v = st.get(k)
                 dst = self._view(flat, i)
                 if v is None:
@@ -361,6 +380,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 self._view(self._master, i).copy_(p.detach().reshape(-1))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch.optim, for ``decoupled_grad`` (Megatron's precision-aware path) as well as ``grad``."""
         super().zero_grad(set_to_none)
         for g in self.param_groups:
             for p in g["params"]:
@@ -400,22 +420,24 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError(f"OffloadStreamAdamW.load_state_dict: {len(groups)} param groups saved, "
                              f"{len(self.param_groups)} here")
-        id_map = {}
-        for saved, mine in zip(groups, self.param_groups):
+        for gi, (saved, mine) in enumerate(zip(groups, self.param_groups)):
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError("OffloadStreamAdamW.load_state_dict: a param group's size differs from the saved one")
+            _refuse_unsupported(saved, f"in saved param group {gi}")
+        id_map = {}
+        for saved, mine in zip(groups, self.param_groups):
             for k, v in saved.items():
                 if k not in ("params", "step", "peakflat_gpu_fraction"):
                     mine[k] = v
             for idx, p in zip(saved["params"], mine["params"]):
                 id_map[idx] = p
         index = {id(p): i for i, p in enumerate(self._params)}
+        flats = self._flat_state()
         with torch.no_grad():
             for idx, st in state_dict["state"].items():
                 p = id_map[idx]
                 i = index[id(p)]
-                for k, flat in (("master_param", self._master), ("exp_avg", self._exp_avg),
-                                ("exp_avg_sq", self._exp_avg_sq)):
+                for k, flat in flats.items():
                     if k in st and st[k] is not None:
                         dst = self._view(flat, i)
                         src = torch.as_tensor(st[k])

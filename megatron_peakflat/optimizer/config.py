@@ -13,6 +13,10 @@ class OptimizerConfig(ComponentConfig):
     PREFIX: ClassVar[str] = "opt"
     MODE_FIELD: ClassVar[str] = "impl"
     MODE_FLAG: ClassVar[str] = "optimizer"
+    MEGATRON_FLAGS: ClassVar[tuple[str, ...]] = ("--use-distributed-optimizer", "--optimizer-cpu-offload",
+                                                 "--use-precision-aware-optimizer")
+    """Megatron's flags that 'offload-stream' needs: only with them does Megatron build the
+    HybridDeviceOptimizer that OffloadStreamAdamW takes the place of (start-up checks them)."""
 
     impl: Literal["megatron", "offload-stream"] = "megatron"
     """Offloaded optimizer. 'offload-stream' keeps fp32 master weights and Adam moments in pinned

@@ -36,17 +36,16 @@ class GroupHyper:
 
 
 class Streams:
-    """CUDA side streams when the device is CUDA; no-op stand-ins on CPU."""
+    """CUDA side streams when the device is CUDA; on CPU every stream is None and every method a no-op."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.up = torch.cuda.Stream(device)
-            self.down = torch.cuda.Stream(device)
-            self.host_down = torch.cuda.Stream(device)
-            self.host_up = torch.cuda.Stream(device)
+        make = (lambda: torch.cuda.Stream(device)) if self.cuda else (lambda: None)
+        self.up, self.down = make(), make()  # GPU engine: state upload, state write-back
+        self.host_down, self.host_up = make(), make()  # CPU engine: gradients down, new params up
 
     def on(self, stream) -> contextlib.AbstractContextManager:
+        """Make ``stream`` current (nothing on CPU)."""
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
 
     def event(self, stream=None):
@@ -58,6 +57,7 @@ class Streams:
         return ev
 
     def wait(self, stream, event) -> None:
+        """``stream`` waits for ``event`` (nothing on CPU or when ``event`` is None)."""
         if self.cuda and event is not None:
             stream.wait_event(event)
 
@@ -109,7 +109,7 @@ def _calls(bucket: Bucket, steps: Sequence[int], has_grad: Sequence[bool]):
 def run_gpu_engine(buckets: Sequence[Bucket], *, params: Sequence[torch.Tensor], steps: Sequence[int],
                    has_grad: Sequence[bool], hyper: Sequence[GroupHyper], master: torch.Tensor,
                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, slots: Sequence[Slot], streams: Streams,
-                   step_tensor: Callable[[int], torch.Tensor], start_event) -> list:
+                   step_tensor: Callable[[int], torch.Tensor]) -> list:
     """Issue the GPU engine's pipeline for ``buckets``; return the write-back events (one per bucket).
 
     Nothing here waits on the host: every copy and kernel is queued on its stream, ordered by events.
@@ -119,14 +119,13 @@ def run_gpu_engine(buckets: Sequence[Bucket], *, params: Sequence[torch.Tensor],
     for i, b in enumerate(buckets):
         slot = slots[i % len(slots)]
         n, lo = b.numel, b.start
-        # upload: after the slot's previous write-back, and after the grads are ready
-        if streams.cuda:
-            streams.wait(streams.up, slot.free)
-        with streams.on(streams.up if streams.cuda else None):
+        # upload: after the slot's previous write-back
+        streams.wait(streams.up, slot.free)
+        with streams.on(streams.up):
             for k in range(3):
                 slot.state[k, :n].copy_(host[k][lo:lo + n], non_blocking=True)
-        uploaded = streams.event(streams.up if streams.cuda else None)
-        # update, on the current stream
+        uploaded = streams.event(streams.up)
+        # update, on the current stream (where the gradients were produced)
         if streams.cuda:
             torch.cuda.current_stream().wait_event(uploaded)
         groups = _calls(b, steps, has_grad)
@@ -148,12 +147,11 @@ def run_gpu_engine(buckets: Sequence[Bucket], *, params: Sequence[torch.Tensor],
                 params[pc.param].data.view(-1)[pc.lo:pc.hi].copy_(pm)
         computed = streams.event()
         # write back
-        if streams.cuda:
-            streams.wait(streams.down, computed)
-        with streams.on(streams.down if streams.cuda else None):
+        streams.wait(streams.down, computed)
+        with streams.on(streams.down):
             for k in range(3):
                 host[k][lo:lo + n].copy_(slot.state[k, :n], non_blocking=True)
-        slot.free = streams.event(streams.down if streams.cuda else None)
+        slot.free = streams.event(streams.down)
         done.append(slot.free)
     return done
 
@@ -181,14 +179,13 @@ class CpuEngineWorker:
     def _download(self, i: int):
         b, slot, s = self.buckets[i], self.slots[i % len(self.slots)], self.streams
         dst = slot.grad(self.grad_dtypes[i])
-        if s.cuda:
-            s.wait(s.host_down, self.start_event)
-        with s.on(s.host_down if s.cuda else None):
+        s.wait(s.host_down, self.start_event)
+        with s.on(s.host_down):
             for pc in b.pieces:
                 if self.has_grad[pc.param]:
                     g = _grad_of(self.params[pc.param])
                     dst[pc.at:pc.at + pc.numel].copy_(g.reshape(-1)[pc.lo:pc.hi], non_blocking=True)
-        return s.event(s.host_down if s.cuda else None)
+        return s.event(s.host_down)
 
     def _run(self) -> None:
         t0 = time.perf_counter()
@@ -203,21 +200,20 @@ class CpuEngineWorker:
             Streams.sync(slot.free)  # the previous upload from slot.out has left
             for (gi, step), pieces in _calls(b, self.steps, self.has_grad).items():
                 h = self.hyper[gi]
-                for run_lo, run_hi in _runs(pieces):
-                    a, z = run_lo, run_hi
+                for a, z in _runs(pieces):
                     host_adamw_(self.master[b.start + a:b.start + z], slot.grad(self.grad_dtypes[i])[a:z],
                                 self.exp_avg[b.start + a:b.start + z], self.exp_avg_sq[b.start + a:b.start + z],
                                 slot.out[a:z], lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                                 weight_decay=h.weight_decay, step=step, threads=self.threads, ext=self.ext,
                                 impl=self.impl)
-            if s.cuda and i == 0:
+            if i == 0:
                 s.wait(s.host_up, self.start_event)  # nothing overwrites a param the step's caller still reads
-            with s.on(s.host_up if s.cuda else None):
+            with s.on(s.host_up):
                 for pc in b.pieces:
                     if self.has_grad[pc.param]:
                         self.params[pc.param].data.view(-1)[pc.lo:pc.hi].copy_(
                             slot.out[pc.at:pc.at + pc.numel], non_blocking=True)
-            slot.free = s.event(s.host_up if s.cuda else None)
+            slot.free = s.event(s.host_up)
             self.done.append(slot.free)
             if i + R < nb:
                 down[i + R] = self._download(i + R)  # the kernel has consumed slot.grad
@@ -245,10 +241,10 @@ class CpuEngineWorker:
 
 def _runs(pieces) -> list[tuple[int, int]]:
     """Merge pieces that are adjacent inside the bucket into contiguous runs (one kernel call each)."""
-    runs: list[list[int]] = []
+    runs: list[tuple[int, int]] = []
     for pc in sorted(pieces, key=lambda p: p.at):
         if runs and runs[-1][1] == pc.at:
-            runs[-1][1] = pc.at + pc.numel
+            runs[-1] = (runs[-1][0], pc.at + pc.numel)
         else:
-            runs.append([pc.at, pc.at + pc.numel])
-    return [(a, z) for a, z in runs]
+            runs.append((pc.at, pc.at + pc.numel))
+    return runs

@@ -18,7 +18,7 @@ import torch
 
 from ..config_base import format_bytes
 
-__all__ = ["HostMemoryError", "HostRegion", "check_host_budget", "mem_available"]
+__all__ = ["HostMemoryError", "HostRegion", "check_host_budget", "mem_available", "ranks_on_node"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -39,6 +39,11 @@ def mem_available(path: str = "/proc/meminfo") -> int | None:
     return None
 
 
+def ranks_on_node() -> int:
+    """The ranks sharing this node (LOCAL_WORLD_SIZE, set by torchrun; 1 when unset or empty)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
 def check_host_budget(need: int, *, what: str, available: int | None = None,
                       local_world_size: int | None = None) -> int | None:
     """Raise HostMemoryError when ``need`` bytes exceed MemAvailable / LOCAL_WORLD_SIZE; return the share."""
@@ -46,8 +51,8 @@ def check_host_budget(need: int, *, what: str, available: int | None = None,
     if avail is None:
         log.warning("peakflat optimizer: /proc/meminfo unreadable; cannot check %s of host memory", format_bytes(need))
         return None
-    ranks = local_world_size if local_world_size is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    share = avail // max(1, ranks)
+    ranks = max(1, local_world_size if local_world_size is not None else ranks_on_node())
+    share = avail // ranks
     if need > share:
         raise HostMemoryError(
             f"OffloadStreamAdamW needs {format_bytes(need)} of host memory for {what} on this rank, but this rank's "
@@ -98,7 +103,7 @@ class HostRegion:
         """A zero-filled 1-D tensor of ``numel`` elements inside the region (256-byte aligned)."""
         if self._pool is not None:
             return self._pool.carve(int(numel), dtype)
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         off = (self._used + 255) // 256 * 256
         end = off + numel * size
         if end > self.nbytes:

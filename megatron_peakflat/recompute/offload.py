@@ -51,7 +51,7 @@ COMPONENT = "sco"
 
 @dataclass(eq=False)
 class Handle:
-    """What the autograd graph holds in place of one saved tensor."""
+    """What the autograd graph holds in place of one saved tensor; dies with the graph's saved tensors."""
 
     shape: torch.Size
     dtype: torch.dtype
@@ -62,10 +62,15 @@ class Handle:
     device_tensor: torch.Tensor | None = None
     """The tensor on the device: until offload is final, when resident, or once brought back."""
     slot: HostSlot | None = None
+    """The pool slot holding the data while the boundary is off the device."""
     produced: Any = None
+    """CUDA event recorded when the boundary's checkpoint began: the copy to the host waits for it."""
     d2h_done: Any = None
+    """CUDA event: the copy into ``slot`` is complete."""
     h2d_done: Any = None
+    """CUDA event: the copy back into ``device_tensor`` is complete (None on CPU, copies are synchronous)."""
     offloaded: bool = False
+    """Whether the boundary went to the host at all (stays True once it is back)."""
     owner: Any = field(default=None, repr=False)
 
     def __del__(self) -> None:
@@ -203,7 +208,7 @@ class BoundaryOffloader:
         stats.add(COMPONENT, "boundaries_offloaded", 1)
         stats.add(COMPONENT, "bytes_offloaded", h.nbytes)
         stats.peak(COMPONENT, "device_bytes_saved_peak", self.offloaded_bytes_live)
-        stats.peak(COMPONENT, "host_bytes", getattr(self.pool, "reserved", 0))
+        stats.peak(COMPONENT, "host_bytes", self.pool.reserved)
 
     def _drop(self, h: Handle) -> None:
         """A handle that dies still offloaded (its graph was dropped without backward)."""
@@ -217,7 +222,7 @@ class BoundaryOffloader:
         h = packed
         if h.device_tensor is None:
             self._fetch(h)
-        if h.h2d_done is not None and h.device.type == "cuda":
+        if h.h2d_done is not None:
             # timing events around the wait measure exactly how long the compute stream stalls on the copy
             compute = torch.cuda.current_stream(h.device)
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -257,10 +262,9 @@ class BoundaryOffloader:
             dst = torch.empty(h.shape, dtype=h.dtype, device=h.device)
             dst.copy_(src)
             self.copy_wait_s += time.perf_counter() - start
-            h.h2d_done = True
         h.device_tensor = dst
         self.offloaded_bytes_live -= h.nbytes
-        self._give_back(h, h.h2d_done if h.device.type == "cuda" else None)
+        self._give_back(h, h.h2d_done)
 
     def _give_back(self, h: Handle, ready: Any) -> None:
         slot, h.slot = h.slot, None
@@ -292,10 +296,10 @@ class BoundaryOffloader:
             "boundaries_packed": self.packed,
             "boundaries_offloaded": self.offloaded,
             "boundaries_kept_on_device": self.packed - self.offloaded,
-            "host_bytes": getattr(self.pool, "reserved", 0),
+            "host_bytes": self.pool.reserved,
             "device_bytes_saved_peak": self.offloaded_bytes_peak,
             "copy_wait_s": round(self.copy_wait_s, 6),
-            "pinned": getattr(self.pool, "pinned", None),
+            "pinned": self.pool.pinned,
         }
 
     def _maybe_log(self) -> None:

@@ -56,13 +56,19 @@ class HostSlot:
 
 
 class HostPool(Protocol):
+    """What ``BoundaryOffloader`` needs from a pool; the guarantees are in the module docstring."""
+
     budget: int
     reserved: int
     pinned: bool
 
-    def acquire(self, nbytes: int) -> HostSlot | None: ...
+    def acquire(self, nbytes: int) -> HostSlot | None:
+        """A slot of at least ``nbytes``, in use until released; None when the budget has no room."""
+        ...
 
-    def release(self, slot: HostSlot, ready: Any = None) -> None: ...
+    def release(self, slot: HostSlot, ready: Any = None) -> None:
+        """Return ``slot``; its next user must wait for ``ready`` (an event; None: now) before writing it."""
+        ...
 
 
 def host_available_bytes() -> int | None:
@@ -129,6 +135,7 @@ class _RecyclingPool:
             self.release(s)
 
     def acquire(self, nbytes: int) -> HostSlot | None:
+        """A free slot of ``nbytes`` to twice that (the smallest), else a new one; None past the budget."""
         slot = self._take_free(nbytes) or self._new_slot(nbytes)
         if slot is None:
             return None
@@ -178,17 +185,18 @@ class TorchHostPool(_RecyclingPool):
         self.pinned = bool(pin)
 
     def _new_slot(self, nbytes: int) -> HostSlot | None:
-        cost = self._cost(nbytes)
-        if self.reserved + cost > self.budget:
-            self._drop_free(self.reserved + cost - self.budget)
-        if self.reserved + cost > self.budget:
-            return None
+        excess = self.reserved + self._cost(nbytes) - self.budget
+        if excess > 0:
+            if excess > sum(s.cost for s in self._free):
+                return None  # dropping every free slot would not make room: keep them for reuse
+            self._drop_free(excess)
         return self._allocate(nbytes)
 
     def _cost(self, nbytes: int) -> int:
         return 1 << max(nbytes - 1, 0).bit_length() if self.pinned else nbytes
 
     def _drop_free(self, need: int) -> None:
+        """Give up free slots until ``need`` bytes of budget are released (waiting for their last copy)."""
         while self._free and need > 0:
             s = self._free.pop()
             if s.ready is not None:

@@ -17,8 +17,13 @@ log = logging.getLogger("megatron_peakflat")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-
 AUTO_BLOCK_BYTES = 128 * 2**20
+"""Target size of one block of logits when ``block_size=0``."""
+
+
+def _comm_device(hidden: torch.Tensor, group: object | None) -> torch.device:
+    """Where small metadata tensors must live for a collective on ``group`` (NCCL needs the GPU)."""
+    return hidden.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def auto_block_size(tokens: int, element_size: int) -> int:
@@ -103,7 +108,7 @@ def ring_linear_cross_entropy(
     meta = torch.tensor([hidden.shape[0], hidden.shape[1], _DTYPES.index(hidden.dtype), weight_shard.shape[0]],
                         dtype=torch.long)
     if size > 1:
-        dev = hidden.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        dev = _comm_device(hidden, group)
         gathered = [torch.empty_like(meta, device=dev) for _ in range(size)]
         dist.all_gather(gathered, meta.to(dev), group=group)
         rows = [t.cpu().tolist() for t in gathered]
@@ -127,8 +132,7 @@ def ring_linear_cross_entropy(
         example = int(labels[bad][0]) if local else None
         anywhere = torch.tensor([local], dtype=torch.long)
         if size > 1:
-            dev = hidden.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-            t = anywhere.to(dev)
+            t = anywhere.to(_comm_device(hidden, group))
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             anywhere = t.cpu()
         if int(anywhere[0]):
@@ -146,7 +150,8 @@ def ring_linear_cross_entropy(
     )
     stats.record("vocab", "schedule", plan.schedule)
     stats.record("vocab", "kernel", plan.ops.name)
-    stats.peak("vocab", "block_logits_bytes", hidden.shape[0] * min(block_size, max(shard_rows)) * 4)
+    folded_tokens = max(tokens) if plan.schedule == "activations" else hidden.shape[0]  # visitors, or own
+    stats.peak("vocab", "block_logits_bytes", folded_tokens * min(block_size, max(shard_rows)) * 4)
     stats.add("vocab", "calls", 1)
 
     eff_labels = torch.where(valid, labels, torch.full_like(labels, -1))

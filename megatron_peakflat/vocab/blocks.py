@@ -20,6 +20,8 @@ __all__ = ["BlockOps", "block_ops", "fold_shard", "grad_shard"]
 
 @dataclass(frozen=True)
 class BlockOps:
+    """The two block kernels of one implementation (``block_torch.py`` or ``block_triton.py``)."""
+
     name: str
     fold: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
     grad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -38,13 +40,28 @@ def block_ops(kernel: str, device: torch.device) -> BlockOps:
     return BlockOps("triton", fold_logits_triton, grad_logits_triton)
 
 
-_CUDA_ACC_WAY: str | None = None  # "addmm" | "mm" | "round", the first that works on this torch
+def _acc_via_addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+
+
+def _acc_via_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+
+
+def _acc_via_round(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    acc.add_(a @ b)
+
+
+_CUDA_ACC_WAYS = {"addmm": _acc_via_addmm, "mm": _acc_via_mm, "round": _acc_via_round}
+_CUDA_ACC_WAY: str | None = None
+"""The first of ``_CUDA_ACC_WAYS`` that this torch supports, found by the first call."""
 
 
 def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` in place. Same dtypes: one GEMM with beta=1 (fp32 inside, one rounding to acc's
     dtype). An fp32 ``acc`` with low-precision inputs: the GEMM's fp32 result is added unrounded
-    (``out_dtype`` on CUDA, upcast on CPU); only a torch without ``out_dtype`` rounds each block."""
+    (``out_dtype`` on CUDA, upcast on CPU); only a torch without ``out_dtype`` rounds each block.
+    Errors (out of memory included) propagate: a block is never skipped."""
     global _CUDA_ACC_WAY
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
@@ -52,20 +69,22 @@ def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if not a.is_cuda:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
         return
-    for way in ([_CUDA_ACC_WAY] if _CUDA_ACC_WAY else ["addmm", "mm", "round"]):
-        try:
-            if way == "addmm":
-                torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            elif way == "mm":
-                acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
-            else:
-                acc.add_(a @ b)
-            if _CUDA_ACC_WAY is None:
-                _CUDA_ACC_WAY = way
-                stats.record("vocab", "fp32_accumulate_via", way)
-            return
-        except (TypeError, RuntimeError, NotImplementedError):
-            continue
+    if _CUDA_ACC_WAY is None:
+        for way in ("addmm", "mm"):
+            try:
+                _CUDA_ACC_WAYS[way](acc, a, b)
+            except torch.OutOfMemoryError:
+                raise
+            except (TypeError, RuntimeError, NotImplementedError):  # no out_dtype for these dtypes here
+                continue
+            _CUDA_ACC_WAY = way
+            break
+        else:
+            _acc_via_round(acc, a, b)
+            _CUDA_ACC_WAY = "round"
+        stats.record("vocab", "fp32_accumulate_via", _CUDA_ACC_WAY)
+        return
+    _CUDA_ACC_WAYS[_CUDA_ACC_WAY](acc, a, b)
 
 
 def fold_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, state: torch.Tensor,
@@ -80,7 +99,7 @@ def fold_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch
 
 def grad_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, coef: torch.Tensor,
                dx_acc: torch.Tensor, dw: torch.Tensor, *, accumulate: bool, block_size: int, ops: BlockOps) -> None:
-    """Add this shard's contribution to ``dx_acc`` (fp32 [n, h]) and write (or add, ``accumulate``) ``dw`` [v, h].
+    """Add this shard's contribution to ``dx_acc`` [n, h] and write (or add, ``accumulate``) ``dw`` [v, h].
 
     Each block of logits is recomputed, turned into its gradient in place, then used by two matmuls.
     Without ``accumulate`` dW is written once per block by one GEMM over all n tokens (fp32 inside).

@@ -29,6 +29,8 @@ _TAG_INPUT, _TAG_STATE = 0, 8
 
 @dataclass(frozen=True)
 class RingPlan:
+    """Everything the schedules need, agreed on by every ring rank before the first hop."""
+
     group: object | None
     rank: int
     size: int
@@ -101,10 +103,9 @@ def _forward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, label
         n = plan.tokens[nsrc]
         nxt, pending = _post_next(plan, k, [cur_x, cur_l], [(n, x.shape[1]), (n,)])
         fold_shard(cur_x, w, own_start, cur_l, cur_s, plan.block_size, plan.ops)
-        if P > 1:
-            ns = torch.empty(4, n, dtype=torch.float32, device=x.device)
-            _wait(_shift(plan, [cur_s], [ns], _TAG_STATE))
-            cur_s = ns
+        ns = torch.empty(4, n, dtype=torch.float32, device=x.device)
+        _wait(_shift(plan, [cur_s], [ns], _TAG_STATE))
+        cur_s = ns
         _wait(pending)
         if nxt:
             cur_x, cur_l = nxt
@@ -125,14 +126,16 @@ def _forward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: t
     return state
 
 
-def _backward_single(plan, x, w, labels, coef):
+def _backward_single(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
+                     coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dx = torch.zeros(x.shape, dtype=plan.acc_dtype(x), device=x.device)
     dw = torch.empty_like(w)
     grad_shard(x, w, 0, labels, coef, dx, dw, accumulate=False, block_size=plan.block_size, ops=plan.ops)
     return dx.to(x.dtype), dw
 
 
-def _backward_activations(plan, x, w, labels, coef):
+def _backward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
+                          coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     P, r = plan.size, plan.rank
     own_start = plan.start(r)
     dw = torch.zeros(w.shape, dtype=plan.acc_dtype(w), device=w.device)
@@ -153,7 +156,8 @@ def _backward_activations(plan, x, w, labels, coef):
     return cur_dx.to(x.dtype), dw.to(w.dtype)
 
 
-def _backward_weights(plan, x, w, labels, coef):
+def _backward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
+                      coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     P, r = plan.size, plan.rank
     dx = torch.zeros(x.shape, dtype=plan.acc_dtype(x), device=x.device)
     cur_w = w
