@@ -41,7 +41,9 @@ class ReferenceExperts(torch.nn.Module):
     def expert_params(self, local: int) -> list[torch.Tensor]:
         return [self.fc1[local], self.fc2[local]]
 
-    def compute(self, x, probs, tokens_per_expert, local, weights):
+    def compute(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: Sequence[int],
+                local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]) -> torch.Tensor:
+        """ExpertBank.compute: each segment through ``expert_mlp`` with its own or the given weights."""
         outs = []
         o = 0
         for n, li, w in zip(tokens_per_expert, local, weights):

@@ -12,10 +12,11 @@ The dispatcher's other steps are cheap pass-throughs (reshape in, reshape out, s
 added at the end), so MoELayer.forward, the router, its aux losses and expert bias, and
 ``--recompute-modules moe`` all run unchanged.
 
-Handed back to Megatron's own dispatcher, with one logged reason per layer kind, for: TE grouped
-experts (or any experts other than SequentialMLP), expert tensor parallelism, pad-to-capacity,
-router padding for quantization, fp8/fp4, latent MoE, CUDA graphs, delayed/overlapped wgrad, and
-gradient-accumulation fusion (its wgrads bypass autograd).
+Handed back to Megatron's own dispatcher, with one logged reason per layer kind (``unsupported_reason``),
+for: a dispatcher type other than alltoall, TE grouped experts (or any experts other than
+SequentialMLP), expert tensor parallelism, pad-to-capacity, router padding for quantization,
+fp8/fp4, latent MoE, expert biases, CUDA graphs, delayed/overlapped wgrad, gradient-accumulation
+fusion (its wgrads bypass autograd), and the inference-optimized transformer.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ class SequentialMLPBank:
 
     ``plain=True`` (used when ``_plain_mlp_reason`` finds nothing against it) runs ``MLP.forward``'s
     math (fc1; the unfused activation or gated unit with clamp and offset and the per-token prob
-    scale, or Megatron's own weighted swiglu/quick-geglu fusion; fc2) on the experts' weights: the same GEMMs and elementwise ops
-    without Megatron's per-call Python layers, which dominate when a chunk gives each expert few
-    rows. Otherwise every segment calls the expert module itself.
+    scale, or Megatron's own weighted swiglu/quick-geglu fusion; fc2) on the experts' weights: the
+    same GEMMs and elementwise ops without Megatron's per-call Python layers, which dominate when a
+    chunk gives each expert few rows. Otherwise every segment calls the expert module itself.
     """
 
     def __init__(self, experts: Any, plain: bool | None = None) -> None:
@@ -89,7 +90,9 @@ class SequentialMLPBank:
         template = experts.local_experts[0]
         self._template = template
         self._names = [n for n, _ in template.named_parameters()]
-        self.plain = _plain_mlp_reason(experts) is None if plain is None else plain
+        self.plain_reason = _plain_mlp_reason(experts)
+        """Why the plain-ops path cannot run (None: it can)."""
+        self.plain = self.plain_reason is None if plain is None else plain
 
     def _plain(self, x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -161,17 +164,18 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
         self._shared_input: torch.Tensor | None = None
         self.plain_experts: bool | None = None  # None: plain torch ops when the config allows (tests may force)
 
-    def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
         self.hidden_shape = tokens.shape
         self.routing_map = routing_map
         if self.shared_experts is not None:
             self._shared_input = tokens
         return tokens.view(-1, tokens.shape[-1]), probs
 
-    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return hidden_states, probs
 
-    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> Any:
         raise RuntimeError("PeakflatDispatcher runs dispatch and experts together in MoELayer.routed_experts_compute; "
                            "the megatron-peakflat patch of that method is missing (call megatron_peakflat.apply)")
 
@@ -197,7 +201,7 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
         if bank is None or bank.experts is not experts:
             bank = self._bank = SequentialMLPBank(experts, plain=self.plain_experts)
             if not bank.plain:
-                _say_once(f"peakflat dispatch: experts run through their modules ({_plain_mlp_reason(experts)})")
+                _say_once(f"peakflat dispatch: experts run through their modules ({bank.plain_reason or 'forced'})")
         group = self.ep_group if self.ep_size > 1 else None
         return llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg)
 
@@ -208,6 +212,7 @@ def _make_dispatcher_class() -> type:
 
 
 def make_dispatcher(original: Any) -> PeakflatDispatcher:
+    """A PeakflatDispatcher on the process groups, config and local experts of Megatron's ``original``."""
     cls = _make_dispatcher_class()
     d = cls.__new__(cls)
     d._setup(original)
@@ -277,7 +282,7 @@ def wrap_routed_experts_compute(original: Callable[..., Any]) -> Callable[..., A
     """MoELayer.routed_experts_compute that runs the chunked schedule for a PeakflatDispatcher layer."""
 
     @functools.wraps(original)
-    def routed_experts_compute(self: Any, hidden_states: torch.Tensor, probs: torch.Tensor):
+    def routed_experts_compute(self: Any, hidden_states: torch.Tensor, probs: torch.Tensor) -> tuple[Any, Any]:
         if not isinstance(self.token_dispatcher, PeakflatDispatcher):
             return original(self, hidden_states, probs)
         return self.token_dispatcher.run(hidden_states, probs, self.experts), None
