@@ -57,22 +57,18 @@ def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, ba
     return pipelined_moe(x, probs, sched, bank, group)
 
 
-def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: int, chunk_rows: int,
+def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: int, topk: int, chunk_rows: int,
                       expert_param_bytes: int, dtype_bytes: int, glu: bool = True) -> int:
     """Bytes PipelinedLLEP allocates in one forward+backward of one layer, at most.
 
     Terms: the output and the input gradient ([T, H] each), the probs gradient ([T, E] fp32), the
-    routing metadata (a flat 64 bytes per token), the local experts' weight gradients (2 x
+    routing metadata (64 bytes per token, plus the two int64 per token-expert pair that the schedule
+    keeps for the backward: 16 k bytes per token), the local experts' weight gradients (2 x
     ``expert_param_bytes``, room for spilled experts' weights), and one chunk's working set:
     ``chunk_rows`` rows (at most P * (c + k) per chunk) times the dispatch, combine and expert
     activation rows. Only the first four grow with T.
-
-    Caveat: the schedule keeps two int64 per token-expert pair for the backward (16 k bytes per
-    token), which the flat 64 bytes undercount for top-k above 4: measured on CPU at H=64, top-8,
-    T=32768, the peak exceeds this bound by 8%. The shortfall is small next to 2 H w per token at
-    Megatron-sized H, but it is not covered by a term.
     """
     f1 = ffn * (2 if glu else 1)
     per_row = dtype_bytes * (12 * hidden + 3 * f1 + 4 * ffn) + 64
-    per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8
+    per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8 + 16 * topk
     return num_tokens * per_token + 2 * expert_param_bytes + chunk_rows * per_row

@@ -322,7 +322,7 @@ def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float) -> float:
     w, h, f = run.w, s.hidden, s.moe_ffn
     f1 = f * (2 if s.gated else 1)
     per_row = w * (12 * h + 3 * f1 + 4 * f) + 64
-    per_token = 2 * h * w + 4 * s.experts + 64
+    per_token = 2 * h * w + 4 * s.experts + 64 + 16 * s.topk
     expert_bytes = (s.experts / run.ep) * mlp_params(h, f, s.gated, run.etp) * w
     return r * per_token + 2 * expert_bytes + chunk_rows * per_row
 

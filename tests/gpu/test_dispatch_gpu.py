@@ -107,7 +107,7 @@ def test_peak_bounded_as_tokens_grow(megatron_gpu):
             torch.cuda.synchronize()
             peaks[T, method] = torch.cuda.max_memory_allocated() - base
             x.grad = None
-        bound = working_set_bound(num_tokens=T, hidden=H, ffn=F, num_experts=E, chunk_rows=4096 + k,
+        bound = working_set_bound(num_tokens=T, hidden=H, ffn=F, num_experts=E, topk=k, chunk_rows=4096 + k,
                                   expert_param_bytes=sum(p.numel() * 2 for p in layer.experts.parameters()),
                                   dtype_bytes=2)
         assert peaks[T, "peakflat-c64"] <= bound, (T, peaks, bound)
