@@ -128,15 +128,15 @@ def _run(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            losses = train_steps(setup, batches, num_microbatches=opts["microbatches"], device=device)
+            train_steps(setup, batches, num_microbatches=opts["microbatches"], device=device)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
         else:
-            losses = train_steps(setup, batches[: opts["microbatches"]], num_microbatches=opts["microbatches"])
+            train_steps(setup, batches[: opts["microbatches"]], num_microbatches=opts["microbatches"])
             with LiveBytesMeter() as meter:  # one metered step: the meter slows every op
                 train_steps(setup, batches[opts["microbatches"]: 2 * opts["microbatches"]],
                             num_microbatches=opts["microbatches"])
-            losses = train_steps(setup, batches[2 * opts["microbatches"]:], num_microbatches=opts["microbatches"])
+            train_steps(setup, batches[2 * opts["microbatches"]:], num_microbatches=opts["microbatches"])
             peak = meter.peak
         elapsed = time.perf_counter() - t0
         return {"losses": list(setup.losses), "peak": peak, "seconds": elapsed, "stats": stats.snapshot(),

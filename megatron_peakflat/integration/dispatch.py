@@ -22,7 +22,6 @@ fusion (its wgrads bypass autograd), and the inference-optimized transformer.
 from __future__ import annotations
 
 import functools
-import logging
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
@@ -32,18 +31,10 @@ from torch.func import functional_call
 from .. import stats
 from ..dispatch.api import llep_moe
 from . import state
+from .logs import info_once
 
 __all__ = ["wrap_moe_layer_init", "wrap_routed_experts_compute", "PeakflatDispatcher", "SequentialMLPBank",
            "unsupported_reason"]
-
-log = logging.getLogger("megatron_peakflat")
-_said: set[str] = set()
-
-
-def _say_once(msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        log.info(msg)
 
 
 def _plain_mlp_reason(experts: Any) -> str | None:
@@ -201,7 +192,7 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
         if bank is None or bank.experts is not experts:
             bank = self._bank = SequentialMLPBank(experts, plain=self.plain_experts)
             if not bank.plain:
-                _say_once(f"peakflat dispatch: experts run through their modules ({bank.plain_reason or 'forced'})")
+                info_once(f"peakflat dispatch: experts run through their modules ({bank.plain_reason or 'forced'})")
         group = self.ep_group if self.ep_size > 1 else None
         return llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg)
 
@@ -262,7 +253,7 @@ def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., Non
             return
         why = unsupported_reason(self)
         if why is not None:
-            _say_once(f"peakflat dispatch: MoE layer keeps Megatron's dispatcher: {why}")
+            info_once(f"peakflat dispatch: MoE layer keeps Megatron's dispatcher: {why}")
             stats.add("dispatch", "handed_back_layers", 1)
             return
         original = self.token_dispatcher
@@ -271,7 +262,7 @@ def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., Non
         if self.shared_experts is not None and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
         stats.add("dispatch", "layers", 1)
-        _say_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={self.token_dispatcher.ep_size}, "
+        info_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={self.token_dispatcher.ep_size}, "
                   f"c={cfg.dispatch.chunk_cap}, max K={cfg.dispatch.max_chunks}, alpha={cfg.dispatch.alpha}, "
                   f"m={cfg.dispatch.min_spill}, lambda={cfg.dispatch.imbalance_threshold})")
 

@@ -12,7 +12,6 @@ over the vocabulary). TP=1 runs the single-device fused path.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, Callable
 
 import torch
@@ -20,18 +19,10 @@ import torch.distributed as dist
 
 from ..vocab.api import ring_linear_cross_entropy
 from . import state
+from .logs import info_once
 
 __all__ = ["wrap_gpt_forward", "ring_output_processor"]
 
-log = logging.getLogger("megatron_peakflat")
-_said: set[str] = set()
-
-
-def _say_once(msg: str, *args: Any) -> None:
-    key = msg % args
-    if key not in _said:
-        _said.add(key)
-        log.info(key)
 
 
 def _bounds(total: int, parts: int) -> list[int]:
@@ -133,9 +124,9 @@ def wrap_gpt_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]
             return original_forward(self, *args, **kwargs)
         reason = _hand_back_reason(self, kwargs)
         if reason is not None:
-            _say_once("peakflat vocab: Megatron's own output layer and loss used: %s", reason)
+            info_once("peakflat vocab: Megatron's own output layer and loss used: %s", reason)
             return original_forward(self, *args, **kwargs)
-        _say_once("peakflat vocab: Ring-DTP loss (schedule=%s, block=%s rows, kernel=%s); logits are not built",
+        info_once("peakflat vocab: Ring-DTP loss (schedule=%s, block=%s rows, kernel=%s); logits are not built",
                   cfg.vocab.schedule, cfg.vocab.block_size, cfg.vocab.kernel)
         kwargs["output_processor"] = ring_output_processor
         return original_forward(self, *args, **kwargs)
