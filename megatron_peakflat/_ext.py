@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["load", "require", "reason", "ExtensionMissingError"]
+__all__ = ["load", "require", "reason", "ExtensionMissingError", "register_host_memory", "unregister_host_memory"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -103,6 +103,26 @@ def require(feature: str) -> ModuleType:
         raise ExtensionMissingError(f"{feature} needs the native extension megatron_peakflat._C: {reason()}. "
                                     f"To get it, {_BUILD_HINT}.")
     return module
+
+
+def register_host_memory(ptr: int, nbytes: int) -> str:
+    """Pin ``nbytes`` of host memory at ``ptr`` with one ``cudaHostRegister`` through torch's binding
+    of the CUDA runtime; returns "" on success, else the error. A C++-only build of the extension
+    (no ``PEAKFLAT_WITH_CUDA``) maps its host pools but cannot register them itself."""
+    import torch
+
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    return "" if int(err) == 0 else f"cudaHostRegister returned {err}"
+
+
+def unregister_host_memory(ptr: int) -> None:
+    """Undo ``register_host_memory`` (quietly at interpreter shutdown)."""
+    try:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _reset_for_tests() -> None:

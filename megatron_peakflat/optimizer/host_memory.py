@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from ..config_base import format_bytes
+from .._ext import register_host_memory, unregister_host_memory
 
 __all__ = ["HostMemoryError", "HostRegion", "check_host_budget", "mem_available", "ranks_on_node"]
 
@@ -92,12 +93,10 @@ class HostRegion:
                         "host<->GPU copies will be slower", format_bytes(self.nbytes), self.pin_error)
 
     def _register(self, ptr: int, nbytes: int) -> None:
-        """One cudaHostRegister of the whole region (torch's binding of the CUDA runtime)."""
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-        if int(err) == 0:
-            self.pinned, self._registered_ptr, self.pin_error = True, ptr, ""
-        else:
-            self.pin_error = f"cudaHostRegister returned {err}"
+        """One cudaHostRegister of the whole region."""
+        self.pin_error = register_host_memory(ptr, nbytes)
+        if not self.pin_error:
+            self.pinned, self._registered_ptr = True, ptr
 
     def carve(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled 1-D tensor of ``numel`` elements inside the region (256-byte aligned)."""
@@ -114,7 +113,4 @@ class HostRegion:
 
     def __del__(self) -> None:
         if self._registered_ptr:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
+            unregister_host_memory(self._registered_ptr)

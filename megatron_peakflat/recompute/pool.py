@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config_base import format_bytes
+from .._ext import register_host_memory, unregister_host_memory
 
 __all__ = ["HostSlot", "HostPool", "TorchHostPool", "NativeHostPool", "make_pool", "host_available_bytes",
            "resolve_budget"]
@@ -246,9 +247,19 @@ class NativeHostPool(_RecyclingPool):
         self._region = module.HostPool(int(budget), bool(pin))
         self.budget = int(budget)
         self.pinned = bool(self._region.pinned)
+        self._registered_ptr = 0
+        pin_error = str(self._region.pin_error)
+        if pin and not self.pinned and torch.cuda.is_available() and not getattr(module, "with_cuda", False):
+            ptr = int(self._region.base_address)
+            pin_error = register_host_memory(ptr, int(self._region.capacity))
+            self.pinned, self._registered_ptr = not pin_error, (0 if pin_error else ptr)
         if pin and not self.pinned:
             log.warning("peakflat SCO: native host pool is pageable (%s); copies will not overlap compute",
-                        self._region.pin_error)
+                        pin_error)
+
+    def __del__(self) -> None:
+        if getattr(self, "_registered_ptr", 0):
+            unregister_host_memory(self._registered_ptr)
 
     def _new_slot(self, nbytes: int) -> HostSlot | None:
         if self._region.used + nbytes + 256 > self._region.capacity:  # 256: the region's carve alignment
