@@ -70,7 +70,7 @@ setup(
         "triton; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest", "pybind11", "ninja"],
+        "test": ["pytest", "pybind11", "ninja", "psutil"],
         "plot": ["matplotlib"],
         "te": ["transformer-engine[pytorch]"],
     },

@@ -57,3 +57,31 @@ def test_short_run_same_loss_with_peakflat_on():
     assert "patched megatron.core.recompute.checkpointed_forward" in text
     assert "patched megatron.core.models.gpt.gpt_model.GPTModel.forward" in text
     assert _losses(text) == pytest.approx(base, rel=1e-5)
+
+
+RESUME = [*TINY, *RECOMPUTE, "--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0"]
+PEAKFLAT_ON = ["--peakflat-sco", "--peakflat-vocab", "ring-dtp", "--peakflat-dispatch", "pipelined-llep"]
+
+
+def _save_and_resume(tmp: str, *extra: str) -> list[float]:
+    saved = run("megatron_peakflat.testing.pretrain_dryrun", *RESUME, *extra, "--save", tmp, "--save-interval", "3",
+                "--exit-interval", "3")
+    assert saved.returncode == 0 and "successfully saved checkpoint" in saved.stdout + saved.stderr, \
+        (saved.stdout + saved.stderr)[-3000:]
+    resumed = run("megatron_peakflat.testing.pretrain_dryrun", *RESUME, *extra, "--load", tmp)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    return _losses(resumed.stdout + resumed.stderr)
+
+
+def test_checkpoint_resume_with_peakflat_continues_as_megatron_does(tmp_path):
+    """Megatron's distributed checkpoint (model, optimizer, scheduler, data position) saved at iteration 3
+    and loaded: with peakflat on, the resumed iterations are exactly Megatron's own resumed iterations,
+    and the last one equals the uninterrupted run's."""
+    straight = run("megatron_peakflat.testing.pretrain_dryrun", *RESUME, *PEAKFLAT_ON)
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-3000:]
+    full = _losses(straight.stdout + straight.stderr)
+    ours = _save_and_resume(str(tmp_path / "on"), *PEAKFLAT_ON)
+    theirs = _save_and_resume(str(tmp_path / "off"))
+    assert len(full) == 6 and len(ours) == 3
+    assert ours == theirs
+    assert ours[-1] == full[-1] and ours[0] == full[3]
