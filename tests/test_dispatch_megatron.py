@@ -42,14 +42,38 @@ def _skew_router(model, skew: str, seed: int) -> None:
         m.gating = skewed
 
 
+def _ref_and_patched(config, dispatch) -> tuple:  # noqa: ANN001
+    """Megatron's own model, then the same weights built with PipelinedLLEP (``dispatch``) patched in."""
+    import megatron_peakflat
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    ref = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+    megatron_peakflat.apply(PeakflatConfig(dispatch=dispatch, general=GeneralConfig(attention="local")))
+    model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def _check_grads(name: str, ref, model, losses: list[torch.Tensor]) -> float:  # noqa: ANN001
+    """Loss and every parameter's gradient of ``model`` within 1e-5 of ``ref``; returns the largest error."""
+    errs = [_rel(losses[1], losses[0])]
+    for (n, mine), theirs in zip(model.named_parameters(), ref.parameters()):
+        assert (mine.grad is None) == (theirs.grad is None), (name, n)
+        if theirs.grad is not None:
+            errs.append(_rel(mine.grad, theirs.grad))
+            assert errs[-1] <= 1e-5, (name, n, errs[-1])
+    return max(errs)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-20))
 
 
 def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
     import megatron_peakflat
-    from megatron_peakflat import PeakflatConfig, stats
-    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat import stats
     from megatron_peakflat.dispatch.config import DispatchConfig
     from megatron_peakflat.integration.dispatch import PeakflatDispatcher
     from megatron_peakflat.testing import megatron_cpu as mc
@@ -81,13 +105,8 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         torch.manual_seed(1234)
         mc.init_megatron_parallel(ep=world, seed=1234)
         config = mc.tiny_transformer_config(num_moe_experts=E, **extra)
-        ref_model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
-        cfg = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8,
-                                                     alpha=1.0, min_spill=0, imbalance_threshold=1.05),
-                             general=GeneralConfig(attention="local"))
-        megatron_peakflat.apply(cfg)
-        model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
-        model.load_state_dict(ref_model.state_dict())
+        ref_model, model = _ref_and_patched(config, DispatchConfig(
+            impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8, alpha=1.0, min_spill=0, imbalance_threshold=1.05))
         swapped = [m for m in model.modules() if isinstance(getattr(m, "token_dispatcher", None), PeakflatDispatcher)]
         assert len(swapped) == config.num_layers, "every MoE layer must hold PipelinedLLEP's dispatcher"
         assert all(m.config.moe_token_dispatcher_type == "alltoall" for m in swapped)
@@ -99,27 +118,16 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=5 + rank)
         stats.reset()
         losses = []
-        grads = []
         for m in (ref_model, model):
             m.train()
             loss = mc.gpt_loss(m, batch)
             loss.backward()
             losses.append(loss.detach())
-            grads.append({n: p.grad.detach().clone() if p.grad is not None else None for n, p in m.named_parameters()})
         assert all(m.token_dispatcher._bank.plain == plain for m in swapped)
         snap = stats.snapshot().get("dispatch", {})
         assert snap.get("chunks") == K, (K, snap)
         name = f"{skew},K={K},{'+'.join(k for k in extra if k != 'recompute_method')},rank={rank}"
-        errs = [_rel(losses[1], losses[0])]
-        for n, g in grads[0].items():
-            mine = grads[1][n]
-            assert (g is None) == (mine is None), (name, n)
-            if g is not None:
-                e = _rel(mine, g)
-                assert e <= 1e-5, (name, n, e)
-                errs.append(e)
-        spilled = int(snap.get("spilled_experts", 0))
-        out.append((name, max(errs), spilled))
+        out.append((name, _check_grads(name, ref_model, model, losses), int(snap.get("spilled_experts", 0))))
         megatron_peakflat.remove()
     if world <= 2:
         out.append(_ddp_case(rank, world, E))
@@ -132,42 +140,29 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
 def _tp_case(rank: int) -> tuple[str, float, int]:
     """TP=2 with sequence parallelism, EP=2, expert TP=1: each rank dispatches its sequence shard."""
     import megatron_peakflat
-    from megatron_peakflat import PeakflatConfig
-    from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.dispatch.config import DispatchConfig
     from megatron_peakflat.testing import megatron_cpu as mc
 
     megatron_peakflat.remove()
     mc.init_megatron_parallel(tp=2, ep=2, seed=1234)
     config = mc.tiny_transformer_config(num_moe_experts=4)
-    ref = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
-    megatron_peakflat.apply(PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=10, min_spill=0,
-                                                                   imbalance_threshold=1.0),
-                                           general=GeneralConfig(attention="local")))
-    model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
-    model.load_state_dict(ref.state_dict())
+    ref, model = _ref_and_patched(config, DispatchConfig(impl="pipelined-llep", chunk_cap=10, min_spill=0,
+                                                         imbalance_threshold=1.0))
     batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=3)
     losses = []
     for m in (ref, model):
         loss = mc.gpt_loss(m, batch)
         loss.backward()
         losses.append(loss.detach())
-    errs = [_rel(losses[1], losses[0])]
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad is None) == (q.grad is None), n
-        if q.grad is not None:
-            errs.append(_rel(p.grad, q.grad))
-            assert errs[-1] <= 1e-5, ("tp2-ep2", n, errs[-1])
+    worst = _check_grads("tp2-ep2", ref, model, losses)
     megatron_peakflat.remove()
-    return (f"tp2-ep2-sp,rank={rank}", max(errs), 0)
+    return (f"tp2-ep2-sp,rank={rank}", worst, 0)
 
 
 def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:
     """Megatron DDP with overlapped grad reduce: main_grad after finish_grad_sync matches, 2 iterations."""
     import megatron_peakflat
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron_peakflat import PeakflatConfig
-    from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.dispatch.config import DispatchConfig
     from megatron_peakflat.testing import megatron_cpu as mc
 
@@ -175,12 +170,8 @@ def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:
     mc.init_megatron_parallel(ep=world, seed=1234)
     config = mc.tiny_transformer_config(num_moe_experts=E)
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
-    ref_inner = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
-    megatron_peakflat.apply(PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=10, min_spill=0,
-                                                                   imbalance_threshold=1.05),
-                                           general=GeneralConfig(attention="local")))
-    inner = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
-    inner.load_state_dict(ref_inner.state_dict())
+    ref_inner, inner = _ref_and_patched(config, DispatchConfig(impl="pipelined-llep", chunk_cap=10, min_spill=0,
+                                                               imbalance_threshold=1.05))
     _skew_router(ref_inner, "hot95", 5 + rank)
     _skew_router(inner, "hot95", 5 + rank)
     models = [DistributedDataParallel(config, ddp_cfg, m) for m in (ref_inner, inner)]
