@@ -1,9 +1,11 @@
 """Build and install megatron-peakflat.
 
-The extension ``megatron_peakflat._C`` is built from csrc/: the C++ sources always, the CUDA
-sources too when torch has CUDA and nvcc is found (``PEAKFLAT_CUDA=0/1`` forces the choice).
-``PEAKFLAT_BUILD_EXT=0`` skips the extension; the package then runs on its Python fallbacks and
-says so when a feature would have used the extension. Install with
+The extension ``megatron_peakflat._C`` is built from csrc/: the C++ sources always; with CUDA
+(``PEAKFLAT_WITH_CUDA``: CUDA runtime calls such as the bucket stream engine, and csrc/*.cu if any)
+when torch has CUDA, a CUDA toolkit (nvcc and its headers) is found and a GPU is visible, the rule of
+``megatron_peakflat._ext``'s JIT build. ``PEAKFLAT_CUDA=0/1`` forces the choice (1: e.g. a build node
+without a GPU). ``PEAKFLAT_BUILD_EXT=0`` skips the extension; the package then runs on its Python
+fallbacks and says so when a feature would have used the extension. Install with
 ``pip install --no-build-isolation .`` so the extension builds against the torch you run.
 """
 
@@ -16,12 +18,24 @@ import shutil
 from setuptools import find_packages, setup
 
 
+def _cuda_toolkit(torch_cuda_home: str | None) -> str | None:
+    """The CUDA toolkit to build against: torch's CUDA_HOME when it holds nvcc and the runtime headers,
+    else /usr/local/cuda when that does (an nvcc on the PATH may be a wrapper script outside the toolkit,
+    e.g. /usr/local/bin/nvcc, from which torch guesses CUDA_HOME=/usr/local); None when neither does."""
+    for home in (torch_cuda_home, "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h")) \
+                and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return home
+    return None
+
+
 def _extensions() -> tuple[list, dict]:
     if os.environ.get("PEAKFLAT_BUILD_EXT", "1") == "0":
         return [], {}
     try:
         import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+        from torch.utils import cpp_extension
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         print("megatron-peakflat: torch not importable at build time; building without megatron_peakflat._C")
         return [], {}
@@ -30,12 +44,21 @@ def _extensions() -> tuple[list, dict]:
     if not cpp:
         return [], {}
     want_cuda = os.environ.get("PEAKFLAT_CUDA")
-    has_nvcc = CUDA_HOME is not None and (shutil.which("nvcc") or os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")))
-    use_cuda = bool(cu) and torch.version.cuda is not None and bool(has_nvcc)
-    if want_cuda is not None:
-        use_cuda = want_cuda == "1" and bool(cu)
+    toolkit = _cuda_toolkit(cpp_extension.CUDA_HOME) if torch.version.cuda is not None else None
+    if want_cuda is None:
+        use_cuda = toolkit is not None and torch.cuda.is_available()
+    else:
+        use_cuda = want_cuda == "1"
+        if use_cuda and toolkit is None:
+            raise RuntimeError(
+                f"megatron-peakflat: PEAKFLAT_CUDA=1, but no CUDA build is possible (torch CUDA {torch.version.cuda}, "
+                f"CUDA_HOME={cpp_extension.CUDA_HOME}, and no nvcc plus include/cuda_runtime_api.h there or under "
+                f"/usr/local/cuda). Set CUDA_HOME to the CUDA toolkit, or PEAKFLAT_CUDA=0 for the C++-only extension.")
     cxx = ["-O3", "-fopenmp"]  # the C++ standard is the one torch's headers ask for
     if use_cuda:
+        if toolkit != cpp_extension.CUDA_HOME:
+            # CUDAExtension and BuildExtension read the module's CUDA_HOME when they run
+            cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = toolkit
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         ext = CUDAExtension(
             "megatron_peakflat._C",
@@ -48,7 +71,7 @@ def _extensions() -> tuple[list, dict]:
     else:
         ext = CppExtension("megatron_peakflat._C", cpp, include_dirs=[os.path.abspath("csrc")],
                            extra_compile_args=cxx, extra_link_args=["-fopenmp"])
-    print(f"megatron-peakflat: building megatron_peakflat._C ({'C++ and CUDA' if use_cuda else 'C++ only'})")
+    print(f"megatron-peakflat: building megatron_peakflat._C ({f'C++ and CUDA, toolkit {toolkit}' if use_cuda else 'C++ only'})")
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=bool(shutil.which("ninja")))}
 
 

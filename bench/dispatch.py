@@ -3,7 +3,7 @@
 
 - ``megatron-alltoall``: Megatron's own alltoall dispatcher (the layer as Megatron builds it);
 - ``llep-unchunked``: PipelinedLLEP with one chunk (the plan and recompute, no chunking);
-- ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 32768, at most 64 chunks);
+- ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks);
 - ``peakflat-c<N>``: chunk cap N with up to 1024 chunks, so that the cap alone sets K.
 
 At EP=1 the plan is trivial; chunking alone bounds the expert activations. The layer is wrapped in

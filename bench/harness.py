@@ -4,6 +4,10 @@ Peak is ``max_memory_allocated`` minus the memory allocated before the call, inp
 device (DESIGN.md, Benchmarks). Time is the median of ``reps`` runs after ``warmup`` runs, each
 bracketed by CUDA events. A method that runs out of memory is recorded with ``peak_gib=None`` and
 ``error='OOM'`` instead of ending the benchmark.
+
+``write(..., merge=True)`` adds rows to an existing results file (replacing rows of the same case and
+method), so a separate invocation (e.g. ``bench/sco.py --max-seq``) keeps the rows of the main run.
+``largest_fitting`` is the search behind "largest size that fits a memory limit" rows.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -77,14 +82,143 @@ def environment() -> dict[str, Any]:
     return {"device": dev, "torch": torch.__version__, "megatron_core": mcore}
 
 
-def write(component: str, rows: list[Row], *, command: str | None = None, out: Path | None = None) -> Path:
-    """Write ``bench/results/<component>.json`` (and a copy under $OUT when set)."""
-    doc = {"component": component, **environment(), "command": command or " ".join([sys.executable, *sys.argv]),
-           "rows": [asdict(r) for r in rows]}
+def write(component: str, rows: list[Row], *, command: str | None = None, out: Path | None = None,
+          merge: bool = False) -> Path:
+    """Write ``bench/results/<component>.json`` (and a copy under $OUT when set).
+
+    ``merge``: when the file exists, keep its rows and top-level fields and put ``rows`` in: a row with
+    the case and method of an existing one replaces it in place, the others are appended; the command
+    line is added to ``merged_commands`` (the file's own ``command`` stays that of its main run)."""
+    command = command or " ".join([sys.executable, *sys.argv])
     path = out or RESULTS / f"{component}.json"
+    doc = {"component": component, **environment(), "command": command, "rows": [asdict(r) for r in rows]}
+    if merge and path.exists():
+        doc = merged(json.loads(path.read_text()), rows, command)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"{component}.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {path}" + (" (merged)" if merge else ""))
     return path
+
+
+def merged(doc: dict[str, Any], rows: list[Row], command: str) -> dict[str, Any]:
+    """``doc`` (a results file's content) with ``rows`` merged in by (case, method); see ``write``."""
+    doc = dict(doc)
+    old = list(doc.get("rows", []))
+    index = {(r["case"], r["method"]): i for i, r in enumerate(old)}
+    for r in rows:
+        d = asdict(r)
+        key = (d["case"], d["method"])
+        if key in index:
+            old[index[key]] = d
+        else:
+            index[key] = len(old)
+            old.append(d)
+    doc["rows"] = old
+    cmds = list(doc.get("merged_commands", []))
+    if command not in cmds and command != doc.get("command"):
+        cmds.append(command)
+    if cmds:
+        doc["merged_commands"] = cmds
+    return doc
+
+
+@dataclass
+class Trial:
+    """One try of a size against a memory limit."""
+
+    size: int
+    fits: bool
+    peak_gib: float | None = None
+    """The peak the try reached (None when it failed before the end, e.g. out of memory)."""
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def largest_fitting(attempt: Callable[[int], Trial], *, step: int, start: int, limit_size: int,
+                    known: list[Trial] | tuple[Trial, ...] = (), deadline: float | None = None,
+                    cost: Callable[[int], float] | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> tuple[int | None, int | None, list[Trial], bool]:
+    """The largest multiple of ``step`` in [step, limit_size] for which ``attempt`` fits.
+
+    Assumes fitting is monotone (a size that fits means every smaller one fits). Searches from
+    ``start``: doubling the distance, in steps, while tries stay on the same side, then bisecting the
+    bracket. ``known`` tries (any sizes) seed the bracket and are never repeated. Before each try, stops
+    when ``clock()`` is past ``deadline``, or would be after ``cost(size)`` more seconds.
+
+    Returns (largest size that fits, or None when even ``step`` does not; the smallest multiple of
+    ``step`` known not to fit, or None; every try in order, ``known`` first; complete), where
+    ``complete`` is False when the deadline cut the search short (the answer is then a lower bound).
+    """
+    if step < 1 or limit_size < step:
+        raise ValueError(f"step={step}, limit_size={limit_size}: need 1 <= step <= limit_size")
+    tries = list(known)
+    lo = max((t.size // step for t in tries if t.fits), default=0)  # in steps; 0: nothing fits yet
+    hi_units = [-(-t.size // step) for t in tries if not t.fits]
+    top = limit_size // step
+    hi: int | None = min(hi_units) if hi_units else None
+    seen = {t.size for t in tries}
+    complete = True
+
+    def run(units: int) -> bool | None:
+        nonlocal complete
+        size = units * step
+        if size in seen:
+            return next(t.fits for t in tries if t.size == size)
+        now = clock()
+        if deadline is not None and (now > deadline or (cost is not None and now + cost(size) > deadline)):
+            complete = False
+            return None
+        t = attempt(size)
+        tries.append(t)
+        seen.add(size)
+        return t.fits
+
+    if hi is not None and hi <= 1:
+        return None, step, tries, True
+    up = True
+    u = min(max(1, start // step), top)
+    if hi is not None:
+        u = min(u, hi - 1)
+    if u > lo:
+        ok = run(u)
+        if ok is None:
+            return (lo * step or None), (hi * step if hi is not None else None), tries, False
+        if ok:
+            lo = u
+        else:
+            hi, up = u, False
+    d = 1
+    if up:  # gallop up from the largest fit: lo + 1, lo + 2, lo + 4, ... until one does not fit
+        while (hi is None or hi - lo > 1) and lo < top:
+            cand = min(lo + d, top if hi is None else hi - 1)
+            ok = run(cand)
+            if ok is None:
+                break
+            if not ok:
+                hi = cand
+                break
+            lo, d = cand, 2 * d
+    else:  # gallop down from the smallest failure until one fits
+        while hi - lo > 1:
+            cand = max(hi - d, lo + 1)
+            ok = run(cand)
+            if ok is None:
+                break
+            if ok:
+                lo = cand
+                break
+            hi, d = cand, 2 * d
+    while complete and hi is not None and hi - lo > 1:  # bisect the bracket
+        mid = (lo + hi) // 2
+        ok = run(mid)
+        if ok is None:
+            break
+        if ok:
+            lo = mid
+        else:
+            hi = mid
+    if hi is None and lo < top:
+        complete = False
+    return (lo * step or None), (hi * step if hi is not None else None), tries, complete

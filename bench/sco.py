@@ -12,13 +12,41 @@ measured one. Usage (one H200, ~2-3 min):
 
     python -m bench.sco                     # L=16, H=2048, S=65536
     python -m bench.sco --seq 131072 --layers 24 --hidden 4096 --heads 32   # bigger, slower
+    python -m bench.sco --max-seq           # largest trainable sequence under a memory limit (~3 min)
+    python -m bench.sco --max-seq --dry-run # the same search on CPU with tiny shapes (~15 s, no results)
+
+``--max-seq`` (issue #4: a larger trainable sequence at the same memory limit) finds, for SCO off,
+SCO on and ``save_on_cpu``, the largest sequence (a multiple of ``--seq-step``) whose forward +
+backward fits under ``--mem-limit-gib``: the step's ``max_memory_allocated`` (model, gradients and
+batch included) at most the limit, an out-of-memory error counting as not fitting. The default limit
+is what SCO off reaches at ``--seq`` (rounded up to 10 MiB), so the rows answer "how long a sequence
+does each method train in the memory that SCO off needs for --seq tokens". Each method first runs
+``--seq / 4`` and ``--seq`` tokens; the line through those two peaks gives the first guess, then
+the search doubles its distance from the guess while tries stay on one side and bisects the bracket
+(``harness.largest_fitting``). ``--max-seq-budget-s`` bounds the whole search: a try that its
+estimated time (a S + b S^2 through the two probes) would push past a method's share is not
+started, and the row says ``complete: false`` (its ``max_seq`` is then a lower bound). The rows
+(case ``max-seq,L=..,H=..,limit=..GiB``; ``peak_gib``: the step at ``max_seq`` above the memory
+allocated before it; ``ms``: that try's wall time; ``extra.tried``: every try) are merged into
+bench/results/sco.json by (case, method), keeping the rows of the main run. With ``--dry-run`` the
+search runs on CPU under LiveBytesMeter, where offloaded copies are CPU memory too: it checks the
+search, the rows and the merge, not the savings.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import math
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,16 +54,25 @@ import torch
 from bench import harness
 
 
-def setup() -> None:
-    """One-rank process group and Megatron parallel state (TP = PP = 1)."""
+def setup(cpu: bool = False) -> None:
+    """One-rank process group and Megatron parallel state (TP = PP = 1); ``cpu``: gloo and the CPU shim."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    if cpu:
+        from megatron_peakflat.testing import megatron_cpu
+
+        megatron_cpu.install_cpu_shim()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     if not dist.is_initialized():
-        dist.init_process_group("nccl", rank=0, world_size=1)
+        dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
+    if cpu:
+        from megatron_peakflat.testing import megatron_cpu
+
+        megatron_cpu.init_megatron_parallel(cpu=True, seed=1234)
+        return
     torch.cuda.set_device(0)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
@@ -117,10 +154,21 @@ def main() -> None:
     ap.add_argument("--budget", default=None, help="SCO budget, e.g. 64GiB (default: the flag's default)")
     ap.add_argument("--native-pool", action="store_true",
                     help="also measure SCO on the compiled host pool (row peakflat-native; PEAKFLAT_JIT=1 builds it)")
-    ap.add_argument("--max-seq-limit-gib", type=float, default=None,
-                    help="also find the largest sequence (doubling from --seq, up to 8x) that trains under this "
-                         "GPU memory limit, SCO off and on (one step per try; adds minutes)")
+    ap.add_argument("--max-seq", action="store_true",
+                    help="only the largest-sequence search (see the module docstring); rows merged into sco.json")
+    ap.add_argument("--mem-limit-gib", type=float, default=None,
+                    help="--max-seq: the memory limit (default: SCO off's peak at --seq, model included)")
+    ap.add_argument("--seq-step", type=int, default=8192, help="--max-seq: sequences are multiples of this")
+    ap.add_argument("--max-seq-cap", type=int, default=None, help="--max-seq: largest sequence tried (default 8 x --seq)")
+    ap.add_argument("--max-seq-budget-s", type=float, default=170.0,
+                    help="--max-seq: seconds for the whole search, shared by the three methods (default %(default)s)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the --max-seq search on CPU with tiny shapes and LiveBytesMeter; merges into a temporary "
+                         "copy of sco.json, never the real one")
     args = ap.parse_args()
+    if args.dry_run or args.max_seq:
+        max_seq_main(args)
+        return
     import megatron_peakflat
     from megatron_peakflat.config_base import parse_size
     from megatron_peakflat.integration import recompute as sco_integration
@@ -195,38 +243,172 @@ def main() -> None:
         ours.extra["time_ratio_vs_off"] = round(base.ms / ours.ms, 4)
         print(f"peak saved {saved:.3f} GiB of {pred:.3f} GiB predicted ({saved / max(pred, 1e-9):.1%}); "
               f"speed vs SCO off {base.ms / ours.ms:.3f}x", flush=True)
-    if args.max_seq_limit_gib:
-        rows += max_seq_rows(model, args, on, off)
     harness.write("sco", rows)
     megatron_peakflat.remove()
 
 
-def max_seq_rows(model: Any, args: Any, on: Any, off: Any) -> list[harness.Row]:
-    """Largest sequence (doubling) whose step fits under ``--max-seq-limit-gib``, SCO off versus on."""
+# ------------------------------------------------------------------------------------------------
+# --max-seq: the largest trainable sequence under a memory limit
+
+MAX_SEQ_METHODS = ("megatron-full-recompute", "peakflat", "save-on-cpu")
+BUDGET_SHARE = {"megatron-full-recompute": 0.15, "peakflat": 0.45, "save-on-cpu": 1.0}
+"""Cumulative share of --max-seq-budget-s by which each method's search must end (save-on-cpu's tries
+are the longest: its limit sequence is the largest and each step pays host copies)."""
+
+
+def _gib(x: float | None) -> str:
+    return "None" if x is None else (f"{x:.2f}" if x >= 1 else f"{x:.4g}")
+
+
+class _Probe:
+    """Peak bytes of one step: CUDA's allocator (absolute, model included), or LiveBytesMeter on CPU."""
+
+    def __init__(self, cpu: bool) -> None:
+        self.cpu = cpu
+
+    def run(self, fn: Callable[[], Any]) -> tuple[int, int]:
+        """(peak bytes, peak bytes above what was allocated before ``fn``)."""
+        gc.collect()
+        if self.cpu:
+            from megatron_peakflat.testing.live_bytes import LiveBytesMeter
+
+            with LiveBytesMeter() as m:
+                fn()
+            return m.peak, m.peak
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        return peak, peak - base
+
+
+def max_seq_main(args: Any) -> None:
+    """--max-seq (and --dry-run): search each method's largest sequence, merge the rows into sco.json."""
+    import megatron_peakflat
+    from megatron_peakflat.integration import recompute as sco_integration
     from megatron_peakflat.integration import state
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_seq_limit_gib * 2**30 / total))
-    rows = []
-    for method, cfg in (("megatron-full-recompute", off), ("peakflat", on)):
-        state.set_current(cfg)
-        best = None
-        seq = args.seq
-        while seq <= 8 * args.seq:
-            try:
-                step(model, batch(seq, args.vocab))
-                torch.cuda.synchronize()
-                best = seq
-            except torch.OutOfMemoryError:
-                break
-            finally:
+    cpu = args.dry_run
+    if cpu:  # tiny shapes: the search, the rows and the merge run end to end in seconds
+        args.layers, args.hidden, args.heads, args.ffn, args.vocab = 3, 64, 4, 128, 128
+        args.seq, args.seq_step = 256, 32
+    step_len = args.seq_step
+    if args.seq % step_len or args.seq < 2 * step_len:
+        raise SystemExit(f"--seq {args.seq} must be a multiple of --seq-step {step_len}, at least twice it")
+    cap = args.max_seq_cap or 8 * args.seq
+    setup(cpu)
+    on, off = peakflat_configs()
+    megatron_peakflat.apply(on)  # patches SCO and SDPA attention; ``off`` only turns SCO off at call time
+    ffn = args.ffn or 4 * args.hidden
+    model = build_gpt(args.layers, args.hidden, args.heads, ffn, cap, args.vocab)
+    probe = _Probe(cpu)
+
+    def method_step(method: str) -> Callable[[dict[str, torch.Tensor]], Any]:
+        def run(b: dict[str, torch.Tensor]) -> Any:
+            state.set_current(on if method == "peakflat" else off)
+            ctx = (torch.autograd.graph.save_on_cpu(pin_memory=not cpu) if method == "save-on-cpu"
+                   else contextlib.nullcontext())
+            with ctx:
+                return step(model, b)
+        return run
+
+    t_start = time.monotonic()
+    limit = args.mem_limit_gib
+    above: dict[tuple[str, int], tuple[float, float]] = {}  # (method, seq) -> (GiB above the allocation before, ms)
+
+    def attempt(method: str, seq: int) -> harness.Trial:
+        fn = method_step(method)
+        t0 = time.perf_counter()
+        peak = rel = None
+        error = None
+        try:
+            b = batch(seq, args.vocab)
+            peak, rel = probe.run(lambda: fn(b))
+        except torch.OutOfMemoryError:
+            error = "OOM"
+        finally:
+            b = None
+            if error and method == "peakflat":
+                sco_integration.reset()  # nothing of a failed step may linger in the host pool
+            gc.collect()
+            if not cpu:
                 torch.cuda.empty_cache()
-            seq *= 2
-        rows.append(harness.Row(f"max-seq,L={args.layers},H={args.hidden},limit={args.max_seq_limit_gib}GiB",
-                                method, None, None, None, {"max_seq": best}))
-        print(f"{method}: largest sequence under {args.max_seq_limit_gib} GiB: {best}", flush=True)
-    torch.cuda.set_per_process_memory_fraction(1.0)
-    return rows
+        secs = time.perf_counter() - t0
+        peak_gib = None if peak is None else peak / 2**30
+        fits = peak_gib is not None and (limit is None or peak_gib <= limit)
+        if rel is not None:
+            above[method, seq] = (rel / 2**30, secs * 1e3)
+        t = harness.Trial(seq, fits, None if peak_gib is None else round(peak_gib, 6), round(secs, 3), error)
+        print(f"[max-seq] {method:24s} S={seq:>8} peak {_gib(peak_gib):>8} GiB "
+              f"{'fits' if fits else 'over'} (limit {_gib(limit)} GiB) {error or ''} "
+              f"{secs:6.1f} s, {time.monotonic() - t_start:6.0f} s total", flush=True)
+        return t
+
+    rows: list[harness.Row] = []
+    results: dict[str, int | None] = {}
+    for method in MAX_SEQ_METHODS:
+        method_step(method)(batch(step_len, args.vocab))  # warm-up: workspaces, pools, first-call costs
+        small_len = max(step_len, args.seq // 4 // step_len * step_len)
+        small = attempt(method, small_len)
+        base = attempt(method, args.seq)
+        if limit is None:  # SCO off's peak at --seq, rounded up to 10 MiB, is the limit
+            if base.peak_gib is None:
+                raise SystemExit(f"SCO off does not run at --seq {args.seq} ({base.error}): pass --mem-limit-gib")
+            limit = math.ceil(base.peak_gib * 100) / 100 if not cpu else base.peak_gib * (1 + 1e-9)
+            small, base = (dataclasses.replace(t, fits=t.peak_gib is not None and t.peak_gib <= limit)
+                           for t in (small, base))
+            print(f"[max-seq] limit {_gib(limit)} GiB: SCO off's peak at S={args.seq}", flush=True)
+        known = [small, base]
+        guess = float(args.seq)
+        if base.peak_gib is not None and small.peak_gib is not None and base.peak_gib > small.peak_gib:
+            slope = (base.peak_gib - small.peak_gib) / (base.size - small.size)  # peaks grow linearly in S
+            guess = args.seq + (limit - base.peak_gib) / slope
+        # A try's time: a S + b S^2 (attention is quadratic, copies linear), through the two probes.
+        x0, t0_, x1, t1_ = small.size, small.seconds, base.size, base.seconds
+        quad = max(0.0, (t1_ / x1 - t0_ / x0) / (x1 - x0))
+        lin = max(0.0, t1_ / x1 - quad * x1)
+        deadline = t_start + args.max_seq_budget_s * BUDGET_SHARE[method]
+        best, first_fail, tries, complete = harness.largest_fitting(
+            lambda n, m=method: attempt(m, n), step=step_len, start=int(max(step_len, min(guess, cap))),
+            limit_size=cap, known=known, deadline=deadline, cost=lambda n, a=lin, b=quad: 1.15 * (a * n + b * n * n))
+        results[method] = best
+        rel_gib, ms = above.get((method, best), (None, None)) if best else (None, None)
+        peak_abs = next((t.peak_gib for t in tries if t.size == best), None)
+        extra = {"max_seq": best, "first_fail": first_fail, "complete": complete, "limit_gib": round(limit, 4),
+                 "step": step_len, "peak_abs_gib": peak_abs, "guess": int(guess),
+                 "tried": [{"seq": t.size, "fits": t.fits, "peak_gib": t.peak_gib,
+                            "above_gib": round(above[method, t.size][0], 4) if (method, t.size) in above else None,
+                            "s": t.seconds, **({"error": t.error} if t.error else {})} for t in tries]}
+        rows.append(harness.Row(f"max-seq,L={args.layers},H={args.hidden},limit={_gib(limit)}GiB", method,
+                                None if rel_gib is None else round(rel_gib, 4), None if ms is None else round(ms, 1),
+                                None, extra))
+        print(f"[max-seq] {method}: largest sequence under {_gib(limit)} GiB: {best} (first over: {first_fail}"
+              f"{'' if complete else '; search cut by the time budget, a lower bound'})", flush=True)
+    off_best = results[MAX_SEQ_METHODS[0]]
+    for r in rows:
+        r.extra["vs_off"] = round(r.extra["max_seq"] / off_best, 4) if off_best and r.extra["max_seq"] else None
+    megatron_peakflat.remove()
+    if cpu:
+        out = Path(tempfile.mkdtemp(prefix="sco-dry-run-")) / "sco.json"
+        if (harness.RESULTS / "sco.json").exists():
+            shutil.copy(harness.RESULTS / "sco.json", out)
+        before = len(json.loads(out.read_text())["rows"]) if out.exists() else 0
+        saved_out = os.environ.pop("OUT", None)  # a dry run never lands in the results that come back
+        try:
+            harness.write("sco", rows, out=out, merge=True)
+        finally:
+            if saved_out is not None:
+                os.environ["OUT"] = saved_out
+        after = json.loads(out.read_text())["rows"]
+        assert len(after) == before + len(rows), "the merge lost or duplicated rows"
+        assert all(r.extra["max_seq"] for r in rows), "a tiny model must fit at least one step"
+        print(f"dry run: {len(after)} rows in {out} ({before} kept + {len(rows)} max-seq); "
+              f"{time.monotonic() - t_start:.1f} s of search")
+        return
+    harness.write("sco", rows, merge=True)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-// pybind11 module megatron_peakflat._C: bindings only; the code lives in host_pool.cpp and cpu_adam.cpp.
+// pybind11 module megatron_peakflat._C: bindings only; the code lives in host_pool.cpp, cpu_adam.cpp and
+// stream_engine.cpp (CUDA builds).
 #include <torch/extension.h>
 
 #include "cpu_adam.h"
 #include "host_pool.h"
+#include "stream_engine.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron-peakflat native parts: pinned host pool and host AdamW kernel";
+  m.doc() = "megatron-peakflat native parts: pinned host pool, host AdamW kernel, bucket stream engine (CUDA)";
 #ifdef PEAKFLAT_WITH_CUDA
   m.attr("with_cuda") = true;
 #else
@@ -25,4 +27,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("pinned", &peakflat::HostPool::pinned)
       .def_property_readonly("pin_error", &peakflat::HostPool::pin_error)
       .def_property_readonly("base_address", &peakflat::HostPool::base_address);
+#ifdef PEAKFLAT_WITH_CUDA
+  py::class_<peakflat::BucketStreamer, std::shared_ptr<peakflat::BucketStreamer>>(m, "BucketStreamer")
+      .def(py::init([](int64_t slots, int64_t device) {
+             // torch's stream pool and events need CUDA initialised in this process (torch does it lazily).
+             py::module_::import("torch.cuda").attr("init")();
+             return std::make_shared<peakflat::BucketStreamer>(slots, device);
+           }),
+           py::arg("slots"), py::arg("device"))
+      .def("upload", &peakflat::BucketStreamer::upload, py::arg("slot"), py::arg("state"), py::arg("host"),
+           py::arg("start"), py::arg("numel"), py::call_guard<py::gil_scoped_release>())
+      .def("write_back", &peakflat::BucketStreamer::write_back, py::arg("slot"), py::arg("state"), py::arg("host"),
+           py::arg("start"), py::arg("numel"), py::call_guard<py::gil_scoped_release>())
+      .def("synchronize", &peakflat::BucketStreamer::synchronize, py::arg("slot") = -1,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("slots", &peakflat::BucketStreamer::slots)
+      .def_property_readonly("device", &peakflat::BucketStreamer::device)
+      .def_property_readonly("upload_stream", &peakflat::BucketStreamer::upload_stream)
+      .def_property_readonly("download_stream", &peakflat::BucketStreamer::download_stream);
+#endif
 }

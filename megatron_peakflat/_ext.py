@@ -33,6 +33,16 @@ class ExtensionMissingError(RuntimeError):
     """A feature needs ``megatron_peakflat._C`` and it could not be loaded."""
 
 
+def _cuda_toolkit(torch_cuda_home: str | None) -> str | None:
+    """torch's CUDA_HOME when it holds nvcc and the runtime headers, else /usr/local/cuda when that does
+    (an nvcc on the PATH may be a wrapper script outside the toolkit, from which torch guesses its parent
+    folder); None when neither does. setup.py applies the same rule."""
+    for home in (torch_cuda_home, "/usr/local/cuda"):
+        if home and (Path(home) / "include" / "cuda_runtime_api.h").exists() and (Path(home) / "bin" / "nvcc").exists():
+            return home
+    return None
+
+
 def _jit_build() -> ModuleType:
     import torch
     from torch.utils import cpp_extension
@@ -43,11 +53,14 @@ def _jit_build() -> ModuleType:
     env = os.environ.get("PEAKFLAT_CUDA")
     want_cuda = env == "1" or (env is None and torch.cuda.is_available())
     with_cuda = want_cuda and torch.version.cuda is not None and shutil.which("nvcc") is not None
-    if with_cuda and not (Path(cpp_extension.CUDA_HOME or "/nonexistent") / "include" / "cuda_runtime_api.h").exists():
+    toolkit = _cuda_toolkit(cpp_extension.CUDA_HOME)
+    if with_cuda and toolkit is not None and toolkit != cpp_extension.CUDA_HOME:
+        cpp_extension.CUDA_HOME = toolkit  # read by cpp_extension.load when it runs
+    if with_cuda and toolkit is None:
         # e.g. nvcc is a wrapper outside the toolkit: build C++ only; the optimizer then pins its host
         # region through torch.cuda.cudart() instead of the extension's own cudaHostRegister
-        log.info("peakflat: CUDA headers not found under CUDA_HOME=%s; JIT-building megatron_peakflat._C as C++ only",
-                 cpp_extension.CUDA_HOME)
+        log.info("peakflat: no CUDA toolkit (nvcc and headers) under CUDA_HOME=%s or /usr/local/cuda; JIT-building "
+                 "megatron_peakflat._C as C++ only", cpp_extension.CUDA_HOME)
         with_cuda = False
     flags = ["-O3", "-ffp-contract=off"]
     defines = []

@@ -120,7 +120,7 @@ def test_bad_arguments():
 
 # ---------------------------------------------------------------- exactness on 1, 2, 4 ranks
 
-H, F, TOPK = 12, 10, 2
+H, F, TOPK = 12, 8, 2  # rows of 16-byte multiples: the grouped-GEMM path can run
 
 
 def make_routing(T: int, E: int, k: int, skew: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +159,9 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
             probs.requires_grad_(True)
             cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=16, max_chunks=5, alpha=1.0, min_spill=2,
                                  imbalance_threshold=1.1)
-            bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p])
+            grouped = chunks not in (1, 7)  # grouped GEMMs (strided weight runs) and the per-expert loop
+            bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p],
+                                    grouped=grouped)
             sched = plan_layer(rmap, bank, group, cfg, num_chunks=chunks)
             out = llep_moe(x, probs, rmap, bank, group, cfg, num_chunks=chunks)
             gout = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 99))
@@ -177,6 +179,7 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
             for i in range(e_p):
                 mine = torch.cat([got[2 + 2 * i].reshape(-1), got[3 + 2 * i].reshape(-1)])
                 errs.append(_rel(mine, wgrads[rank * e_p + i]))
+            assert bank.use_grouped(x) == grouped
             bitwise = world == 1 and chunks == 1 and bool((out == ref).all())
             if chunks is not None:
                 assert sched.K == chunks
@@ -300,6 +303,88 @@ def test_megatron_ddp_main_grad_path():
         assert p.grad_added_to_main_grad
         assert _rel(p.main_grad, r.grad) <= 1e-5
         assert not p.grad.any()  # a zero dummy: DDP's hook must not add the gradient twice
+
+
+@pytest.mark.parametrize("block_bytes", [1, 1 << 30])
+def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch, block_bytes):
+    """Experts laid out like Megatron's DDP buffer (one storage, reverse order, fc2 before fc1): the bank
+    orders rows by layout, every chunk runs as one grouped-GEMM run, weight gradients land in main_grad
+    views of a second buffer (one stacked add, or one block per expert when the block limit is tiny),
+    and the result equals the reference, for skewed routing with every token on one expert too."""
+    from megatron_peakflat.dispatch import grouped
+
+    monkeypatch.setattr(grouped, "GRAD_BLOCK_BYTES", block_bytes)
+    E, T = 5, 29
+    g = torch.Generator().manual_seed(8)
+    fc1 = [torch.randn(2 * F, H, generator=g) * 0.3 for _ in range(E)]
+    fc2 = [torch.randn(H, F, generator=g) * 0.3 for _ in range(E)]
+    bank = ReferenceExperts(fc1, fc2, grouped=True)
+    n1, n2 = fc1[0].numel(), fc2[0].numel()
+    pbuf, gbuf = torch.zeros(E * (n1 + n2)), torch.zeros(E * (n1 + n2))
+    for e in range(E):
+        o = (E - 1 - e) * (n1 + n2)
+        for p, at, n in ((bank.fc2[e], o, n2), (bank.fc1[e], o + n2, n1)):
+            pbuf[at:at + n].copy_(p.detach().reshape(-1))
+            p.data = pbuf[at:at + n].view(p.shape)
+            p.main_grad = gbuf[at:at + n].view(p.shape)
+            p.grad_added_to_main_grad = False
+    order = bank.layout_order()
+    assert order == list(range(E))[::-1]
+    assert len(grouped.weight_runs(*bank._weights(order, [None] * E))) == 1
+    adds = []
+    real_view = grouped.stacked_view
+    monkeypatch.setattr("megatron_peakflat.dispatch.pipelined.stacked_view",
+                        lambda ts: adds.append(len(ts)) or real_view(ts))
+    for skew in ("hot95", "all"):
+        gbuf.zero_()
+        probs, rmap = make_routing(T, E, TOPK, skew, 6)
+        x = torch.randn(T, H, generator=g, requires_grad=True)
+        gout = torch.randn(T, H, generator=g)
+        out = llep_moe(x, probs, rmap, bank, None, DispatchConfig(), num_chunks=3)
+        out.backward(gout)
+        w1 = [w.clone().requires_grad_(True) for w in fc1]
+        w2 = [w.clone().requires_grad_(True) for w in fc2]
+        xr = x.detach().clone().requires_grad_(True)
+        ref = reference_moe(xr, probs, rmap, w1, w2)
+        ref.backward(gout)
+        assert _rel(out, ref) <= 1e-5 and _rel(x.grad, xr.grad) <= 1e-5
+        for e in range(E):
+            assert _rel(bank.fc1[e].main_grad, w1[e].grad) <= 1e-5, (skew, e)
+            assert _rel(bank.fc2[e].main_grad, w2[e].grad) <= 1e-5, (skew, e)
+    assert (max(adds, default=1) > 1) == (block_bytes > 1)  # stacked main_grad adds only when blocks hold several experts
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped):
+    """Given the output gradient up front, forward runs each chunk's backward too; backward returns the
+    result when the gradient matches and corrects it (by linearity) when it does not: exact both ways."""
+    from megatron_peakflat import stats
+
+    E, T = 4, 31
+    g = torch.Generator().manual_seed(11)
+    fc1 = [torch.randn(2 * F, H, generator=g) * 0.3 for _ in range(E)]
+    fc2 = [torch.randn(H, F, generator=g) * 0.3 for _ in range(E)]
+    for skew, wrong in (("all", False), ("hot95", True)):
+        bank = ReferenceExperts(fc1, fc2, grouped=grouped)
+        probs, rmap = make_routing(T, E, TOPK, skew, 2)
+        probs.requires_grad_(True)
+        x = torch.randn(T, H, generator=g, requires_grad=True)
+        gout = torch.randn(T, H, generator=g)
+        assumed = gout * 0.5 if wrong else gout.clone()
+        stats.reset()
+        out = llep_moe(x, probs, rmap, bank, None, DispatchConfig(chunk_cap=8), out_grad=assumed)
+        params = [p for i in range(E) for p in bank.expert_params(i)]
+        got = torch.autograd.grad(out, [x, probs, *params], gout)
+        w1 = [w.clone().requires_grad_(True) for w in fc1]
+        w2 = [w.clone().requires_grad_(True) for w in fc2]
+        ref = reference_moe(x, probs, rmap, w1, w2)
+        want = torch.autograd.grad(ref, [x, probs, *[w for pair in zip(w1, w2) for w in pair]], gout)
+        assert _rel(out, ref) <= 1e-5
+        for a, b in zip(got, want):
+            assert _rel(a, b) <= 1e-5, (skew, wrong)
+        snap = stats.snapshot()["dispatch"]
+        assert snap["chunks"] > 1 and snap["fused_recompute_calls"] == 1
+        assert snap.get("fused_recompute_corrections", 0) == int(wrong)
 
 
 def test_working_set_bound_covers_top8_metadata():

@@ -126,6 +126,12 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         assert all(m.token_dispatcher._bank.plain == plain for m in swapped)
         snap = stats.snapshot().get("dispatch", {})
         assert snap.get("chunks") == K, (K, snap)
+        assert snap.get("experts") == ("grouped" if plain else "per-expert"), snap
+        if "recompute_granularity" in extra:  # each layer's recompute ran its chunks' backward, as assumed
+            assert snap.get("fused_recompute_calls") == config.num_layers, snap
+            assert "fused_recompute_corrections" not in snap, snap
+        else:
+            assert "fused_recompute_calls" not in snap, snap
         name = f"{skew},K={K},{'+'.join(k for k in extra if k != 'recompute_method')},rank={rank}"
         out.append((name, _check_grads(name, ref_model, model, losses), int(snap.get("spilled_experts", 0))))
         megatron_peakflat.remove()
@@ -188,6 +194,15 @@ def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:
             e = _rel(grads[1][n], g)
             assert e <= 1e-5, ("ddp", it, n, e)
             worst = max(worst, e)
+    # Without the distributed optimizer DDP leaves the weights where they were allocated: the first
+    # grouped call packed each layer's experts into one buffer, so they form one grouped-GEMM run.
+    from megatron_peakflat.dispatch.grouped import weight_runs
+
+    for layer in inner.decoder.layers:
+        bank = layer.mlp.token_dispatcher._bank
+        order = bank.layout_order()
+        runs = weight_runs(*bank._weights(order, [None] * len(order)))
+        assert bank._packed and len(runs) == 1, (order, [(r.first, r.n) for r in runs])
     megatron_peakflat.remove()
     return (f"ddp-overlap,rank={rank}", worst, 0)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_peakflat import _ext
+from megatron_peakflat.optimizer.streamer import NativeStreamer
 
 EXT = _ext.load()
 native = pytest.mark.skipif(EXT is None, reason=f"megatron_peakflat._C not built: {_ext.reason()}")
@@ -83,3 +84,11 @@ def test_kernel_rejects_bad_arguments():
         EXT.adamw_step(p, torch.zeros(4), torch.zeros(8), torch.zeros(8), None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1)
     with pytest.raises(RuntimeError, match="float32"):
         EXT.adamw_step(p.double(), torch.zeros(8), torch.zeros(8), torch.zeros(8), None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1)
+
+
+@native
+def test_bucket_streamer_is_bound_exactly_in_cuda_builds():
+    assert hasattr(EXT, "BucketStreamer") == bool(EXT.with_cuda)
+    if EXT.with_cuda and not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device is visible"):
+            NativeStreamer(EXT, 2, 0)

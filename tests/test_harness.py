@@ -71,3 +71,92 @@ def test_meter_tracks_autograd_saved_tensors():
         gc.collect()
         assert m.live == (64 * 32 + 32 * 16) * 4
     assert m.peak >= 2 * 64 * 16 * 4
+
+
+# ---- bench/harness.py: results merging and the largest-fitting search ---------------------------
+
+def _oracle(threshold):
+    from bench.harness import Trial
+
+    calls = []
+
+    def attempt(size):
+        calls.append(size)
+        return Trial(size, size <= threshold, peak_gib=size / 1000)
+
+    return attempt, calls
+
+
+@pytest.mark.parametrize("threshold", [1, 7, 8, 9, 63, 64, 100, 1000])
+@pytest.mark.parametrize("start", [8, 40, 64, 200])
+def test_largest_fitting_finds_the_threshold_from_any_start(threshold, start):
+    from bench.harness import largest_fitting
+
+    attempt, calls = _oracle(threshold)
+    best, first_fail, tries, complete = largest_fitting(attempt, step=8, start=start, limit_size=512)
+    expect = (min(threshold, 512) // 8) * 8 or None
+    assert best == expect and complete
+    if threshold < 512:
+        assert first_fail == (best or 0) + 8  # a tight bracket: the next step was tried and failed
+    else:
+        assert first_fail is None  # everything up to the limit fits
+    assert len(calls) == len(set(calls)) <= 2 * 7 + 2  # no size twice; logarithmic in 512 / 8
+    assert [t.size for t in tries] == calls
+
+
+def test_largest_fitting_uses_known_tries_and_never_repeats_them():
+    from bench.harness import Trial, largest_fitting
+
+    attempt, calls = _oracle(100)
+    known = [Trial(16, True), Trial(60, True), Trial(130, False)]  # 60 and 130 are not multiples of 8
+    best, first_fail, tries, complete = largest_fitting(attempt, step=8, start=96, limit_size=1024, known=known)
+    assert (best, first_fail, complete) == (96, 104, True)
+    assert not {16, 60, 130} & set(calls) and tries[:3] == known
+    # a known failure at the first step: nothing fits, nothing is tried
+    attempt, calls = _oracle(100)
+    assert largest_fitting(attempt, step=8, start=64, limit_size=64, known=[Trial(8, False)])[:2] == (None, 8)
+    assert calls == []
+
+
+def test_largest_fitting_stops_at_the_deadline():
+    from bench.harness import largest_fitting
+
+    now = [0.0]
+
+    def attempt(size):
+        from bench.harness import Trial
+
+        now[0] += size / 10  # a try costs size / 10 seconds
+        return Trial(size, size <= 400)
+
+    best, _, _, complete = largest_fitting(attempt, step=8, start=8, limit_size=4096, deadline=50.0,
+                                           cost=lambda s: s / 10, clock=lambda: now[0])
+    assert not complete and best is not None and best < 400  # a lower bound only
+    assert now[0] <= 50.0  # the cost estimate kept it from starting a try that would overrun
+    with pytest.raises(ValueError):
+        largest_fitting(attempt, step=0, start=8, limit_size=64)
+
+
+def test_write_merges_rows_by_case_and_method(tmp_path, monkeypatch):
+    import json
+
+    from bench.harness import Row, write
+
+    monkeypatch.delenv("OUT", raising=False)
+    path = tmp_path / "sco.json"
+    write("sco", [Row("S=1", "peakflat", 1.0, 2.0, True), Row("S=1", "save-on-cpu", 3.0, 4.0, True)],
+          command="main run", out=path)
+    write("sco", [Row("max-seq,limit=1GiB", "peakflat", None, None, None, {"max_seq": 8}),
+                  Row("S=1", "save-on-cpu", 5.0, 6.0, False)], command="max-seq run", out=path, merge=True)
+    doc = json.loads(path.read_text())
+    assert doc["command"] == "main run" and doc["merged_commands"] == ["max-seq run"]
+    assert [(r["case"], r["method"], r["peak_gib"]) for r in doc["rows"]] == [
+        ("S=1", "peakflat", 1.0), ("S=1", "save-on-cpu", 5.0), ("max-seq,limit=1GiB", "peakflat", None)]
+    assert doc["rows"][2]["extra"] == {"max_seq": 8}
+    # without merge the file is replaced, as before
+    write("sco", [Row("S=2", "peakflat", 1.0, 1.0, True)], command="again", out=path)
+    assert [r["case"] for r in json.loads(path.read_text())["rows"]] == ["S=2"]
+    # merge into a file that does not exist yet: a plain write
+    other = tmp_path / "new.json"
+    write("sco", [Row("S=3", "peakflat", 1.0, 1.0, True)], command="c", out=other, merge=True)
+    assert json.loads(other.read_text())["command"] == "c"

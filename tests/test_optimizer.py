@@ -291,3 +291,69 @@ def test_unsupported_adam_variants_are_refused_per_group_too():
     ref = torch.optim.AdamW(_groups(_params()), amsgrad=True)
     with pytest.raises(ValueError, match="amsgrad"):
         opt.load_state_dict(ref.state_dict())
+
+
+class _CopyStreamer:
+    """Stands in for the extension's BucketStreamer on CPU: the same copies, done at once, and a call log."""
+
+    def __init__(self):
+        self.calls = []
+
+    def upload(self, slot, state, host, start, numel):
+        for k in range(3):
+            state[k, :numel].copy_(host[k][start:start + numel])
+        self.calls.append(("upload", slot, start, numel))
+
+    def write_back(self, slot, state, host, start, numel):
+        for k in range(3):
+            host[k][start:start + numel].copy_(state[k, :numel])
+        self.calls.append(("write_back", slot, start, numel))
+
+    def synchronize(self, slot=-1):
+        self.calls.append(("synchronize", slot))
+
+
+def test_native_stream_engine_calls_are_the_torch_streams_copies(monkeypatch):
+    """The GPU engine driven through the BucketStreamer interface (one upload and one write-back call per
+    bucket, slot i mod slots) gives bitwise the state of the Python streams, and stats say which ran."""
+    ps, qs = _params(), _params()
+    torch_opt = OffloadStreamAdamW(_groups(ps), lr=1e-3, bucket=1500, engine="gpu", slots=2)
+    native_opt = OffloadStreamAdamW(_groups(qs), lr=1e-3, bucket=1500, engine="gpu", slots=2)
+    fake = _CopyStreamer()
+    monkeypatch.setattr(native_opt, "_bucket_streamer", lambda: fake)
+    _run(torch_opt, ps, 1)
+    assert stats.snapshot()["optimizer"]["stream_engine"] == "torch"
+    _run(native_opt, qs, 1)
+    assert stats.snapshot()["optimizer"]["stream_engine"] == "native"
+    buckets = native_opt._layout.buckets
+    expect = []
+    for i, b in enumerate(buckets):
+        expect += [("upload", i % 2, b.start, b.numel), ("write_back", i % 2, b.start, b.numel)]
+    expect += [("synchronize", (len(buckets) - 2 + j) % 2) for j in range(2)]  # the last write-back of each slot
+    assert fake.calls == expect and len(buckets) >= 3
+    _run(torch_opt, ps, 6, start=1)
+    _run(native_opt, qs, 6, start=1)
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "master_param", "step"):
+            assert torch.equal(torch_opt.state[p][key], native_opt.state[q][key])
+
+
+def test_stream_engine_choice():
+    """'auto' falls back to the torch streams where the native streamer cannot run (CPU params here);
+    'native' says why it cannot; a bad value names the argument."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="stream_engine must be"):
+        OffloadStreamAdamW([p], stream_engine="cuda")
+    ext = _ext.load()
+    if ext is None or not getattr(ext, "with_cuda", False):
+        with pytest.raises(_ext.ExtensionMissingError, match=r"stream_engine='native'"):
+            OffloadStreamAdamW([p], stream_engine="native")
+    else:
+        with pytest.raises(ValueError, match="not a GPU"):
+            OffloadStreamAdamW([p], stream_engine="native").dummy_step()
+    for engine in ("auto", "torch"):
+        opt = OffloadStreamAdamW([p], engine="gpu", stream_engine=engine)
+        p.grad = torch.ones(4)
+        opt.step()
+        assert opt.stream_impl == "torch" and opt._bucket_streamer() is None

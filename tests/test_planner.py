@@ -99,7 +99,9 @@ def test_llep_bound_and_chunk_growth_by_hand():
     per_row = 2 * (12 * 64 + 3 * 64 + 4 * 32) + 64  # dispatch/api.py working_set_bound
     per_token = 2 * 64 * 2 + 4 * 8 + 64 + 16 * 2  # ... + 16 B per token-expert pair (top-2)
     experts = 2 * 3 * 64 * 32 * 2
-    assert M.llep_working_set(TINY, run, bound_rows) == 4096 * per_token + 2 * experts + bound_rows * per_row
+    grad_block = experts  # the grouped backward's gradient block: 256 MiB or one fc1, never more than every expert
+    assert M.llep_working_set(TINY, run, bound_rows) == 4096 * per_token + 3 * experts + bound_rows * per_row
+    assert grad_block == min(experts, max(M.GRAD_BLOCK_BYTES, 2 * 32 * 64 * 2))
     # K would be 512 > max_chunks 4: the chunk grows to 1024 tokens x 2.
     assert M.llep_chunks(TINY, run, PeakflatConfig(dispatch=DispatchConfig(chunk_cap=16, max_chunks=4))) == (4, 2048)
     # The baseline grows with skew; PipelinedLLEP rebalances skew >= lambda to alpha x mean.
@@ -116,6 +118,128 @@ def test_llep_working_set_matches_component_bound():
     theirs = api.working_set_bound(num_tokens=4096, hidden=64, ffn=32, num_experts=8, topk=TINY.topk, chunk_rows=rows,
                                    expert_param_bytes=2 * 3 * 64 * 32 * 2, dtype_bytes=2, glu=True)
     assert M.llep_working_set(TINY, run, rows) == theirs
+
+
+def test_llep_expected_working_set_by_hand():
+    """The peakflat column: per token 2Hw + E w + 16k; per chunk row the largest moment of the grouped
+    backward (or the per-expert path's), no expert-gradient term (DDP's buffer holds those)."""
+    s = ModelShape(name="h200", hidden=4096, layers=1, heads=32, kv_heads=32, head_dim=128, ffn=16384, vocab=1000,
+                   experts=64, topk=8, moe_ffn=1536)
+    pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=32768))
+    H, F, f1, E, k, w, R = 4096, 1536, 3072, 64, 8, 2, 32768
+    per_token = 2 * H * w + E * w + 16 * k
+    rows = 3 * H * w + f1 * w + 2 * w
+    # 256 MiB blocks: 21 stacked fc2 gradients (12 MiB each), 10 stacked fc1 gradients (24 MiB each)
+    fc2_block, fc1_block = 21 * H * F * w, 10 * f1 * H * w
+
+    def moments(rows: int) -> list[int]:
+        return [R * (rows + w * (3 * F + 4 * F)), R * (rows + w * (3 * F + 2 * F)) + fc2_block,
+                R * (rows + H * w), R * rows + fc1_block]
+
+    plain = moments(rows)
+    assert plain.index(max(plain)) == 1  # at these shapes fc2's weight gradient is the peak moment
+    # fused recompute (full recompute, the default flag): the chunk's output is held too, and its GEMM is a moment
+    fused = moments(rows + H * w) + [R * (rows + H * w + w * (3 * F + F + H))]
+    for recompute, chunk in (("none", max(plain)), ("full", max(fused))):
+        for T in (16384, 65536):
+            run = RunConfig(seq_len=T, recompute=recompute)
+            assert M.llep_chunks(s, run, pf) == (T // 4096, R)
+            assert M.llep_fused(run, pf) == (recompute == "full")
+            got = M.llep_expected_working_set(s, run, pf, R)
+            assert got == T * per_token + chunk
+            row = plan(s, run, pf).stages[0].rows["dispatch"]
+            assert row.peakflat == got and row.peakflat < row.bound  # the expected value sits under the guarantee
+    no_fuse = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", fuse_recompute=False, chunk_cap=32768))
+    assert M.llep_expected_working_set(s, RunConfig(seq_len=16384), no_fuse, R) == 16384 * per_token + max(plain)
+    # growth with tokens is the per-token term only: the chunk is capped
+    a, b = (M.llep_expected_working_set(s, RunConfig(seq_len=T), pf, R) for T in (16384, 65536))
+    assert b - a == (65536 - 16384) * per_token
+    # the per-expert path (grouped GEMMs off, or not bf16): three [R, H] more and every segment's activations
+    off = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", grouped_gemm=False))
+    assert not M.llep_grouped(RunConfig(seq_len=16384), off) and not M.llep_grouped(RunConfig(16384, precision="fp32"), pf)
+    assert M.llep_expected_working_set(s, RunConfig(seq_len=16384), off, R) == 16384 * per_token + R * (
+        rows + w * (2 * H + 6 * F))
+    # a small expert: the block is every local expert's gradient, not 256 MiB
+    tiny = ModelShape(name="t", hidden=64, layers=1, heads=1, kv_heads=1, head_dim=64, ffn=64, vocab=10, experts=4,
+                      topk=2, moe_ffn=32)
+    got = M.llep_expected_working_set(tiny, RunConfig(seq_len=10, recompute="none"), pf, 4)
+    r = 3 * 64 * 2 + 64 * 2 + 4
+    assert got == 10 * (2 * 64 * 2 + 4 * 2 + 32) + max(4 * (r + 2 * 7 * 32), 4 * (r + 2 * 5 * 32) + 4 * 64 * 32 * 2,
+                                                     4 * (r + 128), 4 * r + 4 * 64 * 64 * 2)
+
+
+def test_grad_block_matches_component():
+    grouped = pytest.importorskip("megatron_peakflat.dispatch.grouped")
+    assert M.GRAD_BLOCK_BYTES == grouped.GRAD_BLOCK_BYTES
+
+
+def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens, chunk_cap):
+    """Peak LiveBytes of one Megatron MoELayer forward + backward with PipelinedLLEP (bf16, DDP with the
+    distributed optimizer's buffers), as bench/planner.py measures it on the GPU: as is, and inside
+    Megatron's checkpoint (full recompute, chunks fused into the recompute). {(regime, T): bytes}."""
+    import gc
+
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+
+    import megatron_peakflat
+    from bench.dispatch import build_layer
+    from megatron_peakflat import stats
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.testing import megatron_cpu
+
+    megatron_cpu.init_megatron_parallel(ep=1, cpu=True)
+    pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=chunk_cap),
+                        general=GeneralConfig(attention="local"))
+    megatron_peakflat.apply(pf)
+    _, layer = build_layer(hidden, experts, topk, ffn, True, ddp=False, dtype=torch.bfloat16)
+    ddp = DistributedDataParallel(layer.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True), layer)
+    layer.moe_layer_recompute = False
+    out = {}
+    for regime in ("none", "full"):
+        for T in tokens:
+            x = torch.randn(T, 1, hidden, dtype=torch.bfloat16).requires_grad_(True)
+            gout = torch.randn(T, 1, hidden, dtype=torch.bfloat16)
+
+            def step(x=x, gout=gout, regime=regime):
+                y = tensor_parallel.checkpoint(lambda h: ddp(h)[0], False, x) if regime == "full" else ddp(x)[0]
+                y.backward(gout)
+
+            step()  # warm-up
+            ddp.zero_grad_buffer()
+            x.grad = None
+            gc.collect()
+            stats.reset()
+            with LiveBytesMeter() as m:
+                step()
+            out[regime, T] = m.peak
+            assert stats.snapshot()["dispatch"].get("fused_recompute_calls", 0) == (regime == "full")
+    megatron_peakflat.remove()
+    return out
+
+
+def test_llep_expected_working_set_against_a_megatron_moe_layer():
+    """The planner's dispatch row (peakflat column) against LiveBytesMeter on a Megatron MoELayer (CPU, bf16):
+    within 10% at two token counts, with and without full recompute, and under the bound."""
+    pytest.importorskip("megatron.core")
+    from megatron_peakflat.testing.distributed import run_distributed
+
+    H, E, k, F, cap = 256, 16, 4, 96, 8192
+    tokens = (2048, 8192)
+    measured = run_distributed(_moe_layer_working_set, 1, H, E, k, F, tokens, cap)[0]
+    s = ModelShape(name="moe", hidden=H, layers=1, heads=2, kv_heads=2, head_dim=128, ffn=4 * H, vocab=1000,
+                   experts=E, topk=k, moe_ffn=F)
+    pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=cap))
+    for (regime, T), got in measured.items():
+        rows = plan(s, RunConfig(seq_len=T, recompute=regime), pf).stages[0].rows
+        held = rows["boundaries"].baseline  # full recompute: the layer's no-grad output is alive in its recompute
+        predicted, bound = rows["dispatch"].peakflat + held, rows["dispatch"].bound + held
+        assert abs(got - predicted) / predicted < 0.10, (regime, T, got, predicted)
+        assert got <= bound, (regime, T, got, bound)
 
 
 def test_dispatch_baseline_matches_h200_anchor():

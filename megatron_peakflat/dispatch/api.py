@@ -15,10 +15,16 @@ import torch.distributed as dist
 from .. import stats
 from .config import DispatchConfig
 from .experts import ExpertBank
+from .grouped import GRAD_BLOCK_BYTES
 from .pipelined import pipelined_moe
 from .schedule import Schedule, build_schedule
 
 __all__ = ["llep_moe", "plan_layer", "working_set_bound"]
+
+
+def _layout_order(bank: ExpertBank) -> list[int] | None:
+    order = getattr(bank, "layout_order", None)
+    return order() if order is not None else None
 
 
 def plan_layer(routing_map: torch.Tensor, bank: ExpertBank, group: dist.ProcessGroup | None,
@@ -33,7 +39,7 @@ def plan_layer(routing_map: torch.Tensor, bank: ExpertBank, group: dist.ProcessG
     sched = build_schedule(routing_map, num_local_experts=bank.num_local_experts, group=group,
                            chunk_cap=cfg.chunk_cap, max_chunks=cfg.max_chunks, alpha=cfg.alpha,
                            min_spill=cfg.min_spill, imbalance_threshold=cfg.imbalance_threshold,
-                           num_chunks=num_chunks)
+                           num_chunks=num_chunks, local_order=_layout_order(bank))
     stats.record("dispatch", "chunks", sched.K)
     stats.peak("dispatch", "max_chunks_seen", sched.K)
     stats.record("dispatch", "imbalance", round(sched.plan.imbalance, 3))
@@ -45,8 +51,12 @@ def plan_layer(routing_map: torch.Tensor, bank: ExpertBank, group: dist.ProcessG
 
 
 def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, bank: ExpertBank,
-             group: dist.ProcessGroup | None, cfg: DispatchConfig, *, num_chunks: int | None = None) -> torch.Tensor:
+             group: dist.ProcessGroup | None, cfg: DispatchConfig, *, num_chunks: int | None = None,
+             out_grad: torch.Tensor | None = None) -> torch.Tensor:
     """MoE output [T, H]: exact (up to summation order) against an unchunked MoE on the same weights.
+
+    ``out_grad``: the gradient the output will receive, when the caller knows it (a recompute); the
+    chunks' backward then runs in this call (``pipelined``), and the result stays exact if it differs.
 
     Raises ValueError on mismatched shapes, or when ``E`` is not the group size times the bank's experts.
     """
@@ -54,7 +64,7 @@ def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, ba
         raise ValueError(f"x {tuple(x.shape)}, probs {tuple(probs.shape)}, routing_map {tuple(routing_map.shape)}: "
                          "expected x [T, H] and probs, routing_map [T, E]")
     sched = plan_layer(routing_map, bank, group, cfg, num_chunks=num_chunks)
-    return pipelined_moe(x, probs, sched, bank, group)
+    return pipelined_moe(x, probs, sched, bank, group, out_grad)
 
 
 def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: int, topk: int, chunk_rows: int,
@@ -66,9 +76,11 @@ def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: in
     keeps for the backward: 16 k bytes per token), the local experts' weight gradients (2 x
     ``expert_param_bytes``, room for spilled experts' weights), and one chunk's working set:
     ``chunk_rows`` rows (at most P * (c + k) per chunk) times the dispatch, combine and expert
-    activation rows. Only the first four grow with T.
+    activation rows, plus the grouped backward's transient block of stacked weight gradients (at most
+    ``GRAD_BLOCK_BYTES`` or one expert's fc1, never more than all experts). Only the first four grow with T.
     """
     f1 = ffn * (2 if glu else 1)
     per_row = dtype_bytes * (12 * hidden + 3 * f1 + 4 * ffn) + 64
     per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8 + 16 * topk
-    return num_tokens * per_token + 2 * expert_param_bytes + chunk_rows * per_row
+    grad_block = min(expert_param_bytes, max(GRAD_BLOCK_BYTES, f1 * hidden * dtype_bytes))
+    return num_tokens * per_token + 2 * expert_param_bytes + grad_block + chunk_rows * per_row

@@ -17,10 +17,11 @@ class DispatchConfig(ComponentConfig):
     impl: Literal["megatron", "pipelined-llep"] = "megatron"
     """Expert dispatch. 'pipelined-llep' replaces Megatron's alltoall dispatcher with least-loaded
     expert parallelism and chunked dispatch, whose working set does not grow with routing skew."""
-    chunk_cap: int = 32768
+    chunk_cap: int = 65536
     """c: the most token-expert pairs that one source rank sends into one dispatch chunk (K is the
     smallest chunk count that respects it, the same on every EP rank). The expert working set of a
-    chunk is at most EP * c rows, whatever the routing."""
+    chunk is at most EP * c rows, whatever the routing. Each chunk also reads every local expert's
+    weights and adds their gradients once, so smaller caps cost time in proportion to K."""
     max_chunks: int = 64
     """The most chunks K one MoE layer is split into; c grows when K would exceed it."""
     alpha: float = 1.0
@@ -29,6 +30,14 @@ class DispatchConfig(ComponentConfig):
     """m: spills smaller than this many tokens are skipped, unless they are an expert's remainder."""
     imbalance_threshold: float = 1.3
     """lambda: when max/mean rank load is below this, plain EP runs (no expert weights move)."""
+    fuse_recompute: bool = True
+    """Under full recompute (or --recompute-modules moe), run each chunk's forward and backward
+    together in the checkpoint's recompute, where the MoE output's gradient is already known: one
+    expert forward less per layer. Checked against the gradient that arrives; exact either way."""
+    grouped_gemm: bool = True
+    """Run each chunk's experts as grouped GEMMs (torch._grouped_mm: bf16 on sm80+ GPUs) on strided
+    views of their weights, with no weight copy; --no-peakflat-dispatch-grouped-gemm runs one expert
+    at a time (the same math, more kernel launches)."""
 
     def validate(self) -> None:
         if self.chunk_cap < 1:

@@ -6,14 +6,27 @@ chunks again: it re-dispatches the chunk's rows and output gradients, recomputes
 grad, backpropagates, and sends the row and prob gradients home. So only one chunk's expert
 activations are ever alive, in forward and in backward.
 
+Fused recompute (``out_grad``): when the caller already knows the gradient of the output (under
+full recompute the layer's backward re-runs its forward, and the MoE output feeds only the
+residual add, so its gradient is the checkpoint's output gradient), forward runs each chunk's
+forward and backward back to back and keeps dX, dprobs; backward then checks that the gradient it
+receives is the one assumed (one comparison) and returns them. So the layer pays one expert
+forward less than a recompute of its own. If the gradients differ, backward runs the chunks on
+the difference and adds it (the gradients are linear in the output gradient), so the result
+stays exact.
+
 Exactness: every token-expert pair is computed by the same expert math on the same weights as an
 unchunked MoE; only the summation order of a token's k expert outputs (and of each expert's weight
 gradient over chunks) changes. Gradients of spilled experts' weights are computed on the helper
 and added at the owner.
 
-Weight gradients: each chunk's backward runs on detached aliases of the expert weights, whose
-post-accumulate hooks take each weight's gradient as soon as autograd produces it, so at most one
-expert weight's gradient is in flight. A parameter with Megatron DDP's ``main_grad`` gets it added
+Expert math: a bank that offers grouped GEMMs (``GroupedExperts``) runs each chunk's experts in a
+few grouped GEMMs, forward and backward (``grouped.py``); otherwise each expert runs on its own.
+
+Weight gradients: a grouped backward hands them over per run of experts, in bounded blocks. The
+per-expert backward runs on detached aliases of the expert weights, whose post-accumulate hooks
+take each weight's gradient as soon as autograd produces it, so at most one expert weight's
+gradient is in flight. A parameter with Megatron DDP's ``main_grad`` gets it added
 there in fp32 (as gradient-accumulation fusion does) and returns a zero dummy with
 ``grad_added_to_main_grad`` set, so DDP's hook fires once per backward and adds nothing twice.
 Other parameters get their gradient summed over chunks in fp32 and returned through autograd, once.
@@ -28,7 +41,9 @@ import torch.distributed as dist
 
 from . import comm
 from .experts import ExpertBank, exchange_weights, flatten_weights, return_weight_grads, unflatten_weights
+from .grouped import stacked_view
 from .schedule import Schedule
+from .. import stats
 from ..memory.meter import region
 
 __all__ = ["pipelined_moe"]
@@ -57,6 +72,15 @@ def _main_grad(p: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _compute(bank: ExpertBank, x: torch.Tensor, probs: torch.Tensor, tpe: list[int], local: list[int | None],
+             weights: list[list[torch.Tensor] | None], cum: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's expert outputs without autograd: grouped GEMMs when the bank offers and supports them."""
+    use_grouped = getattr(bank, "use_grouped", None)
+    if use_grouped is not None and use_grouped(x):
+        return bank.grouped_compute(x, probs, tpe, local, weights, cum)  # type: ignore[attr-defined]
+    return bank.compute(x, probs, tpe, local, weights)
+
+
 def _dispatch(sched: Schedule, j: int, rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     out = comm.all_to_all(rows, sched.send_splits[j], sched.recv_splits[j], group)
     idx = sched.regroup[j]
@@ -70,99 +94,147 @@ def _combine(sched: Schedule, j: int, rows: torch.Tensor, group: dist.ProcessGro
     return comm.all_to_all(rows, sched.recv_splits[j], sched.send_splits[j], group)
 
 
-class _PipelinedMoE(torch.autograd.Function):
-    @staticmethod
-    @region("dispatch")
-    def forward(ctx: Any, x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
-                group: dist.ProcessGroup | None, *params: torch.Tensor) -> torch.Tensor:
-        foreign = exchange_weights(sched, bank, group)
-        local, weights = _segments(sched, bank, foreign)
+class _Chunks:
+    """One layer call's chunks: dispatch, experts and combine, forward or backward, chunk by chunk."""
+
+    def __init__(self, sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup | None) -> None:
+        self.sched, self.bank, self.group = sched, bank, group
+        self.foreign = exchange_weights(sched, bank, group)
+        self.local, self.weights = _segments(sched, bank, self.foreign)
+        self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The MoE output, without autograd."""
+        sched, group = self.sched, self.group
         out = torch.zeros_like(x)
         with torch.no_grad():
             for j in range(sched.K):
-                a, b = sched.chunk_offsets[j], sched.chunk_offsets[j + 1]
-                tok, exp = sched.pair_token[a:b], sched.pair_expert[a:b]
+                tok, exp = self._pairs(j)
                 xr = _dispatch(sched, j, x.index_select(0, tok), group)
                 pr = _dispatch(sched, j, probs[tok, exp], group)
-                y = bank.compute(xr, pr, sched.tokens_per_expert[j], local, weights)
+                y = _compute(self.bank, xr, pr, sched.tokens_per_expert[j], self.local, self.weights, self._cum(j))
                 del xr, pr
                 out.index_add_(0, tok, _combine(sched, j, y, group))
                 del y
-        del foreign, weights
-        ctx.sched, ctx.bank, ctx.group, ctx.n_params = sched, bank, group, len(params)
-        ctx.save_for_backward(x, probs)
         return out
 
-    @staticmethod
-    @region("dispatch")
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        sched: Schedule = ctx.sched
-        bank: ExpertBank = ctx.bank
-        group = ctx.group
-        x, probs = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        foreign = exchange_weights(sched, bank, group)
-        local, weights = _segments(sched, bank, foreign)
-        like = bank.expert_params(0)
-        m = len(like)
-        gx = torch.zeros_like(x)
-        gp = torch.zeros_like(probs)
-        # Weight gradients leave autograd one tensor at a time (a hook on a per-chunk alias of each
-        # weight), so no chunk ever holds every expert's gradient at once.
-        acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum
-
-        def sink(i: int, k: int, main_grad: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
-            def hook(alias: torch.Tensor) -> None:
-                g = alias.grad
-                alias.grad = None
-                if main_grad is not None:
-                    main_grad.add_(g)
-                elif (i, k) in acc:
-                    acc[i, k].add_(g)
-                else:
-                    acc[i, k] = g.float()
-            return hook
-
+    def backward(self, x: torch.Tensor, probs: torch.Tensor, grad_out: torch.Tensor, gx: torch.Tensor,
+                 gp: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """Add d(x), d(probs) of ``grad_out`` into ``gx``, ``gp`` and take the weight gradients; with
+        ``out``, also add the MoE output into it (the forward of the same chunks, run alongside)."""
+        sched, group, bank = self.sched, self.group, self.bank
+        backward_chunk = getattr(bank, "backward_chunk", None)
         for j in range(sched.K):
-            a, b = sched.chunk_offsets[j], sched.chunk_offsets[j + 1]
-            tok, exp = sched.pair_token[a:b], sched.pair_expert[a:b]
-            xr = _dispatch(sched, j, x.index_select(0, tok), group).detach().requires_grad_(True)
+            tok, exp = self._pairs(j)
+            xr = _dispatch(sched, j, x.index_select(0, tok), group)
             gr = _dispatch(sched, j, grad_out.index_select(0, tok), group)
-            pr = _dispatch(sched, j, probs[tok, exp], group).detach().requires_grad_(True)
+            pr = _dispatch(sched, j, probs[tok, exp], group)
             tpe = sched.tokens_per_expert[j]
-            seg_weights: list[list[torch.Tensor] | None] = []
-            aliases: list[torch.Tensor] = []
-            for i, n in enumerate(tpe):
-                if n == 0:
-                    seg_weights.append(None)
-                    continue
-                own = local[i] is not None
-                ws = []
-                for k, p in enumerate(bank.expert_params(local[i]) if own else weights[i]):
-                    if own and not p.requires_grad:
-                        ws.append(p)
-                        continue
-                    alias = p.detach().requires_grad_(True)
-                    alias.register_post_accumulate_grad_hook(sink(i, k, _main_grad(p) if own else None))
-                    ws.append(alias)
-                    aliases.append(alias)
-                seg_weights.append(ws)
-            with torch.enable_grad():
-                y = bank.compute(xr, pr, tpe, [None] * len(tpe), seg_weights)
-            if y.requires_grad:
-                torch.autograd.backward(y, gr, inputs=[xr, pr, *aliases])
-            del y, gr, aliases, seg_weights
-            dx = xr.grad if xr.grad is not None else torch.zeros_like(xr)
-            dp = pr.grad if pr.grad is not None else torch.zeros_like(pr)
-            del xr, pr
-            # Every rank runs both combines for every chunk, rows or not: the collectives stay matched.
+            res = None
+            if backward_chunk is not None:
+                res = backward_chunk(xr, pr, gr, tpe, self.local, self.weights, self.take, want_out=out is not None,
+                                     cum=self._cum(j))
+            if res is None:
+                res = self._autograd_chunk(xr, pr, gr, tpe, want_out=out is not None)
+            del xr, pr, gr
+            dx, dp, y = res
+            # Every rank runs every combine of every chunk, rows or not: the collectives stay matched.
             gx.index_add_(0, tok, _combine(sched, j, dx, group))
             gp.index_put_((tok, exp), _combine(sched, j, dp, group), accumulate=True)
-            del dx, dp
+            if out is not None:
+                out.index_add_(0, tok, _combine(sched, j, y, group))
+            del dx, dp, y, res
+
+    def _cum(self, j: int) -> torch.Tensor | None:
+        return None if self.sched.rows_cum is None else self.sched.rows_cum[j]
+
+    def _pairs(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.sched.chunk_offsets[j], self.sched.chunk_offsets[j + 1]
+        return self.sched.pair_token[a:b], self.sched.pair_expert[a:b]
+
+    def take(self, first: int, k: int, grads: torch.Tensor) -> None:
+        """Weight gradients [n, ...] of parameter k of compute experts first..first+n-1 (grouped GEMMs):
+        one add when the experts' main_grads are laid out like their weights, else one per expert."""
+        sinks: list[torch.Tensor | bool | None] = []
+        for i in range(first, first + grads.shape[0]):
+            if self.local[i] is None:
+                sinks.append(None)
+                continue
+            p = self.bank.expert_params(self.local[i])[k]
+            sinks.append(_main_grad(p) if p.requires_grad else False)
+        if len(sinks) > 1 and all(isinstance(m, torch.Tensor) for m in sinks):
+            view = stacked_view(sinks)  # type: ignore[arg-type]
+            if view is not None:
+                view.add_(grads)
+                return
+        for t, m in enumerate(sinks):
+            if m is False:
+                continue
+            if isinstance(m, torch.Tensor):
+                m.add_(grads[t])
+            else:
+                self._accumulate(first + t, k, grads[t])
+
+    def _accumulate(self, i: int, k: int, g: torch.Tensor) -> None:
+        if (i, k) in self.acc:
+            self.acc[i, k].add_(g)
+        else:
+            self.acc[i, k] = g.to(torch.float32, copy=True)
+
+    def _hook(self, i: int, k: int, main_grad: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+        def hook(alias: torch.Tensor) -> None:
+            g = alias.grad
+            alias.grad = None
+            if main_grad is not None:
+                main_grad.add_(g)
+            else:
+                self._accumulate(i, k, g)
+        return hook
+
+    def _autograd_chunk(self, xr: torch.Tensor, pr: torch.Tensor, gr: torch.Tensor, tpe: list[int], want_out: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        # Weight gradients leave autograd one tensor at a time (a hook on a per-chunk alias of each
+        # weight), so no chunk ever holds every expert's gradient at once.
+        xr, pr = xr.detach().requires_grad_(True), pr.detach().requires_grad_(True)
+        seg_weights: list[list[torch.Tensor] | None] = []
+        aliases: list[torch.Tensor] = []
+        for i, n in enumerate(tpe):
+            if n == 0:
+                seg_weights.append(None)
+                continue
+            own = self.local[i] is not None
+            ws = []
+            for k, p in enumerate(self.bank.expert_params(self.local[i]) if own else self.weights[i]):
+                if own and not p.requires_grad:
+                    ws.append(p)
+                    continue
+                alias = p.detach().requires_grad_(True)
+                alias.register_post_accumulate_grad_hook(self._hook(i, k, _main_grad(p) if own else None))
+                ws.append(alias)
+                aliases.append(alias)
+            seg_weights.append(ws)
+        with torch.enable_grad():
+            y = self.bank.compute(xr, pr, tpe, [None] * len(tpe), seg_weights)
+        if y.requires_grad:
+            torch.autograd.backward(y, gr, inputs=[xr, pr, *aliases])
+        dx = xr.grad if xr.grad is not None else torch.zeros_like(xr)
+        dp = pr.grad if pr.grad is not None else torch.zeros_like(pr)
+        return dx, dp, (y.detach() if want_out else None)
+
+    def weight_grads(self, needs: tuple[bool, ...]) -> list[torch.Tensor | None]:
+        """Send spilled experts' gradients home, add them up, and give autograd one gradient per parameter.
+
+        A parameter with Megatron DDP's main_grad already holds its gradient there (as with gradient-
+        accumulation fusion): it gets a zero dummy and ``grad_added_to_main_grad``, so DDP's hook fires
+        once without adding it again.
+        """
+        sched, bank, local = self.sched, self.bank, self.local
+        like = bank.expert_params(0)
+        m = len(like)
         base = sched.rank * sched.num_local_experts
-        out_grads: list[torch.Tensor | None] = [None] * ctx.n_params
+        out_grads: list[torch.Tensor | None] = [None] * len(needs)
         foreign_parts: dict[int, list[torch.Tensor | None]] = {}
-        for (i, k), g in acc.items():
+        for (i, k), g in self.acc.items():
             if local[i] is not None:
                 out_grads[local[i] * m + k] = g  # fp32 until every contribution is in
             else:
@@ -171,10 +243,10 @@ class _PipelinedMoE(torch.autograd.Function):
         for i, e in enumerate(sched.compute_experts):
             if e in foreign_parts:
                 foreign_grads[e] = flatten_weights([g.to(w.dtype) if g is not None else torch.zeros_like(w)
-                                                    for g, w in zip(foreign_parts[e], weights[i])])
-        del acc, foreign_parts
-        del foreign, weights
-        back = return_weight_grads(sched, foreign_grads, bank, group)
+                                                    for g, w in zip(foreign_parts[e], self.weights[i])])
+        self.acc = {}
+        del foreign_parts
+        back = return_weight_grads(sched, foreign_grads, bank, self.group)
         for e, flat in back.items():
             li = e - base
             for k, g in enumerate(unflatten_weights(flat, like)):
@@ -184,31 +256,80 @@ class _PipelinedMoE(torch.autograd.Function):
                     continue
                 cur = out_grads[li * m + k]
                 out_grads[li * m + k] = g.float() if cur is None else cur.add_(g)
-        for idx, needed in enumerate(ctx.needs_input_grad[5:]):
+        for idx, needed in enumerate(needs):
             p = bank.expert_params(idx // m)[idx % m]
             if not needed:
                 out_grads[idx] = None
             elif _main_grad(p) is not None:
-                # Megatron DDP: the gradient is already in main_grad (as with gradient-accumulation
-                # fusion); a one-element dummy lets the DDP hook fire once without adding it again.
                 p.grad_added_to_main_grad = True
                 out_grads[idx] = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
             elif out_grads[idx] is None:  # an expert without rows: zero, as Megatron's SequentialMLP gives
                 out_grads[idx] = torch.zeros_like(p)
             else:
                 out_grads[idx] = out_grads[idx].to(p.dtype)
+        return out_grads
+
+    def release(self) -> None:
+        self.foreign, self.weights = {}, []
+
+
+class _PipelinedMoE(torch.autograd.Function):
+    @staticmethod
+    @region("dispatch")
+    def forward(ctx: Any, x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
+                group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
+        chunks = _Chunks(sched, bank, group)
+        ctx.sched, ctx.bank, ctx.group, ctx.n_params = sched, bank, group, len(params)
+        ctx.fused = out_grad is not None
+        if out_grad is None:
+            out = chunks.forward(x, probs)
+            chunks.release()
+            ctx.save_for_backward(x, probs)
+            return out
+        out = torch.zeros_like(x)
+        gx, gp = torch.zeros_like(x), torch.zeros_like(probs)
+        g0 = out_grad.contiguous()
+        chunks.backward(x, probs, g0, gx, gp, out=out)
+        ctx.chunks = chunks  # keeps the gradients of experts without main_grad until backward
+        ctx.save_for_backward(x, probs, g0, gx, gp)
+        return out
+
+    @staticmethod
+    @region("dispatch")
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_out = grad_out.contiguous()
+        if ctx.fused:
+            x, probs, g0, gx, gp = ctx.saved_tensors
+            chunks: _Chunks = ctx.chunks
+            ctx.chunks = None
+            stats.add("dispatch", "fused_recompute_calls", 1)
+            if not torch.equal(grad_out, g0):
+                # Not the gradient assumed: add the chunks' backward of the difference (exact by linearity).
+                stats.add("dispatch", "fused_recompute_corrections", 1)
+                ctx.bank.assumed_grad_mismatch = True  # callers may stop assuming for this bank
+                chunks.backward(x, probs, grad_out - g0, gx, gp)
+        else:
+            x, probs = ctx.saved_tensors
+            chunks = _Chunks(ctx.sched, ctx.bank, ctx.group)
+            gx, gp = torch.zeros_like(x), torch.zeros_like(probs)
+            chunks.backward(x, probs, grad_out, gx, gp)
+        out_grads = chunks.weight_grads(ctx.needs_input_grad[6:])
+        chunks.release()
         return (gx if ctx.needs_input_grad[0] else None, gp if ctx.needs_input_grad[1] else None,
-                None, None, None, *out_grads)
+                None, None, None, None, *out_grads)
 
 
 def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
-                  group: dist.ProcessGroup | None) -> torch.Tensor:
+                  group: dist.ProcessGroup | None, out_grad: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE output [T, H] for rows ``x`` [T, H] with dense ``probs`` [T, E], under schedule ``sched``.
 
     Gradients flow to ``x``, ``probs`` (at routed entries) and every local expert parameter of ``bank``.
+    ``out_grad`` [T, H]: the gradient the output is expected to receive; the chunks' backward then
+    runs inside this forward (see the module docstring), and stays exact if the gradient differs.
     """
+    if out_grad is not None and out_grad.shape != x.shape:
+        raise ValueError(f"out_grad {tuple(out_grad.shape)} must have the output's shape {tuple(x.shape)}")
     params: list[torch.Tensor] = []
     for i in range(bank.num_local_experts):
         params.extend(bank.expert_params(i))
-    return _PipelinedMoE.apply(x, probs, sched, bank, group, *params)
-
+    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, *params)

@@ -11,35 +11,48 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ReferenceExperts", "expert_mlp", "reference_moe"]
+from .grouped import GroupedExperts
+
+__all__ = ["ReferenceExperts", "expert_activation", "expert_mlp", "reference_moe"]
 
 
-def expert_mlp(x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *, glu: bool = True,
-               act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> torch.Tensor:
-    """Megatron's expert MLP without biases: fc2(act(fc1 x) * prob), with a gated unit when ``glu``."""
-    h = x @ fc1.t()
+def expert_activation(h: torch.Tensor, probs: torch.Tensor, *, glu: bool = True,
+                      act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> torch.Tensor:
+    """Megatron's expert activation between fc1 and fc2: act (gated when ``glu``) times the prob."""
+    dtype = h.dtype
     if glu:
         a, b = torch.chunk(h, 2, dim=-1)
         h = act(a) * b
     else:
         h = act(h)
-    h = (h * probs.unsqueeze(-1)).to(x.dtype)
-    return h @ fc2.t()
+    return (h * probs.unsqueeze(-1)).to(dtype)
 
 
-class ReferenceExperts(torch.nn.Module):
-    """``num_local_experts`` bias-free MLP experts; implements the ExpertBank protocol."""
+def expert_mlp(x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *, glu: bool = True,
+               act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> torch.Tensor:
+    """Megatron's expert MLP without biases: fc2(act(fc1 x) * prob), with a gated unit when ``glu``."""
+    return expert_activation(x @ fc1.t(), probs, glu=glu, act=act) @ fc2.t()
+
+
+class ReferenceExperts(torch.nn.Module, GroupedExperts):
+    """``num_local_experts`` bias-free MLP experts; implements the ExpertBank protocol.
+
+    ``grouped=True`` runs chunks through grouped GEMMs (``GroupedExperts``); False, one expert at a time.
+    """
 
     def __init__(self, fc1: Sequence[torch.Tensor], fc2: Sequence[torch.Tensor], *, glu: bool = True,
-                 act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
+                 act: Callable[[torch.Tensor], torch.Tensor] = F.silu, grouped: bool = False) -> None:
         super().__init__()
         self.fc1 = torch.nn.ParameterList([torch.nn.Parameter(w.clone()) for w in fc1])
         self.fc2 = torch.nn.ParameterList([torch.nn.Parameter(w.clone()) for w in fc2])
         self.num_local_experts = len(self.fc1)
-        self.glu, self.act = glu, act
+        self.glu, self.act, self.grouped = glu, act, grouped
 
     def expert_params(self, local: int) -> list[torch.Tensor]:
         return [self.fc1[local], self.fc2[local]]
+
+    def elementwise(self, h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return expert_activation(h, p, glu=self.glu, act=self.act)
 
     def compute(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: Sequence[int],
                 local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]) -> torch.Tensor:

@@ -15,6 +15,7 @@ Guarantees:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -53,9 +54,13 @@ class Schedule:
     regroup: list[torch.Tensor | None]
     """[K]: index turning received rows (source, expert, token) into (expert, source, token); None: identity."""
     compute_experts: list[int]
-    """Global ids of the experts this rank computes for (its own and any spilled to it), ascending."""
+    """Global ids of the experts this rank computes for (its own and any spilled to it), in row order:
+    own experts in the bank's ``local_order`` (ascending by default), then foreign ones ascending."""
     tokens_per_expert: list[list[int]]
     """[K][len(compute_experts)]: rows per compute expert in chunk j, after regrouping."""
+    rows_cum: torch.Tensor | None = None
+    """[K, C] int32 on the device: cumulative ``tokens_per_expert`` of each chunk (grouped-GEMM offsets),
+    uploaded once per layer call so that no chunk uploads (and synchronises) again."""
     weight_sends: list[tuple[int, int]] = field(default_factory=list)
     """(destination rank, expert) for each expert whose weights this rank sends, by (rank, expert)."""
     weight_recvs: list[tuple[int, int]] = field(default_factory=list)
@@ -90,8 +95,13 @@ def _nonzero(mask: torch.Tensor, n: int) -> torch.Tensor:
 
 def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup | None,
                    chunk_cap: int, max_chunks: int, alpha: float, min_spill: int,
-                   imbalance_threshold: float, num_chunks: int | None = None) -> Schedule:
+                   imbalance_threshold: float, num_chunks: int | None = None,
+                   local_order: Sequence[int] | None = None) -> Schedule:
     """Plan one MoE layer call. ``routing_map`` [T, E] bool. ``num_chunks`` forces K (tests, peers).
+
+    ``local_order``: the order of this rank's local experts among the rows it computes (an expert
+    bank lays them out as its weights are laid out in memory, so that grouped GEMMs need no copy);
+    foreign experts follow, ascending. None: every compute expert ascending.
 
     A collective: every rank of ``group`` must call it for the same layer call. See the module
     docstring for what the result guarantees.
@@ -121,13 +131,28 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
                              imbalance_threshold=imbalance_threshold)
     routes = chunk_routes(cnt, plan.assign)  # [K, P_src, E, P_dst]
 
-    # Local pairs ordered by (chunk, expert, token), then stably by (chunk, destination).
+    owner = np.arange(E) // num_local_experts
+    base = me * num_local_experts
+    if local_order is None:
+        local_order = range(num_local_experts)
+    if sorted(local_order) != list(range(num_local_experts)):
+        raise ValueError(f"local_order {list(local_order)} is not a permutation of {num_local_experts} local experts")
+    foreign = sorted(int(e) for e in np.nonzero(plan.assign[:, me])[0] if owner[e] != me)
+    compute = [base + int(li) for li in local_order] + foreign
+
+    # Local pairs ordered by (chunk, expert, token), then stably by (chunk, destination). In a group
+    # of one the rows are computed in this order, so "expert" means its position in ``compute``.
     mine = cnt[me]  # [K, E]
     n = int(mine.sum())
     nz = _nonzero(routing_map, n)
     tok, exp = nz[:, 0], nz[:, 1]
     j = tok % K
-    key = j * E + exp
+    rank_of = exp
+    if P == 1 and compute != list(range(E)):
+        pos = torch.empty(E, dtype=torch.int64)
+        pos[torch.tensor(compute)] = torch.arange(E)
+        rank_of = pos.to(dev)[exp]
+    key = j * E + rank_of
     order = torch.sort(key, stable=True).indices
     tok, exp, key = tok[order], exp[order], key[order]
     if P > 1:
@@ -142,9 +167,6 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     chunk_sizes = mine.sum(1)
     chunk_offsets = [0, *np.cumsum(chunk_sizes).tolist()]
 
-    owner = np.arange(E) // num_local_experts
-    compute = sorted(set(range(me * num_local_experts, (me + 1) * num_local_experts))
-                     | {int(e) for e in np.nonzero(plan.assign[:, me])[0]})
     recv = routes[:, :, :, me]  # [K, P_src, E]
     send_splits = routes[:, me, :, :].sum(1).tolist()  # [K][P]
     recv_splits = recv.sum(2).tolist()
@@ -156,8 +178,12 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         if P == 1:
             regroup.append(None)
             continue
-        sizes = blocks.reshape(-1)
-        starts = (np.cumsum(sizes) - sizes).reshape(P, len(compute))
+        # Received rows are laid out by (source, expert ascending): starts in that order, then
+        # picked in ``compute`` order.
+        asc = np.argsort(compute, kind="stable")
+        sizes = blocks[:, asc].reshape(-1)
+        starts = np.empty_like(blocks)
+        starts[:, asc] = (np.cumsum(sizes) - sizes).reshape(P, len(compute))
         sz_t, st_t = blocks.T.reshape(-1), starts.T.reshape(-1)
         total = int(sz_t.sum())
         idx = np.repeat(st_t - (np.cumsum(sz_t) - sz_t), sz_t) + np.arange(total)
@@ -165,5 +191,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     helpers = plan.helpers(num_local_experts)
     sends = sorted((r, e) for e, r in helpers if owner[e] == me)
     recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
+    rows_cum = torch.as_tensor(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1),
+                               dtype=torch.int32).to(dev)
     return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, send_splits, recv_splits,
-                    regroup, compute, tpe, sends, recvs)
+                    regroup, compute, tpe, rows_cum, sends, recvs)

@@ -30,7 +30,8 @@ from torch.func import functional_call
 
 from .. import stats
 from ..dispatch.api import llep_moe
-from . import state
+from ..dispatch.grouped import GroupedExperts, grouped_supported, pack_expert_weights
+from . import fused_recompute, state
 from .logs import info_once
 
 __all__ = ["wrap_moe_layer_init", "wrap_routed_experts_compute", "PeakflatDispatcher", "SequentialMLPBank",
@@ -64,7 +65,7 @@ def _plain_mlp_reason(experts: Any) -> str | None:
     return None
 
 
-class SequentialMLPBank:
+class SequentialMLPBank(GroupedExperts):
     """Megatron's SequentialMLP as an ExpertBank: the same expert MLP math, with own or received weights.
 
     ``plain=True`` (used when ``_plain_mlp_reason`` finds nothing against it) runs ``MLP.forward``'s
@@ -72,22 +73,28 @@ class SequentialMLPBank:
     scale, or Megatron's own weighted swiglu/quick-geglu fusion; fc2) on the experts' weights: the
     same GEMMs and elementwise ops without Megatron's per-call Python layers, which dominate when a
     chunk gives each expert few rows. Otherwise every segment calls the expert module itself.
+    With plain ops and ``grouped``, a chunk's experts run as grouped GEMMs (``GroupedExperts``).
     """
 
-    def __init__(self, experts: Any, plain: bool | None = None) -> None:
+    def __init__(self, experts: Any, plain: bool | None = None, grouped: bool = True) -> None:
         self.experts = experts
         self.config = experts.config
         self.num_local_experts = experts.num_local_experts
         template = experts.local_experts[0]
         self._template = template
         self._names = [n for n, _ in template.named_parameters()]
+        self._params = [list(m.parameters()) for m in experts.local_experts]
         self.plain_reason = _plain_mlp_reason(experts)
         """Why the plain-ops path cannot run (None: it can)."""
         self.plain = self.plain_reason is None if plain is None else plain
+        self.grouped = grouped and self.plain and not self.config.moe_apply_probs_on_input
 
     def _plain(self, x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.elementwise(torch.nn.functional.linear(x, fc1), probs), fc2)
+
+    def elementwise(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """MLP.forward between fc1 and fc2: the activation (or gated unit) and the per-token prob scale."""
         c = self.config
-        h = torch.nn.functional.linear(x, fc1)
         if c.bias_activation_fusion:  # MLP.forward's fused branch with a per-token scale
             from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
             from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
@@ -97,7 +104,7 @@ class SequentialMLPBank:
             else:
                 h = weighted_bias_quick_geglu_impl(h, None, probs.unsqueeze(-1), c.activation_func_fp8_input_store,
                                                    c.glu_linear_offset, c.activation_func_clamp_value)
-            return torch.nn.functional.linear(h, fc2)
+            return h
         if c.gated_linear_unit:
             a, b = torch.chunk(h, 2, dim=-1)
             if (val := c.activation_func_clamp_value) is not None:
@@ -107,11 +114,10 @@ class SequentialMLPBank:
         else:
             h = c.activation_func(h)
         dtype = h.dtype
-        h = (h * probs.unsqueeze(-1)).to(dtype)
-        return torch.nn.functional.linear(h, fc2)
+        return (h * probs.unsqueeze(-1)).to(dtype)
 
     def expert_params(self, local: int) -> list[torch.Tensor]:
-        return list(self.experts.local_experts[local].parameters())
+        return self._params[local]
 
     def compute(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: Sequence[int],
                 local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]) -> torch.Tensor:
@@ -190,11 +196,33 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
         cfg = state.current().dispatch
         bank = getattr(self, "_bank", None)
         if bank is None or bank.experts is not experts:
-            bank = self._bank = SequentialMLPBank(experts, plain=self.plain_experts)
+            bank = self._bank = SequentialMLPBank(experts, plain=self.plain_experts, grouped=cfg.grouped_gemm)
             if not bank.plain:
                 info_once(f"peakflat dispatch: experts run through their modules ({bank.plain_reason or 'forced'})")
+        bank.grouped = cfg.grouped_gemm and bank.plain and not bank.config.moe_apply_probs_on_input
+        if bank.grouped and not grouped_supported(hidden_states):
+            info_once(f"peakflat dispatch: grouped GEMMs need bf16 on an sm80+ GPU (or CPU); {hidden_states.dtype} on "
+                      f"{hidden_states.device.type} runs one expert at a time")
+        use_grouped = bank.use_grouped(hidden_states)
+        if use_grouped and not getattr(bank, "_packed", False):
+            bank._packed = True
+            moved = pack_expert_weights([bank.expert_params(i) for i in range(bank.num_local_experts)])
+            if moved:
+                info_once(f"peakflat dispatch: packed each MoE layer's {bank.num_local_experts} experts' weights into "
+                          f"one buffer (once, {moved / 2**20:.1f} MiB per layer), so that grouped GEMMs read them "
+                          "in place")
+        stats.record("dispatch", "experts", "grouped" if use_grouped else "per-expert")
         group = self.ep_group if self.ep_size > 1 else None
-        return llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg)
+        fused_recompute.record_call(self)
+        out_grad = None
+        if cfg.fuse_recompute and torch.is_grad_enabled():
+            if self.config.hidden_dropout > 0:
+                fused_recompute.disable(self, f"hidden_dropout={self.config.hidden_dropout} scales its output gradient")
+            elif getattr(bank, "assumed_grad_mismatch", False):
+                fused_recompute.disable(self, "its output gradient differed from the checkpoint's (corrected exactly)")
+            else:
+                out_grad = fused_recompute.known_output_grad(self, hidden_states)
+        return llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg, out_grad=out_grad)
 
 
 @functools.cache

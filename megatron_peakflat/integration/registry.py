@@ -58,6 +58,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch("dispatch", "megatron.core.transformer.moe.moe_layer", "MoELayer.routed_experts_compute",
           "megatron_peakflat.integration.dispatch:wrap_routed_experts_compute",
           "runs PipelinedLLEP's chunked dispatch -> experts -> combine for layers holding its dispatcher"),
+    Patch("dispatch", "megatron.core.tensor_parallel.random", "CheckpointFunction.forward",
+          "megatron_peakflat.integration.fused_recompute:wrap_checkpoint_forward",
+          "notes the last PipelinedLLEP layer inside each checkpoint"),
+    Patch("dispatch", "megatron.core.tensor_parallel.random", "CheckpointFunction.backward",
+          "megatron_peakflat.integration.fused_recompute:wrap_checkpoint_backward",
+          "gives that layer its output gradient during the recompute (fused chunk forward + backward)"),
     Patch("vocab", "megatron.core.models.gpt.gpt_model", "GPTModel.forward",
           "megatron_peakflat.integration.vocab:wrap_gpt_forward",
           "passes a Ring-DTP output_processor so the logits are never built"),
@@ -143,6 +149,8 @@ def apply_patches(components: set[str]) -> list[str]:
                 new._peakflat_patch = p.symbol
             except (AttributeError, TypeError):
                 pass
+            if isinstance(original, staticmethod):
+                new = staticmethod(new)
             _built[key] = new
         setattr(owner, name, _built[key])
         _applied[p.symbol] = (owner, name, original)

@@ -30,6 +30,7 @@ import torch
 from .. import stats
 from ..config_base import format_bytes
 from ..memory.meter import region
+from .streamer import NativeStreamer
 from .engines import CpuEngineWorker, GroupHyper, HostSlot, Slot, Streams, run_gpu_engine
 from .host_memory import HostRegion, check_host_budget, ranks_on_node
 from .layout import Layout, plan_layout
@@ -74,6 +75,10 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         host_threads: threads of the host kernel (None: this rank's share of its cores, i.e. the
             cores it may run on divided by LOCAL_WORLD_SIZE).
         host_kernel: 'auto' (native if built, else torch), 'native' (error if not built) or 'torch'.
+        stream_engine: who issues the GPU engine's uploads and write-backs: 'native' (the extension's
+            ``BucketStreamer``, C++ streams and events; needs the extension built with CUDA, GPU params and
+            pinned host state), 'torch' (Python streams and events) or 'auto' (native where it can run).
+            Both give bitwise-equal results; ``stats`` records which one ran.
         pin: pin the host state (falls back to pageable with a warning when pinning fails).
         **extra_defaults: kept in ``defaults`` untouched (Megatron passes HybridDeviceOptimizer's knobs).
     """
@@ -82,7 +87,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, bucket: int = 50_000_000,
                  engine: Literal["auto", "gpu", "cpu"] = "auto", slots: int = 3, host_threads: int | None = None,
                  host_kernel: Literal["auto", "native", "torch"] = "auto", pin: bool = True,
-                 **extra_defaults: Any):
+                 stream_engine: Literal["auto", "native", "torch"] = "auto", **extra_defaults: Any):
         if not 0.0 <= lr:
             raise ValueError(f"OffloadStreamAdamW: lr must be >= 0, got {lr}")
         if not 0.0 <= eps:
@@ -97,6 +102,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             raise ValueError(f"OffloadStreamAdamW: bucket must be >= 1 parameter, got {bucket}")
         if host_kernel not in ("auto", "native", "torch"):
             raise ValueError(f"OffloadStreamAdamW: host_kernel must be 'auto', 'native' or 'torch', got {host_kernel!r}")
+        if stream_engine not in ("auto", "native", "torch"):
+            raise ValueError(f"OffloadStreamAdamW: stream_engine must be 'auto', 'native' or 'torch', got {stream_engine!r}")
         _refuse_unsupported(extra_defaults, "in the defaults")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **extra_defaults)
         torch.optim.Optimizer.__init__(self, params, defaults)  # explicit: subclasses may mix in other optimizers
@@ -109,6 +116,18 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             self._ext = _ext.require("OffloadStreamAdamW(host_kernel='native')")
         else:
             self._ext = _ext.load() if host_kernel == "auto" else None
+        self.stream_engine = stream_engine
+        self._stream_ext = None
+        if stream_engine == "native":
+            self._stream_ext = _ext.require("OffloadStreamAdamW(stream_engine='native')")
+            if not getattr(self._stream_ext, "with_cuda", False):
+                raise _ext.ExtensionMissingError(
+                    "OffloadStreamAdamW(stream_engine='native') needs megatron_peakflat._C built with CUDA; this one "
+                    "is C++ only. Rebuild it where nvcc and a GPU are visible (`python setup.py build_ext --inplace`, "
+                    "or PEAKFLAT_CUDA=1 to force), or pass stream_engine='torch'.")
+        elif stream_engine == "auto":
+            self._stream_ext = _ext.load()
+        self._streamer = None
         self._materialized = False
         self._gpu_fraction: float | None = _FIXED_GPU_FRACTION.get(engine)
         self._measured: list[tuple[int, float, int, float]] = []
@@ -172,6 +191,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                             for _ in range(self.slots)] if self.engine != "gpu" else []
         self._gpu_slots: list[Slot] = []
         self._streams = Streams(self.device)
+        self.stream_impl = self._pick_stream_impl()
         self._steps = [0] * len(params)
         with torch.no_grad():
             for i, p in enumerate(params):
@@ -185,9 +205,25 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         stats.record("optimizer", "buckets", len(self._layout.buckets))
         stats.record("optimizer", "params", n)
         log.info("peakflat optimizer: OffloadStreamAdamW holds %s parameters in %d buckets of <= %s, %s of %s host "
-                 "memory (%s), engine=%s, host kernel=%s", f"{n:,}", len(self._layout.buckets), f"{B:,}",
-                 format_bytes(need), "pinned" if self._region.pinned else "pageable", self._region.backend,
-                 self.engine, "native" if self._ext is not None else "torch")
+                 "memory (%s), engine=%s, host kernel=%s, stream engine=%s", f"{n:,}", len(self._layout.buckets),
+                 f"{B:,}", format_bytes(need), "pinned" if self._region.pinned else "pageable", self._region.backend,
+                 self.engine, "native" if self._ext is not None else "torch", self.stream_impl)
+
+    def _pick_stream_impl(self) -> str:
+        """'native' when the extension's BucketStreamer can run here (CUDA build, GPU params, pinned host
+        state), else 'torch'; ValueError naming the missing piece when stream_engine='native' was asked."""
+        if self.stream_engine == "torch":
+            return "torch"
+        why = ""
+        if self._stream_ext is None or not getattr(self._stream_ext, "with_cuda", False):
+            why = "megatron_peakflat._C is not built with CUDA"
+        elif self.device.type != "cuda":
+            why = f"the parameters are on {self.device}, not a GPU"
+        elif not self._region.pinned:
+            why = f"the host state is not pinned ({self._region.pin_error})"
+        if why and self.stream_engine == "native":
+            raise ValueError(f"OffloadStreamAdamW(stream_engine='native'): {why}; pass stream_engine='torch' or 'auto'")
+        return "torch" if why else "native"
 
     def _out_dtype(self) -> torch.dtype:
         dts = {p.dtype for g in self.param_groups for p in g["params"]}
@@ -216,6 +252,14 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             self._gpu_slots = [Slot(B, self.device) for _ in range(self.slots)]
             stats.record("optimizer", "gpu_staging_bytes", self.slots * B * 16)
         return self._gpu_slots
+
+    def _bucket_streamer(self):
+        """The extension's BucketStreamer for this device (built once), or None for the torch streams."""
+        if self.stream_impl != "native":
+            return None
+        if self._streamer is None:
+            self._streamer = NativeStreamer(self._stream_ext, self.slots, self.device.index)
+        return self._streamer
 
     def _step_tensor(self, step: int) -> torch.Tensor:
         t = self._step_tensors.get(step)
@@ -277,7 +321,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 gpu_done = run_gpu_engine(gpu_b, params=params, steps=self._steps, has_grad=has_grad, hyper=hyper,
                                           master=self._master, exp_avg=self._exp_avg, exp_avg_sq=self._exp_avg_sq,
                                           slots=self._gpu_slot_list(), streams=self._streams,
-                                          step_tensor=self._step_tensor)
+                                          step_tensor=self._step_tensor, native=self._bucket_streamer())
                 for ev in gpu_done[-self.slots:]:
                     Streams.sync(ev)
                 t_gpu = time.perf_counter() - t0

@@ -2,7 +2,10 @@
 
 - GPU engine: upload bucket i+1's fp32 state (master, exp_avg, exp_avg_sq) into a staging slot,
   run torch's fused AdamW on bucket i in its slot, write bucket i-1's state back to the host. The
-  GPU holds ``slots`` staging slots and nothing else.
+  GPU holds ``slots`` staging slots and nothing else. The uploads and write-backs are issued either by
+  the extension's ``BucketStreamer`` (csrc/stream_engine.cpp: one call per bucket and direction, its
+  own streams and events, GIL released) or by ``Streams`` from Python; both queue the same copies in
+  the same order, so the two are bitwise equal.
 - CPU engine: copy bucket i+1's gradients down, run the host AdamW kernel on bucket i, copy bucket
   i-1's new parameters up. Only gradients and parameters cross PCIe.
 
@@ -20,6 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import stats
 from .host_adam import host_adamw_
 from .layout import Bucket
 
@@ -106,28 +110,50 @@ def _calls(bucket: Bucket, steps: Sequence[int], has_grad: Sequence[bool]):
     return out
 
 
+class _SlotWriteBack:
+    """A bucket's write-back queued by the native ``BucketStreamer``: ``synchronize()`` waits for its
+    slot's latest write-back, which is this bucket's or a later one queued behind it on the same stream."""
+
+    __slots__ = ("slot", "streamer")
+
+    def __init__(self, streamer, slot: int):
+        self.streamer, self.slot = streamer, slot
+
+    def synchronize(self) -> None:
+        self.streamer.synchronize(self.slot)
+
+
 def run_gpu_engine(buckets: Sequence[Bucket], *, params: Sequence[torch.Tensor], steps: Sequence[int],
                    has_grad: Sequence[bool], hyper: Sequence[GroupHyper], master: torch.Tensor,
                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, slots: Sequence[Slot], streams: Streams,
-                   step_tensor: Callable[[int], torch.Tensor]) -> list:
-    """Issue the GPU engine's pipeline for ``buckets``; return the write-back events (one per bucket).
+                   step_tensor: Callable[[int], torch.Tensor], native=None) -> list:
+    """Issue the GPU engine's pipeline for ``buckets``; return one write-back handle per bucket, whose
+    ``synchronize()`` returns once that bucket's state is back on the host (None on CPU).
 
-    Nothing here waits on the host: every copy and kernel is queued on its stream, ordered by events.
+    ``native`` (the extension's ``BucketStreamer``) issues each upload and write-back in one call;
+    without it ``streams`` does. Either way: an upload waits for its slot's previous write-back, the
+    update waits for the upload on the current stream (where the gradients were produced), a write-back
+    waits for the current stream. Nothing here waits on the host.
     """
     host = (master, exp_avg, exp_avg_sq)
+    stats.record("optimizer", "stream_engine", "native" if native is not None else "torch")
     done = []
     for i, b in enumerate(buckets):
-        slot = slots[i % len(slots)]
+        si = i % len(slots)
+        slot = slots[si]
         n, lo = b.numel, b.start
         # upload: after the slot's previous write-back
-        streams.wait(streams.up, slot.free)
-        with streams.on(streams.up):
-            for k in range(3):
-                slot.state[k, :n].copy_(host[k][lo:lo + n], non_blocking=True)
-        uploaded = streams.event(streams.up)
+        if native is not None:
+            native.upload(si, slot.state, host, lo, n)
+        else:
+            streams.wait(streams.up, slot.free)
+            with streams.on(streams.up):
+                for k in range(3):
+                    slot.state[k, :n].copy_(host[k][lo:lo + n], non_blocking=True)
+            uploaded = streams.event(streams.up)
+            if streams.cuda:
+                torch.cuda.current_stream().wait_event(uploaded)
         # update, on the current stream (where the gradients were produced)
-        if streams.cuda:
-            torch.cuda.current_stream().wait_event(uploaded)
         groups = _calls(b, steps, has_grad)
         for (gi, step), pieces in groups.items():
             ps, gs, ms, vs = [], [], [], []
@@ -145,8 +171,12 @@ def run_gpu_engine(buckets: Sequence[Bucket], *, params: Sequence[torch.Tensor],
                                 weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
             for pc, pm in zip(pieces, ps):
                 params[pc.param].data.view(-1)[pc.lo:pc.hi].copy_(pm)
+        # write back, after the update
+        if native is not None:
+            native.write_back(si, slot.state, host, lo, n)
+            done.append(_SlotWriteBack(native, si))
+            continue
         computed = streams.event()
-        # write back
         streams.wait(streams.down, computed)
         with streams.on(streams.down):
             for k in range(3):

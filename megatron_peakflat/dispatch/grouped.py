@@ -1,0 +1,304 @@
+"""Grouped-GEMM expert MLPs: one chunk's experts in a few ``torch._grouped_mm`` calls instead of a loop.
+
+A chunk gives each expert few rows (c x P / E on average), so a per-expert loop of small GEMMs is
+bound by launches and Python, and K chunks multiply that cost by K. Here every run of experts
+whose weights sit at a constant stride in one storage (Megatron's DDP buffer lays experts out that
+way; so does the buffer of received weights) becomes one strided view and one grouped GEMM, with no
+weight copy. Experts that share no stride fall back to runs of one: the same math, more launches.
+
+The math is the bias-free expert MLP: ``y = fc2(act(fc1 x, p))``, where ``elementwise(h, p)`` is
+the bank's activation with its probability scale (the same ops as the per-expert path, so results
+agree with it up to GEMM blocking). Backward is explicit: dX and every expert's weight gradient
+from grouped GEMMs; the activation's backward through autograd on the elementwise ops only.
+
+Weight gradients leave one run (or part of one) at a time through ``take(first, k, grads)``, and a
+run is split so that one transient gradient block is at most ``max(grad_block_bytes, one
+expert)``: the working set stays bounded whatever the expert count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["Offsets", "Run", "weight_runs", "stacked_view", "pack_expert_weights", "GroupedExperts", "grouped_supported", "grouped_mlp_forward", "grouped_mlp_backward"]
+
+Elementwise = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Take = Callable[[int, int, torch.Tensor], None]
+
+
+def grouped_supported(x: torch.Tensor) -> bool:
+    """True when ``torch._grouped_mm`` runs ``x``'s dtype on its device (CPU: any float; CUDA: bf16, sm80+)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float64)
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 8 and x.shape[-1] % 8 == 0
+
+
+def _stackable(t: torch.Tensor, like: torch.Tensor) -> bool:
+    return t.shape == like.shape and t.dtype == like.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def stacked_view(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.stack(ts)`` as a view (no copy), when the tensors sit at one constant stride in one storage.
+
+    Requires same shape, dtype and contiguity, 16-byte aligned starts and stride, and a constant
+    distance between consecutive starts of at least one tensor; otherwise None.
+    """
+    t0 = ts[0]
+    if not _stackable(t0, t0):
+        return None
+    if len(ts) == 1:
+        return t0.unsqueeze(0)
+    es = t0.element_size()
+    step = ts[1].data_ptr() - t0.data_ptr()
+    if step < t0.numel() * es or step % 16:
+        return None
+    base = t0.untyped_storage().data_ptr()
+    for a, b in zip(ts, ts[1:]):
+        if b.data_ptr() - a.data_ptr() != step or not _stackable(b, t0):
+            return None
+    end = ts[-1].data_ptr() + t0.numel() * es
+    if end > base + t0.untyped_storage().nbytes() or ts[-1].untyped_storage().data_ptr() != base:
+        return None
+    return t0.as_strided((len(ts), *t0.shape), (step // es, *t0.stride()), t0.storage_offset())
+
+
+@dataclass
+class Run:
+    """Experts ``first .. first + n - 1`` of a chunk (positions in its segment order), weights stacked."""
+
+    first: int
+    n: int
+    fc1: torch.Tensor
+    """[n, N1, H] view."""
+    fc2: torch.Tensor
+    """[n, H, F] view."""
+
+
+def weight_runs(fc1: Sequence[torch.Tensor], fc2: Sequence[torch.Tensor]) -> list[Run]:
+    """Maximal runs of consecutive experts whose fc1 and fc2 weights each form a ``stacked_view``.
+
+    Linear in the expert count: a run grows while the next expert keeps both strides and storages.
+    """
+    runs: list[Run] = []
+    i, E = 0, len(fc1)
+    while i < E:
+        j = i + 1
+        if _stackable(fc1[i], fc1[i]) and _stackable(fc2[i], fc2[i]) and i + 1 < E:
+            s1 = fc1[i + 1].data_ptr() - fc1[i].data_ptr()
+            s2 = fc2[i + 1].data_ptr() - fc2[i].data_ptr()
+            st1, st2 = fc1[i].untyped_storage().data_ptr(), fc2[i].untyped_storage().data_ptr()
+            ok = (s1 >= fc1[i].numel() * fc1[i].element_size() and s1 % 16 == 0
+                  and s2 >= fc2[i].numel() * fc2[i].element_size() and s2 % 16 == 0)
+            while (ok and j < E and fc1[j].data_ptr() - fc1[j - 1].data_ptr() == s1
+                   and fc2[j].data_ptr() - fc2[j - 1].data_ptr() == s2
+                   and _stackable(fc1[j], fc1[i]) and _stackable(fc2[j], fc2[i])
+                   and fc1[j].untyped_storage().data_ptr() == st1 and fc2[j].untyped_storage().data_ptr() == st2):
+                j += 1
+        v1, v2 = stacked_view(fc1[i:j]), stacked_view(fc2[i:j])
+        while v1 is None or v2 is None:  # a stride too small or misaligned: shorten to what stacks
+            j = i + 1 if j - i <= 2 else j - 1
+            v1, v2 = stacked_view(fc1[i:j]), stacked_view(fc2[i:j])
+            if j == i + 1 and (v1 is None or v2 is None):
+                v1, v2 = fc1[i].unsqueeze(0), fc2[i].unsqueeze(0)
+        runs.append(Run(i, j - i, v1, v2))
+        i = j
+    return runs
+
+
+class Offsets:
+    """A chunk's rows per expert: host counts for slicing, device cumulative ends for the GEMMs.
+
+    ``cum`` [C] int32 on the device (PipelinedLLEP's schedule uploads every chunk's at once); when
+    None it is uploaded here, once. Group offsets of experts i..j are then a device subtraction:
+    an upload from pageable memory per GEMM would synchronise the stream every time.
+    """
+
+    def __init__(self, counts: Sequence[int], device: torch.device, cum: torch.Tensor | None = None) -> None:
+        self.starts = [0]
+        for c in counts:
+            self.starts.append(self.starts[-1] + int(c))
+        self.cum = cum if cum is not None else torch.tensor(self.starts[1:], dtype=torch.int32).to(device)
+
+    def rows(self, i: int, j: int) -> tuple[int, int]:
+        """Row range of experts i..j-1."""
+        return self.starts[i], self.starts[j]
+
+    def ends(self, i: int, j: int) -> torch.Tensor:
+        """Group ends of experts i..j-1, counted from the first row of expert i (``offs`` of a grouped GEMM)."""
+        return self.cum[i:j] - self.starts[i] if self.starts[i] else self.cum[i:j]
+
+
+def grouped_mlp_forward(x: torch.Tensor, probs: torch.Tensor, offs: Offsets, runs: Sequence[Run],
+                        elementwise: Elementwise) -> torch.Tensor:
+    """Rows of ``x`` [M, H] grouped by expert (``offs``, run order) -> expert outputs [M, H]."""
+    out = x.new_empty(x.shape)
+    for r in runs:
+        a, b = offs.rows(r.first, r.first + r.n)
+        if a == b:
+            continue
+        ends = offs.ends(r.first, r.first + r.n)
+        h = torch._grouped_mm(x[a:b], r.fc1.transpose(-1, -2), offs=ends)
+        z = elementwise(h, probs[a:b])
+        del h
+        out[a:b] = torch._grouped_mm(z, r.fc2.transpose(-1, -2), offs=ends)
+    return out
+
+
+def grouped_mlp_backward(x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor, offs: Offsets,
+                         runs: Sequence[Run], elementwise: Elementwise, take: Take, grad_block_bytes: int,
+                         want_out: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dx [M, H], dprobs [M], y) for ``dy`` [M, H]; each weight gradient goes to ``take(first, k, grads)``.
+
+    ``want_out``: y is also the forward output [M, H] (one more GEMM per run, on the activation the
+    backward recomputes anyway); otherwise None.
+
+    Experts without rows in this chunk get no call (their gradient contribution is zero).
+    ``grads`` is [n, *weight shape] for experts ``first .. first + n - 1`` and parameter k (0: fc1,
+    1: fc2), in the weights' dtype, computed as one GEMM over those experts' rows: what autograd
+    gives a per-expert MLP, blocked differently.
+    """
+    dx = torch.empty_like(x)
+    dp = torch.zeros_like(probs)
+    y = torch.empty_like(x) if want_out else None
+    for r in runs:
+        a, b = offs.rows(r.first, r.first + r.n)
+        if a == b:  # no rows: no gradient to give (callers treat a missing one as zero)
+            continue
+        ends = offs.ends(r.first, r.first + r.n)
+        xs, dys = x[a:b], dy[a:b]
+        h = torch._grouped_mm(xs, r.fc1.transpose(-1, -2), offs=ends).requires_grad_(True)
+        ps = probs[a:b].detach().requires_grad_(True)
+        with torch.enable_grad():
+            z = elementwise(h, ps)
+        if y is not None:
+            y[a:b] = torch._grouped_mm(z.detach(), r.fc2.transpose(-1, -2), offs=ends)
+        dz = torch._grouped_mm(dys, r.fc2, offs=ends)
+        _weight_grads(r, 1, offs, dys, z.detach(), grad_block_bytes, take)
+        torch.autograd.backward(z, dz, inputs=[h, ps])
+        del z, dz
+        dh = h.grad
+        h.grad = None
+        del h
+        if ps.grad is not None:
+            dp[a:b] = ps.grad
+        dx[a:b] = torch._grouped_mm(dh, r.fc1, offs=ends)
+        _weight_grads(r, 0, offs, dh, xs, grad_block_bytes, take)
+        del dh
+    return dx, dp, y
+
+
+def _weight_grads(r: Run, k: int, offs: Offsets, left: torch.Tensor, right: torch.Tensor,
+                  grad_block_bytes: int, take: Take) -> None:
+    """grads[e] = left_e^T right_e per expert e of the run (``left``, ``right``: the run's rows), in bounded blocks."""
+    w = r.fc1 if k == 0 else r.fc2
+    per = max(1, grad_block_bytes // max(1, w[0].numel() * w.element_size()))
+    row0 = offs.starts[r.first]
+    for i in range(r.first, r.first + r.n, per):
+        j = min(i + per, r.first + r.n)
+        a, b = offs.rows(i, j)
+        if a == b:
+            continue
+        g = torch._grouped_mm(left[a - row0:b - row0].t(), right[a - row0:b - row0], offs=offs.ends(i, j))
+        take(i, k, g)
+        del g
+
+
+def pack_expert_weights(experts: Sequence[Sequence[torch.Tensor]]) -> int:
+    """Move experts' separately allocated weights into one new buffer, expert-major; returns the bytes moved.
+
+    Each tensor's ``.data`` becomes a view of the buffer (the tensor objects, their values, their
+    optimizer state and their gradients stay as they were), so that every weight position forms one
+    ``stacked_view`` run. Only tensors that own their whole storage are moved (views into Megatron's
+    DDP or FSDP buffers are laid out by their owner and already stack, or are left alone): otherwise 0.
+    """
+    flat = [t for ws in experts for t in ws]
+    if len(experts) < 2 or not flat:
+        return 0
+    shapes = [tuple(t.shape) for t in experts[0]]
+    for ws in experts:
+        if [tuple(t.shape) for t in ws] != shapes:
+            return 0
+    for t in flat:
+        if (not t.is_contiguous() or t.dtype != flat[0].dtype or t.device != flat[0].device
+                or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+            return 0
+    align = max(1, 16 // flat[0].element_size())
+    sizes = [-(-t.numel() // align) * align for t in experts[0]]
+    buf = torch.empty(len(experts) * sum(sizes), dtype=flat[0].dtype, device=flat[0].device)
+    o = 0
+    with torch.no_grad():
+        for ws in experts:
+            for t, n in zip(ws, sizes):
+                view = buf[o:o + t.numel()].view(t.shape)
+                view.copy_(t)
+                t.data = view
+                o += n
+    return buf.numel() * buf.element_size()
+
+
+GRAD_BLOCK_BYTES = 256 * 2**20
+"""Largest transient stacked weight gradient (one expert's is always allowed)."""
+
+
+class GroupedExperts:
+    """ExpertBank mix-in for banks of bias-free two-weight MLP experts: grouped-GEMM compute and backward.
+
+    The bank provides ``expert_params(local) -> [fc1, fc2]``, ``elementwise(h, p)`` (its activation
+    with the probability scale) and ``grouped`` (False forces the per-expert path). PipelinedLLEP
+    then calls ``layout_order`` (row order of the local experts), ``compute`` without grad via
+    ``grouped_compute``, and ``backward_chunk`` in the chunk backward.
+    """
+
+    grouped: bool = True
+
+    def elementwise(self, h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        """True when this call runs grouped GEMMs: enabled, supported for ``x``, and every row of x, fc1's
+        output and fc2's input is a multiple of 16 bytes (what the grouped GEMM kernels address)."""
+        if not (self.grouped and grouped_supported(x)):
+            return False
+        fc1, fc2 = self.expert_params(0)[:2]  # type: ignore[attr-defined]
+        return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], fc1.shape[0], fc2.shape[-1]))
+
+    def layout_order(self) -> list[int]:
+        """Local experts by the address of their fc1 weight, so that experts laid out at one stride form one run."""
+        n = self.num_local_experts  # type: ignore[attr-defined]
+        return sorted(range(n), key=lambda i: self.expert_params(i)[0].data_ptr())  # type: ignore[attr-defined]
+
+    def _weights(self, local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        fc1, fc2 = [], []
+        for li, w in zip(local, weights):
+            w = self.expert_params(li) if li is not None else w  # type: ignore[attr-defined]
+            fc1.append(w[0].detach())
+            fc2.append(w[1].detach())
+        return fc1, fc2
+
+    def grouped_compute(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: Sequence[int],
+                        local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None],
+                        cum: torch.Tensor | None = None) -> torch.Tensor:
+        """ExpertBank.compute without autograd, in grouped GEMMs (``cum``: the rows' device ``Offsets.cum``)."""
+        fc1, fc2 = self._weights(local, weights)
+        with torch.no_grad():
+            return grouped_mlp_forward(x, probs, Offsets(tokens_per_expert, x.device, cum), weight_runs(fc1, fc2),
+                                       self.elementwise)
+
+    def backward_chunk(self, x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor,
+                       tokens_per_expert: Sequence[int], local: Sequence[int | None],
+                       weights: Sequence[Sequence[torch.Tensor] | None], take: Take, want_out: bool = False,
+                       cum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(dx, dprobs, output or None) of one chunk, weight gradients through ``take``; None: use autograd."""
+        if not self.use_grouped(x):
+            return None
+        fc1, fc2 = self._weights(local, weights)
+        return grouped_mlp_backward(x, probs, dy, Offsets(tokens_per_expert, x.device, cum), weight_runs(fc1, fc2),
+                                    self.elementwise, take, GRAD_BLOCK_BYTES, want_out)
