@@ -52,9 +52,11 @@ MODEL=(
   --num-experts "$EXPERTS" --moe-router-topk "$TOPK" --moe-ffn-hidden-size "$MOE_FFN"
   --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
   --disable-bias-linear --normalization RMSNorm --swiglu --position-embedding-type rope
-  --untie-embeddings-and-output-weights
+  --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0
   --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
 )
+# No dropout, as MoE pretraining recipes run; with --hidden-dropout > 0 PipelinedLLEP's fused recompute
+# (--peakflat-dispatch-fuse-recompute) turns itself off, logged, and each MoE layer pays one more expert forward.
 PARALLEL=(
   --tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP"
   --use-distributed-optimizer

@@ -407,3 +407,27 @@ def test_working_set_bound_covers_top8_metadata():
     bound = working_set_bound(num_tokens=T, hidden=Hb, ffn=Fb, num_experts=E, topk=k, chunk_rows=c + k,
                               expert_param_bytes=sum(p.numel() * 4 for p in bank.parameters()), dtype_bytes=4)
     assert meter.peak <= bound, (meter.peak, bound)
+
+
+def test_stacked_views_and_packing():
+    """Weights at one positive stride in one storage stack as a view; anything else does not; packing moves
+    separately allocated weights into one buffer without changing their values, and leaves views alone."""
+    from megatron_peakflat.dispatch.grouped import pack_expert_weights, stacked_view, weight_runs
+
+    buf = torch.arange(4 * 40, dtype=torch.float32)
+    ws = [buf[i * 40:i * 40 + 32].view(4, 8) for i in range(4)]
+    v = stacked_view(ws)
+    assert v is not None and v.data_ptr() == ws[0].data_ptr() and torch.equal(v[2], ws[2])
+    assert stacked_view(ws[::-1]) is None  # negative stride
+    assert stacked_view([ws[0], ws[2], ws[3]]) is None  # not one stride
+    assert stacked_view([ws[0], torch.zeros(4, 8)]) is None  # another storage
+    assert stacked_view([buf[1:33].view(4, 8), buf[41:73].view(4, 8)]) is None  # not 16-byte aligned
+    runs = weight_runs(ws[:2] + ws[3:] + [torch.zeros(4, 8)], [w[:, :4] for w in ws[:2] + ws[3:]] + [torch.zeros(4, 4)])
+    assert [(r.first, r.n) for r in runs] == [(0, 1), (1, 1), (2, 1), (3, 1)]  # fc2 views are not contiguous
+    experts = [[torch.randn(6, 8), torch.randn(8, 3)] for _ in range(3)]
+    values = [[t.clone() for t in e] for e in experts]
+    assert pack_expert_weights(experts) > 0
+    runs = weight_runs([e[0] for e in experts], [e[1] for e in experts])
+    assert [(r.first, r.n) for r in runs] == [(0, 3)]
+    assert all(torch.equal(t, u) for e, f in zip(experts, values) for t, u in zip(e, f))
+    assert pack_expert_weights([[w] for w in ws]) == 0  # views into a buffer someone else owns stay put

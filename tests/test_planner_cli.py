@@ -257,6 +257,27 @@ def test_region_decorator_measures_each_call(fake):
     assert (got.delta, got.calls) == (64, 2)
 
 
+def test_resident_bytes_count_in_later_calls(fake):
+    """A buffer allocated in the first call and kept (the optimizer's slots) still counts in later calls."""
+    meter.enable(True)
+    held = []
+
+    @meter.region("optimizer")
+    def step() -> None:
+        meter.add_resident("optimizer", sum(held))
+        if not held:
+            fake.alloc(96)
+            held.append(96)
+        fake.alloc(8)
+        fake.free(8)
+
+    step()
+    assert meter.measured()["optimizer"].delta == 104
+    meter.reset()
+    step()
+    assert meter.measured()["optimizer"].delta == 104  # 96 held + 8 allocated, not 8
+
+
 def test_process_peak_reads_the_allocator_before_any_region(fake):
     meter.enable(True)
     fake.alloc(700)
@@ -311,6 +332,10 @@ def test_report_logs_measured_beside_predicted(fake, caplog):
     assert out["dispatch"]["predicted_gib"] == pytest.approx(rows["dispatch"].baseline / GIB)  # dispatch off
     assert tb.scalars["peakflat/peak_vocab_measured_gib"] == (pytest.approx(2.0), 100)
     assert wb.logged["step"] == 100 and "peakflat/peak_total_predicted_gib" in wb.logged
+    # allocated bytes are compared with the planner's total less its context/fragmentation reserve
+    reserve = rows["reserve"].peakflat
+    assert reserve > 0
+    assert out["total"]["predicted_gib"] == pytest.approx((pl.stages[0].total("peakflat") - reserve) / GIB)
     assert "peakflat peaks iter 100" in caplog.text and "vocab 2.00/" in caplog.text
     assert meter.measured() == {}  # a new interval starts
 

@@ -33,7 +33,8 @@ class DispatchConfig(ComponentConfig):
     fuse_recompute: bool = True
     """Under full recompute (or --recompute-modules moe), run each chunk's forward and backward
     together in the checkpoint's recompute, where the MoE output's gradient is already known: one
-    expert forward less per layer. Checked against the gradient that arrives; exact either way."""
+    expert forward less per layer. Checked against the gradient that arrives; exact either way.
+    Needs --hidden-dropout 0 (Megatron's default is 0.1); otherwise it turns itself off, logged."""
     grouped_gemm: bool = True
     """Run each chunk's experts as grouped GEMMs (torch._grouped_mm: bf16 on sm80+ GPUs) on strided
     views of their weights, with no weight copy; --no-peakflat-dispatch-grouped-gemm runs one expert

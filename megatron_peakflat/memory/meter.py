@@ -27,7 +27,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
-__all__ = ["component_region", "enable", "enabled", "set_backend", "measured", "reset", "process_peak",
+__all__ = ["add_resident", "component_region", "enable", "enabled", "set_backend", "measured", "reset", "process_peak",
            "RegionPeak"]
 
 _ENABLED = False
@@ -57,6 +57,7 @@ class _Frame:
     name: str
     base: int
     top: int
+    resident: int = 0
 
 
 @dataclass
@@ -121,9 +122,19 @@ def _measure(name: str):  # noqa: ANN202
             f.top = max(f.top, running)
         _S.process_peak = max(_S.process_peak, running)
         p = _S.peaks.setdefault(name, RegionPeak())
-        p.delta = max(p.delta, frame.top - frame.base)
+        p.delta = max(p.delta, frame.top - frame.base + frame.resident)
         p.absolute = max(p.absolute, frame.top)
         p.calls += 1
+
+
+def add_resident(name: str, nbytes: int) -> None:
+    """Count ``nbytes`` the component already held at its region's entry (buffers it keeps across calls,
+    such as the optimizer's staging slots) in the innermost open region ``name``: its measured peak is
+    what it holds, not only what it allocates in this call."""
+    for f in reversed(_S.stack):
+        if f.name == name:
+            f.resident += int(nbytes)
+            return
 
 
 def component_region(name: str) -> ContextManager[None]:

@@ -29,6 +29,7 @@ import torch
 
 from .. import stats
 from ..config_base import format_bytes
+from ..memory import meter
 from ..memory.meter import region
 from .streamer import NativeStreamer
 from .engines import CpuEngineWorker, GroupHyper, HostSlot, Slot, Streams, run_gpu_engine
@@ -282,6 +283,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        meter.add_resident("optimizer", sum(t.numel() * t.element_size()
+                                            for sl in getattr(self, "_gpu_slots", None) or () for t in (sl.state, sl.grad)))
         self._materialize()
         self._sync_hdo_state_to_sub_optimizers()
         self._step_tensors.clear()  # one device scalar per distinct step value, for this step only
@@ -439,6 +442,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout: ``state`` by parameter index, ``param_groups`` with indices (and the step)."""
+        meter.add_resident("optimizer", sum(t.numel() * t.element_size()
+                                            for sl in getattr(self, "_gpu_slots", None) or () for t in (sl.state, sl.grad)))
         self._materialize()
         self._sync_hdo_state_to_sub_optimizers()
         index = {id(p): i for i, p in enumerate(self._params)}
