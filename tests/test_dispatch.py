@@ -431,3 +431,41 @@ def test_stacked_views_and_packing():
     assert [(r.first, r.n) for r in runs] == [(0, 3)]
     assert all(torch.equal(t, u) for e, f in zip(experts, values) for t, u in zip(e, f))
     assert pack_expert_weights([[w] for w in ws]) == 0  # views into a buffer someone else owns stay put
+
+
+def fused_disagree_worker(rank: int, world: int) -> list[float]:
+    """Rank 0 assumes a wrong output gradient, rank 1 the right one: both correct together (no deadlock)."""
+    from megatron_peakflat import stats
+
+    E, T = 4 * world, 21 + rank
+    e_p = E // world
+    g = torch.Generator().manual_seed(5)
+    fc1 = [torch.randn(2 * F, H, generator=g) * 0.3 for _ in range(E)]
+    fc2 = [torch.randn(H, F, generator=g) * 0.3 for _ in range(E)]
+    bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p], grouped=True)
+    probs, rmap = make_routing(T, E, TOPK, "hot95", 30 + rank)
+    probs.requires_grad_(True)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    gout = torch.randn(T, H, generator=torch.Generator().manual_seed(10 + rank))
+    assumed = gout * 0.25 if rank == 0 else gout.clone()
+    stats.reset()
+    out = llep_moe(x, probs, rmap, bank, dist.group.WORLD, DispatchConfig(chunk_cap=8, min_spill=0),
+                   out_grad=assumed)
+    params = [p for i in range(e_p) for p in bank.expert_params(i)]
+    got = torch.autograd.grad(out, [x, probs, *params], gout)
+    w1 = [w.clone().requires_grad_(True) for w in fc1]
+    w2 = [w.clone().requires_grad_(True) for w in fc2]
+    ref = reference_moe(x, probs, rmap, w1, w2)
+    want = torch.autograd.grad(ref, [x, probs, *w1, *w2], gout, allow_unused=True, materialize_grads=True)
+    wgrads = torch.stack([torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in zip(want[2:2 + E], want[2 + E:])])
+    dist.all_reduce(wgrads)
+    errs = [_rel(out, ref), _rel(got[0], want[0]), _rel(got[1], want[1])]
+    for i in range(e_p):
+        errs.append(_rel(torch.cat([got[2 + 2 * i].reshape(-1), got[3 + 2 * i].reshape(-1)]), wgrads[rank * e_p + i]))
+    assert stats.snapshot()["dispatch"]["fused_recompute_corrections"] == 1  # on both ranks
+    return errs
+
+
+def test_fused_recompute_ranks_agree_on_the_correction():
+    for errs in run_distributed(fused_disagree_worker, 2, timeout=120):
+        assert max(errs) <= 1e-5, errs

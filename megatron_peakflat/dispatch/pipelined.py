@@ -303,7 +303,11 @@ class _PipelinedMoE(torch.autograd.Function):
             chunks: _Chunks = ctx.chunks
             ctx.chunks = None
             stats.add("dispatch", "fused_recompute_calls", 1)
-            if not torch.equal(grad_out, g0):
+            differs = not torch.equal(grad_out, g0)
+            if comm.group_size(ctx.group) > 1:  # every rank must agree: the correction runs collectives
+                flag = torch.tensor([int(differs)], device=grad_out.device)
+                differs = bool(comm.all_reduce_max(flag, ctx.group).item())
+            if differs:
                 # Not the gradient assumed: add the chunks' backward of the difference (exact by linearity).
                 stats.add("dispatch", "fused_recompute_corrections", 1)
                 ctx.bank.assumed_grad_mismatch = True  # callers may stop assuming for this bank
