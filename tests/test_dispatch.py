@@ -141,6 +141,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
+def _errors_vs_reference(out, x, probs, rmap, bank, fc1, fc2, gout, rank: int) -> tuple[list[float], torch.Tensor]:
+    """Relative errors of out, dx, dprobs and each local expert's weight gradient against ``reference_moe``
+    on every expert's weights (its weight gradients summed over every rank's rows), and the reference output."""
+    E, e_p = len(fc1), bank.num_local_experts
+    params = [p for i in range(e_p) for p in bank.expert_params(i)]
+    got = torch.autograd.grad(out, [x, probs, *params], gout)
+    w1 = [w.clone().requires_grad_(True) for w in fc1]
+    w2 = [w.clone().requires_grad_(True) for w in fc2]
+    ref = reference_moe(x, probs, rmap, w1, w2)
+    want = torch.autograd.grad(ref, [x, probs, *w1, *w2], gout, allow_unused=True, materialize_grads=True)
+    wgrads = torch.stack([torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in zip(want[2:2 + E], want[2 + E:])])
+    dist.all_reduce(wgrads)
+    errs = [_rel(out, ref), _rel(got[0], want[0]), _rel(got[1], want[1])]
+    for i in range(e_p):
+        errs.append(_rel(torch.cat([got[2 + 2 * i].reshape(-1), got[3 + 2 * i].reshape(-1)]), wgrads[rank * e_p + i]))
+    return errs, ref
+
+
 def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
     torch.manual_seed(0)
     E = 4 * world if world < 4 else 8
@@ -165,20 +183,8 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
             sched = plan_layer(rmap, bank, group, cfg, num_chunks=chunks)
             out = llep_moe(x, probs, rmap, bank, group, cfg, num_chunks=chunks)
             gout = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 99))
-            params = [p for i in range(e_p) for p in bank.expert_params(i)]
-            got = torch.autograd.grad(out, [x, probs, *params], gout)
-
-            w1 = [w.clone().requires_grad_(True) for w in fc1]
-            w2 = [w.clone().requires_grad_(True) for w in fc2]
-            ref = reference_moe(x, probs, rmap, w1, w2)
-            want = torch.autograd.grad(ref, [x, probs, *w1, *w2], gout, allow_unused=True, materialize_grads=True)
-            wgrads = torch.stack([torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in zip(want[2:2 + E], want[2 + E:])])
-            dist.all_reduce(wgrads)  # the reference's weight gradient summed over every rank's rows
+            errs, ref = _errors_vs_reference(out, x, probs, rmap, bank, fc1, fc2, gout, rank)
             name = f"{skew},k={k},K={chunks},rank={rank}"
-            errs = [_rel(out, ref), _rel(got[0], want[0]), _rel(got[1], want[1])]
-            for i in range(e_p):
-                mine = torch.cat([got[2 + 2 * i].reshape(-1), got[3 + 2 * i].reshape(-1)])
-                errs.append(_rel(mine, wgrads[rank * e_p + i]))
             assert bank.use_grouped(x) == grouped
             bitwise = world == 1 and chunks == 1 and bool((out == ref).all())
             if chunks is not None:
@@ -451,17 +457,7 @@ def fused_disagree_worker(rank: int, world: int) -> list[float]:
     stats.reset()
     out = llep_moe(x, probs, rmap, bank, dist.group.WORLD, DispatchConfig(chunk_cap=8, min_spill=0),
                    out_grad=assumed)
-    params = [p for i in range(e_p) for p in bank.expert_params(i)]
-    got = torch.autograd.grad(out, [x, probs, *params], gout)
-    w1 = [w.clone().requires_grad_(True) for w in fc1]
-    w2 = [w.clone().requires_grad_(True) for w in fc2]
-    ref = reference_moe(x, probs, rmap, w1, w2)
-    want = torch.autograd.grad(ref, [x, probs, *w1, *w2], gout, allow_unused=True, materialize_grads=True)
-    wgrads = torch.stack([torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in zip(want[2:2 + E], want[2 + E:])])
-    dist.all_reduce(wgrads)
-    errs = [_rel(out, ref), _rel(got[0], want[0]), _rel(got[1], want[1])]
-    for i in range(e_p):
-        errs.append(_rel(torch.cat([got[2 + 2 * i].reshape(-1), got[3 + 2 * i].reshape(-1)]), wgrads[rank * e_p + i]))
+    errs, _ = _errors_vs_reference(out, x, probs, rmap, bank, fc1, fc2, gout, rank)
     assert stats.snapshot()["dispatch"]["fused_recompute_corrections"] == 1  # on both ranks
     return errs
 
