@@ -21,6 +21,10 @@ def _load(name: str) -> dict | None:
 def _cell(row: dict | None) -> str:
     if row is None:
         return "-"
+    max_seq = (row.get("extra") or {}).get("max_seq")
+    if max_seq is not None:  # a largest-sequence search (bench/sco.py --max-seq)
+        bound = "" if (row.get("extra") or {}).get("complete", True) else " or more"
+        return f"largest S {max_seq}{bound}"
     if row.get("peak_gib") is None:
         return row.get("extra", {}).get("error", "failed")
     return f"{row['peak_gib']:.2f} GiB, {row['ms']:.0f} ms"
