@@ -12,6 +12,7 @@ method), so a separate invocation (e.g. ``bench/sco.py --max-seq``) keeps the ro
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -56,6 +57,29 @@ def measure(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 5) -> tuple[f
         times.append(start.elapsed_time(end))
         peak = max(peak, (torch.cuda.max_memory_allocated() - base) / 2**30)
     return peak, statistics.median(times)
+
+
+def peak_once(fn: Callable[[], Any], *, cpu: bool = False) -> tuple[int, int]:
+    """(peak bytes, peak bytes above what was allocated before ``fn``) of one call of ``fn``.
+
+    CUDA: the caching allocator's statistics, after freeing cached blocks. ``cpu``: LiveBytesMeter,
+    which sees only what ``fn`` allocates, so both numbers are that peak.
+    """
+    gc.collect()
+    if cpu:
+        from megatron_peakflat.testing.live_bytes import LiveBytesMeter
+
+        with LiveBytesMeter() as m:
+            fn()
+        return m.peak, m.peak
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return peak, peak - base
 
 
 def run_row(case: str, method: str, fn: Callable[[], Any], *, exact: bool | None = None,

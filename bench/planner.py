@@ -48,7 +48,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, write  # noqa: E402
+from bench.harness import Row, peak_once, write  # noqa: E402
 from megatron_peakflat.config import PeakflatConfig  # noqa: E402
 from megatron_peakflat.memory import model as M  # noqa: E402
 from megatron_peakflat.memory.model import GIB, RunConfig, plan  # noqa: E402
@@ -62,20 +62,7 @@ TERMS = ("state", "boundaries", "vocab", "dispatch", "optimizer")
 
 def peak_of(fn: Callable[[], Any]) -> float:
     """Peak bytes above the allocation before ``fn`` (inputs already on the device)."""
-    if DRY:
-        from megatron_peakflat.testing.live_bytes import LiveBytesMeter
-
-        gc.collect()
-        with LiveBytesMeter() as m:
-            fn()
-        return m.peak
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    return peak_once(fn, cpu=DRY)[1]
 
 
 def kept_by(fn: Callable[[], Any]) -> float:

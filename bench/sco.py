@@ -260,31 +260,6 @@ def _gib(x: float | None) -> str:
     return "None" if x is None else (f"{x:.2f}" if x >= 1 else f"{x:.4g}")
 
 
-class _Probe:
-    """Peak bytes of one step: CUDA's allocator (absolute, model included), or LiveBytesMeter on CPU."""
-
-    def __init__(self, cpu: bool) -> None:
-        self.cpu = cpu
-
-    def run(self, fn: Callable[[], Any]) -> tuple[int, int]:
-        """(peak bytes, peak bytes above what was allocated before ``fn``)."""
-        gc.collect()
-        if self.cpu:
-            from megatron_peakflat.testing.live_bytes import LiveBytesMeter
-
-            with LiveBytesMeter() as m:
-                fn()
-            return m.peak, m.peak
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        return peak, peak - base
-
-
 def max_seq_main(args: Any) -> None:
     """--max-seq (and --dry-run): search each method's largest sequence, merge the rows into sco.json."""
     import megatron_peakflat
@@ -304,7 +279,6 @@ def max_seq_main(args: Any) -> None:
     megatron_peakflat.apply(on)  # patches SCO and SDPA attention; ``off`` only turns SCO off at call time
     ffn = args.ffn or 4 * args.hidden
     model = build_gpt(args.layers, args.hidden, args.heads, ffn, cap, args.vocab)
-    probe = _Probe(cpu)
 
     def method_step(method: str) -> Callable[[dict[str, torch.Tensor]], Any]:
         def run(b: dict[str, torch.Tensor]) -> Any:
@@ -326,7 +300,7 @@ def max_seq_main(args: Any) -> None:
         error = None
         try:
             b = batch(seq, args.vocab)
-            peak, rel = probe.run(lambda: fn(b))
+            peak, rel = harness.peak_once(lambda: fn(b), cpu=cpu)
         except torch.OutOfMemoryError:
             error = "OOM"
         finally:

@@ -94,6 +94,14 @@ def test_single_bucket_gpu_engine_is_bitwise_fused_adamw():
     assert max(_rel(a, b) for a, b in zip(ps, ref)) <= 1e-6
 
 
+def assert_same_params_and_state(opt_a, ps_a, opt_b, ps_b) -> None:
+    """Parameters and every state tensor of two optimizers equal bit for bit, parameter by parameter."""
+    for p, q in zip(ps_a, ps_b, strict=True):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "master_param", "step"):
+            assert torch.equal(opt_a.state[p][key], opt_b.state[q][key]), key
+
+
 @pytest.mark.parametrize("engine", ["gpu", "cpu", "auto"])
 def test_state_dict_round_trip_continues_bitwise(engine):
     ps = _params()
@@ -111,10 +119,7 @@ def test_state_dict_round_trip_continues_bitwise(engine):
     for grp in resumed.param_groups:
         assert grp["lr"] in (1e-3, 3e-3)
     _run(resumed, qs, 7, start=5)
-    for p, q in zip(ps, qs):
-        assert torch.equal(p, q)
-        for key in ("exp_avg", "exp_avg_sq", "master_param", "step"):
-            assert torch.equal(opt.state[p][key], resumed.state[q][key])
+    assert_same_params_and_state(opt, ps, resumed, qs)
 
 
 def test_host_kernels_agree_bitwise_on_vector_body():
@@ -333,10 +338,7 @@ def test_native_stream_engine_calls_are_the_torch_streams_copies(monkeypatch):
     assert fake.calls == expect and len(buckets) >= 3
     _run(torch_opt, ps, 6, start=1)
     _run(native_opt, qs, 6, start=1)
-    for p, q in zip(ps, qs):
-        assert torch.equal(p, q)
-        for key in ("exp_avg", "exp_avg_sq", "master_param", "step"):
-            assert torch.equal(torch_opt.state[p][key], native_opt.state[q][key])
+    assert_same_params_and_state(torch_opt, ps, native_opt, qs)
 
 
 def test_stream_engine_choice():

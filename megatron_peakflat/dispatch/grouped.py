@@ -44,29 +44,44 @@ def _stackable(t: torch.Tensor, like: torch.Tensor) -> bool:
     return t.shape == like.shape and t.dtype == like.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
+def _run_end(ts: Sequence[torch.Tensor], i: int) -> int:
+    """The largest j such that ``ts[i:j]`` sits at one constant stride in one storage (at least i + 1).
+
+    The stride must be 16-byte aligned and at least one tensor long; every tensor must match ``ts[i]``
+    in shape and dtype, be contiguous and start 16-byte aligned.
+    """
+    t0, j = ts[i], i + 1
+    if j == len(ts) or not _stackable(t0, t0):
+        return j
+    step = ts[j].data_ptr() - t0.data_ptr()
+    if step < t0.numel() * t0.element_size() or step % 16:
+        return j
+    base = t0.untyped_storage().data_ptr()
+    while (j < len(ts) and ts[j].data_ptr() - ts[j - 1].data_ptr() == step and _stackable(ts[j], t0)
+           and ts[j].untyped_storage().data_ptr() == base):
+        j += 1
+    return j
+
+
+def _view(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(ts)`` as a view of ``ts[0]``'s storage; ``ts`` must pass ``_run_end`` whole."""
+    t0 = ts[0]
+    if len(ts) == 1:
+        return t0.unsqueeze(0)
+    es = t0.element_size()
+    step = (ts[1].data_ptr() - t0.data_ptr()) // es
+    return t0.as_strided((len(ts), *t0.shape), (step, *t0.stride()), t0.storage_offset())
+
+
 def stacked_view(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """``torch.stack(ts)`` as a view (no copy), when the tensors sit at one constant stride in one storage.
 
     Requires same shape, dtype and contiguity, 16-byte aligned starts and stride, and a constant
     distance between consecutive starts of at least one tensor; otherwise None.
     """
-    t0 = ts[0]
-    if not _stackable(t0, t0):
+    if not _stackable(ts[0], ts[0]) or _run_end(ts, 0) != len(ts):
         return None
-    if len(ts) == 1:
-        return t0.unsqueeze(0)
-    es = t0.element_size()
-    step = ts[1].data_ptr() - t0.data_ptr()
-    if step < t0.numel() * es or step % 16:
-        return None
-    base = t0.untyped_storage().data_ptr()
-    for a, b in zip(ts, ts[1:]):
-        if b.data_ptr() - a.data_ptr() != step or not _stackable(b, t0):
-            return None
-    end = ts[-1].data_ptr() + t0.numel() * es
-    if end > base + t0.untyped_storage().nbytes() or ts[-1].untyped_storage().data_ptr() != base:
-        return None
-    return t0.as_strided((len(ts), *t0.shape), (step // es, *t0.stride()), t0.storage_offset())
+    return _view(ts)
 
 
 @dataclass
@@ -85,29 +100,13 @@ def weight_runs(fc1: Sequence[torch.Tensor], fc2: Sequence[torch.Tensor]) -> lis
     """Maximal runs of consecutive experts whose fc1 and fc2 weights each form a ``stacked_view``.
 
     Linear in the expert count: a run grows while the next expert keeps both strides and storages.
+    An expert that stacks with nothing is a run of one.
     """
     runs: list[Run] = []
-    i, E = 0, len(fc1)
-    while i < E:
-        j = i + 1
-        if _stackable(fc1[i], fc1[i]) and _stackable(fc2[i], fc2[i]) and i + 1 < E:
-            s1 = fc1[i + 1].data_ptr() - fc1[i].data_ptr()
-            s2 = fc2[i + 1].data_ptr() - fc2[i].data_ptr()
-            st1, st2 = fc1[i].untyped_storage().data_ptr(), fc2[i].untyped_storage().data_ptr()
-            ok = (s1 >= fc1[i].numel() * fc1[i].element_size() and s1 % 16 == 0
-                  and s2 >= fc2[i].numel() * fc2[i].element_size() and s2 % 16 == 0)
-            while (ok and j < E and fc1[j].data_ptr() - fc1[j - 1].data_ptr() == s1
-                   and fc2[j].data_ptr() - fc2[j - 1].data_ptr() == s2
-                   and _stackable(fc1[j], fc1[i]) and _stackable(fc2[j], fc2[i])
-                   and fc1[j].untyped_storage().data_ptr() == st1 and fc2[j].untyped_storage().data_ptr() == st2):
-                j += 1
-        v1, v2 = stacked_view(fc1[i:j]), stacked_view(fc2[i:j])
-        while v1 is None or v2 is None:  # a stride too small or misaligned: shorten to what stacks
-            j = i + 1 if j - i <= 2 else j - 1
-            v1, v2 = stacked_view(fc1[i:j]), stacked_view(fc2[i:j])
-            if j == i + 1 and (v1 is None or v2 is None):
-                v1, v2 = fc1[i].unsqueeze(0), fc2[i].unsqueeze(0)
-        runs.append(Run(i, j - i, v1, v2))
+    i = 0
+    while i < len(fc1):
+        j = min(_run_end(fc1, i), _run_end(fc2, i))
+        runs.append(Run(i, j - i, _view(fc1[i:j]), _view(fc2[i:j])))
         i = j
     return runs
 

@@ -87,7 +87,13 @@ class SequentialMLPBank(GroupedExperts):
         self.plain_reason = _plain_mlp_reason(experts)
         """Why the plain-ops path cannot run (None: it can)."""
         self.plain = self.plain_reason is None if plain is None else plain
-        self.grouped = grouped and self.plain and not self.config.moe_apply_probs_on_input
+        self.want_grouped = grouped
+        """The flag's wish (--peakflat-dispatch-grouped-gemm); ``grouped`` adds what the experts allow."""
+
+    @property
+    def grouped(self) -> bool:  # type: ignore[override]
+        """Grouped GEMMs: wanted, plain ops possible, and probs applied inside the MLP (not on its input)."""
+        return self.want_grouped and self.plain and not self.config.moe_apply_probs_on_input
 
     def _plain(self, x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(self.elementwise(torch.nn.functional.linear(x, fc1), probs), fc2)
@@ -199,7 +205,7 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
             bank = self._bank = SequentialMLPBank(experts, plain=self.plain_experts, grouped=cfg.grouped_gemm)
             if not bank.plain:
                 info_once(f"peakflat dispatch: experts run through their modules ({bank.plain_reason or 'forced'})")
-        bank.grouped = cfg.grouped_gemm and bank.plain and not bank.config.moe_apply_probs_on_input
+        bank.want_grouped = cfg.grouped_gemm
         if bank.grouped and not grouped_supported(hidden_states):
             info_once(f"peakflat dispatch: grouped GEMMs need bf16 on an sm80+ GPU (or CPU); {hidden_states.dtype} on "
                       f"{hidden_states.device.type} runs one expert at a time")

@@ -251,7 +251,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         if not self._gpu_slots:
             B = max(1, self._layout.max_bucket)
             self._gpu_slots = [Slot(B, self.device) for _ in range(self.slots)]
-            stats.record("optimizer", "gpu_staging_bytes", self.slots * B * 16)
+            stats.record("optimizer", "gpu_staging_bytes", self._gpu_staging_bytes())
         return self._gpu_slots
 
     def _bucket_streamer(self):
@@ -268,6 +268,11 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             t = self._step_tensors[step] = torch.full((), float(step), dtype=torch.float32, device=self.device)
         return t
 
+    def _gpu_staging_bytes(self) -> int:
+        """Bytes of the GPU staging slots this optimizer holds (0 before its first step)."""
+        return sum(t.numel() * t.element_size() for sl in getattr(self, "_gpu_slots", None) or ()
+                   for t in (sl.state, sl.grad))
+
     # ----------------------------------------------------------------------------------------------
     # the step
 
@@ -283,8 +288,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        meter.add_resident("optimizer", sum(t.numel() * t.element_size()
-                                            for sl in getattr(self, "_gpu_slots", None) or () for t in (sl.state, sl.grad)))
+        meter.add_resident("optimizer", self._gpu_staging_bytes())  # slots kept from earlier steps
         self._materialize()
         self._sync_hdo_state_to_sub_optimizers()
         self._step_tensors.clear()  # one device scalar per distinct step value, for this step only
@@ -442,8 +446,6 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim layout: ``state`` by parameter index, ``param_groups`` with indices (and the step)."""
-        meter.add_resident("optimizer", sum(t.numel() * t.element_size()
-                                            for sl in getattr(self, "_gpu_slots", None) or () for t in (sl.state, sl.grad)))
         self._materialize()
         self._sync_hdo_state_to_sub_optimizers()
         index = {id(p): i for i, p in enumerate(self._params)}

@@ -11,6 +11,7 @@ import torch
 from megatron_peakflat import _ext, stats
 from megatron_peakflat.optimizer import OffloadStreamAdamW
 from megatron_peakflat.optimizer.streamer import NativeStreamer
+from tests.test_optimizer import assert_same_params_and_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 EXT = _ext.load() if torch.cuda.is_available() else None
@@ -24,6 +25,14 @@ SHAPES = [(4096, 1024), (3_000_001,), (1024, 4097), (777,), (2048, 2048)]
 def _params(dtype=torch.float32, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g).to(dtype) * 0.02) for s in SHAPES]
+
+
+def _bf16_params_with_grads(n_params: int) -> list[torch.nn.Parameter]:
+    """Eight bf16 parameters of ``n_params`` in all, each with an fp32 ``decoupled_grad`` (Megatron's layout)."""
+    ps = [torch.nn.Parameter(torch.randn(n_params // 8, device="cuda", dtype=torch.bfloat16)) for _ in range(8)]
+    for p in ps:
+        p.decoupled_grad = torch.randn(p.shape, device="cuda")
+    return ps
 
 
 def _groups(ps):
@@ -81,9 +90,7 @@ def test_bf16_params_decoupled_grads_match_fp32_master_reference():
 
 def test_gpu_memory_is_only_the_staging_slots():
     n_params, bucket, slots = 64_000_000, 4_000_000, 3
-    ps = [torch.nn.Parameter(torch.randn(n_params // 8, device="cuda", dtype=torch.bfloat16)) for _ in range(8)]
-    for p in ps:
-        p.decoupled_grad = torch.randn(p.shape, device="cuda")
+    ps = _bf16_params_with_grads(n_params)
     opt = OffloadStreamAdamW(ps, lr=1e-3, bucket=bucket, engine="gpu", slots=slots)
     opt.step()  # allocates the slots
     torch.cuda.synchronize()
@@ -182,10 +189,7 @@ def test_native_stream_engine_is_bitwise_the_torch_streams(slots, dtype):
         assert len(opt._layout.buckets) > slots  # every slot is reused
         runs[impl] = (ps, opt)
     (pn, on), (pt, ot) = runs["native"], runs["torch"]
-    for a, b in zip(pn, pt):
-        assert torch.equal(a, b)
-        for key in ("master_param", "exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(on.state[a][key], ot.state[b][key])
+    assert_same_params_and_state(on, pn, ot, pt)
     assert not torch.equal(pn[0], _params(dtype)[0])  # it did move
 
 
@@ -196,9 +200,7 @@ def test_native_stream_engine_step_allocates_only_the_staging_slots():
     n_params, bucket, slots = 48_000_000, 4_000_000, 3
     peaks = {}
     for impl in ("native", "torch"):
-        ps = [torch.nn.Parameter(torch.randn(n_params // 8, device="cuda", dtype=torch.bfloat16)) for _ in range(8)]
-        for p in ps:
-            p.decoupled_grad = torch.randn(p.shape, device="cuda")
+        ps = _bf16_params_with_grads(n_params)
         opt = OffloadStreamAdamW(ps, lr=1e-3, bucket=bucket, engine="gpu", slots=slots, stream_engine=impl)
         opt.dummy_step()
         torch.cuda.synchronize()
