@@ -191,14 +191,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=float, nargs="+", default=[1.0, 2.6], help="billions of parameters")
     ap.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 16, 4])
-    ap.add_argument("--bucket", type=int, default=100_000_000)
+    ap.add_argument("--bucket", type=int, nargs="+", default=[100_000_000],
+                    help="parameters per bucket; peers without buckets run at the first one only")
     ap.add_argument("--methods", nargs="+", default=["peakflat", "peakflat-gpu", "peakflat-cpu",
                                                       "megatron-hybrid-optimizer",
                                                       "megatron-hybrid-optimizer-nooverlap", "gpu-fused-adamw"])
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     how = ensure_extension()
-    from megatron_peakflat import _ext, stats
+    from megatron_peakflat import _ext
 
     ext = _ext.load()
     print(f"extension: {how}; loaded={ext is not None} ({_ext.reason()}); isa={ext.adamw_isa() if ext else '-'}",
@@ -213,60 +214,74 @@ def main() -> None:
             rate = host_kernel_rate(threads, ext)
             rl, rl_f, rl_gpu, rl_cpu = roofline(n, rate)
             dx, dx_f, _, _ = roofline(n, rate, duplex=True)
-            case = f"params={size}B,bucket={args.bucket // 1_000_000}M,threads={threads}"
+            case = f"params={size}B,threads={threads}"
             print(f"\n{case}: host kernel {rate / 1e9:.2f} Gparam/s ({n / rate * 1e3:.0f} ms for all params); "
                   f"roofline {rl * 1e3:.0f} ms at GPU share {rl_f:.2f} (PCIe bytes / 55 GB/s; GPU engine alone "
                   f"{rl_gpu * 1e3:.0f} ms = {24 * n / 1e9:.1f} GB, host engine alone {rl_cpu * 1e3:.0f} ms); "
                   f"full-duplex bound {dx * 1e3:.0f} ms at GPU share {dx_f:.2f}", flush=True)
             ps = make_params(n)
-            shared = None  # one OffloadStreamAdamW per case: the peakflat rows switch its engine
-            for method in args.methods:
-                if method == "gpu-fused-adamw" and threads != args.threads[0]:
-                    continue  # does not use the host
-                t0 = time.time()
-                try:
-                    if method.startswith("peakflat"):
-                        if shared is None:
-                            shared = build("peakflat", ps, bucket=args.bucket, threads=threads)
-                        opt = shared
-                        opt.set_engine(ENGINE[method])
-                    else:
-                        if shared is not None:
-                            shared = None
-                            free_all()
-                        opt = build(method, ps, bucket=args.bucket, threads=threads)
-                except (RuntimeError, MemoryError) as e:
-                    print(f"{method}: {type(e).__name__}: {e}", flush=True)
-                    rows.append(harness.Row(case, method, None, None, exact.get(method), {"error": str(e)[:200]}))
-                    continue
-                warm = 4 if method == "peakflat" else 1  # 'auto' measures its split over 3 steps
-                row = harness.run_row(case, method, opt.step, exact=exact.get(method), warmup=warm, reps=args.reps,
-                                      setup_s=round(time.time() - t0, 1), roofline_ms=round(rl * 1e3, 1),
-                                      duplex_bound_ms=round(dx * 1e3, 1),
-                                      host_kernel_gparam_s=round(rate / 1e9, 3))
-                if method.startswith("peakflat"):
-                    snap = stats.snapshot().get("optimizer", {})
-                    row.extra.update({k: snap.get(k) for k in ("host_bytes", "host_pinned", "gpu_buckets",
-                                                               "cpu_buckets", "auto_gpu_fraction",
-                                                               "gpu_staging_bytes")})
-                    if row.ms:
-                        row.extra["x_roofline"] = round(row.ms / (rl * 1e3), 3)
-                rows.append(row)
-                del opt
-                if shared is None:
-                    free_all()
-            shared = None
-            free_all()
-            hdo = next((r.ms for r in rows if r.case == case and r.method == "megatron-hybrid-optimizer" and r.ms), None)
+            for bucket in args.bucket:
+                case = f"params={size}B,bucket={bucket // 1_000_000}M,threads={threads}"
+                _run_case(args, case, ps, bucket, threads, exact, rows, rl, dx, rate,
+                          peers=bucket == args.bucket[0])
+            hdo = next((r.ms for r in rows if r.case.startswith(f"params={size}B,") and
+                        r.case.endswith(f",threads={threads}") and r.method == "megatron-hybrid-optimizer"
+                        and r.ms), None)
             for r in rows:
-                if r.case == case and hdo and r.ms and r.method.startswith("peakflat"):
+                if (r.case.startswith(f"params={size}B,") and r.case.endswith(f",threads={threads}") and hdo
+                        and r.ms and r.method.startswith("peakflat")):
                     r.extra["x_hybrid"] = round(r.ms / hdo, 3)
-                    print(f"  {r.method:14s} {r.ms:8.1f} ms = {r.ms / hdo:.2f}x HybridDeviceOptimizer, "
-                          f"{r.ms / (rl * 1e3):.2f}x roofline", flush=True)
+                    print(f"  {r.case:36s} {r.method:14s} {r.ms:8.1f} ms = {r.ms / hdo:.2f}x "
+                          f"HybridDeviceOptimizer, {r.ms / (rl * 1e3):.2f}x roofline", flush=True)
             del ps
             free_all()
-    harness.write("optimizer", rows)
+    harness.write("optimizer", rows, merge=True)
     print(f"total {time.time() - t_start:.0f}s", flush=True)
+
+
+def _run_case(args: argparse.Namespace, case: str, ps: list, bucket: int, threads: int,
+              exact: dict, rows: list, rl: float, dx: float, rate: float, peers: bool) -> None:
+    """Every method of one (size, bucket, threads) case; ``peers``: also the methods without buckets."""
+    from megatron_peakflat import stats
+
+    shared = None  # one OffloadStreamAdamW per case: the peakflat rows switch its engine
+    for method in args.methods:
+        if method == "gpu-fused-adamw" and threads != args.threads[0]:
+            continue  # does not use the host
+        if not peers and not method.startswith("peakflat"):
+            continue
+        t0 = time.time()
+        try:
+            if method.startswith("peakflat"):
+                if shared is None:
+                    shared = build("peakflat", ps, bucket=bucket, threads=threads)
+                opt = shared
+                opt.set_engine(ENGINE[method])
+            else:
+                if shared is not None:
+                    shared = None
+                    free_all()
+                opt = build(method, ps, bucket=bucket, threads=threads)
+        except (RuntimeError, MemoryError) as e:
+            print(f"{method}: {type(e).__name__}: {e}", flush=True)
+            rows.append(harness.Row(case, method, None, None, exact.get(method), {"error": str(e)[:200]}))
+            continue
+        warm = 4 if method == "peakflat" else 1  # 'auto' measures its split over 3 steps
+        row = harness.run_row(case, method, opt.step, exact=exact.get(method), warmup=warm, reps=args.reps,
+                              setup_s=round(time.time() - t0, 1), roofline_ms=round(rl * 1e3, 1),
+                              duplex_bound_ms=round(dx * 1e3, 1), host_kernel_gparam_s=round(rate / 1e9, 3))
+        if method.startswith("peakflat"):
+            snap = stats.snapshot().get("optimizer", {})
+            row.extra.update({k: snap.get(k) for k in ("host_bytes", "host_pinned", "gpu_buckets", "cpu_buckets",
+                                                       "auto_gpu_fraction", "gpu_staging_bytes")})
+            if row.ms:
+                row.extra["x_roofline"] = round(row.ms / (rl * 1e3), 3)
+        rows.append(row)
+        del opt
+        if shared is None:
+            free_all()
+    del shared
+    free_all()
 
 
 if __name__ == "__main__":

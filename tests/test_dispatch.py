@@ -124,14 +124,19 @@ H, F, TOPK = 12, 8, 2  # rows of 16-byte multiples: the grouped-GEMM path can ru
 
 
 def make_routing(T: int, E: int, k: int, skew: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router-like (probs [T, E], routing_map [T, E]); ``skew`` puts a share of tokens on expert 1."""
+    """Router-like (probs [T, E], routing_map [T, E]); ``skew`` puts a share of tokens on expert 1;
+    "ragged": balanced, then every third token loses its first route and token 0 all of them (as
+    capacity dropping does), so tokens have different pair counts."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
-    share = {"balanced": 0.0, "hot95": 0.95, "all": 1.0}[skew]
+    share = {"balanced": 0.0, "ragged": 0.0, "hot95": 0.95, "all": 1.0}[skew]
     hot = torch.rand(T, generator=g) < share
     logits[hot, 1] += 100.0
     top = logits.topk(k, dim=1).indices
     routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top, True)
+    if skew == "ragged":
+        routing_map[torch.arange(0, T, 3), top[::3, 0]] = False
+        routing_map[0] = False
     probs = torch.softmax(logits.clamp(max=20), dim=1)
     return probs, routing_map
 
@@ -169,9 +174,11 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
     group = dist.group.WORLD
     results = []
     T = 23 + 4 * rank  # ranks hold different token counts: K must still agree
-    for skew in ("balanced", "hot95", "all"):
+    for skew in ("balanced", "hot95", "all", "ragged"):
         grid = ((TOPK, 1), (TOPK, 2), (TOPK, 7), (TOPK, None), (1, 3))
-        for k, chunks in (grid if world < 4 else grid[1:4]):
+        if skew == "ragged":
+            grid = ((TOPK, 2), (TOPK, 7))
+        for k, chunks in (grid if world < 4 or skew == "ragged" else grid[1:4]):
             probs, rmap = make_routing(T, E, k, skew, seed=100 * rank + 7)
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 50), requires_grad=True)
             probs.requires_grad_(True)
@@ -185,6 +192,7 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
             gout = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 99))
             errs, ref = _errors_vs_reference(out, x, probs, rmap, bank, fc1, fc2, gout, rank)
             name = f"{skew},k={k},K={chunks},rank={rank}"
+            assert (sched.token_slots is None) == (skew == "ragged"), name  # ragged: index_add_, else gather-sum
             assert bank.use_grouped(x) == grouped
             bitwise = world == 1 and chunks == 1 and bool((out == ref).all())
             if chunks is not None:
@@ -311,15 +319,14 @@ def test_megatron_ddp_main_grad_path():
         assert not p.grad.any()  # a zero dummy: DDP's hook must not add the gradient twice
 
 
-@pytest.mark.parametrize("block_bytes", [1, 1 << 30])
-def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch, block_bytes):
+def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch):
     """Experts laid out like Megatron's DDP buffer (one storage, reverse order, fc2 before fc1): the bank
-    orders rows by layout, every chunk runs as one grouped-GEMM run, weight gradients land in main_grad
-    views of a second buffer (one stacked add, or one block per expert when the block limit is tiny),
-    and the result equals the reference, for skewed routing with every token on one expert too."""
+    orders rows by layout, every chunk runs as one grouped-GEMM run, each weight gradient is accumulated
+    straight into its main_grad view of a second buffer (one GEMM with beta=1 per expert, parameter and
+    chunk with rows), and the result equals the reference, for skewed routing with every token on one
+    expert too."""
     from megatron_peakflat.dispatch import grouped
 
-    monkeypatch.setattr(grouped, "GRAD_BLOCK_BYTES", block_bytes)
     E, T = 5, 29
     g = torch.Generator().manual_seed(8)
     fc1 = [torch.randn(2 * F, H, generator=g) * 0.3 for _ in range(E)]
@@ -337,10 +344,10 @@ def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch, block_bytes):
     order = bank.layout_order()
     assert order == list(range(E))[::-1]
     assert len(grouped.weight_runs(*bank._weights(order, [None] * E))) == 1
-    adds = []
-    real_view = grouped.stacked_view
-    monkeypatch.setattr("megatron_peakflat.dispatch.pipelined.stacked_view",
-                        lambda ts: adds.append(len(ts)) or real_view(ts))
+    into = []
+    real_acc = grouped.accumulate_mm
+    monkeypatch.setattr(grouped, "accumulate_mm", lambda acc, a, b: into.append(acc.data_ptr()) or real_acc(acc, a, b))
+    main_grads = {p.main_grad.data_ptr() for e in range(E) for p in (bank.fc1[e], bank.fc2[e])}
     for skew in ("hot95", "all"):
         gbuf.zero_()
         probs, rmap = make_routing(T, E, TOPK, skew, 6)
@@ -357,7 +364,8 @@ def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch, block_bytes):
         for e in range(E):
             assert _rel(bank.fc1[e].main_grad, w1[e].grad) <= 1e-5, (skew, e)
             assert _rel(bank.fc2[e].main_grad, w2[e].grad) <= 1e-5, (skew, e)
-    assert (max(adds, default=1) > 1) == (block_bytes > 1)  # stacked main_grad adds only when blocks hold several experts
+    assert into and set(into) <= main_grads  # no gradient took a detour through another buffer
+    assert len(set(into)) == 2 * E  # every expert of both skews had rows at least once
 
 
 @pytest.mark.parametrize("grouped", [True, False])

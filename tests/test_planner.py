@@ -97,11 +97,9 @@ def test_llep_bound_and_chunk_growth_by_hand():
     bound_rows, expected_rows = M.llep_rows(TINY, run, pf)
     assert bound_rows == 4 * (1024 + 2) and expected_rows == 4096 * 2 / 8
     per_row = 2 * (12 * 64 + 3 * 64 + 4 * 32) + 64  # dispatch/api.py working_set_bound
-    per_token = 2 * 64 * 2 + 4 * 8 + 64 + 16 * 2  # ... + 16 B per token-expert pair (top-2)
+    per_token = 2 * 64 * 2 + 4 * 8 + 64 + 20 * 2  # ... + 20 B per token-expert pair (top-2)
     experts = 2 * 3 * 64 * 32 * 2
-    grad_block = experts  # the grouped backward's gradient block: 256 MiB or one fc1, never more than every expert
-    assert M.llep_working_set(TINY, run, bound_rows) == 4096 * per_token + 3 * experts + bound_rows * per_row
-    assert grad_block == min(experts, max(M.GRAD_BLOCK_BYTES, 2 * 32 * 64 * 2))
+    assert M.llep_working_set(TINY, run, bound_rows) == 4096 * per_token + 2 * experts + bound_rows * per_row
     # K would be 512 > max_chunks 4: the chunk grows to 1024 tokens x 2.
     assert M.llep_chunks(TINY, run, PeakflatConfig(dispatch=DispatchConfig(chunk_cap=16, max_chunks=4))) == (4, 2048)
     # The baseline grows with skew; PipelinedLLEP rebalances skew >= lambda to alpha x mean.
@@ -121,25 +119,21 @@ def test_llep_working_set_matches_component_bound():
 
 
 def test_llep_expected_working_set_by_hand():
-    """The peakflat column: per token 2Hw + E w + 16k; per chunk row the largest moment of the grouped
+    """The peakflat column: per token 2Hw + E w + 20k; per chunk row the larger moment of the grouped
     backward (or the per-expert path's), no expert-gradient term (DDP's buffer holds those)."""
     s = ModelShape(name="h200", hidden=4096, layers=1, heads=32, kv_heads=32, head_dim=128, ffn=16384, vocab=1000,
                    experts=64, topk=8, moe_ffn=1536)
     pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=32768))
     H, F, f1, E, k, w, R = 4096, 1536, 3072, 64, 8, 2, 32768
-    per_token = 2 * H * w + E * w + 16 * k
-    rows = 3 * H * w + f1 * w + 2 * w
-    # 256 MiB blocks: 21 stacked fc2 gradients (12 MiB each), 10 stacked fc1 gradients (24 MiB each)
-    fc2_block, fc1_block = 21 * H * F * w, 10 * f1 * H * w
+    per_token = 2 * H * w + E * w + 20 * k
+    rows = 2 * H * w + f1 * w + 2 * w  # dispatched rows and their output gradient, fc1 output, prob + gradient
 
     def moments(rows: int) -> list[int]:
-        return [R * (rows + w * (3 * F + 4 * F)), R * (rows + w * (3 * F + 2 * F)) + fc2_block,
-                R * (rows + H * w), R * rows + fc1_block]
+        return [R * (rows + w * (3 * F + 4 * F)), R * (rows + H * w)]  # activation backward; dX
 
     plain = moments(rows)
-    assert plain.index(max(plain)) == 1  # at these shapes fc2's weight gradient is the peak moment
-    # fused recompute (full recompute, the default flag): the chunk's output is held too, and its GEMM is a moment
-    fused = moments(rows + H * w) + [R * (rows + H * w + w * (3 * F + F + H))]
+    assert plain.index(max(plain)) == 0  # at these shapes the activation's backward is the peak moment
+    fused = moments(rows + H * w)  # fused recompute (full recompute, the default flag): the chunk's output is held too
     for recompute, chunk in (("none", max(plain)), ("full", max(fused))):
         for T in (16384, 65536):
             run = RunConfig(seq_len=T, recompute=recompute)
@@ -154,23 +148,17 @@ def test_llep_expected_working_set_by_hand():
     # growth with tokens is the per-token term only: the chunk is capped
     a, b = (M.llep_expected_working_set(s, RunConfig(seq_len=T), pf, R) for T in (16384, 65536))
     assert b - a == (65536 - 16384) * per_token
-    # the per-expert path (grouped GEMMs off, or not bf16): three [R, H] more and every segment's activations
+    # the per-expert path (grouped GEMMs off, or not bf16): dX and two [R, H] more and every segment's activations
     off = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", grouped_gemm=False))
     assert not M.llep_grouped(RunConfig(seq_len=16384), off) and not M.llep_grouped(RunConfig(16384, precision="fp32"), pf)
     assert M.llep_expected_working_set(s, RunConfig(seq_len=16384), off, R) == 16384 * per_token + R * (
-        rows + w * (2 * H + 6 * F))
+        rows + w * (3 * H + 6 * F))
     # a small expert: the block is every local expert's gradient, not 256 MiB
     tiny = ModelShape(name="t", hidden=64, layers=1, heads=1, kv_heads=1, head_dim=64, ffn=64, vocab=10, experts=4,
                       topk=2, moe_ffn=32)
     got = M.llep_expected_working_set(tiny, RunConfig(seq_len=10, recompute="none"), pf, 4)
-    r = 3 * 64 * 2 + 64 * 2 + 4
-    assert got == 10 * (2 * 64 * 2 + 4 * 2 + 32) + max(4 * (r + 2 * 7 * 32), 4 * (r + 2 * 5 * 32) + 4 * 64 * 32 * 2,
-                                                     4 * (r + 128), 4 * r + 4 * 64 * 64 * 2)
-
-
-def test_grad_block_matches_component():
-    grouped = pytest.importorskip("megatron_peakflat.dispatch.grouped")
-    assert M.GRAD_BLOCK_BYTES == grouped.GRAD_BLOCK_BYTES
+    r = 2 * 64 * 2 + 64 * 2 + 4
+    assert got == 10 * (2 * 64 * 2 + 4 * 2 + 40) + max(4 * (r + 2 * 7 * 32), 4 * (r + 128))
 
 
 def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens, chunk_cap):

@@ -214,7 +214,7 @@ def test_bf16_not_worse_than_naive_same_dtype_reference() -> None:
 def test_fp32_accumulation_never_swallows_errors(monkeypatch) -> None:
     """Once the CUDA way of adding a low-precision GEMM into an fp32 accumulator is known, an error in it
     (out of memory above all) must propagate: skipping the addition would silently drop a gradient block."""
-    from megatron_peakflat.vocab import blocks
+    from megatron_peakflat import matmul
 
     class FakeCuda(torch.Tensor):  # reaches the CUDA branch on CPU
         @property
@@ -227,9 +227,9 @@ def test_fp32_accumulation_never_swallows_errors(monkeypatch) -> None:
     acc = torch.zeros(3, 5)
     a, b = torch.randn(3, 4, dtype=torch.bfloat16).as_subclass(FakeCuda), torch.randn(4, 5, dtype=torch.bfloat16)
     monkeypatch.setattr(torch, "addmm", oom)
-    monkeypatch.setattr(blocks, "_CUDA_ACC_WAY", "addmm")
+    monkeypatch.setattr(matmul, "_CUDA_ACC_WAY", "addmm")
     with pytest.raises(torch.OutOfMemoryError):
-        blocks._acc_mm(acc, a, b)
-    monkeypatch.setattr(blocks, "_CUDA_ACC_WAY", None)  # while probing, an out-of-memory is not "unsupported"
+        matmul.accumulate_mm(acc, a, b)
+    monkeypatch.setattr(matmul, "_CUDA_ACC_WAY", None)  # while probing, an out-of-memory is not "unsupported"
     with pytest.raises(torch.OutOfMemoryError):
-        blocks._acc_mm(acc, a, b)
+        matmul.accumulate_mm(acc, a, b)

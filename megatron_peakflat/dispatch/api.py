@@ -15,7 +15,6 @@ import torch.distributed as dist
 from .. import stats
 from .config import DispatchConfig
 from .experts import ExpertBank
-from .grouped import GRAD_BLOCK_BYTES
 from .pipelined import pipelined_moe
 from .schedule import Schedule, build_schedule
 
@@ -72,15 +71,14 @@ def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: in
     """Bytes PipelinedLLEP allocates in one forward+backward of one layer, at most.
 
     Terms: the output and the input gradient ([T, H] each), the probs gradient ([T, E] fp32), the
-    routing metadata (64 bytes per token, plus the two int64 per token-expert pair that the schedule
-    keeps for the backward: 16 k bytes per token), the local experts' weight gradients (2 x
+    routing metadata (64 bytes per token, plus the two int64 and one int32 per token-expert pair that
+    the schedule keeps for the backward: 20 k bytes per token), the local experts' weight gradients (2 x
     ``expert_param_bytes``, room for spilled experts' weights), and one chunk's working set:
     ``chunk_rows`` rows (at most P * (c + k) per chunk) times the dispatch, combine and expert
-    activation rows, plus the grouped backward's transient block of stacked weight gradients (at most
-    ``GRAD_BLOCK_BYTES`` or one expert's fc1, never more than all experts). Only the first four grow with T.
+    activation rows. Only the first four grow with T; the combine's per-token pair positions
+    (``token_slots``, 4 k bytes per token) are part of the metadata term.
     """
     f1 = ffn * (2 if glu else 1)
     per_row = dtype_bytes * (12 * hidden + 3 * f1 + 4 * ffn) + 64
-    per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8 + 16 * topk
-    grad_block = min(expert_param_bytes, max(GRAD_BLOCK_BYTES, f1 * hidden * dtype_bytes))
-    return num_tokens * per_token + 2 * expert_param_bytes + grad_block + chunk_rows * per_row
+    per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8 + 20 * topk
+    return num_tokens * per_token + 2 * expert_param_bytes + chunk_rows * per_row

@@ -11,9 +11,10 @@ the bank's activation with its probability scale (the same ops as the per-expert
 agree with it up to GEMM blocking). Backward is explicit: dX and every expert's weight gradient
 from grouped GEMMs; the activation's backward through autograd on the elementwise ops only.
 
-Weight gradients leave one run (or part of one) at a time through ``take(first, k, grads)``, and a
-run is split so that one transient gradient block is at most ``max(grad_block_bytes, one
-expert)``: the working set stays bounded whatever the expert count.
+Weight gradients are accumulated expert by expert into the buffer ``sink(i, k)`` names (Megatron's
+fp32 ``main_grad``, or the caller's own fp32 sum), one GEMM with beta=1 each (``matmul.accumulate_mm``):
+no stacked gradient block is ever materialised, and the accumulator is read and written once per
+chunk, inside the GEMM, not by a separate add.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..matmul import accumulate_mm
+
 __all__ = ["Offsets", "Run", "weight_runs", "stacked_view", "pack_expert_weights", "GroupedExperts", "grouped_supported", "grouped_mlp_forward", "grouped_mlp_backward"]
 
 Elementwise = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Take = Callable[[int, int, torch.Tensor], None]
+Sink = Callable[[int, int], "torch.Tensor | None"]
+"""``sink(i, k)``: the buffer that accumulates the gradient of parameter k (0: fc1, 1: fc2) of the
+chunk's expert i (its position in segment order), or None when that gradient is not wanted."""
 
 
 def grouped_supported(x: torch.Tensor) -> bool:
@@ -134,10 +139,20 @@ class Offsets:
         return self.cum[i:j] - self.starts[i] if self.starts[i] else self.cum[i:j]
 
 
+def _put(buf: torch.Tensor | None, like: torch.Tensor, a: int, b: int, res: torch.Tensor) -> torch.Tensor:
+    """``buf[a:b] = res`` into a buffer shaped like ``like``; a result covering every row is the buffer (no copy)."""
+    if buf is None:
+        if a == 0 and b == like.shape[0]:
+            return res
+        buf = like.new_empty(like.shape)
+    buf[a:b] = res
+    return buf
+
+
 def grouped_mlp_forward(x: torch.Tensor, probs: torch.Tensor, offs: Offsets, runs: Sequence[Run],
                         elementwise: Elementwise) -> torch.Tensor:
     """Rows of ``x`` [M, H] grouped by expert (``offs``, run order) -> expert outputs [M, H]."""
-    out = x.new_empty(x.shape)
+    out = None
     for r in runs:
         a, b = offs.rows(r.first, r.first + r.n)
         if a == b:
@@ -146,26 +161,24 @@ def grouped_mlp_forward(x: torch.Tensor, probs: torch.Tensor, offs: Offsets, run
         h = torch._grouped_mm(x[a:b], r.fc1.transpose(-1, -2), offs=ends)
         z = elementwise(h, probs[a:b])
         del h
-        out[a:b] = torch._grouped_mm(z, r.fc2.transpose(-1, -2), offs=ends)
-    return out
+        out = _put(out, x, a, b, torch._grouped_mm(z, r.fc2.transpose(-1, -2), offs=ends))
+    return out if out is not None else x.new_empty(x.shape)
 
 
 def grouped_mlp_backward(x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor, offs: Offsets,
-                         runs: Sequence[Run], elementwise: Elementwise, take: Take, grad_block_bytes: int,
+                         runs: Sequence[Run], elementwise: Elementwise, sink: Sink,
                          want_out: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dx [M, H], dprobs [M], y) for ``dy`` [M, H]; each weight gradient goes to ``take(first, k, grads)``.
+    """(dx [M, H], dprobs [M], y) for ``dy`` [M, H]; each weight gradient is added into ``sink(i, k)``.
 
     ``want_out``: y is also the forward output [M, H] (one more GEMM per run, on the activation the
     backward recomputes anyway); otherwise None.
 
-    Experts without rows in this chunk get no call (their gradient contribution is zero).
-    ``grads`` is [n, *weight shape] for experts ``first .. first + n - 1`` and parameter k (0: fc1,
-    1: fc2), in the weights' dtype, computed as one GEMM over those experts' rows: what autograd
-    gives a per-expert MLP, blocked differently.
+    Experts without rows in this chunk get no call (their gradient contribution is zero). An expert's
+    gradient is one GEMM over its rows, accumulated in the sink's precision: what autograd gives a
+    per-expert MLP, with gradient-accumulation fusion's rounding.
     """
-    dx = torch.empty_like(x)
+    dx = y = None
     dp = torch.zeros_like(probs)
-    y = torch.empty_like(x) if want_out else None
     for r in runs:
         a, b = offs.rows(r.first, r.first + r.n)
         if a == b:  # no rows: no gradient to give (callers treat a missing one as zero)
@@ -176,10 +189,10 @@ def grouped_mlp_backward(x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor,
         ps = probs[a:b].detach().requires_grad_(True)
         with torch.enable_grad():
             z = elementwise(h, ps)
-        if y is not None:
-            y[a:b] = torch._grouped_mm(z.detach(), r.fc2.transpose(-1, -2), offs=ends)
+        if want_out:
+            y = _put(y, x, a, b, torch._grouped_mm(z.detach(), r.fc2.transpose(-1, -2), offs=ends))
         dz = torch._grouped_mm(dys, r.fc2, offs=ends)
-        _weight_grads(r, 1, offs, dys, z.detach(), grad_block_bytes, take)
+        _weight_grads(r, 1, offs, dys, z.detach(), sink)
         torch.autograd.backward(z, dz, inputs=[h, ps])
         del z, dz
         dh = h.grad
@@ -187,26 +200,26 @@ def grouped_mlp_backward(x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor,
         del h
         if ps.grad is not None:
             dp[a:b] = ps.grad
-        dx[a:b] = torch._grouped_mm(dh, r.fc1, offs=ends)
-        _weight_grads(r, 0, offs, dh, xs, grad_block_bytes, take)
+        dx = _put(dx, x, a, b, torch._grouped_mm(dh, r.fc1, offs=ends))
+        _weight_grads(r, 0, offs, dh, xs, sink)
         del dh
+    if dx is None:
+        dx = torch.empty_like(x)
+    if want_out and y is None:
+        y = torch.empty_like(x)
     return dx, dp, y
 
 
-def _weight_grads(r: Run, k: int, offs: Offsets, left: torch.Tensor, right: torch.Tensor,
-                  grad_block_bytes: int, take: Take) -> None:
-    """grads[e] = left_e^T right_e per expert e of the run (``left``, ``right``: the run's rows), in bounded blocks."""
-    w = r.fc1 if k == 0 else r.fc2
-    per = max(1, grad_block_bytes // max(1, w[0].numel() * w.element_size()))
+def _weight_grads(r: Run, k: int, offs: Offsets, left: torch.Tensor, right: torch.Tensor, sink: Sink) -> None:
+    """sink(e, k) += left_e^T right_e for each expert e of the run with rows (``left``, ``right``: the run's rows)."""
     row0 = offs.starts[r.first]
-    for i in range(r.first, r.first + r.n, per):
-        j = min(i + per, r.first + r.n)
-        a, b = offs.rows(i, j)
+    for i in range(r.first, r.first + r.n):
+        a, b = offs.rows(i, i + 1)
         if a == b:
             continue
-        g = torch._grouped_mm(left[a - row0:b - row0].t(), right[a - row0:b - row0], offs=offs.ends(i, j))
-        take(i, k, g)
-        del g
+        dst = sink(i, k)
+        if dst is not None:
+            accumulate_mm(dst, left[a - row0:b - row0].t(), right[a - row0:b - row0])
 
 
 def pack_expert_weights(experts: Sequence[Sequence[torch.Tensor]]) -> int:
@@ -240,10 +253,6 @@ def pack_expert_weights(experts: Sequence[Sequence[torch.Tensor]]) -> int:
                 t.data = view
                 o += n
     return buf.numel() * buf.element_size()
-
-
-GRAD_BLOCK_BYTES = 256 * 2**20
-"""Largest transient stacked weight gradient (one expert's is always allowed)."""
 
 
 class GroupedExperts:
@@ -293,11 +302,11 @@ class GroupedExperts:
 
     def backward_chunk(self, x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor,
                        tokens_per_expert: Sequence[int], local: Sequence[int | None],
-                       weights: Sequence[Sequence[torch.Tensor] | None], take: Take, want_out: bool = False,
+                       weights: Sequence[Sequence[torch.Tensor] | None], sink: Sink, want_out: bool = False,
                        cum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """(dx, dprobs, output or None) of one chunk, weight gradients through ``take``; None: use autograd."""
+        """(dx, dprobs, output or None) of one chunk, weight gradients into ``sink``; None: use autograd."""
         if not self.use_grouped(x):
             return None
         fc1, fc2 = self._weights(local, weights)
         return grouped_mlp_backward(x, probs, dy, Offsets(tokens_per_expert, x.device, cum), weight_runs(fc1, fc2),
-                                    self.elementwise, take, GRAD_BLOCK_BYTES, want_out)
+                                    self.elementwise, sink, want_out)

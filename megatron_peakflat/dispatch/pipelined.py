@@ -23,8 +23,8 @@ and added at the owner.
 Expert math: a bank that offers grouped GEMMs (``GroupedExperts``) runs each chunk's experts in a
 few grouped GEMMs, forward and backward (``grouped.py``); otherwise each expert runs on its own.
 
-Weight gradients: a grouped backward hands them over per run of experts, in bounded blocks. The
-per-expert backward runs on detached aliases of the expert weights, whose post-accumulate hooks
+Weight gradients: a grouped backward accumulates each expert's into the buffer ``sink`` names (the
+owner's main_grad, or an fp32 sum), one GEMM per expert with beta=1. The per-expert backward runs on detached aliases of the expert weights, whose post-accumulate hooks
 take each weight's gradient as soon as autograd produces it, so at most one expert weight's
 gradient is in flight. A parameter with Megatron DDP's ``main_grad`` gets it added
 there in fp32 (as gradient-accumulation fusion does) and returns a zero dummy with
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .combine import add_rows
 from .experts import ExpertBank, exchange_weights, flatten_weights, return_weight_grads, unflatten_weights
-from .grouped import stacked_view
 from .schedule import Schedule
 from .. import stats
 from ..memory.meter import region
@@ -114,7 +114,7 @@ class _Chunks:
                 pr = _dispatch(sched, j, probs[tok, exp], group)
                 y = _compute(self.bank, xr, pr, sched.tokens_per_expert[j], self.local, self.weights, self._cum(j))
                 del xr, pr
-                out.index_add_(0, tok, _combine(sched, j, y, group))
+                self._add(out, j, tok, _combine(sched, j, y, group))
                 del y
         return out
 
@@ -132,18 +132,21 @@ class _Chunks:
             tpe = sched.tokens_per_expert[j]
             res = None
             if backward_chunk is not None:
-                res = backward_chunk(xr, pr, gr, tpe, self.local, self.weights, self.take, want_out=out is not None,
+                res = backward_chunk(xr, pr, gr, tpe, self.local, self.weights, self.sink, want_out=out is not None,
                                      cum=self._cum(j))
             if res is None:
                 res = self._autograd_chunk(xr, pr, gr, tpe, want_out=out is not None)
             del xr, pr, gr
             dx, dp, y = res
             # Every rank runs every combine of every chunk, rows or not: the collectives stay matched.
-            gx.index_add_(0, tok, _combine(sched, j, dx, group))
+            self._add(gx, j, tok, _combine(sched, j, dx, group))
             gp.index_put_((tok, exp), _combine(sched, j, dp, group), accumulate=True)
             if out is not None:
-                out.index_add_(0, tok, _combine(sched, j, y, group))
+                self._add(out, j, tok, _combine(sched, j, y, group))
             del dx, dp, y, res
+
+    def _add(self, dst: torch.Tensor, j: int, tok: torch.Tensor, rows: torch.Tensor) -> None:
+        add_rows(dst, rows, tok, self.sched.token_slots, j, self.sched.K)
 
     def _cum(self, j: int) -> torch.Tensor | None:
         return None if self.sched.rows_cum is None else self.sched.rows_cum[j]
@@ -152,28 +155,22 @@ class _Chunks:
         a, b = self.sched.chunk_offsets[j], self.sched.chunk_offsets[j + 1]
         return self.sched.pair_token[a:b], self.sched.pair_expert[a:b]
 
-    def take(self, first: int, k: int, grads: torch.Tensor) -> None:
-        """Weight gradients [n, ...] of parameter k of compute experts first..first+n-1 (grouped GEMMs):
-        one add when the experts' main_grads are laid out like their weights, else one per expert."""
-        sinks: list[torch.Tensor | bool | None] = []
-        for i in range(first, first + grads.shape[0]):
-            if self.local[i] is None:
-                sinks.append(None)
-                continue
-            p = self.bank.expert_params(self.local[i])[k]
-            sinks.append(_main_grad(p) if p.requires_grad else False)
-        if len(sinks) > 1 and all(isinstance(m, torch.Tensor) for m in sinks):
-            view = stacked_view(sinks)  # type: ignore[arg-type]
-            if view is not None:
-                view.add_(grads)
-                return
-        for t, m in enumerate(sinks):
-            if m is False:
-                continue
-            if isinstance(m, torch.Tensor):
-                m.add_(grads[t])
-            else:
-                self._accumulate(first + t, k, grads[t])
+    def sink(self, i: int, k: int) -> torch.Tensor | None:
+        """The buffer that accumulates parameter k's gradient of compute expert i (grouped GEMMs): the
+        owner's main_grad when Megatron's DDP gave it one, else this call's fp32 sum; None: not wanted."""
+        li = self.local[i]
+        if li is not None:
+            p = self.bank.expert_params(li)[k]
+            if not p.requires_grad:
+                return None
+            mg = _main_grad(p)
+            if mg is not None:
+                return mg
+        acc = self.acc.get((i, k))
+        if acc is None:
+            w = self.bank.expert_params(li)[k] if li is not None else self.weights[i][k]
+            acc = self.acc[i, k] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        return acc
 
     def _accumulate(self, i: int, k: int, g: torch.Tensor) -> None:
         if (i, k) in self.acc:

@@ -9,7 +9,8 @@ Guarantees:
 - ``K`` is identical on every rank of the group (max over the group), ``1 <= K <= max_chunks``, and
   when K is not clamped, no source puts more than ``chunk_cap`` token-expert pairs into one chunk;
 - chunk membership is strided: token i belongs to chunk ``i mod K``;
-- every local token-expert pair appears in exactly one chunk's send list, once.
+- every local token-expert pair appears in exactly one chunk's send list, once;
+- ``token_slots``, when set, lists each token's pairs exactly once, as positions in its chunk.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .combine import token_slots
 from .plan import Plan, chunk_routes, least_loaded_plan
 
 __all__ = ["Schedule", "build_schedule", "chunk_count"]
@@ -61,6 +63,9 @@ class Schedule:
     rows_cum: torch.Tensor | None = None
     """[K, C] int32 on the device: cumulative ``tokens_per_expert`` of each chunk (grouped-GEMM offsets),
     uploaded once per layer call so that no chunk uploads (and synchronises) again."""
+    token_slots: torch.Tensor | None = None
+    """[T, k] int32 on the device when every token has the same number k of pairs: token t's pair
+    positions among chunk ``t mod K``'s rows (``combine.gather_sum``); None: combine by index_add_."""
     weight_sends: list[tuple[int, int]] = field(default_factory=list)
     """(destination rank, expert) for each expert whose weights this rank sends, by (rank, expert)."""
     weight_recvs: list[tuple[int, int]] = field(default_factory=list)
@@ -123,10 +128,16 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     cid = torch.arange(T, device=dev) % K_dev
     counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
     counts.index_add_(0, cid, routing_map.to(torch.int64))
-    payload = torch.cat([counts.reshape(-1), K_dev.reshape(1)])
+    per_tok = routing_map.sum(1)
+    if T > 0:
+        spread = torch.stack([per_tok.min(), per_tok.max()])
+    else:
+        spread = torch.zeros(2, device=dev, dtype=torch.int64)
+    payload = torch.cat([counts.reshape(-1), spread, K_dev.reshape(1)])
     host = comm.all_gather_rows(payload, group).cpu().numpy()  # the one device-to-host sync
     K = int(host[0, -1])
-    cnt = host[:, :-1].reshape(P, kmax_cap, E)[:, :K, :]  # [P, K, E]
+    k_min, k_max = int(host[me, -3]), int(host[me, -2])
+    cnt = host[:, :-3].reshape(P, kmax_cap, E)[:, :K, :]  # [P, K, E]
     plan = least_loaded_plan(cnt.sum((0, 1)), P, alpha=alpha, min_spill=min_spill,
                              imbalance_threshold=imbalance_threshold)
     routes = chunk_routes(cnt, plan.assign)  # [K, P_src, E, P_dst]
@@ -191,7 +202,10 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     helpers = plan.helpers(num_local_experts)
     sends = sorted((r, e) for e, r in helpers if owner[e] == me)
     recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
+    slots = None
+    if T > 0 and k_min == k_max > 0:
+        slots = token_slots(tok, chunk_offsets, T, K, k_max)
     rows_cum = torch.as_tensor(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1),
                                dtype=torch.int32).to(dev)
     return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, send_splits, recv_splits,
-                    regroup, compute, tpe, rows_cum, sends, recvs)
+                    regroup, compute, tpe, rows_cum, slots, sends, recvs)

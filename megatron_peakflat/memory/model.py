@@ -313,27 +313,20 @@ def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int,
     return K, int(math.ceil(r / K) * k)
 
 
-GRAD_BLOCK_BYTES = 256 * 2**20
-"""dispatch/grouped.py GRAD_BLOCK_BYTES: the largest stacked weight gradient that the grouped backward
-holds at once (one expert's is always allowed). A test keeps the two equal."""
-
-
 def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float) -> float:
     """PipelinedLLEP's bytes for one layer's forward + backward (dispatch/api.py working_set_bound):
-    per token the output and input gradient (2Hw), probs gradient (4E) and routing metadata (64 B);
-    the local experts' weight gradients and any spilled expert weights (2 x expert bytes); the grouped
-    backward's block of stacked weight gradients (GRAD_BLOCK_BYTES or one expert's fc1, at most every
-    local expert); and per received row of one chunk w x (12H + 3 x fc1 + 4F) + 64 B (dispatch,
+    per token the output and input gradient (2Hw), probs gradient (4E) and routing metadata (64 B, and
+    20 B per token-expert pair); the local experts' weight gradients and any spilled expert weights
+    (2 x expert bytes); and per received row of one chunk w x (12H + 3 x fc1 + 4F) + 64 B (dispatch,
     combine, expert activations). The component's guarantee (the ``bound`` column), not what a step
     allocates: see ``llep_expected_working_set``."""
     r = run.layer_rows
     w, h, f = run.w, s.hidden, s.moe_ffn
     f1 = f * (2 if s.gated else 1)
     per_row = w * (12 * h + 3 * f1 + 4 * f) + 64
-    per_token = 2 * h * w + 4 * s.experts + 64 + 16 * s.topk
+    per_token = 2 * h * w + 4 * s.experts + 64 + 20 * s.topk
     expert_bytes = (s.experts / run.ep) * mlp_params(h, f, s.gated, run.etp) * w
-    grad_block = min(expert_bytes, max(GRAD_BLOCK_BYTES, f1 * h * w))
-    return r * per_token + 2 * expert_bytes + grad_block + chunk_rows * per_row
+    return r * per_token + 2 * expert_bytes + chunk_rows * per_row
 
 
 def llep_grouped(run: RunConfig, pf: PeakflatConfig) -> bool:
@@ -357,18 +350,17 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     on a Megatron MoELayer in bf16 (bench/planner.py --dry-run and tests/test_planner.py: within 5% at
     H 256-1024, top-2 to top-8); bench/planner.py compares it with one H200. Per token: the output and the input gradient ([T, H]), the
     probs gradient ([T, E] in the router's dtype, bf16 by default) and the pair indices of the schedule
-    (two int64 per token-expert pair). Per row of one chunk, the backward holds the dispatched rows,
-    their output gradient and dX ([R, H] each), fc1's output (f1) and the prob and the prob gradient; on
-    top of that, at the largest of four moments of the grouped backward:
+    (two int64 per token-expert pair, and the combine's int32 position). Per row of one chunk, the
+    backward holds the dispatched rows and their output gradient ([R, H] each), fc1's output or its
+    gradient (f1) and the prob and the prob gradient; on top of that, at the larger of two moments of
+    the grouped backward:
     - the activation's backward: its saved tensors (gated: silu(a), b + offset, their product; else
       act(h)), the activation output and its gradient, and two elementwise products (4F);
-    - fc2's weight gradient: the saved tensors, output and gradient, plus one gradient block;
-    - dX's GEMM: its [R, H] result before it is copied into dX;
-    - fc1's weight gradient: one gradient block.
-    A gradient block is the stacked gradients of as many local experts as fit in GRAD_BLOCK_BYTES.
-    Under full recompute with ``--peakflat-dispatch-fuse-recompute`` (``llep_fused``) each chunk's
-    forward runs inside its backward, in the checkpoint's recompute: the chunk also holds its output
-    ([R, H]), and its fc2 GEMM result before the copy is a fifth moment.
+    - dX's GEMM and fc1's weight gradient: dX ([R, H], the GEMM's result itself).
+    Weight gradients go into main_grad by GEMMs with beta=1: no transient. Under full recompute with
+    ``--peakflat-dispatch-fuse-recompute`` (``llep_fused``) each chunk's forward runs inside its
+    backward, in the checkpoint's recompute: from its fc2 GEMM on, the chunk also holds its output
+    ([R, H]).
     The per-expert path (grouped GEMMs off, or not bf16) keeps the chunk's concatenated output, the
     row-gradient buffer and one slice gradient ([R, H] each) and every segment's activations.
     Not included: the router's own tensors (the 'layer working set' row) and the weights of experts
@@ -377,27 +369,15 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     w, h, f, k = run.w, s.hidden, s.moe_ffn, s.topk
     f1 = f * (2 if s.gated else 1)
     R = chunk_rows
-    per_token = 2 * h * w + s.experts * w + 16 * k
-    rows = 3 * h * w + f1 * w + 2 * w  # dispatched rows, output gradient, dX; fc1 output; prob + its gradient
+    per_token = 2 * h * w + s.experts * w + 20 * k
+    rows = 2 * h * w + f1 * w + 2 * w  # dispatched rows, output gradient; fc1 output; prob + its gradient
     if llep_grouped(run, pf):
-        fused = llep_fused(run, pf)
-        rows += h * w if fused else 0  # the chunk's output, computed in the same pass
+        rows += h * w if llep_fused(run, pf) else 0  # the chunk's output, computed in the same pass
         saved = (3 if s.gated else 1) * f
-        local = max(1.0, s.experts / run.ep)
-
-        def block(expert_elems: float) -> float:
-            per = expert_elems * w
-            return min(local, max(1, GRAD_BLOCK_BYTES // max(1, int(per)))) * per
-
-        moments = [R * (rows + w * (saved + 4 * f)),                  # activation backward
-                   R * (rows + w * (saved + 2 * f)) + block(h * f),   # fc2 weight gradient
-                   R * (rows + h * w),                                # dX GEMM result
-                   R * rows + block(f1 * h)]                          # fc1 weight gradient
-        if fused:
-            moments.append(R * (rows + w * (saved + f + h)))          # the output's fc2 GEMM result
-        chunk = max(moments)
+        chunk = max(R * (rows + w * (saved + 4 * f)),  # activation backward
+                    R * (rows + h * w))                # dX GEMM result and fc1 weight gradient
     else:
-        chunk = R * (rows + w * (2 * h + 6 * f))
+        chunk = R * (rows + w * (3 * h + 6 * f))
     return run.layer_rows * per_token + chunk
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .. import stats
+from ..matmul import accumulate_mm
 from .block_torch import fold_logits_torch, grad_logits_torch
 
 __all__ = ["BlockOps", "block_ops", "fold_shard", "grad_shard"]
@@ -40,53 +40,6 @@ def block_ops(kernel: str, device: torch.device) -> BlockOps:
     return BlockOps("triton", fold_logits_triton, grad_logits_triton)
 
 
-def _acc_via_addmm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-
-
-def _acc_via_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
-
-
-def _acc_via_round(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    acc.add_(a @ b)
-
-
-_CUDA_ACC_WAYS = {"addmm": _acc_via_addmm, "mm": _acc_via_mm, "round": _acc_via_round}
-_CUDA_ACC_WAY: str | None = None
-"""The first of ``_CUDA_ACC_WAYS`` that this torch supports, found by the first call."""
-
-
-def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` in place. Same dtypes: one GEMM with beta=1 (fp32 inside, one rounding to acc's
-    dtype). An fp32 ``acc`` with low-precision inputs: the GEMM's fp32 result is added unrounded
-    (``out_dtype`` on CUDA, upcast on CPU); only a torch without ``out_dtype`` rounds each block.
-    Errors (out of memory included) propagate: a block is never skipped."""
-    global _CUDA_ACC_WAY
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-        return
-    if not a.is_cuda:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
-        return
-    if _CUDA_ACC_WAY is None:
-        for way in ("addmm", "mm"):
-            try:
-                _CUDA_ACC_WAYS[way](acc, a, b)
-            except torch.OutOfMemoryError:
-                raise
-            except (TypeError, RuntimeError, NotImplementedError):  # no out_dtype for these dtypes here
-                continue
-            _CUDA_ACC_WAY = way
-            break
-        else:
-            _acc_via_round(acc, a, b)
-            _CUDA_ACC_WAY = "round"
-        stats.record("vocab", "fp32_accumulate_via", _CUDA_ACC_WAY)
-        return
-    _CUDA_ACC_WAYS[_CUDA_ACC_WAY](acc, a, b)
-
-
 def fold_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, state: torch.Tensor,
                block_size: int, ops: BlockOps) -> None:
     """Fold the logits ``x @ w.T`` of shard rows [vocab_start, vocab_start + len(w)) into ``state``."""
@@ -107,10 +60,10 @@ def grad_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch
     for b0 in range(0, w.shape[0], block_size):
         wb = w[b0:b0 + block_size]
         d = ops.grad(x @ wb.t(), labels - (vocab_start + b0), coef)
-        _acc_mm(dx_acc, d, wb)
+        accumulate_mm(dx_acc, d, wb)
         rows = dw[b0:b0 + wb.shape[0]]
         if accumulate:
-            _acc_mm(rows, d.t(), x)
+            accumulate_mm(rows, d.t(), x)
         else:
             torch.mm(d.t(), x, out=rows)
         del d
