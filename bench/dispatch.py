@@ -6,7 +6,9 @@
 - ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks);
 - ``peakflat-c<N>``: chunk cap N with up to 1024 chunks, so that the cap alone sets K.
 
-At EP=1 the plan is trivial; chunking alone bounds the expert activations. The layer is wrapped in
+At EP=1 the plan is trivial; chunking alone bounds the expert activations. Under ``torchrun
+--nproc-per-node P`` every rank is one expert-parallel group (EP=P, 64/P experts each), holds its own
+tokens, and a row reports the max over ranks of the time and of the peak. The layer is wrapped in
 Megatron's DDP (fp32 main_grad), as in training, so every method's weight gradients land in the same
 preallocated buffer. Regimes (the ``regime`` part of the case string):
 
@@ -23,12 +25,14 @@ Usage (one H200, no TE):
     python -m bench.dispatch                      # H=4096 grid + H=7168 at 32K/64K, ~4-5 min
     python -m bench.dispatch --hidden 4096 --tokens 32768 --skews 0,95 --regimes full
     python -m bench.dispatch --dry-run            # tiny shapes on CPU (gloo, Megatron CPU shim): checks only
+    torchrun --nproc-per-node 2 bench/dispatch.py --hidden 4096 --tokens 32768,65536 --skews 0,95   # EP=2
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -40,18 +44,39 @@ from bench import harness
 OURS_DEFAULT = "peakflat"
 
 
+def world() -> tuple[int, int]:
+    """(ranks, this rank) from torchrun's environment; (1, 0) in a plain process."""
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
 def setup(cpu: bool) -> None:
+    """One process group over every rank, all of them one expert-parallel group (EP = world size)."""
     import torch.distributed as dist
 
     from megatron_peakflat.testing import megatron_cpu
 
+    P, rank = world()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
     if not cpu:
-        torch.cuda.set_device(0)
-    megatron_cpu.init_megatron_parallel(ep=1, cpu=cpu)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if cpu else "nccl", rank=rank, world_size=P)
+    megatron_cpu.init_megatron_parallel(ep=P, cpu=cpu)
+
+
+def _across_ranks(values: list[float | None]) -> list[float | None]:
+    """The max of each value over the ranks (the slowest rank's time, the largest peak); None if any rank has None."""
+    import torch.distributed as dist
+
+    if world()[0] == 1:
+        return values
+    dev = torch.device("cuda") if torch.cuda.is_available() and dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([float("nan") if v is None else v for v in values], device=dev, dtype=torch.float64)
+    missing = torch.isnan(t).to(torch.float64)
+    both = torch.stack([torch.nan_to_num(t, nan=0.0), missing])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return [None if m > 0 else round(float(v), 4) for v, m in zip(both[0].tolist(), both[1].tolist())]
 
 
 def build_layer(hidden: int, experts: int, topk: int, ffn: int, cpu: bool, ddp: bool = True,
@@ -192,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     cpu = args.dry_run
+    P, rank = world()
+    if rank != 0:  # every rank measures; rank 0 reports the max over ranks
+        sys.stdout = open(os.devnull, "w")
     if cpu:
         from megatron_peakflat.testing import megatron_cpu
 
@@ -217,14 +245,14 @@ def main(argv: list[str] | None = None) -> None:
         skews = [int(s) for s in (args.wide_skews if wide else args.skews).split(",") if s]
         for T in tokens:
             seq = 4096 if T >= 4096 else T
-            g = torch.Generator(device="cpu").manual_seed(T)
+            g = torch.Generator(device="cpu").manual_seed(T + 1000 * rank)
             x = (torch.randn(seq, T // seq, H, generator=g) * 0.5).to(device, layer.router.weight.dtype)
             x.requires_grad_(True)
             gout = torch.randn(seq, T // seq, H, generator=g).to(device, x.dtype)
             for skew in skews:
                 skew_router(layer, skew / 100, args.hot)
                 for regime in args.regimes.split(","):
-                    case = f"recompute={regime},N={T},H={H},ep=1,skew={skew}%@{args.hot}"
+                    case = f"recompute={regime},N={T},H={H},ep={P},skew={skew}%@{args.hot}"
                     ref = None
                     for method in methods:
                         select(layer, method, cfgs, regime)
@@ -240,8 +268,9 @@ def main(argv: list[str] | None = None) -> None:
                                 got, err = None, None
                             if method == "megatron-alltoall":
                                 ref = got
-                            elif err is not None:
-                                exact = err <= args.tol
+                            elif err is not None or P > 1:
+                                worst = _across_ranks([err])[0]
+                                exact = None if worst is None else worst <= args.tol
                             del got
                         if cpu:
                             out = step()
@@ -253,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
                         if method != "megatron-alltoall":
                             extra["chunk_cap"] = cfgs[method].dispatch.chunk_cap
                             extra["max_chunks"] = cfgs[method].dispatch.max_chunks
+                        from megatron_peakflat import stats
+
+                        before = stats.snapshot().get("dispatch", {})
                         try:
                             row = harness.run_row(case, method, step, exact=exact, warmup=args.warmup,
                                                   reps=args.reps, **extra)
@@ -260,9 +292,16 @@ def main(argv: list[str] | None = None) -> None:
                             traceback.print_exc()
                             row = harness.Row(case, method, None, None, exact, {"error": repr(e)[:300], **extra})
                         if method != "megatron-alltoall":
-                            from megatron_peakflat import stats
-
-                            row.extra["chunks"] = stats.snapshot().get("dispatch", {}).get("chunks")
+                            after = stats.snapshot().get("dispatch", {})
+                            row.extra["chunks"] = after.get("chunks")
+                            calls = after.get("calls", 0) - before.get("calls", 0)
+                            if P > 1 and calls:
+                                row.extra["spilled_experts_per_call"] = round(
+                                    (after.get("spilled_experts", 0) - before.get("spilled_experts", 0)) / calls, 2)
+                        if P > 1:
+                            row.peak_gib, row.ms = _across_ranks([row.peak_gib, row.ms])
+                            print(f"{'':48s} {'max over ' + str(P) + ' ranks':28s} peak={row.peak_gib!s:>10} GiB  "
+                                  f"ms={row.ms!s:>10}", flush=True)
                         rows.append(row)
                     ref = None
                     if cpu:
@@ -271,8 +310,8 @@ def main(argv: list[str] | None = None) -> None:
         if not cpu:
             torch.cuda.empty_cache()
     print(f"total {time.time() - t0:.0f}s")
-    if not cpu:
-        harness.write("dispatch", rows)
+    if not cpu and rank == 0:
+        harness.write("dispatch", rows, merge=True)
     megatron_peakflat.remove()
 
 

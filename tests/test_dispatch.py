@@ -290,7 +290,7 @@ def test_working_set_bounded_under_ep_and_skew():
         for T in (256, 1024):
             bound = working_set_bound(num_tokens=T, hidden=Hb, ffn=Fb, num_experts=4 * world, topk=k,
                                       chunk_rows=world * (c + k), expert_param_bytes=peaks["param_bytes"],
-                                      dtype_bytes=4)
+                                      dtype_bytes=4, ep=world)
             assert peaks[f"{T},None"] <= bound, (T, peaks, bound)
             if T == 1024:
                 assert peaks[f"{T},1"] > bound, peaks  # unchunked outgrows it

@@ -67,7 +67,7 @@ def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, ba
 
 
 def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: int, topk: int, chunk_rows: int,
-                      expert_param_bytes: int, dtype_bytes: int, glu: bool = True) -> int:
+                      expert_param_bytes: int, dtype_bytes: int, glu: bool = True, ep: int = 1) -> int:
     """Bytes PipelinedLLEP allocates in one forward+backward of one layer, at most.
 
     Terms: the output and the input gradient ([T, H] each), the probs gradient ([T, E] fp32), the
@@ -76,9 +76,11 @@ def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: in
     ``expert_param_bytes``, room for spilled experts' weights), and one chunk's working set:
     ``chunk_rows`` rows (at most P * (c + k) per chunk) times the dispatch, combine and expert
     activation rows. Only the first four grow with T; the combine's per-token pair positions
-    (``token_slots``, 4 k bytes per token) are part of the metadata term.
+    (``token_slots``, 4 k bytes per token) are part of the metadata term. With ``ep`` > 1 the next
+    chunk's dispatch and the previous chunk's combine are in flight while a chunk computes: two more
+    chunks' rows sent and received (8 H per row).
     """
     f1 = ffn * (2 if glu else 1)
-    per_row = dtype_bytes * (12 * hidden + 3 * f1 + 4 * ffn) + 64
+    per_row = dtype_bytes * ((20 if ep > 1 else 12) * hidden + 3 * f1 + 4 * ffn) + 64
     per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8 + 20 * topk
     return num_tokens * per_token + 2 * expert_param_bytes + chunk_rows * per_row

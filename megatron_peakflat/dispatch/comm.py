@@ -7,12 +7,12 @@ backward recompute, or under pipeline schedules.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size", "group_rank", "all_to_all", "all_gather_rows", "all_reduce_max"]
+__all__ = ["group_size", "group_rank", "Exchange", "all_to_all_start", "all_to_all", "all_gather_rows", "all_reduce_max"]
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -29,18 +29,40 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+class Exchange:
+    """An all-to-all in flight. ``wait()`` orders the current stream after it (NCCL: no host block) and
+    returns the rows received; the rows sent stay referenced until then."""
+
+    def __init__(self, out: torch.Tensor, work: Any = None, sent: torch.Tensor | None = None) -> None:
+        self._out, self._work, self._sent = out, work, sent
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = self._sent = None
+        return self._out
+
+
+def all_to_all_start(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                     group: dist.ProcessGroup | None) -> Exchange:
+    """Start sending rows ``x[send offsets of r]`` to rank r; the Exchange yields the rows received,
+    ordered by source rank. In a group of one it yields ``x`` itself (no copy, nothing in flight)."""
+    if group_size(group) == 1:
+        return Exchange(x)
+    out = x.new_empty((int(sum(recv_splits)), *x.shape[1:]))
+    sent = x.contiguous()
+    work = dist.all_to_all_single(out, sent, [int(s) for s in recv_splits], [int(s) for s in send_splits],
+                                  group=group, async_op=True)
+    return Exchange(out, work, sent)
+
+
 def all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                group: dist.ProcessGroup | None) -> torch.Tensor:
     """Rows ``x[send offsets of r]`` go to rank r; returns the rows received, ordered by source rank.
 
     In a group of one, returns ``x`` itself (no copy).
     """
-    if group_size(group) == 1:
-        return x
-    out = x.new_empty((int(sum(recv_splits)), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), [int(s) for s in recv_splits], [int(s) for s in send_splits],
-                           group=group)
-    return out
+    return all_to_all_start(x, send_splits, recv_splits, group).wait()
 
 
 def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

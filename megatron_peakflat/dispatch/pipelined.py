@@ -81,17 +81,25 @@ def _compute(bank: ExpertBank, x: torch.Tensor, probs: torch.Tensor, tpe: list[i
     return bank.compute(x, probs, tpe, local, weights)
 
 
-def _dispatch(sched: Schedule, j: int, rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    out = comm.all_to_all(rows, sched.send_splits[j], sched.recv_splits[j], group)
-    idx = sched.regroup[j]
-    return out if idx is None else out.index_select(0, idx)
+def _dispatch_start(sched: Schedule, j: int, rows: list[torch.Tensor], group: dist.ProcessGroup | None
+                    ) -> list[comm.Exchange]:
+    return [comm.all_to_all_start(r, sched.send_splits[j], sched.recv_splits[j], group) for r in rows]
 
 
-def _combine(sched: Schedule, j: int, rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _dispatch_finish(sched: Schedule, j: int, sent: list[comm.Exchange]) -> list[torch.Tensor]:
     idx = sched.regroup[j]
-    if idx is not None:
-        rows = torch.empty_like(rows).index_copy_(0, idx, rows)
-    return comm.all_to_all(rows, sched.recv_splits[j], sched.send_splits[j], group)
+    return [e.wait() if idx is None else e.wait().index_select(0, idx) for e in sent]
+
+
+def _combine_start(sched: Schedule, j: int, rows: list[torch.Tensor | None], group: dist.ProcessGroup | None
+                   ) -> list[comm.Exchange | None]:
+    idx = sched.regroup[j]
+    out: list[comm.Exchange | None] = []
+    for r in rows:
+        if r is not None and idx is not None:
+            r = torch.empty_like(r).index_copy_(0, idx, r)
+        out.append(None if r is None else comm.all_to_all_start(r, sched.recv_splits[j], sched.send_splits[j], group))
+    return out
 
 
 class _Chunks:
@@ -102,33 +110,35 @@ class _Chunks:
         self.foreign = exchange_weights(sched, bank, group)
         self.local, self.weights = _segments(sched, bank, self.foreign)
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum
+        self._inflight: list[tuple[int, list[comm.Exchange | None]]] = []  # combines sent, not yet added
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The MoE output, without autograd."""
-        sched, group = self.sched, self.group
+        sched = self.sched
         out = torch.zeros_like(x)
         with torch.no_grad():
+            nxt = self._send(0, x, probs)
             for j in range(sched.K):
-                tok, exp = self._pairs(j)
-                xr = _dispatch(sched, j, x.index_select(0, tok), group)
-                pr = _dispatch(sched, j, probs[tok, exp], group)
+                xr, pr = _dispatch_finish(sched, j, nxt)
+                nxt = self._send(j + 1, x, probs) if self.overlap else []
                 y = _compute(self.bank, xr, pr, sched.tokens_per_expert[j], self.local, self.weights, self._cum(j))
                 del xr, pr
-                self._add(out, j, tok, _combine(sched, j, y, group))
+                self._returned(j, [y], out=out)
                 del y
+                nxt = nxt or self._send(j + 1, x, probs)
+            self._returned(sched.K, [], out=out)
         return out
 
     def backward(self, x: torch.Tensor, probs: torch.Tensor, grad_out: torch.Tensor, gx: torch.Tensor,
                  gp: torch.Tensor, out: torch.Tensor | None = None) -> None:
         """Add d(x), d(probs) of ``grad_out`` into ``gx``, ``gp`` and take the weight gradients; with
         ``out``, also add the MoE output into it (the forward of the same chunks, run alongside)."""
-        sched, group, bank = self.sched, self.group, self.bank
+        sched, bank = self.sched, self.bank
         backward_chunk = getattr(bank, "backward_chunk", None)
+        nxt = self._send(0, x, probs, grad_out)
         for j in range(sched.K):
-            tok, exp = self._pairs(j)
-            xr = _dispatch(sched, j, x.index_select(0, tok), group)
-            gr = _dispatch(sched, j, grad_out.index_select(0, tok), group)
-            pr = _dispatch(sched, j, probs[tok, exp], group)
+            xr, pr, gr = _dispatch_finish(sched, j, nxt)
+            nxt = self._send(j + 1, x, probs, grad_out) if self.overlap else []
             tpe = sched.tokens_per_expert[j]
             res = None
             if backward_chunk is not None:
@@ -137,13 +147,48 @@ class _Chunks:
             if res is None:
                 res = self._autograd_chunk(xr, pr, gr, tpe, want_out=out is not None)
             del xr, pr, gr
-            dx, dp, y = res
             # Every rank runs every combine of every chunk, rows or not: the collectives stay matched.
-            self._add(gx, j, tok, _combine(sched, j, dx, group))
-            gp.index_put_((tok, exp), _combine(sched, j, dp, group), accumulate=True)
+            self._returned(j, list(res), out=out, gx=gx, gp=gp)
+            del res
+            nxt = nxt or self._send(j + 1, x, probs, grad_out)
+        self._returned(sched.K, [], out=out, gx=gx, gp=gp)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether chunk j + 1's dispatch and chunk j's combine travel while chunk j + 1 computes: only
+        when there is something to send (a group of more than one rank), so that one rank keeps one chunk."""
+        return comm.group_size(self.group) > 1
+
+    def _send(self, j: int, x: torch.Tensor, probs: torch.Tensor, grad_out: torch.Tensor | None = None
+              ) -> list[comm.Exchange]:
+        """Start chunk j's dispatch of rows, probs (and output-gradient rows); [] past the last chunk."""
+        if j >= self.sched.K:
+            return []
+        tok, exp = self._pairs(j)
+        rows = [x.index_select(0, tok), probs[tok, exp]]
+        if grad_out is not None:
+            rows.append(grad_out.index_select(0, tok))
+        return _dispatch_start(self.sched, j, rows, self.group)
+
+    def _returned(self, j: int, results: list[torch.Tensor | None], *, out: torch.Tensor | None = None,
+                  gx: torch.Tensor | None = None, gp: torch.Tensor | None = None) -> None:
+        """Start sending chunk j's results home (forward: [y]; backward: [dx, dprobs, y or None]) and add
+        what has arrived: with ``overlap`` the previous chunk's (so this chunk's combine travels while the
+        next one computes), else this chunk's. ``j == K`` with no results drains the last one."""
+        if results:
+            self._inflight.append((j, _combine_start(self.sched, j, results, self.group)))
+        while self._inflight and (len(self._inflight) > 1 or not self.overlap or not results):
+            jj, ex = self._inflight.pop(0)
+            tok, exp = self._pairs(jj)
+            got = [None if e is None else e.wait() for e in ex]
+            if len(got) == 1:  # forward: [y]
+                self._add(out, jj, tok, got[0])
+                continue
+            dx, dp, y = got
+            self._add(gx, jj, tok, dx)
+            gp.index_put_((tok, exp), dp, accumulate=True)
             if out is not None:
-                self._add(out, j, tok, _combine(sched, j, y, group))
-            del dx, dp, y, res
+                self._add(out, jj, tok, y)
 
     def _add(self, dst: torch.Tensor, j: int, tok: torch.Tensor, rows: torch.Tensor) -> None:
         add_rows(dst, rows, tok, self.sched.token_slots, j, self.sched.K)

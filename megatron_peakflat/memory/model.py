@@ -318,12 +318,13 @@ def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float) -> float:
     per token the output and input gradient (2Hw), probs gradient (4E) and routing metadata (64 B, and
     20 B per token-expert pair); the local experts' weight gradients and any spilled expert weights
     (2 x expert bytes); and per received row of one chunk w x (12H + 3 x fc1 + 4F) + 64 B (dispatch,
-    combine, expert activations). The component's guarantee (the ``bound`` column), not what a step
+    combine, expert activations), 8H more at EP > 1 (the next chunk's dispatch and the previous one's
+    combine in flight). The component's guarantee (the ``bound`` column), not what a step
     allocates: see ``llep_expected_working_set``."""
     r = run.layer_rows
     w, h, f = run.w, s.hidden, s.moe_ffn
     f1 = f * (2 if s.gated else 1)
-    per_row = w * (12 * h + 3 * f1 + 4 * f) + 64
+    per_row = w * ((20 if run.ep > 1 else 12) * h + 3 * f1 + 4 * f) + 64
     per_token = 2 * h * w + 4 * s.experts + 64 + 20 * s.topk
     expert_bytes = (s.experts / run.ep) * mlp_params(h, f, s.gated, run.etp) * w
     return r * per_token + 2 * expert_bytes + chunk_rows * per_row
@@ -360,7 +361,9 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     Weight gradients go into main_grad by GEMMs with beta=1: no transient. Under full recompute with
     ``--peakflat-dispatch-fuse-recompute`` (``llep_fused``) each chunk's forward runs inside its
     backward, in the checkpoint's recompute: from its fc2 GEMM on, the chunk also holds its output
-    ([R, H]).
+    ([R, H]). At EP > 1 the next chunk's dispatch (rows and output gradient, sent and received) and the
+    previous chunk's combine (dX and output, sent and received) are in flight: 8 [R, H] more, from the
+    code, not measured on GPUs.
     The per-expert path (grouped GEMMs off, or not bf16) keeps the chunk's concatenated output, the
     row-gradient buffer and one slice gradient ([R, H] each) and every segment's activations.
     Not included: the router's own tensors (the 'layer working set' row) and the weights of experts
@@ -371,6 +374,7 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     R = chunk_rows
     per_token = 2 * h * w + s.experts * w + 20 * k
     rows = 2 * h * w + f1 * w + 2 * w  # dispatched rows, output gradient; fc1 output; prob + its gradient
+    rows += 8 * h * w if run.ep > 1 else 0  # the all-to-alls in flight around this chunk
     if llep_grouped(run, pf):
         rows += h * w if llep_fused(run, pf) else 0  # the chunk's output, computed in the same pass
         saved = (3 if s.gated else 1) * f
