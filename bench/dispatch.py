@@ -4,7 +4,8 @@
 - ``megatron-alltoall``: Megatron's own alltoall dispatcher (the layer as Megatron builds it);
 - ``llep-unchunked``: PipelinedLLEP with one chunk (the plan and recompute, no chunking);
 - ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks);
-- ``peakflat-c<N>``: chunk cap N with up to 1024 chunks, so that the cap alone sets K.
+- ``peakflat-c<N>``: chunk cap N with up to 1024 chunks, so that the cap alone sets K;
+- ``peakflat-overlap`` (EP > 1 only): the defaults plus ``--peakflat-dispatch-overlap``.
 
 At EP=1 the plan is trivial; chunking alone bounds the expert activations. Under ``torchrun
 --nproc-per-node P`` every rank is one expert-parallel group (EP=P, 64/P experts each), holds its own
@@ -142,6 +143,8 @@ def configs(chunk_caps: list[int]) -> dict[str, Any]:
     out = {OURS_DEFAULT: PeakflatConfig(dispatch=DispatchConfig(**base), general=GeneralConfig(attention="local")),
            "llep-unchunked": PeakflatConfig(dispatch=DispatchConfig(**base, max_chunks=1),
                                             general=GeneralConfig(attention="local"))}
+    out["peakflat-overlap"] = PeakflatConfig(dispatch=DispatchConfig(**base, overlap=True),
+                                             general=GeneralConfig(attention="local"))
     for c in chunk_caps:
         out[f"peakflat-c{c}"] = PeakflatConfig(dispatch=DispatchConfig(**base, chunk_cap=c, max_chunks=1024),
                                                general=GeneralConfig(attention="local"))
@@ -205,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hot", type=int, default=4, help="number of hot experts (1-4)")
     ap.add_argument("--regimes", default="full,moe", help="full,moe (default: %(default)s)")
     ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat,peakflat-c32768",
-                    help="comma list; peakflat-c<N> sets the chunk cap (default: %(default)s)")
+                    help="comma list; peakflat-c<N> sets the chunk cap, peakflat-overlap overlaps the all-to-alls "
+                         "(EP > 1; adds itself there) (default: %(default)s)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--ffn", type=int, default=1536)
@@ -229,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
 
     setup(cpu)
     methods = args.methods.split(",")
+    if P > 1 and "peakflat-overlap" not in methods:
+        methods.insert(methods.index("peakflat") + 1 if "peakflat" in methods else len(methods), "peakflat-overlap")
     caps = [int(m.split("-c", 1)[1]) for m in methods if m.startswith("peakflat-c")]
     cfgs = configs(caps)
     if cpu:

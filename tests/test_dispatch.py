@@ -183,7 +183,7 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 50), requires_grad=True)
             probs.requires_grad_(True)
             cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=16, max_chunks=5, alpha=1.0, min_spill=2,
-                                 imbalance_threshold=1.1)
+                                 imbalance_threshold=1.1, overlap=chunks in (2, None))
             grouped = chunks not in (1, 7)  # grouped GEMMs (strided weight runs) and the per-expert loop
             bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p],
                                     grouped=grouped)
@@ -255,7 +255,7 @@ def test_working_set_bounded_as_tokens_grow():
         assert peaks[1024, None] - peaks[256, None] <= 768 * per_token  # ours grows by the [T, H] terms only
 
 
-def bound_worker(rank: int, world: int) -> dict[str, int]:
+def bound_worker(rank: int, world: int, overlap: bool = False) -> dict[str, int]:
     """Peak live bytes per rank of ours (chunked) and of K=1, at T and 4T, all tokens on one expert."""
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
 
@@ -265,7 +265,8 @@ def bound_worker(rank: int, world: int) -> dict[str, int]:
     fc1 = [torch.randn(2 * Fb, Hb, generator=g) for _ in range(E)]
     fc2 = [torch.randn(Hb, Fb, generator=g) for _ in range(E)]
     bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p])
-    cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=c, max_chunks=1000, min_spill=0, imbalance_threshold=1.1)
+    cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=c, max_chunks=1000, min_spill=0, imbalance_threshold=1.1,
+                         overlap=overlap)
     peaks = {}
     for T in (256, 1024):
         probs, rmap = make_routing(T, E, k, "all", 10 + rank)
@@ -281,16 +282,18 @@ def bound_worker(rank: int, world: int) -> dict[str, int]:
     return peaks
 
 
-def test_working_set_bounded_under_ep_and_skew():
-    """EP=2, every token on one expert: each rank stays under the bound with EP x (c + k) chunk rows."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_working_set_bounded_under_ep_and_skew(overlap):
+    """EP=2, every token on one expert: each rank stays under the bound with EP x (c + k) chunk rows,
+    with the all-to-alls overlapped (two more chunks in flight) or not."""
     from megatron_peakflat.dispatch.api import working_set_bound
 
     world, Hb, Fb, k, c = 2, 64, 48, 2, 64
-    for peaks in run_distributed(bound_worker, world, timeout=300):
+    for peaks in run_distributed(bound_worker, world, overlap, timeout=300):
         for T in (256, 1024):
             bound = working_set_bound(num_tokens=T, hidden=Hb, ffn=Fb, num_experts=4 * world, topk=k,
                                       chunk_rows=world * (c + k), expert_param_bytes=peaks["param_bytes"],
-                                      dtype_bytes=4, ep=world)
+                                      dtype_bytes=4, ep=world, overlap=overlap)
             assert peaks[f"{T},None"] <= bound, (T, peaks, bound)
             if T == 1024:
                 assert peaks[f"{T},1"] > bound, peaks  # unchunked outgrows it

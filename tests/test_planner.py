@@ -96,7 +96,7 @@ def test_llep_bound_and_chunk_growth_by_hand():
     assert M.llep_chunks(TINY, run, pf) == (8, 1024)  # 512 tokens x top-2 per chunk, 4096 tokens
     bound_rows, expected_rows = M.llep_rows(TINY, run, pf)
     assert bound_rows == 4 * (1024 + 2) and expected_rows == 4096 * 2 / 8
-    per_row = 2 * (20 * 64 + 3 * 64 + 4 * 32) + 64  # dispatch/api.py working_set_bound (EP > 1: overlap)
+    per_row = 2 * (12 * 64 + 3 * 64 + 4 * 32) + 64  # dispatch/api.py working_set_bound
     per_token = 2 * 64 * 2 + 4 * 8 + 64 + 20 * 2  # ... + 20 B per token-expert pair (top-2)
     experts = 2 * 3 * 64 * 32 * 2
     assert M.llep_working_set(TINY, run, bound_rows) == 4096 * per_token + 2 * experts + bound_rows * per_row
@@ -116,6 +116,9 @@ def test_llep_working_set_matches_component_bound():
     theirs = api.working_set_bound(num_tokens=4096, hidden=64, ffn=32, num_experts=8, topk=TINY.topk, chunk_rows=rows,
                                    expert_param_bytes=2 * 3 * 64 * 32 * 2, dtype_bytes=2, glu=True, ep=4)
     assert M.llep_working_set(TINY, run, rows) == theirs
+    theirs = api.working_set_bound(num_tokens=4096, hidden=64, ffn=32, num_experts=8, topk=TINY.topk, chunk_rows=rows,
+                                   expert_param_bytes=2 * 3 * 64 * 32 * 2, dtype_bytes=2, glu=True, ep=4, overlap=True)
+    assert M.llep_working_set(TINY, run, rows, overlap=True) == theirs == M.llep_working_set(TINY, run, rows) + rows * 16 * 64
 
 
 def test_llep_expected_working_set_by_hand():

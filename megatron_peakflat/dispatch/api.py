@@ -63,11 +63,12 @@ def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, ba
         raise ValueError(f"x {tuple(x.shape)}, probs {tuple(probs.shape)}, routing_map {tuple(routing_map.shape)}: "
                          "expected x [T, H] and probs, routing_map [T, E]")
     sched = plan_layer(routing_map, bank, group, cfg, num_chunks=num_chunks)
-    return pipelined_moe(x, probs, sched, bank, group, out_grad)
+    return pipelined_moe(x, probs, sched, bank, group, out_grad, overlap=cfg.overlap)
 
 
 def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: int, topk: int, chunk_rows: int,
-                      expert_param_bytes: int, dtype_bytes: int, glu: bool = True, ep: int = 1) -> int:
+                      expert_param_bytes: int, dtype_bytes: int, glu: bool = True, ep: int = 1,
+                      overlap: bool = False) -> int:
     """Bytes PipelinedLLEP allocates in one forward+backward of one layer, at most.
 
     Terms: the output and the input gradient ([T, H] each), the probs gradient ([T, E] fp32), the
@@ -77,10 +78,10 @@ def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: in
     ``chunk_rows`` rows (at most P * (c + k) per chunk) times the dispatch, combine and expert
     activation rows. Only the first four grow with T; the combine's per-token pair positions
     (``token_slots``, 4 k bytes per token) are part of the metadata term. With ``ep`` > 1 the next
-    chunk's dispatch and the previous chunk's combine are in flight while a chunk computes: two more
-    chunks' rows sent and received (8 H per row).
+    chunk's dispatch and the previous chunk's combine are in flight while a chunk computes when
+    ``overlap`` is on: two more chunks' rows sent and received (8 H per row).
     """
     f1 = ffn * (2 if glu else 1)
-    per_row = dtype_bytes * ((20 if ep > 1 else 12) * hidden + 3 * f1 + 4 * ffn) + 64
+    per_row = dtype_bytes * ((20 if ep > 1 and overlap else 12) * hidden + 3 * f1 + 4 * ffn) + 64
     per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8 + 20 * topk
     return num_tokens * per_token + 2 * expert_param_bytes + chunk_rows * per_row

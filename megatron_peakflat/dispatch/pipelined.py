@@ -105,8 +105,12 @@ def _combine_start(sched: Schedule, j: int, rows: list[torch.Tensor | None], gro
 class _Chunks:
     """One layer call's chunks: dispatch, experts and combine, forward or backward, chunk by chunk."""
 
-    def __init__(self, sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup | None, overlap: bool = False
+                 ) -> None:
         self.sched, self.bank, self.group = sched, bank, group
+        # overlap: chunk j + 1's dispatch and chunk j's combine travel while chunk j + 1 computes. Only
+        # in a group of more than one rank (in a group of one nothing travels and one chunk is kept).
+        self.overlap = overlap and comm.group_size(group) > 1
         self.foreign = exchange_weights(sched, bank, group)
         self.local, self.weights = _segments(sched, bank, self.foreign)
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum
@@ -152,12 +156,6 @@ class _Chunks:
             del res
             nxt = nxt or self._send(j + 1, x, probs, grad_out)
         self._returned(sched.K, [], out=out, gx=gx, gp=gp)
-
-    @property
-    def overlap(self) -> bool:
-        """Whether chunk j + 1's dispatch and chunk j's combine travel while chunk j + 1 computes: only
-        when there is something to send (a group of more than one rank), so that one rank keeps one chunk."""
-        return comm.group_size(self.group) > 1
 
     def _send(self, j: int, x: torch.Tensor, probs: torch.Tensor, grad_out: torch.Tensor | None = None
               ) -> list[comm.Exchange]:
@@ -319,9 +317,10 @@ class _PipelinedMoE(torch.autograd.Function):
     @staticmethod
     @region("dispatch")
     def forward(ctx: Any, x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
-                group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
-        chunks = _Chunks(sched, bank, group)
-        ctx.sched, ctx.bank, ctx.group, ctx.n_params = sched, bank, group, len(params)
+                group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, overlap: bool,
+                *params: torch.Tensor) -> torch.Tensor:
+        chunks = _Chunks(sched, bank, group, overlap)
+        ctx.sched, ctx.bank, ctx.group, ctx.n_params, ctx.overlap = sched, bank, group, len(params), overlap
         ctx.fused = out_grad is not None
         if out_grad is None:
             out = chunks.forward(x, probs)
@@ -356,26 +355,29 @@ class _PipelinedMoE(torch.autograd.Function):
                 chunks.backward(x, probs, grad_out - g0, gx, gp)
         else:
             x, probs = ctx.saved_tensors
-            chunks = _Chunks(ctx.sched, ctx.bank, ctx.group)
+            chunks = _Chunks(ctx.sched, ctx.bank, ctx.group, ctx.overlap)
             gx, gp = torch.zeros_like(x), torch.zeros_like(probs)
             chunks.backward(x, probs, grad_out, gx, gp)
-        out_grads = chunks.weight_grads(ctx.needs_input_grad[6:])
+        out_grads = chunks.weight_grads(ctx.needs_input_grad[7:])
         chunks.release()
         return (gx if ctx.needs_input_grad[0] else None, gp if ctx.needs_input_grad[1] else None,
-                None, None, None, None, *out_grads)
+                None, None, None, None, None, *out_grads)
 
 
 def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
-                  group: dist.ProcessGroup | None, out_grad: torch.Tensor | None = None) -> torch.Tensor:
+                  group: dist.ProcessGroup | None, out_grad: torch.Tensor | None = None, *,
+                  overlap: bool = False) -> torch.Tensor:
     """The MoE output [T, H] for rows ``x`` [T, H] with dense ``probs`` [T, E], under schedule ``sched``.
 
     Gradients flow to ``x``, ``probs`` (at routed entries) and every local expert parameter of ``bank``.
     ``out_grad`` [T, H]: the gradient the output is expected to receive; the chunks' backward then
     runs inside this forward (see the module docstring), and stays exact if the gradient differs.
+    ``overlap``: at EP > 1, keep the next chunk's dispatch and the previous chunk's combine in flight
+    while a chunk computes (two more chunks' communication buffers).
     """
     if out_grad is not None and out_grad.shape != x.shape:
         raise ValueError(f"out_grad {tuple(out_grad.shape)} must have the output's shape {tuple(x.shape)}")
     params: list[torch.Tensor] = []
     for i in range(bank.num_local_experts):
         params.extend(bank.expert_params(i))
-    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, *params)
+    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, overlap, *params)

@@ -313,18 +313,18 @@ def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int,
     return K, int(math.ceil(r / K) * k)
 
 
-def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float) -> float:
+def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float, overlap: bool = False) -> float:
     """PipelinedLLEP's bytes for one layer's forward + backward (dispatch/api.py working_set_bound):
     per token the output and input gradient (2Hw), probs gradient (4E) and routing metadata (64 B, and
     20 B per token-expert pair); the local experts' weight gradients and any spilled expert weights
     (2 x expert bytes); and per received row of one chunk w x (12H + 3 x fc1 + 4F) + 64 B (dispatch,
-    combine, expert activations), 8H more at EP > 1 (the next chunk's dispatch and the previous one's
-    combine in flight). The component's guarantee (the ``bound`` column), not what a step
+    combine, expert activations), 8H more at EP > 1 with ``overlap`` (``--peakflat-dispatch-overlap``:
+    the next chunk's dispatch and the previous one's combine in flight). The component's guarantee (the ``bound`` column), not what a step
     allocates: see ``llep_expected_working_set``."""
     r = run.layer_rows
     w, h, f = run.w, s.hidden, s.moe_ffn
     f1 = f * (2 if s.gated else 1)
-    per_row = w * ((20 if run.ep > 1 else 12) * h + 3 * f1 + 4 * f) + 64
+    per_row = w * ((20 if run.ep > 1 and overlap else 12) * h + 3 * f1 + 4 * f) + 64
     per_token = 2 * h * w + 4 * s.experts + 64 + 20 * s.topk
     expert_bytes = (s.experts / run.ep) * mlp_params(h, f, s.gated, run.etp) * w
     return r * per_token + 2 * expert_bytes + chunk_rows * per_row
@@ -361,7 +361,7 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     Weight gradients go into main_grad by GEMMs with beta=1: no transient. Under full recompute with
     ``--peakflat-dispatch-fuse-recompute`` (``llep_fused``) each chunk's forward runs inside its
     backward, in the checkpoint's recompute: from its fc2 GEMM on, the chunk also holds its output
-    ([R, H]). At EP > 1 the next chunk's dispatch (rows and output gradient, sent and received) and the
+    ([R, H]). At EP > 1 with ``--peakflat-dispatch-overlap`` the next chunk's dispatch (rows and output gradient, sent and received) and the
     previous chunk's combine (dX and output, sent and received) are in flight: 8 [R, H] more, from the
     code, not measured on GPUs.
     The per-expert path (grouped GEMMs off, or not bf16) keeps the chunk's concatenated output, the
@@ -374,7 +374,7 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     R = chunk_rows
     per_token = 2 * h * w + s.experts * w + 20 * k
     rows = 2 * h * w + f1 * w + 2 * w  # dispatched rows, output gradient; fc1 output; prob + its gradient
-    rows += 8 * h * w if run.ep > 1 else 0  # the all-to-alls in flight around this chunk
+    rows += 8 * h * w if run.ep > 1 and pf.dispatch.overlap else 0  # the all-to-alls in flight around this chunk
     if llep_grouped(run, pf):
         rows += h * w if llep_fused(run, pf) else 0  # the chunk's output, computed in the same pass
         saved = (3 if s.gated else 1) * f
@@ -569,7 +569,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                 base = inflight * stored_layers / n_layers * n_moe * dispatch_saved_per_layer(s, run, pairs) \
                     + dispatch_working_set(s, run, pairs) - dispatch_saved_per_layer(s, run, pairs)
             rows_bound, rows_expected = llep_rows(s, run, pf)
-            bound = llep_working_set(s, run, rows_bound)
+            bound = llep_working_set(s, run, rows_bound, pf.dispatch.overlap)
             rows["dispatch"] = Row(
                 "dispatch", base, llep_expected_working_set(s, run, pf, rows_expected), bound=bound,
                 phase="layer" if run.recompute == "full" else "persistent",
