@@ -12,12 +12,12 @@ kernels by total GPU time with their call counts; no results file (this is a dia
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections import defaultdict
 
 import torch
 
 from bench import dispatch as bd
+from bench import harness
 
 
 def _category(name: str) -> str:
@@ -65,17 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     for method in methods:
         bd.select(layer, method, cfgs, args.regime)
         step = bd.make_step(ddp, x, gout, args.regime)
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(3):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
+        _, step_ms = harness.measure(step, warmup=2, reps=3)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
                 step()
@@ -90,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         cats: dict[str, float] = defaultdict(float)
         for name, (ms, _) in kern.items():
             cats[_category(name)] += ms
-        print(f"\n=== {method}: step {statistics.median(times):.1f} ms (events), GPU busy {busy:.1f} ms/step")
+        print(f"\n=== {method}: step {step_ms:.1f} ms (events), GPU busy {busy:.1f} ms/step")
         print("    by category: " + ", ".join(f"{c} {ms:.1f}" for c, ms in sorted(cats.items(), key=lambda t: -t[1])))
         for name, (ms, calls) in sorted(kern.items(), key=lambda t: -t[1][0])[:args.top]:
             print(f"    {ms:8.2f} ms {calls:7.1f}x  {name[:150]}")
