@@ -105,8 +105,10 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         torch.manual_seed(1234)
         mc.init_megatron_parallel(ep=world, seed=1234)
         config = mc.tiny_transformer_config(num_moe_experts=E, **extra)
+        overlap = world > 1 and K == 7  # the all-to-alls of neighbouring chunks in flight together
         ref_model, model = _ref_and_patched(config, DispatchConfig(
-            impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8, alpha=1.0, min_spill=0, imbalance_threshold=1.05))
+            impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8, alpha=1.0, min_spill=0, imbalance_threshold=1.05,
+            overlap=overlap))
         swapped = [m for m in model.modules() if isinstance(getattr(m, "token_dispatcher", None), PeakflatDispatcher)]
         assert len(swapped) == config.num_layers, "every MoE layer must hold PipelinedLLEP's dispatcher"
         assert all(m.config.moe_token_dispatcher_type == "alltoall" for m in swapped)
@@ -132,7 +134,7 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
             assert "fused_recompute_corrections" not in snap, snap
         else:
             assert "fused_recompute_calls" not in snap, snap
-        name = f"{skew},K={K},{'+'.join(k for k in extra if k != 'recompute_method')},rank={rank}"
+        name = f"{skew},K={K},{'+'.join(k for k in extra if k != 'recompute_method')},overlap={overlap},rank={rank}"
         out.append((name, _check_grads(name, ref_model, model, losses), int(snap.get("spilled_experts", 0))))
         megatron_peakflat.remove()
     if world <= 2:
@@ -177,7 +179,7 @@ def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:
     config = mc.tiny_transformer_config(num_moe_experts=E)
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
     ref_inner, inner = _ref_and_patched(config, DispatchConfig(impl="pipelined-llep", chunk_cap=10, min_spill=0,
-                                                               imbalance_threshold=1.05))
+                                                               imbalance_threshold=1.05, overlap=world > 1))
     _skew_router(ref_inner, "hot95", 5 + rank)
     _skew_router(inner, "hot95", 5 + rank)
     models = [DistributedDataParallel(config, ddp_cfg, m) for m in (ref_inner, inner)]
@@ -204,7 +206,7 @@ def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:
         runs = weight_runs(*bank._weights(order, [None] * len(order)))
         assert bank._packed and len(runs) == 1, (order, [(r.first, r.n) for r in runs])
     megatron_peakflat.remove()
-    return (f"ddp-overlap,rank={rank}", worst, 0)
+    return (f"ddp-overlap,overlap={world > 1},rank={rank}", worst, 0)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -215,6 +217,8 @@ def test_exact_against_megatron_alltoall(world):
             assert err <= 1e-5, (name, err)
             if world > 1 and name.startswith("all,"):
                 assert spilled > 0, name  # expert weights really moved to helper ranks
+    if world > 1:
+        assert any("overlap=True" in name for name, _, _ in per_rank[0])
 
 
 def handback_worker(rank: int, world: int) -> list[str]:
