@@ -45,18 +45,13 @@ from bench import harness
 OURS_DEFAULT = "peakflat"
 
 
-def world() -> tuple[int, int]:
-    """(ranks, this rank) from torchrun's environment; (1, 0) in a plain process."""
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-
-
 def setup(cpu: bool) -> None:
     """One process group over every rank, all of them one expert-parallel group (EP = world size)."""
     import torch.distributed as dist
 
     from megatron_peakflat.testing import megatron_cpu
 
-    P, rank = world()
+    P, rank = harness.world()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
     if not cpu:
@@ -64,20 +59,6 @@ def setup(cpu: bool) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo" if cpu else "nccl", rank=rank, world_size=P)
     megatron_cpu.init_megatron_parallel(ep=P, cpu=cpu)
-
-
-def _across_ranks(values: list[float | None]) -> list[float | None]:
-    """The max of each value over the ranks (the slowest rank's time, the largest peak); None if any rank has None."""
-    import torch.distributed as dist
-
-    if world()[0] == 1:
-        return values
-    dev = torch.device("cuda") if torch.cuda.is_available() and dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([float("nan") if v is None else v for v in values], device=dev, dtype=torch.float64)
-    missing = torch.isnan(t).to(torch.float64)
-    both = torch.stack([torch.nan_to_num(t, nan=0.0), missing])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return [None if m > 0 else round(float(v), 4) for v, m in zip(both[0].tolist(), both[1].tolist())]
 
 
 def build_layer(hidden: int, experts: int, topk: int, ffn: int, cpu: bool, ddp: bool = True,
@@ -221,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     cpu = args.dry_run
-    P, rank = world()
+    P, rank = harness.world()
     if rank != 0:  # every rank measures; rank 0 reports the max over ranks
         sys.stdout = open(os.devnull, "w")
     if cpu:
@@ -275,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                             if method == "megatron-alltoall":
                                 ref = got
                             elif err is not None or P > 1:
-                                worst = _across_ranks([err])[0]
+                                worst = harness.across_ranks([err])[0]
                                 exact = None if worst is None else worst <= args.tol
                             del got
                         if cpu:
@@ -305,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
                                 row.extra["spilled_experts_per_call"] = round(
                                     (after.get("spilled_experts", 0) - before.get("spilled_experts", 0)) / calls, 2)
                         if P > 1:
-                            row.peak_gib, row.ms = _across_ranks([row.peak_gib, row.ms])
+                            row.peak_gib, row.ms = harness.across_ranks([row.peak_gib, row.ms])
                             print(f"{'':48s} {'max over ' + str(P) + ' ranks':28s} peak={row.peak_gib!s:>10} GiB  "
                                   f"ms={row.ms!s:>10}", flush=True)
                         rows.append(row)

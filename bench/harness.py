@@ -95,6 +95,26 @@ def run_row(case: str, method: str, fn: Callable[[], Any], *, exact: bool | None
     return row
 
 
+def world() -> tuple[int, int]:
+    """(ranks, this rank) from torchrun's environment; (1, 0) in a plain process."""
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def across_ranks(values: list[float | None]) -> list[float | None]:
+    """The max of each value over the ranks (the slowest rank's time, the largest peak, the worst error);
+    None where any rank has None. Identity in a plain process."""
+    import torch.distributed as dist
+
+    if world()[0] == 1:
+        return values
+    dev = torch.device("cuda") if torch.cuda.is_available() and dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([float("nan") if v is None else v for v in values], device=dev, dtype=torch.float64)
+    missing = torch.isnan(t).to(torch.float64)
+    both = torch.stack([torch.nan_to_num(t, nan=0.0), missing])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return [None if m > 0 else float(v) for v, m in zip(both[0].tolist(), both[1].tolist())]
+
+
 def environment() -> dict[str, Any]:
     try:
         from importlib.metadata import version

@@ -1,4 +1,5 @@
-"""Ring-DTP (single GPU, tp=1) against Megatron's CE (native and fused), Liger FLCE and CCE.
+"""Ring-DTP against Megatron's CE (native and fused), Liger FLCE and CCE (one GPU); over a TP group
+against Megatron's vocab-parallel CE (native and fused) with sequence parallelism (``torchrun``).
 
 Same process, same bf16 inputs; each method runs forward + backward of the mean token loss and returns
 dX and dW (``torch.autograd.grad``), so the gradients count in the peak as they do in training. Peak is
@@ -8,6 +9,15 @@ themselves are in each row's extras (``err_loss``, ``err_dx``, ``err_dw``).
 
     python bench/vocab.py                      # default cases (about 2-3 minutes on an H200)
     python bench/vocab.py --cases 16384x4096x201088 --methods peakflat,peakflat-b4096,liger-flce
+    torchrun --nproc-per-node 2 bench/vocab.py --cases 32768x7168x201088    # TP=2, SP: rows ``tp=2``
+    torchrun --nproc-per-node 2 bench/vocab.py --dry-run                    # the TP path on CPU (gloo)
+
+Under torchrun every rank is one tensor-parallel group (TP = world size) with sequence parallelism:
+each rank holds N/TP tokens and a contiguous V/TP slice of the vocabulary. Megatron's peers all-gather
+the tokens, build [N, V/TP] logits and run its vocab-parallel CE; Ring-DTP runs its ring over the
+group. Every method's objective is the mean loss over all N tokens, so dX (this rank's tokens) and dW
+(this rank's slice) compare with the same slices of the fp32 reference. A row is the max over ranks of
+the peak, the time and the error. Liger and CCE have no TP form and run only at TP=1.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, run_row, write  # noqa: E402
+from bench.harness import Row, across_ranks, run_row, world, write  # noqa: E402
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 
 DEFAULT_CASES = "32768x7168x201088,16384x4096x201088,32768x7168x128256,16384x4096x128256"
@@ -31,20 +41,28 @@ ALL_METHODS = "peakflat,peakflat-input,peakflat-b4096,megatron-native-ce,megatro
 Method = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _init_megatron() -> bool:
-    """A 1-rank NCCL group and Megatron's parallel_state with tp=1 (its CE functions need a TP group)."""
+def _init_megatron(cpu: bool = False) -> bool:
+    """The process group (torchrun's ranks, else one) and Megatron's parallel_state with TP = every rank
+    (its CE functions need a TP group). ``cpu``: gloo and the Megatron CPU shim (the dry run)."""
     try:
         import torch.distributed as dist
         from megatron.core import parallel_state
 
+        P, rank = world()
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             from megatron_peakflat.testing.distributed import free_port
 
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-            dist.init_process_group("nccl", rank=0, world_size=1)
+            if not cpu:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("gloo" if cpu else "nccl", rank=rank, world_size=P)
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1)
+            if cpu:
+                from megatron_peakflat.testing import megatron_cpu
+
+                megatron_cpu.install_cpu_shim()
+            parallel_state.initialize_model_parallel(P)
         return True
     except Exception as e:  # noqa: BLE001
         print(f"megatron peers skipped: {type(e).__name__}: {e}")
@@ -137,6 +155,123 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+TP_METHODS = "peakflat,megatron-native-ce,megatron-fused-ce"
+
+TPMethod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(this rank's tokens [N/P, H], this rank's vocabulary slice [V/P, H], all labels [N]) -> the mean
+loss over all N tokens (each rank's share of it for Ring-DTP, whose ranks hold different tokens)."""
+
+
+def tp_methods(wanted: set[str], cpu: bool) -> dict[str, TPMethod]:
+    """Ring-DTP over the TP group and Megatron's vocab-parallel CE after the sequence all-gather."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    tp = parallel_state.get_tensor_model_parallel_group()
+    P, rank = world()
+    out: dict[str, TPMethod] = {}
+
+    def mine(y: torch.Tensor) -> torch.Tensor:
+        n = y.shape[0] // P
+        return y[rank * n:(rank + 1) * n]
+
+    if "peakflat" in wanted:
+        out["peakflat"] = lambda x, w, y: ring_linear_cross_entropy(x, w, mine(y), tp, reduction="sum") / y.shape[0]
+    if "megatron-native-ce" in wanted:
+        out["megatron-native-ce"] = lambda x, w, y: vocab_parallel_cross_entropy(
+            (gather_from_sequence_parallel_region(x, group=tp) @ w.t()).unsqueeze(1), y.unsqueeze(1),
+            tp_group=tp).mean()
+    if "megatron-fused-ce" in wanted and not cpu:
+        try:
+            from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+            out["megatron-fused-ce"] = lambda x, w, y: fused_vocab_parallel_cross_entropy(
+                (gather_from_sequence_parallel_region(x, group=tp) @ w.t()).unsqueeze(1), y.unsqueeze(1), tp).mean()
+        except ImportError as e:
+            print(f"megatron-fused-ce skipped: {e}")
+    return out
+
+
+def _reference_cpu(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Mean loss, dX, dW in fp64 by autograd on the full logits (the dry run's tiny shapes)."""
+    xd, wd = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    loss = torch.nn.functional.cross_entropy(xd @ wd.t(), y)
+    dx, dw = torch.autograd.grad(loss, (xd, wd))
+    return loss.detach(), dx, dw
+
+
+def main_tp(args: argparse.Namespace) -> None:
+    """The TP rows: every rank measures its own step; rank 0 writes the max over ranks (merged)."""
+    import torch.distributed as dist
+
+    cpu = args.dry_run
+    P, rank = world()
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    tol = min(args.tol, 1e-5) if cpu else args.tol  # the dry run is fp32
+    if not _init_megatron(cpu):
+        raise SystemExit("the TP benchmark needs Megatron's parallel_state")
+    dev = torch.device("cpu" if cpu else "cuda")
+    dtype = torch.float32 if cpu else torch.bfloat16
+    meths = tp_methods(set(args.methods.split(",")), cpu)
+    rows: list[Row] = []
+    cases = "256x64x1000" if cpu else args.cases
+    for spec in cases.split(","):
+        N, H, V = (int(t) for t in spec.lower().split("x"))
+        if N % P or V % P:
+            raise SystemExit(f"case {spec}: N and V must divide by TP={P} (Megatron pads V to a multiple)")
+        case = f"N={N},H={H},V={V},tp={P}"
+        g = torch.Generator(device=dev).manual_seed(0)  # the same full inputs on every rank
+        x_full = torch.randn(N, H, device=dev, dtype=dtype, generator=g)
+        w_full = (torch.randn(V, H, device=dev, generator=g) * (H ** -0.5)).to(dtype)
+        y = torch.randint(0, V, (N,), device=dev, generator=g)
+        n, v = N // P, V // P
+        if args.no_check:
+            ref = None
+        elif cpu:
+            ref = _reference_cpu(x_full, w_full, y)
+        else:
+            ref = fp32_reference(x_full, w_full, y)
+        ref = None if ref is None else (ref[0], ref[1][rank * n:(rank + 1) * n], ref[2][rank * v:(rank + 1) * v])
+        x = x_full[rank * n:(rank + 1) * n].clone().requires_grad_(True)
+        w = w_full[rank * v:(rank + 1) * v].clone().requires_grad_(True)
+        del x_full, w_full
+        if not cpu:
+            torch.cuda.empty_cache()
+        for name, fn in meths.items():
+            def step(fn=fn):
+                return torch.autograd.grad(fn(x, w, y), (x, w))
+
+            extra: dict[str, Any] = {}
+            exact = None
+            if ref is not None:
+                loss = fn(x, w, y)
+                dx, dw = torch.autograd.grad(loss, (x, w))
+                total = loss.detach().clone()
+                if name.startswith("peakflat"):  # each rank holds its tokens' share of the mean
+                    dist.all_reduce(total)
+                errs = across_ranks([_rel(total, ref[0]), _rel(dx, ref[1]), _rel(dw, ref[2])])
+                extra = {"err_loss": errs[0], "err_dx": errs[1], "err_dw": errs[2]}
+                exact = all(e is not None and e <= tol for e in errs)
+                del loss, dx, dw
+            if cpu:
+                rows.append(Row(case, name, None, None, exact, extra))
+                print(f"{case:36s} {name:22s} exact={exact} {extra}", flush=True)
+                continue
+            torch.cuda.empty_cache()
+            row = run_row(case, name, step, exact=exact, warmup=args.warmup, reps=args.reps, **extra)
+            row.peak_gib, row.ms = across_ranks([row.peak_gib, row.ms])
+            print(f"{'':36s} {'max over ' + str(P) + ' ranks':28s} peak={row.peak_gib} GiB  ms={row.ms}", flush=True)
+            rows.append(row)
+        del x, w, y, ref
+    if cpu:
+        assert rows and all(r.exact for r in rows), [(r.method, r.exact, r.extra) for r in rows]
+        print("dry run: every method exact")
+    elif rank == 0:
+        write("vocab", rows, merge=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=DEFAULT_CASES, help="comma list of NxHxV (default: %(default)s)")
@@ -145,7 +280,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--tol", type=float, default=2e-2, help="relative error for exact=True (bf16 level)")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference (exact=None)")
+    ap.add_argument("--dry-run", action="store_true", help="under torchrun on CPU: the TP path with tiny shapes, "
+                                                           "exactness only")
     args = ap.parse_args(argv)
+    if world()[0] > 1 or args.dry_run:
+        if args.methods == ALL_METHODS:
+            args.methods = TP_METHODS
+        if args.cases == DEFAULT_CASES:
+            args.cases = "32768x7168x201088,16384x4096x201088"
+        main_tp(args)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench/vocab.py needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = True

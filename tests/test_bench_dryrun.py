@@ -1,0 +1,39 @@
+"""The multi-rank benchmarks run their whole logic on CPU before they cost device time: under torchrun
+with 2 gloo ranks, bench/dispatch.py (EP=2, every method exact against Megatron's dispatcher, the
+overlap method added) and bench/vocab.py (TP=2 with sequence parallelism, Ring-DTP and Megatron's
+vocab-parallel CE exact against an fp64 reference)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_peakflat.testing.distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torchrun(*args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           *args]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+def test_dispatch_benchmark_at_ep2_on_cpu():
+    out = _torchrun("bench/dispatch.py", "--dry-run", "--skews", "0,95", "--regimes", "full")
+    lines = [line for line in out.splitlines() if "ep=2" in line]
+    assert any("peakflat-overlap" in line for line in lines), out[-2000:]
+    ours = [line for line in lines if "megatron-alltoall" not in line]
+    assert len(ours) == 2 * 2 * 4 and all("exact=True" in line for line in ours), out[-2000:]
+
+
+def test_vocab_benchmark_at_tp2_on_cpu():
+    out = _torchrun("bench/vocab.py", "--dry-run")
+    rows = [line for line in out.splitlines() if "tp=2" in line]
+    assert {r.split()[1] for r in rows} == {"peakflat", "megatron-native-ce"}, out[-2000:]
+    assert all("exact=True" in r for r in rows) and "dry run: every method exact" in out, out[-2000:]
