@@ -86,7 +86,12 @@ def test_boundaries_sco_and_optimizer_by_hand():
     assert opt.peakflat == opt.baseline  # the optimizer component is off in this config
     on = PeakflatConfig(optimizer=OptimizerConfig(impl="offload-stream"))
     opt = plan(TINY, run, on).stages[0].rows["optimizer"]
-    assert opt.peakflat == pytest.approx(3 * min(50_000_000, dense / 2 + expert / 2) * 16)
+    # one OffloadStreamAdamW per chained optimizer (dense over DP x CP, experts over expert-DP), each with
+    # 3 slots of its largest bucket
+    assert opt.peakflat == pytest.approx(3 * (min(50_000_000, dense / 2) + min(50_000_000, expert / 2)) * 16)
+    assert opt.bound == pytest.approx(2 * 3 * 50_000_000 * 16)
+    cpu_engine = PeakflatConfig(optimizer=OptimizerConfig(impl="offload-stream", engine="cpu"))
+    assert plan(TINY, run, cpu_engine).stages[0].rows["optimizer"].peakflat == 0
     assert opt.host_peakflat == pytest.approx(16 * (dense / 2 + expert / 2))
 
 

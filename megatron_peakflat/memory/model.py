@@ -510,12 +510,22 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         f = run.optimizer_offload_fraction
         opt_gpu_base, opt_host_base = state * (1 - f), (state + 4 * shard) * f
         slots, bucket = pf.optimizer.slots, pf.optimizer.bucket
-        staging = slots * min(bucket, shard) * 16
+        # Megatron's distributed optimizer chains one optimizer per gradient-reduction group (dense
+        # params over DP x CP, expert params over expert-DP), and OffloadStreamAdamW replaces the
+        # HybridDeviceOptimizer inside each: every one holds its own slots of its largest bucket.
+        # Without it (a plain OffloadStreamAdamW over every parameter, as bench/planner.py builds), one.
+        if run.distributed_optimizer:
+            instances = [n for n in (dense_p / (run.dp * run.cp), expert_p / run.expert_dp) if n > 0]
+        else:
+            instances = [params]
+        gpu_engine = getattr(pf.optimizer, "engine", "auto") != "cpu"
+        staging = sum(slots * min(bucket, n) * 16 for n in instances) if gpu_engine else 0.0
         rows["optimizer"] = Row(
-            "optimizer", opt_gpu_base, staging, bound=slots * bucket * 16,
+            "optimizer", opt_gpu_base, staging, bound=len(instances) * slots * bucket * 16 if gpu_engine else 0.0,
             host_baseline=opt_host_base, host_peakflat=shard * 16,
             source="distrib_optimizer.py fp32 master + Adam moments (12 B/param shard); "
-                   "OffloadStreamAdamW: slots x bucket x 16 B staging, 16 B/param pinned host")
+                   "OffloadStreamAdamW: slots x bucket x 16 B staging per chained optimizer (dense, expert; "
+                   "engine 'auto' may use less: it can send every bucket to the host), 16 B/param pinned host")
 
         # Activations and checkpoint boundaries.
         attn = attention_activations(s, run)
