@@ -155,11 +155,42 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+def _grad_step(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, y: torch.Tensor
+               ) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """One timed step: the loss's forward and backward, returning dX and dW (so they count in the peak)."""
+    return lambda: torch.autograd.grad(fn(x, w, y), (x, w))
+
+
+def check(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ref: tuple, tol: float,
+          loss_total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[bool | None, dict[str, Any]]:
+    """(exact, errors) of one forward + backward of ``fn`` against ``ref`` (loss, dX, dW); errors are the max
+    over ranks. ``loss_total`` turns this rank's loss into the whole loss (a sum over ranks for Ring-DTP).
+    An out-of-memory is a row's error, not the benchmark's end."""
+    try:
+        loss = fn(x, w, y)
+        dx, dw = torch.autograd.grad(loss, (x, w))
+        total = loss.detach().clone()
+        if loss_total is not None:
+            total = loss_total(total)
+        errs = across_ranks([_rel(total, ref[0]), _rel(dx, ref[1]), _rel(dw, ref[2])])
+    except torch.OutOfMemoryError:
+        return None, {"error": "OOM"}
+    extra = {"err_loss": errs[0], "err_dx": errs[1], "err_dw": errs[2]}
+    return all(e is not None and e <= tol for e in errs), extra
+
+
 TP_METHODS = "peakflat,megatron-native-ce,megatron-fused-ce"
 
 TPMethod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(this rank's tokens [N/P, H], this rank's vocabulary slice [V/P, H], all labels [N]) -> the mean
 loss over all N tokens (each rank's share of it for Ring-DTP, whose ranks hold different tokens)."""
+
+
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(t)
+    return t
 
 
 def tp_methods(wanted: set[str], cpu: bool) -> dict[str, TPMethod]:
@@ -203,7 +234,6 @@ def _reference_cpu(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[t
 
 def main_tp(args: argparse.Namespace) -> None:
     """The TP rows: every rank measures its own step; rank 0 writes the max over ranks (merged)."""
-    import torch.distributed as dist
 
     cpu = args.dry_run
     P, rank = world()
@@ -240,27 +270,15 @@ def main_tp(args: argparse.Namespace) -> None:
         if not cpu:
             torch.cuda.empty_cache()
         for name, fn in meths.items():
-            def step(fn=fn):
-                return torch.autograd.grad(fn(x, w, y), (x, w))
-
-            extra: dict[str, Any] = {}
-            exact = None
-            if ref is not None:
-                loss = fn(x, w, y)
-                dx, dw = torch.autograd.grad(loss, (x, w))
-                total = loss.detach().clone()
-                if name.startswith("peakflat"):  # each rank holds its tokens' share of the mean
-                    dist.all_reduce(total)
-                errs = across_ranks([_rel(total, ref[0]), _rel(dx, ref[1]), _rel(dw, ref[2])])
-                extra = {"err_loss": errs[0], "err_dx": errs[1], "err_dw": errs[2]}
-                exact = all(e is not None and e <= tol for e in errs)
-                del loss, dx, dw
+            exact, extra = (None, {}) if ref is None else check(  # Ring-DTP's ranks hold shares of the mean loss
+                fn, x, w, y, ref, tol, _sum_over_ranks if name.startswith("peakflat") else None)
             if cpu:
                 rows.append(Row(case, name, None, None, exact, extra))
                 print(f"{case:36s} {name:22s} exact={exact} {extra}", flush=True)
                 continue
             torch.cuda.empty_cache()
-            row = run_row(case, name, step, exact=exact, warmup=args.warmup, reps=args.reps, **extra)
+            row = run_row(case, name, _grad_step(fn, x, w, y), exact=exact, warmup=args.warmup, reps=args.reps,
+                          **extra)
             row.peak_gib, row.ms = across_ranks([row.peak_gib, row.ms])
             print(f"{'':36s} {'max over ' + str(P) + ' ranks':28s} peak={row.peak_gib} GiB  ms={row.ms}", flush=True)
             rows.append(row)
@@ -305,24 +323,10 @@ def main(argv: list[str] | None = None) -> None:
         ref = None if args.no_check else fp32_reference(x.detach(), w.detach(), y)
         torch.cuda.empty_cache()
         for name, fn in meths.items():
-            def step(fn=fn):
-                return torch.autograd.grad(fn(x, w, y), (x, w))
-
-            extra: dict[str, Any] = {}
-            exact = None
-            if ref is not None:
-                try:
-                    x.grad = w.grad = None
-                    loss = fn(x, w, y)
-                    dx, dw = torch.autograd.grad(loss, (x, w))
-                    errs = (_rel(loss.detach(), ref[0]), _rel(dx, ref[1]), _rel(dw, ref[2]))
-                    extra = {"err_loss": errs[0], "err_dx": errs[1], "err_dw": errs[2]}
-                    exact = all(e <= args.tol for e in errs)
-                    del loss, dx, dw
-                except torch.OutOfMemoryError:
-                    extra = {"error": "OOM"}
-                torch.cuda.empty_cache()
-            rows.append(run_row(case, name, step, exact=exact, warmup=args.warmup, reps=args.reps, **extra))
+            exact, extra = (None, {}) if ref is None else check(fn, x, w, y, ref, args.tol)
+            torch.cuda.empty_cache()
+            rows.append(run_row(case, name, _grad_step(fn, x, w, y), exact=exact, warmup=args.warmup, reps=args.reps,
+                                **extra))
         del x, w, y, ref
         torch.cuda.empty_cache()
     write("vocab", rows)
