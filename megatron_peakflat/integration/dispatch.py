@@ -296,9 +296,11 @@ def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., Non
         if self.shared_experts is not None and self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
         stats.add("dispatch", "layers", 1)
-        info_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={self.token_dispatcher.ep_size}, "
+        ep = self.token_dispatcher.ep_size
+        overlap = ("on" if ep > 1 else "on, no effect at EP=1") if cfg.dispatch.overlap else "off"
+        info_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={ep}, "
                   f"c={cfg.dispatch.chunk_cap}, max K={cfg.dispatch.max_chunks}, alpha={cfg.dispatch.alpha}, "
-                  f"m={cfg.dispatch.min_spill}, lambda={cfg.dispatch.imbalance_threshold})")
+                  f"m={cfg.dispatch.min_spill}, lambda={cfg.dispatch.imbalance_threshold}, overlap={overlap})")
 
     return __init__
 
