@@ -69,6 +69,7 @@ def _worker(
         )
         out = fn(rank, world_size, *args)
         results.put((rank, out))
+        dist.barrier()  # no rank tears its connections down while a peer may still be using them
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         errors.put((rank, traceback.format_exc()))
         os._exit(1)
