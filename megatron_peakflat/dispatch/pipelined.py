@@ -23,13 +23,13 @@ and added at the owner.
 Expert math: a bank that offers grouped GEMMs (``GroupedExperts``) runs each chunk's experts in a
 few grouped GEMMs, forward and backward (``grouped.py``); otherwise each expert runs on its own.
 
-Weight gradients: a grouped backward accumulates each expert's into the buffer ``sink`` names (the
-owner's main_grad, or an fp32 sum), one GEMM per expert with beta=1. The per-expert backward runs on detached aliases of the expert weights, whose post-accumulate hooks
-take each weight's gradient as soon as autograd produces it, so at most one expert weight's
-gradient is in flight. A parameter with Megatron DDP's ``main_grad`` gets it added
-there in fp32 (as gradient-accumulation fusion does) and returns a zero dummy with
-``grad_added_to_main_grad`` set, so DDP's hook fires once per backward and adds nothing twice.
-Other parameters get their gradient summed over chunks in fp32 and returned through autograd, once.
+Weight gradients go into the buffer ``_Chunks.sink`` names: the owner's Megatron DDP ``main_grad``
+(in fp32, as gradient-accumulation fusion does), else an fp32 sum over chunks. A grouped backward
+adds each expert's there by one GEMM with beta=1; the per-expert backward runs on detached aliases
+of the expert weights, whose post-accumulate hooks add each weight's gradient there as soon as
+autograd produces it, so at most one expert weight's gradient is in flight. A parameter with
+``main_grad`` returns a zero dummy with ``grad_added_to_main_grad`` set, so DDP's hook fires once per
+backward and adds nothing twice; the others return their fp32 sum through autograd, once.
 """
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ class _Chunks:
         return self.sched.pair_token[a:b], self.sched.pair_expert[a:b]
 
     def sink(self, i: int, k: int) -> torch.Tensor | None:
-        """The buffer that accumulates parameter k's gradient of compute expert i (grouped GEMMs): the
-        owner's main_grad when Megatron's DDP gave it one, else this call's fp32 sum; None: not wanted."""
+        """The buffer that accumulates parameter k's gradient of compute expert i: the owner's main_grad
+        when Megatron's DDP gave it one, else this call's fp32 sum; None: not wanted."""
         li = self.local[i]
         if li is not None:
             p = self.bank.expert_params(li)[k]
@@ -215,20 +215,11 @@ class _Chunks:
             acc = self.acc[i, k] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         return acc
 
-    def _accumulate(self, i: int, k: int, g: torch.Tensor) -> None:
-        if (i, k) in self.acc:
-            self.acc[i, k].add_(g)
-        else:
-            self.acc[i, k] = g.to(torch.float32, copy=True)
-
-    def _hook(self, i: int, k: int, main_grad: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+    def _hook(self, i: int, k: int) -> Callable[[torch.Tensor], None]:
         def hook(alias: torch.Tensor) -> None:
             g = alias.grad
             alias.grad = None
-            if main_grad is not None:
-                main_grad.add_(g)
-            else:
-                self._accumulate(i, k, g)
+            self.sink(i, k).add_(g)  # type: ignore[union-attr]  # aliases exist only for wanted gradients
         return hook
 
     def _autograd_chunk(self, xr: torch.Tensor, pr: torch.Tensor, gr: torch.Tensor, tpe: list[int], want_out: bool
@@ -249,7 +240,7 @@ class _Chunks:
                     ws.append(p)
                     continue
                 alias = p.detach().requires_grad_(True)
-                alias.register_post_accumulate_grad_hook(self._hook(i, k, _main_grad(p) if own else None))
+                alias.register_post_accumulate_grad_hook(self._hook(i, k))
                 ws.append(alias)
                 aliases.append(alias)
             seg_weights.append(ws)
@@ -320,7 +311,7 @@ class _PipelinedMoE(torch.autograd.Function):
                 group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, overlap: bool,
                 *params: torch.Tensor) -> torch.Tensor:
         chunks = _Chunks(sched, bank, group, overlap)
-        ctx.sched, ctx.bank, ctx.group, ctx.n_params, ctx.overlap = sched, bank, group, len(params), overlap
+        ctx.sched, ctx.bank, ctx.group, ctx.overlap = sched, bank, group, overlap
         ctx.fused = out_grad is not None
         if out_grad is None:
             out = chunks.forward(x, probs)

@@ -116,11 +116,12 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     P, me = comm.group_size(group), comm.group_rank(group)
     if E != P * num_local_experts:
         raise ValueError(f"routing_map has {E} experts but the EP group holds {P} x {num_local_experts}")
+    per_tok = routing_map.sum(1)  # pairs of each token
     if num_chunks is not None:
         K_dev = torch.tensor(int(num_chunks), device=dev, dtype=torch.int64)
         kmax_cap = int(num_chunks)
     else:
-        kmax = routing_map.sum(1).max().clamp(min=1) if T > 0 else torch.ones((), device=dev, dtype=torch.int64)
+        kmax = per_tok.max().clamp(min=1) if T > 0 else torch.ones((), device=dev, dtype=torch.int64)
         per_chunk = (chunk_cap // kmax).clamp(min=1)
         K_dev = ((T + per_chunk - 1) // per_chunk).clamp(1, max_chunks).to(torch.int64)
         kmax_cap = max_chunks
@@ -128,7 +129,6 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     cid = torch.arange(T, device=dev) % K_dev
     counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
     counts.index_add_(0, cid, routing_map.to(torch.int64))
-    per_tok = routing_map.sum(1)
     if T > 0:
         spread = torch.stack([per_tok.min(), per_tok.max()])
     else:
