@@ -3,7 +3,10 @@
 
 - ``megatron-alltoall``: Megatron's own alltoall dispatcher (the layer as Megatron builds it);
 - ``llep-unchunked``: PipelinedLLEP with one chunk (the plan and recompute, no chunking);
-- ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks);
+- ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks, expert-major
+  chunk membership);
+- ``peakflat-strided``: the defaults with strided membership (token i in chunk i mod K), so that every
+  chunk reads every expert's weights (the schedule of the LLEP paper's chunking);
 - ``peakflat-c<N>``: chunk cap N with up to 1024 chunks, so that the cap alone sets K;
 - ``peakflat-overlap`` (EP > 1 only): the defaults plus ``--peakflat-dispatch-overlap``.
 
@@ -124,6 +127,8 @@ def configs(chunk_caps: list[int]) -> dict[str, Any]:
     out = {OURS_DEFAULT: PeakflatConfig(dispatch=DispatchConfig(**base), general=GeneralConfig(attention="local")),
            "llep-unchunked": PeakflatConfig(dispatch=DispatchConfig(**base, max_chunks=1),
                                             general=GeneralConfig(attention="local"))}
+    out["peakflat-strided"] = PeakflatConfig(dispatch=DispatchConfig(**base, membership="strided"),
+                                             general=GeneralConfig(attention="local"))
     out["peakflat-overlap"] = PeakflatConfig(dispatch=DispatchConfig(**base, overlap=True),
                                              general=GeneralConfig(attention="local"))
     for c in chunk_caps:
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wide-skews", default="0,95", help="skews for hidden > 4096 (default: %(default)s)")
     ap.add_argument("--hot", type=int, default=4, help="number of hot experts (1-4)")
     ap.add_argument("--regimes", default="full,moe", help="full,moe (default: %(default)s)")
-    ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat,peakflat-c32768",
+    ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat,peakflat-strided,peakflat-c32768",
                     help="comma list; peakflat-c<N> sets the chunk cap, peakflat-overlap overlaps the all-to-alls "
                          "(EP > 1; adds itself there) (default: %(default)s)")
     ap.add_argument("--experts", type=int, default=64)

@@ -18,6 +18,7 @@ from megatron_peakflat.dispatch.api import llep_moe, plan_layer
 from megatron_peakflat.dispatch.config import DispatchConfig
 from megatron_peakflat.dispatch.plan import chunk_routes, least_loaded_plan
 from megatron_peakflat.dispatch.reference import ReferenceExperts, reference_moe
+from megatron_peakflat.dispatch.schedule import build_schedule
 from megatron_peakflat.testing.distributed import run_distributed
 
 # ---------------------------------------------------------------- the plan on hand-made loads
@@ -92,6 +93,35 @@ def test_chunk_routes_conserve_pairs():
     np.testing.assert_array_equal(routes.sum(3), counts.transpose(1, 0, 2))
     zero = plan.assign == 0  # no rows for (expert, rank) the plan does not use
     assert (routes.sum((0, 1))[zero] == 0).all()
+
+
+@pytest.mark.parametrize("membership", ["expert", "strided"])
+@pytest.mark.parametrize("skew", ["balanced", "hot95", "all", "ragged"])
+def test_schedule_chunks_respect_the_cap_and_their_membership(membership, skew):
+    """Every pair in exactly one chunk; no chunk over the cap; strided: token t in chunk t mod K;
+    expert-major: each expert's pairs in consecutive chunks, so chunk boundaries split at most K - 1
+    experts (expert x chunk incidences <= E + K - 1)."""
+    E, T, k, cap = 8, 200, 2, 48
+    probs, rmap = make_routing(T, E, k, skew, seed=3)
+    sched = build_schedule(rmap, num_local_experts=E, group=None, chunk_cap=cap, max_chunks=64, alpha=1.0,
+                           min_spill=2, imbalance_threshold=1.3, membership=membership)
+    n, kmax = int(rmap.sum()), int(rmap.sum(1).max())
+    assert sched.K == -(-T // (cap // kmax)) and sched.chunk_offsets[-1] == n
+    pairs = set()
+    incidences = 0
+    for j in range(sched.K):
+        a, b = sched.chunk_offsets[j], sched.chunk_offsets[j + 1]
+        assert b - a <= cap and sum(sched.tokens_per_expert[j]) == b - a
+        tok, exp = sched.pair_token[a:b], sched.pair_expert[a:b]
+        assert rmap[tok, exp].all()
+        pairs.update(zip(tok.tolist(), exp.tolist()))
+        if membership == "strided":
+            assert (tok % sched.K == j).all()
+        incidences += len(set(exp.tolist()))
+    assert len(pairs) == n
+    if membership == "expert":
+        assert incidences <= E + sched.K - 1, incidences
+        assert max(sched.chunk_offsets[j + 1] - sched.chunk_offsets[j] for j in range(sched.K)) == -(-n // sched.K)
 
 
 # ---------------------------------------------------------------- config errors
@@ -175,15 +205,16 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
     results = []
     T = 23 + 4 * rank  # ranks hold different token counts: K must still agree
     for skew in ("balanced", "hot95", "all", "ragged"):
-        grid = ((TOPK, 1), (TOPK, 2), (TOPK, 7), (TOPK, None), (1, 3))
+        grid = ((TOPK, 1, "expert"), (TOPK, 2, "strided"), (TOPK, 7, "expert"), (TOPK, None, "expert"),
+                (TOPK, None, "strided"), (1, 3, "expert"))
         if skew == "ragged":
-            grid = ((TOPK, 2), (TOPK, 7))
-        for k, chunks in (grid if world < 4 or skew == "ragged" else grid[1:4]):
+            grid = ((TOPK, 2, "expert"), (TOPK, 7, "strided"))
+        for k, chunks, membership in (grid if world < 4 or skew == "ragged" else grid[1:5]):
             probs, rmap = make_routing(T, E, k, skew, seed=100 * rank + 7)
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 50), requires_grad=True)
             probs.requires_grad_(True)
             cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=16, max_chunks=5, alpha=1.0, min_spill=2,
-                                 imbalance_threshold=1.1, overlap=chunks in (2, None))
+                                 imbalance_threshold=1.1, overlap=chunks in (2, None), membership=membership)
             grouped = chunks not in (1, 7)  # grouped GEMMs (strided weight runs) and the per-expert loop
             bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p],
                                     grouped=grouped)
@@ -191,8 +222,7 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
             out = llep_moe(x, probs, rmap, bank, group, cfg, num_chunks=chunks)
             gout = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 99))
             errs, ref = _errors_vs_reference(out, x, probs, rmap, bank, fc1, fc2, gout, rank)
-            name = f"{skew},k={k},K={chunks},rank={rank}"
-            assert (sched.token_slots is None) == (skew == "ragged"), name  # ragged: index_add_, else gather-sum
+            name = f"{skew},k={k},K={chunks},{membership},rank={rank}"
             assert bank.use_grouped(x) == grouped
             bitwise = world == 1 and chunks == 1 and bool((out == ref).all())
             if chunks is not None:

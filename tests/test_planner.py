@@ -102,7 +102,7 @@ def test_llep_bound_and_chunk_growth_by_hand():
     bound_rows, expected_rows = M.llep_rows(TINY, run, pf)
     assert bound_rows == 4 * (1024 + 2) and expected_rows == 4096 * 2 / 8
     per_row = 2 * (12 * 64 + 3 * 64 + 4 * 32) + 64  # dispatch/api.py working_set_bound
-    per_token = 2 * 64 * 2 + 4 * 8 + 64 + 20 * 2  # ... + 20 B per token-expert pair (top-2)
+    per_token = 2 * 64 * 2 + 4 * 8 + 64 + 28 * 2  # ... + 28 B per token-expert pair (top-2)
     experts = 2 * 3 * 64 * 32 * 2
     assert M.llep_working_set(TINY, run, bound_rows) == 4096 * per_token + 2 * experts + bound_rows * per_row
     # K would be 512 > max_chunks 4: the chunk grows to 1024 tokens x 2.
@@ -127,13 +127,13 @@ def test_llep_working_set_matches_component_bound():
 
 
 def test_llep_expected_working_set_by_hand():
-    """The peakflat column: per token 2Hw + E w + 20k; per chunk row the larger moment of the grouped
+    """The peakflat column: per token 2Hw + E w + 28k; per chunk row the larger moment of the grouped
     backward (or the per-expert path's), no expert-gradient term (DDP's buffer holds those)."""
     s = ModelShape(name="h200", hidden=4096, layers=1, heads=32, kv_heads=32, head_dim=128, ffn=16384, vocab=1000,
                    experts=64, topk=8, moe_ffn=1536)
     pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=32768))
     H, F, f1, E, k, w, R = 4096, 1536, 3072, 64, 8, 2, 32768
-    per_token = 2 * H * w + E * w + 20 * k
+    per_token = 2 * H * w + E * w + 28 * k
     rows = 2 * H * w + f1 * w + 2 * w  # dispatched rows and their output gradient, fc1 output, prob + gradient
 
     def moments(rows: int) -> list[int]:
@@ -166,7 +166,7 @@ def test_llep_expected_working_set_by_hand():
                       topk=2, moe_ffn=32)
     got = M.llep_expected_working_set(tiny, RunConfig(seq_len=10, recompute="none"), pf, 4)
     r = 2 * 64 * 2 + 64 * 2 + 4
-    assert got == 10 * (2 * 64 * 2 + 4 * 2 + 40) + max(4 * (r + 2 * 7 * 32), 4 * (r + 128))
+    assert got == 10 * (2 * 64 * 2 + 4 * 2 + 56) + max(4 * (r + 2 * 7 * 32), 4 * (r + 128))
 
 
 def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens, chunk_cap):

@@ -38,7 +38,7 @@ def plan_layer(routing_map: torch.Tensor, bank: ExpertBank, group: dist.ProcessG
     sched = build_schedule(routing_map, num_local_experts=bank.num_local_experts, group=group,
                            chunk_cap=cfg.chunk_cap, max_chunks=cfg.max_chunks, alpha=cfg.alpha,
                            min_spill=cfg.min_spill, imbalance_threshold=cfg.imbalance_threshold,
-                           num_chunks=num_chunks, local_order=_layout_order(bank))
+                           num_chunks=num_chunks, local_order=_layout_order(bank), membership=cfg.membership)
     stats.record("dispatch", "chunks", sched.K)
     stats.peak("dispatch", "max_chunks_seen", sched.K)
     stats.record("dispatch", "imbalance", round(sched.plan.imbalance, 3))
@@ -72,16 +72,15 @@ def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: in
     """Bytes PipelinedLLEP allocates in one forward+backward of one layer, at most.
 
     Terms: the output and the input gradient ([T, H] each), the probs gradient ([T, E] fp32), the
-    routing metadata (64 bytes per token, plus the two int64 and one int32 per token-expert pair that
-    the schedule keeps for the backward: 20 k bytes per token), the local experts' weight gradients (2 x
-    ``expert_param_bytes``, room for spilled experts' weights), and one chunk's working set:
-    ``chunk_rows`` rows (at most P * (c + k) per chunk) times the dispatch, combine and expert
-    activation rows. Only the first four grow with T; the combine's per-token pair positions
-    (``token_slots``, 4 k bytes per token) are part of the metadata term. With ``ep`` > 1 the next
+    routing metadata (64 bytes per token, plus what the schedule keeps per token-expert pair for the
+    backward: its token and expert (two int64) and the combine's map (three int32), 28 k bytes per
+    token), the local experts' weight gradients (2 x ``expert_param_bytes``, room for spilled experts'
+    weights), and one chunk's working set: ``chunk_rows`` rows (at most P * (c + k) per chunk) times
+    the dispatch, combine and expert activation rows. Only the first four grow with T. With ``ep`` > 1 the next
     chunk's dispatch and the previous chunk's combine are in flight while a chunk computes when
     ``overlap`` is on: two more chunks' rows sent and received (8 H per row).
     """
     f1 = ffn * (2 if glu else 1)
     per_row = dtype_bytes * ((20 if ep > 1 and overlap else 12) * hidden + 3 * f1 + 4 * ffn) + 64
-    per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8 + 20 * topk
+    per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8 + 28 * topk
     return num_tokens * per_token + 2 * expert_param_bytes + chunk_rows * per_row

@@ -12,25 +12,29 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _gather_sum_kernel(rows_ptr, slots_ptr, out_ptr, H, stride_rows, stride_out, KK: tl.constexpr,
+def _gather_sum_kernel(rows_ptr, perm_ptr, token_ptr, count_ptr, out_ptr, H, stride_rows, stride_out,
                        BLOCK: tl.constexpr):
-    t = tl.program_id(0)
+    e = tl.program_id(0)
+    n = tl.load(count_ptr + e)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < H
-    optr = out_ptr + t.to(tl.int64) * stride_out + cols
-    acc = tl.load(optr, mask=m, other=0.0).to(tl.float32)
-    for s in tl.static_range(KK):
-        r = tl.load(slots_ptr + t.to(tl.int64) * KK + s).to(tl.int64)
+    m = (cols < H) & (n > 0)
+    t = tl.load(token_ptr + e).to(tl.int64)
+    optr = out_ptr + t * stride_out + cols
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, n):
+        r = tl.load(perm_ptr + e + s).to(tl.int64)
         acc += tl.load(rows_ptr + r * stride_rows + cols, mask=m, other=0.0).to(tl.float32)
+    acc += tl.load(optr, mask=m, other=0.0).to(tl.float32)
     tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def gather_sum_triton(rows: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
-    """``combine.gather_sum`` in one kernel: a program per (token, block of columns)."""
+def gather_sum_triton(rows: torch.Tensor, perm: torch.Tensor, token: torch.Tensor, count: torch.Tensor,
+                      out: torch.Tensor) -> None:
+    """``combine.gather_sum`` in one kernel: a program per (entry, block of columns); entries that do
+    not start a token's run load one count and store nothing."""
     if rows.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError(f"rows and out need unit column stride, got {rows.stride()} and {out.stride()}")
-    slots = slots.contiguous()
-    T, H = out.shape
-    grid = (T, triton.cdiv(H, _BLOCK))
-    _gather_sum_kernel[grid](rows, slots, out, H, rows.stride(0), out.stride(0), KK=slots.shape[1], BLOCK=_BLOCK,
-                             num_warps=4)
+    H = out.shape[1]
+    grid = (perm.numel(), triton.cdiv(H, _BLOCK))
+    _gather_sum_kernel[grid](rows, perm.contiguous(), token.contiguous(), count.contiguous(), out, H,
+                             rows.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=4)

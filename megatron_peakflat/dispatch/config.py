@@ -20,8 +20,15 @@ class DispatchConfig(ComponentConfig):
     chunk_cap: int = 65536
     """c: the most token-expert pairs that one source rank sends into one dispatch chunk (K is the
     smallest chunk count that respects it, the same on every EP rank). The expert working set of a
-    chunk is at most EP * c rows, whatever the routing. Each chunk also reads every local expert's
-    weights and adds their gradients once, so smaller caps cost time in proportion to K."""
+    chunk is at most EP * c rows, whatever the routing. With --peakflat-dispatch-membership strided
+    each chunk also reads every local expert's weights and adds their gradients once, so smaller caps
+    cost time in proportion to K."""
+    membership: Literal["expert", "strided"] = "expert"
+    """Which chunk a token-expert pair joins. 'expert': each source's pairs sorted by expert and cut
+    into K equal slices, so each chunk computes a few experts and each expert's weights are read
+    and its gradient accumulated in about one chunk (chunking then costs about what one chunk
+    costs). 'strided': token i joins chunk i mod K, so every chunk reads every expert's weights and
+    adds to every expert's gradient (K passes over the expert weights). The same cap either way."""
     max_chunks: int = 64
     """The most chunks K one MoE layer is split into; c grows when K would exceed it."""
     alpha: float = 1.0

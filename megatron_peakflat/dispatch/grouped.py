@@ -139,6 +139,20 @@ class Offsets:
         return self.cum[i:j] - self.starts[i] if self.starts[i] else self.cum[i:j]
 
 
+def _with_rows(runs: Sequence[Run], offs: Offsets) -> list[Run]:
+    """Each run narrowed to its first through last expert with rows in this chunk (views, no copy);
+    runs without rows dropped. A chunk of an expert-major schedule holds a few experts of a long
+    run: the grouped GEMMs then see only those few groups."""
+    out = []
+    for r in runs:
+        has = [i for i in range(r.first, r.first + r.n) if offs.starts[i + 1] > offs.starts[i]]
+        if not has:
+            continue
+        a, b = has[0] - r.first, has[-1] + 1 - r.first
+        out.append(r if (a, b) == (0, r.n) else Run(r.first + a, b - a, r.fc1[a:b], r.fc2[a:b]))
+    return out
+
+
 def _put(buf: torch.Tensor | None, like: torch.Tensor, a: int, b: int, res: torch.Tensor) -> torch.Tensor:
     """``buf[a:b] = res`` into a buffer shaped like ``like``; a result covering every row is the buffer (no copy)."""
     if buf is None:
@@ -153,10 +167,8 @@ def grouped_mlp_forward(x: torch.Tensor, probs: torch.Tensor, offs: Offsets, run
                         elementwise: Elementwise) -> torch.Tensor:
     """Rows of ``x`` [M, H] grouped by expert (``offs``, run order) -> expert outputs [M, H]."""
     out = None
-    for r in runs:
+    for r in _with_rows(runs, offs):
         a, b = offs.rows(r.first, r.first + r.n)
-        if a == b:
-            continue
         ends = offs.ends(r.first, r.first + r.n)
         h = torch._grouped_mm(x[a:b], r.fc1.transpose(-1, -2), offs=ends)
         z = elementwise(h, probs[a:b])
@@ -179,10 +191,8 @@ def grouped_mlp_backward(x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor,
     """
     dx = y = None
     dp = torch.zeros_like(probs)
-    for r in runs:
+    for r in _with_rows(runs, offs):  # experts without rows: no gradient to give (callers take it as zero)
         a, b = offs.rows(r.first, r.first + r.n)
-        if a == b:  # no rows: no gradient to give (callers treat a missing one as zero)
-            continue
         ends = offs.ends(r.first, r.first + r.n)
         xs, dys = x[a:b], dy[a:b]
         h = torch._grouped_mm(xs, r.fc1.transpose(-1, -2), offs=ends).requires_grad_(True)

@@ -177,19 +177,18 @@ class _Chunks:
             self._inflight.append((j, _combine_start(self.sched, j, results, self.group)))
         while self._inflight and (len(self._inflight) > 1 or not self.overlap or not results):
             jj, ex = self._inflight.pop(0)
-            tok, exp = self._pairs(jj)
             got = [None if e is None else e.wait() for e in ex]
             if len(got) == 1:  # forward: [y]
-                self._add(out, jj, tok, got[0])
+                self._add(out, jj, got[0])
                 continue
             dx, dp, y = got
-            self._add(gx, jj, tok, dx)
-            gp.index_put_((tok, exp), dp, accumulate=True)
+            self._add(gx, jj, dx)
+            gp.index_put_(self._pairs(jj), dp, accumulate=True)
             if out is not None:
-                self._add(out, jj, tok, y)
+                self._add(out, jj, y)
 
-    def _add(self, dst: torch.Tensor, j: int, tok: torch.Tensor, rows: torch.Tensor) -> None:
-        add_rows(dst, rows, tok, self.sched.token_slots, j, self.sched.K)
+    def _add(self, dst: torch.Tensor, j: int, rows: torch.Tensor) -> None:
+        add_rows(dst, rows, self.sched.combine, j)
 
     def _cum(self, j: int) -> torch.Tensor | None:
         return None if self.sched.rows_cum is None else self.sched.rows_cum[j]

@@ -8,9 +8,9 @@ backward recompute issues no synchronisation and exchanges exactly what the forw
 Guarantees:
 - ``K`` is identical on every rank of the group (max over the group), ``1 <= K <= max_chunks``, and
   when K is not clamped, no source puts more than ``chunk_cap`` token-expert pairs into one chunk;
-- chunk membership is strided: token i belongs to chunk ``i mod K``;
+- chunk membership is ``"expert"`` (default) or ``"strided"``, see ``build_schedule``;
 - every local token-expert pair appears in exactly one chunk's send list, once;
-- ``token_slots``, when set, lists each token's pairs exactly once, as positions in its chunk.
+- ``combine`` lists every local pair exactly once, under its token, in its chunk.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .combine import token_slots
+from .combine import CombineMap, combine_map
 from .plan import Plan, chunk_routes, least_loaded_plan
 
-__all__ = ["Schedule", "build_schedule", "chunk_count"]
+__all__ = ["Schedule", "build_schedule", "chunk_count", "MEMBERSHIPS"]
+
+MEMBERSHIPS = ("expert", "strided")
 
 
 @dataclass
@@ -63,9 +65,8 @@ class Schedule:
     rows_cum: torch.Tensor | None = None
     """[K, C] int32 on the device: cumulative ``tokens_per_expert`` of each chunk (grouped-GEMM offsets),
     uploaded once per layer call so that no chunk uploads (and synchronises) again."""
-    token_slots: torch.Tensor | None = None
-    """[T, k] int32 on the device when every token has the same number k of pairs: token t's pair
-    positions among chunk ``t mod K``'s rows (``combine.gather_sum``); None: combine by index_add_."""
+    combine: CombineMap | None = None
+    """Each chunk's pairs by token, for the combine (``combine.add_rows``)."""
     weight_sends: list[tuple[int, int]] = field(default_factory=list)
     """(destination rank, expert) for each expert whose weights this rank sends, by (rank, expert)."""
     weight_recvs: list[tuple[int, int]] = field(default_factory=list)
@@ -98,15 +99,40 @@ def _nonzero(mask: torch.Tensor, n: int) -> torch.Tensor:
         return mask.nonzero()
 
 
+def _expert_major_counts(per_expert: torch.Tensor, expert_key: torch.Tensor, K: torch.Tensor, rows: int
+                         ) -> torch.Tensor:
+    """[rows, E]: pairs of each expert in each chunk when the n pairs, sorted by ``expert_key`` then
+    token, are cut at ``ceil(j n / K)`` (the ``"expert"`` membership), computed without a host sync."""
+    order = torch.argsort(expert_key)
+    sizes = per_expert.to(torch.int64)[order]
+    hi = torch.cumsum(sizes, 0)
+    lo = hi - sizes
+    n = hi[-1]
+    cut = (torch.arange(rows + 1, device=per_expert.device).clamp(max=K) * n + K - 1) // K  # [rows + 1]
+    inter = torch.minimum(hi[None, :], cut[1:, None]) - torch.maximum(lo[None, :], cut[:-1, None])
+    counts = torch.empty(rows, per_expert.numel(), dtype=torch.int64, device=per_expert.device)
+    counts[:, order] = inter.clamp(min=0)
+    return counts
+
+
 def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup | None,
                    chunk_cap: int, max_chunks: int, alpha: float, min_spill: int,
                    imbalance_threshold: float, num_chunks: int | None = None,
-                   local_order: Sequence[int] | None = None) -> Schedule:
+                   local_order: Sequence[int] | None = None, membership: str = "expert") -> Schedule:
     """Plan one MoE layer call. ``routing_map`` [T, E] bool. ``num_chunks`` forces K (tests, peers).
 
     ``local_order``: the order of this rank's local experts among the rows it computes (an expert
     bank lays them out as its weights are laid out in memory, so that grouped GEMMs need no copy);
     foreign experts follow, ascending. None: every compute expert ascending.
+
+    ``membership``: which chunk a local token-expert pair joins.
+    - ``"expert"``: this rank's pairs sorted by (expert, token), cut into K contiguous slices of
+      ``ceil(n / K)`` or fewer pairs. Each chunk then holds a few experts' rows, so an expert's
+      weights are read, and its gradient accumulated, in about one chunk instead of in all K (the
+      cost that makes strided chunking slower than one chunk). Experts are ordered local index
+      first, owner rank second, so that every chunk spreads over every destination rank.
+    - ``"strided"``: token i joins chunk ``i mod K`` with all its pairs.
+    Either way no source puts more than ``chunk_cap`` pairs in a chunk (unless K hit max_chunks).
 
     A collective: every rank of ``group`` must call it for the same layer call. See the module
     docstring for what the result guarantees.
@@ -116,6 +142,16 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     P, me = comm.group_size(group), comm.group_rank(group)
     if E != P * num_local_experts:
         raise ValueError(f"routing_map has {E} experts but the EP group holds {P} x {num_local_experts}")
+    if membership not in MEMBERSHIPS:
+        raise ValueError(f"membership {membership!r}: expected one of {MEMBERSHIPS}")
+    if local_order is None:
+        local_order = range(num_local_experts)
+    if sorted(local_order) != list(range(num_local_experts)):
+        raise ValueError(f"local_order {list(local_order)} is not a permutation of {num_local_experts} local experts")
+    # Expert-major order of the global experts: position of the local index in local_order, then owner.
+    slot = np.empty(num_local_experts, dtype=np.int64)
+    slot[np.asarray(list(local_order), dtype=np.int64)] = np.arange(num_local_experts)
+    expert_key = slot[np.arange(E) % num_local_experts] * P + np.arange(E) // num_local_experts
     per_tok = routing_map.sum(1)  # pairs of each token
     if num_chunks is not None:
         K_dev = torch.tensor(int(num_chunks), device=dev, dtype=torch.int64)
@@ -126,28 +162,21 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         K_dev = ((T + per_chunk - 1) // per_chunk).clamp(1, max_chunks).to(torch.int64)
         kmax_cap = max_chunks
     K_dev = comm.all_reduce_max(K_dev.reshape(1).clone(), group)
-    cid = torch.arange(T, device=dev) % K_dev
-    counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
-    counts.index_add_(0, cid, routing_map.to(torch.int64))
-    if T > 0:
-        spread = torch.stack([per_tok.min(), per_tok.max()])
+    if membership == "strided":
+        counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
+        counts.index_add_(0, torch.arange(T, device=dev) % K_dev, routing_map.to(torch.int64))
     else:
-        spread = torch.zeros(2, device=dev, dtype=torch.int64)
-    payload = torch.cat([counts.reshape(-1), spread, K_dev.reshape(1)])
+        counts = _expert_major_counts(routing_map.sum(0), torch.as_tensor(expert_key, device=dev), K_dev, kmax_cap)
+    payload = torch.cat([counts.reshape(-1), K_dev.reshape(1)])
     host = comm.all_gather_rows(payload, group).cpu().numpy()  # the one device-to-host sync
     K = int(host[0, -1])
-    k_min, k_max = int(host[me, -3]), int(host[me, -2])
-    cnt = host[:, :-3].reshape(P, kmax_cap, E)[:, :K, :]  # [P, K, E]
+    cnt = host[:, :-1].reshape(P, kmax_cap, E)[:, :K, :]  # [P, K, E]
     plan = least_loaded_plan(cnt.sum((0, 1)), P, alpha=alpha, min_spill=min_spill,
                              imbalance_threshold=imbalance_threshold)
     routes = chunk_routes(cnt, plan.assign)  # [K, P_src, E, P_dst]
 
     owner = np.arange(E) // num_local_experts
     base = me * num_local_experts
-    if local_order is None:
-        local_order = range(num_local_experts)
-    if sorted(local_order) != list(range(num_local_experts)):
-        raise ValueError(f"local_order {list(local_order)} is not a permutation of {num_local_experts} local experts")
     foreign = sorted(int(e) for e in np.nonzero(plan.assign[:, me])[0] if owner[e] != me)
     compute = [base + int(li) for li in local_order] + foreign
 
@@ -156,16 +185,25 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     mine = cnt[me]  # [K, E]
     n = int(mine.sum())
     nz = _nonzero(routing_map, n)
-    tok, exp = nz[:, 0], nz[:, 1]
-    j = tok % K
+    tok, exp = nz[:, 0].contiguous(), nz[:, 1].contiguous()
+    del nz
+    if membership == "strided":
+        j = tok % K
+    else:  # the pair at position p of the (expert key, token) order joins chunk floor(p K / n)
+        by_expert = torch.argsort(torch.as_tensor(expert_key, device=dev)[exp] * max(1, T) + tok)
+        j = torch.empty_like(tok)
+        j[by_expert] = torch.arange(n, device=dev) * K // max(1, n)
+        del by_expert
     rank_of = exp
     if P == 1 and compute != list(range(E)):
         pos = torch.empty(E, dtype=torch.int64)
         pos[torch.tensor(compute)] = torch.arange(E)
         rank_of = pos.to(dev)[exp]
     key = j * E + rank_of
-    order = torch.sort(key, stable=True).indices
+    del j, rank_of
+    order = torch.argsort(key, stable=True)
     tok, exp, key = tok[order], exp[order], key[order]
+    del order
     if P > 1:
         grp_start = np.cumsum(mine.reshape(-1)) - mine.reshape(-1)  # [K*E], start of each (j, e) group
         off = (np.cumsum(cnt, axis=0) - cnt)[me].reshape(-1)  # [K*E], offset of my pairs among sources
@@ -202,10 +240,8 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     helpers = plan.helpers(num_local_experts)
     sends = sorted((r, e) for e, r in helpers if owner[e] == me)
     recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
-    slots = None
-    if T > 0 and k_min == k_max > 0:
-        slots = token_slots(tok, chunk_offsets, T, K, k_max)
+    cmap = combine_map(tok, chunk_offsets, T)
     rows_cum = torch.as_tensor(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1),
                                dtype=torch.int32).to(dev)
     return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, send_splits, recv_splits,
-                    regroup, compute, tpe, rows_cum, slots, sends, recvs)
+                    regroup, compute, tpe, rows_cum, cmap, sends, recvs)

@@ -299,7 +299,7 @@ def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., Non
         ep = self.token_dispatcher.ep_size
         overlap = ("on" if ep > 1 else "on, no effect at EP=1") if cfg.dispatch.overlap else "off"
         info_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={ep}, "
-                  f"c={cfg.dispatch.chunk_cap}, max K={cfg.dispatch.max_chunks}, alpha={cfg.dispatch.alpha}, "
+                  f"c={cfg.dispatch.chunk_cap}, max K={cfg.dispatch.max_chunks}, membership={cfg.dispatch.membership}, alpha={cfg.dispatch.alpha}, "
                   f"m={cfg.dispatch.min_spill}, lambda={cfg.dispatch.imbalance_threshold}, overlap={overlap})")
 
     return __init__

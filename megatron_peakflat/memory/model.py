@@ -316,7 +316,7 @@ def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int,
 def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float, overlap: bool = False) -> float:
     """PipelinedLLEP's bytes for one layer's forward + backward (dispatch/api.py working_set_bound):
     per token the output and input gradient (2Hw), probs gradient (4E) and routing metadata (64 B, and
-    20 B per token-expert pair); the local experts' weight gradients and any spilled expert weights
+    28 B per token-expert pair); the local experts' weight gradients and any spilled expert weights
     (2 x expert bytes); and per received row of one chunk w x (12H + 3 x fc1 + 4F) + 64 B (dispatch,
     combine, expert activations), 8H more at EP > 1 with ``overlap`` (``--peakflat-dispatch-overlap``:
     the next chunk's dispatch and the previous one's combine in flight). The component's guarantee (the ``bound`` column), not what a step
@@ -325,7 +325,7 @@ def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float, overlap: 
     w, h, f = run.w, s.hidden, s.moe_ffn
     f1 = f * (2 if s.gated else 1)
     per_row = w * ((20 if run.ep > 1 and overlap else 12) * h + 3 * f1 + 4 * f) + 64
-    per_token = 2 * h * w + 4 * s.experts + 64 + 20 * s.topk
+    per_token = 2 * h * w + 4 * s.experts + 64 + 28 * s.topk
     expert_bytes = (s.experts / run.ep) * mlp_params(h, f, s.gated, run.etp) * w
     return r * per_token + 2 * expert_bytes + chunk_rows * per_row
 
@@ -351,7 +351,7 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     on a Megatron MoELayer in bf16 (bench/planner.py --dry-run and tests/test_planner.py: within 5% at
     H 256-1024, top-2 to top-8); bench/planner.py compares it with one H200. Per token: the output and the input gradient ([T, H]), the
     probs gradient ([T, E] in the router's dtype, bf16 by default) and the pair indices of the schedule
-    (two int64 per token-expert pair, and the combine's int32 position). Per row of one chunk, the
+    (two int64 per token-expert pair, and the combine's map: three int32). Per row of one chunk, the
     backward holds the dispatched rows and their output gradient ([R, H] each), fc1's output or its
     gradient (f1) and the prob and the prob gradient; on top of that, at the larger of two moments of
     the grouped backward:
@@ -372,7 +372,7 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     w, h, f, k = run.w, s.hidden, s.moe_ffn, s.topk
     f1 = f * (2 if s.gated else 1)
     R = chunk_rows
-    per_token = 2 * h * w + s.experts * w + 20 * k
+    per_token = 2 * h * w + s.experts * w + 28 * k
     rows = 2 * h * w + f1 * w + 2 * w  # dispatched rows, output gradient; fc1 output; prob + its gradient
     rows += 8 * h * w if run.ep > 1 and pf.dispatch.overlap else 0  # the all-to-alls in flight around this chunk
     if llep_grouped(run, pf):
@@ -388,8 +388,10 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
 def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float, float]:
     """(bound, expected) rows one rank receives in one chunk. Bound: every one of the E_p sources
     sends its c_eff (+k rounding) pairs here, whatever the routing. Expected: the rank's whole load
-    spread over K strided chunks; its load is skew x mean under plain EP (skew below the imbalance
-    threshold lambda) and at most alpha x mean once LLEP rebalances."""
+    spread over K chunks; its load is skew x mean under plain EP (skew below the imbalance threshold
+    lambda) and at most alpha x mean once LLEP rebalances. Under the default expert-major membership
+    that is the mean over chunks: at EP > 1 the chunk that holds a hot expert's rows holds more, up to
+    the bound; at EP = 1 every chunk holds ceil(n / K) pairs."""
     K, c = llep_chunks(s, run, pf)
     bound = run.ep * (c + s.topk)
     load = run.routing_skew if run.routing_skew < pf.dispatch.imbalance_threshold else pf.dispatch.alpha

@@ -117,15 +117,17 @@ def test_peak_bounded_as_tokens_grow(megatron_gpu):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gather_sum_kernel_bitwise_equal_to_torch(dtype):
-    """The Triton combine kernel equals the PyTorch gather-sum bit for bit (same fp32 order, one rounding)."""
-    from megatron_peakflat.dispatch.combine import _gather_sum_torch, gather_sum
+    """The Triton combine kernel equals the PyTorch gather-sum bit for bit (same fp32 order, one rounding),
+    on ragged runs (0 to many pairs per token, as expert-major chunks give)."""
+    from megatron_peakflat.dispatch.combine import _gather_sum_torch, combine_map, gather_sum
 
     g = torch.Generator(device="cpu").manual_seed(0)
+    tok = torch.randint(0, 2100, (4096,), generator=g).cuda()
+    m = combine_map(tok, [0, 4096], 2100)
     rows = torch.randn(4096, 4100, generator=g).to("cuda", dtype)
-    slots = torch.randint(0, 4096, (700, 8), generator=g, dtype=torch.int32).cuda()
     full = torch.randn(2100, 4100, generator=g).to("cuda", dtype)
     a, b = full.clone(), full.clone()
-    _gather_sum_torch(rows, slots, a[2::3])
-    gather_sum(rows, slots, b[2::3])
+    _gather_sum_torch(rows, m.perm, m.token, m.count, a)
+    gather_sum(rows, m.perm, m.token, m.count, b)
     assert torch.equal(a, b)
     assert not torch.equal(b, full)
