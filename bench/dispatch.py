@@ -118,23 +118,30 @@ def skew_router(layer: Any, share: float, hot: int, seed: int = 0) -> None:
     router.gating = skewed
 
 
-def configs(chunk_caps: list[int]) -> dict[str, Any]:
+def method_config(method: str) -> Any:
+    """The PeakflatConfig a method name asks for: ``llep-unchunked`` (one chunk), or ``peakflat`` with any
+    of the suffixes ``-overlap`` (async all-to-alls), ``-strided`` (strided membership) and ``-c<N>``
+    (chunk cap N, up to 1024 chunks so that the cap alone sets K), e.g. ``peakflat-overlap-c32768``."""
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.dispatch.config import DispatchConfig
 
-    base = dict(impl="pipelined-llep")
-    out = {OURS_DEFAULT: PeakflatConfig(dispatch=DispatchConfig(**base), general=GeneralConfig(attention="local")),
-           "llep-unchunked": PeakflatConfig(dispatch=DispatchConfig(**base, max_chunks=1),
-                                            general=GeneralConfig(attention="local"))}
-    out["peakflat-strided"] = PeakflatConfig(dispatch=DispatchConfig(**base, membership="strided"),
-                                             general=GeneralConfig(attention="local"))
-    out["peakflat-overlap"] = PeakflatConfig(dispatch=DispatchConfig(**base, overlap=True),
-                                             general=GeneralConfig(attention="local"))
-    for c in chunk_caps:
-        out[f"peakflat-c{c}"] = PeakflatConfig(dispatch=DispatchConfig(**base, chunk_cap=c, max_chunks=1024),
-                                               general=GeneralConfig(attention="local"))
-    return out
+    kw: dict[str, Any] = dict(impl="pipelined-llep")
+    if method == "llep-unchunked":
+        kw["max_chunks"] = 1
+    elif method == OURS_DEFAULT or method.startswith(OURS_DEFAULT + "-"):
+        for part in method.split("-")[1:]:
+            if part == "overlap":
+                kw["overlap"] = True
+            elif part == "strided":
+                kw["membership"] = "strided"
+            elif part.startswith("c") and part[1:].isdigit():
+                kw.update(chunk_cap=int(part[1:]), max_chunks=1024)
+            else:
+                raise SystemExit(f"--methods: unknown part {part!r} in {method!r}")
+    else:
+        raise SystemExit(f"--methods: unknown method {method!r}")
+    return PeakflatConfig(dispatch=DispatchConfig(**kw), general=GeneralConfig(attention="local"))
 
 
 def select(layer: Any, method: str, cfgs: dict[str, Any], regime: str) -> None:
@@ -194,8 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hot", type=int, default=4, help="number of hot experts (1-4)")
     ap.add_argument("--regimes", default="full,moe", help="full,moe (default: %(default)s)")
     ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat,peakflat-strided,peakflat-c32768",
-                    help="comma list; peakflat-c<N> sets the chunk cap, peakflat-overlap overlaps the all-to-alls "
-                         "(EP > 1; adds itself there) (default: %(default)s)")
+                    help="comma list; peakflat takes the suffixes -overlap (async all-to-alls; at EP > 1 "
+                         "peakflat-overlap adds itself), -strided and -c<N> (chunk cap), e.g. peakflat-overlap-c32768 "
+                         "(default: %(default)s)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--ffn", type=int, default=1536)
@@ -221,8 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     if P > 1 and "peakflat-overlap" not in methods:
         methods.insert(methods.index("peakflat") + 1 if "peakflat" in methods else len(methods), "peakflat-overlap")
-    caps = [int(m.split("-c", 1)[1]) for m in methods if m.startswith("peakflat-c")]
-    cfgs = configs(caps)
+    cfgs = {m: method_config(m) for m in [OURS_DEFAULT, *methods] if m != "megatron-alltoall"}
     if cpu:
         for v in cfgs.values():
             v.dispatch.chunk_cap = min(v.dispatch.chunk_cap, 64)

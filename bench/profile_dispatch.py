@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
     bd.setup(cpu=False)
     methods = args.methods.split(",")
-    cfgs = bd.configs([int(m.split("-c", 1)[1]) for m in methods if m.startswith("peakflat-c")])
+    cfgs = {m: bd.method_config(m) for m in [bd.OURS_DEFAULT, *methods] if m != "megatron-alltoall"}
     megatron_peakflat.apply(cfgs[bd.OURS_DEFAULT])
     ddp, layer = bd.build_layer(args.hidden, 64, 8, 1536, cpu=False)
     seq = 4096

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .upload import to_device
+
 __all__ = ["CombineMap", "combine_map", "gather_sum", "add_rows"]
 
 
@@ -54,13 +56,13 @@ def combine_map(pair_token: torch.Tensor, chunk_offsets: list[int], num_tokens: 
     if n == 0:
         e = torch.zeros(0, dtype=torch.int32, device=dev)
         return CombineMap(e, e.clone(), e.clone(), list(chunk_offsets))
-    sizes = torch.tensor([chunk_offsets[j + 1] - chunk_offsets[j] for j in range(K)], device=dev)
+    sizes = to_device([chunk_offsets[j + 1] - chunk_offsets[j] for j in range(K)], dev)
     T = max(1, num_tokens)
     key = torch.repeat_interleave(torch.arange(K, device=dev) * T, sizes, output_size=n) + pair_token
     skey, order = torch.sort(key, stable=True)
     del key
     cid = skey // T  # chunks stay contiguous under a chunk-major key
-    start = torch.tensor(chunk_offsets[:-1], dtype=torch.int64, device=dev)
+    start = to_device(chunk_offsets[:-1], dev)
     perm = (order - start[cid]).to(torch.int32)
     del order
     token = (skey - cid * T).to(torch.int32)

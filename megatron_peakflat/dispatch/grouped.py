@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..matmul import accumulate_mm
+from .upload import to_device
 
 __all__ = ["Offsets", "Run", "weight_runs", "stacked_view", "pack_expert_weights", "GroupedExperts", "grouped_supported", "grouped_mlp_forward", "grouped_mlp_backward"]
 
@@ -128,7 +129,7 @@ class Offsets:
         self.starts = [0]
         for c in counts:
             self.starts.append(self.starts[-1] + int(c))
-        self.cum = cum if cum is not None else torch.tensor(self.starts[1:], dtype=torch.int32).to(device)
+        self.cum = cum if cum is not None else to_device(self.starts[1:], device, torch.int32)
 
     def rows(self, i: int, j: int) -> tuple[int, int]:
         """Row range of experts i..j-1."""

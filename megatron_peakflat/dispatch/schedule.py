@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import comm
 from .combine import CombineMap, combine_map
 from .plan import Plan, chunk_routes, least_loaded_plan
+from .upload import to_device
 
 __all__ = ["Schedule", "build_schedule", "chunk_count", "MEMBERSHIPS"]
 
@@ -166,7 +167,8 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
         counts.index_add_(0, torch.arange(T, device=dev) % K_dev, routing_map.to(torch.int64))
     else:
-        counts = _expert_major_counts(routing_map.sum(0), torch.as_tensor(expert_key, device=dev), K_dev, kmax_cap)
+        key_dev = to_device(expert_key, dev)
+        counts = _expert_major_counts(routing_map.sum(0), key_dev, K_dev, kmax_cap)
     payload = torch.cat([counts.reshape(-1), K_dev.reshape(1)])
     host = comm.all_gather_rows(payload, group).cpu().numpy()  # the one device-to-host sync
     K = int(host[0, -1])
@@ -190,15 +192,15 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     if membership == "strided":
         j = tok % K
     else:  # the pair at position p of the (expert key, token) order joins chunk floor(p K / n)
-        by_expert = torch.argsort(torch.as_tensor(expert_key, device=dev)[exp] * max(1, T) + tok)
+        by_expert = torch.argsort(key_dev[exp] * max(1, T) + tok)
         j = torch.empty_like(tok)
         j[by_expert] = torch.arange(n, device=dev) * K // max(1, n)
         del by_expert
     rank_of = exp
     if P == 1 and compute != list(range(E)):
-        pos = torch.empty(E, dtype=torch.int64)
-        pos[torch.tensor(compute)] = torch.arange(E)
-        rank_of = pos.to(dev)[exp]
+        pos = np.empty(E, dtype=np.int64)
+        pos[compute] = np.arange(E)
+        rank_of = to_device(pos, dev)[exp]
     key = j * E + rank_of
     del j, rank_of
     order = torch.argsort(key, stable=True)
@@ -208,7 +210,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         grp_start = np.cumsum(mine.reshape(-1)) - mine.reshape(-1)  # [K*E], start of each (j, e) group
         off = (np.cumsum(cnt, axis=0) - cnt)[me].reshape(-1)  # [K*E], offset of my pairs among sources
         bounds = np.cumsum(routes.sum(1), axis=2).reshape(K * E, P)  # [K*E, P]: end of each rank's range
-        up = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64).to(dev)  # noqa: E731
+        up = lambda a: to_device(a, dev)  # noqa: E731
         pos = torch.arange(n, device=dev) - up(grp_start)[key] + up(off)[key]
         dest = (pos.unsqueeze(1) >= up(bounds)[key]).sum(1)
         order = torch.sort(key // E * P + dest, stable=True).indices
@@ -236,12 +238,12 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         sz_t, st_t = blocks.T.reshape(-1), starts.T.reshape(-1)
         total = int(sz_t.sum())
         idx = np.repeat(st_t - (np.cumsum(sz_t) - sz_t), sz_t) + np.arange(total)
-        regroup.append(torch.as_tensor(idx, dtype=torch.int64).to(dev))
+        regroup.append(to_device(idx, dev))
     helpers = plan.helpers(num_local_experts)
     sends = sorted((r, e) for e, r in helpers if owner[e] == me)
     recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
     cmap = combine_map(tok, chunk_offsets, T)
-    rows_cum = torch.as_tensor(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1),
-                               dtype=torch.int32).to(dev)
+    rows_cum = to_device(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1), dev,
+                         torch.int32)
     return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, send_splits, recv_splits,
                     regroup, compute, tpe, rows_cum, cmap, sends, recvs)
