@@ -3,10 +3,10 @@
 
 - ``megatron-alltoall``: Megatron's own alltoall dispatcher (the layer as Megatron builds it);
 - ``llep-unchunked``: PipelinedLLEP with one chunk (the plan and recompute, no chunking);
-- ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks, expert-major
-  chunk membership);
-- ``peakflat-strided``: the defaults with strided membership (token i in chunk i mod K), so that every
-  chunk reads every expert's weights (the schedule of the LLEP paper's chunking);
+- ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks, chunk
+  membership 'auto': expert-major at EP=1, strided at EP > 1);
+- ``peakflat-strided`` / ``peakflat-expert``: the defaults with that membership (strided: token i in
+  chunk i mod K, every chunk reads every expert's weights; expert: each chunk a few experts' rows);
 - ``peakflat-c<N>``: chunk cap N with up to 1024 chunks, so that the cap alone sets K;
 - ``peakflat-overlap`` (EP > 1 only): the defaults plus ``--peakflat-dispatch-overlap``.
 
@@ -120,7 +120,7 @@ def skew_router(layer: Any, share: float, hot: int, seed: int = 0) -> None:
 
 def method_config(method: str) -> Any:
     """The PeakflatConfig a method name asks for: ``llep-unchunked`` (one chunk), or ``peakflat`` with any
-    of the suffixes ``-overlap`` (async all-to-alls), ``-strided`` (strided membership) and ``-c<N>``
+    of the suffixes ``-overlap`` (async all-to-alls), ``-strided`` / ``-expert`` (chunk membership) and ``-c<N>``
     (chunk cap N, up to 1024 chunks so that the cap alone sets K), e.g. ``peakflat-overlap-c32768``."""
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
@@ -133,8 +133,8 @@ def method_config(method: str) -> Any:
         for part in method.split("-")[1:]:
             if part == "overlap":
                 kw["overlap"] = True
-            elif part == "strided":
-                kw["membership"] = "strided"
+            elif part in ("strided", "expert"):
+                kw["membership"] = part
             elif part.startswith("c") and part[1:].isdigit():
                 kw.update(chunk_cap=int(part[1:]), max_chunks=1024)
             else:
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--regimes", default="full,moe", help="full,moe (default: %(default)s)")
     ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat,peakflat-strided,peakflat-c32768",
                     help="comma list; peakflat takes the suffixes -overlap (async all-to-alls; at EP > 1 "
-                         "peakflat-overlap adds itself), -strided and -c<N> (chunk cap), e.g. peakflat-overlap-c32768 "
+                         "peakflat-overlap adds itself), -strided, -expert and -c<N> (chunk cap), e.g. peakflat-overlap-c32768 "
                          "(default: %(default)s)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)

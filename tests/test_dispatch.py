@@ -95,7 +95,7 @@ def test_chunk_routes_conserve_pairs():
     assert (routes.sum((0, 1))[zero] == 0).all()
 
 
-@pytest.mark.parametrize("membership", ["expert", "strided"])
+@pytest.mark.parametrize("membership", ["expert", "strided", "auto"])
 @pytest.mark.parametrize("skew", ["balanced", "hot95", "all", "ragged"])
 def test_schedule_chunks_respect_the_cap_and_their_membership(membership, skew):
     """Every pair in exactly one chunk; no chunk over the cap; strided: token t in chunk t mod K;
@@ -119,7 +119,7 @@ def test_schedule_chunks_respect_the_cap_and_their_membership(membership, skew):
             assert (tok % sched.K == j).all()
         incidences += len(set(exp.tolist()))
     assert len(pairs) == n
-    if membership == "expert":
+    if membership in ("expert", "auto"):  # auto: expert-major in a group of one
         assert incidences <= E + sched.K - 1, incidences
         assert max(sched.chunk_offsets[j + 1] - sched.chunk_offsets[j] for j in range(sched.K)) == -(-n // sched.K)
 
@@ -206,7 +206,7 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
     T = 23 + 4 * rank  # ranks hold different token counts: K must still agree
     for skew in ("balanced", "hot95", "all", "ragged"):
         grid = ((TOPK, 1, "expert"), (TOPK, 2, "strided"), (TOPK, 7, "expert"), (TOPK, None, "expert"),
-                (TOPK, None, "strided"), (1, 3, "expert"))
+                (TOPK, None, "strided"), (1, 3, "auto"))
         if skew == "ragged":
             grid = ((TOPK, 2, "expert"), (TOPK, 7, "strided"))
         for k, chunks, membership in (grid if world < 4 or skew == "ragged" else grid[1:5]):

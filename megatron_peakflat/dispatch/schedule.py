@@ -8,7 +8,7 @@ backward recompute issues no synchronisation and exchanges exactly what the forw
 Guarantees:
 - ``K`` is identical on every rank of the group (max over the group), ``1 <= K <= max_chunks``, and
   when K is not clamped, no source puts more than ``chunk_cap`` token-expert pairs into one chunk;
-- chunk membership is ``"expert"`` (default) or ``"strided"``, see ``build_schedule``;
+- chunk membership is ``"expert"`` or ``"strided"`` (``"auto"``: expert in a group of one), see ``build_schedule``;
 - every local token-expert pair appears in exactly one chunk's send list, once;
 - ``combine`` lists every local pair exactly once, under its token, in its chunk.
 """
@@ -27,9 +27,16 @@ from .combine import CombineMap, combine_map
 from .plan import Plan, chunk_routes, least_loaded_plan
 from .upload import to_device
 
-__all__ = ["Schedule", "build_schedule", "chunk_count", "MEMBERSHIPS"]
+__all__ = ["Schedule", "build_schedule", "chunk_count", "MEMBERSHIPS", "resolve_membership"]
 
-MEMBERSHIPS = ("expert", "strided")
+MEMBERSHIPS = ("auto", "expert", "strided")
+
+
+def resolve_membership(membership: str, ep: int) -> str:
+    """The chunk membership a schedule uses: ``"auto"`` is expert-major in a group of one, strided at EP > 1."""
+    if membership == "auto":
+        return "expert" if ep == 1 else "strided"
+    return membership
 
 
 @dataclass
@@ -119,7 +126,7 @@ def _expert_major_counts(per_expert: torch.Tensor, expert_key: torch.Tensor, K: 
 def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup | None,
                    chunk_cap: int, max_chunks: int, alpha: float, min_spill: int,
                    imbalance_threshold: float, num_chunks: int | None = None,
-                   local_order: Sequence[int] | None = None, membership: str = "expert") -> Schedule:
+                   local_order: Sequence[int] | None = None, membership: str = "auto") -> Schedule:
     """Plan one MoE layer call. ``routing_map`` [T, E] bool. ``num_chunks`` forces K (tests, peers).
 
     ``local_order``: the order of this rank's local experts among the rows it computes (an expert
@@ -132,7 +139,9 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
       weights are read, and its gradient accumulated, in about one chunk instead of in all K (the
       cost that makes strided chunking slower than one chunk). Experts are ordered local index
       first, owner rank second, so that every chunk spreads over every destination rank.
-    - ``"strided"``: token i joins chunk ``i mod K`` with all its pairs.
+    - ``"strided"``: token i joins chunk ``i mod K`` with all its pairs. At EP > 1 this spreads a hot
+      expert's rows over every chunk (expert-major chunks pile them into one chunk and one rank).
+    - ``"auto"``: expert in a group of one, strided otherwise.
     Either way no source puts more than ``chunk_cap`` pairs in a chunk (unless K hit max_chunks).
 
     A collective: every rank of ``group`` must call it for the same layer call. See the module
@@ -145,6 +154,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         raise ValueError(f"routing_map has {E} experts but the EP group holds {P} x {num_local_experts}")
     if membership not in MEMBERSHIPS:
         raise ValueError(f"membership {membership!r}: expected one of {MEMBERSHIPS}")
+    membership = resolve_membership(membership, P)
     if local_order is None:
         local_order = range(num_local_experts)
     if sorted(local_order) != list(range(num_local_experts)):

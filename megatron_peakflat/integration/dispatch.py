@@ -31,6 +31,7 @@ from torch.func import functional_call
 from .. import stats
 from ..dispatch.api import llep_moe
 from ..dispatch.grouped import GroupedExperts, grouped_supported, pack_expert_weights
+from ..dispatch.schedule import resolve_membership
 from . import fused_recompute, state
 from .logs import info_once
 
@@ -299,7 +300,7 @@ def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., Non
         ep = self.token_dispatcher.ep_size
         overlap = ("on" if ep > 1 else "on, no effect at EP=1") if cfg.dispatch.overlap else "off"
         info_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={ep}, "
-                  f"c={cfg.dispatch.chunk_cap}, max K={cfg.dispatch.max_chunks}, membership={cfg.dispatch.membership}, alpha={cfg.dispatch.alpha}, "
+                  f"c={cfg.dispatch.chunk_cap}, max K={cfg.dispatch.max_chunks}, membership={resolve_membership(cfg.dispatch.membership, ep)}, alpha={cfg.dispatch.alpha}, "
                   f"m={cfg.dispatch.min_spill}, lambda={cfg.dispatch.imbalance_threshold}, overlap={overlap})")
 
     return __init__
