@@ -17,12 +17,17 @@ each rank holds N/TP tokens and a contiguous V/TP slice of the vocabulary. Megat
 the tokens, build [N, V/TP] logits and run its vocab-parallel CE; Ring-DTP runs its ring over the
 group. Every method's objective is the mean loss over all N tokens, so dX (this rank's tokens) and dW
 (this rank's slice) compare with the same slices of the fp32 reference. A row is the max over ranks of
-the peak, the time and the error. Liger and CCE have no TP form and run only at TP=1.
+the peak, the time and the error. Liger and CCE have no TP form and run only at TP=1. TP rows of
+Ring-DTP: ``peakflat`` (defaults: dX and dW summed in fp32, dW returned in bf16), ``peakflat-input``
+(sums in bf16), ``peakflat-main-grad`` (dW added into an fp32 ``main_grad`` allocated before the step,
+as Megatron's DDP buffer is in training, so no dW tensor exists; Megatron's peers return a bf16 dW,
+which that DDP adds to the same buffer after the step).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -69,20 +74,35 @@ def _init_megatron(cpu: bool = False) -> bool:
         return False
 
 
-def _peakflat_variant(name: str) -> Method:
-    """'peakflat' (the flags' defaults), 'peakflat-input' (accumulate='input'), '-b<rows>' (block size),
-    '-torch' (plain-PyTorch block kernel); suffixes combine, e.g. 'peakflat-input-b4096'."""
+def _peakflat_kwargs(name: str) -> dict[str, Any]:
+    """ring_linear_cross_entropy keywords of a method name: 'peakflat' (the flags' defaults) with the
+    suffixes '-input' (accumulate='input'), '-main-grad' (dW into the weight's main_grad), '-b<rows>'
+    (block size) and '-torch' (plain-PyTorch block kernel); they combine, e.g. 'peakflat-input-b4096'."""
     kw: dict[str, Any] = {}
-    for part in name.split("-")[1:]:
+    for part in name.replace("main-grad", "maingrad").split("-")[1:]:
         if part == "input":
             kw["accumulate"] = "input"
+        elif part == "maingrad":
+            kw["dw_into_main_grad"] = True
         elif part == "torch":
             kw["kernel"] = "torch"
         elif part.startswith("b") and part[1:].isdigit():
             kw["block_size"] = int(part[1:])
         else:
-            raise SystemExit(f"unknown peakflat variant {name!r} (suffixes: input, torch, b<rows>)")
+            raise SystemExit(f"unknown peakflat variant {name!r} (suffixes: input, main-grad, torch, b<rows>)")
+    return kw
+
+
+def _peakflat_variant(name: str) -> Method:
+    kw = _peakflat_kwargs(name)
     return lambda x, w, y: ring_linear_cross_entropy(x, w, y, reduction="mean", **kw)
+
+
+def _with_main_grad(w: torch.Tensor, names: Any) -> None:
+    """Give ``w`` an fp32 ``main_grad`` (allocated with the inputs, as Megatron's DDP buffer is in
+    training) when a method adds dW there."""
+    if any(m.endswith("main-grad") for m in names):
+        w.main_grad, w.grad_added_to_main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device), False
 
 
 def methods(wanted: set[str]) -> dict[str, Method]:
@@ -167,8 +187,12 @@ def check(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, y: 
     over ranks. ``loss_total`` turns this rank's loss into the whole loss (a sum over ranks for Ring-DTP).
     An out-of-memory is a row's error, not the benchmark's end."""
     try:
+        if hasattr(w, "main_grad"):
+            w.main_grad.zero_()
         loss = fn(x, w, y)
         dx, dw = torch.autograd.grad(loss, (x, w))
+        if getattr(w, "grad_added_to_main_grad", False):  # dW went into main_grad; autograd got zeros
+            dw, w.grad_added_to_main_grad = w.main_grad, False
         total = loss.detach().clone()
         if loss_total is not None:
             total = loss_total(total)
@@ -179,7 +203,7 @@ def check(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, y: 
     return all(e is not None and e <= tol for e in errs), extra
 
 
-TP_METHODS = "peakflat,megatron-native-ce,megatron-fused-ce"
+TP_METHODS = "peakflat,peakflat-input,peakflat-main-grad,megatron-native-ce,megatron-fused-ce"
 
 TPMethod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(this rank's tokens [N/P, H], this rank's vocabulary slice [V/P, H], all labels [N]) -> the mean
@@ -207,8 +231,8 @@ def tp_methods(wanted: set[str], cpu: bool) -> dict[str, TPMethod]:
         n = y.shape[0] // P
         return y[rank * n:(rank + 1) * n]
 
-    if "peakflat" in wanted:
-        out["peakflat"] = lambda x, w, y: ring_linear_cross_entropy(x, w, mine(y), tp, reduction="sum") / y.shape[0]
+    for name in sorted(m for m in wanted if m == "peakflat" or m.startswith("peakflat-")):
+        out[name] = functools.partial(_ring_tp, tp=tp, mine=mine, kw=_peakflat_kwargs(name))
     if "megatron-native-ce" in wanted:
         out["megatron-native-ce"] = lambda x, w, y: vocab_parallel_cross_entropy(
             (gather_from_sequence_parallel_region(x, group=tp) @ w.t()).unsqueeze(1), y.unsqueeze(1),
@@ -222,6 +246,11 @@ def tp_methods(wanted: set[str], cpu: bool) -> dict[str, TPMethod]:
         except ImportError as e:
             print(f"megatron-fused-ce skipped: {e}")
     return out
+
+
+def _ring_tp(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, tp: Any, mine: Callable[[torch.Tensor], torch.Tensor],
+             kw: dict[str, Any]) -> torch.Tensor:
+    return ring_linear_cross_entropy(x, w, mine(y), tp, reduction="sum", **kw) / y.shape[0]
 
 
 def _reference_cpu(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -267,6 +296,7 @@ def main_tp(args: argparse.Namespace) -> None:
         x = x_full[rank * n:(rank + 1) * n].clone().requires_grad_(True)
         w = w_full[rank * v:(rank + 1) * v].clone().requires_grad_(True)
         del x_full, w_full
+        _with_main_grad(w, meths)
         if not cpu:
             torch.cuda.empty_cache()
         for name, fn in meths.items():
@@ -320,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
         w = (torch.randn(V, H, device="cuda", generator=g) * (H ** -0.5)).to(torch.bfloat16).requires_grad_(True)
         y = torch.randint(0, V, (N,), device="cuda", generator=g)
+        _with_main_grad(w, meths)
         ref = None if args.no_check else fp32_reference(x.detach(), w.detach(), y)
         torch.cuda.empty_cache()
         for name, fn in meths.items():

@@ -35,5 +35,6 @@ def test_dispatch_benchmark_at_ep2_on_cpu():
 def test_vocab_benchmark_at_tp2_on_cpu():
     out = _torchrun("bench/vocab.py", "--dry-run")
     rows = [line for line in out.splitlines() if "tp=2" in line]
-    assert {r.split()[1] for r in rows} == {"peakflat", "megatron-native-ce"}, out[-2000:]
+    assert {r.split()[1] for r in rows} == {"peakflat", "peakflat-input", "peakflat-main-grad",
+                                           "megatron-native-ce"}, out[-2000:]
     assert all("exact=True" in r for r in rows) and "dry run: every method exact" in out, out[-2000:]

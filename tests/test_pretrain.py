@@ -45,17 +45,21 @@ def _losses(text: str) -> list[float]:
     return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
 
 
-def test_short_run_same_loss_with_peakflat_on():
-    off = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, *RECOMPUTE)
+@pytest.mark.parametrize("untie", [False, True])
+def test_short_run_same_loss_with_peakflat_on(untie):
+    """Tied: Ring-DTP returns dW through autograd. Untied: it adds dW into the output layer's main_grad."""
+    extra = ["--untie-embeddings-and-output-weights"] if untie else []
+    off = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, *RECOMPUTE, *extra)
     assert off.returncode == 0, (off.stdout + off.stderr)[-3000:]
     base = _losses(off.stdout + off.stderr)
     assert len(base) == 3
-    on = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, *RECOMPUTE, "--peakflat-sco",
+    on = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, *RECOMPUTE, *extra, "--peakflat-sco",
               "--peakflat-vocab", "ring-dtp")
     text = on.stdout + on.stderr
     assert on.returncode == 0, text[-3000:]
     assert "patched megatron.core.recompute.checkpointed_forward" in text
     assert "patched megatron.core.models.gpt.gpt_model.GPTModel.forward" in text
+    assert ("weight gradient goes straight into DDP's main_grad" in text) == untie
     assert _losses(text) == pytest.approx(base, rel=1e-5)
 
 

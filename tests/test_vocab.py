@@ -89,6 +89,18 @@ def _ring_checks(rank: int, world: int) -> list[str]:
             ref_dw = wr.grad[start:start + shards[rank]]
             assert _rel(wp.grad, ref_dw) < 1e-5, (what, "dW", _rel(wp.grad, ref_dw))
         assert torch.all(loss[ys[rank] == -100] == 0), what
+        if not all_ign:  # dW into Megatron DDP's main_grad (added to what it holds); autograd gets zeros
+            wm = w[start:start + shards[rank]].clone().requires_grad_(True)
+            held = torch.randn(wm.shape, generator=torch.Generator().manual_seed(rank))
+            wm.main_grad, wm.grad_added_to_main_grad = held.clone(), False
+            xm = xs[rank].clone().requires_grad_(True)
+            lm = ring_linear_cross_entropy(xm, wm, ys[rank], group, schedule=sched, label_smoothing=eps,
+                                           block_size=8, kernel="torch", dw_into_main_grad=True,
+                                           accumulate="input" if i % 2 else "fp32")
+            (lm * gs[rank]).sum().backward()
+            assert wm.grad_added_to_main_grad and torch.all(wm.grad == 0), what
+            assert _rel(wm.main_grad - held, ref_dw) < 1e-5, (what, "main_grad", _rel(wm.main_grad - held, ref_dw))
+            assert _rel(xm.grad, xr[rank].grad) < 1e-5, (what, "dX with main_grad")
         done.append(what)
 
     # bad input: a label out of range on one rank is reported on every rank (no hang)

@@ -44,6 +44,7 @@ from .combine import add_rows
 from .experts import ExpertBank, exchange_weights, flatten_weights, return_weight_grads, unflatten_weights
 from .schedule import Schedule
 from .. import stats
+from ..main_grad import handed_to_main_grad, main_grad_of
 from ..memory.meter import region
 
 __all__ = ["pipelined_moe"]
@@ -63,13 +64,6 @@ def _segments(sched: Schedule, bank: ExpertBank, foreign: dict[int, torch.Tensor
             local.append(None)
             weights.append(unflatten_weights(foreign[e], like))
     return local, weights
-
-
-def _main_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """Megatron DDP's fp32 gradient buffer of ``p``, when it has one and its hook honours grad_added_to_main_grad."""
-    if hasattr(p, "grad_added_to_main_grad"):
-        return getattr(p, "main_grad", None)
-    return None
 
 
 def _compute(bank: ExpertBank, x: torch.Tensor, probs: torch.Tensor, tpe: list[int], local: list[int | None],
@@ -205,7 +199,7 @@ class _Chunks:
             p = self.bank.expert_params(li)[k]
             if not p.requires_grad:
                 return None
-            mg = _main_grad(p)
+            mg = main_grad_of(p)
             if mg is not None:
                 return mg
         acc = self.acc.get((i, k))
@@ -280,7 +274,7 @@ class _Chunks:
         for e, flat in back.items():
             li = e - base
             for k, g in enumerate(unflatten_weights(flat, like)):
-                mg = _main_grad(bank.expert_params(li)[k])
+                mg = main_grad_of(bank.expert_params(li)[k])
                 if mg is not None:
                     mg.add_(g)
                     continue
@@ -290,9 +284,8 @@ class _Chunks:
             p = bank.expert_params(idx // m)[idx % m]
             if not needed:
                 out_grads[idx] = None
-            elif _main_grad(p) is not None:
-                p.grad_added_to_main_grad = True
-                out_grads[idx] = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+            elif main_grad_of(p) is not None:
+                out_grads[idx] = handed_to_main_grad(p)
             elif out_grads[idx] is None:  # an expert without rows: zero, as Megatron's SequentialMLP gives
                 out_grads[idx] = torch.zeros_like(p)
             else:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..main_grad import main_grad_of
 from ..vocab.api import ring_linear_cross_entropy
 from . import state
 from .logs import info_once
@@ -76,8 +77,12 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
     tp = dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
     s_local, b, h = hidden_states.shape
     labels_sb = labels.transpose(0, 1)  # [s, b]
+    into_main_grad = output_weight is None  # a tied embedding also takes gradients elsewhere
+    if into_main_grad and main_grad_of(weight) is not None:
+        info_once("peakflat vocab: the output layer's weight gradient goes straight into DDP's main_grad "
+                  "(no fp32 dW accumulator)")
     common = dict(schedule=cfg.schedule, block_size=cfg.block_size, kernel=cfg.kernel, accumulate=cfg.accumulate,
-                  check_labels=cfg.check_labels)
+                  check_labels=cfg.check_labels, dw_into_main_grad=into_main_grad)
     if tp == 1:
         loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, labels_sb.reshape(-1), None, **common)
         return loss.view(s_local, b).transpose(0, 1).contiguous()

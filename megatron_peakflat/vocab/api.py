@@ -58,6 +58,7 @@ def ring_linear_cross_entropy(
     accumulate: str = "fp32",
     vocab_size: int | None = None,
     check_labels: bool = False,
+    dw_into_main_grad: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ W.T`` where W's rows are sharded over ``group``; the logits never exist.
 
@@ -76,6 +77,11 @@ def ring_linear_cross_entropy(
     about ``AUTO_BLOCK_BYTES``). ``accumulate='fp32'`` sums dX over vocabulary blocks (and dW over ring
     steps) in fp32; ``'input'`` sums in the gradients' dtype, one rounding per block, which keeps bf16
     training at the gradient floor (no fp32 copy of dX) at a small cost in bf16 rounding.
+
+    ``dw_into_main_grad``: when ``weight_shard`` is a parameter that Megatron's DDP gave a ``main_grad``
+    (``main_grad.py``), dW is added into it and the returned weight gradient is a zero placeholder:
+    no fp32 dW accumulator nor a dW in the weight's dtype is built. Only for a weight whose whole
+    gradient is this loss's (not an embedding tied to it). Without ``main_grad`` it changes nothing.
 
     ``vocab_size`` (optional) is checked against the sum of the shards, to catch a ``group`` that does
     not match the weight sharding. ``check_labels`` checks every label (one host sync, collective).
@@ -147,6 +153,7 @@ def ring_linear_cross_entropy(
         schedule=resolve_schedule(schedule, max(tokens), V, size) if size > 1 else "single",
         block_size=block_size, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         ops=block_ops(kernel, hidden.device), acc_dtype_fp32=accumulate == "fp32",
+        dw_into_main_grad=dw_into_main_grad,
     )
     stats.record("vocab", "schedule", plan.schedule)
     stats.record("vocab", "kernel", plan.ops.name)

@@ -7,6 +7,10 @@ P ranks of a ring group each hold their own tokens and one contiguous vocabulary
 - ``weights``: shards travel; each rank folds its own tokens against every shard. Backward sends the
   shards around again with their dW accumulator, which arrives back at its owner after P hops.
 
+With ``dw_into_main_grad`` and a weight that Megatron's DDP gave an fp32 ``main_grad``, dW is added
+there (by the GEMMs themselves, or on arrival home) and autograd gets a zero placeholder: no fp32 dW
+accumulator and no dW in the weight's dtype are built (``main_grad.py``).
+
 Each hop of the travelling input is posted (``batch_isend_irecv``: one send to the next rank and one
 receive from the previous, in the same order on every rank) before the local block work starts, so
 communication overlaps compute. The state/accumulator hop that depends on the local result follows it.
@@ -20,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from .blocks import BlockOps, fold_shard, grad_shard
+from .. import stats
+from ..main_grad import handed_to_main_grad, main_grad_of
 from ..memory.meter import region
 
 __all__ = ["RingPlan", "RingLinearCrossEntropy"]
@@ -46,6 +52,8 @@ class RingPlan:
     ops: BlockOps
     acc_dtype_fp32: bool = True
     """Accumulate dX (and a travelling or visited dW) in fp32; else in the gradients' own dtype."""
+    dw_into_main_grad: bool = False
+    """Add dW into the weight's Megatron DDP ``main_grad`` when it has one (``main_grad.py``)."""
 
     def acc_dtype(self, t: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.acc_dtype_fp32 else t.dtype
@@ -127,18 +135,18 @@ def _forward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: t
 
 
 def _backward_single(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
-                     coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     coef: torch.Tensor, sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     dx = torch.zeros(x.shape, dtype=plan.acc_dtype(x), device=x.device)
-    dw = torch.empty_like(w)
-    grad_shard(x, w, 0, labels, coef, dx, dw, accumulate=False, block_size=plan.block_size, ops=plan.ops)
-    return dx.to(x.dtype), dw
+    dw = torch.empty_like(w) if sink is None else sink
+    grad_shard(x, w, 0, labels, coef, dx, dw, accumulate=sink is not None, block_size=plan.block_size, ops=plan.ops)
+    return dx.to(x.dtype), (dw if sink is None else None)
 
 
 def _backward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
-                          coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          coef: torch.Tensor, sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     P, r = plan.size, plan.rank
     own_start = plan.start(r)
-    dw = torch.zeros(w.shape, dtype=plan.acc_dtype(w), device=w.device)
+    dw = torch.zeros(w.shape, dtype=plan.acc_dtype(w), device=w.device) if sink is None else sink
     cur_x, cur_l, cur_c = x, labels, coef
     cur_dx = torch.zeros(x.shape, dtype=plan.acc_dtype(x), device=x.device)
     for k in range(P):
@@ -153,11 +161,11 @@ def _backward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labe
         _wait(pending)
         if nxt:
             cur_x, cur_l, cur_c = nxt
-    return cur_dx.to(x.dtype), dw.to(w.dtype)
+    return cur_dx.to(x.dtype), (dw.to(w.dtype) if sink is None else None)
 
 
 def _backward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
-                      coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      coef: torch.Tensor, sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     P, r = plan.size, plan.rank
     dx = torch.zeros(x.shape, dtype=plan.acc_dtype(x), device=x.device)
     cur_w = w
@@ -174,6 +182,9 @@ def _backward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: 
         _wait(pending)
         if nxt:
             (cur_w,) = nxt
+    if sink is not None:  # the shard's dW is home after P hops
+        sink.add_(cur_dw)
+        return dx.to(x.dtype), None
     return dx.to(x.dtype), cur_dw.to(w.dtype)
 
 
@@ -200,6 +211,7 @@ class RingLinearCrossEntropy(torch.autograd.Function):
         loss = torch.where(valid, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
         ctx.save_for_backward(hidden, weight, labels, valid, lse)
         ctx.plan = plan
+        ctx.weight = weight if plan.dw_into_main_grad else None  # the parameter object, with its main_grad
         return loss
 
     @staticmethod
@@ -210,10 +222,15 @@ class RingLinearCrossEntropy(torch.autograd.Function):
         g = torch.where(valid, grad_loss.float(), torch.zeros((), device=grad_loss.device))
         eps = plan.label_smoothing
         coef = torch.stack([lse, g, g * (1.0 - eps), g * (eps / plan.vocab_size)]).contiguous()
+        param, ctx.weight = ctx.weight, None
+        sink = main_grad_of(param) if param is not None and ctx.needs_input_grad[1] else None
         if plan.size == 1:
-            dx, dw = _backward_single(plan, hidden, weight, labels, coef)
+            dx, dw = _backward_single(plan, hidden, weight, labels, coef, sink)
         elif plan.schedule == "activations":
-            dx, dw = _backward_activations(plan, hidden, weight, labels, coef)
+            dx, dw = _backward_activations(plan, hidden, weight, labels, coef, sink)
         else:
-            dx, dw = _backward_weights(plan, hidden, weight, labels, coef)
+            dx, dw = _backward_weights(plan, hidden, weight, labels, coef, sink)
+        if sink is not None:
+            stats.add("vocab", "dw_into_main_grad", 1)
+            dw = handed_to_main_grad(param)
         return dx, dw, None, None, None

@@ -108,6 +108,35 @@ def test_single_gpu_peak_is_gradients_plus_one_block(accumulate) -> None:
     assert extra < grads + n * v * 2  # far below the logits of the naive path
 
 
+def test_dw_into_main_grad_bf16(case) -> None:
+    """bf16 weight with an fp32 main_grad (Megatron DDP): dW lands in main_grad (added to what it held), no
+    less accurate than the returned bf16 dW; autograd gets zeros; the peak is not higher than returning dW."""
+    x, w, y, gout, ref = case
+    plain = _err(_run(lambda a, b: ring_linear_cross_entropy(a, b, y), x, w, gout, torch.bfloat16), ref)
+    peaks, grads = [], None
+    for into in (False, True):
+        xx = x.detach().to(torch.bfloat16, copy=True).requires_grad_(True)
+        ww = w.detach().to(torch.bfloat16, copy=True).requires_grad_(True)
+        held = torch.randn(ww.shape, device="cuda")
+        ww.main_grad, ww.grad_added_to_main_grad = held.clone(), False
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = ring_linear_cross_entropy(xx, ww, y, dw_into_main_grad=into)
+        (loss.double() * gout.double()).sum().backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        if into:
+            grads = xx.grad.double(), (ww.main_grad - held).double(), ww
+    dx, dw, ww = grads
+    assert ww.grad_added_to_main_grad and not ww.grad.any()
+    err_dw = float((dw - ref[2]).norm() / ref[2].norm())
+    assert err_dw <= plain[2] * 1.05 + 2e-4, (err_dw, plain[2])
+    assert _err([dx], [ref[1]])[0] <= plain[1] * 1.05 + 2e-4
+    # no dW of its own: only the zero placeholder that AccumulateGrad densifies (DDP's hook frees it)
+    assert peaks[1] <= peaks[0], [p / 2**20 for p in peaks]
+
+
 def _nccl_ring(rank: int, world: int) -> list[float]:
     """Both schedules over an NCCL group (default group is gloo from run_distributed), fp32 exactness."""
     import torch.distributed as dist
