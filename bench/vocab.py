@@ -20,8 +20,9 @@ group. Every method's objective is the mean loss over all N tokens, so dX (this 
 the peak, the time and the error. Liger and CCE have no TP form and run only at TP=1. TP rows of
 Ring-DTP: ``peakflat`` (defaults: dX and dW summed in fp32, dW returned in bf16), ``peakflat-input``
 (sums in bf16), ``peakflat-main-grad`` (dW added into an fp32 ``main_grad`` allocated before the step,
-as Megatron's DDP buffer is in training, so no dW tensor exists; Megatron's peers return a bf16 dW,
-which that DDP adds to the same buffer after the step).
+as Megatron's DDP buffer is in training; autograd's zero placeholder is made dense, as AccumulateGrad
+does before DDP's hook frees it; Megatron's peers return a bf16 dW, which that DDP adds to the same
+buffer after the step).
 """
 
 from __future__ import annotations
@@ -177,8 +178,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _grad_step(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, y: torch.Tensor
                ) -> Callable[[], tuple[torch.Tensor, ...]]:
-    """One timed step: the loss's forward and backward, returning dX and dW (so they count in the peak)."""
-    return lambda: torch.autograd.grad(fn(x, w, y), (x, w))
+    """One timed step: the loss's forward and backward, returning dX and dW (so they count in the peak).
+    A zero placeholder for dW (dW went into main_grad) is made dense, as AccumulateGrad does in training
+    before DDP's hook frees it; a real dW is already dense (no copy)."""
+    def step() -> tuple[torch.Tensor, ...]:
+        dx, dw = torch.autograd.grad(fn(x, w, y), (x, w))
+        return dx, dw.contiguous()
+    return step
 
 
 def check(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ref: tuple, tol: float,
