@@ -193,8 +193,9 @@ def check(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, y: 
     over ranks. ``loss_total`` turns this rank's loss into the whole loss (a sum over ranks for Ring-DTP).
     An out-of-memory is a row's error, not the benchmark's end."""
     try:
-        if hasattr(w, "main_grad"):
+        if hasattr(w, "main_grad"):  # a previous method's steps may have left the flag set
             w.main_grad.zero_()
+            w.grad_added_to_main_grad = False
         loss = fn(x, w, y)
         dx, dw = torch.autograd.grad(loss, (x, w))
         if getattr(w, "grad_added_to_main_grad", False):  # dW went into main_grad; autograd got zeros

@@ -21,10 +21,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.fixture(scope="module")
 def megatron_gpu():
     import megatron_peakflat
-    from bench.dispatch import configs, setup
+    from bench.dispatch import OURS_DEFAULT, method_config, setup
 
     setup(cpu=False)
-    cfgs = configs([64, 1 << 20])
+    cfgs = {m: method_config(m) for m in (OURS_DEFAULT, "peakflat-c64", "peakflat-c1048576", "llep-unchunked")}
     megatron_peakflat.apply(cfgs["peakflat"])
     yield cfgs
     megatron_peakflat.remove()
