@@ -38,8 +38,9 @@ def table(name: str, methods: list[str], title: str) -> str:
     for r in doc["rows"]:
         by_case.setdefault(r["case"], {})[r["method"]] = r
     present = [m for m in methods if any(m in rows for rows in by_case.values())]
+    cmds = "".join(f"; `{c}`" for c in doc.get("merged_commands", []))
     out = [f"**{title}** ({doc['device']}, torch {doc['torch']}, megatron-core {doc['megatron_core']}; "
-           f"`{doc.get('command', '')}`)", "",
+           f"`{doc.get('command', '')}`{cmds})", "",
            "| case | " + " | ".join(present) + " |", "|---" * (len(present) + 1) + "|"]
     for case, rows in by_case.items():
         out.append(f"| `{case}` | " + " | ".join(_cell(rows.get(m)) for m in present) + " |")
@@ -48,9 +49,11 @@ def table(name: str, methods: list[str], title: str) -> str:
 
 def main() -> None:
     sections = [
-        ("vocab", ["peakflat", "peakflat-b4096", "peakflat-input", "megatron-native-ce", "megatron-fused-ce",
+        ("vocab", ["peakflat", "peakflat-b4096", "peakflat-input", "peakflat-main-grad", "megatron-native-ce",
+                   "megatron-fused-ce",
                    "liger-flce", "cce"], "Vocabulary projection + loss, forward + backward, bf16"),
-        ("dispatch", ["peakflat", "peakflat-overlap", "peakflat-c32768", "llep-unchunked", "megatron-alltoall"],
+        ("dispatch", ["peakflat", "peakflat-strided", "peakflat-expert", "peakflat-overlap", "peakflat-c32768",
+                      "llep-unchunked", "megatron-alltoall"],
          "MoE layer dispatch, forward + backward, bf16, 64 experts top-8, F=1536"),
         ("sco", ["peakflat", "megatron-full-recompute", "save-on-cpu"],
          "Checkpoint boundaries: GPT forward + backward under full recompute, bf16"),

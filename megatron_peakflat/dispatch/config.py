@@ -29,8 +29,8 @@ class DispatchConfig(ComponentConfig):
     and its gradient accumulated in about one chunk (measured on one H200, EP=1: 0.96-0.99x the
     time of one chunk, against 0.85-0.90x strided). 'strided': token i joins chunk i mod K, so every
     chunk reads every expert's weights; at EP > 1 it spreads a hot expert's rows over every chunk,
-    where expert-major chunks pile them into one (measured on 2 H200s, EP=2, 95% of tokens on 4
-    experts: strided 0.92x one chunk and 4.3 GiB, expert-major 0.77x and 8.4 GiB). 'auto': expert
+    where expert-major chunks pile them into one (measured on 2 H200s, EP=2, 64K tokens per rank, 95%
+    on 4 experts: strided 0.91x one chunk and 4.3 GiB, expert-major 0.74x and 8.4 GiB). 'auto': expert
     at EP=1, strided at EP > 1. The same cap either way."""
     max_chunks: int = 64
     """The most chunks K one MoE layer is split into; c grows when K would exceed it."""
