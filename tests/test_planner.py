@@ -429,3 +429,24 @@ def test_planner_modules_do_not_import_torch_at_top_level():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] == "torch" for n in names), f"{rel} imports torch at top level"
+
+
+def test_ring_dtp_tp2_prediction_against_the_committed_h200_rows():
+    """The planner's Ring-DTP term on a ring (TP=2, SP) against the rows measured on 2 H200s
+    (bench/results/vocab.json, N=32768, H=7168): tied output layer (dW returned), untied (dW into
+    DDP's main_grad) and accumulate=input, each within 10%."""
+    import json
+    from pathlib import Path
+
+    from megatron_peakflat.vocab.config import VocabConfig
+
+    rows = {r["method"]: r for r in json.loads((Path(__file__).resolve().parents[1] / "bench/results/vocab.json")
+                                               .read_text())["rows"] if r["case"] == "N=32768,H=7168,V=201088,tp=2"}
+    run = RunConfig(seq_len=32768, tp=2, sequence_parallel=True)
+    for method, tied, accumulate in (("peakflat", True, "fp32"), ("peakflat-main-grad", False, "fp32"),
+                                     ("peakflat-input", True, "input")):
+        s = ModelShape(name="v", hidden=7168, layers=1, heads=56, kv_heads=8, head_dim=128, ffn=1024, vocab=201088,
+                       tied_embeddings=tied)
+        got = M.vocab_ring_dtp(s, run, PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", accumulate=accumulate)))
+        measured = rows[method]["peak_gib"] * 2**30
+        assert abs(got - measured) / measured < 0.10, (method, got / 2**30, rows[method]["peak_gib"])

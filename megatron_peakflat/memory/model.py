@@ -406,7 +406,9 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
 # (+4). Anchors: N x V x 6 = 36.8 GiB, N x V x 10 = 61.4 GiB at N=32768, V=201088.
 # Ring-DTP (vocab/config.py): the dW of the local shard, the dX accumulator, the larger of the block
 # temporaries and the final dX cast, and the travelling ring buffer (send + receive) of activations or
-# weight shards. Block temporaries: the Triton kernel (CUDA default) holds one [tokens, block] block in
+# weight shards (on a ring, the larger of the hops and the end; see vocab_ring_dtp). At TP=2 (N=32768,
+# H=7168, bench/results/vocab.json rows tp=2): tied 4.90 GiB measured / 4.68 predicted, untied (dW into
+# main_grad) 1.56 / 1.56, accumulate=input 2.00 / 2.13. Block temporaries: the Triton kernel (CUDA default) holds one [tokens, block] block in
 # the input dtype, the plain-PyTorch kernel three fp32 blocks. Measured on one H200 (bench/results/
 # vocab.json, N=32768, H=7168, V=201088: 3.9991 GiB; N=16384, H=4096: 1.9108 GiB) this matches to 0.1%.
 # ----------------------------------------------------------------------------------------------
@@ -450,11 +452,19 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     # is in w bytes at P=1 and in ``acc`` bytes on a ring (vocab/config.py ``accumulate``).
     temps = n * block * (BLOCK_TEMPORARIES * 4 if pf.vocab.kernel == "torch" else run.w)
     final_dx = n * s.hidden * run.w if acc != run.w else 0
-    ws = shard * s.hidden * (acc if P > 1 else run.w) + n * s.hidden * acc + max(temps, final_dx)
-    if P > 1:
-        travelling = n * s.hidden if vocab_schedule(s, run, pf) == "activations" else shard * s.hidden
-        ws += 2 * travelling * run.w
-    return ws
+    if P == 1:
+        return shard * s.hidden * run.w + n * s.hidden * acc + max(temps, final_dx)
+    # On a ring the larger of two moments. During the hops: dW's accumulator (none when it goes into
+    # DDP's main_grad: an untied output layer, integration/vocab.py), dX's, the block temporaries and
+    # the travelling buffers (send + receive). At the end: dW in the weight's dtype (the cast of the
+    # accumulator, or autograd's dense zero placeholder) beside the accumulator and dX.
+    into_main_grad = not s.tied_embeddings
+    dw_acc = 0 if into_main_grad else shard * s.hidden * acc
+    travelling = n * s.hidden if vocab_schedule(s, run, pf) == "activations" else shard * s.hidden
+    hops = dw_acc + n * s.hidden * acc + max(temps, final_dx) + 2 * travelling * run.w
+    dw_out = shard * s.hidden * run.w if (into_main_grad or acc != run.w) else 0
+    end = dw_acc + dw_out + n * s.hidden * (run.w if into_main_grad else acc + (run.w if acc != run.w else 0))
+    return max(hops, end)
 
 
 # ----------------------------------------------------------------------------------------------
