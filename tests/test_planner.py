@@ -258,15 +258,20 @@ def test_vocab_baseline_matches_h200_anchor():
     # Ring-DTP at P=1, bf16 dX accumulation, plain-PyTorch kernel: 3 fp32 blocks + dW + dX, the
     # DESIGN.md gradient floor (3.12 GiB) plus the blocks; the automatic block is 128 MiB / (32768 x 2 B)
     # = 2048 rows.
+    # (A tied output layer: dW is returned, as in the benchmark, which gives the weight no main_grad.)
+    tied = dataclasses.replace(shape, tied_embeddings=True)
     pf = PeakflatConfig()
     pf.vocab = dataclasses.replace(pf.vocab, block_size=8192, accumulate="input", kernel="torch")
-    ring = M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), pf)
+    ring = M.vocab_ring_dtp(tied, RunConfig(seq_len=32768), pf)
     assert ring == pytest.approx(3 * 32768 * 8192 * 4 + 201088 * 7168 * 2 + 32768 * 7168 * 2)
     # Default (Triton on CUDA, fp32 dX accumulator): dW + fp32 dX + max(one bf16 block, the bf16 dX cast),
     # which is the 3.9991 GiB measured on the H200 (bench/results/vocab.json) to 0.1%.
-    default = M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), PeakflatConfig())
+    default = M.vocab_ring_dtp(tied, RunConfig(seq_len=32768), PeakflatConfig())
     assert default == 201088 * 7168 * 2 + 32768 * 7168 * 4 + max(32768 * 2048 * 2, 32768 * 7168 * 2)
     assert abs(default / GIB - 3.9991) / 3.9991 < 0.001
+    # Untied (dW into DDP's main_grad): the blocks without dW, or at the end autograd's dense placeholder and dX.
+    untied = M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), PeakflatConfig())
+    assert untied == max(32768 * 7168 * 4 + max(32768 * 2048 * 2, 32768 * 7168 * 2), (201088 + 32768) * 7168 * 2)
     assert M.vocab_block(32768, 2, 0) == 2048 and M.vocab_block(10**7, 2, 0) == 256
     assert abs((201088 * 7168 * 2 + 32768 * 7168 * 2) / GIB - 3.12) < 0.02
 
@@ -397,7 +402,9 @@ def test_native_cross_entropy_against_live_bytes():
 def test_ring_dtp_single_rank_within_bound():
     api = pytest.importorskip("megatron_peakflat.vocab.api")
     n, h, v, block = 1024, 64, 8192, 512
-    shape = ModelShape(name="ce", hidden=h, layers=1, heads=2, kv_heads=2, head_dim=32, ffn=h, vocab=v)
+    # dW returned (no main_grad here): the planner's tied-output-layer case
+    shape = ModelShape(name="ce", hidden=h, layers=1, heads=2, kv_heads=2, head_dim=32, ffn=h, vocab=v,
+                       tied_embeddings=True)
     hidden = torch.randn(n, h, requires_grad=True)
     w = torch.randn(v, h, requires_grad=True)
     labels = torch.randint(0, v, (n,))
@@ -416,6 +423,16 @@ def test_ring_dtp_single_rank_within_bound():
         api.ring_linear_cross_entropy(hidden, w2, labels, block_size=block, kernel="torch", reduction="sum").backward()
     bound2 = M.vocab_ring_dtp(dataclasses.replace(shape, vocab=2 * v), RunConfig(seq_len=n, precision="fp32"), pf)
     assert abs(m2.peak - bound2) / bound2 < 0.10, (m2.peak, bound2)
+    # Untied, with Megatron DDP's main_grad (allocated before, as DDP's buffer is): dW goes there.
+    w3 = torch.randn(v, h, requires_grad=True)
+    w3.main_grad, w3.grad_added_to_main_grad = torch.zeros(v, h), False
+    with LiveBytesMeter() as m3:
+        api.ring_linear_cross_entropy(hidden, w3, labels, block_size=block, kernel="torch", reduction="sum",
+                                      dw_into_main_grad=True).backward()
+    untied = M.vocab_ring_dtp(dataclasses.replace(shape, tied_embeddings=False), RunConfig(seq_len=n, precision="fp32"),
+                              pf)
+    assert w3.grad_added_to_main_grad and abs(m3.peak - untied) / untied < 0.10, (m3.peak, untied)
+    assert untied < bound  # no dW of its own during the blocks
 
 
 # ---- no torch on the planner path -----------------------------------------------------------

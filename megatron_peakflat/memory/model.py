@@ -408,7 +408,8 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
 # temporaries and the final dX cast, and the travelling ring buffer (send + receive) of activations or
 # weight shards (on a ring, the larger of the hops and the end; see vocab_ring_dtp). At TP=2 (N=32768,
 # H=7168, bench/results/vocab.json rows tp=2): tied 4.90 GiB measured / 4.68 predicted, untied (dW into
-# main_grad) 1.56 / 1.56, accumulate=input 2.00 / 2.13. Block temporaries: the Triton kernel (CUDA default) holds one [tokens, block] block in
+# main_grad) 1.56 / 1.56, accumulate=input 2.00 / 2.13. In the 2-GPU example (TP=1, untied, V=32768,
+# H=1024, 4096 tokens) the runtime report read 0.14 GiB, as the TP=1 formula gives. Block temporaries: the Triton kernel (CUDA default) holds one [tokens, block] block in
 # the input dtype, the plain-PyTorch kernel three fp32 blocks. Measured on one H200 (bench/results/
 # vocab.json, N=32768, H=7168, V=201088: 3.9991 GiB; N=16384, H=4096: 1.9108 GiB) this matches to 0.1%.
 # ----------------------------------------------------------------------------------------------
@@ -452,13 +453,15 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     # is in w bytes at P=1 and in ``acc`` bytes on a ring (vocab/config.py ``accumulate``).
     temps = n * block * (BLOCK_TEMPORARIES * 4 if pf.vocab.kernel == "torch" else run.w)
     final_dx = n * s.hidden * run.w if acc != run.w else 0
-    if P == 1:
-        return shard * s.hidden * run.w + n * s.hidden * acc + max(temps, final_dx)
-    # On a ring the larger of two moments. During the hops: dW's accumulator (none when it goes into
-    # DDP's main_grad: an untied output layer, integration/vocab.py), dX's, the block temporaries and
-    # the travelling buffers (send + receive). At the end: dW in the weight's dtype (the cast of the
-    # accumulator, or autograd's dense zero placeholder) beside the accumulator and dX.
+    # The larger of two moments. During the blocks (and hops): dW (none when it goes into DDP's
+    # main_grad: an untied output layer, integration/vocab.py; on a ring otherwise an accumulator),
+    # dX's accumulator, the block temporaries and, on a ring, the travelling buffers (send + receive).
+    # At the end: dW in the weight's dtype (the cast of the accumulator, or autograd's dense zero
+    # placeholder) beside the accumulator and dX.
     into_main_grad = not s.tied_embeddings
+    if P == 1:
+        blocks = (0 if into_main_grad else shard * s.hidden * run.w) + n * s.hidden * acc + max(temps, final_dx)
+        return max(blocks, shard * s.hidden * run.w + n * s.hidden * run.w) if into_main_grad else blocks
     dw_acc = 0 if into_main_grad else shard * s.hidden * acc
     travelling = n * s.hidden if vocab_schedule(s, run, pf) == "activations" else shard * s.hidden
     hops = dw_acc + n * s.hidden * acc + max(temps, final_dx) + 2 * travelling * run.w
