@@ -21,7 +21,7 @@ def _gather_sum_kernel(rows_ptr, perm_ptr, token_ptr, count_ptr, out_ptr, H, str
     t = tl.load(token_ptr + e).to(tl.int64)
     optr = out_ptr + t * stride_out + cols
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(0, n):
+    for s in range(n):
         r = tl.load(perm_ptr + e + s).to(tl.int64)
         acc += tl.load(rows_ptr + r * stride_rows + cols, mask=m, other=0.0).to(tl.float32)
     acc += tl.load(optr, mask=m, other=0.0).to(tl.float32)
