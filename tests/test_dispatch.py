@@ -260,8 +260,8 @@ def test_working_set_bounded_as_tokens_grow():
     bank = ReferenceExperts([torch.randn(2 * Fb, Hb, generator=g) for _ in range(E)],
                             [torch.randn(Hb, Fb, generator=g) for _ in range(E)])
     pbytes = sum(p.numel() * 4 for p in bank.parameters())
-    cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=c, max_chunks=1000)
-    for skew in ("balanced", "all"):
+    for membership, skew in (("auto", "balanced"), ("auto", "all"), ("strided", "all")):  # auto: expert-major here
+        cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=c, max_chunks=1000, membership=membership)
         peaks: dict[tuple[int, int | None], int] = {}
         for T in (256, 1024):
             probs, rmap = make_routing(T, E, k, skew, 1)
@@ -285,7 +285,7 @@ def test_working_set_bounded_as_tokens_grow():
         assert peaks[1024, None] - peaks[256, None] <= 768 * per_token  # ours grows by the per-token terms only
 
 
-def bound_worker(rank: int, world: int, overlap: bool = False) -> dict[str, int]:
+def bound_worker(rank: int, world: int, overlap: bool = False, membership: str = "auto") -> dict[str, int]:
     """Peak live bytes per rank of ours (chunked) and of K=1, at T and 4T, all tokens on one expert."""
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
 
@@ -296,7 +296,7 @@ def bound_worker(rank: int, world: int, overlap: bool = False) -> dict[str, int]
     fc2 = [torch.randn(Hb, Fb, generator=g) for _ in range(E)]
     bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p])
     cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=c, max_chunks=1000, min_spill=0, imbalance_threshold=1.1,
-                         overlap=overlap)
+                         overlap=overlap, membership=membership)
     peaks = {}
     for T in (256, 1024):
         probs, rmap = make_routing(T, E, k, "all", 10 + rank)
@@ -312,14 +312,15 @@ def bound_worker(rank: int, world: int, overlap: bool = False) -> dict[str, int]
     return peaks
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_working_set_bounded_under_ep_and_skew(overlap):
+@pytest.mark.parametrize("overlap,membership", [(False, "auto"), (True, "auto"), (False, "expert")])
+def test_working_set_bounded_under_ep_and_skew(overlap, membership):
     """EP=2, every token on one expert: each rank stays under the bound with EP x (c + k) chunk rows,
-    with the all-to-alls overlapped (two more chunks in flight) or not."""
+    with the all-to-alls overlapped (two more chunks in flight) or not, and with expert-major chunks
+    (which pile the hot expert's rows into few chunks: the per-source cap still bounds them)."""
     from megatron_peakflat.dispatch.api import working_set_bound
 
     world, Hb, Fb, k, c = 2, 64, 48, 2, 64
-    for peaks in run_distributed(bound_worker, world, overlap, timeout=300):
+    for peaks in run_distributed(bound_worker, world, overlap, membership, timeout=300):
         for T in (256, 1024):
             bound = working_set_bound(num_tokens=T, hidden=Hb, ffn=Fb, num_experts=4 * world, topk=k,
                                       chunk_rows=world * (c + k), expert_param_bytes=peaks["param_bytes"],
