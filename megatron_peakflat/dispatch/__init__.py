@@ -5,7 +5,8 @@
 - ``pipelined.py``: the autograd Function (dispatch -> experts -> combine per chunk, recomputed in backward);
 - ``experts.py``: the ExpertBank protocol and the expert-weight exchange;
 - ``comm.py``: the collectives (any backend, or a group of one); ``config.py``: ``DispatchConfig``;
-- ``reference.py``: plain-PyTorch twins; ``api.py``: ``llep_moe``, ``plan_layer`` and ``working_set_bound``.
+- ``reference.py``: plain-PyTorch twins; ``api.py``: ``llep_moe``, ``plan_layer`` and ``working_set_bound``;
+- ``bound.py``: the chunk count and the working-set bound as torch-free arithmetic (also the planner's).
 """
 
 from .._lazy import lazy_exports

@@ -16,6 +16,7 @@ from .. import stats
 from .config import DispatchConfig
 from .experts import ExpertBank
 from .pipelined import pipelined_moe
+from .bound import working_set_bound
 from .schedule import Schedule, build_schedule
 
 __all__ = ["llep_moe", "plan_layer", "working_set_bound"]
@@ -64,23 +65,3 @@ def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, ba
                          "expected x [T, H] and probs, routing_map [T, E]")
     sched = plan_layer(routing_map, bank, group, cfg, num_chunks=num_chunks)
     return pipelined_moe(x, probs, sched, bank, group, out_grad, overlap=cfg.overlap)
-
-
-def working_set_bound(*, num_tokens: int, hidden: int, ffn: int, num_experts: int, topk: int, chunk_rows: int,
-                      expert_param_bytes: int, dtype_bytes: int, glu: bool = True, ep: int = 1,
-                      overlap: bool = False) -> int:
-    """Bytes PipelinedLLEP allocates in one forward+backward of one layer, at most.
-
-    Terms: the output and the input gradient ([T, H] each), the probs gradient ([T, E] fp32), the
-    routing metadata (64 bytes per token, plus what the schedule keeps per token-expert pair for the
-    backward: its token and expert (two int64) and the combine's map (three int32), 28 k bytes per
-    token), the local experts' weight gradients (2 x ``expert_param_bytes``, room for spilled experts'
-    weights), and one chunk's working set: ``chunk_rows`` rows (at most P * (c + k) per chunk) times
-    the dispatch, combine and expert activation rows. Only the first four grow with T. With ``ep`` > 1 the next
-    chunk's dispatch and the previous chunk's combine are in flight while a chunk computes when
-    ``overlap`` is on: two more chunks' rows sent and received (8 H per row).
-    """
-    f1 = ffn * (2 if glu else 1)
-    per_row = dtype_bytes * ((20 if ep > 1 and overlap else 12) * hidden + 3 * f1 + 4 * ffn) + 64
-    per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8 + 28 * topk
-    return num_tokens * per_token + 2 * expert_param_bytes + chunk_rows * per_row

@@ -40,10 +40,6 @@ class CombineMap:
         a, b = self.offsets[j], self.offsets[j + 1]
         return self.perm[a:b], self.token[a:b], self.count[a:b]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.perm, self.token, self.count))
-
 
 def combine_map(pair_token: torch.Tensor, chunk_offsets: list[int], num_tokens: int) -> CombineMap:
     """The ``CombineMap`` of pairs whose tokens are ``pair_token``, chunk by chunk (``chunk_offsets``).

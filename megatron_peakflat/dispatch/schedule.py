@@ -27,7 +27,7 @@ from .combine import CombineMap, combine_map
 from .plan import Plan, chunk_routes, least_loaded_plan
 from .upload import to_device
 
-__all__ = ["Schedule", "build_schedule", "chunk_count", "MEMBERSHIPS", "resolve_membership"]
+__all__ = ["Schedule", "build_schedule", "MEMBERSHIPS", "resolve_membership"]
 
 MEMBERSHIPS = ("auto", "expert", "strided")
 
@@ -88,16 +88,6 @@ class Schedule:
     def max_chunk_rows(self) -> int:
         """The most rows this rank receives in any chunk (the expert working set of one chunk)."""
         return max((sum(r) for r in self.recv_splits), default=0)
-
-
-def chunk_count(num_tokens: int, max_pairs_per_token: int, chunk_cap: int, max_chunks: int) -> int:
-    """K on one rank: enough chunks that ``ceil(T / K) * k <= chunk_cap``, at most ``max_chunks``.
-
-    The host twin of the device arithmetic in ``build_schedule`` (which avoids a sync), for planners;
-    ``build_schedule`` then takes the max over the group.
-    """
-    tokens_per_chunk = max(1, chunk_cap // max(1, max_pairs_per_token))
-    return int(min(max_chunks, max(1, -(-num_tokens // tokens_per_chunk))))
 
 
 def _nonzero(mask: torch.Tensor, n: int) -> torch.Tensor:

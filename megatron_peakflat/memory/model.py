@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..config import PeakflatConfig
+from ..dispatch.bound import chunk_count, working_set_bound
 from .shapes import ModelShape
 
 __all__ = ["RunConfig", "Row", "StagePlan", "Plan", "plan", "GIB", "COMPONENTS"]
@@ -304,30 +305,26 @@ def dispatch_working_set(s: ModelShape, run: RunConfig, pairs: float) -> float:
 
 def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int, int]:
     """(K, c_eff): chunks per layer and pairs per source rank per chunk, as PipelinedLLEP picks them
-    (dispatch/schedule.py chunk_count: enough chunks that ceil(T / K) x k <= chunk_cap, K <= max_chunks;
+    (dispatch/bound.py chunk_count: enough chunks that ceil(T / K) x k <= chunk_cap, K <= max_chunks;
     at the max_chunks cap a chunk grows past chunk_cap)."""
     r = int(math.ceil(run.layer_rows))
     k = max(1, s.topk)
-    per_chunk_tokens = max(1, pf.dispatch.chunk_cap // k)
-    K = int(min(pf.dispatch.max_chunks, max(1, -(-r // per_chunk_tokens))))
+    K = chunk_count(r, k, pf.dispatch.chunk_cap, pf.dispatch.max_chunks)
     return K, int(math.ceil(r / K) * k)
 
 
 def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float, overlap: bool = False) -> float:
-    """PipelinedLLEP's bytes for one layer's forward + backward (dispatch/api.py working_set_bound):
+    """PipelinedLLEP's bytes for one layer's forward + backward (dispatch/bound.py working_set_bound):
     per token the output and input gradient (2Hw), probs gradient (4E) and routing metadata (64 B, and
     28 B per token-expert pair); the local experts' weight gradients and any spilled expert weights
     (2 x expert bytes); and per received row of one chunk w x (12H + 3 x fc1 + 4F) + 64 B (dispatch,
     combine, expert activations), 8H more at EP > 1 with ``overlap`` (``--peakflat-dispatch-overlap``:
     the next chunk's dispatch and the previous one's combine in flight). The component's guarantee (the ``bound`` column), not what a step
     allocates: see ``llep_expected_working_set``."""
-    r = run.layer_rows
-    w, h, f = run.w, s.hidden, s.moe_ffn
-    f1 = f * (2 if s.gated else 1)
-    per_row = w * ((20 if run.ep > 1 and overlap else 12) * h + 3 * f1 + 4 * f) + 64
-    per_token = 2 * h * w + 4 * s.experts + 64 + 28 * s.topk
-    expert_bytes = (s.experts / run.ep) * mlp_params(h, f, s.gated, run.etp) * w
-    return r * per_token + 2 * expert_bytes + chunk_rows * per_row
+    expert_bytes = (s.experts / run.ep) * mlp_params(s.hidden, s.moe_ffn, s.gated, run.etp) * run.w
+    return working_set_bound(num_tokens=run.layer_rows, hidden=s.hidden, ffn=s.moe_ffn, num_experts=s.experts,
+                             topk=s.topk, chunk_rows=chunk_rows, expert_param_bytes=expert_bytes, dtype_bytes=run.w,
+                             glu=s.gated, ep=run.ep, overlap=overlap)
 
 
 def llep_grouped(run: RunConfig, pf: PeakflatConfig) -> bool:
@@ -602,7 +599,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                        f"{run.routing_skew:g}, worst {routed_pairs_worst(s, run):.3g}); PipelinedLLEP: "
                        f"K={llep_chunks(s, run, pf)[0]} chunks of c={c_eff} pairs per source, {rows_expected:.3g} "
                        f"rows per chunk expected ({'grouped GEMMs' if llep_grouped(run, pf) else 'per expert'}), "
-                       f"bound dispatch/api.py working_set_bound at {rows_bound:.3g} rows")
+                       f"bound dispatch/bound.py working_set_bound at {rows_bound:.3g} rows")
         if last:
             ring = vocab_ring_dtp(s, run, pf)
             rows["vocab"] = Row(

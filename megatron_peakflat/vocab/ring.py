@@ -211,7 +211,6 @@ class RingLinearCrossEntropy(torch.autograd.Function):
         loss = torch.where(valid, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
         ctx.save_for_backward(hidden, weight, labels, valid, lse)
         ctx.plan = plan
-        ctx.weight = weight if plan.dw_into_main_grad else None  # the parameter object, with its main_grad
         return loss
 
     @staticmethod
@@ -222,8 +221,8 @@ class RingLinearCrossEntropy(torch.autograd.Function):
         g = torch.where(valid, grad_loss.float(), torch.zeros((), device=grad_loss.device))
         eps = plan.label_smoothing
         coef = torch.stack([lse, g, g * (1.0 - eps), g * (eps / plan.vocab_size)]).contiguous()
-        param, ctx.weight = ctx.weight, None
-        sink = main_grad_of(param) if param is not None and ctx.needs_input_grad[1] else None
+        # a saved leaf unpacks as the parameter object itself, with its main_grad
+        sink = main_grad_of(weight) if plan.dw_into_main_grad and ctx.needs_input_grad[1] else None
         if plan.size == 1:
             dx, dw = _backward_single(plan, hidden, weight, labels, coef, sink)
         elif plan.schedule == "activations":
@@ -232,5 +231,5 @@ class RingLinearCrossEntropy(torch.autograd.Function):
             dx, dw = _backward_weights(plan, hidden, weight, labels, coef, sink)
         if sink is not None:
             stats.add("vocab", "dw_into_main_grad", 1)
-            dw = handed_to_main_grad(param)
+            dw = handed_to_main_grad(weight)
         return dx, dw, None, None, None
