@@ -20,9 +20,10 @@ group. Every method's objective is the mean loss over all N tokens, so dX (this 
 the peak, the time and the error. Liger and CCE have no TP form and run only at TP=1. TP rows of
 Ring-DTP: ``peakflat`` (defaults: dX and dW summed in fp32, dW returned in bf16), ``peakflat-input``
 (sums in bf16), ``peakflat-main-grad`` (dW added into an fp32 ``main_grad`` allocated before the step,
-as Megatron's DDP buffer is in training; autograd's zero placeholder is made dense, as AccumulateGrad
-does before DDP's hook frees it; Megatron's peers return a bf16 dW, which that DDP adds to the same
-buffer after the step).
+as Megatron's DDP buffer is in training; autograd gets main_grad's storage as its placeholder, as in
+training; Megatron's peers return a bf16 dW, which that DDP adds to the same buffer after the step),
+``peakflat-fwd-main-grad`` (gradients computed with the loss, ``grad='in-forward'``: what training
+with an untied output layer runs by default).
 """
 
 from __future__ import annotations
@@ -77,20 +78,26 @@ def _init_megatron(cpu: bool = False) -> bool:
 
 def _peakflat_kwargs(name: str) -> dict[str, Any]:
     """ring_linear_cross_entropy keywords of a method name: 'peakflat' (the flags' defaults) with the
-    suffixes '-input' (accumulate='input'), '-main-grad' (dW into the weight's main_grad), '-b<rows>'
-    (block size) and '-torch' (plain-PyTorch block kernel); they combine, e.g. 'peakflat-input-b4096'."""
+    suffixes '-input' (accumulate='input'), '-main-grad' (dW into the weight's main_grad), '-fwd'
+    (grad='in-forward'), '-b<rows>' (block size), '-t<tokens>' (in-forward chunk) and '-torch'
+    (plain-PyTorch block kernel); they combine, e.g. 'peakflat-fwd-main-grad-t8192'."""
     kw: dict[str, Any] = {}
     for part in name.replace("main-grad", "maingrad").split("-")[1:]:
         if part == "input":
             kw["accumulate"] = "input"
         elif part == "maingrad":
             kw["dw_into_main_grad"] = True
+        elif part == "fwd":
+            kw["grad"] = "in-forward"
         elif part == "torch":
             kw["kernel"] = "torch"
         elif part.startswith("b") and part[1:].isdigit():
             kw["block_size"] = int(part[1:])
+        elif part.startswith("t") and part[1:].isdigit():
+            kw["chunk_tokens"] = int(part[1:])
         else:
-            raise SystemExit(f"unknown peakflat variant {name!r} (suffixes: input, main-grad, torch, b<rows>)")
+            raise SystemExit(f"unknown peakflat variant {name!r} (suffixes: input, main-grad, fwd, torch, b<rows>, "
+                             "t<tokens>)")
     return kw
 
 
@@ -102,7 +109,7 @@ def _peakflat_variant(name: str) -> Method:
 def _with_main_grad(w: torch.Tensor, names: Any) -> None:
     """Give ``w`` an fp32 ``main_grad`` (allocated with the inputs, as Megatron's DDP buffer is in
     training) when a method adds dW there."""
-    if any(m.endswith("main-grad") for m in names):
+    if any("main-grad" in m for m in names):
         w.main_grad, w.grad_added_to_main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device), False
 
 
@@ -179,8 +186,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _grad_step(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, y: torch.Tensor
                ) -> Callable[[], tuple[torch.Tensor, ...]]:
     """One timed step: the loss's forward and backward, returning dX and dW (so they count in the peak).
-    A zero placeholder for dW (dW went into main_grad) is made dense, as AccumulateGrad does in training
-    before DDP's hook frees it; a real dW is already dense (no copy)."""
+    A stride-0 zero placeholder for dW is made dense, as AccumulateGrad does in training; main_grad's
+    storage (the placeholder when dW went into main_grad) and a real dW are already dense (no copy)."""
     def step() -> tuple[torch.Tensor, ...]:
         dx, dw = torch.autograd.grad(fn(x, w, y), (x, w))
         return dx, dw.contiguous()
@@ -210,7 +217,7 @@ def check(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, y: 
     return all(e is not None and e <= tol for e in errs), extra
 
 
-TP_METHODS = "peakflat,peakflat-input,peakflat-main-grad,megatron-native-ce,megatron-fused-ce"
+TP_METHODS = "peakflat,peakflat-main-grad,peakflat-fwd-main-grad,megatron-native-ce,megatron-fused-ce"
 
 TPMethod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(this rank's tokens [N/P, H], this rank's vocabulary slice [V/P, H], all labels [N]) -> the mean
@@ -257,7 +264,8 @@ def tp_methods(wanted: set[str], cpu: bool) -> dict[str, TPMethod]:
 
 def _ring_tp(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, tp: Any, mine: Callable[[torch.Tensor], torch.Tensor],
              kw: dict[str, Any]) -> torch.Tensor:
-    return ring_linear_cross_entropy(x, w, mine(y), tp, reduction="sum", **kw) / y.shape[0]
+    # the in-forward schedule is told the gradient its sum gets: 1/N (the mean over all N tokens)
+    return ring_linear_cross_entropy(x, w, mine(y), tp, reduction="sum", grad_hint=1.0 / y.shape[0], **kw) / y.shape[0]
 
 
 def _reference_cpu(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -367,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                                 **extra))
         del x, w, y, ref
         torch.cuda.empty_cache()
-    write("vocab", rows)
+    write("vocab", rows, merge=True)  # keeps the TP rows (and other cases) of earlier runs
 
 
 if __name__ == "__main__":

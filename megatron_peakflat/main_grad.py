@@ -3,11 +3,16 @@
 Megatron's DDP gives each parameter an fp32 ``main_grad`` view of its gradient buffer and adds
 ``param.grad`` into it from a hook, unless ``param.grad_added_to_main_grad`` is set. A kernel that adds
 its weight gradient into ``main_grad`` itself (in fp32, no rounding to the parameter's dtype) then
-needs no gradient tensor or fp32 accumulator of its own; it hands autograd a zero placeholder, so the
-hook still fires once (DDP counts every parameter's gradient before it reduces a bucket) and adds
-nothing. (Autograd's AccumulateGrad densifies the placeholder into one zero tensor of the weight's
-size and dtype, which the hook frees at once, as with the dummy of Megatron's own gradient-
-accumulation fusion.)
+needs no gradient tensor or fp32 accumulator of its own; it hands autograd a placeholder, so the hook
+still fires once (DDP counts every parameter's gradient before it reduces a bucket, and asserts that
+``param.grad`` is set) and adds nothing.
+
+The placeholder allocates nothing: it is ``main_grad``'s own storage seen in the parameter's dtype and
+shape. It has the parameter's strides, so AccumulateGrad takes it as ``param.grad`` without a copy,
+and DDP's hook drops it unread (``grad_added_to_main_grad``). Megatron's gradient-accumulation fusion
+hands over an ``empty`` dummy of the weight's size instead, one transient weight-sized allocation per
+parameter at the start of backward. Where the placeholder could be read (``param.grad`` already set,
+or ``zero_out_wgrad``) it is a stride-0 zero tensor, which AccumulateGrad densifies into zeros.
 
 Only for parameters whose whole gradient comes from that kernel: a parameter that also receives a
 gradient through autograd elsewhere (a tied embedding) would lose that part.
@@ -28,6 +33,12 @@ def main_grad_of(p: torch.Tensor) -> torch.Tensor | None:
 
 
 def handed_to_main_grad(p: torch.Tensor) -> torch.Tensor:
-    """Mark ``p``'s gradient as already in ``main_grad``; returns the zero placeholder to give autograd."""
+    """Mark ``p``'s gradient as already in ``main_grad``; returns the placeholder to give autograd
+    (see the module docstring): a no-allocation view of ``main_grad`` when nothing will read it."""
     p.grad_added_to_main_grad = True
+    mg = p.main_grad
+    unread = p.grad is None and not getattr(p, "zero_out_wgrad", False)
+    if (unread and mg.is_contiguous() and p.is_contiguous() and mg.element_size() >= p.element_size()
+            and mg.element_size() % p.element_size() == 0):
+        return mg.view(-1).view(p.dtype)[: p.numel()].view(p.shape)
     return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)

@@ -269,9 +269,14 @@ def test_vocab_baseline_matches_h200_anchor():
     default = M.vocab_ring_dtp(tied, RunConfig(seq_len=32768), PeakflatConfig())
     assert default == 201088 * 7168 * 2 + 32768 * 7168 * 4 + max(32768 * 2048 * 2, 32768 * 7168 * 2)
     assert abs(default / GIB - 3.9991) / 3.9991 < 0.001
-    # Untied (dW into DDP's main_grad): the blocks without dW, or at the end autograd's dense placeholder and dX.
-    untied = M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), PeakflatConfig())
-    assert untied == max(32768 * 7168 * 4 + max(32768 * 2048 * 2, 32768 * 7168 * 2), (201088 + 32768) * 7168 * 2)
+    # Untied (dW into DDP's main_grad), recomputed: the blocks without dW (autograd's placeholder is
+    # main_grad's storage).
+    pf = PeakflatConfig()
+    pf.vocab = dataclasses.replace(pf.vocab, grad="recompute")
+    untied = M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), pf)
+    assert untied == 32768 * 7168 * 4 + max(32768 * 2048 * 2, 32768 * 7168 * 2)
+    # Untied by default: in-forward, dX and one automatic chunk (2560 tokens: 1 GiB of bf16 logits).
+    assert M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), PeakflatConfig()) == 32768 * 7168 * 2 + 2560 * 201088 * 2
     assert M.vocab_block(32768, 2, 0) == 2048 and M.vocab_block(10**7, 2, 0) == 256
     assert abs((201088 * 7168 * 2 + 32768 * 7168 * 2) / GIB - 3.12) < 0.02
 
@@ -429,10 +434,19 @@ def test_ring_dtp_single_rank_within_bound():
     with LiveBytesMeter() as m3:
         api.ring_linear_cross_entropy(hidden, w3, labels, block_size=block, kernel="torch", reduction="sum",
                                       dw_into_main_grad=True).backward()
-    untied = M.vocab_ring_dtp(dataclasses.replace(shape, tied_embeddings=False), RunConfig(seq_len=n, precision="fp32"),
-                              pf)
+    recompute = dataclasses.replace(pf, vocab=dataclasses.replace(pf.vocab, grad="recompute"))
+    untied_shape = dataclasses.replace(shape, tied_embeddings=False)
+    untied = M.vocab_ring_dtp(untied_shape, RunConfig(seq_len=n, precision="fp32"), recompute)
     assert w3.grad_added_to_main_grad and abs(m3.peak - untied) / untied < 0.10, (m3.peak, untied)
     assert untied < bound  # no dW of its own during the blocks
+    # Untied, gradients computed with the loss (the default there): dX and one [chunk, V] block.
+    in_fwd = dataclasses.replace(pf, vocab=dataclasses.replace(pf.vocab, chunk_tokens=128))
+    w3.main_grad.zero_()
+    with LiveBytesMeter() as m4:
+        api.ring_linear_cross_entropy(hidden, w3, labels, kernel="torch", reduction="sum", dw_into_main_grad=True,
+                                      grad="in-forward", chunk_tokens=128).backward()
+    predicted = M.vocab_ring_dtp(untied_shape, RunConfig(seq_len=n, precision="fp32"), in_fwd)
+    assert abs(m4.peak - predicted) / predicted < 0.10, (m4.peak, predicted)
 
 
 # ---- no torch on the planner path -----------------------------------------------------------
@@ -440,7 +454,7 @@ def test_ring_dtp_single_rank_within_bound():
 def test_planner_modules_do_not_import_torch_at_top_level():
     root = Path(__file__).resolve().parents[1] / "megatron_peakflat"
     for rel in ("memory/model.py", "memory/shapes.py", "memory/recommend.py", "memory/megatron_args.py",
-                "memory/cli.py", "memory/meter.py", "plan.py", "dispatch/bound.py"):
+                "memory/cli.py", "memory/meter.py", "plan.py", "dispatch/bound.py", "vocab/sizes.py"):
         tree = ast.parse((root / rel).read_text())
         for node in tree.body:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (

@@ -45,9 +45,15 @@ def _losses(text: str) -> list[float]:
     return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
 
 
+def _grad_norms(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"grad norm: ([0-9.E+-]+)", text)]
+
+
 @pytest.mark.parametrize("untie", [False, True])
 def test_short_run_same_loss_with_peakflat_on(untie):
-    """Tied: Ring-DTP returns dW through autograd. Untied: it adds dW into the output layer's main_grad."""
+    """Tied: Ring-DTP returns dW through autograd (recompute). Untied: it adds dW into the output layer's
+    main_grad and computes the gradients with the loss (in-forward) for the gradient Megatron's loss gives
+    (2 microbatches: loss_mask over the token count over 2), which backward finds right (no recompute)."""
     extra = ["--untie-embeddings-and-output-weights"] if untie else []
     off = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, *RECOMPUTE, *extra)
     assert off.returncode == 0, (off.stdout + off.stderr)[-3000:]
@@ -60,7 +66,10 @@ def test_short_run_same_loss_with_peakflat_on(untie):
     assert "patched megatron.core.recompute.checkpointed_forward" in text
     assert "patched megatron.core.models.gpt.gpt_model.GPTModel.forward" in text
     assert ("weight gradient goes straight into DDP's main_grad" in text) == untie
+    assert ("computed with the loss (in-forward" in text) == untie
+    assert "was not the loss's real gradient" not in text
     assert _losses(text) == pytest.approx(base, rel=1e-5)
+    assert _grad_norms(text) == pytest.approx(_grad_norms(off.stdout + off.stderr), rel=1e-4)
 
 
 RESUME = [*TINY, *RECOMPUTE, "--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0"]

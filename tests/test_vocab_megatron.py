@@ -1,6 +1,7 @@
 """Ring-DTP inside Megatron's GPTModel on CPU: loss and every parameter's gradient equal the unpatched
-model's (fp32, 1e-5 relative), TP=1 and TP=2 (SP on with MoE; SP off, dense; shared embeddings),
-and the output layer is never called (no logits)."""
+model's (fp32, 1e-5 relative), TP=1 and TP=2 (SP on with MoE; SP off, dense; shared embeddings), with
+gradients recomputed in backward or computed with the loss (in-forward, for the gradient of the masked
+mean, one microbatch), and the output layer is never called (no logits)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,12 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
                                                         tiny_transformer_config)
     from megatron_peakflat.vocab import VocabConfig
 
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                           init_num_microbatches_calculator)
+
     install_cpu_shim()
     init_megatron_parallel(tp=world)
+    init_num_microbatches_calculator(rank, None, 3, 3, 1)  # one microbatch of 3 sequences
     variants = [("moe", dict(), dict(moe=True), ["auto"] if world == 1 else ["activations"]),
                 ("shared-emb", dict(), dict(moe=True, share_embeddings=True), ["auto"] if world == 1 else ["weights"])]
     if world > 1:
@@ -47,7 +52,7 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
                          ["activations", "weights"]))
     done = []
     for vi, (name, cfg_over, build_kw, schedules) in enumerate(variants):
-        for schedule in schedules:
+        for schedule, grad in [(s, "recompute") for s in schedules] + [("auto", "in-forward")]:
             torch.manual_seed(1234 + vi)
             model = build_tiny_gpt(tiny_transformer_config(**cfg_over), vocab_size=V, seq_len=16, **build_kw)
             batch = gpt_batch(seq_len=16, micro_batch=3, vocab_size=V, seed=vi)
@@ -56,7 +61,8 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
             ref = _grads(model)
 
             calls = stats.snapshot().get("vocab", {}).get("calls", 0)
-            megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", schedule=schedule, block_size=16),
+            megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", schedule=schedule, block_size=16,
+                                                                       grad=grad, chunk_tokens=128),
                                                    general=GeneralConfig(attention="local")))
             try:
                 model.output_layer.forward = _no_logits
@@ -66,8 +72,10 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
             finally:
                 del model.output_layer.forward
                 megatron_peakflat.remove()
-            what = f"{name} tp={world} schedule={schedule}"
+            what = f"{name} tp={world} schedule={schedule} grad={grad}"
             assert stats.snapshot()["vocab"]["calls"] == calls + 1, what
+            assert stats.snapshot()["vocab"]["grad"] == grad, what
+            assert not stats.snapshot()["vocab"].get("hint_corrections"), what
             assert _rel(loss.detach(), ref_loss.detach()) < 1e-5, (what, float(loss), float(ref_loss))
             assert set(ours) == set(ref), (what, set(ours) ^ set(ref))
             for k in ref:
@@ -76,6 +84,7 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
             # unpatched again: the original forward runs and builds logits
             out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
             assert out.shape == batch["labels"].shape
+    destroy_num_microbatches_calculator()
     destroy_megatron_parallel()
     return done
 

@@ -12,11 +12,13 @@ over the vocabulary). TP=1 runs the single-device fused path.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from .. import stats
 from ..main_grad import main_grad_of
 from ..vocab.api import ring_linear_cross_entropy
 from . import state
@@ -68,8 +70,50 @@ class _SliceRowsGatherGrad(torch.autograd.Function):
         return _gather_rows(g.contiguous(), ctx.bounds, ctx.group), None, None, None
 
 
+def megatron_loss_gradient(loss_mask: torch.Tensor | None, config: Any) -> torch.Tensor | None:
+    """The gradient each token's loss gets from Megatron's pretraining loss, [b, s] fp32, or None when
+    it cannot be known here. The loss function sums ``loss * loss_mask``; the schedule divides it by the
+    microbatch's token count (``loss_mask.sum()``) and the number of microbatches unless
+    ``calculate_per_token_loss``, and scales it by ``grad_scale_func`` (``forward_step_calc_loss``)."""
+    if loss_mask is None:
+        return None
+    mask = loss_mask.float()
+    scale_fn = getattr(config, "grad_scale_func", None)
+    grad = (scale_fn(torch.ones(1, device=mask.device)) if scale_fn is not None
+            else torch.ones(1, device=mask.device)).float().reshape(())
+    if not getattr(config, "calculate_per_token_loss", False):
+        try:
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+            microbatches = get_num_microbatches()
+        except (ImportError, AttributeError):  # no global calculator: a loop that passes its own count
+            return None
+        grad = grad / microbatches / mask.sum().clamp(min=1)
+    return mask * grad
+
+
+def _resolve_grad(cfg: Any, into_main_grad: bool, loss_mask: torch.Tensor | None, config: Any
+                  ) -> tuple[str, torch.Tensor | None]:
+    """('in-forward', per-token gradient [b, s]) or ('recompute', None), with a log line saying why."""
+    if cfg.grad == "recompute" or (cfg.grad == "auto" and not into_main_grad):
+        return "recompute", None
+    if cfg.grad == "auto" and stats.snapshot().get("vocab", {}).get("hint_corrections", 0):
+        info_once("peakflat vocab: the in-forward gradients missed the loss's real gradient once; recomputing "
+                  "from now on (--peakflat-vocab-grad recompute says so up front)", level=logging.WARNING)
+        return "recompute", None
+    hint = megatron_loss_gradient(loss_mask, config)
+    if hint is None:
+        info_once("peakflat vocab: gradients computed in backward (recompute): the loss's gradient is not known "
+                  "in advance here (no loss_mask, or no global microbatch count)")
+        return "recompute", None
+    info_once("peakflat vocab: dX and dW computed with the loss (in-forward, chunks of %s tokens): logits are "
+              "computed once, not recomputed in backward", cfg.chunk_tokens or "auto")
+    return "in-forward", hint
+
+
 def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: torch.Tensor | None,
-                          labels: torch.Tensor, **_: Any) -> torch.Tensor:
+                          labels: torch.Tensor, loss_mask: torch.Tensor | None = None, config: Any = None,
+                          **_: Any) -> torch.Tensor:
     """Megatron ``output_processor``: per-token loss [b, s] with Ring-DTP; never builds the logits."""
     cfg = state.current().vocab
     weight = output_weight if output_weight is not None else output_layer.weight
@@ -77,27 +121,36 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
     tp = dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
     s_local, b, h = hidden_states.shape
     labels_sb = labels.transpose(0, 1)  # [s, b]
-    into_main_grad = output_weight is None  # a tied embedding also takes gradients elsewhere
-    if into_main_grad and main_grad_of(weight) is not None:
+    into_main_grad = output_weight is None and main_grad_of(weight) is not None  # a tied embedding: no
+    if into_main_grad:
         info_once("peakflat vocab: the output layer's weight gradient goes straight into DDP's main_grad "
                   "(no fp32 dW accumulator)")
+    grad, hint = (_resolve_grad(cfg, into_main_grad, loss_mask, config) if torch.is_grad_enabled()
+                  else ("recompute", None))
+    hint_sb = None if hint is None else hint.transpose(0, 1)  # [s, b], as labels_sb
     common = dict(schedule=cfg.schedule, block_size=cfg.block_size, kernel=cfg.kernel, accumulate=cfg.accumulate,
-                  check_labels=cfg.check_labels, dw_into_main_grad=into_main_grad)
+                  check_labels=cfg.check_labels, dw_into_main_grad=output_weight is None, grad=grad,
+                  chunk_tokens=cfg.chunk_tokens)
     if tp == 1:
-        loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, labels_sb.reshape(-1), None, **common)
+        hint_mine = None if hint_sb is None else hint_sb.reshape(-1)
+        loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, labels_sb.reshape(-1), None,
+                                         grad_hint=hint_mine, **common)
         return loss.view(s_local, b).transpose(0, 1).contiguous()
     rank = dist.get_rank(group)
     if output_layer.sequence_parallel:
         lo = rank * s_local
         lab = labels_sb[lo:lo + s_local].reshape(-1)
-        loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, lab, group, **common)
+        hint_mine = None if hint_sb is None else hint_sb[lo:lo + s_local].reshape(-1)
+        loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, lab, group, grad_hint=hint_mine,
+                                         **common)
         full = _GatherRowsKeepGrad.apply(loss.view(s_local, b), _bounds(labels_sb.shape[0], tp), rank, group)
         return full.transpose(0, 1).contiguous()
     tokens = hidden_states.reshape(-1, h)
     bounds = _bounds(tokens.shape[0], tp)
     mine = _SliceRowsGatherGrad.apply(tokens, bounds, rank, group)
     lab = labels_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]]
-    loss = ring_linear_cross_entropy(mine, weight, lab, group, **common)
+    hint_mine = None if hint_sb is None else hint_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]]
+    loss = ring_linear_cross_entropy(mine, weight, lab, group, grad_hint=hint_mine, **common)
     full = _GatherRowsKeepGrad.apply(loss, bounds, rank, group)
     return full.view(s_local, b).transpose(0, 1).contiguous()
 

@@ -33,6 +33,7 @@ from typing import Literal
 
 from ..config import PeakflatConfig
 from ..dispatch.bound import chunk_count, working_set_bound
+from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
 __all__ = ["RunConfig", "Row", "StagePlan", "Plan", "plan", "GIB", "COMPONENTS"]
@@ -413,7 +414,6 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
 
 BLOCK_TEMPORARIES = 3
 """fp32 [tokens, block] buffers alive at once in the plain-PyTorch block kernel (measured, LiveBytesMeter)."""
-AUTO_BLOCK_BYTES = 128 * 2**20
 
 
 def vocab_baseline(s: ModelShape, run: RunConfig) -> float:
@@ -434,11 +434,39 @@ def vocab_block(n_tokens: float, w: int, block_size: int) -> int:
     [tokens, rows] block of about 128 MiB, a multiple of 256 rows in [256, 16384])."""
     if block_size:
         return int(block_size)
-    rows = AUTO_BLOCK_BYTES // max(1, int(n_tokens) * w)
-    return int(min(16384, max(256, rows // 256 * 256)))
+    return auto_block_size(int(n_tokens), w)
+
+
+def vocab_grad(s: ModelShape, pf: PeakflatConfig) -> str:
+    """'in-forward' or 'recompute', as integration/vocab.py resolves ``--peakflat-vocab-grad auto``: in-forward
+    when dW goes into DDP's main_grad (an untied output layer)."""
+    if pf.vocab.grad != "auto":
+        return pf.vocab.grad
+    return "recompute" if s.tied_embeddings else "in-forward"
+
+
+def vocab_in_forward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
+    """The in-forward schedule (vocab/in_forward.py): this rank's dX (x's dtype) and one chunk: its
+    [chunk, V/P] logits (one block in the input dtype with the Triton kernel, fp32 temporaries with the
+    plain-PyTorch one) and, on a ring, the gathered hidden states (this chunk's and the next one's in
+    flight), the partial dX and the received share of it (two: one still reducing). dW goes into
+    main_grad (untied) or an accumulator in ``accumulate``'s dtype cast to the weight's dtype at the end."""
+    P, n, w = run.tp, run.tp_tokens, run.w
+    shard = s.vocab / P
+    acc = 4 if pf.vocab.accumulate == "fp32" else w
+    chunk = pf.vocab.chunk_tokens or auto_chunk_tokens(math.ceil(shard), w, P)
+    rows = min(math.ceil(chunk / P), math.ceil(n))
+    c = rows * P
+    block = c * shard * (BLOCK_TEMPORARIES * 4 if pf.vocab.kernel == "torch" else w)
+    ring = (2 * c * s.hidden * w + c * s.hidden * acc + 2 * rows * s.hidden * acc) if P > 1 else 0
+    dw = 0 if not s.tied_embeddings else shard * s.hidden * acc
+    end = 0 if not s.tied_embeddings else shard * s.hidden * w
+    return n * s.hidden * w + dw + max(block + ring, end)
 
 
 def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
+    if vocab_grad(s, pf) == "in-forward":
+        return vocab_in_forward(s, run, pf)
     P = run.tp
     n = run.tp_tokens
     shard = s.vocab / P
@@ -453,16 +481,15 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     # The larger of two moments. During the blocks (and hops): dW (none when it goes into DDP's
     # main_grad: an untied output layer, integration/vocab.py; on a ring otherwise an accumulator),
     # dX's accumulator, the block temporaries and, on a ring, the travelling buffers (send + receive).
-    # At the end: dW in the weight's dtype (the cast of the accumulator, or autograd's dense zero
-    # placeholder) beside the accumulator and dX.
+    # At the end: dW in the weight's dtype (the cast of the accumulator) beside the accumulator and dX;
+    # with main_grad, autograd's placeholder is main_grad's own storage (main_grad.py): nothing.
     into_main_grad = not s.tied_embeddings
     if P == 1:
-        blocks = (0 if into_main_grad else shard * s.hidden * run.w) + n * s.hidden * acc + max(temps, final_dx)
-        return max(blocks, shard * s.hidden * run.w + n * s.hidden * run.w) if into_main_grad else blocks
+        return (0 if into_main_grad else shard * s.hidden * run.w) + n * s.hidden * acc + max(temps, final_dx)
     dw_acc = 0 if into_main_grad else shard * s.hidden * acc
     travelling = n * s.hidden if vocab_schedule(s, run, pf) == "activations" else shard * s.hidden
     hops = dw_acc + n * s.hidden * acc + max(temps, final_dx) + 2 * travelling * run.w
-    dw_out = shard * s.hidden * run.w if (into_main_grad or acc != run.w) else 0
+    dw_out = shard * s.hidden * run.w if (not into_main_grad and acc != run.w) else 0
     end = dw_acc + dw_out + n * s.hidden * (run.w if into_main_grad else acc + (run.w if acc != run.w else 0))
     return max(hops, end)
 

@@ -278,6 +278,7 @@ def gpt_batch(seq_len: int, micro_batch: int, vocab_size: int, seed: int = 0) ->
 
 def gpt_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Masked mean of the per-token loss, as Megatron's loss function averages it."""
-    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     mask = batch["loss_mask"]
+    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                   loss_mask=mask)
     return (losses.float() * mask).sum() / mask.sum()

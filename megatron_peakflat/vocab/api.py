@@ -9,28 +9,21 @@ import torch.distributed as dist
 
 from .. import stats
 from .blocks import block_ops
+from .in_forward import InForwardLinearCrossEntropy, chunk_rows
 from .ring import RingLinearCrossEntropy, RingPlan
+from .sizes import AUTO_BLOCK_BYTES, AUTO_CHUNK_BYTES, auto_block_size, auto_chunk_tokens
 
-__all__ = ["ring_linear_cross_entropy", "resolve_schedule", "auto_block_size", "AUTO_BLOCK_BYTES"]
+__all__ = ["ring_linear_cross_entropy", "resolve_schedule", "auto_block_size", "auto_chunk_tokens",
+           "AUTO_BLOCK_BYTES", "AUTO_CHUNK_BYTES"]
 
 log = logging.getLogger("megatron_peakflat")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-AUTO_BLOCK_BYTES = 128 * 2**20
-"""Target size of one block of logits when ``block_size=0``."""
-
 
 def _comm_device(hidden: torch.Tensor, group: object | None) -> torch.device:
     """Where small metadata tensors must live for a collective on ``group`` (NCCL needs the GPU)."""
     return hidden.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
-def auto_block_size(tokens: int, element_size: int) -> int:
-    """Vocabulary rows per block so that one [tokens, rows] block of logits is about AUTO_BLOCK_BYTES
-    (a multiple of 256 rows, between 256 and 16384): big enough for efficient GEMMs, small next to dW."""
-    rows = AUTO_BLOCK_BYTES // max(1, tokens * element_size)
-    return int(min(16384, max(256, rows // 256 * 256)))
 
 
 def resolve_schedule(schedule: str, max_tokens: int, vocab_size: int, ring_size: int) -> str:
@@ -59,6 +52,9 @@ def ring_linear_cross_entropy(
     vocab_size: int | None = None,
     check_labels: bool = False,
     dw_into_main_grad: bool = False,
+    grad: str = "recompute",
+    grad_hint: float | torch.Tensor | None = None,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ W.T`` where W's rows are sharded over ``group``; the logits never exist.
 
@@ -83,6 +79,16 @@ def ring_linear_cross_entropy(
     no fp32 dW accumulator nor a dW in the weight's dtype is built. Only for a weight whose whole
     gradient is this loss's (not an embedding tied to it). Without ``main_grad`` it changes nothing.
 
+    ``grad='in-forward'`` (``in_forward.py``) computes dX and dW in the forward pass, a chunk of
+    ``chunk_tokens`` tokens (over the whole ring; 0: a [chunk, V/P] block of about ``AUTO_CHUNK_BYTES``)
+    at a time: 6NHV instead of the recompute's 8NHV, one [chunk, V/P] block of logits instead of an
+    [n, block_size] one. It needs the gradient that the result will receive, ``grad_hint``: a number,
+    or [n] per token for ``reduction='none'`` (default 1.0: the result is summed, or is the scalar loss).
+    Backward checks the hint (one host sync) and adds the difference by recomputing when it was wrong,
+    so the gradients are always those of the real upstream gradient. Without autograd (``no_grad`` or
+    nothing requiring grad) only the loss is computed. dW goes into ``main_grad`` with
+    ``dw_into_main_grad``, else into an accumulator in ``accumulate``'s dtype, held from forward to backward.
+
     ``vocab_size`` (optional) is checked against the sum of the shards, to catch a ``group`` that does
     not match the weight sharding. ``check_labels`` checks every label (one host sync, collective).
     Labels outside [0, V) are otherwise not detected: they behave as if their target logit were 0.
@@ -105,6 +111,14 @@ def ring_linear_cross_entropy(
         raise ValueError(f"block_size={block_size}: must be positive (or 0 for automatic)")
     if accumulate not in ("fp32", "input"):
         raise ValueError(f"accumulate={accumulate!r}: use 'fp32' or 'input'")
+    if grad not in ("recompute", "in-forward"):
+        raise ValueError(f"grad={grad!r}: use 'recompute' or 'in-forward'")
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: must be positive (or 0 for automatic)")
+    if isinstance(grad_hint, torch.Tensor) and grad_hint.numel() != 1 and (
+            reduction != "none" or grad_hint.shape != labels.shape):
+        raise ValueError(f"grad_hint of shape {tuple(grad_hint.shape)}: give a number, or one value per token "
+                         f"([n={labels.shape[0]}]) with reduction='none'")
 
     size = 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
     rank = 0 if size == 1 else dist.get_rank(group)
@@ -148,23 +162,43 @@ def ring_linear_cross_entropy(
 
     if block_size == 0:
         block_size = auto_block_size(max(tokens), hidden.element_size())
+    in_forward = grad == "in-forward" and torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad)
+    if in_forward and chunk_tokens == 0:
+        chunk_tokens = auto_chunk_tokens(max(shard_rows), hidden.element_size(), size)
     plan = RingPlan(
         group=group if size > 1 else None, rank=rank, size=size, tokens=tokens, shard_rows=shard_rows,
         schedule=resolve_schedule(schedule, max(tokens), V, size) if size > 1 else "single",
         block_size=block_size, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         ops=block_ops(kernel, hidden.device), acc_dtype_fp32=accumulate == "fp32",
-        dw_into_main_grad=dw_into_main_grad,
+        dw_into_main_grad=dw_into_main_grad, chunk_rows=chunk_rows(chunk_tokens, size) if in_forward else 0,
     )
     stats.record("vocab", "schedule", plan.schedule)
     stats.record("vocab", "kernel", plan.ops.name)
-    folded_tokens = max(tokens) if plan.schedule == "activations" else hidden.shape[0]  # visitors, or own
-    stats.peak("vocab", "block_logits_bytes", folded_tokens * min(block_size, max(shard_rows)) * 4)
+    stats.record("vocab", "grad", "in-forward" if in_forward else "recompute")
+    if in_forward:
+        stats.peak("vocab", "block_logits_bytes", plan.chunk_rows * size * shard_rows[rank] * 4)
+    else:
+        folded_tokens = max(tokens) if plan.schedule == "activations" else hidden.shape[0]  # visitors, or own
+        stats.peak("vocab", "block_logits_bytes", folded_tokens * min(block_size, max(shard_rows)) * 4)
     stats.add("vocab", "calls", 1)
 
     eff_labels = torch.where(valid, labels, torch.full_like(labels, -1))
-    loss = RingLinearCrossEntropy.apply(hidden.contiguous(), weight_shard.contiguous(), eff_labels, valid, plan)
+    if in_forward:
+        hint = _per_token_hint(grad_hint, reduction, valid)
+        loss = InForwardLinearCrossEntropy.apply(hidden.contiguous(), weight_shard.contiguous(), eff_labels, valid,
+                                                 hint, plan)
+    else:
+        loss = RingLinearCrossEntropy.apply(hidden.contiguous(), weight_shard.contiguous(), eff_labels, valid, plan)
     if reduction == "sum":
         return loss.sum()
     if reduction == "mean":
         return loss.sum() / valid.sum()
     return loss
+
+
+def _per_token_hint(grad_hint: float | torch.Tensor | None, reduction: str, valid: torch.Tensor) -> torch.Tensor:
+    """The gradient each token's loss will get, [n] fp32, from the gradient the result will get."""
+    hint = torch.as_tensor(1.0 if grad_hint is None else grad_hint, dtype=torch.float32, device=valid.device)
+    if reduction == "mean":
+        hint = hint / valid.sum()
+    return hint.expand(valid.shape).contiguous() if hint.numel() == 1 else hint.reshape(valid.shape).contiguous()

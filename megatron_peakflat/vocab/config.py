@@ -27,10 +27,23 @@ class VocabConfig(ComponentConfig):
     accumulate: Literal["fp32", "input"] = "fp32"
     """Dtype that dX (and, on a ring, dW) is summed in across vocabulary blocks: 'fp32' (exact, one fp32
     copy of dX) or 'input' (the gradients' own dtype, one rounding per block: bf16 stays at the gradient floor)."""
+    grad: Literal["auto", "recompute", "in-forward"] = "auto"
+    """When dX and dW are computed. 'in-forward': with the loss, a chunk of tokens at a time (6NHV; one
+    [chunk, V/TP] block of logits), for the gradient the loss will get, which Megatron's loss function
+    fixes in advance (loss_mask over the token count and the microbatches); a wrong guess is added by
+    recomputing, so the gradients stay exact. 'recompute': in backward, after recomputing the logits block
+    by block (8NHV; one [tokens, block_size] block). 'auto': in-forward when the output layer's weight
+    gradient goes into DDP's main_grad (an untied output layer), else recompute."""
+    chunk_tokens: int = 0
+    """Tokens per chunk of the in-forward schedule, over the tensor-parallel group (0: automatic, one
+    [chunk, V/TP] block of logits is about 1 GiB)."""
     check_labels: bool = False
     """Check every step that labels lie in [0, vocab) or equal ignore_index (costs one host sync)."""
 
     def validate(self) -> None:
+        if 0 < self.chunk_tokens < 128:
+            raise PeakflatConfigError(self.flag("chunk_tokens"), self.chunk_tokens, "chunks under 128 tokens waste the GPU",
+                                      "pass 0 (automatic) or at least 1024 tokens, e.g. --peakflat-vocab-chunk-tokens 4096")
         if self.block_size and self.block_size < 16:
             raise PeakflatConfigError(self.flag("block_size"), self.block_size, "blocks under 16 rows waste the GPU",
                                       "pass 0 (automatic) or a block of 1024-16384 rows, e.g. --peakflat-vocab-block-size 4096")

@@ -28,7 +28,7 @@ from .. import stats
 from ..main_grad import handed_to_main_grad, main_grad_of
 from ..memory.meter import region
 
-__all__ = ["RingPlan", "RingLinearCrossEntropy"]
+__all__ = ["RingPlan", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss"]
 
 _TAG_INPUT, _TAG_STATE = 0, 8
 
@@ -54,6 +54,8 @@ class RingPlan:
     """Accumulate dX (and a travelling or visited dW) in fp32; else in the gradients' own dtype."""
     dw_into_main_grad: bool = False
     """Add dW into the weight's Megatron DDP ``main_grad`` when it has one (``main_grad.py``)."""
+    chunk_rows: int = 0
+    """Own tokens per chunk of the in-forward schedule (``in_forward.py``); 0: the recompute schedules."""
 
     def acc_dtype(self, t: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.acc_dtype_fp32 else t.dtype
@@ -188,6 +190,30 @@ def _backward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: 
     return dx.to(x.dtype), cur_dw.to(w.dtype)
 
 
+def backward_ring(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor,
+                  sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dX (x's dtype) and dW (None when added into ``sink``) of the recompute schedule of ``plan``."""
+    if plan.size == 1:
+        return _backward_single(plan, x, w, labels, coef, sink)
+    if plan.schedule == "activations":
+        return _backward_activations(plan, x, w, labels, coef, sink)
+    return _backward_weights(plan, x, w, labels, coef, sink)
+
+
+def coefficients(plan: RingPlan, lse: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The [4, n] (lse, a, b, c) of ``grad_logits_*`` for per-token upstream gradient ``g`` (0 where ignored)."""
+    eps = plan.label_smoothing
+    return torch.stack([lse, g, g * (1.0 - eps), g * (eps / plan.vocab_size)]).contiguous()
+
+
+def finish_loss(plan: RingPlan, state: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) per token from the completed (max, sum-exp, target, sum) ``state``; 0 loss where ignored."""
+    eps = plan.label_smoothing
+    lse = state[0] + torch.log(state[1])
+    loss = lse - (1.0 - eps) * state[2] - (eps / plan.vocab_size) * state[3]
+    return torch.where(valid, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)), lse
+
+
 class RingLinearCrossEntropy(torch.autograd.Function):
     """Per-token loss [n] (fp32) of ``hidden @ W.T`` against ``labels``, W sharded over ``plan``'s ring.
 
@@ -205,10 +231,7 @@ class RingLinearCrossEntropy(torch.autograd.Function):
             state = _forward_activations(plan, hidden, weight, labels)
         else:
             state = _forward_weights(plan, hidden, weight, labels)
-        eps = plan.label_smoothing
-        lse = state[0] + torch.log(state[1])
-        loss = lse - (1.0 - eps) * state[2] - (eps / plan.vocab_size) * state[3]
-        loss = torch.where(valid, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+        loss, lse = finish_loss(plan, state, valid)
         ctx.save_for_backward(hidden, weight, labels, valid, lse)
         ctx.plan = plan
         return loss
@@ -219,16 +242,9 @@ class RingLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, labels, valid, lse = ctx.saved_tensors
         plan: RingPlan = ctx.plan
         g = torch.where(valid, grad_loss.float(), torch.zeros((), device=grad_loss.device))
-        eps = plan.label_smoothing
-        coef = torch.stack([lse, g, g * (1.0 - eps), g * (eps / plan.vocab_size)]).contiguous()
         # a saved leaf unpacks as the parameter object itself, with its main_grad
         sink = main_grad_of(weight) if plan.dw_into_main_grad and ctx.needs_input_grad[1] else None
-        if plan.size == 1:
-            dx, dw = _backward_single(plan, hidden, weight, labels, coef, sink)
-        elif plan.schedule == "activations":
-            dx, dw = _backward_activations(plan, hidden, weight, labels, coef, sink)
-        else:
-            dx, dw = _backward_weights(plan, hidden, weight, labels, coef, sink)
+        dx, dw = backward_ring(plan, hidden, weight, labels, coefficients(plan, lse, g), sink)
         if sink is not None:
             stats.add("vocab", "dw_into_main_grad", 1)
             dw = handed_to_main_grad(weight)

@@ -1,0 +1,26 @@
+"""Ring-DTP's automatic block and chunk sizes as torch-free arithmetic (the API's and the planner's)."""
+
+from __future__ import annotations
+
+__all__ = ["AUTO_BLOCK_BYTES", "AUTO_CHUNK_BYTES", "auto_block_size", "auto_chunk_tokens"]
+
+AUTO_BLOCK_BYTES = 128 * 2**20
+"""Target size of one [tokens, block] block of logits of the recompute schedules when ``block_size=0``."""
+
+AUTO_CHUNK_BYTES = 1024 * 2**20
+"""Target size of one [chunk, V/P] block of logits of the in-forward schedule when ``chunk_tokens=0``."""
+
+
+def auto_block_size(tokens: int, element_size: int) -> int:
+    """Vocabulary rows per block so that one [tokens, rows] block of logits is about AUTO_BLOCK_BYTES
+    (a multiple of 256 rows, between 256 and 16384): big enough for efficient GEMMs, small next to dW."""
+    rows = AUTO_BLOCK_BYTES // max(1, int(tokens) * element_size)
+    return int(min(16384, max(256, rows // 256 * 256)))
+
+
+def auto_chunk_tokens(shard_rows: int, element_size: int, ring_size: int) -> int:
+    """Tokens per in-forward chunk (over the whole ring) so that its [tokens, shard_rows] logits are about
+    AUTO_CHUNK_BYTES: a multiple of 128 tokens per rank, at least 128 per rank. Fewer chunks mean fewer
+    passes over dW (one read-modify-write of the shard's dW per chunk)."""
+    per_rank = AUTO_CHUNK_BYTES // max(1, int(shard_rows) * element_size * ring_size)
+    return int(max(128, per_rank // 128 * 128) * ring_size)

@@ -1,0 +1,187 @@
+"""Ring-DTP with the gradients computed in the forward pass (``grad='in-forward'``) against
+F.cross_entropy on the full logits: loss, dX and dW, fp32, gloo world 1/2/4.
+
+Covers chunks smaller than a rank's tokens and token counts that differ per rank (ranks run out of
+tokens at different chunks), uneven shards, ignore_index, label smoothing, an all-ignored batch, dW
+into main_grad or returned, a correct hint (no recompute) and a wrong one (the difference recomputed:
+still exact), reduction mean/sum, no-grad (loss only), and the bounded working set.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_peakflat import stats
+from megatron_peakflat.testing import LiveBytesMeter, run_distributed
+from megatron_peakflat.vocab import reference_linear_cross_entropy, ring_linear_cross_entropy
+from megatron_peakflat.vocab.api import auto_chunk_tokens
+
+H = 16
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+CASES = [
+    # (V, tokens per rank (cycled), chunk tokens over the ring, label smoothing, ignore fraction, all ignored,
+    #  into main_grad, hint: 'right' | 'wrong')
+    (103, [13, 7, 11, 5], 4, 0.0, 0.2, False, False, "right"),
+    (97, [29, 31, 17, 23], 16, 0.1, 0.1, False, True, "right"),
+    (61, [9, 14, 3, 8], 1000, 0.05, 0.0, False, True, "wrong"),
+    (61, [9, 14, 3, 8], 6, 0.0, 0.3, False, False, "wrong"),
+    (61, [9, 14, 3, 8], 5, 0.0, 0.0, True, True, "right"),
+]
+
+
+def _shards(V: int, P: int) -> list[int]:
+    base = [V // P + (r % 3) - 1 for r in range(P)] if P > 1 else [V]
+    base[-1] = V - sum(base[:-1])
+    return base
+
+
+def _checks(rank: int, world: int) -> list[str]:
+    group = dist.new_group(list(range(world)))
+    done = []
+    for i, (V, toks, chunk, eps, ign, all_ign, into, hint) in enumerate(CASES):
+        tokens = [toks[r % len(toks)] for r in range(world)]
+        shards = _shards(V, world)
+        start = sum(shards[:rank])
+        g = torch.Generator().manual_seed(200 + i)
+        w = torch.randn(V, H, generator=g) * 0.5
+        xs = [torch.randn(n, H, generator=g) for n in tokens]
+        ys = []
+        for n in tokens:
+            y = torch.randint(0, V, (n,), generator=g)
+            y[torch.rand(n, generator=g) < ign] = -100
+            if all_ign:
+                y[:] = -100
+            ys.append(y)
+        gs = [torch.randn(n, generator=g) for n in tokens]
+        # 'right': the hint is the real upstream gradient; 'wrong': it is off on some tokens
+        hints = [gg.clone() if hint == "right" else gg + (torch.rand(n, generator=g) < 0.5) * 0.7
+                 for gg, n in zip(gs, tokens)]
+
+        wr = w.clone().requires_grad_(True)
+        xr = [t.clone().requires_grad_(True) for t in xs]
+        refs = [reference_linear_cross_entropy(xr[r], wr, ys[r], label_smoothing=eps) for r in range(world)]
+        sum((l * gg).sum() for l, gg in zip(refs, gs)).backward()
+        ref_dw = wr.grad[start:start + shards[rank]]
+
+        x = xs[rank].clone().requires_grad_(True)
+        wp = w[start:start + shards[rank]].clone().requires_grad_(True)
+        held = torch.randn(wp.shape, generator=torch.Generator().manual_seed(rank))
+        if into:
+            wp.main_grad, wp.grad_added_to_main_grad = held.clone(), False
+        stats.reset()
+        loss = ring_linear_cross_entropy(x, wp, ys[rank], group, label_smoothing=eps, kernel="torch", vocab_size=V,
+                                         grad="in-forward", grad_hint=hints[rank], chunk_tokens=chunk,
+                                         dw_into_main_grad=into, accumulate="input" if i % 2 else "fp32")
+        (loss * gs[rank]).sum().backward()
+        what = f"case {i} (V={V}, P={world}, chunk={chunk}, hint {hint})"
+        st = stats.snapshot()["vocab"]
+        assert st["grad"] == "in-forward", what
+        assert st.get("hint_corrections", 0) == (1 if hint == "wrong" and not all_ign else 0), (what, st)
+        assert st["in_forward_chunks"] == -(-max(tokens) // -(-chunk // world)), (what, st)
+        assert loss.shape == (tokens[rank],) and loss.dtype == torch.float32, what
+        assert torch.all(loss[ys[rank] == -100] == 0), what
+        dw = (wp.main_grad - held) if into else wp.grad
+        if into:
+            assert wp.grad_added_to_main_grad, what
+        if all_ign:
+            assert torch.all(loss == 0) and torch.all(x.grad == 0) and torch.all(dw == 0), what
+        else:
+            assert _rel(loss, refs[rank]) < 1e-5, (what, "loss", _rel(loss, refs[rank]))
+            assert _rel(x.grad, xr[rank].grad) < 1e-5, (what, "dX", _rel(x.grad, xr[rank].grad))
+            assert _rel(dw, ref_dw) < 1e-5, (what, "dW", _rel(dw, ref_dw))
+        done.append(what)
+
+    # no autograd: the loss only (no gradient work, no chunks counted)
+    V, n = 50, 12
+    shards = _shards(V, world)
+    start = sum(shards[:rank])
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(V, H, generator=g)
+    xs = [torch.randn(n, H, generator=g) for _ in range(world)]
+    ys = [torch.randint(0, V, (n,), generator=g) for _ in range(world)]
+    stats.reset()
+    with torch.no_grad():
+        loss = ring_linear_cross_entropy(xs[rank], w[start:start + shards[rank]], ys[rank], group, grad="in-forward")
+    assert stats.snapshot()["vocab"]["grad"] == "recompute" and "in_forward_chunks" not in stats.snapshot()["vocab"]
+    assert _rel(loss, reference_linear_cross_entropy(xs[rank], w, ys[rank])) < 1e-5
+    return done
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_in_forward_matches_full_cross_entropy(world: int) -> None:
+    out = run_distributed(_checks, world, timeout=180)
+    assert all(len(o) == len(CASES) for o in out)
+
+
+@pytest.mark.parametrize("reduction,hint", [("mean", None), ("sum", None), ("mean", 0.25), ("sum", 3.0)])
+def test_reductions_take_their_hint(reduction: str, hint: float | None) -> None:
+    """The default hint (1.0) is what ``.backward()`` of a mean or sum gives: no recompute; a hint that is
+    a number scales it the same way the reduction's gradient does."""
+    torch.manual_seed(1)
+    x = torch.randn(41, H, requires_grad=True)
+    w = torch.randn(77, H, requires_grad=True)
+    y = torch.randint(0, 77, (41,))
+    y[::5] = -100
+    stats.reset()
+    out = ring_linear_cross_entropy(x, w, y, reduction=reduction, grad="in-forward", grad_hint=hint, chunk_tokens=8)
+    ref = reference_linear_cross_entropy(x, w, y, reduction=reduction)
+    scale = 1.0 if hint is None else hint
+    grads = torch.autograd.grad(out, (x, w), torch.tensor(scale))
+    ref_grads = torch.autograd.grad(ref, (x, w), torch.tensor(scale))
+    assert stats.snapshot()["vocab"].get("hint_corrections", 0) == 0
+    assert _rel(out, ref) < 1e-5
+    for a, b in zip(grads, ref_grads):
+        assert _rel(a, b) < 1e-5
+
+
+def test_bad_hint_shape_and_chunk() -> None:
+    x, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="grad_hint of shape"):
+        ring_linear_cross_entropy(x, w, y, grad="in-forward", grad_hint=torch.ones(3), reduction="none")
+    with pytest.raises(ValueError, match="grad_hint of shape"):
+        ring_linear_cross_entropy(x, w, y, grad="in-forward", grad_hint=torch.ones(4), reduction="mean")
+    with pytest.raises(ValueError, match="grad='sideways'"):
+        ring_linear_cross_entropy(x, w, y, grad="sideways")
+    with pytest.raises(ValueError, match="chunk_tokens=-1"):
+        ring_linear_cross_entropy(x, w, y, grad="in-forward", chunk_tokens=-1)
+
+
+def test_auto_chunk_tokens() -> None:
+    # one [chunk, V/P] block of about 1 GiB (bf16), a multiple of 128 tokens per rank
+    assert auto_chunk_tokens(201088, 2, 1) == 2560
+    assert auto_chunk_tokens(100544, 2, 2) == 2 * 2560
+    assert auto_chunk_tokens(10**9, 2, 4) == 4 * 128
+
+
+def _extra_peak(n: int, V: int, chunk: int) -> int:
+    torch.manual_seed(0)
+    x = torch.randn(n, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    w.main_grad, w.grad_added_to_main_grad = torch.zeros(V, H), False
+    y = torch.randint(0, V, (n,))
+    with LiveBytesMeter() as meter:
+        loss = ring_linear_cross_entropy(x, w, y, grad="in-forward", chunk_tokens=chunk, kernel="torch",
+                                         dw_into_main_grad=True)
+        loss.sum().backward()
+        peak = meter.peak - x.grad.nbytes  # dX itself is the floor; dW went into main_grad
+    return peak
+
+
+def test_in_forward_working_set_is_one_chunk() -> None:
+    """The working set is one [chunk, V] block (the CPU kernel's fp32 temporaries) and per-token state:
+    it does not grow with the tokens, and no [n, V] logits exist."""
+    chunk, V = 32, 2048
+    peaks = {n: _extra_peak(n, V, chunk) for n in (128, 512, 2048)}
+    bound = 4 * chunk * V * 4 + 2 * chunk * H * 4
+    for n, p in peaks.items():
+        assert p <= bound + 64 * n, (n, p, bound)
+        assert p < n * V * 4 // 4 or n <= chunk * 4, (n, p)
+    assert peaks[2048] - peaks[128] <= 64 * (2048 - 128), peaks  # only O(n) per-token state grows
