@@ -126,6 +126,13 @@ def environment() -> dict[str, Any]:
     return {"device": dev, "torch": torch.__version__, "megatron_core": mcore}
 
 
+def _command_line() -> str:
+    """This process's command line; under torchrun, the torchrun line (every rank sees only the script)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = f"torchrun --nproc-per-node {world_size}" if world_size > 1 else Path(sys.executable).name
+    return " ".join([launcher, *sys.argv])
+
+
 def write(component: str, rows: list[Row], *, command: str | None = None, out: Path | None = None,
           merge: bool = False) -> Path:
     """Write ``bench/results/<component>.json`` (and a copy under $OUT when set).
@@ -133,7 +140,7 @@ def write(component: str, rows: list[Row], *, command: str | None = None, out: P
     ``merge``: when the file exists, keep its rows and top-level fields and put ``rows`` in: a row with
     the case and method of an existing one replaces it in place, the others are appended; the command
     line is added to ``merged_commands`` (the file's own ``command`` stays that of its main run)."""
-    command = command or " ".join([sys.executable, *sys.argv])
+    command = command or _command_line()
     path = out or RESULTS / f"{component}.json"
     doc = {"component": component, **environment(), "command": command, "rows": [asdict(r) for r in rows]}
     if merge and path.exists():

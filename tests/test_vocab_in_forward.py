@@ -155,10 +155,12 @@ def test_bad_hint_shape_and_chunk() -> None:
 
 
 def test_auto_chunk_tokens() -> None:
-    # one [chunk, V/P] block of about 1 GiB (bf16), a multiple of 128 tokens per rank
-    assert auto_chunk_tokens(201088, 2, 1) == 2560
-    assert auto_chunk_tokens(100544, 2, 2) == 2 * 2560
-    assert auto_chunk_tokens(10**9, 2, 4) == 4 * 128
+    # at most 2 GiB of [chunk, V/P] bf16 logits and 1/8 of the tokens, a multiple of 128 tokens per rank
+    assert auto_chunk_tokens(201088, 2, 1, 32768) == 4096  # 1/8 of the tokens (2 GiB would be 5340)
+    assert auto_chunk_tokens(201088, 2, 1, 10**6) == 5248  # 2 GiB
+    assert auto_chunk_tokens(100544, 2, 2, 32768) == 2 * 2048
+    assert auto_chunk_tokens(100544, 2, 2, 16384) == 2 * 1024
+    assert auto_chunk_tokens(10**9, 2, 4, 10**6) == 4 * 128  # at least 128 per rank
 
 
 def _extra_peak(n: int, V: int, chunk: int) -> int:

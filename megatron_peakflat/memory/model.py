@@ -454,7 +454,7 @@ def vocab_in_forward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float
     P, n, w = run.tp, run.tp_tokens, run.w
     shard = s.vocab / P
     acc = 4 if pf.vocab.accumulate == "fp32" else w
-    chunk = pf.vocab.chunk_tokens or auto_chunk_tokens(math.ceil(shard), w, P)
+    chunk = pf.vocab.chunk_tokens or auto_chunk_tokens(math.ceil(shard), w, P, int(n * P))
     rows = min(math.ceil(chunk / P), math.ceil(n))
     c = rows * P
     block = c * shard * (BLOCK_TEMPORARIES * 4 if pf.vocab.kernel == "torch" else w)

@@ -80,7 +80,8 @@ def ring_linear_cross_entropy(
     gradient is this loss's (not an embedding tied to it). Without ``main_grad`` it changes nothing.
 
     ``grad='in-forward'`` (``in_forward.py``) computes dX and dW in the forward pass, a chunk of
-    ``chunk_tokens`` tokens (over the whole ring; 0: a [chunk, V/P] block of about ``AUTO_CHUNK_BYTES``)
+    ``chunk_tokens`` tokens (over the whole ring; 0: ``sizes.auto_chunk_tokens``, at most 2 GiB of logits
+    and 1/8 of the tokens)
     at a time: 6NHV instead of the recompute's 8NHV, one [chunk, V/P] block of logits instead of an
     [n, block_size] one. It needs the gradient that the result will receive, ``grad_hint``: a number,
     or [n] per token for ``reduction='none'`` (default 1.0: the result is summed, or is the scalar loss).
@@ -164,7 +165,7 @@ def ring_linear_cross_entropy(
         block_size = auto_block_size(max(tokens), hidden.element_size())
     in_forward = grad == "in-forward" and torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad)
     if in_forward and chunk_tokens == 0:
-        chunk_tokens = auto_chunk_tokens(max(shard_rows), hidden.element_size(), size)
+        chunk_tokens = auto_chunk_tokens(max(shard_rows), hidden.element_size(), size, sum(tokens))
     plan = RingPlan(
         group=group if size > 1 else None, rank=rank, size=size, tokens=tokens, shard_rows=shard_rows,
         schedule=resolve_schedule(schedule, max(tokens), V, size) if size > 1 else "single",

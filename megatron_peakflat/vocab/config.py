@@ -35,8 +35,8 @@ class VocabConfig(ComponentConfig):
     by block (8NHV; one [tokens, block_size] block). 'auto': in-forward when the output layer's weight
     gradient goes into DDP's main_grad (an untied output layer), else recompute."""
     chunk_tokens: int = 0
-    """Tokens per chunk of the in-forward schedule, over the tensor-parallel group (0: automatic, one
-    [chunk, V/TP] block of logits is about 1 GiB)."""
+    """Tokens per chunk of the in-forward schedule, over the tensor-parallel group (0: automatic, at most
+    2 GiB of [chunk, V/TP] logits and 1/8 of the tokens)."""
     check_labels: bool = False
     """Check every step that labels lie in [0, vocab) or equal ignore_index (costs one host sync)."""
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["AUTO_BLOCK_BYTES", "AUTO_CHUNK_BYTES", "auto_block_size", "auto_chunk_tokens"]
+__all__ = ["AUTO_BLOCK_BYTES", "AUTO_CHUNK_BYTES", "AUTO_CHUNKS_AT_LEAST", "auto_block_size", "auto_chunk_tokens"]
 
 AUTO_BLOCK_BYTES = 128 * 2**20
 """Target size of one [tokens, block] block of logits of the recompute schedules when ``block_size=0``."""
 
-AUTO_CHUNK_BYTES = 1024 * 2**20
-"""Target size of one [chunk, V/P] block of logits of the in-forward schedule when ``chunk_tokens=0``."""
+AUTO_CHUNK_BYTES = 2048 * 2**20
+"""Largest [chunk, V/P] block of logits of the in-forward schedule when ``chunk_tokens=0``."""
+
+AUTO_CHUNKS_AT_LEAST = 8
+"""... and at most this fraction (1/8) of the whole [N, V/P] logits, so that the working set stays a
+small part of what Megatron's vocab-parallel cross-entropy holds at any N."""
 
 
 def auto_block_size(tokens: int, element_size: int) -> int:
@@ -18,9 +22,12 @@ def auto_block_size(tokens: int, element_size: int) -> int:
     return int(min(16384, max(256, rows // 256 * 256)))
 
 
-def auto_chunk_tokens(shard_rows: int, element_size: int, ring_size: int) -> int:
-    """Tokens per in-forward chunk (over the whole ring) so that its [tokens, shard_rows] logits are about
-    AUTO_CHUNK_BYTES: a multiple of 128 tokens per rank, at least 128 per rank. Fewer chunks mean fewer
-    passes over dW (one read-modify-write of the shard's dW per chunk)."""
-    per_rank = AUTO_CHUNK_BYTES // max(1, int(shard_rows) * element_size * ring_size)
+def auto_chunk_tokens(shard_rows: int, element_size: int, ring_size: int, total_tokens: int) -> int:
+    """Tokens per in-forward chunk (over the whole ring, ``total_tokens`` in all): the larger the chunk,
+    the fewer passes over dW (one read-modify-write of the shard's fp32 dW per chunk), so as large as
+    AUTO_CHUNK_BYTES of [chunk, shard_rows] logits and 1/AUTO_CHUNKS_AT_LEAST of all tokens allow; a
+    multiple of 128 tokens per rank, at least 128 per rank."""
+    tokens = min(AUTO_CHUNK_BYTES // max(1, int(shard_rows) * element_size),
+                 -(-int(total_tokens) // AUTO_CHUNKS_AT_LEAST))
+    per_rank = tokens // ring_size
     return int(max(128, per_rank // 128 * 128) * ring_size)

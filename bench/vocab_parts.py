@@ -1,0 +1,107 @@
+"""Where one in-forward Ring-DTP chunk spends its time on one GPU: each step of ``in_forward.py``'s loop
+timed alone (CUDA events, median of ``--reps``), against the whole call.
+
+    python bench/vocab_parts.py                       # N=32768, H=7168, V=201088, chunk 4096 (bf16)
+    python bench/vocab_parts.py --case 16384x4096x201088 --chunk 2048
+
+Rows (bench/results/vocab_parts.json): per chunk ``logits`` (x @ W.T), ``fold`` (Triton log-sum-exp
+pass), ``grad`` (Triton in-place softmax gradient), ``dx`` (G @ W), ``dw`` (G.T @ x added into an fp32
+main_grad); ``chunks x sum`` and the measured ``whole call`` (forward + backward of the mean loss).
+``extra`` has each step's TFLOP/s or GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import Row, write  # noqa: E402
+from megatron_peakflat.matmul import accumulate_mm  # noqa: E402
+from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
+from megatron_peakflat.vocab.block_triton import fold_logits_triton, grad_logits_triton  # noqa: E402
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", default="32768x7168x201088", help="NxHxV (default: %(default)s)")
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/vocab_parts.py needs a CUDA device")
+    N, H, V = (int(t) for t in args.case.lower().split("x"))
+    c = args.chunk
+    case = f"N={N},H={H},V={V},tp=1,chunk={c}"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
+    y = torch.randint(0, V, (N,), device="cuda", generator=g)
+    main_grad = torch.zeros(V, H, device="cuda")
+    xc, yc = x[:c], y[:c]
+    z = xc @ w.t()
+    st = torch.zeros(4, c, device="cuda")
+    coef = torch.stack([torch.full((c,), 12.0, device="cuda"), *(torch.full((c,), 1.0 / N, device="cuda"),) * 3])
+    dx = torch.empty(c, H, device="cuda", dtype=torch.bfloat16)
+
+    def fold() -> None:
+        st.zero_()
+        st[0].fill_(float("-inf"))
+        fold_logits_triton(z, yc, st)
+
+    flops = 2.0 * c * H * V
+    zbytes = c * V * 2
+    parts = {
+        "logits": (lambda: torch.mm(xc, w.t(), out=z), flops),
+        "fold": (fold, -zbytes),
+        "grad": (lambda: grad_logits_triton(z, yc, coef), -2 * zbytes),
+        "dx": (lambda: torch.mm(z, w, out=dx), flops),
+        "dw": (lambda: accumulate_mm(main_grad, z.t(), xc), flops),
+    }
+    rows: list[Row] = []
+    total = 0.0
+    n_chunks = -(-N // c)
+    for name, (fn, work) in parts.items():
+        ms = _time(fn, args.reps)
+        total += ms
+        rate = {"tflops": work / ms / 1e9} if work > 0 else {"gb_s": -work / ms / 1e6}
+        rows.append(Row(case, name, None, round(ms, 3), None, rate))
+        print(f"{case} {name:8s} {ms:8.3f} ms/chunk  {rate}", flush=True)
+    rows.append(Row(case, "chunks x sum", None, round(total * n_chunks, 2), None, {"chunks": n_chunks}))
+    xr = x.clone().requires_grad_(True)
+    wr = w.clone().requires_grad_(True)
+    wr.main_grad, wr.grad_added_to_main_grad = main_grad, False
+
+    def whole() -> None:
+        loss = ring_linear_cross_entropy(xr, wr, y, reduction="mean", grad="in-forward", chunk_tokens=c,
+                                         dw_into_main_grad=True)
+        torch.autograd.grad(loss, (xr, wr))
+
+    ms = _time(whole, args.reps)
+    rows.append(Row(case, "whole call", None, round(ms, 2), None, {"ideal_6nhv_at_dx_rate_ms":
+                                                                     round(3 * n_chunks * rows[3].ms, 2)}))
+    print(f"{case} chunks x sum {total * n_chunks:8.2f} ms; whole call {ms:8.2f} ms", flush=True)
+    write("vocab_parts", rows, merge=True)
+
+
+if __name__ == "__main__":
+    main()
