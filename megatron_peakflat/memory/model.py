@@ -449,7 +449,9 @@ def vocab_in_forward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float
     """The in-forward schedule (vocab/in_forward.py): this rank's dX (x's dtype) and one chunk: its
     [chunk, V/P] logits (one block in the input dtype with the Triton kernel, fp32 temporaries with the
     plain-PyTorch one) and, on a ring, the gathered hidden states (this chunk's and the next one's in
-    flight), the partial dX and the received share of it (two: one still reducing). dW goes into
+    flight), the partial dX and the received share of it (two of each: the previous chunk's is still
+    reducing). Measured on 2 H200s (bench/results/vocab.json, tp=2, peakflat-fwd-main-grad): 1.4239 GiB
+    at N=32768, H=7168 and 0.5713 GiB at N=16384, H=4096, as this gives; 1.9727 GiB at TP=1. dW goes into
     main_grad (untied) or an accumulator in ``accumulate``'s dtype cast to the weight's dtype at the end."""
     P, n, w = run.tp, run.tp_tokens, run.w
     shard = s.vocab / P
@@ -458,7 +460,7 @@ def vocab_in_forward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float
     rows = min(math.ceil(chunk / P), math.ceil(n))
     c = rows * P
     block = c * shard * (BLOCK_TEMPORARIES * 4 if pf.vocab.kernel == "torch" else w)
-    ring = (2 * c * s.hidden * w + c * s.hidden * acc + 2 * rows * s.hidden * acc) if P > 1 else 0
+    ring = (2 * c * s.hidden * w + 2 * c * s.hidden * acc + 2 * rows * s.hidden * acc) if P > 1 else 0
     dw = 0 if not s.tied_embeddings else shard * s.hidden * acc
     end = 0 if not s.tied_embeddings else shard * s.hidden * w
     return n * s.hidden * w + dw + max(block + ring, end)
