@@ -13,7 +13,6 @@ main_grad); ``chunks x sum`` and the measured ``whole call`` (forward + backward
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -22,23 +21,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, write  # noqa: E402
+from bench.harness import Row, measure, write  # noqa: E402
 from megatron_peakflat.matmul import accumulate_mm  # noqa: E402
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 from megatron_peakflat.vocab.block_triton import fold_logits_triton, grad_logits_triton  # noqa: E402
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return measure(fn, warmup=1, reps=reps)[1]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,8 @@
 #
 # Environment (defaults in brackets): GPUS_PER_NODE [all visible], NUM_LAYERS [4], HIDDEN [1024],
 # HEADS [8], FFN [2816], MOE_FFN [704], EXPERTS [8], TOPK [2], EP [GPUS_PER_NODE*NNODES, capped at EXPERTS],
-# TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8], TRAIN_ITERS [20], VOCAB [32768],
+# TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8], TRAIN_ITERS [20], VOCAB [32768], UNTIE [1] (0: output
+# layer tied to the embedding),
 # PEAKFLAT [on], PEAKFLAT_COMPONENTS [dispatch,vocab,sco,optimizer], CHUNK_CAP [4096], DATA_PATH, TOKENIZER_MODEL, PYTHON [python3].
 #
 #SBATCH --job-name=peakflat-moe
@@ -46,15 +47,17 @@ TRAIN_ITERS=${TRAIN_ITERS:-20}
 VOCAB=${VOCAB:-32768}
 PEAKFLAT=${PEAKFLAT:-on}
 CHUNK_CAP=${CHUNK_CAP:-4096}
+UNTIE=${UNTIE:-1}
 
 MODEL=(
   --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --ffn-hidden-size "$FFN"
   --num-experts "$EXPERTS" --moe-router-topk "$TOPK" --moe-ffn-hidden-size "$MOE_FFN"
   --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
   --disable-bias-linear --normalization RMSNorm --swiglu --position-embedding-type rope
-  --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0
+  --hidden-dropout 0 --attention-dropout 0
   --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
 )
+if [[ "$UNTIE" == 1 ]]; then MODEL+=(--untie-embeddings-and-output-weights); fi
 # No dropout, as MoE pretraining recipes run; with --hidden-dropout > 0 PipelinedLLEP's fused recompute
 # (--peakflat-dispatch-fuse-recompute) turns itself off, logged, and each MoE layer pays one more expert forward.
 PARALLEL=(

@@ -14,15 +14,17 @@ hands over an ``empty`` dummy of the weight's size instead, one transient weight
 parameter at the start of backward. Where the placeholder could be read (``param.grad`` already set,
 or ``zero_out_wgrad``) it is a stride-0 zero tensor, which AccumulateGrad densifies into zeros.
 
-Only for parameters whose whole gradient comes from that kernel: a parameter that also receives a
-gradient through autograd elsewhere (a tied embedding) would lose that part.
+A parameter that also receives gradients through autograd elsewhere (an output layer tied to the
+input embedding, on the stage that also looks tokens up) must keep DDP's hook adding those: the kernel
+adds its share into ``main_grad`` and returns no gradient for it (``None``), leaving the flag unset, so
+the hook adds ``param.grad``, which holds only the other uses' gradients (``release``).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["main_grad_of", "handed_to_main_grad"]
+__all__ = ["main_grad_of", "handed_to_main_grad", "release"]
 
 
 def main_grad_of(p: torch.Tensor) -> torch.Tensor | None:
@@ -42,3 +44,10 @@ def handed_to_main_grad(p: torch.Tensor) -> torch.Tensor:
             and mg.element_size() % p.element_size() == 0):
         return mg.view(-1).view(p.dtype)[: p.numel()].view(p.shape)
     return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+
+
+def release(p: torch.Tensor, shared: bool) -> torch.Tensor | None:
+    """What a backward returns for ``p`` after adding its own gradient into ``p.main_grad``: nothing when
+    ``shared`` (``p`` also gets gradients through autograd elsewhere, which DDP's hook must still add),
+    else the placeholder of ``handed_to_main_grad``."""
+    return None if shared else handed_to_main_grad(p)

@@ -258,24 +258,23 @@ def test_vocab_baseline_matches_h200_anchor():
     # Ring-DTP at P=1, bf16 dX accumulation, plain-PyTorch kernel: 3 fp32 blocks + dW + dX, the
     # DESIGN.md gradient floor (3.12 GiB) plus the blocks; the automatic block is 128 MiB / (32768 x 2 B)
     # = 2048 rows.
-    # (A tied output layer: dW is returned, as in the benchmark, which gives the weight no main_grad.)
-    tied = dataclasses.replace(shape, tied_embeddings=True)
+    # (main_grad=False: dW is returned, as in the benchmark, which gives the weight no main_grad.)
     pf = PeakflatConfig()
     pf.vocab = dataclasses.replace(pf.vocab, block_size=8192, accumulate="input", kernel="torch")
-    ring = M.vocab_ring_dtp(tied, RunConfig(seq_len=32768), pf)
+    ring = M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), pf, main_grad=False)
     assert ring == pytest.approx(3 * 32768 * 8192 * 4 + 201088 * 7168 * 2 + 32768 * 7168 * 2)
     # Default (Triton on CUDA, fp32 dX accumulator): dW + fp32 dX + max(one bf16 block, the bf16 dX cast),
     # which is the 3.9991 GiB measured on the H200 (bench/results/vocab.json) to 0.1%.
-    default = M.vocab_ring_dtp(tied, RunConfig(seq_len=32768), PeakflatConfig())
+    default = M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), PeakflatConfig(), main_grad=False)
     assert default == 201088 * 7168 * 2 + 32768 * 7168 * 4 + max(32768 * 2048 * 2, 32768 * 7168 * 2)
     assert abs(default / GIB - 3.9991) / 3.9991 < 0.001
-    # Untied (dW into DDP's main_grad), recomputed: the blocks without dW (autograd's placeholder is
+    # In training (dW into DDP's main_grad), recomputed: the blocks without dW (autograd's placeholder is
     # main_grad's storage).
     pf = PeakflatConfig()
     pf.vocab = dataclasses.replace(pf.vocab, grad="recompute")
     untied = M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), pf)
     assert untied == 32768 * 7168 * 4 + max(32768 * 2048 * 2, 32768 * 7168 * 2)
-    # Untied by default: in-forward, dX and one automatic chunk (4096 tokens: 1/8 of them), which is the
+    # In training by default: in-forward, dX and one automatic chunk (4096 tokens: 1/8 of them), which is the
     # 1.9727 GiB measured on the H200 (bench/results/vocab.json, peakflat-fwd-main-grad, tp=1) to 0.1%.
     in_fwd = M.vocab_ring_dtp(shape, RunConfig(seq_len=32768), PeakflatConfig())
     assert in_fwd == 32768 * 7168 * 2 + 4096 * 201088 * 2
@@ -410,9 +409,8 @@ def test_native_cross_entropy_against_live_bytes():
 def test_ring_dtp_single_rank_within_bound():
     api = pytest.importorskip("megatron_peakflat.vocab.api")
     n, h, v, block = 1024, 64, 8192, 512
-    # dW returned (no main_grad here): the planner's tied-output-layer case
-    shape = ModelShape(name="ce", hidden=h, layers=1, heads=2, kv_heads=2, head_dim=32, ffn=h, vocab=v,
-                       tied_embeddings=True)
+    # dW returned (no main_grad here): the planner's standalone case (main_grad=False)
+    shape = ModelShape(name="ce", hidden=h, layers=1, heads=2, kv_heads=2, head_dim=32, ffn=h, vocab=v)
     hidden = torch.randn(n, h, requires_grad=True)
     w = torch.randn(v, h, requires_grad=True)
     labels = torch.randint(0, v, (n,))
@@ -421,7 +419,7 @@ def test_ring_dtp_single_rank_within_bound():
     with LiveBytesMeter() as m:
         loss = api.ring_linear_cross_entropy(hidden, w, labels, block_size=block, kernel="torch", reduction="sum")
         loss.backward()
-    bound = M.vocab_ring_dtp(shape, RunConfig(seq_len=n, precision="fp32"), pf)
+    bound = M.vocab_ring_dtp(shape, RunConfig(seq_len=n, precision="fp32"), pf, main_grad=False)
     baseline = M.vocab_baseline(shape, RunConfig(seq_len=n, precision="fp32"))
     assert abs(m.peak - bound) / bound < 0.10, (m.peak, bound)
     assert m.peak < baseline / 2  # and far under the logits it never builds
@@ -429,26 +427,26 @@ def test_ring_dtp_single_rank_within_bound():
     w2 = torch.randn(2 * v, h, requires_grad=True)
     with LiveBytesMeter() as m2:
         api.ring_linear_cross_entropy(hidden, w2, labels, block_size=block, kernel="torch", reduction="sum").backward()
-    bound2 = M.vocab_ring_dtp(dataclasses.replace(shape, vocab=2 * v), RunConfig(seq_len=n, precision="fp32"), pf)
+    bound2 = M.vocab_ring_dtp(dataclasses.replace(shape, vocab=2 * v), RunConfig(seq_len=n, precision="fp32"), pf,
+                              main_grad=False)
     assert abs(m2.peak - bound2) / bound2 < 0.10, (m2.peak, bound2)
-    # Untied, with Megatron DDP's main_grad (allocated before, as DDP's buffer is): dW goes there.
+    # With Megatron DDP's main_grad (allocated before, as DDP's buffer is): dW goes there.
     w3 = torch.randn(v, h, requires_grad=True)
     w3.main_grad, w3.grad_added_to_main_grad = torch.zeros(v, h), False
     with LiveBytesMeter() as m3:
         api.ring_linear_cross_entropy(hidden, w3, labels, block_size=block, kernel="torch", reduction="sum",
                                       dw_into_main_grad=True).backward()
     recompute = dataclasses.replace(pf, vocab=dataclasses.replace(pf.vocab, grad="recompute"))
-    untied_shape = dataclasses.replace(shape, tied_embeddings=False)
-    untied = M.vocab_ring_dtp(untied_shape, RunConfig(seq_len=n, precision="fp32"), recompute)
+    untied = M.vocab_ring_dtp(shape, RunConfig(seq_len=n, precision="fp32"), recompute)
     assert w3.grad_added_to_main_grad and abs(m3.peak - untied) / untied < 0.10, (m3.peak, untied)
     assert untied < bound  # no dW of its own during the blocks
-    # Untied, gradients computed with the loss (the default there): dX and one [chunk, V] block.
+    # With main_grad, gradients computed with the loss (the default there): dX and one [chunk, V] block.
     in_fwd = dataclasses.replace(pf, vocab=dataclasses.replace(pf.vocab, chunk_tokens=128))
     w3.main_grad.zero_()
     with LiveBytesMeter() as m4:
         api.ring_linear_cross_entropy(hidden, w3, labels, kernel="torch", reduction="sum", dw_into_main_grad=True,
                                       grad="in-forward", chunk_tokens=128).backward()
-    predicted = M.vocab_ring_dtp(untied_shape, RunConfig(seq_len=n, precision="fp32"), in_fwd)
+    predicted = M.vocab_ring_dtp(shape, RunConfig(seq_len=n, precision="fp32"), in_fwd)
     assert abs(m4.peak - predicted) / predicted < 0.10, (m4.peak, predicted)
 
 
@@ -467,8 +465,8 @@ def test_planner_modules_do_not_import_torch_at_top_level():
 
 def test_ring_dtp_tp2_prediction_against_the_committed_h200_rows():
     """The planner's Ring-DTP term on a ring (TP=2, SP) against the rows measured on 2 H200s
-    (bench/results/vocab.json, N=32768, H=7168): tied output layer (dW returned), untied (dW into
-    DDP's main_grad, recomputed or computed with the loss) and accumulate=input, each within 10%."""
+    (bench/results/vocab.json, N=32768, H=7168): standalone (dW returned), dW into DDP's main_grad
+    (recomputed or computed with the loss) and accumulate=input, each within 10%."""
     import json
     from pathlib import Path
 
@@ -477,14 +475,13 @@ def test_ring_dtp_tp2_prediction_against_the_committed_h200_rows():
     rows = {r["method"]: r for r in json.loads((Path(__file__).resolve().parents[1] / "bench/results/vocab.json")
                                                .read_text())["rows"] if r["case"] == "N=32768,H=7168,V=201088,tp=2"}
     run = RunConfig(seq_len=32768, tp=2, sequence_parallel=True)
-    for method, tied, accumulate, grad in (("peakflat", True, "fp32", "auto"),
-                                           ("peakflat-main-grad", False, "fp32", "recompute"),
-                                           ("peakflat-fwd-main-grad", False, "fp32", "auto"),
-                                           ("peakflat-input", True, "input", "auto")):
-        s = ModelShape(name="v", hidden=7168, layers=1, heads=56, kv_heads=8, head_dim=128, ffn=1024, vocab=201088,
-                       tied_embeddings=tied)
+    for method, main_grad, accumulate, grad in (("peakflat", False, "fp32", "auto"),
+                                                ("peakflat-main-grad", True, "fp32", "recompute"),
+                                                ("peakflat-fwd-main-grad", True, "fp32", "auto"),
+                                                ("peakflat-input", False, "input", "auto")):
+        s = ModelShape(name="v", hidden=7168, layers=1, heads=56, kv_heads=8, head_dim=128, ffn=1024, vocab=201088)
         vc = VocabConfig(impl="ring-dtp", accumulate=accumulate, grad=grad)
-        got = M.vocab_ring_dtp(s, run, PeakflatConfig(vocab=vc))
+        got = M.vocab_ring_dtp(s, run, PeakflatConfig(vocab=vc), main_grad=main_grad)
         measured = rows[method]["peak_gib"] * 2**30
         assert abs(got - measured) / measured < 0.10, (method, got / 2**30, rows[method]["peak_gib"])
     # the in-forward default at N=16384, H=4096 (another chunk size: 1/8 of the tokens)

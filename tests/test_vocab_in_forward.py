@@ -187,3 +187,50 @@ def test_in_forward_working_set_is_one_chunk() -> None:
         assert p <= bound + 64 * n, (n, p, bound)
         assert p < n * V * 4 // 4 or n <= chunk * 4, (n, p)
     assert peaks[2048] - peaks[128] <= 64 * (2048 - 128), peaks  # only O(n) per-token state grows
+
+
+def _ddp_like(p: torch.nn.Parameter) -> None:
+    """Megatron DDP's gradient plumbing on one parameter: an fp32 main_grad and the hook on its
+    AccumulateGrad node that adds ``param.grad`` there unless ``grad_added_to_main_grad``."""
+    p.main_grad, p.grad_added_to_main_grad = torch.zeros(p.shape), False
+
+    def hook(*_):
+        if p.grad is not None and not p.grad_added_to_main_grad:
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    p._acc = p.expand_as(p).grad_fn.next_functions[0][0]  # kept alive, as DDP keeps its grad_accs
+    p._acc.register_hook(hook)
+
+
+@pytest.mark.parametrize("grad", ["recompute", "in-forward"])
+def test_tied_weight_gradient_joins_the_embeddings_in_main_grad(grad: str) -> None:
+    """An output layer tied to the input embedding (weight_shared): dW goes into main_grad, backward returns
+    none for the weight, and the DDP hook adds the embedding's gradient: main_grad is the whole gradient."""
+    torch.manual_seed(3)
+    V, n = 40, 24
+    ids = torch.randint(0, V, (n,))
+    y = torch.randint(0, V, (n,))
+    w0 = torch.randn(V, H)
+    proj = torch.randn(H, H) * 0.3
+
+    def loss_of(w: torch.Tensor, **kw) -> torch.Tensor:
+        h = torch.tanh(torch.nn.functional.embedding(ids, w) @ proj)  # the lookup uses the same weight
+        if kw:
+            return ring_linear_cross_entropy(h, w, y, reduction="mean", kernel="torch", **kw)
+        return reference_linear_cross_entropy(h, w, y, reduction="mean")
+
+    ref = torch.nn.Parameter(w0.clone())
+    loss_of(ref).backward()
+    w = torch.nn.Parameter(w0.clone())
+    _ddp_like(w)
+    stats.reset()
+    loss_of(w, dw_into_main_grad=True, weight_shared=True, grad=grad, chunk_tokens=8).backward()
+    assert stats.snapshot()["vocab"]["dw_into_main_grad"] == 1
+    assert not w.grad_added_to_main_grad and w.grad is None
+    assert _rel(w.main_grad, ref.grad) < 1e-5, _rel(w.main_grad, ref.grad)
+    # without weight_shared the hook would skip the embedding's part: main_grad is short of it
+    w2 = torch.nn.Parameter(w0.clone())
+    _ddp_like(w2)
+    loss_of(w2, dw_into_main_grad=True, grad=grad, chunk_tokens=8).backward()
+    assert _rel(w2.main_grad, ref.grad) > 1e-3

@@ -113,23 +113,27 @@ def _resolve_grad(cfg: Any, into_main_grad: bool, loss_mask: torch.Tensor | None
 
 def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: torch.Tensor | None,
                           labels: torch.Tensor, loss_mask: torch.Tensor | None = None, config: Any = None,
-                          **_: Any) -> torch.Tensor:
-    """Megatron ``output_processor``: per-token loss [b, s] with Ring-DTP; never builds the logits."""
+                          embedding_here: bool = True, **_: Any) -> torch.Tensor:
+    """Megatron ``output_processor``: per-token loss [b, s] with Ring-DTP; never builds the logits.
+    ``embedding_here``: this pipeline stage also holds the input embedding (``GPTModel.pre_process``)."""
     cfg = state.current().vocab
     weight = output_weight if output_weight is not None else output_layer.weight
     group = output_layer.tp_group
     tp = dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
     s_local, b, h = hidden_states.shape
     labels_sb = labels.transpose(0, 1)  # [s, b]
-    into_main_grad = output_weight is None and main_grad_of(weight) is not None  # a tied embedding: no
+    # A tied weight on the stage that also looks tokens up gets the embedding's gradient through autograd
+    # too: dW still goes into main_grad, and DDP's hook adds the embedding's (main_grad.release).
+    shared = output_weight is not None and embedding_here
+    into_main_grad = main_grad_of(weight) is not None
     if into_main_grad:
         info_once("peakflat vocab: the output layer's weight gradient goes straight into DDP's main_grad "
-                  "(no fp32 dW accumulator)")
+                  "(no fp32 dW accumulator)%s", "; the tied embedding's gradient joins it there" if shared else "")
     grad, hint = (_resolve_grad(cfg, into_main_grad, loss_mask, config) if torch.is_grad_enabled()
                   else ("recompute", None))
     hint_sb = None if hint is None else hint.transpose(0, 1)  # [s, b], as labels_sb
     common = dict(schedule=cfg.schedule, block_size=cfg.block_size, kernel=cfg.kernel, accumulate=cfg.accumulate,
-                  check_labels=cfg.check_labels, dw_into_main_grad=output_weight is None, grad=grad,
+                  check_labels=cfg.check_labels, dw_into_main_grad=True, weight_shared=shared, grad=grad,
                   chunk_tokens=cfg.chunk_tokens)
     if tp == 1:
         hint_mine = None if hint_sb is None else hint_sb.reshape(-1)
@@ -186,7 +190,8 @@ def wrap_gpt_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]
             return original_forward(self, *args, **kwargs)
         info_once("peakflat vocab: Ring-DTP loss (schedule=%s, block=%s rows, kernel=%s); logits are not built",
                   cfg.vocab.schedule, cfg.vocab.block_size, cfg.vocab.kernel)
-        kwargs["output_processor"] = ring_output_processor
+        kwargs["output_processor"] = functools.partial(ring_output_processor,
+                                                       embedding_here=bool(getattr(self, "pre_process", True)))
         return original_forward(self, *args, **kwargs)
 
     return forward

@@ -402,13 +402,16 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
 # in w bytes; vocab_parallel_cross_entropy (tensor_parallel/cross_entropy.py) keeps an fp32 softmax
 # of the whole logits for backward (+4 bytes); the fused variant keeps an fp32 logits copy as well
 # (+4). Anchors: N x V x 6 = 36.8 GiB, N x V x 10 = 61.4 GiB at N=32768, V=201088.
-# Ring-DTP (vocab/config.py): the dW of the local shard, the dX accumulator, the larger of the block
-# temporaries and the final dX cast, and the travelling ring buffer (send + receive) of activations or
-# weight shards (on a ring, the larger of the hops and the end; see vocab_ring_dtp). At TP=2 (N=32768,
-# H=7168, bench/results/vocab.json rows tp=2): tied 4.90 GiB measured / 4.68 predicted, untied (dW into
-# main_grad) 1.56 / 1.56, accumulate=input 2.00 / 2.13. In the 2-GPU example (TP=1, untied, V=32768,
-# H=1024, 4096 tokens) the runtime report read 0.14 GiB, as the TP=1 formula gives. Block temporaries: the Triton kernel (CUDA default) holds one [tokens, block] block in
-# the input dtype, the plain-PyTorch kernel three fp32 blocks. Measured on one H200 (bench/results/
+# Ring-DTP (vocab/config.py) in training: dW goes into DDP's main_grad (tied or not), and the gradients are
+# computed with the loss (in-forward, vocab_in_forward): dX and one chunk of logits. The recompute schedule
+# (vocab_ring_dtp): the dW of the local shard unless in main_grad, the dX accumulator, the larger of the
+# block temporaries and the final dX cast, and the travelling ring buffer (send + receive) of activations
+# or weight shards (on a ring, the larger of the hops and the end). At TP=2 (N=32768, H=7168,
+# bench/results/vocab.json rows tp=2, standalone: dW returned): 4.90 GiB measured / 4.68 predicted,
+# accumulate=input 2.00 / 2.13. In the 2-GPU example (TP=1, V=32768, H=1024, 4096 tokens) the runtime
+# report read 0.04 GiB, as vocab_in_forward gives. Block temporaries: the Triton kernel (CUDA default)
+# holds one [tokens, block] block in the input dtype, the plain-PyTorch kernel three fp32 blocks.
+# Measured on one H200 (bench/results/
 # vocab.json, N=32768, H=7168, V=201088: 3.9991 GiB; N=16384, H=4096: 1.9108 GiB) this matches to 0.1%.
 # ----------------------------------------------------------------------------------------------
 
@@ -437,22 +440,22 @@ def vocab_block(n_tokens: float, w: int, block_size: int) -> int:
     return auto_block_size(int(n_tokens), w)
 
 
-def vocab_grad(s: ModelShape, pf: PeakflatConfig) -> str:
+def vocab_grad(pf: PeakflatConfig, main_grad: bool = True) -> str:
     """'in-forward' or 'recompute', as integration/vocab.py resolves ``--peakflat-vocab-grad auto``: in-forward
-    when dW goes into DDP's main_grad (an untied output layer)."""
+    when dW goes into DDP's main_grad (in Megatron training, tied output layer or not)."""
     if pf.vocab.grad != "auto":
         return pf.vocab.grad
-    return "recompute" if s.tied_embeddings else "in-forward"
+    return "in-forward" if main_grad else "recompute"
 
 
-def vocab_in_forward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
+def vocab_in_forward(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_grad: bool = True) -> float:
     """The in-forward schedule (vocab/in_forward.py): this rank's dX (x's dtype) and one chunk: its
     [chunk, V/P] logits (one block in the input dtype with the Triton kernel, fp32 temporaries with the
     plain-PyTorch one) and, on a ring, the gathered hidden states (this chunk's and the next one's in
     flight), the partial dX and the received share of it (two of each: the previous chunk's is still
     reducing). Measured on 2 H200s (bench/results/vocab.json, tp=2, peakflat-fwd-main-grad): 1.4239 GiB
     at N=32768, H=7168 and 0.5713 GiB at N=16384, H=4096, as this gives; 1.9727 GiB at TP=1. dW goes into
-    main_grad (untied) or an accumulator in ``accumulate``'s dtype cast to the weight's dtype at the end."""
+    ``main_grad`` or, without one, an accumulator in ``accumulate``'s dtype cast to the weight's dtype at the end."""
     P, n, w = run.tp, run.tp_tokens, run.w
     shard = s.vocab / P
     acc = 4 if pf.vocab.accumulate == "fp32" else w
@@ -461,14 +464,17 @@ def vocab_in_forward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float
     c = rows * P
     block = c * shard * (BLOCK_TEMPORARIES * 4 if pf.vocab.kernel == "torch" else w)
     ring = (2 * c * s.hidden * w + 2 * c * s.hidden * acc + 2 * rows * s.hidden * acc) if P > 1 else 0
-    dw = 0 if not s.tied_embeddings else shard * s.hidden * acc
-    end = 0 if not s.tied_embeddings else shard * s.hidden * w
+    dw = 0 if main_grad else shard * s.hidden * acc
+    end = 0 if main_grad else shard * s.hidden * w
     return n * s.hidden * w + dw + max(block + ring, end)
 
 
-def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
-    if vocab_grad(s, pf) == "in-forward":
-        return vocab_in_forward(s, run, pf)
+def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_grad: bool = True) -> float:
+    """Ring-DTP's working set on one rank. ``main_grad``: dW goes into Megatron DDP's fp32 buffer, as in
+    training (tied or untied output layer, integration/vocab.py); False: the standalone API, which
+    returns dW (the benchmark's ``peakflat`` and ``peakflat-input`` rows)."""
+    if vocab_grad(pf, main_grad) == "in-forward":
+        return vocab_in_forward(s, run, pf, main_grad)
     P = run.tp
     n = run.tp_tokens
     shard = s.vocab / P
@@ -481,11 +487,11 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     temps = n * block * (BLOCK_TEMPORARIES * 4 if pf.vocab.kernel == "torch" else run.w)
     final_dx = n * s.hidden * run.w if acc != run.w else 0
     # The larger of two moments. During the blocks (and hops): dW (none when it goes into DDP's
-    # main_grad: an untied output layer, integration/vocab.py; on a ring otherwise an accumulator),
+    # main_grad; on a ring otherwise an accumulator),
     # dX's accumulator, the block temporaries and, on a ring, the travelling buffers (send + receive).
     # At the end: dW in the weight's dtype (the cast of the accumulator) beside the accumulator and dX;
     # with main_grad, autograd's placeholder is main_grad's own storage (main_grad.py): nothing.
-    into_main_grad = not s.tied_embeddings
+    into_main_grad = main_grad
     if P == 1:
         return (0 if into_main_grad else shard * s.hidden * run.w) + n * s.hidden * acc + max(temps, final_dx)
     dw_acc = 0 if into_main_grad else shard * s.hidden * acc

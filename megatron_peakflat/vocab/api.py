@@ -52,6 +52,7 @@ def ring_linear_cross_entropy(
     vocab_size: int | None = None,
     check_labels: bool = False,
     dw_into_main_grad: bool = False,
+    weight_shared: bool = False,
     grad: str = "recompute",
     grad_hint: float | torch.Tensor | None = None,
     chunk_tokens: int = 0,
@@ -75,9 +76,12 @@ def ring_linear_cross_entropy(
     training at the gradient floor (no fp32 copy of dX) at a small cost in bf16 rounding.
 
     ``dw_into_main_grad``: when ``weight_shard`` is a parameter that Megatron's DDP gave a ``main_grad``
-    (``main_grad.py``), dW is added into it and the returned weight gradient is a zero placeholder:
+    (``main_grad.py``), dW is added into it and the returned weight gradient is a placeholder (no memory):
     no fp32 dW accumulator nor a dW in the weight's dtype is built. Only for a weight whose whole
-    gradient is this loss's (not an embedding tied to it). Without ``main_grad`` it changes nothing.
+    gradient is this loss's, unless ``weight_shared``: the weight also gets gradients through autograd
+    elsewhere (an embedding tied to it); then dW is added into ``main_grad`` and no weight gradient is
+    returned, so DDP's hook still adds the others (``main_grad.release``). Without ``main_grad`` neither
+    changes anything.
 
     ``grad='in-forward'`` (``in_forward.py``) computes dX and dW in the forward pass, a chunk of
     ``chunk_tokens`` tokens (over the whole ring; 0: ``sizes.auto_chunk_tokens``, at most 2 GiB of logits
@@ -171,7 +175,7 @@ def ring_linear_cross_entropy(
         schedule=resolve_schedule(schedule, max(tokens), V, size) if size > 1 else "single",
         block_size=block_size, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         ops=block_ops(kernel, hidden.device), acc_dtype_fp32=accumulate == "fp32",
-        dw_into_main_grad=dw_into_main_grad, chunk_rows=chunk_rows(chunk_tokens, size) if in_forward else 0,
+        dw_into_main_grad=dw_into_main_grad, weight_shared=weight_shared, chunk_rows=chunk_rows(chunk_tokens, size) if in_forward else 0,
     )
     stats.record("vocab", "schedule", plan.schedule)
     stats.record("vocab", "kernel", plan.ops.name)

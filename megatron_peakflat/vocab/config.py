@@ -33,7 +33,8 @@ class VocabConfig(ComponentConfig):
     fixes in advance (loss_mask over the token count and the microbatches); a wrong guess is added by
     recomputing, so the gradients stay exact. 'recompute': in backward, after recomputing the logits block
     by block (8NHV; one [tokens, block_size] block). 'auto': in-forward when the output layer's weight
-    gradient goes into DDP's main_grad (an untied output layer), else recompute."""
+    gradient goes into DDP's main_grad (Megatron's DDP gives it one, tied to the embedding or not), else
+    recompute."""
     chunk_tokens: int = 0
     """Tokens per chunk of the in-forward schedule, over the tensor-parallel group (0: automatic, at most
     2 GiB of [chunk, V/TP] logits and 1/8 of the tokens)."""

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import stats
-from ..main_grad import handed_to_main_grad, main_grad_of
+from ..main_grad import main_grad_of, release
 from ..matmul import accumulate_mm
 from ..memory.meter import region
 from .ring import RingPlan, backward_ring, coefficients, finish_loss
@@ -210,5 +210,5 @@ class InForwardLinearCrossEntropy(torch.autograd.Function):
             dx = dx + dx_fix
         if dw is None:
             stats.add("vocab", "dw_into_main_grad", 1)
-            return dx, handed_to_main_grad(weight), None, None, None, None
+            return dx, release(weight, plan.weight_shared), None, None, None, None
         return dx, dw.to(weight.dtype), None, None, None, None

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .blocks import BlockOps, fold_shard, grad_shard
 from .. import stats
-from ..main_grad import handed_to_main_grad, main_grad_of
+from ..main_grad import main_grad_of, release
 from ..memory.meter import region
 
 __all__ = ["RingPlan", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss"]
@@ -54,6 +54,9 @@ class RingPlan:
     """Accumulate dX (and a travelling or visited dW) in fp32; else in the gradients' own dtype."""
     dw_into_main_grad: bool = False
     """Add dW into the weight's Megatron DDP ``main_grad`` when it has one (``main_grad.py``)."""
+    weight_shared: bool = False
+    """The weight also gets gradients through autograd elsewhere (a tied embedding): with ``main_grad``,
+    backward returns no weight gradient and leaves DDP's hook to add the others (``main_grad.release``)."""
     chunk_rows: int = 0
     """Own tokens per chunk of the in-forward schedule (``in_forward.py``); 0: the recompute schedules."""
 
@@ -247,5 +250,5 @@ class RingLinearCrossEntropy(torch.autograd.Function):
         dx, dw = backward_ring(plan, hidden, weight, labels, coefficients(plan, lse, g), sink)
         if sink is not None:
             stats.add("vocab", "dw_into_main_grad", 1)
-            dw = handed_to_main_grad(weight)
+            dw = release(weight, plan.weight_shared)
         return dx, dw, None, None, None
