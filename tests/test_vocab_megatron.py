@@ -135,3 +135,28 @@ def test_wrapper_passes_processor_only_when_enabled_with_labels() -> None:
         assert seen[-1] is None
     finally:
         state.set_current(None)
+
+
+def test_megatron_loss_gradient_follows_the_schedule() -> None:
+    """The per-token gradient the in-forward schedule is told: Megatron's schedule divides the masked sum
+    by the token count and the microbatches (unless calculate_per_token_loss) and scales by
+    grad_scale_func; without a global microbatch count it is unknown (None: recompute)."""
+    from types import SimpleNamespace
+
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                           init_num_microbatches_calculator)
+
+    from megatron_peakflat.integration.vocab import megatron_loss_gradient
+
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    cfg = SimpleNamespace(grad_scale_func=lambda t: t * 8.0, calculate_per_token_loss=False)
+    assert megatron_loss_gradient(None, cfg) is None
+    destroy_num_microbatches_calculator()
+    assert megatron_loss_gradient(mask, cfg) is None  # no calculator
+    init_num_microbatches_calculator(0, None, 8, 2, 1)  # 4 microbatches
+    try:
+        assert torch.equal(megatron_loss_gradient(mask, cfg), mask * (8.0 / 4 / 4))
+        per_token = SimpleNamespace(grad_scale_func=None, calculate_per_token_loss=True)
+        assert torch.equal(megatron_loss_gradient(mask, per_token), mask)
+    finally:
+        destroy_num_microbatches_calculator()

@@ -28,8 +28,8 @@ Weight gradients go into the buffer ``_Chunks.sink`` names: the owner's Megatron
 adds each expert's there by one GEMM with beta=1; the per-expert backward runs on detached aliases
 of the expert weights, whose post-accumulate hooks add each weight's gradient there as soon as
 autograd produces it, so at most one expert weight's gradient is in flight. A parameter with
-``main_grad`` returns a zero dummy with ``grad_added_to_main_grad`` set, so DDP's hook fires once per
-backward and adds nothing twice; the others return their fp32 sum through autograd, once.
+``main_grad`` returns a placeholder (``main_grad.py``: main_grad's own storage, no allocation) with
+``grad_added_to_main_grad`` set, so DDP's hook fires once per backward and adds nothing twice; the others return their fp32 sum through autograd, once.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class _Chunks:
         """Send spilled experts' gradients home, add them up, and give autograd one gradient per parameter.
 
         A parameter with Megatron DDP's main_grad already holds its gradient there (as with gradient-
-        accumulation fusion): it gets a zero dummy and ``grad_added_to_main_grad``, so DDP's hook fires
+        accumulation fusion): it gets a placeholder and ``grad_added_to_main_grad``, so DDP's hook fires
         once without adding it again.
         """
         sched, bank, local = self.sched, self.bank, self.local

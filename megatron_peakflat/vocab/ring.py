@@ -8,8 +8,9 @@ P ranks of a ring group each hold their own tokens and one contiguous vocabulary
   shards around again with their dW accumulator, which arrives back at its owner after P hops.
 
 With ``dw_into_main_grad`` and a weight that Megatron's DDP gave an fp32 ``main_grad``, dW is added
-there (by the GEMMs themselves, or on arrival home) and autograd gets a zero placeholder: no fp32 dW
-accumulator and no dW in the weight's dtype are built (``main_grad.py``).
+there (by the GEMMs themselves, or on arrival home) and autograd gets a placeholder that allocates
+nothing, or no gradient for a weight shared with the embedding: no fp32 dW accumulator and no dW in the
+weight's dtype are built (``main_grad.py``).
 
 Each hop of the travelling input is posted (``batch_isend_irecv``: one send to the next rank and one
 receive from the previous, in the same order on every rank) before the local block work starts, so
