@@ -31,7 +31,7 @@ from .. import stats
 from ..main_grad import main_grad_of, release
 from ..matmul import accumulate_mm
 from ..memory.meter import region
-from .ring import RingPlan, backward_ring, coefficients, finish_loss
+from .ring import RingPlan, backward_ring, coefficients, finish_loss, new_state
 
 __all__ = ["InForwardLinearCrossEntropy", "forward_with_grads", "HINT_RTOL", "hint_matches", "chunk_rows"]
 
@@ -133,8 +133,7 @@ def forward_with_grads(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels:
         nxt = _Chunk(plan, x, labels, ws, lo + rows, rows) if j + 1 < n_chunks else None
         z = cur.x @ w.t()
         local = cur.labels - own_start
-        st = torch.zeros(4, z.shape[0], dtype=torch.float32, device=x.device)
-        st[0].fill_(float("-inf"))
+        st = new_state(z.shape[0], x.device)
         plan.ops.fold(z, local, st)
         chunk_loss, lse = finish_loss(plan, _state_across_ring(plan, st), cur.labels >= 0)
         mine = slice(r * rows, r * rows + m) if P > 1 else slice(0, m)

@@ -29,7 +29,7 @@ from .. import stats
 from ..main_grad import main_grad_of, release
 from ..memory.meter import region
 
-__all__ = ["RingPlan", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss"]
+__all__ = ["RingPlan", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss", "new_state"]
 
 _TAG_INPUT, _TAG_STATE = 0, 8
 
@@ -102,7 +102,8 @@ def _wait(works: list | None) -> None:
         w.wait()
 
 
-def _new_state(n: int, device: torch.device) -> torch.Tensor:
+def new_state(n: int, device: torch.device) -> torch.Tensor:
+    """An empty [4, n] fp32 online log-sum-exp state: max -inf, sum-exp, target and logit sum 0."""
     st = torch.zeros(4, n, dtype=torch.float32, device=device)
     st[0].fill_(float("-inf"))
     return st
@@ -111,7 +112,7 @@ def _new_state(n: int, device: torch.device) -> torch.Tensor:
 def _forward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     P, r = plan.size, plan.rank
     own_start = plan.start(r)
-    cur_x, cur_l, cur_s = x, labels, _new_state(x.shape[0], x.device)
+    cur_x, cur_l, cur_s = x, labels, new_state(x.shape[0], x.device)
     for k in range(P):
         nsrc = (r - k - 1) % P
         n = plan.tokens[nsrc]
@@ -128,7 +129,7 @@ def _forward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, label
 
 def _forward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     P, r = plan.size, plan.rank
-    state = _new_state(x.shape[0], x.device)
+    state = new_state(x.shape[0], x.device)
     cur_w = w
     for k in range(P):
         src, nsrc = (r - k) % P, (r - k - 1) % P
@@ -229,7 +230,7 @@ class RingLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                 plan: RingPlan) -> torch.Tensor:
         if plan.size == 1:
-            state = _new_state(hidden.shape[0], hidden.device)
+            state = new_state(hidden.shape[0], hidden.device)
             fold_shard(hidden, weight, 0, labels, state, plan.block_size, plan.ops)
         elif plan.schedule == "activations":
             state = _forward_activations(plan, hidden, weight, labels)
