@@ -65,12 +65,31 @@ def _forward_step(device: torch.device, data_iterator: Iterator, model: Any) -> 
     return out, partial(loss_func, batch["loss_mask"])
 
 
+def _set_num_microbatches(num_microbatches: int, micro_batch: int) -> None:
+    """Megatron's global microbatch count, as its training loop sets it (components that need the loss's
+    scale in advance read it: Ring-DTP's in-forward schedule)."""
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                           get_num_microbatches, init_num_microbatches_calculator)
+
+    try:
+        if get_num_microbatches() == num_microbatches:
+            return
+    except AttributeError:  # not initialised
+        pass
+    dp = parallel_state.get_data_parallel_world_size()
+    destroy_num_microbatches_calculator()
+    init_num_microbatches_calculator(parallel_state.get_data_parallel_rank(), None,
+                                     num_microbatches * micro_batch * dp, micro_batch, dp)
+
+
 def train_steps(setup: TrainSetup, batches: list[dict[str, torch.Tensor]], *, num_microbatches: int = 1,
                 device: torch.device | str = "cpu", on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Run one optimizer step per ``num_microbatches`` batches; return the mean token loss of each step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = torch.device(device)
+    _set_num_microbatches(num_microbatches, setup.micro_batch)
     fwd_bwd = get_forward_backward_func()
     it = iter(batches)
     steps = len(batches) // num_microbatches
