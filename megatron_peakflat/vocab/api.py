@@ -10,7 +10,7 @@ import torch.distributed as dist
 from .. import stats
 from .blocks import block_ops
 from .in_forward import InForwardLinearCrossEntropy, chunk_rows
-from .ring import RingLinearCrossEntropy, RingPlan
+from .ring import RingLinearCrossEntropy, RingPlan, comm_device, max_over_ring
 from .sizes import AUTO_BLOCK_BYTES, AUTO_CHUNK_BYTES, auto_block_size, auto_chunk_tokens
 
 __all__ = ["ring_linear_cross_entropy", "resolve_schedule", "auto_block_size", "auto_chunk_tokens",
@@ -19,11 +19,6 @@ __all__ = ["ring_linear_cross_entropy", "resolve_schedule", "auto_block_size", "
 log = logging.getLogger("megatron_peakflat")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _comm_device(hidden: torch.Tensor, group: object | None) -> torch.device:
-    """Where small metadata tensors must live for a collective on ``group`` (NCCL needs the GPU)."""
-    return hidden.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def resolve_schedule(schedule: str, max_tokens: int, vocab_size: int, ring_size: int) -> str:
@@ -133,7 +128,7 @@ def ring_linear_cross_entropy(
     meta = torch.tensor([hidden.shape[0], hidden.shape[1], _DTYPES.index(hidden.dtype), weight_shard.shape[0]],
                         dtype=torch.long)
     if size > 1:
-        dev = _comm_device(hidden, group)
+        dev = comm_device(hidden.device, group)
         gathered = [torch.empty_like(meta, device=dev) for _ in range(size)]
         dist.all_gather(gathered, meta.to(dev), group=group)
         rows = [t.cpu().tolist() for t in gathered]
@@ -155,12 +150,7 @@ def ring_linear_cross_entropy(
         bad = valid & ((labels < 0) | (labels >= V))
         local = int(bad.sum())
         example = int(labels[bad][0]) if local else None
-        anywhere = torch.tensor([local], dtype=torch.long)
-        if size > 1:
-            t = anywhere.to(_comm_device(hidden, group))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            anywhere = t.cpu()
-        if int(anywhere[0]):
+        if max_over_ring(torch.tensor(local), group if size > 1 else None, hidden.device):
             where = f"{local} here, e.g. {example}" if local else "on another ring rank"
             raise ValueError(f"labels outside [0, {V}) that are not ignore_index={ignore_index} ({where}); "
                              "fix the data or the vocabulary size")

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from .. import stats
-from ..main_grad import main_grad_of, release
+from ..main_grad import main_grad_of
 from ..matmul import accumulate_mm
 from ..memory.meter import region
-from .ring import RingPlan, backward_ring, coefficients, finish_loss, new_state
+from .ring import RingPlan, backward_ring, coefficients, finish_loss, max_over_ring, new_state
 
 __all__ = ["InForwardLinearCrossEntropy", "forward_with_grads", "HINT_RTOL", "hint_matches", "chunk_rows"]
 
@@ -161,12 +161,8 @@ def hint_matches(plan: RingPlan, g: torch.Tensor, ws: torch.Tensor) -> bool:
     """Whether the real per-token gradient ``g`` is the hint ``ws`` (within ``HINT_RTOL``) on every
     ring rank. One host sync (and a one-element all-reduce on a ring): every rank must take the same
     branch, since the recompute is collective."""
-    bad = ((g - ws).abs() > HINT_RTOL * ws.abs()).any().to(torch.int32).reshape(1)
-    if plan.size > 1:
-        dev = g.device if dist.get_backend(plan.group) == "nccl" else torch.device("cpu")
-        bad = bad.to(dev)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=plan.group)
-    return not bool(bad.item())
+    bad = ((g - ws).abs() > HINT_RTOL * ws.abs()).any().to(torch.int32)
+    return not max_over_ring(bad, plan.group if plan.size > 1 else None, g.device)
 
 
 class InForwardLinearCrossEntropy(torch.autograd.Function):
@@ -178,7 +174,7 @@ class InForwardLinearCrossEntropy(torch.autograd.Function):
     @region("vocab")
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                 grad_hint: torch.Tensor, plan: RingPlan) -> torch.Tensor:
-        sink = main_grad_of(weight) if plan.dw_into_main_grad and weight.requires_grad else None
+        sink = plan.main_grad_sink(weight, weight.requires_grad)
         if sink is None:
             sink = torch.zeros(weight.shape, dtype=plan.acc_dtype(weight), device=weight.device)
             ctx.dw = sink
@@ -208,6 +204,5 @@ class InForwardLinearCrossEntropy(torch.autograd.Function):
             dx_fix, _ = backward_ring(plan, hidden, weight, labels, coefficients(plan, lse, g - ws), sink)
             dx = dx + dx_fix
         if dw is None:
-            stats.add("vocab", "dw_into_main_grad", 1)
-            return dx, release(weight, plan.weight_shared), None, None, None, None
+            return dx, plan.handed_over(weight), None, None, None, None
         return dx, dw.to(weight.dtype), None, None, None, None

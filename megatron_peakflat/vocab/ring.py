@@ -29,7 +29,8 @@ from .. import stats
 from ..main_grad import main_grad_of, release
 from ..memory.meter import region
 
-__all__ = ["RingPlan", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss", "new_state"]
+__all__ = ["RingPlan", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss", "new_state",
+           "comm_device", "max_over_ring"]
 
 _TAG_INPUT, _TAG_STATE = 0, 8
 
@@ -64,6 +65,15 @@ class RingPlan:
     def acc_dtype(self, t: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.acc_dtype_fp32 else t.dtype
 
+    def main_grad_sink(self, weight: torch.Tensor, wanted: bool) -> torch.Tensor | None:
+        """The weight's DDP ``main_grad`` when dW is to go there (and is ``wanted`` at all), else None."""
+        return main_grad_of(weight) if self.dw_into_main_grad and wanted else None
+
+    def handed_over(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """What backward returns for a weight whose dW went into its ``main_grad`` (``main_grad.release``)."""
+        stats.add("vocab", "dw_into_main_grad", 1)
+        return release(weight, self.weight_shared)
+
     @property
     def vocab_size(self) -> int:
         return sum(self.shard_rows)
@@ -75,6 +85,21 @@ class RingPlan:
         """Global rank of the ring rank ``rank + offset``."""
         r = (self.rank + offset) % self.size
         return r if self.group is None else dist.get_global_rank(self.group, r)
+
+
+def comm_device(device: torch.device, group: object | None) -> torch.device:
+    """Where small metadata tensors must live for a collective on ``group`` (NCCL needs the GPU)."""
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def max_over_ring(value: torch.Tensor, group: object | None, device: torch.device) -> int:
+    """The max of a one-element integer ``value`` over ``group`` (None: this rank's own), on the host: one
+    sync, and on a ring one all-reduce, so that every rank takes the same branch after it. ``device``:
+    where the group's collectives run tensors of this call (``comm_device``)."""
+    if group is not None:
+        value = value.reshape(1).to(comm_device(device, group))
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return int(value.reshape(-1)[0])
 
 
 def _shift(plan: RingPlan, sends: list[torch.Tensor], recvs: list[torch.Tensor], tag: int) -> list:
@@ -248,9 +273,8 @@ class RingLinearCrossEntropy(torch.autograd.Function):
         plan: RingPlan = ctx.plan
         g = torch.where(valid, grad_loss.float(), torch.zeros((), device=grad_loss.device))
         # a saved leaf unpacks as the parameter object itself, with its main_grad
-        sink = main_grad_of(weight) if plan.dw_into_main_grad and ctx.needs_input_grad[1] else None
+        sink = plan.main_grad_sink(weight, ctx.needs_input_grad[1])
         dx, dw = backward_ring(plan, hidden, weight, labels, coefficients(plan, lse, g), sink)
         if sink is not None:
-            stats.add("vocab", "dw_into_main_grad", 1)
-            dw = release(weight, plan.weight_shared)
+            dw = plan.handed_over(weight)
         return dx, dw, None, None, None
