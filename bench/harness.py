@@ -128,7 +128,7 @@ def environment() -> dict[str, Any]:
 
 def _command_line() -> str:
     """This process's command line; under torchrun, the torchrun line (every rank sees only the script)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world()[0]
     launcher = f"torchrun --nproc-per-node {world_size}" if world_size > 1 else Path(sys.executable).name
     return " ".join([launcher, *sys.argv])
 

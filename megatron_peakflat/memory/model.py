@@ -433,7 +433,7 @@ def vocab_schedule(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> str:
 
 
 def vocab_block(n_tokens: float, w: int, block_size: int) -> int:
-    """Rows per block: the flag, or Ring-DTP's automatic choice (vocab/api.py auto_block_size: one
+    """Rows per block: the flag, or Ring-DTP's automatic choice (vocab/sizes.py auto_block_size: one
     [tokens, rows] block of about 128 MiB, a multiple of 256 rows in [256, 16384])."""
     if block_size:
         return int(block_size)
@@ -487,18 +487,17 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_grad:
     temps = n * block * (BLOCK_TEMPORARIES * 4 if pf.vocab.kernel == "torch" else run.w)
     final_dx = n * s.hidden * run.w if acc != run.w else 0
     # The larger of two moments. During the blocks (and hops): dW (none when it goes into DDP's
-    # main_grad; on a ring otherwise an accumulator),
-    # dX's accumulator, the block temporaries and, on a ring, the travelling buffers (send + receive).
-    # At the end: dW in the weight's dtype (the cast of the accumulator) beside the accumulator and dX;
-    # with main_grad, autograd's placeholder is main_grad's own storage (main_grad.py): nothing.
-    into_main_grad = main_grad
+    # main_grad; on a ring otherwise an accumulator), dX's accumulator, the block temporaries and, on a
+    # ring, the travelling buffers (send + receive). At the end: dW in the weight's dtype (the cast of
+    # the accumulator) beside the accumulator and dX; with main_grad, autograd's placeholder is
+    # main_grad's own storage (main_grad.py): nothing.
     if P == 1:
-        return (0 if into_main_grad else shard * s.hidden * run.w) + n * s.hidden * acc + max(temps, final_dx)
-    dw_acc = 0 if into_main_grad else shard * s.hidden * acc
+        return (0 if main_grad else shard * s.hidden * run.w) + n * s.hidden * acc + max(temps, final_dx)
+    dw_acc = 0 if main_grad else shard * s.hidden * acc
     travelling = n * s.hidden if vocab_schedule(s, run, pf) == "activations" else shard * s.hidden
     hops = dw_acc + n * s.hidden * acc + max(temps, final_dx) + 2 * travelling * run.w
-    dw_out = shard * s.hidden * run.w if (not into_main_grad and acc != run.w) else 0
-    end = dw_acc + dw_out + n * s.hidden * (run.w if into_main_grad else acc + (run.w if acc != run.w else 0))
+    dw_out = shard * s.hidden * run.w if (not main_grad and acc != run.w) else 0
+    end = dw_acc + dw_out + n * s.hidden * (run.w if main_grad else acc + (run.w if acc != run.w else 0))
     return max(hops, end)
 
 
