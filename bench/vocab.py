@@ -23,7 +23,7 @@ Ring-DTP: ``peakflat`` (defaults: dX and dW summed in fp32, dW returned in bf16)
 as Megatron's DDP buffer is in training; autograd gets main_grad's storage as its placeholder, as in
 training; Megatron's peers return a bf16 dW, which that DDP adds to the same buffer after the step),
 ``peakflat-fwd-main-grad`` (gradients computed with the loss, ``grad='in-forward'``: what training
-with an untied output layer runs by default).
+in Megatron, tied output layer or not, runs by default).
 """
 
 from __future__ import annotations
