@@ -120,7 +120,7 @@ def skew_router(layer: Any, share: float, hot: int, seed: int = 0) -> None:
 
 def method_config(method: str) -> Any:
     """The PeakflatConfig a method name asks for: ``llep-unchunked`` (one chunk), or ``peakflat`` with any
-    of the suffixes ``-overlap`` (async all-to-alls), ``-strided`` / ``-expert`` (chunk membership) and ``-c<N>``
+    of the suffixes ``-overlap`` (async all-to-alls), ``-unpacked`` (one all-to-all per piece), ``-strided`` / ``-expert`` (chunk membership) and ``-c<N>``
     (chunk cap N, up to 1024 chunks so that the cap alone sets K), e.g. ``peakflat-overlap-c32768``."""
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
@@ -133,6 +133,8 @@ def method_config(method: str) -> Any:
         for part in method.split("-")[1:]:
             if part == "overlap":
                 kw["overlap"] = True
+            elif part == "unpacked":
+                kw["pack_collectives"] = False
             elif part in ("strided", "expert"):
                 kw["membership"] = part
             elif part.startswith("c") and part[1:].isdigit():
@@ -252,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
                 skew_router(layer, skew / 100, args.hot)
                 for regime in args.regimes.split(","):
                     case = f"recompute={regime},N={T},H={H},ep={P},skew={skew}%@{args.hot}"
+                    if (args.experts, args.topk) != (64, 8):  # the default shape's cases carry no E, k
+                        case += f",E={args.experts},k={args.topk}"
                     ref = None
                     for method in methods:
                         select(layer, method, cfgs, regime)

@@ -57,7 +57,7 @@ def main() -> None:
          "Ring-DTP in-forward, one GPU: each step of one chunk alone, and the whole call"),
         ("dispatch", ["peakflat", "peakflat-strided", "peakflat-expert", "peakflat-overlap", "peakflat-c32768",
                       "llep-unchunked", "megatron-alltoall"],
-         "MoE layer dispatch, forward + backward, bf16, 64 experts top-8, F=1536"),
+         "MoE layer dispatch, forward + backward, bf16, 64 experts top-8 unless the case says E, k, F=1536"),
         ("sco", ["peakflat", "megatron-full-recompute", "save-on-cpu"],
          "Checkpoint boundaries: GPT forward + backward under full recompute, bf16"),
         ("optimizer", ["peakflat", "peakflat-gpu", "peakflat-cpu", "megatron-hybrid-optimizer",

@@ -7,7 +7,8 @@ timed alone (CUDA events, median of ``--reps``), against the whole call.
 Rows (bench/results/vocab_parts.json): per chunk ``logits`` (x @ W.T), ``fold`` (Triton log-sum-exp
 pass), ``grad`` (Triton in-place softmax gradient), ``dx`` (G @ W), ``dw`` (G.T @ x added into an fp32
 main_grad); ``chunks x sum`` and the measured ``whole call`` (forward + backward of the mean loss).
-``extra`` has each step's TFLOP/s or GB/s.
+``extra`` has each step's TFLOP/s or GB/s. ``--profile`` also prints the whole call's kernels under
+``torch.profiler`` (GPU busy time against the call's time, top kernels), and Liger's for comparison.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--case", default="32768x7168x201088", help="NxHxV (default: %(default)s)")
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="print the whole call's kernels (and Liger's)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/vocab_parts.py needs a CUDA device")
@@ -91,6 +93,38 @@ def main(argv: list[str] | None = None) -> None:
                                                                      round(3 * n_chunks * rows[3].ms, 2)}))
     print(f"{case} chunks x sum {total * n_chunks:8.2f} ms; whole call {ms:8.2f} ms", flush=True)
     write("vocab_parts", rows, merge=True)
+    if args.profile:
+        _profile("peakflat in-forward", whole, ms)
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        except ImportError:
+            print("liger-kernel not installed: no Liger profile")
+            return
+        liger = LigerFusedLinearCrossEntropyLoss()
+
+        def liger_call() -> None:
+            torch.autograd.grad(liger(wr, xr, y), (xr, wr))
+
+        _profile("liger", liger_call, _time(liger_call, args.reps))
+
+
+def _profile(name: str, fn: Callable[[], object], call_ms: float, top: int = 12) -> None:
+    """Kernels of one ``fn()`` call: GPU busy time (sum of kernel times) against the call's time, by kernel."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kern: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kern.setdefault(ev.name, [0.0, 0])
+            k[0] += ev.device_time / 1e3
+            k[1] += 1
+    busy = sum(v[0] for v in kern.values())
+    print(f"\n=== {name}: call {call_ms:.1f} ms, GPU busy {busy:.1f} ms, {sum(v[1] for v in kern.values())} kernels")
+    for kname, (kms, calls) in sorted(kern.items(), key=lambda t: -t[1][0])[:top]:
+        print(f"    {kms:8.2f} ms {calls:5d}x  {kname[:140]}")
 
 
 if __name__ == "__main__":

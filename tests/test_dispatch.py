@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_peakflat import stats
 from megatron_peakflat.config_base import PeakflatConfigError
 from megatron_peakflat.dispatch.api import llep_moe, plan_layer
 from megatron_peakflat.dispatch.config import DispatchConfig
@@ -214,14 +215,19 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 50), requires_grad=True)
             probs.requires_grad_(True)
             cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=16, max_chunks=5, alpha=1.0, min_spill=2,
-                                 imbalance_threshold=1.1, overlap=chunks in (2, None), membership=membership)
+                                 imbalance_threshold=1.1, overlap=chunks in (2, None), membership=membership,
+                                 pack_collectives=chunks != 7)
             grouped = chunks not in (1, 7)  # grouped GEMMs (strided weight runs) and the per-expert loop
             bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p],
                                     grouped=grouped)
             sched = plan_layer(rmap, bank, group, cfg, num_chunks=chunks)
+            stats.reset()
             out = llep_moe(x, probs, rmap, bank, group, cfg, num_chunks=chunks)
             gout = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 99))
             errs, ref = _errors_vs_reference(out, x, probs, rmap, bank, fc1, fc2, gout, rank)
+            if world > 1:  # forward: rows + probs out, outputs home; backward: + output grads out, dx + dprobs home
+                per_chunk = 4 if cfg.pack_collectives else 8
+                assert stats.snapshot()["dispatch"]["all_to_alls"] == per_chunk * sched.K
             name = f"{skew},k={k},K={chunks},{membership},rank={rank}"
             assert bank.use_grouped(x) == grouped
             bitwise = world == 1 and chunks == 1 and bool((out == ref).all())

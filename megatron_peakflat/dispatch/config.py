@@ -51,6 +51,11 @@ class DispatchConfig(ComponentConfig):
     receive buffers in flight (8 x hidden x dtype bytes per received row): measured on 2 H200s at
     EP=2, H=4096, c=65536, 3-7% faster and 4 GiB more peak at 32K tokens per rank. Off by default:
     the working set comes first."""
+    pack_collectives: bool = True
+    """At EP > 1, send each chunk's hidden rows, probabilities and (in backward) output-gradient rows as
+    one buffer in one all-to-all, and its results home in one: one all-to-all each way per chunk instead
+    of up to three, the same bytes (exact: the pieces are copied bit for bit).
+    --no-peakflat-dispatch-pack-collectives sends each piece on its own."""
     grouped_gemm: bool = True
     """Run each chunk's experts as grouped GEMMs (torch._grouped_mm: bf16 on sm80+ GPUs) on strided
     views of their weights, with no weight copy; --no-peakflat-dispatch-grouped-gemm runs one expert

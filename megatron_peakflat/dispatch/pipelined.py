@@ -42,6 +42,7 @@ import torch.distributed as dist
 from . import comm
 from .combine import add_rows
 from .experts import ExpertBank, exchange_weights, flatten_weights, return_weight_grads, unflatten_weights
+from .packed import RowLayout, row_layout
 from .schedule import Schedule
 from .. import stats
 from ..main_grad import handed_to_main_grad, main_grad_of
@@ -75,40 +76,61 @@ def _compute(bank: ExpertBank, x: torch.Tensor, probs: torch.Tensor, tpe: list[i
     return bank.compute(x, probs, tpe, local, weights)
 
 
-def _dispatch_start(sched: Schedule, j: int, rows: list[torch.Tensor], group: dist.ProcessGroup | None
-                    ) -> list[comm.Exchange]:
-    return [comm.all_to_all_start(r, sched.send_splits[j], sched.recv_splits[j], group) for r in rows]
+class _InFlight:
+    """One chunk's rows on their way: one exchange per piece, or one packed exchange (``packed.py``).
+    ``wait()`` gives the pieces in order (None where a piece was None)."""
+
+    def __init__(self, exchanges: list[comm.Exchange | None], layout: RowLayout | None = None,
+                 present: list[bool] | None = None) -> None:
+        self.exchanges, self.layout, self.present = exchanges, layout, present
+
+        stats.add("dispatch", "all_to_alls", sum(e is not None for e in exchanges))
+
+    def wait(self) -> list[torch.Tensor | None]:
+        if self.layout is None:
+            return [None if e is None else e.wait() for e in self.exchanges]
+        views = iter(self.layout.views(self.exchanges[0].wait()))  # type: ignore[union-attr]
+        return [next(views) if here else None for here in self.present]  # type: ignore[union-attr]
 
 
-def _dispatch_finish(sched: Schedule, j: int, sent: list[comm.Exchange]) -> list[torch.Tensor]:
+def _dispatch_finish(sched: Schedule, j: int, sent: _InFlight) -> list[torch.Tensor]:
     idx = sched.regroup[j]
-    return [e.wait() if idx is None else e.wait().index_select(0, idx) for e in sent]
+    return [p.contiguous() if idx is None else p.index_select(0, idx) for p in sent.wait()]  # type: ignore[union-attr]
 
 
-def _combine_start(sched: Schedule, j: int, rows: list[torch.Tensor | None], group: dist.ProcessGroup | None
-                   ) -> list[comm.Exchange | None]:
+def _combine_start(sched: Schedule, j: int, rows: list[torch.Tensor | None], group: dist.ProcessGroup | None,
+                   pack: bool) -> _InFlight:
     idx = sched.regroup[j]
+    present = [r for r in rows if r is not None]
+    layout = row_layout([(tuple(r.shape[1:]), r.dtype) for r in present]) if pack and len(present) > 1 else None
+    if layout is not None:
+        buf = layout.empty(present[0].shape[0], present[0].device)
+        for v, r in zip(layout.views(buf), present):
+            v.copy_(r) if idx is None else v.index_copy_(0, idx, r)
+        return _InFlight([comm.all_to_all_start(buf, sched.recv_splits[j], sched.send_splits[j], group)], layout,
+                         [r is not None for r in rows])
     out: list[comm.Exchange | None] = []
     for r in rows:
         if r is not None and idx is not None:
             r = torch.empty_like(r).index_copy_(0, idx, r)
         out.append(None if r is None else comm.all_to_all_start(r, sched.recv_splits[j], sched.send_splits[j], group))
-    return out
+    return _InFlight(out)
 
 
 class _Chunks:
     """One layer call's chunks: dispatch, experts and combine, forward or backward, chunk by chunk."""
 
-    def __init__(self, sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup | None, overlap: bool = False
-                 ) -> None:
+    def __init__(self, sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup | None, overlap: bool = False,
+                 pack: bool = True) -> None:
         self.sched, self.bank, self.group = sched, bank, group
+        self.pack = pack and comm.group_size(group) > 1
         # overlap: chunk j + 1's dispatch and chunk j's combine travel while chunk j + 1 computes. Only
         # in a group of more than one rank (in a group of one nothing travels and one chunk is kept).
         self.overlap = overlap and comm.group_size(group) > 1
         self.foreign = exchange_weights(sched, bank, group)
         self.local, self.weights = _segments(sched, bank, self.foreign)
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum
-        self._inflight: list[tuple[int, list[comm.Exchange | None]]] = []  # combines sent, not yet added
+        self._inflight: list[tuple[int, _InFlight]] = []  # combines sent, not yet added
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The MoE output, without autograd."""
@@ -118,7 +140,7 @@ class _Chunks:
             nxt = self._send(0, x, probs)
             for j in range(sched.K):
                 xr, pr = _dispatch_finish(sched, j, nxt)
-                nxt = self._send(j + 1, x, probs) if self.overlap else []
+                nxt = self._send(j + 1, x, probs) if self.overlap else None
                 y = _compute(self.bank, xr, pr, sched.tokens_per_expert[j], self.local, self.weights, self._cum(j))
                 del xr, pr
                 self._returned(j, [y], out=out)
@@ -136,7 +158,7 @@ class _Chunks:
         nxt = self._send(0, x, probs, grad_out)
         for j in range(sched.K):
             xr, pr, gr = _dispatch_finish(sched, j, nxt)
-            nxt = self._send(j + 1, x, probs, grad_out) if self.overlap else []
+            nxt = self._send(j + 1, x, probs, grad_out) if self.overlap else None
             tpe = sched.tokens_per_expert[j]
             res = None
             if backward_chunk is not None:
@@ -152,15 +174,28 @@ class _Chunks:
         self._returned(sched.K, [], out=out, gx=gx, gp=gp)
 
     def _send(self, j: int, x: torch.Tensor, probs: torch.Tensor, grad_out: torch.Tensor | None = None
-              ) -> list[comm.Exchange]:
-        """Start chunk j's dispatch of rows, probs (and output-gradient rows); [] past the last chunk."""
+              ) -> _InFlight | None:
+        """Start chunk j's dispatch of rows, probs (and output-gradient rows); None past the last chunk."""
         if j >= self.sched.K:
-            return []
+            return None
+        sched = self.sched
         tok, exp = self._pairs(j)
-        rows = [x.index_select(0, tok), probs[tok, exp]]
-        if grad_out is not None:
-            rows.append(grad_out.index_select(0, tok))
-        return _dispatch_start(self.sched, j, rows, self.group)
+        srcs = [x] if grad_out is None else [x, grad_out]
+        layout = None
+        if self.pack:
+            specs = [(tuple(x.shape[1:]), x.dtype), ((), probs.dtype)]
+            layout = row_layout(specs + [(tuple(t.shape[1:]), t.dtype) for t in srcs[1:]])
+        if layout is None:
+            rows = [x.index_select(0, tok), probs[tok, exp]] + [t.index_select(0, tok) for t in srcs[1:]]
+            return _InFlight([comm.all_to_all_start(r, sched.send_splits[j], sched.recv_splits[j], self.group)
+                              for r in rows])
+        buf = layout.empty(tok.numel(), x.device)
+        views = layout.views(buf)
+        for v, src in zip(views[:1] + views[2:], srcs):
+            torch.index_select(src, 0, tok, out=v)
+        views[1].copy_(probs[tok, exp])
+        return _InFlight([comm.all_to_all_start(buf, sched.send_splits[j], sched.recv_splits[j], self.group)], layout,
+                         [True] * len(views))
 
     def _returned(self, j: int, results: list[torch.Tensor | None], *, out: torch.Tensor | None = None,
                   gx: torch.Tensor | None = None, gp: torch.Tensor | None = None) -> None:
@@ -168,10 +203,10 @@ class _Chunks:
         what has arrived: with ``overlap`` the previous chunk's (so this chunk's combine travels while the
         next one computes), else this chunk's. ``j == K`` with no results drains the last one."""
         if results:
-            self._inflight.append((j, _combine_start(self.sched, j, results, self.group)))
+            self._inflight.append((j, _combine_start(self.sched, j, results, self.group, self.pack)))
         while self._inflight and (len(self._inflight) > 1 or not self.overlap or not results):
             jj, ex = self._inflight.pop(0)
-            got = [None if e is None else e.wait() for e in ex]
+            got = ex.wait()
             if len(got) == 1:  # forward: [y]
                 self._add(out, jj, got[0])
                 continue
@@ -300,10 +335,10 @@ class _PipelinedMoE(torch.autograd.Function):
     @staticmethod
     @region("dispatch")
     def forward(ctx: Any, x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
-                group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, overlap: bool,
+                group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, transport: tuple[bool, bool],
                 *params: torch.Tensor) -> torch.Tensor:
-        chunks = _Chunks(sched, bank, group, overlap)
-        ctx.sched, ctx.bank, ctx.group, ctx.overlap = sched, bank, group, overlap
+        chunks = _Chunks(sched, bank, group, *transport)
+        ctx.sched, ctx.bank, ctx.group, ctx.transport = sched, bank, group, transport
         ctx.fused = out_grad is not None
         if out_grad is None:
             out = chunks.forward(x, probs)
@@ -338,7 +373,7 @@ class _PipelinedMoE(torch.autograd.Function):
                 chunks.backward(x, probs, grad_out - g0, gx, gp)
         else:
             x, probs = ctx.saved_tensors
-            chunks = _Chunks(ctx.sched, ctx.bank, ctx.group, ctx.overlap)
+            chunks = _Chunks(ctx.sched, ctx.bank, ctx.group, *ctx.transport)
             gx, gp = torch.zeros_like(x), torch.zeros_like(probs)
             chunks.backward(x, probs, grad_out, gx, gp)
         out_grads = chunks.weight_grads(ctx.needs_input_grad[7:])
@@ -349,18 +384,19 @@ class _PipelinedMoE(torch.autograd.Function):
 
 def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
                   group: dist.ProcessGroup | None, out_grad: torch.Tensor | None = None, *,
-                  overlap: bool = False) -> torch.Tensor:
+                  overlap: bool = False, pack: bool = True) -> torch.Tensor:
     """The MoE output [T, H] for rows ``x`` [T, H] with dense ``probs`` [T, E], under schedule ``sched``.
 
     Gradients flow to ``x``, ``probs`` (at routed entries) and every local expert parameter of ``bank``.
     ``out_grad`` [T, H]: the gradient the output is expected to receive; the chunks' backward then
     runs inside this forward (see the module docstring), and stays exact if the gradient differs.
     ``overlap``: at EP > 1, keep the next chunk's dispatch and the previous chunk's combine in flight
-    while a chunk computes (two more chunks' communication buffers).
+    while a chunk computes (two more chunks' communication buffers). ``pack``: at EP > 1, each chunk's
+    rows, probs and output-gradient rows travel in one all-to-all, and its results in one (``packed.py``).
     """
     if out_grad is not None and out_grad.shape != x.shape:
         raise ValueError(f"out_grad {tuple(out_grad.shape)} must have the output's shape {tuple(x.shape)}")
     params: list[torch.Tensor] = []
     for i in range(bank.num_local_experts):
         params.extend(bank.expert_params(i))
-    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, overlap, *params)
+    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, (overlap, pack), *params)
