@@ -116,15 +116,22 @@ def _profile(name: str, fn: Callable[[], object], call_ms: float, top: int = 12)
         fn()
         torch.cuda.synchronize()
     kern: dict[str, list[float]] = {}
+    spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             k = kern.setdefault(ev.name, [0.0, 0])
             k[0] += ev.device_time / 1e3
             k[1] += 1
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
     busy = sum(v[0] for v in kern.values())
-    print(f"\n=== {name}: call {call_ms:.1f} ms, GPU busy {busy:.1f} ms, {sum(v[1] for v in kern.values())} kernels")
+    spans.sort()
+    first_to_last = (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0
+    print(f"\n=== {name}: call {call_ms:.1f} ms, GPU busy {busy:.1f} ms, first kernel start to last kernel end "
+          f"{first_to_last:.1f} ms, {sum(v[1] for v in kern.values())} kernels")
     for kname, (kms, calls) in sorted(kern.items(), key=lambda t: -t[1][0])[:top]:
         print(f"    {kms:8.2f} ms {calls:5d}x  {kname[:140]}")
+    gaps = sorted(((b[0] - a[1]) / 1e3, a[2], b[2]) for a, b in zip(spans, spans[1:]))[::-1][:6]
+    print("    largest GPU gaps: " + "; ".join(f"{g:.2f} ms after {a[:40]} before {b[:40]}" for g, a, b in gaps))
 
 
 if __name__ == "__main__":
