@@ -54,7 +54,8 @@ class DispatchConfig(ComponentConfig):
     pack_collectives: bool = True
     """At EP > 1, send each chunk's hidden rows, probabilities and (in backward) output-gradient rows as
     one buffer in one all-to-all, and its results home in one: one all-to-all each way per chunk instead
-    of up to three, the same bytes (exact: the pieces are copied bit for bit).
+    of up to three, the same bytes (exact: the pieces are copied bit for bit). Measured on 2 H200s at
+    EP=2, H=4096: 0-3 ms faster per layer (124.4 against 127.4 ms at 32K tokens per rank, balanced).
     --no-peakflat-dispatch-pack-collectives sends each piece on its own."""
     grouped_gemm: bool = True
     """Run each chunk's experts as grouped GEMMs (torch._grouped_mm: bf16 on sm80+ GPUs) on strided
