@@ -96,18 +96,28 @@ def test_chunk_routes_conserve_pairs():
     assert (routes.sum((0, 1))[zero] == 0).all()
 
 
-@pytest.mark.parametrize("membership", ["expert", "strided", "auto"])
+@pytest.mark.parametrize("membership", ["expert", "strided", "auto", "hybrid"])
 @pytest.mark.parametrize("skew", ["balanced", "hot95", "all", "ragged"])
 def test_schedule_chunks_respect_the_cap_and_their_membership(membership, skew):
     """Every pair in exactly one chunk; no chunk over the cap; strided: token t in chunk t mod K;
     expert-major: each expert's pairs in consecutive chunks, so chunk boundaries split at most K - 1
-    experts (expert x chunk incidences <= E + K - 1)."""
+    experts (expert x chunk incidences <= E + K - 1); hybrid: hot experts' pairs strided, the cold
+    ones' expert-major (incidences of cold experts <= their count + K - 1)."""
+    from megatron_peakflat.dispatch.schedule import HOT_FACTOR
+
     E, T, k, cap = 8, 200, 2, 48
     probs, rmap = make_routing(T, E, k, skew, seed=3)
     sched = build_schedule(rmap, num_local_experts=E, group=None, chunk_cap=cap, max_chunks=64, alpha=1.0,
                            min_spill=2, imbalance_threshold=1.3, membership=membership)
     n, kmax = int(rmap.sum()), int(rmap.sum(1).max())
-    assert sched.K == -(-T // (cap // kmax)) and sched.chunk_offsets[-1] == n
+    hot = rmap.sum(0) * E > HOT_FACTOR * n
+    if membership == "hybrid":
+        hmax, n_cold = int((rmap & hot).sum(1).max()), int(rmap[:, ~hot].sum())
+        assert sched.K == max(-(-T // (cap // kmax)), -(-(T * hmax + n_cold) // (cap - hmax - 1)))
+        assert hot.any() == (skew in ("hot95", "all"))  # the cases have hot experts exactly when skewed
+    else:
+        assert sched.K == -(-T // (cap // kmax))
+    assert sched.chunk_offsets[-1] == n
     pairs = set()
     incidences = 0
     for j in range(sched.K):
@@ -118,11 +128,17 @@ def test_schedule_chunks_respect_the_cap_and_their_membership(membership, skew):
         pairs.update(zip(tok.tolist(), exp.tolist()))
         if membership == "strided":
             assert (tok % sched.K == j).all()
-        incidences += len(set(exp.tolist()))
+        if membership == "hybrid":
+            assert (tok[hot[exp]] % sched.K == j).all()
+            incidences += len(set(exp[~hot[exp]].tolist()))
+        else:
+            incidences += len(set(exp.tolist()))
     assert len(pairs) == n
     if membership in ("expert", "auto"):  # auto: expert-major in a group of one
         assert incidences <= E + sched.K - 1, incidences
         assert max(sched.chunk_offsets[j + 1] - sched.chunk_offsets[j] for j in range(sched.K)) == -(-n // sched.K)
+    if membership == "hybrid":
+        assert incidences <= int((~hot).sum()) + sched.K - 1, incidences
 
 
 # ---------------------------------------------------------------- config errors
@@ -207,10 +223,10 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
     T = 23 + 4 * rank  # ranks hold different token counts: K must still agree
     for skew in ("balanced", "hot95", "all", "ragged"):
         grid = ((TOPK, 1, "expert"), (TOPK, 2, "strided"), (TOPK, 7, "expert"), (TOPK, None, "expert"),
-                (TOPK, None, "strided"), (1, 3, "auto"))
+                (TOPK, None, "strided"), (TOPK, None, "hybrid"), (1, 3, "auto"))
         if skew == "ragged":
-            grid = ((TOPK, 2, "expert"), (TOPK, 7, "strided"))
-        for k, chunks, membership in (grid if world < 4 or skew == "ragged" else grid[1:5]):
+            grid = ((TOPK, 2, "expert"), (TOPK, 7, "strided"), (TOPK, 3, "hybrid"))
+        for k, chunks, membership in (grid if world < 4 or skew == "ragged" else grid[1:6]):
             probs, rmap = make_routing(T, E, k, skew, seed=100 * rank + 7)
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 50), requires_grad=True)
             probs.requires_grad_(True)
@@ -318,7 +334,7 @@ def bound_worker(rank: int, world: int, overlap: bool = False, membership: str =
     return peaks
 
 
-@pytest.mark.parametrize("overlap,membership", [(False, "auto"), (True, "auto"), (False, "expert")])
+@pytest.mark.parametrize("overlap,membership", [(False, "auto"), (True, "auto"), (False, "expert"), (False, "hybrid")])
 def test_working_set_bounded_under_ep_and_skew(overlap, membership):
     """EP=2, every token on one expert: each rank stays under the bound with EP x (c + k) chunk rows,
     with the all-to-alls overlapped (two more chunks in flight) or not, and with expert-major chunks

@@ -23,14 +23,15 @@ class DispatchConfig(ComponentConfig):
     chunk is at most EP * c rows, whatever the routing. With --peakflat-dispatch-membership strided
     each chunk also reads every local expert's weights and adds their gradients once, so smaller caps
     cost time in proportion to K."""
-    membership: Literal["auto", "expert", "strided"] = "auto"
+    membership: Literal["auto", "expert", "strided", "hybrid"] = "auto"
     """Which chunk a token-expert pair joins. 'expert': each source's pairs sorted by expert and cut
     into K equal slices, so each chunk computes a few experts and each expert's weights are read
     and its gradient accumulated in about one chunk (measured on one H200, EP=1: 0.96-0.99x the
     time of one chunk, against 0.85-0.90x strided). 'strided': token i joins chunk i mod K, so every
     chunk reads every expert's weights; at EP > 1 it spreads a hot expert's rows over every chunk,
     where expert-major chunks pile them into one (measured on 2 H200s, EP=2, 64K tokens per rank, 95%
-    on 4 experts: strided 0.91x one chunk and 4.3 GiB, expert-major 0.74x and 8.4 GiB). 'auto': expert
+    on 4 experts: strided 0.91x one chunk and 4.3 GiB, expert-major 0.74x and 8.4 GiB). 'hybrid': the
+    pairs of hot experts (over twice the mean load) strided, the others expert-major. 'auto': expert
     at EP=1, strided at EP > 1. The same cap either way."""
     max_chunks: int = 64
     """The most chunks K one MoE layer is split into; c grows when K would exceed it."""

@@ -29,7 +29,11 @@ from .upload import to_device
 
 __all__ = ["Schedule", "build_schedule", "MEMBERSHIPS", "resolve_membership"]
 
-MEMBERSHIPS = ("auto", "expert", "strided")
+MEMBERSHIPS = ("auto", "expert", "strided", "hybrid")
+
+HOT_FACTOR = 2
+"""In ``"hybrid"`` membership, an expert is hot on a source when it holds more than this many times the
+mean pairs per expert there (an integer test: ``count * E > HOT_FACTOR * n``, the same on host and device)."""
 
 
 def resolve_membership(membership: str, ep: int) -> str:
@@ -113,6 +117,11 @@ def _expert_major_counts(per_expert: torch.Tensor, expert_key: torch.Tensor, K: 
     return counts
 
 
+def _hot(per_expert: torch.Tensor | np.ndarray, n: int | torch.Tensor, E: int) -> torch.Tensor | np.ndarray:
+    """Experts holding more than ``HOT_FACTOR`` times the mean pairs per expert (``"hybrid"`` membership)."""
+    return per_expert * E > HOT_FACTOR * n
+
+
 def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup | None,
                    chunk_cap: int, max_chunks: int, alpha: float, min_spill: int,
                    imbalance_threshold: float, num_chunks: int | None = None,
@@ -131,6 +140,10 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
       first, owner rank second, so that every chunk spreads over every destination rank.
     - ``"strided"``: token i joins chunk ``i mod K`` with all its pairs. At EP > 1 this spreads a hot
       expert's rows over every chunk (expert-major chunks pile them into one chunk and one rank).
+    - ``"hybrid"``: the pairs of hot experts (more than ``HOT_FACTOR`` times the mean load on this
+      source) strided, the others expert-major: a hot expert is still spread over every chunk and
+      rank, while a cold one is computed, its weights read and its gradient accumulated, in about one
+      chunk (with few rows, those costs are not hidden behind its GEMMs).
     - ``"auto"``: expert in a group of one, strided otherwise.
     Either way no source puts more than ``chunk_cap`` pairs in a chunk (unless K hit max_chunks).
 
@@ -154,6 +167,8 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     slot[np.asarray(list(local_order), dtype=np.int64)] = np.arange(num_local_experts)
     expert_key = slot[np.arange(E) % num_local_experts] * P + np.arange(E) // num_local_experts
     per_tok = routing_map.sum(1)  # pairs of each token
+    per_expert = routing_map.sum(0)  # local pairs of each expert
+    hot = _hot(per_expert, per_expert.sum(), E) if membership == "hybrid" else None
     if num_chunks is not None:
         K_dev = torch.tensor(int(num_chunks), device=dev, dtype=torch.int64)
         kmax_cap = int(num_chunks)
@@ -161,14 +176,25 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         kmax = per_tok.max().clamp(min=1) if T > 0 else torch.ones((), device=dev, dtype=torch.int64)
         per_chunk = (chunk_cap // kmax).clamp(min=1)
         K_dev = ((T + per_chunk - 1) // per_chunk).clamp(1, max_chunks).to(torch.int64)
+        if hot is not None:
+            # Chunk j holds the hot pairs of its ceil(T / K) tokens and ceil(n_cold / K) cold pairs:
+            # (T / K + 1) hmax + n_cold / K + 1 <= cap when K >= (T hmax + n_cold) / (cap - hmax - 1).
+            hmax = (routing_map & hot).sum(1).max() if T > 0 else torch.zeros((), device=dev, dtype=torch.int64)
+            n_cold = (per_expert * ~hot).sum()
+            room = (chunk_cap - hmax - 1).clamp(min=1)
+            K_dev = torch.maximum(K_dev, ((T * hmax + n_cold + room - 1) // room).clamp(1, max_chunks))
         kmax_cap = max_chunks
     K_dev = comm.all_reduce_max(K_dev.reshape(1).clone(), group)
+    key_dev = to_device(expert_key, dev)
     if membership == "strided":
         counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
         counts.index_add_(0, torch.arange(T, device=dev) % K_dev, routing_map.to(torch.int64))
+    elif membership == "hybrid":
+        counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
+        counts.index_add_(0, torch.arange(T, device=dev) % K_dev, (routing_map & hot).to(torch.int64))
+        counts += _expert_major_counts(per_expert * ~hot, key_dev, K_dev, kmax_cap)
     else:
-        key_dev = to_device(expert_key, dev)
-        counts = _expert_major_counts(routing_map.sum(0), key_dev, K_dev, kmax_cap)
+        counts = _expert_major_counts(per_expert, key_dev, K_dev, kmax_cap)
     payload = torch.cat([counts.reshape(-1), K_dev.reshape(1)])
     host = comm.all_gather_rows(payload, group).cpu().numpy()  # the one device-to-host sync
     K = int(host[0, -1])
@@ -191,6 +217,13 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     del nz
     if membership == "strided":
         j = tok % K
+    elif membership == "hybrid":  # hot pairs strided; cold pair p of the (expert key, token) order: floor(p K / n_cold)
+        hot_pair = hot[exp]
+        n_cold = int(mine.sum(0)[~_hot(mine.sum(0), n, E)].sum())  # the device's hot test, on the host's counts
+        order_c = torch.argsort(torch.where(hot_pair, E * max(1, T), key_dev[exp] * max(1, T) + tok))[:n_cold]
+        j = tok % K
+        j[order_c] = torch.arange(n_cold, device=dev) * K // max(1, n_cold)
+        del hot_pair, order_c
     else:  # the pair at position p of the (expert key, token) order joins chunk floor(p K / n)
         by_expert = torch.argsort(key_dev[exp] * max(1, T) + tok)
         j = torch.empty_like(tok)
