@@ -101,20 +101,22 @@ def test_chunk_routes_conserve_pairs():
 def test_schedule_chunks_respect_the_cap_and_their_membership(membership, skew):
     """Every pair in exactly one chunk; no chunk over the cap; strided: token t in chunk t mod K;
     expert-major: each expert's pairs in consecutive chunks, so chunk boundaries split at most K - 1
-    experts (expert x chunk incidences <= E + K - 1); hybrid: hot experts' pairs strided, the cold
-    ones' expert-major (incidences of cold experts <= their count + K - 1)."""
-    from megatron_peakflat.dispatch.schedule import HOT_FACTOR
+    experts (expert x chunk incidences <= E + K - 1); hybrid: the others' pairs strided, the pairs of
+    experts under 3/4 of the mean load (cold) expert-major (cold incidences <= their count + K - 1), and
+    K the smallest that keeps the cap."""
+    from megatron_peakflat.dispatch.schedule import COLD
 
     E, T, k, cap = 8, 200, 2, 48
     probs, rmap = make_routing(T, E, k, skew, seed=3)
     sched = build_schedule(rmap, num_local_experts=E, group=None, chunk_cap=cap, max_chunks=64, alpha=1.0,
                            min_spill=2, imbalance_threshold=1.3, membership=membership)
     n, kmax = int(rmap.sum()), int(rmap.sum(1).max())
-    hot = rmap.sum(0) * E > HOT_FACTOR * n
+    cold = rmap.sum(0) * E * COLD[1] < COLD[0] * n
     if membership == "hybrid":
-        hmax, n_cold = int((rmap & hot).sum(1).max()), int(rmap[:, ~hot].sum())
-        assert sched.K == max(-(-T // (cap // kmax)), -(-(T * hmax + n_cold) // (cap - hmax - 1)))
-        assert hot.any() == (skew in ("hot95", "all"))  # the cases have hot experts exactly when skewed
+        smax, n_cold = int((rmap & ~cold).sum(1).max()), int(rmap[:, cold].sum())
+        K = next(K for K in range(-(-T // (cap // kmax)), 10 * T) if -(-T // K) * smax + -(-n_cold // K) <= cap)
+        assert sched.K == K
+        assert cold.any() == (skew in ("hot95", "all"))  # the cases have cold experts exactly when skewed
     else:
         assert sched.K == -(-T // (cap // kmax))
     assert sched.chunk_offsets[-1] == n
@@ -129,8 +131,8 @@ def test_schedule_chunks_respect_the_cap_and_their_membership(membership, skew):
         if membership == "strided":
             assert (tok % sched.K == j).all()
         if membership == "hybrid":
-            assert (tok[hot[exp]] % sched.K == j).all()
-            incidences += len(set(exp[~hot[exp]].tolist()))
+            assert (tok[~cold[exp]] % sched.K == j).all()
+            incidences += len(set(exp[cold[exp]].tolist()))
         else:
             incidences += len(set(exp.tolist()))
     assert len(pairs) == n
@@ -138,7 +140,7 @@ def test_schedule_chunks_respect_the_cap_and_their_membership(membership, skew):
         assert incidences <= E + sched.K - 1, incidences
         assert max(sched.chunk_offsets[j + 1] - sched.chunk_offsets[j] for j in range(sched.K)) == -(-n // sched.K)
     if membership == "hybrid":
-        assert incidences <= int((~hot).sum()) + sched.K - 1, incidences
+        assert incidences <= int(cold.sum()) + sched.K - 1, incidences
 
 
 # ---------------------------------------------------------------- config errors

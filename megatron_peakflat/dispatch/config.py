@@ -31,8 +31,10 @@ class DispatchConfig(ComponentConfig):
     chunk reads every expert's weights; at EP > 1 it spreads a hot expert's rows over every chunk,
     where expert-major chunks pile them into one (measured on 2 H200s, EP=2, 64K tokens per rank, 95%
     on 4 experts: strided 0.91x one chunk and 4.3 GiB, expert-major 0.74x and 8.4 GiB). 'hybrid': the
-    pairs of hot experts (over twice the mean load) strided, the others expert-major. 'auto': expert
-    at EP=1, strided at EP > 1. The same cap either way."""
+    pairs of cold experts (under 3/4 of the mean load) expert-major, the others strided, so a cold
+    expert's weights are read and its gradient accumulated in about one chunk while hot experts stay
+    spread; balanced routing is strided. 'auto': expert at EP=1, hybrid at EP > 1. The same cap
+    either way (hybrid may need one chunk more to keep it)."""
     max_chunks: int = 64
     """The most chunks K one MoE layer is split into; c grows when K would exceed it."""
     alpha: float = 1.0

@@ -8,7 +8,8 @@ backward recompute issues no synchronisation and exchanges exactly what the forw
 Guarantees:
 - ``K`` is identical on every rank of the group (max over the group), ``1 <= K <= max_chunks``, and
   when K is not clamped, no source puts more than ``chunk_cap`` token-expert pairs into one chunk;
-- chunk membership is ``"expert"`` or ``"strided"`` (``"auto"``: expert in a group of one), see ``build_schedule``;
+- chunk membership is ``"expert"``, ``"strided"`` or ``"hybrid"`` (``"auto"``: expert in a group of one,
+  hybrid otherwise), see ``build_schedule``;
 - every local token-expert pair appears in exactly one chunk's send list, once;
 - ``combine`` lists every local pair exactly once, under its token, in its chunk.
 """
@@ -31,15 +32,15 @@ __all__ = ["Schedule", "build_schedule", "MEMBERSHIPS", "resolve_membership"]
 
 MEMBERSHIPS = ("auto", "expert", "strided", "hybrid")
 
-HOT_FACTOR = 2
-"""In ``"hybrid"`` membership, an expert is hot on a source when it holds more than this many times the
-mean pairs per expert there (an integer test: ``count * E > HOT_FACTOR * n``, the same on host and device)."""
+COLD = (3, 4)
+"""In ``"hybrid"`` membership, an expert is cold on a source when it holds fewer than 3/4 of the mean
+pairs per expert there (an integer test, ``4 * count * E < 3 * n``, the same on host and device)."""
 
 
 def resolve_membership(membership: str, ep: int) -> str:
-    """The chunk membership a schedule uses: ``"auto"`` is expert-major in a group of one, strided at EP > 1."""
+    """The chunk membership a schedule uses: ``"auto"`` is expert-major in a group of one, hybrid at EP > 1."""
     if membership == "auto":
-        return "expert" if ep == 1 else "strided"
+        return "expert" if ep == 1 else "hybrid"
     return membership
 
 
@@ -117,9 +118,13 @@ def _expert_major_counts(per_expert: torch.Tensor, expert_key: torch.Tensor, K: 
     return counts
 
 
-def _hot(per_expert: torch.Tensor | np.ndarray, n: int | torch.Tensor, E: int) -> torch.Tensor | np.ndarray:
-    """Experts holding more than ``HOT_FACTOR`` times the mean pairs per expert (``"hybrid"`` membership)."""
-    return per_expert * E > HOT_FACTOR * n
+def _cold(per_expert: torch.Tensor | np.ndarray, n: int | torch.Tensor, E: int) -> torch.Tensor | np.ndarray:
+    """Experts holding fewer than ``COLD`` of the mean pairs per expert (``"hybrid"`` membership)."""
+    return per_expert * E * COLD[1] < COLD[0] * n
+
+
+def _ceil_div(a: torch.Tensor, b: torch.Tensor | int) -> torch.Tensor:
+    return (a + b - 1) // b
 
 
 def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup | None,
@@ -140,11 +145,13 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
       first, owner rank second, so that every chunk spreads over every destination rank.
     - ``"strided"``: token i joins chunk ``i mod K`` with all its pairs. At EP > 1 this spreads a hot
       expert's rows over every chunk (expert-major chunks pile them into one chunk and one rank).
-    - ``"hybrid"``: the pairs of hot experts (more than ``HOT_FACTOR`` times the mean load on this
-      source) strided, the others expert-major: a hot expert is still spread over every chunk and
-      rank, while a cold one is computed, its weights read and its gradient accumulated, in about one
-      chunk (with few rows, those costs are not hidden behind its GEMMs).
-    - ``"auto"``: expert in a group of one, strided otherwise.
+    - ``"hybrid"``: the pairs of cold experts (under ``COLD`` of the mean load on this source)
+      expert-major, the others strided: a cold expert is computed, its weights read and its gradient
+      accumulated in about one chunk (with few rows per chunk those costs are not hidden behind its
+      GEMMs), while hot experts stay spread over every chunk and rank. Balanced routing has no cold
+      experts, so it is strided there. K may exceed the strided K: a chunk's bound is the strided
+      pairs of its tokens plus an equal share of the cold pairs.
+    - ``"auto"``: expert in a group of one, hybrid otherwise.
     Either way no source puts more than ``chunk_cap`` pairs in a chunk (unless K hit max_chunks).
 
     A collective: every rank of ``group`` must call it for the same layer call. See the module
@@ -168,7 +175,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     expert_key = slot[np.arange(E) % num_local_experts] * P + np.arange(E) // num_local_experts
     per_tok = routing_map.sum(1)  # pairs of each token
     per_expert = routing_map.sum(0)  # local pairs of each expert
-    hot = _hot(per_expert, per_expert.sum(), E) if membership == "hybrid" else None
+    cold = _cold(per_expert, per_expert.sum(), E) if membership == "hybrid" else None
     if num_chunks is not None:
         K_dev = torch.tensor(int(num_chunks), device=dev, dtype=torch.int64)
         kmax_cap = int(num_chunks)
@@ -176,13 +183,18 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         kmax = per_tok.max().clamp(min=1) if T > 0 else torch.ones((), device=dev, dtype=torch.int64)
         per_chunk = (chunk_cap // kmax).clamp(min=1)
         K_dev = ((T + per_chunk - 1) // per_chunk).clamp(1, max_chunks).to(torch.int64)
-        if hot is not None:
-            # Chunk j holds the hot pairs of its ceil(T / K) tokens and ceil(n_cold / K) cold pairs:
-            # (T / K + 1) hmax + n_cold / K + 1 <= cap when K >= (T hmax + n_cold) / (cap - hmax - 1).
-            hmax = (routing_map & hot).sum(1).max() if T > 0 else torch.zeros((), device=dev, dtype=torch.int64)
-            n_cold = (per_expert * ~hot).sum()
-            room = (chunk_cap - hmax - 1).clamp(min=1)
-            K_dev = torch.maximum(K_dev, ((T * hmax + n_cold + room - 1) // room).clamp(1, max_chunks))
+        if cold is not None:
+            # Chunk j holds the strided pairs of its ceil(T / K) tokens and ceil(n_cold / K) cold pairs:
+            # B(K) = ceil(T / K) smax + ceil(n_cold / K) <= cap. The smallest such K among 8 from the lower
+            # bound; else the K of (T / K + 1) smax + n_cold / K + 1 <= cap.
+            smax = (routing_map & ~cold).sum(1).max() if T > 0 else torch.zeros((), device=dev, dtype=torch.int64)
+            n_cold = (per_expert * cold).sum()
+            lo = torch.maximum(K_dev, _ceil_div(T * smax + n_cold, chunk_cap))
+            cand = lo + torch.arange(8, device=dev)
+            ok = _ceil_div(torch.full_like(cand, T), cand) * smax + _ceil_div(n_cold, cand) <= chunk_cap
+            room = (chunk_cap - smax - 1).clamp(min=1)
+            K_dev = torch.where(ok.any(), cand[ok.to(torch.int8).argmax()], _ceil_div(T * smax + n_cold, room))
+            K_dev = K_dev.clamp(1, max_chunks)
         kmax_cap = max_chunks
     K_dev = comm.all_reduce_max(K_dev.reshape(1).clone(), group)
     key_dev = to_device(expert_key, dev)
@@ -191,8 +203,8 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         counts.index_add_(0, torch.arange(T, device=dev) % K_dev, routing_map.to(torch.int64))
     elif membership == "hybrid":
         counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
-        counts.index_add_(0, torch.arange(T, device=dev) % K_dev, (routing_map & hot).to(torch.int64))
-        counts += _expert_major_counts(per_expert * ~hot, key_dev, K_dev, kmax_cap)
+        counts.index_add_(0, torch.arange(T, device=dev) % K_dev, (routing_map & ~cold).to(torch.int64))
+        counts += _expert_major_counts(per_expert * cold, key_dev, K_dev, kmax_cap)
     else:
         counts = _expert_major_counts(per_expert, key_dev, K_dev, kmax_cap)
     payload = torch.cat([counts.reshape(-1), K_dev.reshape(1)])
@@ -217,13 +229,12 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     del nz
     if membership == "strided":
         j = tok % K
-    elif membership == "hybrid":  # hot pairs strided; cold pair p of the (expert key, token) order: floor(p K / n_cold)
-        hot_pair = hot[exp]
-        n_cold = int(mine.sum(0)[~_hot(mine.sum(0), n, E)].sum())  # the device's hot test, on the host's counts
-        order_c = torch.argsort(torch.where(hot_pair, E * max(1, T), key_dev[exp] * max(1, T) + tok))[:n_cold]
+    elif membership == "hybrid":  # cold pair p of the (expert key, token) order: floor(p K / n_cold); others strided
+        n_cold = int(mine.sum(0)[_cold(mine.sum(0), n, E)].sum())  # the device's test, on the host's counts
+        order_c = torch.argsort(torch.where(cold[exp], key_dev[exp] * max(1, T) + tok, E * max(1, T)))[:n_cold]
         j = tok % K
         j[order_c] = torch.arange(n_cold, device=dev) * K // max(1, n_cold)
-        del hot_pair, order_c
+        del order_c
     else:  # the pair at position p of the (expert key, token) order joins chunk floor(p K / n)
         by_expert = torch.argsort(key_dev[exp] * max(1, T) + tok)
         j = torch.empty_like(tok)
