@@ -127,7 +127,10 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
             losses.append(loss.detach())
         assert all(m.token_dispatcher._bank.plain == plain for m in swapped)
         snap = stats.snapshot().get("dispatch", {})
-        assert snap.get("chunks") == K, (K, snap)
+        if world == 1:
+            assert snap.get("chunks") == K, (K, snap)
+        else:  # 'auto' is hybrid at EP > 1: cold experts' slices may take a chunk or two more to keep the cap
+            assert K <= snap.get("chunks", 0) <= K + 2, (K, snap)
         assert snap.get("experts") == ("grouped" if plain else "per-expert"), snap
         if "recompute_granularity" in extra:  # each layer's recompute ran its chunks' backward, as assumed
             assert snap.get("fused_recompute_calls") == config.num_layers, snap
