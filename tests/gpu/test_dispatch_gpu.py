@@ -157,11 +157,12 @@ def _nccl_dispatch(rank: int, world: int, dev: str = "cuda") -> list[tuple[str, 
         rmap = rmap.to(dev)
         for fused in (False, True):
             runs = {}
+            # One bank for both runs: expert-major and hybrid chunks follow the weights' memory order.
+            bank = ReferenceExperts([w.to(dev).bfloat16() for w in fc1[rank * e_p:(rank + 1) * e_p]],
+                                    [w.to(dev).bfloat16() for w in fc2[rank * e_p:(rank + 1) * e_p]], grouped=True)
             for pack in (True, False):
                 cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=128, max_chunks=64, min_spill=16,
                                      imbalance_threshold=1.1, pack_collectives=pack)
-                bank = ReferenceExperts([w.to(dev).bfloat16() for w in fc1[rank * e_p:(rank + 1) * e_p]],
-                                        [w.to(dev).bfloat16() for w in fc2[rank * e_p:(rank + 1) * e_p]], grouped=True)
                 x = x32.to(dev).bfloat16().requires_grad_(True)
                 probs = probs32.to(dev).requires_grad_(True)
                 gout = gout32.to(dev).bfloat16()
