@@ -55,7 +55,7 @@ def main() -> None:
                    "megatron-fused-ce", "liger-flce", "cce"], "Vocabulary projection + loss, forward + backward, bf16"),
         ("vocab_parts", ["logits", "fold", "grad", "dx", "dw", "chunks x sum", "whole call"],
          "Ring-DTP in-forward, one GPU: each step of one chunk alone, and the whole call"),
-        ("dispatch", ["peakflat", "peakflat-unpacked", "peakflat-strided", "peakflat-expert", "peakflat-overlap", "peakflat-c32768",
+        ("dispatch", ["peakflat", "peakflat-strided", "peakflat-strided-unpacked", "peakflat-expert", "peakflat-overlap", "peakflat-c32768",
                       "llep-unchunked", "megatron-alltoall"],
          "MoE layer dispatch, forward + backward, bf16, 64 experts top-8 unless the case says E, k, F=1536"),
         ("sco", ["peakflat", "megatron-full-recompute", "save-on-cpu"],
