@@ -340,6 +340,25 @@ def test_report_logs_measured_beside_predicted(fake, caplog):
     assert meter.measured() == {}  # a new interval starts
 
 
+def test_report_says_when_the_optimizer_staging_went_unused(fake, caplog):
+    from megatron_peakflat import stats
+    from megatron_peakflat.integration import peaks
+
+    args = _megatron_namespace(world_size=1, data_parallel_size=1)
+    assert peaks.setup(args) is True
+    for gpu, cpu, noted in ((0, 3, True), (2, 1, False)):
+        stats.record("optimizer", "gpu_buckets", gpu)
+        stats.record("optimizer", "cpu_buckets", cpu)
+        with meter.component_region("optimizer"):
+            fake.alloc(1024)
+            fake.free(1024)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="megatron_peakflat"):
+            peaks.report(7, args)
+        assert ("optimizer 0.00/" in caplog.text) and (("every bucket ran on the host" in caplog.text) == noted)
+    stats.reset()
+
+
 def test_report_is_off_without_flag(fake):
     from megatron_peakflat.integration import peaks
 

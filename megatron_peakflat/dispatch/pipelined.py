@@ -20,6 +20,10 @@ unchunked MoE; only the summation order of a token's k expert outputs (and of ea
 gradient over chunks) changes. Gradients of spilled experts' weights are computed on the helper
 and added at the owner.
 
+Transport: at EP > 1 each chunk's dispatch sends its hidden rows, their probabilities and (in backward)
+their output-gradient rows as the columns of one buffer, and its combine sends dX, dprobs and the
+outputs home in one (``packed.py``): one all-to-all each way per chunk, the same bytes.
+
 Expert math: a bank that offers grouped GEMMs (``GroupedExperts``) runs each chunk's experts in a
 few grouped GEMMs, forward and backward (``grouped.py``); otherwise each expert runs on its own.
 
@@ -83,7 +87,6 @@ class _InFlight:
     def __init__(self, exchanges: list[comm.Exchange | None], layout: RowLayout | None = None,
                  present: list[bool] | None = None) -> None:
         self.exchanges, self.layout, self.present = exchanges, layout, present
-
         stats.add("dispatch", "all_to_alls", sum(e is not None for e in exchanges))
 
     def wait(self) -> list[torch.Tensor | None]:
@@ -106,7 +109,10 @@ def _combine_start(sched: Schedule, j: int, rows: list[torch.Tensor | None], gro
     if layout is not None:
         buf = layout.empty(present[0].shape[0], present[0].device)
         for v, r in zip(layout.views(buf), present):
-            v.copy_(r) if idx is None else v.index_copy_(0, idx, r)
+            if idx is None:
+                v.copy_(r)
+            else:
+                v.index_copy_(0, idx, r)
         return _InFlight([comm.all_to_all_start(buf, sched.recv_splits[j], sched.send_splits[j], group)], layout,
                          [r is not None for r in rows])
     out: list[comm.Exchange | None] = []

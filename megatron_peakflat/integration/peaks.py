@@ -97,6 +97,16 @@ def _stage_name(run: RunConfig) -> str:
         return "last"
 
 
+def _note(component: str) -> str:
+    """Why a measured peak may sit far below the prediction, when this process knows: the planner counts
+    the optimizer's GPU staging slots, which ``engine=auto`` leaves unused when it sends every bucket to
+    the host kernel."""
+    opt = stats.snapshot().get("optimizer", {})
+    if component == "optimizer" and opt.get("gpu_buckets") == 0 and opt.get("cpu_buckets", 0) > 0:
+        return " (GPU staging unused: every bucket ran on the host)"
+    return ""
+
+
 def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = None) -> dict[str, dict[str, float]] | None:
     """Log measured vs predicted GiB per component, write them to tensorboard/wandb, start a new interval.
 
@@ -121,7 +131,7 @@ def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = No
     reserve = st.rows.get("reserve")
     allocated = st.total(which) - (getattr(reserve, which) if reserve is not None else 0.0)
     out["total"] = {"measured_gib": meter.process_peak() / GIB, "predicted_gib": allocated / GIB}
-    parts = [f"{k} {v['measured_gib']:.2f}/{v['predicted_gib']:.2f}" for k, v in out.items()]
+    parts = [f"{k} {v['measured_gib']:.2f}/{v['predicted_gib']:.2f}{_note(k)}" for k, v in out.items()]
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
