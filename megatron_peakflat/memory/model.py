@@ -307,7 +307,9 @@ def dispatch_working_set(s: ModelShape, run: RunConfig, pairs: float) -> float:
 def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int, int]:
     """(K, c_eff): chunks per layer and pairs per source rank per chunk, as PipelinedLLEP picks them
     (dispatch/bound.py chunk_count: enough chunks that ceil(T / K) x k <= chunk_cap, K <= max_chunks;
-    at the max_chunks cap a chunk grows past chunk_cap)."""
+    at the max_chunks cap a chunk grows past chunk_cap). The planner assumes balanced routing, where
+    the ``hybrid`` membership (the EP > 1 default) has no cold experts and is strided; skewed routing
+    may take more, smaller chunks, so this stays an upper bound on a chunk's rows."""
     r = int(math.ceil(run.layer_rows))
     k = max(1, s.topk)
     K = chunk_count(r, k, pf.dispatch.chunk_cap, pf.dispatch.max_chunks)
