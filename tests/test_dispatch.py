@@ -20,7 +20,7 @@ from megatron_peakflat.dispatch.config import DispatchConfig
 from megatron_peakflat.dispatch.plan import chunk_routes, least_loaded_plan
 from megatron_peakflat.dispatch.reference import ReferenceExperts, reference_moe
 from megatron_peakflat.dispatch.schedule import build_schedule
-from megatron_peakflat.testing.distributed import run_distributed
+from megatron_peakflat.testing import max_rel_error, run_distributed
 
 # ---------------------------------------------------------------- the plan on hand-made loads
 
@@ -190,10 +190,6 @@ def make_routing(T: int, E: int, k: int, skew: str, seed: int) -> tuple[torch.Te
     return probs, routing_map
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach(), b.detach()
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
-
 
 def _errors_vs_reference(out, x, probs, rmap, bank, fc1, fc2, gout, rank: int) -> tuple[list[float], torch.Tensor]:
     """Relative errors of out, dx, dprobs and each local expert's weight gradient against ``reference_moe``
@@ -207,9 +203,9 @@ def _errors_vs_reference(out, x, probs, rmap, bank, fc1, fc2, gout, rank: int) -
     want = torch.autograd.grad(ref, [x, probs, *w1, *w2], gout, allow_unused=True, materialize_grads=True)
     wgrads = torch.stack([torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in zip(want[2:2 + E], want[2 + E:])])
     dist.all_reduce(wgrads)
-    errs = [_rel(out, ref), _rel(got[0], want[0]), _rel(got[1], want[1])]
+    errs = [max_rel_error(out, ref), max_rel_error(got[0], want[0]), max_rel_error(got[1], want[1])]
     for i in range(e_p):
-        errs.append(_rel(torch.cat([got[2 + 2 * i].reshape(-1), got[3 + 2 * i].reshape(-1)]), wgrads[rank * e_p + i]))
+        errs.append(max_rel_error(torch.cat([got[2 + 2 * i].reshape(-1), got[3 + 2 * i].reshape(-1)]), wgrads[rank * e_p + i]))
     return errs, ref
 
 
@@ -374,7 +370,7 @@ def test_megatron_ddp_main_grad_path():
     reference_moe(x.detach(), probs, rmap, w1, w2).backward(gout)
     for p, r in zip(bank.parameters(), [*w1, *w2]):
         assert p.grad_added_to_main_grad
-        assert _rel(p.main_grad, r.grad) <= 1e-5
+        assert max_rel_error(p.main_grad, r.grad) <= 1e-5
         assert p.grad.untyped_storage().data_ptr() == p.main_grad.untyped_storage().data_ptr()
 
 
@@ -419,10 +415,10 @@ def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch):
         xr = x.detach().clone().requires_grad_(True)
         ref = reference_moe(xr, probs, rmap, w1, w2)
         ref.backward(gout)
-        assert _rel(out, ref) <= 1e-5 and _rel(x.grad, xr.grad) <= 1e-5
+        assert max_rel_error(out, ref) <= 1e-5 and max_rel_error(x.grad, xr.grad) <= 1e-5
         for e in range(E):
-            assert _rel(bank.fc1[e].main_grad, w1[e].grad) <= 1e-5, (skew, e)
-            assert _rel(bank.fc2[e].main_grad, w2[e].grad) <= 1e-5, (skew, e)
+            assert max_rel_error(bank.fc1[e].main_grad, w1[e].grad) <= 1e-5, (skew, e)
+            assert max_rel_error(bank.fc2[e].main_grad, w2[e].grad) <= 1e-5, (skew, e)
     assert into and set(into) <= main_grads  # no gradient took a detour through another buffer
     assert len(set(into)) == 2 * E  # every expert of both skews had rows at least once
 
@@ -452,9 +448,9 @@ def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped):
         w2 = [w.clone().requires_grad_(True) for w in fc2]
         ref = reference_moe(x, probs, rmap, w1, w2)
         want = torch.autograd.grad(ref, [x, probs, *[w for pair in zip(w1, w2) for w in pair]], gout)
-        assert _rel(out, ref) <= 1e-5
+        assert max_rel_error(out, ref) <= 1e-5
         for a, b in zip(got, want):
-            assert _rel(a, b) <= 1e-5, (skew, wrong)
+            assert max_rel_error(a, b) <= 1e-5, (skew, wrong)
         snap = stats.snapshot()["dispatch"]
         assert snap["chunks"] > 1 and snap["fused_recompute_calls"] == 1
         assert snap.get("fused_recompute_corrections", 0) == int(wrong)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_peakflat.testing.distributed import run_distributed
+from megatron_peakflat.testing import max_rel_error, run_distributed
 
 SEQ, MB, VOCAB = 16, 2, 64  # 32 tokens per rank, top-2: 64 token-expert pairs per rank
 
@@ -58,17 +58,14 @@ def _ref_and_patched(config, dispatch) -> tuple:  # noqa: ANN001
 
 def _check_grads(name: str, ref, model, losses: list[torch.Tensor]) -> float:  # noqa: ANN001
     """Loss and every parameter's gradient of ``model`` within 1e-5 of ``ref``; returns the largest error."""
-    errs = [_rel(losses[1], losses[0])]
+    errs = [max_rel_error(losses[1], losses[0])]
     for (n, mine), theirs in zip(model.named_parameters(), ref.parameters()):
         assert (mine.grad is None) == (theirs.grad is None), (name, n)
         if theirs.grad is not None:
-            errs.append(_rel(mine.grad, theirs.grad))
+            errs.append(max_rel_error(mine.grad, theirs.grad))
             assert errs[-1] <= 1e-5, (name, n, errs[-1])
     return max(errs)
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-20))
 
 
 def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
@@ -196,7 +193,7 @@ def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:
             m.finish_grad_sync()
             grads.append({n: p.main_grad.clone() for n, p in m.module.named_parameters()})
         for n, g in grads[0].items():
-            e = _rel(grads[1][n], g)
+            e = max_rel_error(grads[1][n], g)
             assert e <= 1e-5, ("ddp", it, n, e)
             worst = max(worst, e)
     # Without the distributed optimizer DDP leaves the weights where they were allocated: the first

@@ -13,6 +13,7 @@ from megatron_peakflat import _ext, stats
 from megatron_peakflat.optimizer import HostMemoryError, OffloadStreamAdamW
 from megatron_peakflat.optimizer import host_memory
 from megatron_peakflat.optimizer.layout import plan_layout
+from megatron_peakflat.testing import max_rel_error
 
 SHAPES = [(37, 5), (1000,), (3, 7, 11), (64, 64), (5,), (130, 3)]
 HAVE_NATIVE = _ext.load() is not None
@@ -48,9 +49,6 @@ def _run(opt, ps, steps, start=0):
         opt.step()
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("engine", ["gpu", "cpu", "auto"])
@@ -65,10 +63,10 @@ def test_matches_torch_adamw(engine, kernel):
         _run(o, x, 20)
     assert len(opt._layout.buckets) >= 3  # the bucket cut params across buckets
     for p, f, l in zip(ps, fused, loop):
-        assert _rel(p, f) <= 1e-6, (engine, kernel, _rel(p, f))
-        assert _rel(p, l) <= 1e-6, (engine, kernel, _rel(p, l))
+        assert max_rel_error(p, f) <= 1e-6, (engine, kernel, max_rel_error(p, f))
+        assert max_rel_error(p, l) <= 1e-6, (engine, kernel, max_rel_error(p, l))
         for key in ("exp_avg", "exp_avg_sq"):
-            assert _rel(opt.state[p][key], ref_l.state[l][key]) <= 1e-6
+            assert max_rel_error(opt.state[p][key], ref_l.state[l][key]) <= 1e-6
         assert opt.state[p]["step"].item() == ref_l.state[l]["step"].item()
         assert torch.equal(opt.state[p]["master_param"], p.detach())
     assert not torch.equal(ps[0], _params()[0])  # it did move
@@ -91,7 +89,7 @@ def test_single_bucket_gpu_engine_is_bitwise_fused_adamw():
     same = sum(int(torch.eq(a, b).sum()) for a, b in zip(ps, ref))
     total = sum(a.numel() for a in ps)
     assert same >= total * 0.99, (same, total)
-    assert max(_rel(a, b) for a, b in zip(ps, ref)) <= 1e-6
+    assert max(max_rel_error(a, b) for a, b in zip(ps, ref)) <= 1e-6
 
 
 def assert_same_params_and_state(opt_a, ps_a, opt_b, ps_b) -> None:
@@ -144,7 +142,7 @@ def test_host_kernels_agree_bitwise_on_vector_body():
         for x, y in zip(a, b):
             if n % 16 == 0:
                 assert torch.equal(x, y), n
-            assert _rel(x, y) <= 1e-6
+            assert max_rel_error(x, y) <= 1e-6
         assert torch.equal(out_a, a[0].bfloat16())  # bf16 rounding of the upload buffer is torch's
 
 
@@ -168,7 +166,7 @@ def test_bf16_params_with_decoupled_grads():
             assert all(getattr(q, "decoupled_grad", None) is None for q in qs)
         for q, r in zip(qs, rs):
             assert q.dtype == torch.bfloat16
-            assert _rel(opt.state[q]["master_param"], r.detach()) <= 1e-6
+            assert max_rel_error(opt.state[q]["master_param"], r.detach()) <= 1e-6
             assert torch.equal(q.detach(), opt.state[q]["master_param"].bfloat16())
 
 
@@ -280,7 +278,7 @@ def test_bf16_grads_travel_as_bf16_and_match(kernel):
         opt.step()
         ref.step()
     for p, r in zip(ps, rs):
-        assert _rel(opt.state[p]["master_param"], r.detach()) <= 1e-6
+        assert max_rel_error(opt.state[p]["master_param"], r.detach()) <= 1e-6
         assert torch.equal(p.detach(), opt.state[p]["master_param"].bfloat16())
 
 

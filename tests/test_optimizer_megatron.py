@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from megatron_peakflat.testing.distributed import run_distributed
+from megatron_peakflat.testing import max_rel_error, run_distributed
 
 STEPS, SAVE_AT, VOCAB, SEQ = 10, 5, 128, 16
 ENGINES = ("gpu", "cpu", "auto")  # 'auto' has frozen its measured split by step 3; the split is saved
@@ -108,20 +108,17 @@ def _rank_main(rank: int, world: int, ckpt_dir: str):
         # compare here: the results queue carries only small summaries
         worst_loss = max(abs(l - lr_).item() / abs(lr_).item() for (lr_, _, _), (l, _, _) in zip(ref, run))
         worst_norm = max(abs(n - nr) / abs(nr) for (_, nr, _), (_, n, _) in zip(ref, run))
-        worst_param, worst_where = max((_rel(p[k], pr[k]), f"step {i + 1} {k}")
+        worst_param, worst_where = max((max_rel_error(p[k], pr[k]), f"step {i + 1} {k}")
                                        for i, ((_, _, pr), (_, _, p)) in enumerate(zip(ref, run)) for k in pr)
         same_names = all(set(p) == set(pr) for (_, _, pr), (_, _, p) in zip(ref, run))
         bitwise = all(torch.equal(la, lb) and na == nb and all(torch.equal(pa[k], pb[k]) for k in pa)
                       for (la, na, pa), (lb, nb, pb) in zip(run[SAVE_AT:], resumed))
-        moved = max(_rel(run[-1][2][k], run[0][2][k]) for k in run[0][2])
+        moved = max(max_rel_error(run[-1][2][k], run[0][2][k]) for k in run[0][2])
         out[engine] = dict(shard=shard, total=total, worst_loss=worst_loss, worst_norm=worst_norm,
                            worst_param=worst_param, worst_where=worst_where, same_names=same_names, resume_bitwise=bitwise,
                            n_resumed=len(resumed), moved=moved)
     return out
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 def test_offload_stream_in_distributed_optimizer_world2():

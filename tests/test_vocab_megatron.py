@@ -8,13 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_peakflat.testing import run_distributed
+from megatron_peakflat.testing import max_rel_error, run_distributed
 
 V = 130  # V / TP = 65 rows per shard: odd, not a multiple of the block size
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -76,10 +73,10 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
             assert stats.snapshot()["vocab"]["calls"] == calls + 1, what
             assert stats.snapshot()["vocab"]["grad"] == grad, what
             assert not stats.snapshot()["vocab"].get("hint_corrections"), what
-            assert _rel(loss.detach(), ref_loss.detach()) < 1e-5, (what, float(loss), float(ref_loss))
+            assert max_rel_error(loss.detach(), ref_loss.detach()) < 1e-5, (what, float(loss), float(ref_loss))
             assert set(ours) == set(ref), (what, set(ours) ^ set(ref))
             for k in ref:
-                assert _rel(ours[k], ref[k]) < 1e-5, (what, k, _rel(ours[k], ref[k]))
+                assert max_rel_error(ours[k], ref[k]) < 1e-5, (what, k, max_rel_error(ours[k], ref[k]))
             done.append(what)
             # unpatched again: the original forward runs and builds logits
             out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
