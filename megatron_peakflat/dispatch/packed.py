@@ -52,19 +52,15 @@ class RowLayout:
         return out
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def row_layout(specs: Sequence[RowSpec]) -> RowLayout | None:
     """The packed layout of pieces with these per-row ``specs``, in the first one's dtype; None when a
     piece's row is not a whole number of that dtype's elements (then the pieces travel separately)."""
     base = specs[0][1]
-    es = _size(base)
+    es = base.itemsize
     shapes, dtypes, starts, cols = [], [], [], []
     at = 0
     for shape, dt in specs:
-        pes = _size(dt)
+        pes = dt.itemsize
         row_bytes = math.prod(shape) * pes
         if row_bytes % es or pes > _ALIGN or dt.is_complex:
             return None

@@ -175,20 +175,22 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     expert_key = slot[np.arange(E) % num_local_experts] * P + np.arange(E) // num_local_experts
     per_tok = routing_map.sum(1)  # pairs of each token
     per_expert = routing_map.sum(0)  # local pairs of each expert
-    cold = _cold(per_expert, per_expert.sum(), E) if membership == "hybrid" else None
+    # The experts whose pairs go expert-major (the others' pairs are strided): all, none, or the cold ones.
+    major = _cold(per_expert, per_expert.sum(), E) if membership == "hybrid" else torch.full(
+        (E,), membership == "expert", dtype=torch.bool, device=dev)
     if num_chunks is not None:
         K_dev = torch.tensor(int(num_chunks), device=dev, dtype=torch.int64)
         kmax_cap = int(num_chunks)
     else:
         kmax = per_tok.max().clamp(min=1) if T > 0 else torch.ones((), device=dev, dtype=torch.int64)
         per_chunk = (chunk_cap // kmax).clamp(min=1)
-        K_dev = ((T + per_chunk - 1) // per_chunk).clamp(1, max_chunks).to(torch.int64)
-        if cold is not None:
+        K_dev = _ceil_div(T, per_chunk).clamp(1, max_chunks).to(torch.int64)
+        if membership == "hybrid":
             # Chunk j holds the strided pairs of its ceil(T / K) tokens and ceil(n_cold / K) cold pairs:
             # B(K) = ceil(T / K) smax + ceil(n_cold / K) <= cap. The smallest such K among 8 from the lower
             # bound; else the K of (T / K + 1) smax + n_cold / K + 1 <= cap.
-            smax = (routing_map & ~cold).sum(1).max() if T > 0 else torch.zeros((), device=dev, dtype=torch.int64)
-            n_cold = (per_expert * cold).sum()
+            smax = (routing_map & ~major).sum(1).max() if T > 0 else torch.zeros((), device=dev, dtype=torch.int64)
+            n_cold = (per_expert * major).sum()
             lo = torch.maximum(K_dev, _ceil_div(T * smax + n_cold, chunk_cap))
             cand = lo + torch.arange(8, device=dev)
             ok = _ceil_div(torch.full_like(cand, T), cand) * smax + _ceil_div(n_cold, cand) <= chunk_cap
@@ -198,15 +200,11 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         kmax_cap = max_chunks
     K_dev = comm.all_reduce_max(K_dev.reshape(1).clone(), group)
     key_dev = to_device(expert_key, dev)
-    if membership == "strided":
-        counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
-        counts.index_add_(0, torch.arange(T, device=dev) % K_dev, routing_map.to(torch.int64))
-    elif membership == "hybrid":
-        counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
-        counts.index_add_(0, torch.arange(T, device=dev) % K_dev, (routing_map & ~cold).to(torch.int64))
-        counts += _expert_major_counts(per_expert * cold, key_dev, K_dev, kmax_cap)
-    else:
-        counts = _expert_major_counts(per_expert, key_dev, K_dev, kmax_cap)
+    counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
+    if membership != "expert":
+        counts.index_add_(0, torch.arange(T, device=dev) % K_dev, (routing_map & ~major).to(torch.int64))
+    if membership != "strided":
+        counts += _expert_major_counts(per_expert * major, key_dev, K_dev, kmax_cap)
     payload = torch.cat([counts.reshape(-1), K_dev.reshape(1)])
     host = comm.all_gather_rows(payload, group).cpu().numpy()  # the one device-to-host sync
     K = int(host[0, -1])
@@ -227,18 +225,15 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     nz = _nonzero(routing_map, n)
     tok, exp = nz[:, 0].contiguous(), nz[:, 1].contiguous()
     del nz
-    if membership == "strided":
-        j = tok % K
-    elif membership == "hybrid":  # cold pair p of the (expert key, token) order: floor(p K / n_cold); others strided
-        n_cold = int(mine.sum(0)[_cold(mine.sum(0), n, E)].sum())  # the device's test, on the host's counts
-        order_c = torch.argsort(torch.where(cold[exp], key_dev[exp] * max(1, T) + tok, E * max(1, T)))[:n_cold]
-        j = tok % K
-        j[order_c] = torch.arange(n_cold, device=dev) * K // max(1, n_cold)
-        del order_c
-    else:  # the pair at position p of the (expert key, token) order joins chunk floor(p K / n)
-        by_expert = torch.argsort(key_dev[exp] * max(1, T) + tok)
-        j = torch.empty_like(tok)
-        j[by_expert] = torch.arange(n, device=dev) * K // max(1, n)
+    # Strided pairs join chunk token mod K; the expert-major pair at position p of the (expert key, token)
+    # order of the n_major such pairs joins chunk floor(p K / n_major), as _expert_major_counts cut them.
+    per_expert_host = mine.sum(0)
+    major_host = _cold(per_expert_host, n, E) if membership == "hybrid" else np.full(E, membership == "expert")
+    n_major = int(per_expert_host[major_host].sum())  # the device's choice, on the host's counts
+    j = tok % K
+    if n_major:
+        by_expert = torch.argsort(torch.where(major[exp], key_dev[exp] * max(1, T) + tok, E * max(1, T)))[:n_major]
+        j[by_expert] = torch.arange(n_major, device=dev) * K // n_major
         del by_expert
     rank_of = exp
     if P == 1 and compute != list(range(E)):
