@@ -82,6 +82,20 @@ def peak_once(fn: Callable[[], Any], *, cpu: bool = False) -> tuple[int, int]:
     return peak, peak - base
 
 
+def cuda_kernels(prof: Any, steps: int = 1) -> tuple[dict[str, list[float]], list[tuple[float, float, str]]]:
+    """The CUDA kernels a ``torch.profiler`` run saw: {name: [ms per step, calls per step]}, and every
+    kernel's (start us, end us, name) sorted by start, for finding the GPU's idle gaps."""
+    kern: dict[str, list[float]] = {}
+    spans = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kern.setdefault(ev.name, [0.0, 0.0])
+            k[0] += ev.device_time / steps / 1e3
+            k[1] += 1 / steps
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
+    return kern, sorted(spans)
+
+
 def run_row(case: str, method: str, fn: Callable[[], Any], *, exact: bool | None = None,
             warmup: int = 2, reps: int = 5, **extra: Any) -> Row:
     """Measure ``fn`` and return its row; an OOM becomes a row with ``error='OOM'``."""

@@ -70,12 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.steps):
                 step()
             torch.cuda.synchronize()
-        kern: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                k = kern[ev.name]
-                k[0] += ev.device_time / args.steps / 1e3
-                k[1] += 1 / args.steps
+        kern, _ = harness.cuda_kernels(prof, args.steps)
         busy = sum(v[0] for v in kern.values())
         cats: dict[str, float] = defaultdict(float)
         for name, (ms, _) in kern.items():

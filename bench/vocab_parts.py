@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, measure, write  # noqa: E402
+from bench.harness import Row, cuda_kernels, measure, write  # noqa: E402
 from megatron_peakflat.matmul import accumulate_mm  # noqa: E402
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 from megatron_peakflat.vocab.block_triton import fold_logits_triton, grad_logits_triton  # noqa: E402
@@ -115,21 +115,13 @@ def _profile(name: str, fn: Callable[[], object], call_ms: float, top: int = 12)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    kern: dict[str, list[float]] = {}
-    spans = []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            k = kern.setdefault(ev.name, [0.0, 0])
-            k[0] += ev.device_time / 1e3
-            k[1] += 1
-            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
+    kern, spans = cuda_kernels(prof)
     busy = sum(v[0] for v in kern.values())
-    spans.sort()
     first_to_last = (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0
     print(f"\n=== {name}: call {call_ms:.1f} ms, GPU busy {busy:.1f} ms, first kernel start to last kernel end "
-          f"{first_to_last:.1f} ms, {sum(v[1] for v in kern.values())} kernels")
+          f"{first_to_last:.1f} ms, {len(spans)} kernels")
     for kname, (kms, calls) in sorted(kern.items(), key=lambda t: -t[1][0])[:top]:
-        print(f"    {kms:8.2f} ms {calls:5d}x  {kname[:140]}")
+        print(f"    {kms:8.2f} ms {calls:5.0f}x  {kname[:140]}")
     gaps = sorted(((b[0] - a[1]) / 1e3, a[2], b[2]) for a, b in zip(spans, spans[1:]))[::-1][:6]
     print("    largest GPU gaps: " + "; ".join(f"{g:.2f} ms after {a[:40]} before {b[:40]}" for g, a, b in gaps))
 
