@@ -389,9 +389,9 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
     """(bound, expected) rows one rank receives in one chunk. Bound: every one of the E_p sources
     sends its c_eff (+k rounding) pairs here, whatever the routing. Expected: the rank's whole load
     spread over K chunks; its load is skew x mean under plain EP (skew below the imbalance threshold
-    lambda) and at most alpha x mean once LLEP rebalances. Under the default expert-major membership
-    that is the mean over chunks: at EP > 1 the chunk that holds a hot expert's rows holds more, up to
-    the bound; at EP = 1 every chunk holds ceil(n / K) pairs."""
+    lambda) and at most alpha x mean once LLEP rebalances. That is the mean over chunks: at EP = 1
+    (expert-major) every chunk holds ceil(n / K) pairs; at EP > 1 (hybrid) hot experts are strided, so
+    each chunk holds its share of them, and the cold experts' slices even out over the chunks."""
     K, c = llep_chunks(s, run, pf)
     bound = run.ep * (c + s.topk)
     load = run.routing_skew if run.routing_skew < pf.dispatch.imbalance_threshold else pf.dispatch.alpha

@@ -44,7 +44,7 @@ class VocabConfig(ComponentConfig):
     def validate(self) -> None:
         if 0 < self.chunk_tokens < 128:
             raise PeakflatConfigError(self.flag("chunk_tokens"), self.chunk_tokens, "chunks under 128 tokens waste the GPU",
-                                      "pass 0 (automatic) or at least 1024 tokens, e.g. --peakflat-vocab-chunk-tokens 4096")
+                                      "pass 0 (automatic) or at least 128 tokens, e.g. --peakflat-vocab-chunk-tokens 4096")
         if self.block_size and self.block_size < 16:
             raise PeakflatConfigError(self.flag("block_size"), self.block_size, "blocks under 16 rows waste the GPU",
                                       "pass 0 (automatic) or a block of 1024-16384 rows, e.g. --peakflat-vocab-block-size 4096")
