@@ -4,9 +4,11 @@
 - ``megatron-alltoall``: Megatron's own alltoall dispatcher (the layer as Megatron builds it);
 - ``llep-unchunked``: PipelinedLLEP with one chunk (the plan and recompute, no chunking);
 - ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks, chunk
-  membership 'auto': expert-major at EP=1, strided at EP > 1);
-- ``peakflat-strided`` / ``peakflat-expert``: the defaults with that membership (strided: token i in
-  chunk i mod K, every chunk reads every expert's weights; expert: each chunk a few experts' rows);
+  membership 'auto': expert-major at EP=1, hybrid at EP > 1; all-to-alls packed);
+- ``peakflat-strided`` / ``peakflat-expert`` / ``peakflat-hybrid``: the defaults with that membership
+  (strided: token i in chunk i mod K, every chunk reads every expert's weights; expert: each chunk a
+  few experts' rows; hybrid: experts under 3/4 of the mean load expert-major, the others strided);
+- ``peakflat-unpacked``: one all-to-all per piece instead of one packed buffer;
 - ``peakflat-c<N>``: chunk cap N with up to 1024 chunks, so that the cap alone sets K;
 - ``peakflat-overlap`` (EP > 1 only): the defaults plus ``--peakflat-dispatch-overlap``.
 
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--regimes", default="full,moe", help="full,moe (default: %(default)s)")
     ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat,peakflat-strided,peakflat-c32768",
                     help="comma list; peakflat takes the suffixes -overlap (async all-to-alls; at EP > 1 "
-                         "peakflat-overlap adds itself), -strided, -expert and -c<N> (chunk cap), e.g. peakflat-overlap-c32768 "
+                         "peakflat-overlap adds itself), -unpacked, -strided, -expert, -hybrid and -c<N> (chunk cap), e.g. "
+                         "peakflat-overlap-c32768 "
                          "(default: %(default)s)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)
