@@ -96,6 +96,15 @@ def cuda_kernels(prof: Any, steps: int = 1) -> tuple[dict[str, list[float]], lis
     return kern, sorted(spans)
 
 
+def gap_summary(spans: list[tuple[float, float, str]], top: int = 6, steps: int = 1) -> str:
+    """The GPU's idle time between kernels (``cuda_kernels``' spans): its total per step and the largest
+    gaps, each named by the kernels before and after it."""
+    gaps = sorted(((b[0] - a[1]) / 1e3, a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] > a[1])[::-1]
+    total = sum(g for g, _, _ in gaps) / steps
+    return (f"idle between kernels {total:.2f} ms/step; largest: "
+            + "; ".join(f"{g:.2f} ms after {a[:40]} before {b[:40]}" for g, a, b in gaps[:top]))
+
+
 def run_row(case: str, method: str, fn: Callable[[], Any], *, exact: bool | None = None,
             warmup: int = 2, reps: int = 5, **extra: Any) -> Row:
     """Measure ``fn`` and return its row; an OOM becomes a row with ``error='OOM'``."""

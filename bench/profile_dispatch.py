@@ -70,15 +70,18 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.steps):
                 step()
             torch.cuda.synchronize()
-        kern, _ = harness.cuda_kernels(prof, args.steps)
+        kern, spans = harness.cuda_kernels(prof, args.steps)
         busy = sum(v[0] for v in kern.values())
+        span = (spans[-1][1] - spans[0][0]) / 1e3 / args.steps if spans else 0.0
         cats: dict[str, float] = defaultdict(float)
         for name, (ms, _) in kern.items():
             cats[_category(name)] += ms
-        print(f"\n=== {method}: step {step_ms:.1f} ms (events), GPU busy {busy:.1f} ms/step")
+        print(f"\n=== {method}: step {step_ms:.1f} ms (events), GPU busy {busy:.1f} ms/step, first kernel to last "
+              f"{span:.1f} ms/step, {len(spans) / args.steps:.0f} kernels/step")
         print("    by category: " + ", ".join(f"{c} {ms:.1f}" for c, ms in sorted(cats.items(), key=lambda t: -t[1])))
         for name, (ms, calls) in sorted(kern.items(), key=lambda t: -t[1][0])[:args.top]:
             print(f"    {ms:8.2f} ms {calls:7.1f}x  {name[:150]}")
+        print("    " + harness.gap_summary(spans, steps=args.steps))
     megatron_peakflat.remove()
 
 

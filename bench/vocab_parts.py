@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, cuda_kernels, measure, write  # noqa: E402
+from bench.harness import Row, cuda_kernels, gap_summary, measure, write  # noqa: E402
 from megatron_peakflat.matmul import accumulate_mm  # noqa: E402
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 from megatron_peakflat.vocab.block_triton import fold_logits_triton, grad_logits_triton  # noqa: E402
@@ -112,18 +112,25 @@ def _profile(name: str, fn: Callable[[], object], call_ms: float, top: int = 12)
     """Kernels of one ``fn()`` call: GPU busy time (sum of kernel times) against the call's time, by kernel."""
     fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        with torch.profiler.record_function("bench_call"):
+            fn()
+            torch.cuda.synchronize()
     kern, spans = cuda_kernels(prof)
+    kern.pop("bench_call", None)  # the annotation's GPU-side range, not a kernel
+    spans = [s for s in spans if s[2] != "bench_call"]
+    call = [ev.time_range for ev in prof.events() if ev.name == "bench_call" and ev.device_type != torch.autograd.DeviceType.CUDA]
     busy = sum(v[0] for v in kern.values())
     first_to_last = (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0
     print(f"\n=== {name}: call {call_ms:.1f} ms, GPU busy {busy:.1f} ms, first kernel start to last kernel end "
           f"{first_to_last:.1f} ms, {len(spans)} kernels")
+    if call and spans:
+        print(f"    host: first kernel {(spans[0][0] - call[0].start) / 1e3:.2f} ms after the call began, "
+              f"call returned {(call[0].end - spans[-1][1]) / 1e3:.2f} ms after the last kernel")
     for kname, (kms, calls) in sorted(kern.items(), key=lambda t: -t[1][0])[:top]:
         print(f"    {kms:8.2f} ms {calls:5.0f}x  {kname[:140]}")
-    gaps = sorted(((b[0] - a[1]) / 1e3, a[2], b[2]) for a, b in zip(spans, spans[1:]))[::-1][:6]
-    print("    largest GPU gaps: " + "; ".join(f"{g:.2f} ms after {a[:40]} before {b[:40]}" for g, a, b in gaps))
+    print("    " + gap_summary(spans))
 
 
 if __name__ == "__main__":

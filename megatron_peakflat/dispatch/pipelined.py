@@ -103,7 +103,7 @@ def _dispatch_finish(sched: Schedule, j: int, sent: _InFlight) -> list[torch.Ten
 
 def _combine_start(sched: Schedule, j: int, rows: list[torch.Tensor | None], group: dist.ProcessGroup | None,
                    pack: bool) -> _InFlight:
-    idx = sched.regroup[j]
+    idx = sched.ungroup[j]
     present = [r for r in rows if r is not None]
     layout = row_layout([(tuple(r.shape[1:]), r.dtype) for r in present]) if pack and len(present) > 1 else None
     if layout is not None:
@@ -112,13 +112,13 @@ def _combine_start(sched: Schedule, j: int, rows: list[torch.Tensor | None], gro
             if idx is None:
                 v.copy_(r)
             else:
-                v.index_copy_(0, idx, r)
+                torch.index_select(r, 0, idx, out=v)
         return _InFlight([comm.all_to_all_start(buf, sched.recv_splits[j], sched.send_splits[j], group)], layout,
                          [r is not None for r in rows])
     out: list[comm.Exchange | None] = []
     for r in rows:
         if r is not None and idx is not None:
-            r = torch.empty_like(r).index_copy_(0, idx, r)
+            r = r.index_select(0, idx)
         out.append(None if r is None else comm.all_to_all_start(r, sched.recv_splits[j], sched.send_splits[j], group))
     return _InFlight(out)
 

@@ -70,6 +70,9 @@ class Schedule:
     """[K][P]: pairs this rank receives from each rank in chunk j."""
     regroup: list[torch.Tensor | None]
     """[K]: index turning received rows (source, expert, token) into (expert, source, token); None: identity."""
+    ungroup: list[torch.Tensor | None]
+    """[K]: the inverse of ``regroup[j]``, turning computed rows back into the received order (so the
+    combine gathers rows, a vectorised copy, instead of scattering them element by element)."""
     compute_experts: list[int]
     """Global ids of the experts this rank computes for (its own and any spilled to it), in row order:
     own experts in the bank's ``local_order`` (ascending by default), then foreign ones ascending."""
@@ -261,12 +264,14 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     send_splits = routes[:, me, :, :].sum(1).tolist()  # [K][P]
     recv_splits = recv.sum(2).tolist()
     regroup: list[torch.Tensor | None] = []
+    ungroup: list[torch.Tensor | None] = []
     tpe = []
     for jj in range(K):
         blocks = recv[jj][:, compute]  # [P, C]
         tpe.append(blocks.sum(0).tolist())
         if P == 1:
             regroup.append(None)
+            ungroup.append(None)
             continue
         # Received rows are laid out by (source, expert ascending): starts in that order, then
         # picked in ``compute`` order.
@@ -277,7 +282,10 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         sz_t, st_t = blocks.T.reshape(-1), starts.T.reshape(-1)
         total = int(sz_t.sum())
         idx = np.repeat(st_t - (np.cumsum(sz_t) - sz_t), sz_t) + np.arange(total)
+        inv = np.empty_like(idx)
+        inv[idx] = np.arange(total)
         regroup.append(to_device(idx, dev))
+        ungroup.append(to_device(inv, dev))
     helpers = plan.helpers(num_local_experts)
     sends = sorted((r, e) for e, r in helpers if owner[e] == me)
     recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
@@ -285,4 +293,4 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     rows_cum = to_device(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1), dev,
                          torch.int32)
     return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, send_splits, recv_splits,
-                    regroup, compute, tpe, rows_cum, cmap, sends, recvs)
+                    regroup, ungroup, compute, tpe, rows_cum, cmap, sends, recvs)
