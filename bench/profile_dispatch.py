@@ -12,6 +12,7 @@ kernels by total GPU time with their call counts; no results file (this is a dia
 from __future__ import annotations
 
 import argparse
+import os
 from collections import defaultdict
 
 import torch
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat")
     ap.add_argument("--top", type=int, default=22)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--trace", default="", help="folder: also write each method's Chrome trace there, with the host's "
+                                                "Python calls (to see what the host did while the GPU idled)")
     args = ap.parse_args(argv)
 
     import megatron_peakflat
@@ -66,10 +69,16 @@ def main(argv: list[str] | None = None) -> None:
         bd.select(layer, method, cfgs, args.regime)
         step = bd.make_step(ddp, x, gout, args.regime)
         _, step_ms = harness.measure(step, warmup=2, reps=3)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        acts = [torch.profiler.ProfilerActivity.CUDA]
+        if args.trace:
+            acts.append(torch.profiler.ProfilerActivity.CPU)
+        with torch.profiler.profile(activities=acts, with_stack=bool(args.trace)) as prof:
             for _ in range(args.steps):
                 step()
             torch.cuda.synchronize()
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(args.trace, f"{method}.rank{harness.world()[1]}.json"))
         kern, spans = harness.cuda_kernels(prof, args.steps)
         busy = sum(v[0] for v in kern.values())
         span = (spans[-1][1] - spans[0][0]) / 1e3 / args.steps if spans else 0.0

@@ -19,7 +19,7 @@ from megatron_peakflat.dispatch.api import llep_moe, plan_layer
 from megatron_peakflat.dispatch.config import DispatchConfig
 from megatron_peakflat.dispatch.plan import chunk_routes, least_loaded_plan
 from megatron_peakflat.dispatch.reference import ReferenceExperts, reference_moe
-from megatron_peakflat.dispatch.schedule import build_schedule
+from megatron_peakflat.dispatch.schedule import _regroup_runs, build_schedule
 from megatron_peakflat.testing import max_rel_error, run_distributed
 
 # ---------------------------------------------------------------- the plan on hand-made loads
@@ -94,6 +94,27 @@ def test_chunk_routes_conserve_pairs():
     np.testing.assert_array_equal(routes.sum(3), counts.transpose(1, 0, 2))
     zero = plan.assign == 0  # no rows for (expert, rank) the plan does not use
     assert (routes.sum((0, 1))[zero] == 0).all()
+
+
+def test_regroup_runs_reorder_received_rows_and_back():
+    """The regroup runs, expanded as the device expands them, take every received row (laid out by
+    source, expert ascending) to its computed place (compute position, source) and ungroup undoes it,
+    for compute orders with foreign experts and empty blocks."""
+    rng = np.random.default_rng(0)
+    for P, C in [(2, 5), (4, 3), (3, 1)]:
+        for _ in range(20):
+            blocks = rng.integers(0, 4, size=(P, C))
+            blocks[rng.random((P, C)) < 0.3] = 0
+            compute = list(rng.permutation(np.arange(10, 10 + C)))
+            received = [(s, e, r) for s in range(P) for e in sorted(compute)
+                        for r in range(blocks[s, compute.index(e)])]
+            computed = [(s, compute[c], r) for c in range(C) for s in range(P) for r in range(blocks[s, c])]
+            reg_d, reg_n, ung_d, ung_n = _regroup_runs(blocks, compute)
+            total = len(received)
+            regroup = np.repeat(reg_d, reg_n) + np.arange(total)
+            ungroup = np.repeat(ung_d, ung_n) + np.arange(total)
+            assert [received[i] for i in regroup] == computed
+            assert [computed[i] for i in ungroup] == received
 
 
 @pytest.mark.parametrize("membership", ["expert", "strided", "auto", "hybrid"])

@@ -41,25 +41,28 @@ class CombineMap:
         return self.perm[a:b], self.token[a:b], self.count[a:b]
 
 
-def combine_map(pair_token: torch.Tensor, chunk_offsets: list[int], num_tokens: int) -> CombineMap:
+def combine_map(pair_token: torch.Tensor, chunk_offsets: list[int], num_tokens: int,
+                offsets_dev: torch.Tensor | None = None) -> CombineMap:
     """The ``CombineMap`` of pairs whose tokens are ``pair_token``, chunk by chunk (``chunk_offsets``).
 
     Device arithmetic only (a sort and a few scans, no host sync). Within a token's run the pairs
-    keep their order in ``pair_token``, so the sum is the same on every call.
+    keep their order in ``pair_token``, so the sum is the same on every call. ``offsets_dev``:
+    ``chunk_offsets`` already on the device (else they are uploaded here).
     """
     n, dev = pair_token.numel(), pair_token.device
     K = len(chunk_offsets) - 1
     if n == 0:
         e = torch.zeros(0, dtype=torch.int32, device=dev)
         return CombineMap(e, e.clone(), e.clone(), list(chunk_offsets))
-    sizes = to_device([chunk_offsets[j + 1] - chunk_offsets[j] for j in range(K)], dev)
+    if offsets_dev is None:
+        offsets_dev = to_device(chunk_offsets, dev)
+    sizes = offsets_dev[1:] - offsets_dev[:-1]
     T = max(1, num_tokens)
     key = torch.repeat_interleave(torch.arange(K, device=dev) * T, sizes, output_size=n) + pair_token
     skey, order = torch.sort(key, stable=True)
     del key
     cid = skey // T  # chunks stay contiguous under a chunk-major key
-    start = to_device(chunk_offsets[:-1], dev)
-    perm = (order - start[cid]).to(torch.int32)
+    perm = (order - offsets_dev[cid]).to(torch.int32)
     del order
     token = (skey - cid * T).to(torch.int32)
     del cid

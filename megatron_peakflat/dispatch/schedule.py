@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import comm
 from .combine import CombineMap, combine_map
 from .plan import Plan, chunk_routes, least_loaded_plan
-from .upload import to_device
+from .upload import Uploads, to_device
 
 __all__ = ["Schedule", "build_schedule", "MEMBERSHIPS", "resolve_membership"]
 
@@ -221,10 +221,32 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     foreign = sorted(int(e) for e in np.nonzero(plan.assign[:, me])[0] if owner[e] != me)
     compute = [base + int(li) for li in local_order] + foreign
 
-    # Local pairs ordered by (chunk, expert, token), then stably by (chunk, destination). In a group
-    # of one the rows are computed in this order, so "expert" means its position in ``compute``.
+    # Every host array the device work below needs, sent in one copy: the GPU waits for the host from
+    # the sync above until the first kernel below, so host time here is GPU idle time.
     mine = cnt[me]  # [K, E]
     n = int(mine.sum())
+    chunk_offsets = [0, *np.cumsum(mine.sum(1)).tolist()]
+    recv = routes[:, :, :, me]  # [K, P_src, E]
+    send_splits = routes[:, me, :, :].sum(1).tolist()  # [K][P]
+    recv_splits = recv.sum(2).tolist()
+    tpe = [recv[jj][:, compute].sum(0).tolist() for jj in range(K)]
+    up = Uploads()
+    s_pos = None
+    if P == 1 and compute != list(range(E)):
+        pos = np.empty(E, dtype=np.int64)
+        pos[compute] = np.arange(E)
+        s_pos = up.add(pos)
+    if P > 1:
+        s_grp = up.add(np.cumsum(mine.reshape(-1)) - mine.reshape(-1))  # [K*E], start of each (j, e) group
+        s_off = up.add((np.cumsum(cnt, axis=0) - cnt)[me].reshape(-1))  # [K*E], my offset among sources
+        s_bounds = up.add(np.cumsum(routes.sum(1), axis=2).reshape(K * E, P))  # end of each rank's range
+        s_regroup = [[up.add(a) for a in _regroup_runs(recv[jj][:, compute], compute)] for jj in range(K)]
+    s_offsets = up.add(chunk_offsets)
+    s_cum = up.add(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1))
+    up.send(dev)
+
+    # Local pairs ordered by (chunk, expert, token), then stably by (chunk, destination). In a group
+    # of one the rows are computed in this order, so "expert" means its position in ``compute``.
     nz = _nonzero(routing_map, n)
     tok, exp = nz[:, 0].contiguous(), nz[:, 1].contiguous()
     del nz
@@ -238,59 +260,48 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         by_expert = torch.argsort(torch.where(major[exp], key_dev[exp] * max(1, T) + tok, E * max(1, T)))[:n_major]
         j[by_expert] = torch.arange(n_major, device=dev) * K // n_major
         del by_expert
-    rank_of = exp
-    if P == 1 and compute != list(range(E)):
-        pos = np.empty(E, dtype=np.int64)
-        pos[compute] = np.arange(E)
-        rank_of = to_device(pos, dev)[exp]
+    rank_of = exp if s_pos is None else up.get(s_pos)[exp]
     key = j * E + rank_of
     del j, rank_of
     order = torch.argsort(key, stable=True)
     tok, exp, key = tok[order], exp[order], key[order]
     del order
+    regroup: list[torch.Tensor | None] = [None] * K
+    ungroup: list[torch.Tensor | None] = [None] * K
     if P > 1:
-        grp_start = np.cumsum(mine.reshape(-1)) - mine.reshape(-1)  # [K*E], start of each (j, e) group
-        off = (np.cumsum(cnt, axis=0) - cnt)[me].reshape(-1)  # [K*E], offset of my pairs among sources
-        bounds = np.cumsum(routes.sum(1), axis=2).reshape(K * E, P)  # [K*E, P]: end of each rank's range
-        up = lambda a: to_device(a, dev)  # noqa: E731
-        pos = torch.arange(n, device=dev) - up(grp_start)[key] + up(off)[key]
-        dest = (pos.unsqueeze(1) >= up(bounds)[key]).sum(1)
+        pos = torch.arange(n, device=dev) - up.get(s_grp)[key] + up.get(s_off)[key]
+        dest = (pos.unsqueeze(1) >= up.get(s_bounds)[key]).sum(1)
         order = torch.sort(key // E * P + dest, stable=True).indices
         tok, exp = tok[order], exp[order]
-    chunk_sizes = mine.sum(1)
-    chunk_offsets = [0, *np.cumsum(chunk_sizes).tolist()]
-
-    recv = routes[:, :, :, me]  # [K, P_src, E]
-    send_splits = routes[:, me, :, :].sum(1).tolist()  # [K][P]
-    recv_splits = recv.sum(2).tolist()
-    regroup: list[torch.Tensor | None] = []
-    ungroup: list[torch.Tensor | None] = []
-    tpe = []
-    for jj in range(K):
-        blocks = recv[jj][:, compute]  # [P, C]
-        tpe.append(blocks.sum(0).tolist())
-        if P == 1:
-            regroup.append(None)
-            ungroup.append(None)
-            continue
-        # Received rows are laid out by (source, expert ascending): starts in that order, then
-        # picked in ``compute`` order.
-        asc = np.argsort(compute, kind="stable")
-        sizes = blocks[:, asc].reshape(-1)
-        starts = np.empty_like(blocks)
-        starts[:, asc] = (np.cumsum(sizes) - sizes).reshape(P, len(compute))
-        sz_t, st_t = blocks.T.reshape(-1), starts.T.reshape(-1)
-        total = int(sz_t.sum())
-        idx = np.repeat(st_t - (np.cumsum(sz_t) - sz_t), sz_t) + np.arange(total)
-        inv = np.empty_like(idx)
-        inv[idx] = np.arange(total)
-        regroup.append(to_device(idx, dev))
-        ungroup.append(to_device(inv, dev))
+        for jj in range(K):
+            total = sum(recv_splits[jj])
+            reg_delta, reg_size, ung_delta, ung_size = (up.get(slot) for slot in s_regroup[jj])
+            rows = torch.arange(total, device=dev)
+            regroup[jj] = torch.repeat_interleave(reg_delta, reg_size, output_size=total) + rows
+            ungroup[jj] = torch.repeat_interleave(ung_delta, ung_size, output_size=total) + rows
     helpers = plan.helpers(num_local_experts)
     sends = sorted((r, e) for e, r in helpers if owner[e] == me)
     recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
-    cmap = combine_map(tok, chunk_offsets, T)
-    rows_cum = to_device(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1), dev,
-                         torch.int32)
+    cmap = combine_map(tok, chunk_offsets, T, up.get(s_offsets))
+    rows_cum = up.get(s_cum).to(torch.int32)
     return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, send_splits, recv_splits,
                     regroup, ungroup, compute, tpe, rows_cum, cmap, sends, recvs)
+
+
+def _regroup_runs(blocks: np.ndarray, compute: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """The runs that turn one chunk's received rows into computed rows and back, for the device.
+
+    ``blocks`` [P, C]: rows received from source s for compute expert ``compute[c]``. Received rows
+    are laid out by (source, expert ascending); computed rows by (``compute`` position, source).
+    Returns (regroup deltas, their run sizes, ungroup deltas, their run sizes): ``regroup`` is
+    ``repeat(deltas, sizes) + arange`` in computed order (row i of block b reads received row
+    ``i + delta[b]``), ``ungroup`` the same in received order, its inverse.
+    """
+    P, C = blocks.shape
+    asc = np.argsort(np.asarray(compute), kind="stable")
+    recv_sizes = blocks[:, asc].reshape(-1)
+    rstart = np.empty_like(blocks)
+    rstart[:, asc] = (np.cumsum(recv_sizes) - recv_sizes).reshape(P, C)
+    comp_sizes = blocks.T.reshape(-1)
+    cstart = (np.cumsum(comp_sizes) - comp_sizes).reshape(C, P).T
+    return (rstart - cstart).T.reshape(-1), comp_sizes, (cstart - rstart)[:, asc].reshape(-1), recv_sizes
