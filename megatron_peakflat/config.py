@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -20,6 +21,8 @@ from .dispatch.config import DispatchConfig
 from .optimizer.config import OptimizerConfig
 from .recompute.config import SCOConfig
 from .vocab.config import VocabConfig
+
+log = logging.getLogger("megatron_peakflat")
 
 __all__ = ["PeakflatConfig", "GeneralConfig", "add_args", "PeakflatConfigError"]
 
@@ -166,6 +169,11 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
             raise PeakflatConfigError(flag, cfg.optimizer.impl,
                                       "it takes the place of the offloaded optimizer that Megatron builds only with "
                                       f"{' '.join(needed)}", "add " + " ".join(missing))
+        if _get(args, "deterministic_mode", False) and cfg.optimizer.engine == "auto":
+            cfg.optimizer.engine = "gpu"
+            log.info("peakflat optimizer: --deterministic-mode: --peakflat-opt-engine auto -> gpu (auto splits buckets "
+                     "between the GPU and host kernels by measured speed, and the two round a few parameters' last "
+                     "bit differently, so runs would not repeat bit for bit)")
         if not _get(args, "decoupled_weight_decay", True):
             raise PeakflatConfigError(flag, cfg.optimizer.impl, "it implements AdamW (decoupled weight decay)",
                                       "drop --no-decoupled-weight-decay")

@@ -149,3 +149,16 @@ def test_offload_stream_names_exactly_the_missing_megatron_flag(dest, flag):
     with pytest.raises(PeakflatConfigError) as e:
         PeakflatConfig.from_args(ns)
     assert e.value.fix == f"add {flag}"
+
+
+def test_deterministic_mode_pins_the_optimizer_engine():
+    """engine='auto' splits buckets between two kernels by measured speed (not bit-for-bit repeatable);
+    Megatron's --deterministic-mode resolves it to 'gpu' at start-up, and an explicit choice stays."""
+    ns = parse("--peakflat-optimizer", "offload-stream")
+    for k, v in vars(megatron_args(deterministic_mode=True)).items():
+        setattr(ns, k, v)
+    assert PeakflatConfig.from_args(ns).optimizer.engine == "gpu"
+    ns.peakflat_opt_engine = "cpu"
+    assert PeakflatConfig.from_args(ns).optimizer.engine == "cpu"
+    ns.deterministic_mode, ns.peakflat_opt_engine = False, "auto"
+    assert PeakflatConfig.from_args(ns).optimizer.engine == "auto"

@@ -27,7 +27,9 @@ class OptimizerConfig(ComponentConfig):
     """Parameters per bucket (e.g. 50M). The GPU holds slots x bucket x 16 bytes of staging."""
     engine: Literal["auto", "gpu", "cpu"] = "auto"
     """Where Adam runs: 'gpu' streams buckets through the GPU, 'cpu' runs the host kernel,
-    'auto' splits buckets between both so that PCIe and the host cores finish together."""
+    'auto' splits buckets between both so that PCIe and the host cores finish together. The split
+    follows measured speed and the two kernels round a few parameters' last bit differently, so
+    'auto' runs do not repeat bit for bit; under Megatron's --deterministic-mode it resolves to 'gpu'."""
     slots: int = 3
     """GPU staging slots (2 or 3): upload i+1, update i, write back i-1."""
     host_threads: int | None = None
