@@ -12,7 +12,6 @@ after the transposed one. Then the logits GEMM alone in both layouts. One GPU; m
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -21,23 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import measure  # noqa: E402
 from megatron_peakflat.matmul import accumulate_mm  # noqa: E402
 
 N, H, V = 32768, 7168, 201088
-
-
-def _median_ms(fn: Callable[[], object], reps: int) -> tuple[float, list[float]]:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), times
 
 
 def _loop(x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor, chunk: int, transposed: bool
@@ -71,11 +57,11 @@ def main() -> None:
     main_grad = torch.zeros(V, H, device="cuda")
     for chunk in (4096, 8192):
         for transposed in (False, True, False):
-            ms, times = _median_ms(_loop(x, w, main_grad, chunk, transposed), 3)
-            print(f"chunk={chunk} transposed={transposed}: {ms:.1f} ms  {[round(t, 1) for t in times]}", flush=True)
+            ms = measure(_loop(x, w, main_grad, chunk, transposed), warmup=1, reps=3)[1]
+            print(f"chunk={chunk} transposed={transposed}: {ms:.1f} ms", flush=True)
     xc = x[:4096]
     for name, fn in (("logits row", lambda: xc @ w.t()), ("logits T", lambda: w @ xc.t())):
-        ms, _ = _median_ms(fn, 5)
+        ms = measure(fn, warmup=1, reps=5)[1]
         print(f"{name}: {ms:.2f} ms {2 * 4096 * H * V / ms / 1e9:.0f} TFLOP/s", flush=True)
 
 
