@@ -20,6 +20,7 @@ from megatron_peakflat.dispatch.config import DispatchConfig
 from megatron_peakflat.dispatch.plan import chunk_routes, least_loaded_plan
 from megatron_peakflat.dispatch.reference import ReferenceExperts, reference_moe
 from megatron_peakflat.dispatch.schedule import _regroup_runs, build_schedule
+from megatron_peakflat.dispatch.upload import Uploads
 from megatron_peakflat.testing import max_rel_error, run_distributed
 
 # ---------------------------------------------------------------- the plan on hand-made loads
@@ -94,6 +95,17 @@ def test_chunk_routes_conserve_pairs():
     np.testing.assert_array_equal(routes.sum(3), counts.transpose(1, 0, 2))
     zero = plan.assign == 0  # no rows for (expert, rank) the plan does not use
     assert (routes.sum((0, 1))[zero] == 0).all()
+
+
+def test_uploads_give_back_each_array_in_its_shape():
+    up = Uploads()
+    arrays = [np.arange(6).reshape(2, 3), [7], np.zeros((0,), dtype=np.int64), np.array([[-1], [5]])]
+    slots = [up.add(a) for a in arrays]
+    up.send(torch.device("cpu"))
+    for slot, a in zip(slots, arrays):
+        got = up.get(slot)
+        assert got.dtype == torch.int64 and tuple(got.shape) == np.asarray(a).shape
+        np.testing.assert_array_equal(got.numpy(), np.asarray(a))
 
 
 def test_regroup_runs_reorder_received_rows_and_back():

@@ -2,8 +2,9 @@
 
 ``build_schedule`` costs two tiny collectives (an all-reduce of the chunk count and an all-gather of
 the per-chunk expert counts) and exactly one device-to-host copy. Everything else is host arithmetic
-on [P, K, E] integers and a few uploads. Forward and backward reuse the same schedule, so the
-backward recompute issues no synchronisation and exchanges exactly what the forward exchanged.
+on [P, K, E] integers, one upload of its results, and device index work queued behind it. Forward and
+backward reuse the same schedule, so the backward recompute issues no synchronisation and exchanges
+exactly what the forward exchanged.
 
 Guarantees:
 - ``K`` is identical on every rank of the group (max over the group), ``1 <= K <= max_chunks``, and
