@@ -71,7 +71,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: AdamW hyperparameters (per group overridable).
         bucket: parameters per bucket; the GPU engine holds ``slots`` x ``bucket`` x 16 bytes.
         engine: 'gpu', 'cpu' or 'auto' (split buckets between both so they finish together,
-            measured in the first steps; the split is saved in ``state_dict``).
+            measured in the first steps; the split is saved in ``state_dict``). The two kernels round a
+            few parameters' last bit differently, so 'auto', whose split follows the measured speed,
+            does not repeat bit for bit from run to run (a resumed run does: it keeps the saved split).
         slots: GPU staging slots (2 or 3); the CPU engine uses as many host slots.
         host_threads: threads of the host kernel (None: this rank's share of its cores, i.e. the
             cores it may run on divided by LOCAL_WORLD_SIZE).
