@@ -96,10 +96,24 @@ def cuda_kernels(prof: Any, steps: int = 1) -> tuple[dict[str, list[float]], lis
     return kern, sorted(spans)
 
 
+def idle_gaps(spans: list[tuple[float, float, str]], min_gap: float = 0.0) -> list[tuple[float, float, str, str]]:
+    """(start, end, last kernel before, first kernel after) of every stretch longer than ``min_gap`` in
+    which no GPU event of ``spans`` (start, end, name; sorted by start) runs. Events of several streams
+    may overlap: a stretch is idle only when none of them runs."""
+    gaps: list[tuple[float, float, str, str]] = []
+    busy_until, last = None, ""
+    for start, end, name in spans:
+        if busy_until is not None and start - busy_until > min_gap:
+            gaps.append((busy_until, start, last, name))
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, name
+    return gaps
+
+
 def gap_summary(spans: list[tuple[float, float, str]], top: int = 6, steps: int = 1) -> str:
-    """The GPU's idle time between kernels (``cuda_kernels``' spans): its total per step and the largest
-    gaps, each named by the kernels before and after it."""
-    gaps = sorted(((b[0] - a[1]) / 1e3, a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] > a[1])[::-1]
+    """The GPU's idle time between kernels (``cuda_kernels``' spans, in us): its total per step and the
+    largest gaps, each named by the kernels before and after it."""
+    gaps = sorted(((b - a) / 1e3, before, after) for a, b, before, after in idle_gaps(spans))[::-1]
     total = sum(g for g, _, _ in gaps) / steps
     return (f"idle between kernels {total:.2f} ms/step; largest: "
             + "; ".join(f"{g:.2f} ms after {a[:40]} before {b[:40]}" for g, a, b in gaps[:top]))

@@ -160,3 +160,29 @@ def test_write_merges_rows_by_case_and_method(tmp_path, monkeypatch):
     other = tmp_path / "new.json"
     write("sco", [Row("S=3", "peakflat", 1.0, 1.0, True)], command="c", out=other, merge=True)
     assert json.loads(other.read_text())["command"] == "c"
+
+
+def test_trace_gaps_finds_idle_stretches_and_charges_the_host_frames_inside_them():
+    from bench.trace_gaps import charge, gpu_gaps
+
+    k = lambda ts, dur: {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur}  # noqa: E731
+    host = lambda name, ts, dur: {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    # kernels: [0, 100], [90, 150] (overlapping), [400, 450], [460, 500]: one gap over 50 us, 150 -> 400
+    events = [k(0, 100), k(90, 60), k(400, 50), k(460, 40),
+              host("step", 0, 500), host("plan", 120, 200), host("launch", 380, 10), host("before", 0, 10)]
+    gaps = gpu_gaps(events, 50)
+    assert gaps == [(150, 400)]
+    got = charge(events, gaps)
+    assert got[("python_function", "step")] == 250
+    assert got[("python_function", "plan")] == 170  # 150 -> 320
+    assert got[("python_function", "launch")] == 10
+    assert ("python_function", "before") not in got
+
+
+def test_gap_summary_counts_only_time_when_no_stream_runs():
+    from bench.harness import gap_summary, idle_gaps
+
+    # a long kernel on one stream [0, 100] covers a short one [10, 20] and a gap between short ones
+    spans = [(0.0, 100.0, "long"), (10.0, 20.0, "a"), (30.0, 40.0, "b"), (1100.0, 1200.0, "c")]
+    assert idle_gaps(spans) == [(100.0, 1100.0, "long", "c")]
+    assert gap_summary(spans).startswith("idle between kernels 1.00 ms/step")
