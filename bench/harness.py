@@ -84,11 +84,15 @@ def peak_once(fn: Callable[[], Any], *, cpu: bool = False) -> tuple[int, int]:
 
 def cuda_kernels(prof: Any, steps: int = 1) -> tuple[dict[str, list[float]], list[tuple[float, float, str]]]:
     """The CUDA kernels a ``torch.profiler`` run saw: {name: [ms per step, calls per step]}, and every
-    kernel's (start us, end us, name) sorted by start, for finding the GPU's idle gaps."""
+    kernel's (start us, end us, name) sorted by start, for finding the GPU's idle gaps. The GPU-side
+    ranges of ``record_function`` annotations are not kernels and are left out."""
     kern: dict[str, list[float]] = {}
     spans = []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+    events = prof.events()
+    cuda = torch.autograd.DeviceType.CUDA
+    annotations = {ev.name for ev in events if ev.device_type != cuda and getattr(ev, "is_user_annotation", False)}
+    for ev in events:
+        if ev.device_type == cuda and not getattr(ev, "is_user_annotation", False) and ev.name not in annotations:
             k = kern.setdefault(ev.name, [0.0, 0.0])
             k[0] += ev.device_time / steps / 1e3
             k[1] += 1 / steps

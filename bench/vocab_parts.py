@@ -118,8 +118,6 @@ def _profile(name: str, fn: Callable[[], object], call_ms: float, top: int = 12)
             fn()
             torch.cuda.synchronize()
     kern, spans = cuda_kernels(prof)
-    kern.pop("bench_call", None)  # the annotation's GPU-side range, not a kernel
-    spans = [s for s in spans if s[2] != "bench_call"]
     call = [ev.time_range for ev in prof.events() if ev.name == "bench_call" and ev.device_type != torch.autograd.DeviceType.CUDA]
     busy = sum(v[0] for v in kern.values())
     first_to_last = (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0

@@ -186,3 +186,20 @@ def test_gap_summary_counts_only_time_when_no_stream_runs():
     spans = [(0.0, 100.0, "long"), (10.0, 20.0, "a"), (30.0, 40.0, "b"), (1100.0, 1200.0, "c")]
     assert idle_gaps(spans) == [(100.0, 1100.0, "long", "c")]
     assert gap_summary(spans).startswith("idle between kernels 1.00 ms/step")
+
+
+def test_cuda_kernels_leave_out_annotations():
+    from types import SimpleNamespace
+
+    from bench.harness import cuda_kernels
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda name, dev, a, b, ann=False: SimpleNamespace(  # noqa: E731
+        name=name, device_type=dev, device_time=(b - a), time_range=SimpleNamespace(start=a, end=b),
+        is_user_annotation=ann)
+    prof = SimpleNamespace(events=lambda: [ev("call", cpu, 0, 900, True), ev("call", cuda, 5, 800),
+                                           ev("gemm", cuda, 10, 300), ev("gemm", cuda, 400, 700),
+                                           ev("region", cuda, 0, 50, True)])
+    kern, spans = cuda_kernels(prof)
+    assert kern == {"gemm": [0.59, 2.0]}
+    assert spans == [(10, 300, "gemm"), (400, 700, "gemm")]
