@@ -140,6 +140,8 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
             raise PeakflatConfigError(flag, cfg.vocab.impl,
                                       "multi-token prediction heads build their own logits, which Ring-DTP does not cover yet",
                                       "drop --mtp-num-layers, or drop " + flag)
+    if cfg.vocab.shard_over_ep:
+        _check_vocab_shard_over_ep(cfg, args)
     if cfg.sco.enabled:
         flag = cfg.sco.flag("enabled")
         if _get(args, "recompute_granularity") != "full":
@@ -177,6 +179,32 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
         if not _get(args, "decoupled_weight_decay", True):
             raise PeakflatConfigError(flag, cfg.optimizer.impl, "it implements AdamW (decoupled weight decay)",
                                       "drop --no-decoupled-weight-decay")
+
+
+def _check_vocab_shard_over_ep(cfg: PeakflatConfig, args: Any) -> None:
+    flag = cfg.vocab.flag("shard_over_ep")
+    ep = _get(args, "expert_model_parallel_size", 1) or 1
+    tp = _get(args, "tensor_model_parallel_size", 1) or 1
+    pp = _get(args, "pipeline_model_parallel_size", 1) or 1
+    need = [
+        (cfg.vocab.impl == "ring-dtp", "it shards the output layer for the Ring-DTP loss",
+         "add --peakflat-vocab ring-dtp"),
+        (ep > 1, f"there is no expert-parallel group to shard over (--expert-model-parallel-size {ep})",
+         "use it with --expert-model-parallel-size > 1, or drop " + flag),
+        (tp == 1, f"at TP={tp} the output layer is already vocab-parallel over the tensor-parallel group",
+         "drop " + flag + " (Ring-DTP rings over the tensor-parallel group)"),
+        (pp == 1, "with pipeline parallelism it is not supported yet", "drop " + flag + " or use PP=1"),
+        (bool(_get(args, "untie_embeddings_and_output_weights", False)),
+         "a tied output layer is the input embedding, which stays whole on every rank",
+         "add --untie-embeddings-and-output-weights, or drop " + flag),
+        ((_get(args, "make_vocab_size_divisible_by", 128) or 1) * tp % ep == 0,
+         f"the padded vocabulary must split evenly over EP={ep} (--make-vocab-size-divisible-by "
+         f"{_get(args, 'make_vocab_size_divisible_by', 128)})",
+         f"pass --make-vocab-size-divisible-by a multiple of {ep}"),
+    ]
+    for ok, why, fix in need:
+        if not ok:
+            raise PeakflatConfigError(flag, True, why, fix)
 
 
 def flags_markdown() -> str:

@@ -23,6 +23,8 @@ from ..main_grad import main_grad_of
 from ..vocab.api import ring_linear_cross_entropy
 from . import state
 from .logs import info_once
+from .vocab_shard import FLAG as SHARD_FLAG
+from .vocab_shard import shard_of
 
 __all__ = ["wrap_gpt_forward", "ring_output_processor"]
 
@@ -118,7 +120,8 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
     ``embedding_here``: this pipeline stage also holds the input embedding (``GPTModel.pre_process``)."""
     cfg = state.current().vocab
     weight = output_weight if output_weight is not None else output_layer.weight
-    group = output_layer.tp_group
+    ep_shard = shard_of(output_layer)
+    group = output_layer.tp_group if ep_shard is None else ep_shard.group
     tp = dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
     s_local, b, h = hidden_states.shape
     labels_sb = labels.transpose(0, 1)  # [s, b]
@@ -135,10 +138,12 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
     common = dict(schedule=cfg.schedule, block_size=cfg.block_size, kernel=cfg.kernel, accumulate=cfg.accumulate,
                   check_labels=cfg.check_labels, dw_into_main_grad=True, weight_shared=shared, grad=grad,
                   chunk_tokens=cfg.chunk_tokens)
-    if tp == 1:
+    if tp == 1 or ep_shard is not None:
+        # One ring rank, or the expert-parallel ring: each rank's own tokens, whole (TP=1), meet every shard.
         hint_mine = None if hint_sb is None else hint_sb.reshape(-1)
-        loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, labels_sb.reshape(-1), None,
-                                         grad_hint=hint_mine, **common)
+        loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, labels_sb.reshape(-1),
+                                         group if tp > 1 else None, grad_hint=hint_mine,
+                                         vocab_size=None if ep_shard is None else ep_shard.vocab, **common)
         return loss.view(s_local, b).transpose(0, 1).contiguous()
     rank = dist.get_rank(group)
     if output_layer.sequence_parallel:
@@ -182,9 +187,15 @@ def wrap_gpt_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         cfg = state.get()
         labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
+        sharded = getattr(self, "post_process", False) and shard_of(self.output_layer) is not None
+        reason = "no labels were given" if labels is None else _hand_back_reason(self, kwargs)
+        if sharded and (reason is not None or cfg is None or cfg.vocab.impl != "ring-dtp"):
+            raise RuntimeError(f"{SHARD_FLAG} holds 1/EP of the output layer's rows here, so Megatron's own output "
+                               f"layer cannot build logits ({reason or 'Ring-DTP is off'}). It computes the training "
+                               "loss only: for generation or logits, load the checkpoint into a model built without "
+                               "the flag (its checkpoint describes the whole layer)")
         if cfg is None or cfg.vocab.impl != "ring-dtp" or labels is None:
             return original_forward(self, *args, **kwargs)
-        reason = _hand_back_reason(self, kwargs)
         if reason is not None:
             info_once("peakflat vocab: Megatron's own output layer and loss used: %s", reason)
             return original_forward(self, *args, **kwargs)

@@ -36,9 +36,12 @@ def build_training(model: Any, config: Any, *, seq_len: int, micro_batch: int, l
                    use_distributed_optimizer: bool = True, optimizer_cpu_offload: bool = False,
                    weight_decay: float = 0.01, clip_grad: float = 1.0, **opt_kwargs: Any) -> TrainSetup:
     """Wrap ``model`` in Megatron's DDP and build Megatron's Adam optimizer over it."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    # As Megatron's training sets it: the schedule then reduces the gradients over the data-parallel (and
+    # expert data-parallel) ranks after the last microbatch; without it each rank steps on its own.
+    config.finalize_model_grads_func = finalize_model_grads
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=use_distributed_optimizer)
     ddp = DistributedDataParallel(config, ddp_cfg, model)

@@ -40,6 +40,10 @@ class VocabConfig(ComponentConfig):
     2 GiB of [chunk, V/TP] logits and 1/8 of the tokens)."""
     check_labels: bool = False
     """Check every step that labels lie in [0, vocab) or equal ignore_index (costs one host sync)."""
+    shard_over_ep: bool = False
+    """At TP=1 with expert parallelism, shard the (untied) output layer's rows over the expert-parallel
+    group and run the Ring-DTP ring over that group: each rank holds V/EP rows of the weight and of its
+    main_grad (and its optimizer state follows the expert parameters') instead of all V."""
 
     def validate(self) -> None:
         if 0 < self.chunk_tokens < 128:

@@ -1,0 +1,159 @@
+"""``--peakflat-vocab-shard-over-ep``: the output layer's rows split over the expert-parallel group.
+
+Megatron's GPTModel on CPU (gloo), TP=1, EP=2, each rank with its own tokens, trained for three steps
+through Megatron's DDP, its optimizer (Adam, weight decay, gradient clipping; distributed or not) and
+pipeline schedule, against the same model and data with peakflat off: the loss of every step after
+the first (1e-5) and every parameter after the three steps (1e-5) equal, and with the plain optimizer
+every parameter's reduced and clipped gradient of the first step (1e-5); the output layer's shard
+against its rows of the whole layer. World 2
+(expert data-parallel size 1) and world 4 (2: the shard's gradient is also reduced across replicas).
+Also: the checkpoint describes the shard as rows of the whole layer, a forward that would need logits
+refuses, and bad combinations fail at start-up naming the flag.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_peakflat import PeakflatConfig, PeakflatConfigError
+from megatron_peakflat.testing import max_rel_error, run_distributed
+
+V, SEQ, MB, STEPS = 128, 16, 2, 3
+
+
+def _params(ddp) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("module."): p.detach().clone() for n, p in ddp.named_parameters()}
+
+
+def _grads(ddp) -> dict[str, torch.Tensor]:
+    """The step's reduced (and clipped) gradients, as DDP's main_grad still holds them after the step."""
+    return {n.removeprefix("module."): p.main_grad.detach().clone() for n, p in ddp.named_parameters()}
+
+
+def _train(rank: int, peakflat_on: bool, grad: str, dist_opt: bool):
+    import megatron_peakflat
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, tiny_transformer_config
+    from megatron_peakflat.testing.train_loop import build_training, make_batches, train_steps
+    from megatron_peakflat.vocab import VocabConfig
+
+    if peakflat_on:
+        megatron_peakflat.apply(PeakflatConfig(
+            vocab=VocabConfig(impl="ring-dtp", shard_over_ep=True, block_size=16, grad=grad, chunk_tokens=128),
+            general=GeneralConfig(attention="local")))
+    try:
+        torch.manual_seed(7)
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(7)
+        config = tiny_transformer_config()
+        model = build_tiny_gpt(config, vocab_size=V, seq_len=SEQ)
+        # adam_eps well above the float noise of a near-zero gradient: with the default 1e-8, Adam turns the
+        # summation-order noise of such an element into a sizeable step, and the parameters stop being comparable.
+        setup = build_training(model, config, seq_len=SEQ, micro_batch=MB, use_distributed_optimizer=dist_opt,
+                               adam_eps=1e-4)
+        batches = make_batches(STEPS, SEQ, MB, V, seed=100 * rank)
+        train_steps(setup, batches[:1])
+        first_grads = _grads(setup.model[0])
+        losses = train_steps(setup, batches[1:])
+        return losses, first_grads, _params(setup.model[0]), model.output_layer
+    finally:
+        megatron_peakflat.remove()
+
+
+def _shard_checks(rank: int, world: int) -> list[str]:
+    from megatron.core import parallel_state
+
+    from megatron_peakflat import stats
+    from megatron_peakflat.integration.vocab_shard import shard_of
+    from megatron_peakflat.testing.megatron_cpu import init_megatron_parallel, install_cpu_shim
+
+    install_cpu_shim()
+    init_megatron_parallel(tp=1, ep=2)
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    done = []
+    for grad, dist_opt in (("in-forward", True), ("in-forward", False), ("recompute", False)):
+        ref_losses, ref_grads, ref, _ = _train(rank, False, grad, dist_opt)
+        calls = stats.snapshot().get("vocab", {}).get("calls", 0)
+        losses, grads, ours, layer = _train(rank, True, grad, dist_opt)
+        what = f"world={world} grad={grad} distributed_optimizer={dist_opt}"
+        shard = shard_of(layer)
+        assert shard is not None and shard.size == 2 and shard.rank == ep_rank, what
+        assert stats.snapshot()["vocab"]["calls"] == calls + STEPS, what
+        assert stats.snapshot()["vocab"]["schedule"] in ("activations", "weights"), what  # a ring, not one rank
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) <= 1e-5 * abs(b), (what, losses, ref_losses)
+        assert set(ours) == set(ref) == set(grads) == set(ref_grads), (what, set(ours) ^ set(ref))
+        rows = slice(ep_rank * V // 2, (ep_rank + 1) * V // 2)
+        # first step: the reduced, clipped gradient of every parameter; after three Adam steps, the parameters
+        # (The distributed optimizer reduce-scatters: a rank's main_grad is reduced only where it owns the
+        # optimizer state, and moving the output layer to the expert buffers moves those bounds: so the
+        # gradients are compared under the plain optimizer, which all-reduces them.)
+        checks = ([] if dist_opt else [(grads, ref_grads, 1e-5, "grad")]) + [(ours, ref, 1e-5, "param")]
+        for got, want_all, tol, kind in checks:
+            for name in want_all:
+                want = want_all[name][rows] if name == "output_layer.weight" else want_all[name]
+                assert got[name].shape == want.shape, (what, kind, name)
+                err = max_rel_error(got[name], want)
+                assert err < tol, (what, kind, name, err)
+        assert grads["output_layer.weight"].abs().max() > 0, what
+        done.append(what)
+
+    # the checkpoint: rows of the whole [V, H] layer, replicated over the expert data-parallel ranks
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, tiny_transformer_config
+    from megatron_peakflat.vocab import VocabConfig
+    import megatron_peakflat
+
+    megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", shard_over_ep=True),
+                                           general=GeneralConfig(attention="local")))
+    try:
+        model = build_tiny_gpt(tiny_transformer_config(), vocab_size=V, seq_len=SEQ)
+        sd = model.sharded_state_dict()
+        st = sd["output_layer.weight"]
+        assert tuple(st.global_shape) == (V, 64) and tuple(st.local_shape) == (V // 2, 64)
+        assert tuple(st.global_offset) == (ep_rank * V // 2, 0)
+        assert st.replica_id == (0, 0, parallel_state.get_expert_data_parallel_rank())
+        # a forward that would hand the logits to Megatron refuses, naming the flag
+        tokens = torch.zeros(1, SEQ, dtype=torch.long)
+        with pytest.raises(RuntimeError, match="--peakflat-vocab-shard-over-ep"):
+            model(tokens, torch.arange(SEQ).unsqueeze(0), None)
+    finally:
+        megatron_peakflat.remove()
+    done.append("checkpoint")
+    return done
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_output_layer_trains_like_the_whole_one(world):
+    results = run_distributed(_shard_checks, world, timeout=900)
+    assert all(len(r) == 4 for r in results), results
+
+
+def _megatron_args(**kw):
+    base = dict(num_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2,
+                expert_tensor_parallel_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=128, mtp_num_layers=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("over, impl, words", [
+    (dict(), "megatron", "--peakflat-vocab ring-dtp"),
+    (dict(expert_model_parallel_size=1), "ring-dtp", "expert-parallel group"),
+    (dict(tensor_model_parallel_size=2), "ring-dtp", "already vocab-parallel"),
+    (dict(pipeline_model_parallel_size=2), "ring-dtp", "pipeline"),
+    (dict(untie_embeddings_and_output_weights=False), "ring-dtp", "--untie-embeddings-and-output-weights"),
+    (dict(expert_model_parallel_size=3, num_experts=9), "ring-dtp", "--make-vocab-size-divisible-by"),
+])
+def test_bad_combinations_fail_at_startup_naming_the_flag(over, impl, words):
+    from megatron_peakflat.vocab import VocabConfig
+
+    cfg = PeakflatConfig(vocab=VocabConfig(impl=impl, shard_over_ep=True))
+    with pytest.raises(PeakflatConfigError) as e:
+        cfg.validate(_megatron_args(**over))
+    assert "--peakflat-vocab-shard-over-ep" in str(e.value) and words in str(e.value), str(e.value)
+    PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", shard_over_ep=True)).validate(_megatron_args())
