@@ -59,6 +59,25 @@ def test_params_by_hand():
     assert expert == pytest.approx(3 * (8 / 4) * 3 * 64 * 32)
 
 
+def test_output_layer_sharded_over_ep_by_hand():
+    """--peakflat-vocab-shard-over-ep at TP=1: the output layer's V x H become V/EP x H expert-parallel
+    params on each rank (parameters and gradients of the peakflat column), and the ring is the EP group."""
+    from megatron_peakflat.vocab.config import VocabConfig
+
+    run = RunConfig(seq_len=4096, tp=1, ep=4, dp=4)
+    dense, expert = M.stage_params(TINY, run, 1, 3, True, True)
+    d4, e4 = M.stage_params(TINY, run, 1, 3, True, True, output_shards=4)
+    assert d4 == pytest.approx(dense - 1000 * 64) and e4 == pytest.approx(expert + 1000 * 64 / 4)
+    pf = PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", shard_over_ep=True))
+    assert M.vocab_ring_size(run, pf) == 4 and M.vocab_ring_size(run, PeakflatConfig(vocab=VocabConfig(impl="ring-dtp"))) == 1
+    assert M.vocab_ring_size(RunConfig(seq_len=4096, tp=2, ep=4, dp=2), pf) == 2  # TP > 1: the TP ring
+    base = plan(TINY, run, PeakflatConfig(vocab=VocabConfig(impl="ring-dtp"))).stages[0].rows
+    got = plan(TINY, run, pf).stages[0].rows
+    for name, per_param in (("parameters", run.w), ("gradients", 4 if run.grads_fp32 else run.w)):
+        assert got[name].baseline == base[name].baseline
+        assert base[name].baseline - got[name].peakflat == pytest.approx(1000 * 64 * 3 / 4 * per_param)
+
+
 def test_boundaries_sco_and_optimizer_by_hand():
     run = RunConfig(seq_len=1024, cp=2, tp=2, dp=1, ep=2, recompute="full", hbm_bytes=80 * GIB,
                     host_bytes_per_node=1 * GIB)

@@ -157,3 +157,52 @@ def test_bad_combinations_fail_at_startup_naming_the_flag(over, impl, words):
         cfg.validate(_megatron_args(**over))
     assert "--peakflat-vocab-shard-over-ep" in str(e.value) and words in str(e.value), str(e.value)
     PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", shard_over_ep=True)).validate(_megatron_args())
+
+
+def _checkpoint_round_trip(rank: int, world: int, path: str) -> bool:
+    import megatron_peakflat
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, init_megatron_parallel, install_cpu_shim,
+                                                        tiny_transformer_config)
+    from megatron_peakflat.vocab import VocabConfig
+
+    install_cpu_shim()
+    init_megatron_parallel(tp=1, ep=2)
+    rows = slice(parallel_state.get_expert_model_parallel_rank() * V // 2, None)
+    full = torch.arange(V * 64, dtype=torch.float32).view(V, 64)
+
+    def build(sharded: bool):
+        if sharded:
+            megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", shard_over_ep=True),
+                                                   general=GeneralConfig(attention="local")))
+        try:
+            return build_tiny_gpt(tiny_transformer_config(), vocab_size=V, seq_len=SEQ)
+        finally:
+            megatron_peakflat.remove()
+
+    # saved with the flag, loaded without it: the whole layer comes back
+    model = build(True)
+    with torch.no_grad():
+        model.output_layer.weight.copy_(full[rows][: V // 2])
+    dist_checkpointing.save(model.sharded_state_dict(), f"{path}/sharded")
+    whole = build(False)
+    whole.load_state_dict(dist_checkpointing.load(whole.sharded_state_dict(), f"{path}/sharded"))
+    assert torch.equal(whole.output_layer.weight, full)
+    # saved without it, loaded with it: each rank gets its rows
+    with torch.no_grad():
+        whole.output_layer.weight.mul_(-1)
+    dist_checkpointing.save(whole.sharded_state_dict(), f"{path}/whole")
+    model = build(True)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), f"{path}/whole"))
+    assert torch.equal(model.output_layer.weight, -full[rows][: V // 2])
+    return True
+
+
+def test_checkpoint_moves_between_sharded_and_whole_layers(tmp_path):
+    """Megatron's distributed checkpoint (torch_dist) of a sharded output layer loads into a model without
+    the flag as the whole layer, and the other way round, exactly."""
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "whole").mkdir()
+    assert all(run_distributed(_checkpoint_round_trip, 2, str(tmp_path), timeout=600))

@@ -229,16 +229,22 @@ def mlp_params(h: int, ffn: int, gated: bool, tp: int) -> float:
     return (3 if gated else 2) * h * ffn / tp
 
 
-def stage_params(s: ModelShape, run: RunConfig, n_dense: int, n_moe: int, embedding: bool, output: bool
-                 ) -> tuple[float, float]:
-    """(dense params, expert params) held by one rank of a stage."""
+def stage_params(s: ModelShape, run: RunConfig, n_dense: int, n_moe: int, embedding: bool, output: bool,
+                 output_shards: int = 1) -> tuple[float, float]:
+    """(dense params, expert params) held by one rank of a stage. ``output_shards`` > 1: the output layer's
+    rows are split over the expert-parallel group (``--peakflat-vocab-shard-over-ep``), an expert-parallel
+    parameter (integration/vocab_shard.py)."""
     dense = (n_dense + n_moe) * attention_params(s, run.tp) + n_dense * mlp_params(s.hidden, s.ffn, s.gated, run.tp)
     dense += n_moe * (s.hidden * s.experts + mlp_params(s.hidden, s.shared_ffn, s.gated, run.tp))
     expert = n_moe * (s.experts / run.ep) * mlp_params(s.hidden, s.moe_ffn, s.gated, run.etp)
     if embedding:
         dense += s.vocab * s.hidden / run.tp
     if output and not (s.tied_embeddings and embedding):
-        dense += s.vocab * s.hidden / run.tp + s.hidden
+        dense += s.hidden
+        if output_shards > 1:
+            expert += s.vocab * s.hidden / output_shards
+        else:
+            dense += s.vocab * s.hidden / run.tp
     return dense, expert
 
 
@@ -427,11 +433,19 @@ def vocab_baseline(s: ModelShape, run: RunConfig) -> float:
     return T * s.vocab / run.tp * per_elem
 
 
+def vocab_ring_size(run: RunConfig, pf: PeakflatConfig) -> int:
+    """Ranks of Ring-DTP's ring: the tensor-parallel group, or at TP=1 under
+    ``--peakflat-vocab-shard-over-ep`` the expert-parallel group."""
+    if pf.vocab.impl == "ring-dtp" and pf.vocab.shard_over_ep and run.tp == 1 and run.ep > 1:
+        return run.ep
+    return run.tp
+
+
 def vocab_schedule(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> str:
     if pf.vocab.schedule != "auto":
         return pf.vocab.schedule
     n = run.tp_tokens
-    return "activations" if n <= s.vocab / run.tp else "weights"
+    return "activations" if n <= s.vocab / vocab_ring_size(run, pf) else "weights"
 
 
 def vocab_block(n_tokens: float, w: int, block_size: int) -> int:
@@ -458,7 +472,7 @@ def vocab_in_forward(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_gra
     reducing). Measured on 2 H200s (bench/results/vocab.json, tp=2, peakflat-fwd-main-grad): 1.4239 GiB
     at N=32768, H=7168 and 0.5713 GiB at N=16384, H=4096, as this gives; 1.9727 GiB at TP=1. dW goes into
     ``main_grad`` or, without one, an accumulator in ``accumulate``'s dtype cast to the weight's dtype at the end."""
-    P, n, w = run.tp, run.tp_tokens, run.w
+    P, n, w = vocab_ring_size(run, pf), run.tp_tokens, run.w
     shard = s.vocab / P
     acc = 4 if pf.vocab.accumulate == "fp32" else w
     chunk = pf.vocab.chunk_tokens or auto_chunk_tokens(math.ceil(shard), w, P, int(n * P))
@@ -477,7 +491,7 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_grad:
     returns dW (the benchmark's ``peakflat`` and ``peakflat-input`` rows)."""
     if vocab_grad(pf, main_grad) == "in-forward":
         return vocab_in_forward(s, run, pf, main_grad)
-    P = run.tp
+    P = vocab_ring_size(run, pf)
     n = run.tp_tokens
     shard = s.vocab / P
     block = min(vocab_block(n, run.w, pf.vocab.block_size), shard)
@@ -541,13 +555,16 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         inflight = min(run.pp - st, run.num_micro)
         dense_p, expert_p = stage_params(s, run, n_dense, n_moe, first, last)
         params = dense_p + expert_p
+        # --peakflat-vocab-shard-over-ep: the output layer's rows over the EP group (the peakflat column only)
+        params_pf = sum(stage_params(s, run, n_dense, n_moe, first, last, vocab_ring_size(run, pf)
+                                     if pf.vocab.shard_over_ep else 1))
         rows: dict[str, Row] = {}
         notes: list[str] = []
 
-        rows["parameters"] = Row("parameters", params * w, params * w,
+        rows["parameters"] = Row("parameters", params * w, params_pf * w,
                                  source="param_and_grad_buffer.py _ParamAndGradBuffer.param_data (w bytes/param)")
         gbytes = 4 if run.grads_fp32 else w
-        rows["gradients"] = Row("gradients", params * gbytes, params * gbytes,
+        rows["gradients"] = Row("gradients", params * gbytes, params_pf * gbytes,
                                 source="param_and_grad_buffer.py grad_data, full size even with the distributed optimizer")
 
         # Optimizer: fp32 master (when params are not fp32) + exp_avg + exp_avg_sq, sharded over
