@@ -112,11 +112,10 @@ def wrap_gpt_init(original_init: Callable[..., None]) -> Callable[..., None]:
         cfg = state.get()
         if cfg is None or cfg.vocab.impl != "ring-dtp" or not cfg.vocab.shard_over_ep:
             return
-        if not getattr(self, "post_process", False) or getattr(self, "share_embeddings_and_output_weights", False):
-            if getattr(self, "share_embeddings_and_output_weights", False):
-                raise ValueError(f"{FLAG}: the output layer is tied to the input embedding; pass "
-                                 "--untie-embeddings-and-output-weights or drop the flag")
-            return
-        shard_output_layer(self.output_layer)
+        if getattr(self, "share_embeddings_and_output_weights", False):
+            raise ValueError(f"{FLAG}: the output layer is tied to the input embedding; pass "
+                             "--untie-embeddings-and-output-weights or drop the flag")
+        if getattr(self, "post_process", False):
+            shard_output_layer(self.output_layer)
 
     return __init__
