@@ -112,6 +112,8 @@ def _shard_checks(rank: int, world: int) -> list[str]:
                                            general=GeneralConfig(attention="local")))
     try:
         model = build_tiny_gpt(tiny_transformer_config(), vocab_size=V, seq_len=SEQ)
+        w = model.output_layer.weight
+        assert w.allreduce is False and w.is_embedding_or_output_parameter  # Megatron's tags carried over
         sd = model.sharded_state_dict()
         st = sd["output_layer.weight"]
         assert tuple(st.global_shape) == (V, 64) and tuple(st.local_shape) == (V // 2, 64)

@@ -72,9 +72,10 @@ def shard_output_layer(output_layer: Any) -> EpShard:
     shard = EpShard(group, rank, size, w.shape[0], parallel_state.get_expert_data_parallel_rank())
     part = torch.nn.Parameter(w.detach()[rank * shard.rows:(rank + 1) * shard.rows].clone(),
                               requires_grad=w.requires_grad)
-    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel"):
-        if hasattr(w, attr):
-            setattr(part, attr, getattr(w, attr))
+    # Megatron's tags carry over: the tensor-parallel layout, is_embedding_or_output_parameter (--decoupled-lr,
+    # optimizer grouping), MuP's is_embedding_parameter, ...
+    for attr, value in vars(w).items():
+        setattr(part, attr, value)
     part.allreduce = False  # an expert-parallel parameter: reduced over the expert data-parallel group
     output_layer.weight = part
     output_layer.peakflat_ep_shard = shard
