@@ -2,17 +2,21 @@
 
 Megatron's GPTModel on CPU (gloo), TP=1, EP=2, each rank with its own tokens, trained for three steps
 through Megatron's DDP, its optimizer (Adam, weight decay, gradient clipping; distributed or not) and
-pipeline schedule, against the same model and data with peakflat off: the loss of every step after
-the first (1e-5) and every parameter after the three steps (1e-5) equal, and with the plain optimizer
-every parameter's reduced and clipped gradient of the first step (1e-5); the output layer's shard
-against its rows of the whole layer. World 2
-(expert data-parallel size 1) and world 4 (2: the shard's gradient is also reduced across replicas).
-Also: the checkpoint describes the shard as rows of the whole layer, a forward that would need logits
-refuses, and bad combinations fail at start-up naming the flag.
+pipeline schedule, against the same model and data with peakflat off: the loss of every step after the
+first and every parameter after the three steps equal (1e-5), and with the plain optimizer every
+parameter's reduced and clipped gradient of the first step (1e-5); the output layer's shard against its
+rows of the whole layer. World 2 (expert data-parallel size 1) and world 4 (2: the shard's gradient is
+also reduced across replicas). Also: the checkpoint describes the shard as rows of the whole layer and
+moves between sharded and whole models; Megatron's own pretrain loop trains and resumes with the flag
+as without it; a forward that would need logits refuses; bad combinations fail at start-up naming the flag.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +24,7 @@ import torch
 
 from megatron_peakflat import PeakflatConfig, PeakflatConfigError
 from megatron_peakflat.testing import max_rel_error, run_distributed
+from megatron_peakflat.testing.distributed import free_port
 
 V, SEQ, MB, STEPS = 128, 16, 2, 3
 
@@ -208,3 +213,52 @@ def test_checkpoint_moves_between_sharded_and_whole_layers(tmp_path):
     (tmp_path / "sharded").mkdir()
     (tmp_path / "whole").mkdir()
     assert all(run_distributed(_checkpoint_round_trip, 2, str(tmp_path), timeout=600))
+
+
+# ---- through Megatron's own pretrain loop (CPU dry run, two gloo ranks under torchrun) --------------------
+
+def _pretrain(*argv: str) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
+    tiny = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --num-experts 4 "
+            "--moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-token-dispatcher-type alltoall --disable-bias-linear "
+            "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
+            "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --log-interval 1 --eval-iters 0 "
+            "--eval-interval 1000 --position-embedding-type rope --expert-model-parallel-size 2 "
+            "--untie-embeddings-and-output-weights --distributed-backend gloo").split()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()),
+                          "-m", "megatron_peakflat.testing.pretrain_dryrun", *tiny, *argv],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    return text
+
+
+def _numbers(text: str, what: str) -> list[float]:
+    return [float(x) for x in re.findall(what + r": ([0-9.E+-]+)", text)]
+
+
+SHARD = ("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-shard-over-ep")
+
+
+def test_pretrain_with_the_flag_trains_and_resumes_as_without_it(tmp_path):
+    """``megatron_peakflat.pretrain`` (Megatron's own training loop, flags and checkpointing), EP=2 on two
+    CPU ranks: the same losses (1e-5) and grad norms (1e-4) with the flag as without it, and a run saved at
+    iteration 2 and resumed continues as Megatron's own resumed run does (its distributed checkpoint holds
+    the shard as rows of the whole layer)."""
+    off = _pretrain("--train-iters", "3")
+    on = _pretrain("--train-iters", "3", *SHARD)
+    assert "output layer sharded over the expert-parallel group (EP=2): 128 of 256 rows" in on
+    assert len(_numbers(off, "lm loss")) == 3
+    assert _numbers(on, "lm loss") == pytest.approx(_numbers(off, "lm loss"), rel=1e-5)
+    assert _numbers(on, "grad norm") == pytest.approx(_numbers(off, "grad norm"), rel=1e-4)
+
+    resumed = {}
+    for name, extra in (("on", SHARD), ("off", ())):
+        ckpt = str(tmp_path / name)
+        saved = _pretrain("--train-iters", "4", "--save", ckpt, "--save-interval", "2", "--exit-interval", "2", *extra)
+        assert "successfully saved checkpoint" in saved
+        resumed[name] = _numbers(_pretrain("--train-iters", "4", "--load", ckpt, *extra), "lm loss")
+    assert len(resumed["off"]) == 2
+    assert resumed["on"] == pytest.approx(resumed["off"], rel=1e-5)
