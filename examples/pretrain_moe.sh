@@ -10,7 +10,8 @@
 # HEADS [8], FFN [2816], MOE_FFN [704], EXPERTS [8], TOPK [2], EP [GPUS_PER_NODE*NNODES, capped at EXPERTS],
 # TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8], TRAIN_ITERS [20], VOCAB [32768], UNTIE [1] (0: output
 # layer tied to the embedding),
-# PEAKFLAT [on], PEAKFLAT_COMPONENTS [dispatch,vocab,sco,optimizer], CHUNK_CAP [4096], DATA_PATH, TOKENIZER_MODEL, PYTHON [python3].
+# PEAKFLAT [on], PEAKFLAT_COMPONENTS [dispatch,vocab,sco,optimizer; vocab-ep in place of vocab also shards the
+# output layer over the EP group], CHUNK_CAP [4096], DATA_PATH, TOKENIZER_MODEL, PYTHON [python3].
 #
 #SBATCH --job-name=peakflat-moe
 #SBATCH --nodes=1
@@ -85,6 +86,7 @@ case "$PEAKFLAT" in
       case "$c" in
         dispatch)  PF+=(--peakflat-dispatch pipelined-llep --peakflat-dispatch-chunk-cap "$CHUNK_CAP") ;;
         vocab)     PF+=(--peakflat-vocab ring-dtp) ;;
+        vocab-ep)  PF+=(--peakflat-vocab ring-dtp --peakflat-vocab-shard-over-ep) ;;  # TP=1, EP > 1, UNTIE=1
         sco)       PF+=(--peakflat-sco) ;;
         optimizer) PF+=(--peakflat-optimizer offload-stream --optimizer-cpu-offload --use-precision-aware-optimizer) ;;
         *) echo "unknown component '$c' in PEAKFLAT_COMPONENTS" >&2; exit 2 ;;
