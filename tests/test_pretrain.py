@@ -2,26 +2,15 @@
 the model is built, and a short run (CPU dry run through Megatron's own pretrain loop) trains with
 peakflat on to the same losses as with it off."""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --num-experts 4 "
-        "--moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-token-dispatcher-type alltoall --disable-bias-linear "
-        "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 3 "
-        "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 256 --log-interval 1 --eval-iters 0 "
-        "--eval-interval 1000 --position-embedding-type rope").split()
+from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module
+
+TINY = [*TINY_GPT_ARGS, "--train-iters", "3"]
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
-
-
-def run(module: str, *argv: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+run = run_module
 
 
 def test_help_lists_megatron_and_peakflat_flags():
@@ -42,11 +31,11 @@ def test_bad_combination_fails_before_the_model_is_built():
 
 
 def _losses(text: str) -> list[float]:
-    return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
+    return logged(text, "lm loss")
 
 
 def _grad_norms(text: str) -> list[float]:
-    return [float(x) for x in re.findall(r"grad norm: ([0-9.E+-]+)", text)]
+    return logged(text, "grad norm")
 
 
 @pytest.mark.parametrize("untie", [False, True])

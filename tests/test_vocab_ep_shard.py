@@ -13,10 +13,6 @@ as without it; a forward that would need logits refuses; bad combinations fail a
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +20,7 @@ import torch
 
 from megatron_peakflat import PeakflatConfig, PeakflatConfigError
 from megatron_peakflat.testing import max_rel_error, run_distributed
-from megatron_peakflat.testing.distributed import free_port
+from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module
 
 V, SEQ, MB, STEPS = 128, 16, 2, 3
 
@@ -218,25 +214,11 @@ def test_checkpoint_moves_between_sharded_and_whole_layers(tmp_path):
 # ---- through Megatron's own pretrain loop (CPU dry run, two gloo ranks under torchrun) --------------------
 
 def _pretrain(*argv: str) -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
-    tiny = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --num-experts 4 "
-            "--moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-token-dispatcher-type alltoall --disable-bias-linear "
-            "--seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
-            "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --log-interval 1 --eval-iters 0 "
-            "--eval-interval 1000 --position-embedding-type rope --expert-model-parallel-size 2 "
-            "--untie-embeddings-and-output-weights --distributed-backend gloo").split()
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()),
-                          "-m", "megatron_peakflat.testing.pretrain_dryrun", *tiny, *argv],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    out = run_module("megatron_peakflat.testing.pretrain_dryrun", *TINY_GPT_ARGS, "--expert-model-parallel-size", "2",
+                     "--untie-embeddings-and-output-weights", "--distributed-backend", "gloo", *argv, nproc=2, timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     return text
-
-
-def _numbers(text: str, what: str) -> list[float]:
-    return [float(x) for x in re.findall(what + r": ([0-9.E+-]+)", text)]
 
 
 SHARD = ("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-shard-over-ep")
@@ -250,15 +232,15 @@ def test_pretrain_with_the_flag_trains_and_resumes_as_without_it(tmp_path):
     off = _pretrain("--train-iters", "3")
     on = _pretrain("--train-iters", "3", *SHARD)
     assert "output layer sharded over the expert-parallel group (EP=2): 128 of 256 rows" in on
-    assert len(_numbers(off, "lm loss")) == 3
-    assert _numbers(on, "lm loss") == pytest.approx(_numbers(off, "lm loss"), rel=1e-5)
-    assert _numbers(on, "grad norm") == pytest.approx(_numbers(off, "grad norm"), rel=1e-4)
+    assert len(logged(off, "lm loss")) == 3
+    assert logged(on, "lm loss") == pytest.approx(logged(off, "lm loss"), rel=1e-5)
+    assert logged(on, "grad norm") == pytest.approx(logged(off, "grad norm"), rel=1e-4)
 
     resumed = {}
     for name, extra in (("on", SHARD), ("off", ())):
         ckpt = str(tmp_path / name)
         saved = _pretrain("--train-iters", "4", "--save", ckpt, "--save-interval", "2", "--exit-interval", "2", *extra)
         assert "successfully saved checkpoint" in saved
-        resumed[name] = _numbers(_pretrain("--train-iters", "4", "--load", ckpt, *extra), "lm loss")
+        resumed[name] = logged(_pretrain("--train-iters", "4", "--load", ckpt, *extra), "lm loss")
     assert len(resumed["off"]) == 2
     assert resumed["on"] == pytest.approx(resumed["off"], rel=1e-5)

@@ -122,7 +122,7 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
     weight = output_weight if output_weight is not None else output_layer.weight
     ep_shard = shard_of(output_layer)
     group = output_layer.tp_group if ep_shard is None else ep_shard.group
-    tp = dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
+    ring = dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
     s_local, b, h = hidden_states.shape
     labels_sb = labels.transpose(0, 1)  # [s, b]
     # A tied weight on the stage that also looks tokens up gets the embedding's gradient through autograd
@@ -138,11 +138,11 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
     common = dict(schedule=cfg.schedule, block_size=cfg.block_size, kernel=cfg.kernel, accumulate=cfg.accumulate,
                   check_labels=cfg.check_labels, dw_into_main_grad=True, weight_shared=shared, grad=grad,
                   chunk_tokens=cfg.chunk_tokens)
-    if tp == 1 or ep_shard is not None:
+    if ring == 1 or ep_shard is not None:
         # One ring rank, or the expert-parallel ring: each rank's own tokens, whole (TP=1), meet every shard.
         hint_mine = None if hint_sb is None else hint_sb.reshape(-1)
         loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, labels_sb.reshape(-1),
-                                         group if tp > 1 else None, grad_hint=hint_mine,
+                                         group if ring > 1 else None, grad_hint=hint_mine,
                                          vocab_size=None if ep_shard is None else ep_shard.vocab, **common)
         return loss.view(s_local, b).transpose(0, 1).contiguous()
     rank = dist.get_rank(group)
@@ -152,10 +152,10 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
         hint_mine = None if hint_sb is None else hint_sb[lo:lo + s_local].reshape(-1)
         loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, lab, group, grad_hint=hint_mine,
                                          **common)
-        full = _GatherRowsKeepGrad.apply(loss.view(s_local, b), _bounds(labels_sb.shape[0], tp), rank, group)
+        full = _GatherRowsKeepGrad.apply(loss.view(s_local, b), _bounds(labels_sb.shape[0], ring), rank, group)
         return full.transpose(0, 1).contiguous()
     tokens = hidden_states.reshape(-1, h)
-    bounds = _bounds(tokens.shape[0], tp)
+    bounds = _bounds(tokens.shape[0], ring)
     mine = _SliceRowsGatherGrad.apply(tokens, bounds, rank, group)
     lab = labels_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]]
     hint_mine = None if hint_sb is None else hint_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]]

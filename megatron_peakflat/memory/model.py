@@ -433,12 +433,19 @@ def vocab_baseline(s: ModelShape, run: RunConfig) -> float:
     return T * s.vocab / run.tp * per_elem
 
 
-def vocab_ring_size(run: RunConfig, pf: PeakflatConfig) -> int:
-    """Ranks of Ring-DTP's ring: the tensor-parallel group, or at TP=1 under
-    ``--peakflat-vocab-shard-over-ep`` the expert-parallel group."""
+def vocab_ep_shards(run: RunConfig, pf: PeakflatConfig) -> int:
+    """EP when ``--peakflat-vocab-shard-over-ep`` splits the output layer's rows over the expert-parallel
+    group (Ring-DTP at TP=1, EP > 1: integration/vocab_shard.py), else 1."""
     if pf.vocab.impl == "ring-dtp" and pf.vocab.shard_over_ep and run.tp == 1 and run.ep > 1:
         return run.ep
-    return run.tp
+    return 1
+
+
+def vocab_ring_size(run: RunConfig, pf: PeakflatConfig) -> int:
+    """Ranks of Ring-DTP's ring: the tensor-parallel group, or the expert-parallel group when the output
+    layer is sharded over it."""
+    shards = vocab_ep_shards(run, pf)
+    return shards if shards > 1 else run.tp
 
 
 def vocab_schedule(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> str:
@@ -556,8 +563,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         dense_p, expert_p = stage_params(s, run, n_dense, n_moe, first, last)
         params = dense_p + expert_p
         # --peakflat-vocab-shard-over-ep: the output layer's rows over the EP group (the peakflat column only)
-        params_pf = sum(stage_params(s, run, n_dense, n_moe, first, last, vocab_ring_size(run, pf)
-                                     if pf.vocab.shard_over_ep else 1))
+        params_pf = sum(stage_params(s, run, n_dense, n_moe, first, last, vocab_ep_shards(run, pf)))
         rows: dict[str, Row] = {}
         notes: list[str] = []
 

@@ -1,0 +1,40 @@
+"""Run the package's entry points in a fresh interpreter, as a user would, and read Megatron's log.
+
+Tests of ``megatron_peakflat.pretrain`` (through ``testing.pretrain_dryrun`` on CPU) need a process of
+their own: Megatron's initialisation is global and one-shot. Test use only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from .distributed import free_port
+
+__all__ = ["ROOT", "TINY_GPT_ARGS", "run_module", "logged"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The repository root (put on PYTHONPATH and used as the working directory)."""
+
+TINY_GPT_ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --num-experts 4 "
+                 "--moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-token-dispatcher-type alltoall "
+                 "--disable-bias-linear --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
+                 "--global-batch-size 4 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 256 "
+                 "--log-interval 1 --eval-iters 0 --eval-interval 1000 --position-embedding-type rope").split()
+"""Megatron flags of a tiny MoE GPT on mock data (add --train-iters), small enough for a CPU dry run."""
+
+
+def run_module(module: str, *argv: str, nproc: int = 1, timeout: int = 400) -> subprocess.CompletedProcess:
+    """``python -m module argv`` from the repository root (on PYTHONPATH, warnings off); with ``nproc`` > 1
+    under ``torch.distributed.run`` on that many local ranks, on a free port."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
+    cmd = [sys.executable, *(launcher if nproc > 1 else []), "-m", module, *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def logged(text: str, key: str) -> list[float]:
+    """Every number Megatron's training log prints after ``key: `` (e.g. 'lm loss', 'grad norm'), in order."""
+    return [float(x) for x in re.findall(re.escape(key) + r": ([0-9.E+-]+)", text)]
