@@ -39,3 +39,22 @@ def test_vocab_benchmark_at_tp2_on_cpu():
                                            "megatron-native-ce"}, out[-2000:]
     assert all("exact=True" in r for r in rows) and "dry run: every method exact" in out, out[-2000:]
     assert "was not the loss's real gradient" not in out  # the in-forward rows were told 1/N
+
+
+def test_pretrain_compare_reads_megatron_log():
+    """bench/pretrain_compare.py's reading of a Megatron training log: every loss and grad norm, the median
+    iteration time after the first two, and rank 0's memory report after two iterations."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.pretrain_compare import parse_log
+
+    lines = [f" [2026-11-30] iteration {i}/ 4 | elapsed time per iteration (ms): {t} | learning rate: 1.0E-04 | "
+             f"lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {g} |"
+             for i, t, loss, g in ((1, 900.0, 10.6, 3.5), (2, 500.0, 10.1, 2.5), (3, 410.0, 9.5, 1.5),
+                                   (4, 430.0, 9.1, 1.25))]
+    lines.insert(2, "[Rank 0] (after 2 iterations) memory (MB) | allocated: 1234.50 | max allocated: 2345.25 | "
+                    "reserved: 3000.00 | max reserved: 3000.00")
+    got = parse_log("\n".join(lines))
+    assert got["lm_loss"] == [10.6, 10.1, 9.5, 9.1] and got["grad_norm"] == [3.5, 2.5, 1.5, 1.25]
+    assert got["ms_per_iter"] == 420.0
+    assert (got["allocated_mib"], got["max_allocated_mib"]) == (1234.5, 2345.25)
+    assert parse_log("no log")["ms_per_iter"] is None

@@ -391,9 +391,13 @@ def test_megatron_ddp_main_grad_path():
     fc1 = [torch.randn(2 * F, H, generator=g) for _ in range(E)]
     fc2 = [torch.randn(H, F, generator=g) for _ in range(E)]
     bank = ReferenceExperts(fc1, fc2)
-    for p in bank.parameters():
-        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    params = list(bank.parameters())
+    buf = torch.zeros(sum(p.numel() for p in params) + 5)  # views at offsets into one buffer, as DDP lays them out
+    o = 5
+    for p in params:
+        p.main_grad = buf[o:o + p.numel()].view(p.shape)
         p.grad_added_to_main_grad = False
+        o += p.numel()
     probs, rmap = make_routing(T, E, TOPK, "hot95", 4)
     x = torch.randn(T, H, requires_grad=True)
     gout = torch.randn(T, H)
@@ -404,7 +408,8 @@ def test_megatron_ddp_main_grad_path():
     for p, r in zip(bank.parameters(), [*w1, *w2]):
         assert p.grad_added_to_main_grad
         assert max_rel_error(p.main_grad, r.grad) <= 1e-5
-        assert p.grad.untyped_storage().data_ptr() == p.main_grad.untyped_storage().data_ptr()
+        assert p.grad.data_ptr() == p.main_grad.data_ptr() and p.grad.shape == p.shape, p.grad.shape
+        assert p.grad.stride() == p.stride() and p.grad.dtype == p.dtype
 
 
 def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch):
