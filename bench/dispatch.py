@@ -4,13 +4,15 @@
 - ``megatron-alltoall``: Megatron's own alltoall dispatcher (the layer as Megatron builds it);
 - ``llep-unchunked``: PipelinedLLEP with one chunk (the plan and recompute, no chunking);
 - ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks, chunk
-  membership 'auto': expert-major at EP=1, hybrid at EP > 1; all-to-alls packed);
+  membership 'auto': expert-major at EP=1, hybrid at EP > 1; all-to-alls packed, and at EP > 1
+  overlapped in calls of 8 chunks or more);
 - ``peakflat-strided`` / ``peakflat-expert`` / ``peakflat-hybrid``: the defaults with that membership
   (strided: token i in chunk i mod K, every chunk reads every expert's weights; expert: each chunk a
   few experts' rows; hybrid: experts under 3/4 of the mean load expert-major, the others strided);
 - ``peakflat-unpacked``: one all-to-all per piece instead of one packed buffer;
 - ``peakflat-c<N>``: chunk cap N with up to 1024 chunks, so that the cap alone sets K;
-- ``peakflat-overlap`` (EP > 1 only): the defaults plus ``--peakflat-dispatch-overlap``.
+- ``peakflat-overlap`` (EP > 1 only): the defaults plus ``--peakflat-dispatch-overlap`` (every call);
+- ``peakflat-nooverlap``: the defaults with ``--peakflat-dispatch-overlap-min-chunks 0`` (no call).
 
 At EP=1 the plan is trivial; chunking alone bounds the expert activations. Under ``torchrun
 --nproc-per-node P`` every rank is one expert-parallel group (EP=P, 64/P experts each), holds its own
@@ -122,7 +124,8 @@ def skew_router(layer: Any, share: float, hot: int, seed: int = 0) -> None:
 
 def method_config(method: str) -> Any:
     """The PeakflatConfig a method name asks for: ``llep-unchunked`` (one chunk), or ``peakflat`` with any
-    of the suffixes ``-overlap`` (async all-to-alls), ``-unpacked`` (one all-to-all per piece), ``-strided`` / ``-expert`` / ``-hybrid`` (chunk membership) and ``-c<N>``
+    of the suffixes ``-overlap`` (async all-to-alls in every call; the defaults overlap calls of 8 chunks or
+    more), ``-nooverlap`` (never overlap), ``-unpacked`` (one all-to-all per piece), ``-strided`` / ``-expert`` / ``-hybrid`` (chunk membership) and ``-c<N>``
     (chunk cap N, up to 1024 chunks so that the cap alone sets K), e.g. ``peakflat-overlap-c32768``."""
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
@@ -135,6 +138,8 @@ def method_config(method: str) -> Any:
         for part in method.split("-")[1:]:
             if part == "overlap":
                 kw["overlap"] = True
+            elif part == "nooverlap":
+                kw["overlap_min_chunks"] = 0
             elif part == "unpacked":
                 kw["pack_collectives"] = False
             elif part in ("strided", "expert", "hybrid"):

@@ -263,7 +263,7 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
             probs.requires_grad_(True)
             cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=16, max_chunks=5, alpha=1.0, min_spill=2,
                                  imbalance_threshold=1.1, overlap=chunks in (2, None), membership=membership,
-                                 pack_collectives=chunks != 7)
+                                 pack_collectives=chunks != 7, overlap_min_chunks=7 if chunks == 7 else 0)
             grouped = chunks not in (1, 7)  # grouped GEMMs (strided weight runs) and the per-expert loop
             bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p],
                                     grouped=grouped)
@@ -275,6 +275,8 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
             if world > 1:  # forward: rows + probs out, outputs home; backward: + output grads out, dx + dprobs home
                 per_chunk = 4 if cfg.pack_collectives else 8
                 assert stats.snapshot()["dispatch"]["all_to_alls"] == per_chunk * sched.K
+                # overlapped: forced for K=2 and auto K, by itself (overlap_min_chunks=7) for K=7
+                assert stats.snapshot()["dispatch"]["overlapped_calls"] == int(chunks in (2, 7, None))
             name = f"{skew},k={k},K={chunks},{membership},rank={rank}"
             assert bank.use_grouped(x) == grouped
             bitwise = world == 1 and chunks == 1 and bool((out == ref).all())
@@ -338,8 +340,9 @@ def test_working_set_bounded_as_tokens_grow():
         assert peaks[1024, None] - peaks[256, None] <= 768 * per_token  # ours grows by the per-token terms only
 
 
-def bound_worker(rank: int, world: int, overlap: bool = False, membership: str = "auto") -> dict[str, int]:
-    """Peak live bytes per rank of ours (chunked) and of K=1, at T and 4T, all tokens on one expert."""
+def bound_worker(rank: int, world: int, overlap: bool | str = False, membership: str = "auto") -> dict[str, int]:
+    """Peak live bytes per rank of ours (chunked) and of K=1, at T and 4T, all tokens on one expert;
+    ``overlap``: True (forced), False (never) or "auto" (calls of 8 chunks or more)."""
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
 
     Hb, Fb, E, k, c = 64, 48, 4 * world, 2, 64
@@ -349,8 +352,9 @@ def bound_worker(rank: int, world: int, overlap: bool = False, membership: str =
     fc2 = [torch.randn(Hb, Fb, generator=g) for _ in range(E)]
     bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p])
     cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=c, max_chunks=1000, min_spill=0, imbalance_threshold=1.1,
-                         overlap=overlap, membership=membership)
+                         overlap=overlap is True, overlap_min_chunks=8 if overlap == "auto" else 0, membership=membership)
     peaks = {}
+    stats.reset()
     for T in (256, 1024):
         probs, rmap = make_routing(T, E, k, "all", 10 + rank)
         x = torch.randn(T, Hb, requires_grad=True)
@@ -362,13 +366,16 @@ def bound_worker(rank: int, world: int, overlap: bool = False, membership: str =
                 del out, grads
             peaks[f"{T},{K}"] = meter.peak
     peaks["param_bytes"] = sum(p.numel() * 4 for p in bank.parameters())
+    peaks["overlapped_calls"] = stats.snapshot()["dispatch"].get("overlapped_calls", 0)
     return peaks
 
 
-@pytest.mark.parametrize("overlap,membership", [(False, "auto"), (True, "auto"), (False, "expert"), (False, "hybrid")])
+@pytest.mark.parametrize("overlap,membership", [(False, "auto"), (True, "auto"), ("auto", "auto"), (False, "expert"),
+                                                (False, "hybrid")])
 def test_working_set_bounded_under_ep_and_skew(overlap, membership):
     """EP=2, every token on one expert: each rank stays under the bound with EP x (c + k) chunk rows,
-    with the all-to-alls overlapped (two more chunks in flight) or not, and with expert-major chunks
+    with the all-to-alls overlapped (two more chunks in flight: forced, or by itself in the chunked
+    calls, which have 8 and 32 chunks here, not in the K=1 ones) or not, and with expert-major chunks
     (which pile the hot expert's rows into few chunks: the per-source cap still bounds them)."""
     from megatron_peakflat.dispatch.api import working_set_bound
 
@@ -377,10 +384,11 @@ def test_working_set_bounded_under_ep_and_skew(overlap, membership):
         for T in (256, 1024):
             bound = working_set_bound(num_tokens=T, hidden=Hb, ffn=Fb, num_experts=4 * world, topk=k,
                                       chunk_rows=world * (c + k), expert_param_bytes=peaks["param_bytes"],
-                                      dtype_bytes=4, ep=world, overlap=overlap)
+                                      dtype_bytes=4, ep=world, overlap=overlap is not False)
             assert peaks[f"{T},None"] <= bound, (T, peaks, bound)
             if T == 1024:
                 assert peaks[f"{T},1"] > bound, peaks  # unchunked outgrows it
+        assert peaks["overlapped_calls"] == {False: 0, True: 4, "auto": 2}[overlap], peaks
 
 
 def test_megatron_ddp_main_grad_path():

@@ -284,6 +284,33 @@ def test_process_peak_reads_the_allocator_before_any_region(fake):
     assert meter.process_peak() == 700
 
 
+def test_megatron_memory_report_sees_the_lifetime_peak_through_region_resets(fake):
+    """Regions reset the allocator's peak; while Megatron logs (``allocator_reports_lifetime_peak``)
+    ``torch.cuda.max_memory_allocated`` reports the process's peak since start, across ``reset()``s, and the
+    real function is back afterwards."""
+    import torch
+
+    meter.enable(True)
+    fake.alloc(400)
+    fake.free(300)  # a peak of 400 before any region
+    with meter.component_region("dispatch"):
+        fake.alloc(50)
+    meter.reset()  # a new reporting interval
+    with meter.component_region("vocab"):
+        fake.alloc(20)
+        fake.free(20)
+    assert fake.top == 170  # the allocator alone has forgotten the 400
+    real = torch.cuda.max_memory_allocated
+    with meter.allocator_reports_lifetime_peak():
+        assert torch.cuda.max_memory_allocated() == 400 == meter.lifetime_peak()
+        fake.alloc(500)
+        assert torch.cuda.max_memory_allocated() == 650
+    assert torch.cuda.max_memory_allocated is real
+    meter.enable(False)
+    with meter.allocator_reports_lifetime_peak():  # nothing reset the allocator: left alone
+        assert torch.cuda.max_memory_allocated is real
+
+
 # ---- runtime report -------------------------------------------------------------------------
 
 class Writer:

@@ -64,4 +64,5 @@ def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, ba
         raise ValueError(f"x {tuple(x.shape)}, probs {tuple(probs.shape)}, routing_map {tuple(routing_map.shape)}: "
                          "expected x [T, H] and probs, routing_map [T, E]")
     sched = plan_layer(routing_map, bank, group, cfg, num_chunks=num_chunks)
-    return pipelined_moe(x, probs, sched, bank, group, out_grad, overlap=cfg.overlap, pack=cfg.pack_collectives)
+    return pipelined_moe(x, probs, sched, bank, group, out_grad, overlap=cfg.overlap,
+                         overlap_min_chunks=cfg.overlap_min_chunks, pack=cfg.pack_collectives)

@@ -3,7 +3,7 @@ the component (``api.working_set_bound``) and the memory planner (``memory/model
 
 from __future__ import annotations
 
-__all__ = ["chunk_count", "working_set_bound"]
+__all__ = ["chunk_count", "overlap_on", "working_set_bound"]
 
 
 def chunk_count(num_tokens: int, max_pairs_per_token: int, chunk_cap: int, max_chunks: int) -> int:
@@ -14,6 +14,14 @@ def chunk_count(num_tokens: int, max_pairs_per_token: int, chunk_cap: int, max_c
     """
     tokens_per_chunk = max(1, chunk_cap // max(1, max_pairs_per_token))
     return int(min(max_chunks, max(1, -(-num_tokens // tokens_per_chunk))))
+
+
+def overlap_on(forced: bool, min_chunks: int, num_chunks: int, ep: int) -> bool:
+    """Whether a layer call of ``num_chunks`` chunks keeps its neighbours' all-to-alls in flight: only at
+    ``ep`` > 1 (a group of one sends nothing), always when ``forced`` (--peakflat-dispatch-overlap), else
+    when the call has at least ``min_chunks`` chunks (0: never). The extra buffers are a fixed number of
+    chunk rows, so the more chunks a call needs the smaller their share of what one chunk would hold."""
+    return ep > 1 and (forced or (min_chunks > 0 and num_chunks >= min_chunks))
 
 
 def working_set_bound(*, num_tokens: float, hidden: int, ffn: int, num_experts: int, topk: int, chunk_rows: float,

@@ -50,10 +50,19 @@ class DispatchConfig(ComponentConfig):
     Needs --hidden-dropout 0 (Megatron's default is 0.1); otherwise it turns itself off, logged."""
     overlap: bool = False
     """At EP > 1, send chunk j+1's rows and chunk j's results while the next chunk computes (async
-    all-to-alls), hiding communication behind the experts' GEMMs. Costs two more chunks' send and
-    receive buffers in flight (8 x hidden x dtype bytes per received row): measured on 2 H200s at
-    EP=2, H=4096, c=65536, 3-7% faster and 4 GiB more peak at 32K tokens per rank. Off by default:
-    the working set comes first."""
+    all-to-alls), hiding communication behind the experts' GEMMs, in every layer call. Costs two more
+    chunks' send and receive buffers in flight (8 x hidden x dtype bytes per received row, a fixed
+    size set by c): measured on 2 H200s at EP=2, H=4096, c=65536, 32K tokens per rank, 2-4% faster and
+    4 GiB more peak (0.48-0.58x the unchunked K=1 peak instead of 0.25-0.28x). Without this flag overlap
+    still turns itself on in calls of --peakflat-dispatch-overlap-min-chunks chunks or more."""
+    overlap_min_chunks: int = 8
+    """At EP > 1, overlap the all-to-alls (as --peakflat-dispatch-overlap does) in a layer call whose
+    schedule has at least this many chunks; 0: only --peakflat-dispatch-overlap turns it on. Overlap's
+    extra buffers have a fixed size (set by c), so their share of the layer's unchunked working set
+    falls as K grows: measured on 2 H200s at EP=2, H=4096, c=65536, 64K tokens per rank (K=8), with
+    overlap 1.00-1.03x the unchunked (K=1) time at 0.26-0.31x its peak, without 0.95-0.97x at
+    0.14-0.16x; at 32K tokens (K=4) overlap would take the peak from 0.25-0.28x to 0.48-0.58x K=1's, so
+    the default leaves it off there. Every rank of the EP group sees the same K and decides alike."""
     pack_collectives: bool = True
     """At EP > 1, send each chunk's hidden rows, probabilities and (in backward) output-gradient rows as
     one buffer in one all-to-all, and its results home in one: one all-to-all each way per chunk instead
@@ -78,6 +87,10 @@ class DispatchConfig(ComponentConfig):
         if self.min_spill < 0:
             raise PeakflatConfigError(self.flag("min_spill"), self.min_spill, "a spill size cannot be negative",
                                       "pass 0 or more, e.g. --peakflat-dispatch-min-spill 1024")
+        if self.overlap_min_chunks < 0:
+            raise PeakflatConfigError(self.flag("overlap_min_chunks"), self.overlap_min_chunks,
+                                      "a chunk count cannot be negative",
+                                      "pass 0 (never by itself) or a chunk count, e.g. --peakflat-dispatch-overlap-min-chunks 8")
         if self.imbalance_threshold < 1.0:
             raise PeakflatConfigError(self.flag("imbalance_threshold"), self.imbalance_threshold,
                                       "max/mean load is never below 1, so this would always rebalance",

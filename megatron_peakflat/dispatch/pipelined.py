@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from . import comm
 from .combine import add_rows
+from .bound import overlap_on
 from .experts import ExpertBank, exchange_weights, flatten_weights, return_weight_grads, unflatten_weights
 from .packed import RowLayout, row_layout
 from .schedule import Schedule
@@ -390,18 +391,21 @@ class _PipelinedMoE(torch.autograd.Function):
 
 def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
                   group: dist.ProcessGroup | None, out_grad: torch.Tensor | None = None, *,
-                  overlap: bool = False, pack: bool = True) -> torch.Tensor:
+                  overlap: bool = False, overlap_min_chunks: int = 0, pack: bool = True) -> torch.Tensor:
     """The MoE output [T, H] for rows ``x`` [T, H] with dense ``probs`` [T, E], under schedule ``sched``.
 
     Gradients flow to ``x``, ``probs`` (at routed entries) and every local expert parameter of ``bank``.
     ``out_grad`` [T, H]: the gradient the output is expected to receive; the chunks' backward then
     runs inside this forward (see the module docstring), and stays exact if the gradient differs.
     ``overlap``: at EP > 1, keep the next chunk's dispatch and the previous chunk's combine in flight
-    while a chunk computes (two more chunks' communication buffers). ``pack``: at EP > 1, each chunk's
+    while a chunk computes (two more chunks' communication buffers); ``overlap_min_chunks`` > 0: also when
+    ``sched`` has at least that many chunks (``bound.overlap_on``). ``pack``: at EP > 1, each chunk's
     rows, probs and output-gradient rows travel in one all-to-all, and its results in one (``packed.py``).
     """
     if out_grad is not None and out_grad.shape != x.shape:
         raise ValueError(f"out_grad {tuple(out_grad.shape)} must have the output's shape {tuple(x.shape)}")
+    overlap = overlap_on(overlap, overlap_min_chunks, sched.K, comm.group_size(group))
+    stats.add("dispatch", "overlapped_calls", int(overlap))
     params: list[torch.Tensor] = []
     for i in range(bank.num_local_experts):
         params.extend(bank.expert_params(i))

@@ -298,7 +298,11 @@ def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., Non
             self.token_dispatcher.set_shared_experts(self.shared_experts)
         stats.add("dispatch", "layers", 1)
         ep = self.token_dispatcher.ep_size
-        overlap = ("on" if ep > 1 else "on, no effect at EP=1") if cfg.dispatch.overlap else "off"
+        d = cfg.dispatch
+        if ep == 1:
+            overlap = "off (nothing travels at EP=1)"
+        else:
+            overlap = "on" if d.overlap else (f"when K >= {d.overlap_min_chunks}" if d.overlap_min_chunks else "off")
         info_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={ep}, "
                   f"c={cfg.dispatch.chunk_cap}, max K={cfg.dispatch.max_chunks}, membership={resolve_membership(cfg.dispatch.membership, ep)}, alpha={cfg.dispatch.alpha}, "
                   f"m={cfg.dispatch.min_spill}, lambda={cfg.dispatch.imbalance_threshold}, overlap={overlap})")

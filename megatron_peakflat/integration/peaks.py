@@ -150,10 +150,13 @@ def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = No
 
 
 def wrap_training_log(original: Any) -> Any:
-    """Replacement for Megatron's ``training_log``: after Megatron logs an interval, log the peaks too."""
+    """Replacement for Megatron's ``training_log``: after Megatron logs an interval, log the peaks too.
+    Megatron's own memory report inside it gets the process's true peak as "max allocated" (the meter's
+    regions reset the allocator's)."""
 
     def training_log(loss_dict: Any, total_loss_dict: Any, learning_rate: Any, iteration: int, *args: Any, **kwargs: Any) -> Any:
-        out = original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
+        with meter.allocator_reports_lifetime_peak():  # its memory report's "max allocated"
+            out = original(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
         from megatron.training import get_args
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 

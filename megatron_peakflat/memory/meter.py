@@ -14,7 +14,9 @@ the planner's dispatch / vocab / optimizer rows predict) and the absolute peak, 
 Nesting: ``reset_peak_memory_stats`` is global, so on every entry the running peak is first folded
 into every open region (and into the process peak kept here, ``process_peak()``), then reset. Each
 region's peak is therefore the true maximum over its whole extent, even around inner regions.
-Only one thread may run regions (Megatron's training loop).
+Only one thread may run regions (Megatron's training loop). Those resets also hide the process's
+peak from anyone reading ``max_memory_allocated`` (Megatron's memory report): ``lifetime_peak()`` keeps
+it, and ``allocator_reports_lifetime_peak()`` shows it to such readers.
 
 The allocator backend is pluggable (``set_backend``) so the bookkeeping is testable on CPU. torch
 is imported only when a region runs with the report on.
@@ -27,8 +29,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
-__all__ = ["add_resident", "component_region", "enable", "enabled", "set_backend", "measured", "reset", "process_peak",
-           "RegionPeak"]
+__all__ = ["add_resident", "allocator_reports_lifetime_peak", "component_region", "enable", "enabled", "set_backend",
+           "measured", "reset", "process_peak", "lifetime_peak", "RegionPeak"]
 
 _ENABLED = False
 _NULL: ContextManager[None] = contextlib.nullcontext()
@@ -66,6 +68,7 @@ class _State:
     stack: list[_Frame] = field(default_factory=list)
     peaks: dict[str, RegionPeak] = field(default_factory=dict)
     process_peak: int = 0
+    lifetime_peak: int = 0
 
 
 _S = _State()
@@ -85,6 +88,7 @@ def set_backend(allocated: Callable[[], int] | None, max_allocated: Callable[[],
                 reset_peak: Callable[[], None] | None = None) -> None:
     """Use these allocator probes instead of torch.cuda's (tests); ``None`` restores torch.cuda."""
     _S.backend = None if allocated is None else _Backend(allocated, max_allocated, reset_peak)  # type: ignore[arg-type]
+    _S.lifetime_peak = 0  # another allocator: its own lifetime
 
 
 def _backend() -> _Backend | None:
@@ -98,6 +102,11 @@ def _backend() -> _Backend | None:
     return _S.backend
 
 
+def _fold_process_peak(running: int) -> None:
+    _S.process_peak = max(_S.process_peak, running)
+    _S.lifetime_peak = max(_S.lifetime_peak, running)
+
+
 @contextlib.contextmanager
 def _measure(name: str):  # noqa: ANN202
     be = _backend()
@@ -107,7 +116,7 @@ def _measure(name: str):  # noqa: ANN202
     running = be.max_allocated()
     for f in _S.stack:
         f.top = max(f.top, running)
-    _S.process_peak = max(_S.process_peak, running)
+    _fold_process_peak(running)
     be.reset_peak()
     base = be.allocated()
     frame = _Frame(name, base, base)
@@ -120,7 +129,7 @@ def _measure(name: str):  # noqa: ANN202
         frame.top = max(frame.top, running)
         for f in _S.stack:
             f.top = max(f.top, running)
-        _S.process_peak = max(_S.process_peak, running)
+        _fold_process_peak(running)
         p = _S.peaks.setdefault(name, RegionPeak())
         p.delta = max(p.delta, frame.top - frame.base + frame.resident)
         p.absolute = max(p.absolute, frame.top)
@@ -167,6 +176,31 @@ def process_peak() -> int:
     """The process's peak allocated bytes since the last ``reset()``, regions' resets included."""
     be = _backend()
     return max(_S.process_peak, be.max_allocated() if be is not None else 0)
+
+
+def lifetime_peak() -> int:
+    """The process's peak allocated bytes since it started (``reset()`` does not clear it), regions' resets
+    included: what ``max_memory_allocated`` would say had no region reset it."""
+    be = _backend()
+    return max(_S.lifetime_peak, be.max_allocated() if be is not None else 0)
+
+
+@contextlib.contextmanager
+def allocator_reports_lifetime_peak():  # noqa: ANN201
+    """While open (and the report is on), ``torch.cuda.max_memory_allocated()`` returns ``lifetime_peak()``,
+    so that a reader such as Megatron's ``report_memory`` logs the process's peak, not the peak since the
+    last region's reset. A no-op when the report is off: nothing was reset."""
+    if not _ENABLED or _backend() is None:
+        yield
+        return
+    import torch
+
+    real = torch.cuda.max_memory_allocated
+    torch.cuda.max_memory_allocated = lambda device=None: lifetime_peak()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.max_memory_allocated = real  # type: ignore[assignment]
 
 
 def reset() -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..config import PeakflatConfig
-from ..dispatch.bound import chunk_count, working_set_bound
+from ..dispatch.bound import chunk_count, overlap_on, working_set_bound
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
@@ -348,6 +348,15 @@ def llep_fused(run: RunConfig, pf: PeakflatConfig) -> bool:
     return bool(getattr(pf.dispatch, "fuse_recompute", False)) and run.recompute == "full"
 
 
+def llep_overlaps(s: ModelShape, run: RunConfig, pf: PeakflatConfig, *, worst: bool = False) -> bool:
+    """Whether PipelinedLLEP keeps neighbouring chunks' all-to-alls in flight (dispatch/bound.py
+    overlap_on): at the balanced-routing K of ``llep_chunks``, or with ``worst`` whenever some call could
+    (skewed routing can take more chunks, up to max_chunks), for the bound."""
+    d = pf.dispatch
+    K = d.max_chunks if worst else llep_chunks(s, run, pf)[0]
+    return overlap_on(bool(d.overlap), int(getattr(d, "overlap_min_chunks", 0)), K, run.ep)
+
+
 def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig, chunk_rows: float) -> float:
     """What one MoE layer's forward + backward allocates with PipelinedLLEP, for ``chunk_rows`` rows per
     chunk (the ``peakflat`` column; ``llep_working_set`` is the guarantee). Megatron's DDP takes the expert
@@ -367,7 +376,7 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     Weight gradients go into main_grad by GEMMs with beta=1: no transient. Under full recompute with
     ``--peakflat-dispatch-fuse-recompute`` (``llep_fused``) each chunk's forward runs inside its
     backward, in the checkpoint's recompute: from its fc2 GEMM on, the chunk also holds its output
-    ([R, H]). At EP > 1 with ``--peakflat-dispatch-overlap`` the next chunk's dispatch (rows and output gradient, sent and received) and the
+    ([R, H]). At EP > 1 with overlap (``llep_overlaps``) the next chunk's dispatch (rows and output gradient, sent and received) and the
     previous chunk's combine (dX and output, sent and received) are in flight: 8 [R, H] more, from the
     code, not measured on GPUs.
     The per-expert path (grouped GEMMs off, or not bf16) keeps the chunk's concatenated output, the
@@ -380,7 +389,7 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     R = chunk_rows
     per_token = 2 * h * w + s.experts * w + 28 * k
     rows = 2 * h * w + f1 * w + 2 * w  # dispatched rows, output gradient; fc1 output; prob + its gradient
-    rows += 8 * h * w if run.ep > 1 and pf.dispatch.overlap else 0  # the all-to-alls in flight around this chunk
+    rows += 8 * h * w if llep_overlaps(s, run, pf) else 0  # the all-to-alls in flight around this chunk
     if llep_grouped(run, pf):
         rows += h * w if llep_fused(run, pf) else 0  # the chunk's output, computed in the same pass
         saved = (3 if s.gated else 1) * f
@@ -650,7 +659,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                 base = inflight * stored_layers / n_layers * n_moe * dispatch_saved_per_layer(s, run, pairs) \
                     + dispatch_working_set(s, run, pairs) - dispatch_saved_per_layer(s, run, pairs)
             rows_bound, rows_expected = llep_rows(s, run, pf)
-            bound = llep_working_set(s, run, rows_bound, pf.dispatch.overlap)
+            bound = llep_working_set(s, run, rows_bound, llep_overlaps(s, run, pf, worst=True))
             rows["dispatch"] = Row(
                 "dispatch", base, llep_expected_working_set(s, run, pf, rows_expected), bound=bound,
                 phase="layer" if run.recompute == "full" else "persistent",
