@@ -62,7 +62,9 @@ def parse_log(text: str) -> dict:
         "ms_per_iter": statistics.median(times[2:]) if len(times) > 2 else None,
         "allocated_mib": float(mem[-1][0]) if mem else None,
         "max_allocated_mib": float(mem[-1][1]) if mem else None,
-        "peakflat_lines": [ln.strip() for ln in text.splitlines() if "peakflat" in ln and ("vocab" in ln or "peak" in ln)][:12],
+        "peakflat_lines": list(dict.fromkeys(  # what the components said they did, once each
+            ln.strip() for ln in text.splitlines()
+            if ln.startswith(("peakflat dispatch:", "peakflat vocab:", "peakflat SCO", "peakflat optimizer:", "peakflat peaks"))))[:16],
     }
 
 

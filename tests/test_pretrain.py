@@ -84,6 +84,9 @@ def test_checkpoint_resume_with_peakflat_continues_as_megatron_does(tmp_path):
     straight = run("megatron_peakflat.testing.pretrain_dryrun", *RESUME, *PEAKFLAT_ON)
     assert straight.returncode == 0, (straight.stdout + straight.stderr)[-3000:]
     full = _losses(straight.stdout + straight.stderr)
+    # the log says what the dispatch schedule chose (one group of one rank here: nothing to overlap)
+    assert re.search(r"peakflat dispatch: first MoE layer call: \d+ tokens here, K=\d+ chunks of at most \d+ rows, "
+                     r"all-to-all overlap off", straight.stdout + straight.stderr)
     ours = _save_and_resume(str(tmp_path / "on"), *PEAKFLAT_ON)
     theirs = _save_and_resume(str(tmp_path / "off"))
     assert len(full) == 6 and len(ours) == 3

@@ -229,7 +229,24 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
                 fused_recompute.disable(self, "its output gradient differed from the checkpoint's (corrected exactly)")
             else:
                 out_grad = fused_recompute.known_output_grad(self, hidden_states)
-        return llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg, out_grad=out_grad)
+        before = stats.snapshot().get("dispatch", {}).get("overlapped_calls", 0)
+        out = llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg, out_grad=out_grad)
+        if not _FIRST_CALL_LOGGED:
+            _log_first_call(hidden_states.shape[0], stats.snapshot()["dispatch"], before)
+        return out
+
+
+_FIRST_CALL_LOGGED = False
+
+
+def _log_first_call(rows: int, s: dict[str, Any], overlapped_before: float) -> None:
+    """One line on the first MoE layer call: what the schedule chose, for runs whose log is all the user has."""
+    global _FIRST_CALL_LOGGED
+    _FIRST_CALL_LOGGED = True
+    overlap = "on" if s.get("overlapped_calls", 0) > overlapped_before else "off"
+    info_once(f"peakflat dispatch: first MoE layer call: {rows} tokens here, K={s.get('chunks')} chunks of at most "
+              f"{s.get('max_chunk_rows')} rows, all-to-all overlap {overlap}, load imbalance {s.get('imbalance')}, "
+              f"{s.get('spilled_experts', 0)} experts spilled so far")
 
 
 @functools.cache
