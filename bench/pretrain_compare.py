@@ -79,7 +79,7 @@ def main() -> None:
     results = {"command": " ".join(sys.argv), "env": common, "extra": a.extra, "runs": {}}
     for spec in a.run:
         name, pairs = _run_spec(spec)
-        env = dict(os.environ, **common, **pairs, MASTER_PORT=str(29600 + random.randrange(300)))
+        env = {**os.environ, **common, **pairs, "MASTER_PORT": str(29600 + random.randrange(300))}  # a run's pairs win
         t0 = time.time()
         print(f"=== {name}: {pairs}", flush=True)
         proc = subprocess.run(["bash", "examples/pretrain_moe.sh", *a.extra], cwd=ROOT, env=env,

@@ -357,3 +357,22 @@ def test_stream_engine_choice():
         p.grad = torch.ones(4)
         opt.step()
         assert opt.stream_impl == "torch" and opt._bucket_streamer() is None
+
+
+@pytest.mark.parametrize("n_params, want", [(3, 1), (9, 3)])
+def test_no_more_staging_slots_than_buckets(n_params, want):
+    """Bucket i goes through slot i mod slots, so a model of fewer buckets than slots gets one slot per
+    bucket: a small model's GPU staging is not three buckets' worth of state it never holds. The update is
+    the same either way (against torch's AdamW)."""
+    ps = [torch.nn.Parameter(torch.randn(1000)) for _ in range(n_params)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    for p, r in zip(ps, ref):
+        p.grad = torch.randn(1000)
+        r.grad = p.grad.clone()
+    opt = OffloadStreamAdamW(ps, lr=1e-2, bucket=3000, engine="gpu", slots=3, pin=False)
+    opt.step()
+    assert len(opt._layout.buckets) == -(-n_params // 3) and len(opt._gpu_slots) == want
+    assert opt._gpu_staging_bytes() == want * 3000 * 16
+    torch.optim.AdamW(ref, lr=1e-2).step()
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)

@@ -106,8 +106,13 @@ def test_boundaries_sco_and_optimizer_by_hand():
     on = PeakflatConfig(optimizer=OptimizerConfig(impl="offload-stream"))
     opt = plan(TINY, run, on).stages[0].rows["optimizer"]
     # one OffloadStreamAdamW per chained optimizer (dense over DP x CP, experts over expert-DP), each with
-    # 3 slots of its largest bucket
-    assert opt.peakflat == pytest.approx(3 * (min(50_000_000, dense / 2) + min(50_000_000, expert / 2)) * 16)
+    # 3 slots of its largest bucket, or one per bucket when it has fewer (a tiny model: one bucket each)
+    assert dense / 2 < 50_000_000 and expert / 2 < 50_000_000
+    assert opt.peakflat == pytest.approx((dense / 2 + expert / 2) * 16)
+    big = PeakflatConfig(optimizer=OptimizerConfig(impl="offload-stream", bucket=int(dense / 2 / 2.5)))
+    b = int(dense / 2 / 2.5)  # dense: 3 buckets, 3 slots; experts: as many buckets as fit, at most 3 slots
+    assert plan(TINY, run, big).stages[0].rows["optimizer"].peakflat == pytest.approx(
+        (3 * b + min(3, -(-expert / 2 // b)) * min(b, expert / 2)) * 16)
     assert opt.bound == pytest.approx(2 * 3 * 50_000_000 * 16)
     cpu_engine = PeakflatConfig(optimizer=OptimizerConfig(impl="offload-stream", engine="cpu"))
     assert plan(TINY, run, cpu_engine).stages[0].rows["optimizer"].peakflat == 0

@@ -599,7 +599,8 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         else:
             instances = [params]
         gpu_engine = getattr(pf.optimizer, "engine", "auto") != "cpu"
-        staging = sum(slots * min(bucket, n) * 16 for n in instances) if gpu_engine else 0.0
+        # as many slots as buckets when there are fewer (optimizer/api.py), each the size of the largest bucket
+        staging = sum(min(slots, math.ceil(n / bucket)) * min(bucket, n) * 16 for n in instances) if gpu_engine else 0.0
         rows["optimizer"] = Row(
             "optimizer", opt_gpu_base, staging, bound=len(instances) * slots * bucket * 16 if gpu_engine else 0.0,
             host_baseline=opt_host_base, host_peakflat=shard * 16,

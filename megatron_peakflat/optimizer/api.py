@@ -74,7 +74,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             measured in the first steps; the split is saved in ``state_dict``). The two kernels round a
             few parameters' last bit differently, so 'auto', whose split follows the measured speed,
             does not repeat bit for bit from run to run (a resumed run does: it keeps the saved split).
-        slots: GPU staging slots (2 or 3); the CPU engine uses as many host slots.
+        slots: GPU staging slots (2 or 3; no more than there are buckets); the CPU engine uses as many host slots.
         host_threads: threads of the host kernel (None: this rank's share of its cores, i.e. the
             cores it may run on divided by LOCAL_WORLD_SIZE).
         host_kernel: 'auto' (native if built, else torch), 'native' (error if not built) or 'torch'.
@@ -183,15 +183,17 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         n, B = self._layout.total, max(1, self._layout.max_bucket)
         out_dtype = self._out_dtype()
         grad_dtype = torch.float32
-        host_slot_bytes = self.slots * B * (grad_dtype.itemsize + out_dtype.itemsize) if self.engine != "gpu" else 0
-        need = 3 * 4 * n + host_slot_bytes + 256 * (4 + 2 * self.slots)
+        # bucket i goes through slot i mod slots: with fewer buckets than slots, the rest would never be used
+        self._n_slots = min(self.slots, max(1, len(self._layout.buckets)))
+        host_slot_bytes = self._n_slots * B * (grad_dtype.itemsize + out_dtype.itemsize) if self.engine != "gpu" else 0
+        need = 3 * 4 * n + host_slot_bytes + 256 * (4 + 2 * self._n_slots)
         check_host_budget(need, what=f"{n:,} parameters (fp32 master, exp_avg, exp_avg_sq) and staging")
         self._region = HostRegion(need, pin=self.pin and self.device.type == "cuda", ext=self._ext)
         self._master = self._region.carve(n, torch.float32)
         self._exp_avg = self._region.carve(n, torch.float32)
         self._exp_avg_sq = self._region.carve(n, torch.float32)
         self._host_slots = [HostSlot(self._region.carve(B, grad_dtype), self._region.carve(B, out_dtype))
-                            for _ in range(self.slots)] if self.engine != "gpu" else []
+                            for _ in range(self._n_slots)] if self.engine != "gpu" else []
         self._gpu_slots: list[Slot] = []
         self._streams = Streams(self.device)
         self.stream_impl = self._pick_stream_impl()
@@ -207,9 +209,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         stats.record("optimizer", "host_backend", self._region.backend)
         stats.record("optimizer", "buckets", len(self._layout.buckets))
         stats.record("optimizer", "params", n)
-        log.info("peakflat optimizer: OffloadStreamAdamW holds %s parameters in %d buckets of <= %s, %s of %s host "
-                 "memory (%s), engine=%s, host kernel=%s, stream engine=%s", f"{n:,}", len(self._layout.buckets),
-                 f"{B:,}", format_bytes(need), "pinned" if self._region.pinned else "pageable", self._region.backend,
+        log.info("peakflat optimizer: OffloadStreamAdamW holds %s parameters in %d buckets of <= %s (%d staging slots), "
+                 "%s of %s host memory (%s), engine=%s, host kernel=%s, stream engine=%s", f"{n:,}",
+                 len(self._layout.buckets), f"{B:,}", self._n_slots, format_bytes(need), "pinned" if self._region.pinned else "pageable", self._region.backend,
                  self.engine, "native" if self._ext is not None else "torch", self.stream_impl)
 
     def _pick_stream_impl(self) -> str:
@@ -252,7 +254,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
     def _gpu_slot_list(self) -> list[Slot]:
         if not self._gpu_slots:
             B = max(1, self._layout.max_bucket)
-            self._gpu_slots = [Slot(B, self.device) for _ in range(self.slots)]
+            self._gpu_slots = [Slot(B, self.device) for _ in range(self._n_slots)]
             stats.record("optimizer", "gpu_staging_bytes", self._gpu_staging_bytes())
         return self._gpu_slots
 
