@@ -7,6 +7,8 @@ import ast
 import dataclasses
 from pathlib import Path
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,15 @@ def test_output_layer_sharded_over_ep_by_hand():
     for name, per_param in (("parameters", run.w), ("gradients", 4 if run.grads_fp32 else run.w)):
         assert got[name].baseline == base[name].baseline
         assert base[name].baseline - got[name].peakflat == pytest.approx(1000 * 64 * 3 / 4 * per_param)
+    # Megatron's optimizer state follows the shard: the same per rank under the distributed optimizer (dense
+    # over DP=4 before, V/4 rows over expert-DP=1 after), V/EP rows instead of V without it
+    state = 4 + 8 if run.w < 4 else 8
+    assert got["optimizer"].peakflat == pytest.approx(base["optimizer"].baseline)
+    plain = replace(run, distributed_optimizer=False)
+    base = plan(TINY, plain, PeakflatConfig(vocab=VocabConfig(impl="ring-dtp"))).stages[0].rows["optimizer"]
+    got = plan(TINY, plain, pf).stages[0].rows["optimizer"]
+    assert got.baseline == base.baseline == base.peakflat
+    assert base.baseline - got.peakflat == pytest.approx(1000 * 64 * 3 / 4 * state)
 
 
 def test_boundaries_sco_and_optimizer_by_hand():

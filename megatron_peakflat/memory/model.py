@@ -584,26 +584,38 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
 
         # Optimizer: fp32 master (when params are not fp32) + exp_avg + exp_avg_sq, sharded over
         # DP x CP for dense params and over expert-DP for experts (optimizer/distrib_optimizer.py).
-        per_param = (4 if w < 4 else 0) + 8
-        shard = (dense_p / (run.dp * run.cp) + expert_p / run.expert_dp) if run.distributed_optimizer else params
-        state = shard * per_param
-        f = run.optimizer_offload_fraction
-        opt_gpu_base, opt_host_base = state * (1 - f), (state + 4 * shard) * f
-        slots, bucket = pf.optimizer.slots, pf.optimizer.bucket
         # Megatron's distributed optimizer chains one optimizer per gradient-reduction group (dense
         # params over DP x CP, expert params over expert-DP), and OffloadStreamAdamW replaces the
         # HybridDeviceOptimizer inside each: every one holds its own slots of its largest bucket.
         # Without it (a plain OffloadStreamAdamW over every parameter, as bench/planner.py builds), one.
-        if run.distributed_optimizer:
-            instances = [n for n in (dense_p / (run.dp * run.cp), expert_p / run.expert_dp) if n > 0]
-        else:
-            instances = [params]
+        # The peakflat column counts the output layer's shard (--peakflat-vocab-shard-over-ep) as the expert
+        # parameter it becomes: the same state per rank under the distributed optimizer, V/EP rows without it.
+        per_param = (4 if w < 4 else 0) + 8
+        f = run.optimizer_offload_fraction
+        slots, bucket = pf.optimizer.slots, pf.optimizer.bucket
         gpu_engine = getattr(pf.optimizer, "engine", "auto") != "cpu"
-        # as many slots as buckets when there are fewer (optimizer/api.py), each the size of the largest bucket
-        staging = sum(min(slots, math.ceil(n / bucket)) * min(bucket, n) * 16 for n in instances) if gpu_engine else 0.0
+
+        def optimizer_terms(dense: float, expert: float) -> tuple[float, float, list[float]]:
+            """(params in this rank's optimizer shard, Megatron's GPU state bytes, one count per chained optimizer)."""
+            if run.distributed_optimizer:
+                instances = [n for n in (dense / (run.dp * run.cp), expert / run.expert_dp) if n > 0]
+            else:
+                instances = [dense + expert]
+            held = sum(instances)
+            return held, held * per_param * (1 - f), instances
+
+        shard, opt_gpu_base, _ = optimizer_terms(dense_p, expert_p)
+        shard_pf, opt_gpu_pf, instances = optimizer_terms(*stage_params(s, run, n_dense, n_moe, first, last,
+                                                                        vocab_ep_shards(run, pf)))
+        if pf.enabled["optimizer"]:
+            # as many slots as buckets when there are fewer (optimizer/api.py), each the size of the largest bucket
+            opt_pf = sum(min(slots, math.ceil(n / bucket)) * min(bucket, n) * 16 for n in instances) if gpu_engine else 0.0
+            opt_host_pf = shard_pf * 16
+        else:
+            opt_pf, opt_host_pf = opt_gpu_pf, (shard_pf * per_param + 4 * shard_pf) * f
         rows["optimizer"] = Row(
-            "optimizer", opt_gpu_base, staging, bound=len(instances) * slots * bucket * 16 if gpu_engine else 0.0,
-            host_baseline=opt_host_base, host_peakflat=shard * 16,
+            "optimizer", opt_gpu_base, opt_pf, bound=len(instances) * slots * bucket * 16 if gpu_engine else 0.0,
+            host_baseline=(shard * per_param + 4 * shard) * f, host_peakflat=opt_host_pf,
             source="distrib_optimizer.py fp32 master + Adam moments (12 B/param shard); "
                    "OffloadStreamAdamW: slots x bucket x 16 B staging per chained optimizer (dense, expert; "
                    "engine 'auto' may use less: it can send every bucket to the host), 16 B/param pinned host")
@@ -677,8 +689,8 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                        f"T x V/tp x {w + 4 + (4 if run.cross_entropy_fusion else 0)} B; Ring-DTP: "
                        "T/P x block x 4 + dW shard + dX + ring buffers")
         # A component that is off leaves Megatron's path: its peakflat value is the baseline.
-        for row_name, comp in (("dispatch", "dispatch"), ("vocab", "vocab"), ("boundaries", "sco"),
-                               ("optimizer", "optimizer")):
+        # (The optimizer row decided this itself above: the output layer's shard changes Megatron's optimizer too.)
+        for row_name, comp in (("dispatch", "dispatch"), ("vocab", "vocab"), ("boundaries", "sco")):
             if row_name in rows and not pf.enabled[comp]:
                 row = rows[row_name]
                 row.peakflat, row.host_peakflat = row.baseline, row.host_baseline
