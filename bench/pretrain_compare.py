@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import RESULTS  # noqa: E402
-from megatron_peakflat.testing.subproc import logged  # noqa: E402
+from megatron_peakflat.testing.subproc import logged, memory_report  # noqa: E402
 
 
 def _env_pairs(spec: str) -> dict[str, str]:
@@ -55,13 +54,13 @@ def _run_spec(spec: str) -> tuple[str, dict[str, str]]:
 def parse_log(text: str) -> dict:
     """Losses, grad norms, per-iteration times and the memory report of one Megatron training log."""
     times = logged(text, "elapsed time per iteration (ms)")
-    mem = re.findall(r"\(after 2 iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+)", text)
+    mem = memory_report(text)
     return {
         "lm_loss": logged(text, "lm loss"),
         "grad_norm": logged(text, "grad norm"),
         "ms_per_iter": statistics.median(times[2:]) if len(times) > 2 else None,
-        "allocated_mib": float(mem[-1][0]) if mem else None,
-        "max_allocated_mib": float(mem[-1][1]) if mem else None,
+        "allocated_mib": mem[0] if mem else None,
+        "max_allocated_mib": mem[1] if mem else None,
         "peakflat_lines": list(dict.fromkeys(  # what the components said they did, once each
             ln.strip() for ln in text.splitlines()
             if ln.startswith(("peakflat dispatch:", "peakflat vocab:", "peakflat SCO", "peakflat optimizer:", "peakflat peaks"))))[:16],

@@ -30,6 +30,7 @@ from torch.func import functional_call
 
 from .. import stats
 from ..dispatch.api import llep_moe
+from ..dispatch.bound import overlap_on
 from ..dispatch.grouped import GroupedExperts, grouped_supported, pack_expert_weights
 from ..dispatch.schedule import resolve_membership
 from . import fused_recompute, state
@@ -229,21 +230,21 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
                 fused_recompute.disable(self, "its output gradient differed from the checkpoint's (corrected exactly)")
             else:
                 out_grad = fused_recompute.known_output_grad(self, hidden_states)
-        before = stats.snapshot().get("dispatch", {}).get("overlapped_calls", 0)
         out = llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg, out_grad=out_grad)
         if not _FIRST_CALL_LOGGED:
-            _log_first_call(hidden_states.shape[0], stats.snapshot()["dispatch"], before)
+            _log_first_call(hidden_states.shape[0], cfg, self.ep_size)
         return out
 
 
 _FIRST_CALL_LOGGED = False
 
 
-def _log_first_call(rows: int, s: dict[str, Any], overlapped_before: float) -> None:
+def _log_first_call(rows: int, cfg: Any, ep: int) -> None:
     """One line on the first MoE layer call: what the schedule chose, for runs whose log is all the user has."""
     global _FIRST_CALL_LOGGED
     _FIRST_CALL_LOGGED = True
-    overlap = "on" if s.get("overlapped_calls", 0) > overlapped_before else "off"
+    s = stats.snapshot()["dispatch"]
+    overlap = "on" if overlap_on(cfg.overlap, cfg.overlap_min_chunks, s["chunks"], ep) else "off"
     info_once(f"peakflat dispatch: first MoE layer call: {rows} tokens here, K={s.get('chunks')} chunks of at most "
               f"{s.get('max_chunk_rows')} rows, all-to-all overlap {overlap}, load imbalance {s.get('imbalance')}, "
               f"{s.get('spilled_experts', 0)} experts spilled so far")

@@ -211,8 +211,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         stats.record("optimizer", "params", n)
         log.info("peakflat optimizer: OffloadStreamAdamW holds %s parameters in %d buckets of <= %s (%d staging slots), "
                  "%s of %s host memory (%s), engine=%s, host kernel=%s, stream engine=%s", f"{n:,}",
-                 len(self._layout.buckets), f"{B:,}", self._n_slots, format_bytes(need), "pinned" if self._region.pinned else "pageable", self._region.backend,
-                 self.engine, "native" if self._ext is not None else "torch", self.stream_impl)
+                 len(self._layout.buckets), f"{B:,}", self._n_slots, format_bytes(need),
+                 "pinned" if self._region.pinned else "pageable", self._region.backend, self.engine,
+                 "native" if self._ext is not None else "torch", self.stream_impl)
 
     def _pick_stream_impl(self) -> str:
         """'native' when the extension's BucketStreamer can run here (CUDA build, GPU params, pinned host

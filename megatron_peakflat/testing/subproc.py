@@ -13,7 +13,7 @@ import sys
 
 from .distributed import free_port
 
-__all__ = ["ROOT", "TINY_GPT_ARGS", "run_module", "logged"]
+__all__ = ["ROOT", "TINY_GPT_ARGS", "run_module", "logged", "memory_report"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The repository root (put on PYTHONPATH and used as the working directory)."""
@@ -38,3 +38,11 @@ def run_module(module: str, *argv: str, nproc: int = 1, timeout: int = 400) -> s
 def logged(text: str, key: str) -> list[float]:
     """Every number Megatron's training log prints after ``key: `` (e.g. 'lm loss', 'grad norm'), in order."""
     return [float(x) for x in re.findall(re.escape(key) + r": ([0-9.E+-]+)", text)]
+
+
+def memory_report(text: str, iteration: int = 2) -> tuple[float, float] | None:
+    """(allocated, max allocated) MiB of the last memory report Megatron's log prints after ``iteration``
+    iterations (rank 0 of the data-parallel group), or None when it printed none."""
+    found = re.findall(rf"\(after {iteration} iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| "
+                       r"max allocated: ([0-9.]+)", text)
+    return (float(found[-1][0]), float(found[-1][1])) if found else None

@@ -9,12 +9,10 @@ the output layer's weight and fp32 gradient rows that moved to the other rank.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
-from megatron_peakflat.testing.subproc import logged, run_module
+from megatron_peakflat.testing.subproc import logged, memory_report, run_module
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (EP=2 over NCCL)")
 
@@ -38,9 +36,9 @@ def _pretrain(*argv: str) -> str:
 
 def _allocated_mb(text: str) -> float:
     """Rank 0's allocated memory in Megatron's report after two iterations."""
-    found = re.findall(r"\(after 2 iterations\) memory \(MB\) \| allocated: ([0-9.]+)", text)
+    found = memory_report(text)
     assert found, "no memory report after 2 iterations"
-    return float(found[-1])
+    return found[0]
 
 
 def test_sharded_output_layer_trains_as_the_whole_one_and_holds_less():
