@@ -17,6 +17,7 @@ from megatron_peakflat import stats
 from megatron_peakflat.config_base import PeakflatConfigError
 from megatron_peakflat.dispatch.api import llep_moe, plan_layer
 from megatron_peakflat.dispatch.config import DispatchConfig
+from megatron_peakflat.dispatch.flows import flow_chunk_count, flow_routes, flow_slice_sizes
 from megatron_peakflat.dispatch.plan import chunk_routes, least_loaded_plan
 from megatron_peakflat.dispatch.reference import ReferenceExperts, reference_moe
 from megatron_peakflat.dispatch.schedule import _regroup_runs, build_schedule
@@ -97,6 +98,47 @@ def test_chunk_routes_conserve_pairs():
     assert (routes.sum((0, 1))[zero] == 0).all()
 
 
+@pytest.mark.parametrize("case", ["balanced", "hot", "all_one_expert", "idle_source"])
+def test_flow_routes_cut_every_flow_evenly_in_expert_order(case):
+    """"expert" chunks at P=4 on hand-made loads, through the least-loaded plan: every pair kept; each
+    flow's slice in a chunk is floor or ceil of its 1/K (so a hot expert never piles into one chunk or
+    one rank); no source over ceil(n_s / K) in any chunk; within a flow the chunks follow the expert
+    order (each expert's pairs in consecutive chunks, so incidences <= experts + K - 1)."""
+    P, e_p, K = 4, 3, 5
+    E = P * e_p
+    rng = np.random.default_rng({"balanced": 0, "hot": 1, "all_one_expert": 2, "idle_source": 3}[case])
+    counts = rng.integers(40, 60, size=(P, E))
+    if case == "hot":
+        counts[:, 4] += 900
+    if case == "all_one_expert":
+        counts[:] = 0
+        counts[:, 7] = [1000, 997, 13, 0]
+    if case == "idle_source":
+        counts[2] = 0
+    plan = least_loaded_plan(counts.sum(0), P, alpha=1.0, min_spill=0, imbalance_threshold=1.1)
+    route = chunk_routes(counts[:, None, :], plan.assign)[0]
+    order = rng.permutation(E)
+    routes = flow_routes(route, K, order)
+    assert (routes >= 0).all() and (routes.sum(0) == route).all()
+    assert (routes.sum((0, 3)) == counts).all()
+    flows = route.sum(1)  # [P_src, P_dst]
+    per_flow = routes.sum(2)  # [K, P_src, P_dst]
+    assert (per_flow >= flows // K).all() and (per_flow <= -(-flows // K)).all()
+    assert (per_flow == flow_slice_sizes(flows, K).transpose(2, 0, 1)).all()
+    assert (routes.sum((2, 3)) <= -(-counts.sum(1) // K)).all()  # per source and chunk
+    for s in range(P):
+        for d in range(P):
+            seq = [j for e in order for j in range(K) if routes[j, s, e, d]]
+            assert seq == sorted(seq)
+            assert len(seq) <= int((route[s, :, d] > 0).sum()) + K - 1
+    if case in ("hot", "all_one_expert"):
+        assert plan.rebalanced
+        recv = routes.sum((1, 2))  # [K, P_dst]
+        assert (recv.max(0) - recv.min(0) <= P).all()  # every destination's load is even over the chunks
+    assert flow_chunk_count(counts.sum(1), 100, 64) == max(1, -(-int(counts.sum(1).max()) // 100))
+    assert flow_chunk_count(counts.sum(1), 1, 7) == 7
+
+
 def test_uploads_give_back_each_array_in_its_shape():
     up = Uploads()
     arrays = [np.arange(6).reshape(2, 3), [7], np.zeros((0,), dtype=np.int64), np.array([[-1], [5]])]
@@ -133,7 +175,7 @@ def test_regroup_runs_reorder_received_rows_and_back():
 @pytest.mark.parametrize("skew", ["balanced", "hot95", "all", "ragged"])
 def test_schedule_chunks_respect_the_cap_and_their_membership(membership, skew):
     """Every pair in exactly one chunk; no chunk over the cap; strided: token t in chunk t mod K;
-    expert-major: each expert's pairs in consecutive chunks, so chunk boundaries split at most K - 1
+    expert-major: K = ceil(n / cap), each expert's pairs in consecutive chunks, so chunk boundaries split at most K - 1
     experts (expert x chunk incidences <= E + K - 1); hybrid: the others' pairs strided, the pairs of
     experts under 3/4 of the mean load (cold) expert-major (cold incidences <= their count + K - 1), and
     K the smallest that keeps the cap."""
@@ -150,6 +192,8 @@ def test_schedule_chunks_respect_the_cap_and_their_membership(membership, skew):
         K = next(K for K in range(-(-T // (cap // kmax)), 10 * T) if -(-T // K) * smax + -(-n_cold // K) <= cap)
         assert sched.K == K
         assert cold.any() == (skew in ("hot95", "all"))  # the cases have cold experts exactly when skewed
+    elif membership in ("expert", "auto"):  # auto: expert-major in a group of one
+        assert sched.K == -(-n // cap)
     else:
         assert sched.K == -(-T // (cap // kmax))
     assert sched.chunk_offsets[-1] == n

@@ -1,7 +1,8 @@
 """The per-layer schedule of PipelinedLLEP: chunk count, plan, and every split size and index.
 
-``build_schedule`` costs two tiny collectives (an all-reduce of the chunk count and an all-gather of
-the per-chunk expert counts) and exactly one device-to-host copy. Everything else is host arithmetic
+``build_schedule`` costs one or two tiny collectives (an all-gather of the per-expert counts for
+``"expert"`` chunks; an all-reduce of the chunk count and an all-gather of the per-chunk expert counts
+otherwise) and exactly one device-to-host copy. Everything else is host arithmetic
 on [P, K, E] integers, one upload of its results, and device index work queued behind it. Forward and
 backward reuse the same schedule, so the backward recompute issues no synchronisation and exchanges
 exactly what the forward exchanged.
@@ -9,8 +10,8 @@ exactly what the forward exchanged.
 Guarantees:
 - ``K`` is identical on every rank of the group (max over the group), ``1 <= K <= max_chunks``, and
   when K is not clamped, no source puts more than ``chunk_cap`` token-expert pairs into one chunk;
-- chunk membership is ``"expert"``, ``"strided"`` or ``"hybrid"`` (``"auto"``: expert in a group of one,
-  hybrid otherwise), see ``build_schedule``;
+- chunk membership is ``"expert"`` (cut per flow), ``"strided"`` or ``"hybrid"`` (``"auto"``: expert in a
+  group of one, hybrid otherwise), see ``build_schedule``;
 - every local token-expert pair appears in exactly one chunk's send list, once;
 - ``combine`` lists every local pair exactly once, under its token, in its chunk.
 """
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from . import comm
 from .combine import CombineMap, combine_map
+from .flows import flow_chunk_count, flow_routes, flow_slice_sizes
 from .plan import Plan, chunk_routes, least_loaded_plan
 from .upload import Uploads, to_device
 
@@ -131,6 +133,50 @@ def _ceil_div(a: torch.Tensor, b: torch.Tensor | int) -> torch.Tensor:
     return (a + b - 1) // b
 
 
+def _chunk_counts_on_device(routing_map: torch.Tensor, per_expert: torch.Tensor, expert_key: np.ndarray, *, P: int,
+                            group: dist.ProcessGroup | None, membership: str, chunk_cap: int, max_chunks: int,
+                            num_chunks: int | None) -> tuple[np.ndarray, int, torch.Tensor, torch.Tensor]:
+    """``"strided"`` and ``"hybrid"``: K (max over the group) and every source's pairs per (chunk,
+    expert), computed on the device and all-gathered in the schedule's one device-to-host copy.
+    Returns (counts [P, K, E], K, the experts whose pairs go expert-major [E] bool, expert_key on the device)."""
+    T, E = routing_map.shape
+    dev = routing_map.device
+    # The experts whose pairs go expert-major (the others' pairs are strided): none, or the cold ones.
+    major = _cold(per_expert, per_expert.sum(), E) if membership == "hybrid" else torch.zeros(
+        (E,), dtype=torch.bool, device=dev)
+    if num_chunks is not None:
+        K_dev = torch.tensor(int(num_chunks), device=dev, dtype=torch.int64)
+        kmax_cap = int(num_chunks)
+    else:
+        per_tok = routing_map.sum(1)  # pairs of each token
+        kmax = per_tok.max().clamp(min=1) if T > 0 else torch.ones((), device=dev, dtype=torch.int64)
+        per_chunk = (chunk_cap // kmax).clamp(min=1)
+        K_dev = _ceil_div(T, per_chunk).clamp(1, max_chunks).to(torch.int64)
+        if membership == "hybrid":
+            # Chunk j holds the strided pairs of its ceil(T / K) tokens and ceil(n_cold / K) cold pairs:
+            # B(K) = ceil(T / K) smax + ceil(n_cold / K) <= cap. The smallest such K among 8 from the lower
+            # bound; else the K of (T / K + 1) smax + n_cold / K + 1 <= cap.
+            smax = (routing_map & ~major).sum(1).max() if T > 0 else torch.zeros((), device=dev, dtype=torch.int64)
+            n_cold = (per_expert * major).sum()
+            lo = torch.maximum(K_dev, _ceil_div(T * smax + n_cold, chunk_cap))
+            cand = lo + torch.arange(8, device=dev)
+            ok = _ceil_div(torch.full_like(cand, T), cand) * smax + _ceil_div(n_cold, cand) <= chunk_cap
+            room = (chunk_cap - smax - 1).clamp(min=1)
+            K_dev = torch.where(ok.any(), cand[ok.to(torch.int8).argmax()], _ceil_div(T * smax + n_cold, room))
+            K_dev = K_dev.clamp(1, max_chunks)
+        kmax_cap = max_chunks
+    K_dev = comm.all_reduce_max(K_dev.reshape(1).clone(), group)
+    key_dev = to_device(expert_key, dev)
+    counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
+    counts.index_add_(0, torch.arange(T, device=dev) % K_dev, (routing_map & ~major).to(torch.int64))
+    if membership == "hybrid":
+        counts += _expert_major_counts(per_expert * major, key_dev, K_dev, kmax_cap)
+    payload = torch.cat([counts.reshape(-1), K_dev.reshape(1)])
+    host = comm.all_gather_rows(payload, group).cpu().numpy()  # the one device-to-host sync
+    K = int(host[0, -1])
+    return host[:, :-1].reshape(P, kmax_cap, E)[:, :K, :], K, major, key_dev
+
+
 def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup | None,
                    chunk_cap: int, max_chunks: int, alpha: float, min_spill: int,
                    imbalance_threshold: float, num_chunks: int | None = None,
@@ -142,11 +188,14 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     foreign experts follow, ascending. None: every compute expert ascending.
 
     ``membership``: which chunk a local token-expert pair joins.
-    - ``"expert"``: this rank's pairs sorted by (expert, token), cut into K contiguous slices of
-      ``ceil(n / K)`` or fewer pairs. Each chunk then holds a few experts' rows, so an expert's
-      weights are read, and its gradient accumulated, in about one chunk instead of in all K (the
-      cost that makes strided chunking slower than one chunk). Experts are ordered local index
-      first, owner rank second, so that every chunk spreads over every destination rank.
+    - ``"expert"``: each flow (this rank's pairs for one destination rank, in the plan's split) sorted
+      by (expert, token) and cut into K consecutive slices (``flows.py``). Each chunk then holds a
+      few experts' rows per destination, so an expert's weights are read, and its gradient
+      accumulated, in about one chunk instead of in all K (the cost that makes strided chunking
+      slower than one chunk), while every destination gets 1/K of each flow in every chunk, however
+      hot an expert is. K is the smallest with ``ceil(n_s / K) <= chunk_cap`` for every source s,
+      computed on the host from the all-gathered counts (no all-reduce). Within a flow experts are
+      ordered local index first, owner rank second, on every rank alike.
     - ``"strided"``: token i joins chunk ``i mod K`` with all its pairs. At EP > 1 this spreads a hot
       expert's rows over every chunk (expert-major chunks pile them into one chunk and one rank).
     - ``"hybrid"``: the pairs of cold experts (under ``COLD`` of the mean load on this source)
@@ -177,45 +226,27 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     slot = np.empty(num_local_experts, dtype=np.int64)
     slot[np.asarray(list(local_order), dtype=np.int64)] = np.arange(num_local_experts)
     expert_key = slot[np.arange(E) % num_local_experts] * P + np.arange(E) // num_local_experts
-    per_tok = routing_map.sum(1)  # pairs of each token
     per_expert = routing_map.sum(0)  # local pairs of each expert
-    # The experts whose pairs go expert-major (the others' pairs are strided): all, none, or the cold ones.
-    major = _cold(per_expert, per_expert.sum(), E) if membership == "hybrid" else torch.full(
-        (E,), membership == "expert", dtype=torch.bool, device=dev)
-    if num_chunks is not None:
-        K_dev = torch.tensor(int(num_chunks), device=dev, dtype=torch.int64)
-        kmax_cap = int(num_chunks)
+    flow = membership == "expert"
+    if flow:
+        # Cut per flow on the host once every rank's per-expert counts are known: K needs no all-reduce.
+        host = comm.all_gather_rows(per_expert.to(torch.int64), group).cpu().numpy()  # the one device-to-host sync
+        plan = least_loaded_plan(host.sum(0), P, alpha=alpha, min_spill=min_spill,
+                                 imbalance_threshold=imbalance_threshold)
+        layer_routes = chunk_routes(host[:, None, :], plan.assign)[0]  # [P_src, E, P_dst]
+        K = int(num_chunks) if num_chunks is not None else flow_chunk_count(host.sum(1), chunk_cap, max_chunks)
+        # The same on every rank (each rank cuts the others' flows as they do): not local_order, which
+        # follows each rank's weight addresses.
+        flow_order = np.argsort((np.arange(E) % num_local_experts) * P + np.arange(E) // num_local_experts, kind="stable")
+        routes = flow_routes(layer_routes, K, flow_order)  # [K, P_src, E, P_dst]
+        cnt = routes.sum(3).transpose(1, 0, 2)  # [P, K, E]
     else:
-        kmax = per_tok.max().clamp(min=1) if T > 0 else torch.ones((), device=dev, dtype=torch.int64)
-        per_chunk = (chunk_cap // kmax).clamp(min=1)
-        K_dev = _ceil_div(T, per_chunk).clamp(1, max_chunks).to(torch.int64)
-        if membership == "hybrid":
-            # Chunk j holds the strided pairs of its ceil(T / K) tokens and ceil(n_cold / K) cold pairs:
-            # B(K) = ceil(T / K) smax + ceil(n_cold / K) <= cap. The smallest such K among 8 from the lower
-            # bound; else the K of (T / K + 1) smax + n_cold / K + 1 <= cap.
-            smax = (routing_map & ~major).sum(1).max() if T > 0 else torch.zeros((), device=dev, dtype=torch.int64)
-            n_cold = (per_expert * major).sum()
-            lo = torch.maximum(K_dev, _ceil_div(T * smax + n_cold, chunk_cap))
-            cand = lo + torch.arange(8, device=dev)
-            ok = _ceil_div(torch.full_like(cand, T), cand) * smax + _ceil_div(n_cold, cand) <= chunk_cap
-            room = (chunk_cap - smax - 1).clamp(min=1)
-            K_dev = torch.where(ok.any(), cand[ok.to(torch.int8).argmax()], _ceil_div(T * smax + n_cold, room))
-            K_dev = K_dev.clamp(1, max_chunks)
-        kmax_cap = max_chunks
-    K_dev = comm.all_reduce_max(K_dev.reshape(1).clone(), group)
-    key_dev = to_device(expert_key, dev)
-    counts = torch.zeros(kmax_cap, E, device=dev, dtype=torch.int64)
-    if membership != "expert":
-        counts.index_add_(0, torch.arange(T, device=dev) % K_dev, (routing_map & ~major).to(torch.int64))
-    if membership != "strided":
-        counts += _expert_major_counts(per_expert * major, key_dev, K_dev, kmax_cap)
-    payload = torch.cat([counts.reshape(-1), K_dev.reshape(1)])
-    host = comm.all_gather_rows(payload, group).cpu().numpy()  # the one device-to-host sync
-    K = int(host[0, -1])
-    cnt = host[:, :-1].reshape(P, kmax_cap, E)[:, :K, :]  # [P, K, E]
-    plan = least_loaded_plan(cnt.sum((0, 1)), P, alpha=alpha, min_spill=min_spill,
-                             imbalance_threshold=imbalance_threshold)
-    routes = chunk_routes(cnt, plan.assign)  # [K, P_src, E, P_dst]
+        cnt, K, major, key_dev = _chunk_counts_on_device(
+            routing_map, per_expert, expert_key, P=P, group=group, membership=membership, chunk_cap=chunk_cap,
+            max_chunks=max_chunks, num_chunks=num_chunks)
+        plan = least_loaded_plan(cnt.sum((0, 1)), P, alpha=alpha, min_spill=min_spill,
+                                 imbalance_threshold=imbalance_threshold)
+        routes = chunk_routes(cnt, plan.assign)  # [K, P_src, E, P_dst]
 
     owner = np.arange(E) // num_local_experts
     base = me * num_local_experts
@@ -237,49 +268,73 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         pos = np.empty(E, dtype=np.int64)
         pos[compute] = np.arange(E)
         s_pos = up.add(pos)
-    if P > 1:
+    if flow:
+        s_estart = up.add(np.cumsum(mine.sum(0)) - mine.sum(0))  # [E]: first of my pairs of each expert
+        s_ebounds = up.add(np.cumsum(layer_routes[me], axis=1))  # [E, P]: end of each rank's range of them
+        key_pos = np.empty(E, dtype=np.int64)
+        key_pos[flow_order] = np.arange(E)
+        s_keypos = up.add(key_pos)
+        sl = flow_slice_sizes(layer_routes.sum(1), K)[me].reshape(-1)  # [P_dst * K]
+        s_starts = up.add(np.cumsum(sl) - sl)  # first pair of each (destination, chunk) slice of my flows
+    elif P > 1:
         s_grp = up.add(np.cumsum(mine.reshape(-1)) - mine.reshape(-1))  # [K*E], start of each (j, e) group
         s_off = up.add((np.cumsum(cnt, axis=0) - cnt)[me].reshape(-1))  # [K*E], my offset among sources
         s_bounds = up.add(np.cumsum(routes.sum(1), axis=2).reshape(K * E, P))  # end of each rank's range
+    if P > 1:
         s_regroup = [[up.add(a) for a in _regroup_runs(recv[jj][:, compute], compute)] for jj in range(K)]
     s_offsets = up.add(chunk_offsets)
     s_cum = up.add(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1))
     up.send(dev)
 
-    # Local pairs ordered by (chunk, expert, token), then stably by (chunk, destination). In a group
-    # of one the rows are computed in this order, so "expert" means its position in ``compute``.
+    # Local pairs ordered by (chunk, destination, expert, token). In a group of one the rows are
+    # computed in this order, so "expert" means its position in ``compute`` there.
     nz = _nonzero(routing_map, n)
     tok, exp = nz[:, 0].contiguous(), nz[:, 1].contiguous()
     del nz
-    # Strided pairs join chunk token mod K; the expert-major pair at position p of the (expert key, token)
-    # order of the n_major such pairs joins chunk floor(p K / n_major), as _expert_major_counts cut them.
-    per_expert_host = mine.sum(0)
-    major_host = _cold(per_expert_host, n, E) if membership == "hybrid" else np.full(E, membership == "expert")
-    n_major = int(per_expert_host[major_host].sum())  # the device's choice, on the host's counts
-    j = tok % K
-    if n_major:
-        by_expert = torch.argsort(torch.where(major[exp], key_dev[exp] * max(1, T) + tok, E * max(1, T)))[:n_major]
-        j[by_expert] = torch.arange(n_major, device=dev) * K // n_major
-        del by_expert
-    rank_of = exp if s_pos is None else up.get(s_pos)[exp]
-    key = j * E + rank_of
-    del j, rank_of
-    order = torch.argsort(key, stable=True)
-    tok, exp, key = tok[order], exp[order], key[order]
-    del order
+    rows = torch.arange(n, device=dev)
+    if flow:
+        # A pair's rank among this source's pairs of its expert (by token) picks its destination, as
+        # chunk_routes split them; its position in its flow, ordered by (expert order, token), its slice.
+        order = torch.argsort(exp, stable=True)
+        tok, exp = tok[order], exp[order]
+        dest = (rows - up.get(s_estart)[exp]).unsqueeze(1).ge(up.get(s_ebounds)[exp]).sum(1)
+        order = torch.argsort(dest * E + up.get(s_keypos)[exp], stable=True)
+        tok, exp = tok[order], exp[order]
+        slot = torch.searchsorted(up.get(s_starts), rows, right=True) - 1  # destination * K + chunk
+        rank_of = exp if s_pos is None else up.get(s_pos)[exp]
+        order = torch.argsort(((slot % K) * P + slot // K) * E + rank_of, stable=True)
+        tok, exp = tok[order], exp[order]
+        del order, dest, slot, rank_of
+    else:
+        # Strided pairs join chunk token mod K; the expert-major pair at position p of the (expert key,
+        # token) order of the n_major such pairs joins chunk floor(p K / n_major), as
+        # _expert_major_counts cut them. Sorted by (chunk, expert, token), then stably by destination.
+        per_expert_host = mine.sum(0)
+        n_major = int(per_expert_host[_cold(per_expert_host, n, E)].sum()) if membership == "hybrid" else 0
+        j = tok % K
+        if n_major:  # the device's choice of cold experts, counted on the host
+            by_expert = torch.argsort(torch.where(major[exp], key_dev[exp] * max(1, T) + tok, E * max(1, T)))[:n_major]
+            j[by_expert] = torch.arange(n_major, device=dev) * K // n_major
+            del by_expert
+        key = j * E + (exp if s_pos is None else up.get(s_pos)[exp])
+        del j
+        order = torch.argsort(key, stable=True)
+        tok, exp, key = tok[order], exp[order], key[order]
+        if P > 1:
+            pos = rows - up.get(s_grp)[key] + up.get(s_off)[key]
+            dest = (pos.unsqueeze(1) >= up.get(s_bounds)[key]).sum(1)
+            order = torch.sort(key // E * P + dest, stable=True).indices
+            tok, exp = tok[order], exp[order]
+        del order, key
     regroup: list[torch.Tensor | None] = [None] * K
     ungroup: list[torch.Tensor | None] = [None] * K
     if P > 1:
-        pos = torch.arange(n, device=dev) - up.get(s_grp)[key] + up.get(s_off)[key]
-        dest = (pos.unsqueeze(1) >= up.get(s_bounds)[key]).sum(1)
-        order = torch.sort(key // E * P + dest, stable=True).indices
-        tok, exp = tok[order], exp[order]
         for jj in range(K):
             total = sum(recv_splits[jj])
             reg_delta, reg_size, ung_delta, ung_size = (up.get(slot) for slot in s_regroup[jj])
-            rows = torch.arange(total, device=dev)
-            regroup[jj] = torch.repeat_interleave(reg_delta, reg_size, output_size=total) + rows
-            ungroup[jj] = torch.repeat_interleave(ung_delta, ung_size, output_size=total) + rows
+            r = torch.arange(total, device=dev)
+            regroup[jj] = torch.repeat_interleave(reg_delta, reg_size, output_size=total) + r
+            ungroup[jj] = torch.repeat_interleave(ung_delta, ung_size, output_size=total) + r
     helpers = plan.helpers(num_local_experts)
     sends = sorted((r, e) for e, r in helpers if owner[e] == me)
     recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
