@@ -4,15 +4,17 @@
 - ``megatron-alltoall``: Megatron's own alltoall dispatcher (the layer as Megatron builds it);
 - ``llep-unchunked``: PipelinedLLEP with one chunk (the plan and recompute, no chunking);
 - ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks, chunk
-  membership 'auto': expert-major at EP=1, hybrid at EP > 1; all-to-alls packed, and at EP > 1
-  overlapped in calls of 8 chunks or more);
+  membership 'auto' = 'expert': each flow cut in expert order; all-to-alls packed, and at EP > 1 a call
+  the cap splits overlapped, in at least min(8, 2K) chunks);
 - ``peakflat-strided`` / ``peakflat-expert`` / ``peakflat-hybrid``: the defaults with that membership
   (strided: token i in chunk i mod K, every chunk reads every expert's weights; expert: each chunk a
-  few experts' rows; hybrid: experts under 3/4 of the mean load expert-major, the others strided);
+  few experts' rows per destination; hybrid: experts under 3/4 of the mean load expert-major, the
+  others strided);
 - ``peakflat-unpacked``: one all-to-all per piece instead of one packed buffer;
 - ``peakflat-c<N>``: chunk cap N with up to 1024 chunks, so that the cap alone sets K;
 - ``peakflat-overlap`` (EP > 1 only): the defaults plus ``--peakflat-dispatch-overlap`` (every call);
-- ``peakflat-nooverlap``: the defaults with ``--peakflat-dispatch-overlap-min-chunks 0`` (no call).
+- ``peakflat-nooverlap``: the defaults with ``--peakflat-dispatch-overlap-min-chunks 0`` (the cap's K,
+  no call overlapped).
 
 At EP=1 the plan is trivial; chunking alone bounds the expert activations. Under ``torchrun
 --nproc-per-node P`` every rank is one expert-parallel group (EP=P, 64/P experts each), holds its own
@@ -124,8 +126,8 @@ def skew_router(layer: Any, share: float, hot: int, seed: int = 0) -> None:
 
 def method_config(method: str) -> Any:
     """The PeakflatConfig a method name asks for: ``llep-unchunked`` (one chunk), or ``peakflat`` with any
-    of the suffixes ``-overlap`` (async all-to-alls in every call; the defaults overlap calls of 8 chunks or
-    more), ``-nooverlap`` (never overlap), ``-unpacked`` (one all-to-all per piece), ``-strided`` / ``-expert`` / ``-hybrid`` (chunk membership) and ``-c<N>``
+    of the suffixes ``-overlap`` (async all-to-alls in every call; the defaults overlap calls the cap splits),
+    ``-nooverlap`` (never overlap), ``-unpacked`` (one all-to-all per piece), ``-strided`` / ``-expert`` / ``-hybrid`` (chunk membership) and ``-c<N>``
     (chunk cap N, up to 1024 chunks so that the cap alone sets K), e.g. ``peakflat-overlap-c32768``."""
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
@@ -209,11 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wide-skews", default="0,95", help="skews for hidden > 4096 (default: %(default)s)")
     ap.add_argument("--hot", type=int, default=4, help="number of hot experts (1-4)")
     ap.add_argument("--regimes", default="full,moe", help="full,moe (default: %(default)s)")
-    ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat,peakflat-strided,peakflat-c32768",
-                    help="comma list; peakflat takes the suffixes -overlap (async all-to-alls; at EP > 1 "
-                         "peakflat-overlap adds itself), -unpacked, -strided, -expert, -hybrid and -c<N> (chunk cap), e.g. "
-                         "peakflat-overlap-c32768 "
-                         "(default: %(default)s)")
+    ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat,peakflat-nooverlap,peakflat-strided",
+                    help="comma list; peakflat takes the suffixes -overlap (async all-to-alls in every call), "
+                         "-nooverlap, -unpacked, -strided, -expert, -hybrid and -c<N> (chunk cap), e.g. "
+                         "peakflat-overlap-c32768 (default: %(default)s)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--ffn", type=int, default=1536)
@@ -237,8 +238,6 @@ def main(argv: list[str] | None = None) -> None:
 
     setup(cpu)
     methods = args.methods.split(",")
-    if P > 1 and "peakflat-overlap" not in methods:
-        methods.insert(methods.index("peakflat") + 1 if "peakflat" in methods else len(methods), "peakflat-overlap")
     cfgs = {m: method_config(m) for m in [OURS_DEFAULT, *methods] if m != "megatron-alltoall"}
     if cpu:
         for v in cfgs.values():

@@ -17,7 +17,8 @@ from megatron_peakflat import stats
 from megatron_peakflat.config_base import PeakflatConfigError
 from megatron_peakflat.dispatch.api import llep_moe, plan_layer
 from megatron_peakflat.dispatch.config import DispatchConfig
-from megatron_peakflat.dispatch.flows import flow_chunk_count, flow_routes, flow_slice_sizes
+from megatron_peakflat.dispatch.bound import chunk_count, split_floor
+from megatron_peakflat.dispatch.flows import flow_routes, flow_slice_sizes
 from megatron_peakflat.dispatch.plan import chunk_routes, least_loaded_plan
 from megatron_peakflat.dispatch.reference import ReferenceExperts, reference_moe
 from megatron_peakflat.dispatch.schedule import _regroup_runs, build_schedule
@@ -135,8 +136,16 @@ def test_flow_routes_cut_every_flow_evenly_in_expert_order(case):
         assert plan.rebalanced
         recv = routes.sum((1, 2))  # [K, P_dst]
         assert (recv.max(0) - recv.min(0) <= P).all()  # every destination's load is even over the chunks
-    assert flow_chunk_count(counts.sum(1), 100, 64) == max(1, -(-int(counts.sum(1).max()) // 100))
-    assert flow_chunk_count(counts.sum(1), 1, 7) == 7
+    assert chunk_count(int(counts.sum(1).max()), 100, 64) == max(1, -(-int(counts.sum(1).max()) // 100))
+    assert chunk_count(int(counts.sum(1).max()), 1, 7) == 7
+
+
+def test_split_floor_only_raises_calls_the_cap_splits_at_ep_above_one():
+    assert split_floor(1, 2, 8, 64) == 1  # one chunk stays one
+    assert [split_floor(K, 2, 8, 64) for K in (2, 3, 4, 5, 8, 9)] == [4, 6, 8, 8, 8, 9]  # chunks >= half the cap
+    assert split_floor(4, 1, 8, 64) == 4  # nothing travels at EP=1
+    assert split_floor(4, 2, 0, 64) == 4  # no floor
+    assert split_floor(4, 2, 8, 5) == 5  # max_chunks still rules
 
 
 def test_uploads_give_back_each_array_in_its_shape():
@@ -330,6 +339,33 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
                 assert sched.plan.rebalanced and sched.plan.helpers(e_p), name  # weights really moved
             results.append((name, max(errs), bitwise, sched.K))
     return results
+
+
+def split_worker(rank: int, world: int) -> list[tuple[str, int, int]]:
+    """K per membership and cap with min_split_chunks=8, ranks holding different token counts."""
+    E, T = 4 * world, 40 + 8 * rank
+    _, rmap = make_routing(T, E, TOPK, "hot95", seed=rank)
+    out = []
+    for membership in ("expert", "strided", "hybrid"):
+        for cap in (10 ** 6, 60, 8):
+            sched = build_schedule(rmap, num_local_experts=4, group=dist.group.WORLD, chunk_cap=cap, max_chunks=64,
+                                   alpha=1.0, min_spill=0, imbalance_threshold=1.1, membership=membership,
+                                   min_split_chunks=8)
+            plain = build_schedule(rmap, num_local_experts=4, group=dist.group.WORLD, chunk_cap=cap, max_chunks=64,
+                                   alpha=1.0, min_spill=0, imbalance_threshold=1.1, membership=membership)
+            out.append((f"{membership},c={cap}", plain.K, sched.K))
+    return out
+
+
+def test_calls_the_cap_splits_get_at_least_min_split_chunks():
+    """At EP=2 a call the cap splits (K >= 2) gets max(K, min(8, 2K)) chunks, the same on both ranks, for
+    every membership; a call the cap leaves whole stays one chunk."""
+    per_rank = run_distributed(split_worker, 2, timeout=120)
+    assert per_rank[0] == per_rank[1]
+    for name, plain, floored in per_rank[0]:
+        assert floored == (1 if plain == 1 else max(plain, min(8, 2 * plain))), name
+    assert {plain for _, plain, _ in per_rank[0]} >= {1, 2}  # the caps cover both cases
+    assert any(plain > 8 for _, plain, _ in per_rank[0])
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -91,7 +91,7 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
                   "activation_func": torch.nn.functional.silu}
         shared = {"moe_shared_expert_intermediate_size": 32, "moe_shared_expert_overlap": True}
         cases = [cases[i] for i in (0, 2, 3, 6, 7, 8)] + [("hot95", 2, swiglu), ("all", 2, shared),
-                                                         ("hot95", 2, {"moe_expert_capacity_factor": 0.5})]
+                                                         ("hot95", 7, {"moe_expert_capacity_factor": 0.5})]
     elif world == 2:
         cases = [cases[i] for i in (1, 3, 5, 7, 8)]
     else:
@@ -105,7 +105,7 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         overlap = world > 1 and K == 7  # the all-to-alls of neighbouring chunks in flight together
         ref_model, model = _ref_and_patched(config, DispatchConfig(
             impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8, alpha=1.0, min_spill=0, imbalance_threshold=1.05,
-            overlap=overlap))
+            overlap=overlap, overlap_min_chunks=0))  # the cap alone sets K (the floor has its own test)
         swapped = [m for m in model.modules() if isinstance(getattr(m, "token_dispatcher", None), PeakflatDispatcher)]
         assert len(swapped) == config.num_layers, "every MoE layer must hold PipelinedLLEP's dispatcher"
         assert all(m.config.moe_token_dispatcher_type == "alltoall" for m in swapped)
@@ -124,10 +124,10 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
             losses.append(loss.detach())
         assert all(m.token_dispatcher._bank.plain == plain for m in swapped)
         snap = stats.snapshot().get("dispatch", {})
-        if world == 1:
+        if "moe_expert_capacity_factor" in extra:  # dropped pairs: fewer than 32 x 2 to cut by the cap
+            assert 2 <= snap.get("chunks", 0) < K, (K, snap)
+        else:
             assert snap.get("chunks") == K, (K, snap)
-        else:  # 'auto' is hybrid at EP > 1: cold experts' slices may take a chunk or two more to keep the cap
-            assert K <= snap.get("chunks", 0) <= K + 2, (K, snap)
         assert snap.get("experts") == ("grouped" if plain else "per-expert"), snap
         if "recompute_granularity" in extra:  # each layer's recompute ran its chunks' backward, as assumed
             assert snap.get("fused_recompute_calls") == config.num_layers, snap

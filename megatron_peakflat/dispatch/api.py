@@ -39,7 +39,8 @@ def plan_layer(routing_map: torch.Tensor, bank: ExpertBank, group: dist.ProcessG
     sched = build_schedule(routing_map, num_local_experts=bank.num_local_experts, group=group,
                            chunk_cap=cfg.chunk_cap, max_chunks=cfg.max_chunks, alpha=cfg.alpha,
                            min_spill=cfg.min_spill, imbalance_threshold=cfg.imbalance_threshold,
-                           num_chunks=num_chunks, local_order=_layout_order(bank), membership=cfg.membership)
+                           num_chunks=num_chunks, local_order=_layout_order(bank), membership=cfg.membership,
+                           min_split_chunks=cfg.overlap_min_chunks)
     stats.record("dispatch", "chunks", sched.K)
     stats.peak("dispatch", "max_chunks_seen", sched.K)
     stats.record("dispatch", "imbalance", round(sched.plan.imbalance, 3))

@@ -3,25 +3,33 @@ the component (``api.working_set_bound``) and the memory planner (``memory/model
 
 from __future__ import annotations
 
-__all__ = ["chunk_count", "overlap_on", "working_set_bound"]
+__all__ = ["chunk_count", "split_floor", "overlap_on", "working_set_bound"]
 
 
-def chunk_count(num_tokens: int, max_pairs_per_token: int, chunk_cap: int, max_chunks: int) -> int:
-    """K on one rank: enough chunks that ``ceil(T / K) * k <= chunk_cap``, at most ``max_chunks``.
+def chunk_count(num_pairs: int, chunk_cap: int, max_chunks: int) -> int:
+    """K for a source of ``num_pairs`` token-expert pairs: the smallest with ``ceil(n / K) <= chunk_cap``,
+    at most ``max_chunks`` (the ``"expert"`` membership's rule, ``schedule.build_schedule``, which takes
+    the largest source of the group; planners pass one balanced rank's pairs)."""
+    return int(min(max_chunks, max(1, -(-int(num_pairs) // max(1, chunk_cap)))))
 
-    The host twin of the device arithmetic in ``schedule.build_schedule`` (which avoids a sync), for
-    planners; ``build_schedule`` then takes the max over the group.
-    """
-    tokens_per_chunk = max(1, chunk_cap // max(1, max_pairs_per_token))
-    return int(min(max_chunks, max(1, -(-num_tokens // tokens_per_chunk))))
+
+def split_floor(num_chunks: int, ep: int, min_chunks: int, max_chunks: int) -> int:
+    """The chunks of a layer call whose cap asks for ``num_chunks``: at ``ep`` > 1 a call the cap splits
+    (K >= 2) overlaps its all-to-alls (``overlap_on``), and is cut into at least ``min_chunks``
+    (--peakflat-dispatch-overlap-min-chunks; 0: no floor) so that the two chunks in flight hold at most
+    2 / ``min_chunks`` of its rows, but into no more than twice the cap's K (chunks keep at least half
+    the cap: smaller ones cost more per row than overlap saves). At most ``max_chunks``. Monotone in
+    ``num_chunks``, so applying it before or after the max over the group gives the same K."""
+    if ep > 1 and min_chunks > 0 and num_chunks >= 2:
+        return int(min(max_chunks, max(num_chunks, min(min_chunks, 2 * num_chunks))))
+    return int(num_chunks)
 
 
 def overlap_on(forced: bool, min_chunks: int, num_chunks: int, ep: int) -> bool:
     """Whether a layer call of ``num_chunks`` chunks keeps its neighbours' all-to-alls in flight: only at
     ``ep`` > 1 (a group of one sends nothing), always when ``forced`` (--peakflat-dispatch-overlap), else
-    when the call has at least ``min_chunks`` chunks (0: never). The extra buffers are a fixed number of
-    chunk rows, so the more chunks a call needs the smaller their share of what one chunk would hold."""
-    return ep > 1 and (forced or (min_chunks > 0 and num_chunks >= min_chunks))
+    when the call has two chunks or more and ``min_chunks`` > 0 (its chunks then follow ``split_floor``)."""
+    return ep > 1 and (forced or (min_chunks > 0 and num_chunks >= 2))
 
 
 def working_set_bound(*, num_tokens: float, hidden: int, ffn: int, num_experts: int, topk: int, chunk_rows: float,

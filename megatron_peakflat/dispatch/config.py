@@ -19,22 +19,21 @@ class DispatchConfig(ComponentConfig):
     expert parallelism and chunked dispatch, whose working set does not grow with routing skew."""
     chunk_cap: int = 65536
     """c: the most token-expert pairs that one source rank sends into one dispatch chunk (K is the
-    smallest chunk count that respects it, the same on every EP rank). The expert working set of a
-    chunk is at most EP * c rows, whatever the routing. With --peakflat-dispatch-membership strided
-    each chunk also reads every local expert's weights and adds their gradients once, so smaller caps
-    cost time in proportion to K."""
+    smallest chunk count that respects it for the group's largest source, the same on every EP rank).
+    The expert working set of a chunk is at most EP * c rows, whatever the routing. With
+    --peakflat-dispatch-membership strided each chunk also reads every local expert's weights and adds
+    their gradients once, so smaller caps cost time in proportion to K."""
     membership: Literal["auto", "expert", "strided", "hybrid"] = "auto"
-    """Which chunk a token-expert pair joins. 'expert': each source's pairs sorted by expert and cut
-    into K equal slices, so each chunk computes a few experts and each expert's weights are read
-    and its gradient accumulated in about one chunk (measured on one H200, EP=1: 0.96-0.99x the
-    time of one chunk, against 0.85-0.90x strided). 'strided': token i joins chunk i mod K, so every
-    chunk reads every expert's weights; at EP > 1 it spreads a hot expert's rows over every chunk,
-    where expert-major chunks pile them into one (measured on 2 H200s, EP=2, 64K tokens per rank, 95%
-    on 4 experts: strided 0.91x one chunk and 4.3 GiB, expert-major 0.74x and 8.4 GiB). 'hybrid': the
-    pairs of cold experts (under 3/4 of the mean load) expert-major, the others strided, so a cold
-    expert's weights are read and its gradient accumulated in about one chunk while hot experts stay
-    spread; balanced routing is strided. 'auto': expert at EP=1, hybrid at EP > 1. The same cap
-    either way (hybrid may need one chunk more to keep it)."""
+    """Which chunk a token-expert pair joins. 'expert' (what 'auto' picks): each flow (the pairs one
+    source rank sends one destination rank) sorted by expert and cut into K even slices, slice j of
+    every flow forming chunk j: each chunk computes a few experts per destination, so an expert's
+    weights are read and its gradient accumulated in about one chunk, and every destination gets 1/K of
+    every flow in every chunk however hot an expert is (measured on 2 H200s, EP=2, H=4096, the same
+    run: 0.97-1.03x the time of one chunk at 32K and 64K tokens per rank, balanced and 95% skewed,
+    against 0.93-1.02x with 'hybrid'). 'strided': token i joins chunk i mod K, so every chunk reads
+    every expert's weights and adds to every expert's gradient (0.85-0.90x one chunk on one H200).
+    'hybrid': the pairs of cold experts (under 3/4 of the mean load) expert-major, the others strided.
+    The same cap either way (hybrid may need a chunk more to keep it)."""
     max_chunks: int = 64
     """The most chunks K one MoE layer is split into; c grows when K would exceed it."""
     alpha: float = 1.0
@@ -50,19 +49,19 @@ class DispatchConfig(ComponentConfig):
     Needs --hidden-dropout 0 (Megatron's default is 0.1); otherwise it turns itself off, logged."""
     overlap: bool = False
     """At EP > 1, send chunk j+1's rows and chunk j's results while the next chunk computes (async
-    all-to-alls), hiding communication behind the experts' GEMMs, in every layer call. Costs two more
-    chunks' send and receive buffers in flight (8 x hidden x dtype bytes per received row, a fixed
-    size set by c): measured on 2 H200s at EP=2, H=4096, c=65536, 32K tokens per rank, 2-4% faster and
-    4 GiB more peak (0.48-0.58x the unchunked K=1 peak instead of 0.25-0.28x). Without this flag overlap
-    still turns itself on in calls of --peakflat-dispatch-overlap-min-chunks chunks or more."""
+    all-to-alls), hiding communication behind the experts' GEMMs, in every layer call, including
+    those the cap leaves whole. Costs two more chunks' send and receive buffers in flight (8 x hidden
+    x dtype bytes per received row). Without this flag, calls the cap splits overlap by themselves
+    (--peakflat-dispatch-overlap-min-chunks > 0)."""
     overlap_min_chunks: int = 8
-    """At EP > 1, overlap the all-to-alls (as --peakflat-dispatch-overlap does) in a layer call whose
-    schedule has at least this many chunks; 0: only --peakflat-dispatch-overlap turns it on. Overlap's
-    extra buffers have a fixed size (set by c), so their share of the layer's unchunked working set
-    falls as K grows: measured on 2 H200s at EP=2, H=4096, c=65536, 64K tokens per rank (K=8), with
-    overlap 1.00-1.03x the unchunked (K=1) time at 0.26-0.31x its peak, without 0.95-0.97x at
-    0.14-0.16x; at 32K tokens (K=4) overlap would take the peak from 0.25-0.28x to 0.48-0.58x K=1's, so
-    the default leaves it off there. Every rank of the EP group sees the same K and decides alike."""
+    """N: at EP > 1 a layer call that the cap splits (K >= 2) overlaps its all-to-alls and is cut into
+    at least min(N, 2K) chunks, so the two chunks in flight hold at most 2/N of its rows while no
+    chunk drops under half the cap. 0: K is the cap's alone and only --peakflat-dispatch-overlap
+    overlaps. Measured on 2 H200s at EP=2, H=4096, 64 experts top-8, 'expert' chunks, the same run:
+    at 32K tokens per rank (the cap's K=4, here 8 overlapped) 1.00x / 1.02x the time of one chunk
+    (balanced / 95% skewed) at 0.31x / 0.34x its peak, against 0.97x / 1.02x at 0.28x / 0.32x with
+    K=4 and no overlap, and 1.01x / 1.05x at 0.58x / 0.62x with K=4 overlapped. Every rank of the EP
+    group sees the same K and decides alike."""
     pack_collectives: bool = True
     """At EP > 1, send each chunk's hidden rows, probabilities and (in backward) output-gradient rows as
     one buffer in one all-to-all, and its results home in one: one all-to-all each way per chunk instead

@@ -19,13 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["flow_chunk_count", "flow_slice_sizes", "flow_routes"]
-
-
-def flow_chunk_count(pairs_per_source: np.ndarray, chunk_cap: int, max_chunks: int) -> int:
-    """The smallest K with ``ceil(n_s / K) <= chunk_cap`` for every source s, clamped to [1, max_chunks]."""
-    n_max = int(np.max(pairs_per_source, initial=0))
-    return int(min(max_chunks, max(1, -(-n_max // max(1, chunk_cap)))))
+__all__ = ["flow_slice_sizes", "flow_routes"]
 
 
 def flow_slice_sizes(flows: np.ndarray, K: int) -> np.ndarray:

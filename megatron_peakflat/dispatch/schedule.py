@@ -8,10 +8,10 @@ backward reuse the same schedule, so the backward recompute issues no synchronis
 exactly what the forward exchanged.
 
 Guarantees:
-- ``K`` is identical on every rank of the group (max over the group), ``1 <= K <= max_chunks``, and
+- ``K`` is identical on every rank of the group (its largest source decides), ``1 <= K <= max_chunks``, and
   when K is not clamped, no source puts more than ``chunk_cap`` token-expert pairs into one chunk;
-- chunk membership is ``"expert"`` (cut per flow), ``"strided"`` or ``"hybrid"`` (``"auto"``: expert in a
-  group of one, hybrid otherwise), see ``build_schedule``;
+- chunk membership is ``"expert"`` (cut per flow; ``"auto"``), ``"strided"`` or ``"hybrid"``, see
+  ``build_schedule``;
 - every local token-expert pair appears in exactly one chunk's send list, once;
 - ``combine`` lists every local pair exactly once, under its token, in its chunk.
 """
@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from . import comm
 from .combine import CombineMap, combine_map
-from .flows import flow_chunk_count, flow_routes, flow_slice_sizes
+from .bound import chunk_count, split_floor
+from .flows import flow_routes, flow_slice_sizes
 from .plan import Plan, chunk_routes, least_loaded_plan
 from .upload import Uploads, to_device
 
@@ -40,11 +41,9 @@ COLD = (3, 4)
 pairs per expert there (an integer test, ``4 * count * E < 3 * n``, the same on host and device)."""
 
 
-def resolve_membership(membership: str, ep: int) -> str:
-    """The chunk membership a schedule uses: ``"auto"`` is expert-major in a group of one, hybrid at EP > 1."""
-    if membership == "auto":
-        return "expert" if ep == 1 else "hybrid"
-    return membership
+def resolve_membership(membership: str) -> str:
+    """The chunk membership a schedule uses: ``"auto"`` is ``"expert"`` (cut per flow) at any EP size."""
+    return "expert" if membership == "auto" else membership
 
 
 @dataclass
@@ -135,7 +134,7 @@ def _ceil_div(a: torch.Tensor, b: torch.Tensor | int) -> torch.Tensor:
 
 def _chunk_counts_on_device(routing_map: torch.Tensor, per_expert: torch.Tensor, expert_key: np.ndarray, *, P: int,
                             group: dist.ProcessGroup | None, membership: str, chunk_cap: int, max_chunks: int,
-                            num_chunks: int | None) -> tuple[np.ndarray, int, torch.Tensor, torch.Tensor]:
+                            num_chunks: int | None, min_split_chunks: int) -> tuple[np.ndarray, int, torch.Tensor, torch.Tensor]:
     """``"strided"`` and ``"hybrid"``: K (max over the group) and every source's pairs per (chunk,
     expert), computed on the device and all-gathered in the schedule's one device-to-host copy.
     Returns (counts [P, K, E], K, the experts whose pairs go expert-major [E] bool, expert_key on the device)."""
@@ -164,6 +163,9 @@ def _chunk_counts_on_device(routing_map: torch.Tensor, per_expert: torch.Tensor,
             room = (chunk_cap - smax - 1).clamp(min=1)
             K_dev = torch.where(ok.any(), cand[ok.to(torch.int8).argmax()], _ceil_div(T * smax + n_cold, room))
             K_dev = K_dev.clamp(1, max_chunks)
+        if P > 1 and min_split_chunks > 0:  # bound.split_floor, on the device
+            floor = torch.maximum(K_dev, (2 * K_dev).clamp(max=min_split_chunks)).clamp(max=max_chunks)
+            K_dev = torch.where(K_dev >= 2, floor, K_dev)
         kmax_cap = max_chunks
     K_dev = comm.all_reduce_max(K_dev.reshape(1).clone(), group)
     key_dev = to_device(expert_key, dev)
@@ -180,7 +182,8 @@ def _chunk_counts_on_device(routing_map: torch.Tensor, per_expert: torch.Tensor,
 def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup | None,
                    chunk_cap: int, max_chunks: int, alpha: float, min_spill: int,
                    imbalance_threshold: float, num_chunks: int | None = None,
-                   local_order: Sequence[int] | None = None, membership: str = "auto") -> Schedule:
+                   local_order: Sequence[int] | None = None, membership: str = "auto",
+                   min_split_chunks: int = 0) -> Schedule:
     """Plan one MoE layer call. ``routing_map`` [T, E] bool. ``num_chunks`` forces K (tests, peers).
 
     ``local_order``: the order of this rank's local experts among the rows it computes (an expert
@@ -204,8 +207,11 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
       GEMMs), while hot experts stay spread over every chunk and rank. Balanced routing has no cold
       experts, so it is strided there. K may exceed the strided K: a chunk's bound is the strided
       pairs of its tokens plus an equal share of the cold pairs.
-    - ``"auto"``: expert in a group of one, hybrid otherwise.
+    - ``"auto"``: expert.
     Either way no source puts more than ``chunk_cap`` pairs in a chunk (unless K hit max_chunks).
+
+    ``min_split_chunks``: at EP > 1 a call that the cap splits gets at least this many chunks
+    (``bound.split_floor``; the overlap rule of ``--peakflat-dispatch-overlap-min-chunks``).
 
     A collective: every rank of ``group`` must call it for the same layer call. See the module
     docstring for what the result guarantees.
@@ -217,7 +223,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         raise ValueError(f"routing_map has {E} experts but the EP group holds {P} x {num_local_experts}")
     if membership not in MEMBERSHIPS:
         raise ValueError(f"membership {membership!r}: expected one of {MEMBERSHIPS}")
-    membership = resolve_membership(membership, P)
+    membership = resolve_membership(membership)
     if local_order is None:
         local_order = range(num_local_experts)
     if sorted(local_order) != list(range(num_local_experts)):
@@ -234,7 +240,11 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         plan = least_loaded_plan(host.sum(0), P, alpha=alpha, min_spill=min_spill,
                                  imbalance_threshold=imbalance_threshold)
         layer_routes = chunk_routes(host[:, None, :], plan.assign)[0]  # [P_src, E, P_dst]
-        K = int(num_chunks) if num_chunks is not None else flow_chunk_count(host.sum(1), chunk_cap, max_chunks)
+        if num_chunks is not None:
+            K = int(num_chunks)
+        else:
+            K = split_floor(chunk_count(int(host.sum(1).max(initial=0)), chunk_cap, max_chunks), P, min_split_chunks,
+                            max_chunks)
         # The same on every rank (each rank cuts the others' flows as they do): not local_order, which
         # follows each rank's weight addresses.
         flow_order = np.argsort((np.arange(E) % num_local_experts) * P + np.arange(E) // num_local_experts, kind="stable")
@@ -243,7 +253,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     else:
         cnt, K, major, key_dev = _chunk_counts_on_device(
             routing_map, per_expert, expert_key, P=P, group=group, membership=membership, chunk_cap=chunk_cap,
-            max_chunks=max_chunks, num_chunks=num_chunks)
+            max_chunks=max_chunks, num_chunks=num_chunks, min_split_chunks=min_split_chunks)
         plan = least_loaded_plan(cnt.sum((0, 1)), P, alpha=alpha, min_spill=min_spill,
                                  imbalance_threshold=imbalance_threshold)
         routes = chunk_routes(cnt, plan.assign)  # [K, P_src, E, P_dst]

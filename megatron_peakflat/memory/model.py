@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..config import PeakflatConfig
-from ..dispatch.bound import chunk_count, overlap_on, working_set_bound
+from ..dispatch.bound import chunk_count, overlap_on, split_floor, working_set_bound
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
@@ -311,15 +311,18 @@ def dispatch_working_set(s: ModelShape, run: RunConfig, pairs: float) -> float:
 
 
 def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int, int]:
-    """(K, c_eff): chunks per layer and pairs per source rank per chunk, as PipelinedLLEP picks them
-    (dispatch/bound.py chunk_count: enough chunks that ceil(T / K) x k <= chunk_cap, K <= max_chunks;
-    at the max_chunks cap a chunk grows past chunk_cap). The planner assumes balanced routing, where
-    the ``hybrid`` membership (the EP > 1 default) has no cold experts and is strided; skewed routing
-    may take more, smaller chunks, so this stays an upper bound on a chunk's rows."""
+    """(K, c_eff): chunks per layer and pairs per source rank per chunk, as PipelinedLLEP picks them under
+    balanced routing with the default ``expert`` membership (dispatch/bound.py chunk_count: the smallest
+    K with ceil(T k / K) <= chunk_cap, K <= max_chunks; at EP > 1 a call the cap splits is cut into at
+    least min(--peakflat-dispatch-overlap-min-chunks, 2K), bound.split_floor; at the max_chunks cap a chunk grows
+    past chunk_cap). The largest source of the group decides K, so skewed routing never makes a chunk
+    larger than this."""
     r = int(math.ceil(run.layer_rows))
     k = max(1, s.topk)
-    K = chunk_count(r, k, pf.dispatch.chunk_cap, pf.dispatch.max_chunks)
-    return K, int(math.ceil(r / K) * k)
+    d = pf.dispatch
+    K = split_floor(chunk_count(r * k, d.chunk_cap, d.max_chunks), run.ep, int(getattr(d, "overlap_min_chunks", 0)),
+                    d.max_chunks)
+    return K, int(math.ceil(r * k / K))
 
 
 def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float, overlap: bool = False) -> float:
