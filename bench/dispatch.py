@@ -127,8 +127,7 @@ def skew_router(layer: Any, share: float, hot: int, seed: int = 0) -> None:
 def method_config(method: str) -> Any:
     """The PeakflatConfig a method name asks for: ``llep-unchunked`` (one chunk), or ``peakflat`` with any
     of the suffixes ``-overlap`` (async all-to-alls in every call; the defaults overlap calls the cap splits),
-    ``-nooverlap`` (never overlap), ``-unpacked`` (one all-to-all per piece), ``-strided`` / ``-expert`` / ``-hybrid`` (chunk membership), ``-ctas<N>``
-    (overlapped all-to-alls on at most N thread blocks) and ``-c<N>``
+    ``-nooverlap`` (never overlap), ``-unpacked`` (one all-to-all per piece), ``-strided`` / ``-expert`` / ``-hybrid`` (chunk membership) and ``-c<N>``
     (chunk cap N, up to 1024 chunks so that the cap alone sets K), e.g. ``peakflat-overlap-c32768``."""
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
@@ -147,8 +146,6 @@ def method_config(method: str) -> Any:
                 kw["pack_collectives"] = False
             elif part in ("strided", "expert", "hybrid"):
                 kw["membership"] = part
-            elif part.startswith("ctas") and part[4:].isdigit():
-                kw["comm_ctas"] = int(part[4:])
             elif part.startswith("c") and part[1:].isdigit():
                 kw.update(chunk_cap=int(part[1:]), max_chunks=1024)
             else:

@@ -66,4 +66,4 @@ def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, ba
                          "expected x [T, H] and probs, routing_map [T, E]")
     sched = plan_layer(routing_map, bank, group, cfg, num_chunks=num_chunks)
     return pipelined_moe(x, probs, sched, bank, group, out_grad, overlap=cfg.overlap,
-                         overlap_min_chunks=cfg.overlap_min_chunks, pack=cfg.pack_collectives, comm_ctas=cfg.comm_ctas)
+                         overlap_min_chunks=cfg.overlap_min_chunks, pack=cfg.pack_collectives)

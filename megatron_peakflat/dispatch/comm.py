@@ -12,8 +12,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_size", "group_rank", "with_max_ctas", "Exchange", "all_to_all_start", "all_to_all", "all_gather_rows",
-           "all_reduce_max"]
+__all__ = ["group_size", "group_rank", "Exchange", "all_to_all_start", "all_to_all", "all_gather_rows", "all_reduce_max"]
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -28,30 +27,6 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     if group is None or not dist.is_initialized():
         return 0
     return dist.get_rank(group)
-
-
-_CAPPED: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
-
-
-def with_max_ctas(group: dist.ProcessGroup | None, ctas: int) -> dist.ProcessGroup | None:
-    """``group``'s ranks on an NCCL communicator of their own that runs each collective on at most
-    ``ctas`` thread blocks, so that all-to-alls overlapped with GEMMs take fewer SMs from them.
-
-    ``group`` itself when ``ctas`` is 0, the group has one rank, or its backend is not NCCL. The twin
-    is made once per (ranks, ctas) and cached; making it is collective over ``group`` only (every
-    member calls this at the same point, as the dispatch's schedule guarantees).
-    """
-    if ctas <= 0 or group is None or group_size(group) == 1 or dist.get_backend(group) != "nccl":
-        return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    key = (ranks, ctas)
-    if key not in _CAPPED:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.max_ctas = ctas
-        opts.config.min_ctas = 1
-        _CAPPED[key] = dist.new_group(list(ranks), pg_options=opts, use_local_synchronization=True,
-                                      group_desc=f"peakflat_dispatch_ctas{ctas}")
-    return _CAPPED[key]
 
 
 class Exchange:

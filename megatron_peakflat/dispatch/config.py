@@ -62,10 +62,6 @@ class DispatchConfig(ComponentConfig):
     (balanced / 95% skewed) at 0.31x / 0.34x its peak, against 0.97x / 1.02x at 0.28x / 0.32x with
     K=4 and no overlap, and 1.01x / 1.05x at 0.58x / 0.62x with K=4 overlapped. Every rank of the EP
     group sees the same K and decides alike."""
-    comm_ctas: int = 0
-    """At EP > 1 on NCCL, the overlapped chunks' all-to-alls run on a communicator of their own over
-    the EP group that uses at most this many thread blocks per collective, so that they take fewer
-    SMs from the expert GEMMs they overlap. 0: Megatron's EP group, NCCL's own choice."""
     pack_collectives: bool = True
     """At EP > 1, send each chunk's hidden rows, probabilities and (in backward) output-gradient rows as
     one buffer in one all-to-all, and its results home in one: one all-to-all each way per chunk instead
@@ -94,9 +90,6 @@ class DispatchConfig(ComponentConfig):
             raise PeakflatConfigError(self.flag("overlap_min_chunks"), self.overlap_min_chunks,
                                       "a chunk count cannot be negative",
                                       "pass 0 (never by itself) or a chunk count, e.g. --peakflat-dispatch-overlap-min-chunks 8")
-        if self.comm_ctas < 0:
-            raise PeakflatConfigError(self.flag("comm_ctas"), self.comm_ctas, "a thread-block count cannot be negative",
-                                      "pass 0 (NCCL's choice) or a count, e.g. --peakflat-dispatch-comm-ctas 8")
         if self.imbalance_threshold < 1.0:
             raise PeakflatConfigError(self.flag("imbalance_threshold"), self.imbalance_threshold,
                                       "max/mean load is never below 1, so this would always rebalance",

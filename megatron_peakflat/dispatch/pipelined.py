@@ -128,9 +128,8 @@ class _Chunks:
     """One layer call's chunks: dispatch, experts and combine, forward or backward, chunk by chunk."""
 
     def __init__(self, sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup | None, overlap: bool = False,
-                 pack: bool = True, rows_group: dist.ProcessGroup | None = None) -> None:
+                 pack: bool = True) -> None:
         self.sched, self.bank, self.group = sched, bank, group
-        self.rows_group = group if rows_group is None else rows_group  # the chunks' all-to-alls
         self.pack = pack and comm.group_size(group) > 1
         # overlap: chunk j + 1's dispatch and chunk j's combine travel while chunk j + 1 computes. Only
         # in a group of more than one rank (in a group of one nothing travels and one chunk is kept).
@@ -195,14 +194,14 @@ class _Chunks:
             layout = row_layout(specs + [(tuple(t.shape[1:]), t.dtype) for t in srcs[1:]])
         if layout is None:
             rows = [x.index_select(0, tok), probs[tok, exp]] + [t.index_select(0, tok) for t in srcs[1:]]
-            return _InFlight([comm.all_to_all_start(r, sched.send_splits[j], sched.recv_splits[j], self.rows_group)
+            return _InFlight([comm.all_to_all_start(r, sched.send_splits[j], sched.recv_splits[j], self.group)
                               for r in rows])
         buf = layout.empty(tok.numel(), x.device)
         views = layout.views(buf)
         for v, src in zip(views[:1] + views[2:], srcs):
             torch.index_select(src, 0, tok, out=v)
         views[1].copy_(probs[tok, exp])
-        return _InFlight([comm.all_to_all_start(buf, sched.send_splits[j], sched.recv_splits[j], self.rows_group)], layout,
+        return _InFlight([comm.all_to_all_start(buf, sched.send_splits[j], sched.recv_splits[j], self.group)], layout,
                          [True] * len(views))
 
     def _returned(self, j: int, results: list[torch.Tensor | None], *, out: torch.Tensor | None = None,
@@ -211,7 +210,7 @@ class _Chunks:
         what has arrived: with ``overlap`` the previous chunk's (so this chunk's combine travels while the
         next one computes), else this chunk's. ``j == K`` with no results drains the last one."""
         if results:
-            self._inflight.append((j, _combine_start(self.sched, j, results, self.rows_group, self.pack)))
+            self._inflight.append((j, _combine_start(self.sched, j, results, self.group, self.pack)))
         while self._inflight and (len(self._inflight) > 1 or not self.overlap or not results):
             jj, ex = self._inflight.pop(0)
             got = ex.wait()
@@ -343,7 +342,7 @@ class _PipelinedMoE(torch.autograd.Function):
     @staticmethod
     @region("dispatch")
     def forward(ctx: Any, x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
-                group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, transport: tuple[bool, bool, Any],
+                group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, transport: tuple[bool, bool],
                 *params: torch.Tensor) -> torch.Tensor:
         chunks = _Chunks(sched, bank, group, *transport)
         ctx.sched, ctx.bank, ctx.group, ctx.transport = sched, bank, group, transport
@@ -392,8 +391,7 @@ class _PipelinedMoE(torch.autograd.Function):
 
 def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
                   group: dist.ProcessGroup | None, out_grad: torch.Tensor | None = None, *,
-                  overlap: bool = False, overlap_min_chunks: int = 0, pack: bool = True, comm_ctas: int = 0
-                  ) -> torch.Tensor:
+                  overlap: bool = False, overlap_min_chunks: int = 0, pack: bool = True) -> torch.Tensor:
     """The MoE output [T, H] for rows ``x`` [T, H] with dense ``probs`` [T, E], under schedule ``sched``.
 
     Gradients flow to ``x``, ``probs`` (at routed entries) and every local expert parameter of ``bank``.
@@ -403,15 +401,12 @@ def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: E
     while a chunk computes (two more chunks' communication buffers); ``overlap_min_chunks`` > 0: also when
     ``sched`` has two chunks or more (``bound.overlap_on``; ``plan_layer`` cut them by ``bound.split_floor``). ``pack``: at EP > 1, each chunk's
     rows, probs and output-gradient rows travel in one all-to-all, and its results in one (``packed.py``).
-    ``comm_ctas`` > 0: overlapped chunks' all-to-alls run on a twin of ``group`` whose NCCL collectives
-    take at most that many thread blocks (``comm.with_max_ctas``), leaving the SMs to the GEMMs.
     """
     if out_grad is not None and out_grad.shape != x.shape:
         raise ValueError(f"out_grad {tuple(out_grad.shape)} must have the output's shape {tuple(x.shape)}")
     overlap = overlap_on(overlap, overlap_min_chunks, sched.K, comm.group_size(group))
     stats.add("dispatch", "overlapped_calls", int(overlap))
-    rows_group = comm.with_max_ctas(group, comm_ctas) if overlap else group
     params: list[torch.Tensor] = []
     for i in range(bank.num_local_experts):
         params.extend(bank.expert_params(i))
-    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, (overlap, pack, rows_group), *params)
+    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, (overlap, pack), *params)
