@@ -407,9 +407,8 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
     """(bound, expected) rows one rank receives in one chunk. Bound: every one of the E_p sources
     sends its c_eff (+k rounding) pairs here, whatever the routing. Expected: the rank's whole load
     spread over K chunks; its load is skew x mean under plain EP (skew below the imbalance threshold
-    lambda) and at most alpha x mean once LLEP rebalances. That is the mean over chunks: at EP = 1
-    (expert-major) every chunk holds ceil(n / K) pairs; at EP > 1 (hybrid) hot experts are strided, so
-    each chunk holds its share of them, and the cold experts' slices even out over the chunks."""
+    lambda) and at most alpha x mean once LLEP rebalances. That is the most of any chunk too: with the
+    default per-flow chunks every flow puts 1/K of its pairs (to one pair) into every chunk."""
     K, c = llep_chunks(s, run, pf)
     bound = run.ep * (c + s.topk)
     load = run.routing_skew if run.routing_skew < pf.dispatch.imbalance_threshold else pf.dispatch.alpha
