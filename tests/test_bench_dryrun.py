@@ -25,11 +25,12 @@ def _torchrun(*args: str) -> str:
 
 
 def test_dispatch_benchmark_at_ep2_on_cpu():
-    out = _torchrun("bench/dispatch.py", "--dry-run", "--skews", "0,95", "--regimes", "full")
+    methods = "megatron-alltoall,llep-unchunked,peakflat,peakflat-nooverlap,peakflat-overlap,peakflat-strided,peakflat-hybrid"
+    out = _torchrun("bench/dispatch.py", "--dry-run", "--skews", "0,95", "--regimes", "full", "--methods", methods)
     lines = [line for line in out.splitlines() if "ep=2" in line]
-    assert any("peakflat-overlap" in line for line in lines), out[-2000:]
     ours = [line for line in lines if "megatron-alltoall" not in line]
-    assert len(ours) == 2 * 2 * 5 and all("exact=True" in line for line in ours), out[-2000:]  # 2 T x 2 skews x 5 methods
+    assert {line.split()[1] for line in ours} == set(methods.split(",")[1:]), out[-2000:]
+    assert len(ours) == 2 * 2 * 6 and all("exact=True" in line for line in ours), out[-2000:]  # 2 T x 2 skews x 6 methods
 
 
 def test_vocab_benchmark_at_tp2_on_cpu():
