@@ -10,8 +10,13 @@ __all__ = ["max_rel_error", "loss_and_grad_errors"]
 
 
 def max_rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|, in fp64 and detached (the floor 1e-30 keeps an all-zero reference finite)."""
+    """max |a - b| / max |b|, in fp64 and detached (the floor 1e-30 keeps an all-zero reference finite);
+    0 for two empty tensors of the same shape (a rank with no tokens)."""
     a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} against the reference's {tuple(b.shape)}")
+    if b.numel() == 0:
+        return 0.0
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
