@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     if not cpu and rank == 0:
         harness.write("dispatch", rows, merge=True)
     megatron_peakflat.remove()
+    harness.finish_distributed()
 
 
 if __name__ == "__main__":

@@ -141,6 +141,16 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
+def finish_distributed() -> None:
+    """Leave torch.distributed in order at the end of a multi-rank benchmark (a barrier, then every
+    process group destroyed), so that no rank tears down a group the others still use at exit."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def across_ranks(values: list[float | None]) -> list[float | None]:
     """The max of each value over the ranks (the slowest rank's time, the largest peak, the worst error);
     None where any rank has None. Identity in a plain process."""

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, across_ranks, run_row, world, write  # noqa: E402
+from bench.harness import Row, across_ranks, finish_distributed, run_row, world, write  # noqa: E402
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 
 DEFAULT_CASES = "32768x7168x201088,16384x4096x201088,32768x7168x128256,16384x4096x128256"
@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.cases == DEFAULT_CASES:
             args.cases = "32768x7168x201088,16384x4096x201088"
         main_tp(args)
+        finish_distributed()
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench/vocab.py needs a CUDA device")

@@ -162,7 +162,7 @@ def test_uploads_give_back_each_array_in_its_shape():
 def test_regroup_runs_reorder_received_rows_and_back():
     """The regroup runs, expanded as the device expands them, take every received row (laid out by
     source, expert ascending) to its computed place (compute position, source) and ungroup undoes it,
-    for compute orders with foreign experts and empty blocks."""
+    for compute orders with foreign experts and empty blocks; a stack of chunks gives each chunk's runs."""
     rng = np.random.default_rng(0)
     for P, C in [(2, 5), (4, 3), (3, 1)]:
         for _ in range(20):
@@ -178,6 +178,11 @@ def test_regroup_runs_reorder_received_rows_and_back():
             ungroup = np.repeat(ung_d, ung_n) + np.arange(total)
             assert [received[i] for i in regroup] == computed
             assert [computed[i] for i in ungroup] == received
+        stack = rng.integers(0, 4, size=(5, P, C))  # a layer call's chunks at once: the same runs, chunk by chunk
+        compute = list(rng.permutation(np.arange(10, 10 + C)))
+        for batched, one_by_one in zip(_regroup_runs(stack, compute),
+                                       zip(*(_regroup_runs(stack[j], compute) for j in range(5)))):
+            assert batched.shape == (5, P * C) and (batched == np.stack(one_by_one)).all()
 
 
 @pytest.mark.parametrize("membership", ["expert", "strided", "auto", "hybrid"])

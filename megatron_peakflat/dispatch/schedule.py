@@ -271,7 +271,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     recv = routes[:, :, :, me]  # [K, P_src, E]
     send_splits = routes[:, me, :, :].sum(1).tolist()  # [K][P]
     recv_splits = recv.sum(2).tolist()
-    tpe = [recv[jj][:, compute].sum(0).tolist() for jj in range(K)]
+    tpe = recv[:, :, compute].sum(1).tolist()  # [K][C]
     up = Uploads()
     s_pos = None
     if P == 1 and compute != list(range(E)):
@@ -291,7 +291,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         s_off = up.add((np.cumsum(cnt, axis=0) - cnt)[me].reshape(-1))  # [K*E], my offset among sources
         s_bounds = up.add(np.cumsum(routes.sum(1), axis=2).reshape(K * E, P))  # end of each rank's range
     if P > 1:
-        s_regroup = [[up.add(a) for a in _regroup_runs(recv[jj][:, compute], compute)] for jj in range(K)]
+        s_regroup = [up.add(a) for a in _regroup_runs(recv[:, :, compute], compute)]  # each [K, P * C]
     s_offsets = up.add(chunk_offsets)
     s_cum = up.add(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1))
     up.send(dev)
@@ -341,7 +341,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     if P > 1:
         for jj in range(K):
             total = sum(recv_splits[jj])
-            reg_delta, reg_size, ung_delta, ung_size = (up.get(slot) for slot in s_regroup[jj])
+            reg_delta, reg_size, ung_delta, ung_size = (up.get(slot)[jj] for slot in s_regroup)
             r = torch.arange(total, device=dev)
             regroup[jj] = torch.repeat_interleave(reg_delta, reg_size, output_size=total) + r
             ungroup[jj] = torch.repeat_interleave(ung_delta, ung_size, output_size=total) + r
@@ -357,17 +357,19 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
 def _regroup_runs(blocks: np.ndarray, compute: Sequence[int]) -> tuple[np.ndarray, ...]:
     """The runs that turn one chunk's received rows into computed rows and back, for the device.
 
-    ``blocks`` [P, C]: rows received from source s for compute expert ``compute[c]``. Received rows
-    are laid out by (source, expert ascending); computed rows by (``compute`` position, source).
-    Returns (regroup deltas, their run sizes, ungroup deltas, their run sizes): ``regroup`` is
-    ``repeat(deltas, sizes) + arange`` in computed order (row i of block b reads received row
-    ``i + delta[b]``), ``ungroup`` the same in received order, its inverse.
+    ``blocks`` [..., P, C]: rows received from source s for compute expert ``compute[c]`` (any leading
+    dimensions, e.g. the K chunks of a layer call at once). Received rows are laid out by (source, expert
+    ascending); computed rows by (``compute`` position, source). Returns (regroup deltas, their run
+    sizes, ungroup deltas, their run sizes), each [..., P * C]: ``regroup`` is ``repeat(deltas, sizes) +
+    arange`` in computed order (row i of block b reads received row ``i + delta[b]``), ``ungroup`` the
+    same in received order, its inverse.
     """
-    P, C = blocks.shape
+    *lead, P, C = blocks.shape
     asc = np.argsort(np.asarray(compute), kind="stable")
-    recv_sizes = blocks[:, asc].reshape(-1)
+    recv_sizes = blocks[..., asc].reshape(*lead, P * C)
     rstart = np.empty_like(blocks)
-    rstart[:, asc] = (np.cumsum(recv_sizes) - recv_sizes).reshape(P, C)
-    comp_sizes = blocks.T.reshape(-1)
-    cstart = (np.cumsum(comp_sizes) - comp_sizes).reshape(C, P).T
-    return (rstart - cstart).T.reshape(-1), comp_sizes, (cstart - rstart)[:, asc].reshape(-1), recv_sizes
+    rstart[..., asc] = (np.cumsum(recv_sizes, axis=-1) - recv_sizes).reshape(*lead, P, C)
+    comp_sizes = np.swapaxes(blocks, -1, -2).reshape(*lead, C * P)
+    cstart = np.swapaxes((np.cumsum(comp_sizes, axis=-1) - comp_sizes).reshape(*lead, C, P), -1, -2)
+    return (np.swapaxes(rstart - cstart, -1, -2).reshape(*lead, C * P), comp_sizes,
+            (cstart - rstart)[..., asc].reshape(*lead, P * C), recv_sizes)
