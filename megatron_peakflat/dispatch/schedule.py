@@ -310,11 +310,11 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         dest = (rows - up.get(s_estart)[exp]).unsqueeze(1).ge(up.get(s_ebounds)[exp]).sum(1)
         order = torch.argsort(dest * E + up.get(s_keypos)[exp], stable=True)
         tok, exp = tok[order], exp[order]
-        slot = torch.searchsorted(up.get(s_starts), rows, right=True) - 1  # destination * K + chunk
+        cell = torch.searchsorted(up.get(s_starts), rows, right=True) - 1  # destination * K + chunk
         rank_of = exp if s_pos is None else up.get(s_pos)[exp]
-        order = torch.argsort(((slot % K) * P + slot // K) * E + rank_of, stable=True)
+        order = torch.argsort(((cell % K) * P + cell // K) * E + rank_of, stable=True)
         tok, exp = tok[order], exp[order]
-        del order, dest, slot, rank_of
+        del order, dest, cell, rank_of
     else:
         # Strided pairs join chunk token mod K; the expert-major pair at position p of the (expert key,
         # token) order of the n_major such pairs joins chunk floor(p K / n_major), as
