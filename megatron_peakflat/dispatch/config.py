@@ -29,7 +29,7 @@ class DispatchConfig(ComponentConfig):
     every flow forming chunk j: each chunk computes a few experts per destination, so an expert's
     weights are read and its gradient accumulated in about one chunk, and every destination gets 1/K of
     every flow in every chunk however hot an expert is (measured on 2 H200s, EP=2, H=4096, the same
-    run: 0.97-1.03x the time of one chunk at 32K and 64K tokens per rank, balanced and 95% skewed,
+    run: 0.97-1.03x the speed of one chunk at 32K and 64K tokens per rank, balanced and 95% skewed,
     against 0.93-1.02x with 'hybrid'). 'strided': token i joins chunk i mod K, so every chunk reads
     every expert's weights and adds to every expert's gradient (0.85-0.90x one chunk on one H200).
     'hybrid': the pairs of cold experts (under 3/4 of the mean load) expert-major, the others strided.
@@ -58,10 +58,10 @@ class DispatchConfig(ComponentConfig):
     at least min(N, 2K) chunks, so the two chunks in flight hold at most 2/N of its rows while no
     chunk drops under half the cap. 0: K is the cap's alone and only --peakflat-dispatch-overlap
     overlaps. Measured on 2 H200s at EP=2, H=4096, 64 experts top-8, 'expert' chunks, the same run:
-    at 32K tokens per rank (the cap's K=4, here 8 overlapped) 1.00x / 1.02x the time of one chunk
-    (balanced / 95% skewed) at 0.31x / 0.34x its peak, against 0.97x / 1.02x at 0.28x / 0.32x with
-    K=4 and no overlap, and 1.01x / 1.05x at 0.58x / 0.62x with K=4 overlapped. Every rank of the EP
-    group sees the same K and decides alike."""
+    at 32K tokens per rank (the cap's K=4, here 8 overlapped) 1.00x / 1.02x the speed of one chunk
+    (balanced / 95% skewed; 0.97-1.00x / 0.97-1.02x over four runs) at 0.31x / 0.34x its peak,
+    against 0.97x / 1.02x at 0.28x / 0.32x with K=4 and no overlap, and 1.01x / 1.05x at 0.58x /
+    0.62x with K=4 overlapped. Every rank of the EP group sees the same K and decides alike."""
     pack_collectives: bool = True
     """At EP > 1, send each chunk's hidden rows, probabilities and (in backward) output-gradient rows as
     one buffer in one all-to-all, and its results home in one: one all-to-all each way per chunk instead
