@@ -399,8 +399,9 @@ def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: E
     runs inside this forward (see the module docstring), and stays exact if the gradient differs.
     ``overlap``: at EP > 1, keep the next chunk's dispatch and the previous chunk's combine in flight
     while a chunk computes (two more chunks' communication buffers); ``overlap_min_chunks`` > 0: also when
-    ``sched`` has two chunks or more (``bound.overlap_on``; ``plan_layer`` cut them by ``bound.split_floor``). ``pack``: at EP > 1, each chunk's
-    rows, probs and output-gradient rows travel in one all-to-all, and its results in one (``packed.py``).
+    ``sched`` has two chunks or more (``bound.overlap_on``; ``plan_layer`` cut them by ``bound.split_floor``).
+    ``pack``: at EP > 1, each chunk's rows, probs and output-gradient rows travel in one all-to-all, and its
+    results in one (``packed.py``).
     """
     if out_grad is not None and out_grad.shape != x.shape:
         raise ValueError(f"out_grad {tuple(out_grad.shape)} must have the output's shape {tuple(x.shape)}")

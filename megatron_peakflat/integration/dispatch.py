@@ -320,8 +320,8 @@ def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., Non
         if ep == 1:
             overlap = "off (nothing travels at EP=1)"
         else:
-            overlap = "on" if d.overlap else (f"in calls the cap splits, cut into at least min({d.overlap_min_chunks}, 2K) chunks"
-                                              if d.overlap_min_chunks else "off")
+            split = f"in calls the cap splits, cut into at least min({d.overlap_min_chunks}, 2K) chunks"
+            overlap = "on" if d.overlap else (split if d.overlap_min_chunks else "off")
         info_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={ep}, "
                   f"c={cfg.dispatch.chunk_cap}, max K={cfg.dispatch.max_chunks}, membership={resolve_membership(cfg.dispatch.membership)}, alpha={cfg.dispatch.alpha}, "
                   f"m={cfg.dispatch.min_spill}, lambda={cfg.dispatch.imbalance_threshold}, overlap={overlap})")
