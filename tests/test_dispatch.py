@@ -17,7 +17,7 @@ from megatron_peakflat import stats
 from megatron_peakflat.config_base import PeakflatConfigError
 from megatron_peakflat.dispatch.api import llep_moe, plan_layer
 from megatron_peakflat.dispatch.config import DispatchConfig
-from megatron_peakflat.dispatch.bound import chunk_count, split_floor
+from megatron_peakflat.dispatch.bound import chunk_count, flow_chunk_rows, split_floor
 from megatron_peakflat.dispatch.flows import flow_routes, flow_slice_sizes
 from megatron_peakflat.dispatch.plan import chunk_routes, least_loaded_plan
 from megatron_peakflat.dispatch.reference import ReferenceExperts, reference_moe
@@ -138,6 +138,42 @@ def test_flow_routes_cut_every_flow_evenly_in_expert_order(case):
         assert (recv.max(0) - recv.min(0) <= P).all()  # every destination's load is even over the chunks
     assert chunk_count(int(counts.sum(1).max()), 100, 64) == max(1, -(-int(counts.sum(1).max()) // 100))
     assert chunk_count(int(counts.sum(1).max()), 1, 7) == 7
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_flow_chunk_rows_bounds_every_rank_whatever_the_routing(P):
+    """The receive bound of per-flow chunks (bound.flow_chunk_rows) and the plan's load bound it rests on,
+    on 300 routings per EP size: random, a few hot experts, all pairs on one expert, whole ranks idle, and
+    spills near min_spill; with and without rebalancing, at caps that leave K from 1 to max_chunks."""
+    rng = np.random.default_rng(P)
+    e_p = 4
+    E = P * e_p
+    worst = 0.0
+    for trial in range(300):
+        n_s = int(rng.integers(1, 4000))
+        counts = np.zeros((P, E), dtype=np.int64)
+        kind = trial % 5
+        for s in range(P):
+            n = 0 if (kind == 3 and s % 2) else n_s
+            w = rng.random(E) ** (1 + 6 * (kind == 1))
+            if kind == 2:
+                w = np.zeros(E)
+                w[trial % E] = 1.0
+            counts[s] = rng.multinomial(n, w / w.sum())
+        alpha, lam = float(rng.choice([1.0, 1.2])), float(rng.choice([1.0, 1.3, 3.0]))
+        m = int(rng.choice([0, 16, 1024])) if kind != 4 else int(rng.integers(1, n_s + 1))
+        cap, max_chunks = int(rng.integers(8, 2 * n_s + 8)), int(rng.choice([3, 64]))
+        plan = least_loaded_plan(counts.sum(0), P, alpha=alpha, min_spill=m, imbalance_threshold=lam)
+        mean = counts.sum() / P
+        assert plan.rank_load.max() <= max(lam * mean, np.ceil(alpha * mean), mean + (P - 1) * m)
+        route = chunk_routes(counts[:, None, :], plan.assign)[0]
+        K = split_floor(chunk_count(int(counts.sum(1).max()), cap, max_chunks), P, 8, max_chunks)
+        rows = flow_routes(route, K, np.arange(E)).sum((1, 2)).max()  # most any rank receives in a chunk
+        bound = flow_chunk_rows(pairs_per_rank=n_s, ep=P, chunk_cap=cap, max_chunks=max_chunks, alpha=alpha,
+                                imbalance_threshold=lam, min_spill=m)
+        assert rows <= bound, (trial, rows, bound)
+        worst = max(worst, rows / bound)
+    assert worst > 0.5  # the bound is not vacuous on these routings
 
 
 def test_split_floor_only_raises_calls_the_cap_splits_at_ep_above_one():
@@ -485,17 +521,23 @@ def bound_worker(rank: int, world: int, overlap: bool | str = False, membership:
 @pytest.mark.parametrize("overlap,membership", [(False, "auto"), (True, "auto"), ("auto", "auto"), (False, "expert"),
                                                 (False, "hybrid")])
 def test_working_set_bounded_under_ep_and_skew(overlap, membership):
-    """EP=2, every token on one expert: each rank stays under the bound with EP x (c + k) chunk rows,
-    with the all-to-alls overlapped (two more chunks in flight: forced, or by itself in the chunked
-    calls, which have 8 and 32 chunks here, not in the K=1 ones) or not, and with expert-major chunks
-    (which pile the hot expert's rows into few chunks: the per-source cap still bounds them)."""
+    """EP=2, every token on one expert: each rank stays under the bound with EP x (c + k) chunk rows
+    (strided and hybrid chunks), or with per-flow chunks (auto, expert) the tighter
+    ``bound.flow_chunk_rows`` (about max(alpha, lambda) x c), with the all-to-alls overlapped (two more
+    chunks in flight: forced, or by itself in the chunked calls, which have 8 and 32 chunks here, not in
+    the K=1 ones) or not."""
     from megatron_peakflat.dispatch.api import working_set_bound
 
     world, Hb, Fb, k, c = 2, 64, 48, 2, 64
     for peaks in run_distributed(bound_worker, world, overlap, membership, timeout=300):
         for T in (256, 1024):
+            rows = world * (c + k)
+            if membership in ("auto", "expert"):
+                rows = flow_chunk_rows(pairs_per_rank=T * k, ep=world, chunk_cap=c, max_chunks=1000, alpha=1.0,
+                                       imbalance_threshold=1.1, min_spill=0)
+                assert rows < world * (c + k)
             bound = working_set_bound(num_tokens=T, hidden=Hb, ffn=Fb, num_experts=4 * world, topk=k,
-                                      chunk_rows=world * (c + k), expert_param_bytes=peaks["param_bytes"],
+                                      chunk_rows=rows, expert_param_bytes=peaks["param_bytes"],
                                       dtype_bytes=4, ep=world, overlap=overlap is not False)
             assert peaks[f"{T},None"] <= bound, (T, peaks, bound)
             if T == 1024:

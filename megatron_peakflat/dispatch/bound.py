@@ -3,7 +3,7 @@ the component (``api.working_set_bound``) and the memory planner (``memory/model
 
 from __future__ import annotations
 
-__all__ = ["chunk_count", "split_floor", "overlap_on", "working_set_bound"]
+__all__ = ["chunk_count", "split_floor", "overlap_on", "flow_chunk_rows", "working_set_bound"]
 
 
 def chunk_count(num_pairs: int, chunk_cap: int, max_chunks: int) -> int:
@@ -30,6 +30,27 @@ def overlap_on(forced: bool, min_chunks: int, num_chunks: int, ep: int) -> bool:
     ``ep`` > 1 (a group of one sends nothing), always when ``forced`` (--peakflat-dispatch-overlap), else
     when the call has two chunks or more and ``min_chunks`` > 0 (its chunks then follow ``split_floor``)."""
     return ep > 1 and (forced or (min_chunks > 0 and num_chunks >= 2))
+
+
+def flow_chunk_rows(*, pairs_per_rank: float, ep: int, chunk_cap: int, max_chunks: int, alpha: float,
+                    imbalance_threshold: float, min_spill: int) -> int:
+    """The most rows one rank receives in one chunk of per-flow (``"expert"``) chunks, whatever the
+    routing, when no rank sends more than ``pairs_per_rank`` token-expert pairs.
+
+    Why: with n_max the most pairs of any source and K >= n_max / c_eff its chunks (c_eff: the cap, or
+    ``pairs_per_rank / max_chunks`` where K hit its limit), every flow puts at most ceil(n_sd / K) pairs
+    into a chunk, so rank d receives at most load_d / K + P per chunk. The least-loaded plan keeps
+    load_d <= max(lambda * mean, ceil(alpha * mean), mean + (P - 1) * m) with mean <= n_max: below lambda it
+    is plain EP; above, a rank takes spills only up to the capacity ceil(alpha * mean), and a remainder
+    that no rank has room for (every other rank within m of the capacity) goes to the least-loaded rank,
+    which then holds less than mean + (P - 1) * m (``plan.least_loaded_plan``). Hence
+    ``ceil(max(alpha, lambda) * c_eff) + (P - 1) * m + P + 1`` rows; at EP=1, c_eff. Far below P * (c + k)
+    at large P, the bound of strided and hybrid chunks, which route each chunk by the plan's proportions.
+    """
+    c_eff = max(int(chunk_cap), -(-int(pairs_per_rank) // max(1, int(max_chunks))))
+    if ep <= 1:
+        return c_eff
+    return int(-(-max(alpha, imbalance_threshold) * c_eff // 1)) + (ep - 1) * int(min_spill) + ep + 1
 
 
 def working_set_bound(*, num_tokens: float, hidden: int, ffn: int, num_experts: int, topk: int, chunk_rows: float,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..config import PeakflatConfig
-from ..dispatch.bound import chunk_count, overlap_on, split_floor, working_set_bound
+from ..dispatch.bound import chunk_count, flow_chunk_rows, overlap_on, split_floor, working_set_bound
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
@@ -404,13 +404,20 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
 
 
 def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float, float]:
-    """(bound, expected) rows one rank receives in one chunk. Bound: every one of the E_p sources
-    sends its c_eff (+k rounding) pairs here, whatever the routing. Expected: the rank's whole load
+    """(bound, expected) rows one rank receives in one chunk. Bound, whatever the routing: every one of
+    the EP sources sends its c_eff (+k rounding) pairs here; with per-flow chunks (the default) also
+    at most the least-loaded plan's largest load over K chunks (dispatch/bound.py flow_chunk_rows), about
+    max(alpha, lambda) x c, whichever is less. Expected: the rank's whole load
     spread over K chunks; its load is skew x mean under plain EP (skew below the imbalance threshold
     lambda) and at most alpha x mean once LLEP rebalances. That is the most of any chunk too: with the
     default per-flow chunks every flow puts 1/K of its pairs (to one pair) into every chunk."""
     K, c = llep_chunks(s, run, pf)
+    d = pf.dispatch
     bound = run.ep * (c + s.topk)
+    if getattr(d, "membership", "auto") in ("auto", "expert"):  # per-flow chunks (schedule.resolve_membership)
+        bound = min(bound, flow_chunk_rows(pairs_per_rank=math.ceil(run.layer_rows) * max(1, s.topk), ep=run.ep,
+                                           chunk_cap=d.chunk_cap, max_chunks=d.max_chunks, alpha=d.alpha,
+                                           imbalance_threshold=d.imbalance_threshold, min_spill=d.min_spill))
     load = run.routing_skew if run.routing_skew < pf.dispatch.imbalance_threshold else pf.dispatch.alpha
     expected = min(bound, load * routed_pairs(s, replace(run, routing_skew=1.0)) / K)
     return bound, expected
