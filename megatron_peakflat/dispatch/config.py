@@ -7,6 +7,15 @@ from typing import ClassVar, Literal
 
 from ..config_base import ComponentConfig, PeakflatConfigError
 
+MEMBERSHIPS = ("auto", "expert", "strided", "hybrid")
+"""The values of --peakflat-dispatch-membership (``DispatchConfig.membership``)."""
+
+
+def resolve_membership(membership: str) -> str:
+    """The chunk membership a schedule uses: ``"auto"`` is ``"expert"`` (cut per flow) at any EP size.
+    Here, free of torch, so that the planner asks the same question as the schedule."""
+    return "expert" if membership == "auto" else membership
+
 
 @dataclass(kw_only=True)
 class DispatchConfig(ComponentConfig):

@@ -28,22 +28,16 @@ import torch.distributed as dist
 from . import comm
 from .combine import CombineMap, combine_map
 from .bound import chunk_count, split_floor
+from .config import MEMBERSHIPS, resolve_membership
 from .flows import flow_routes, flow_slice_sizes
 from .plan import Plan, chunk_routes, least_loaded_plan
 from .upload import Uploads, to_device
 
 __all__ = ["Schedule", "build_schedule", "MEMBERSHIPS", "resolve_membership"]
 
-MEMBERSHIPS = ("auto", "expert", "strided", "hybrid")
-
 COLD = (3, 4)
 """In ``"hybrid"`` membership, an expert is cold on a source when it holds fewer than 3/4 of the mean
 pairs per expert there (an integer test, ``4 * count * E < 3 * n``, the same on host and device)."""
-
-
-def resolve_membership(membership: str) -> str:
-    """The chunk membership a schedule uses: ``"auto"`` is ``"expert"`` (cut per flow) at any EP size."""
-    return "expert" if membership == "auto" else membership
 
 
 @dataclass
@@ -245,10 +239,10 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         else:
             K = split_floor(chunk_count(int(host.sum(1).max(initial=0)), chunk_cap, max_chunks), P, min_split_chunks,
                             max_chunks)
-        # The same on every rank (each rank cuts the others' flows as they do): not local_order, which
-        # follows each rank's weight addresses.
-        flow_order = np.argsort((np.arange(E) % num_local_experts) * P + np.arange(E) // num_local_experts, kind="stable")
-        routes = flow_routes(layer_routes, K, flow_order)  # [K, P_src, E, P_dst]
+        # Each expert's place in a flow: local index first, owner second. The same on every rank (each rank
+        # cuts the others' flows as they do), so not local_order, which follows each rank's weight addresses.
+        flow_pos = (np.arange(E) % num_local_experts) * P + np.arange(E) // num_local_experts  # a permutation
+        routes = flow_routes(layer_routes, K, np.argsort(flow_pos))  # [K, P_src, E, P_dst]
         cnt = routes.sum(3).transpose(1, 0, 2)  # [P, K, E]
     else:
         cnt, K, major, key_dev = _chunk_counts_on_device(
@@ -279,11 +273,9 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         pos[compute] = np.arange(E)
         s_pos = up.add(pos)
     if flow:
-        s_estart = up.add(np.cumsum(mine.sum(0)) - mine.sum(0))  # [E]: first of my pairs of each expert
+        s_estart = up.add(np.cumsum(host[me]) - host[me])  # [E]: first of my pairs of each expert
         s_ebounds = up.add(np.cumsum(layer_routes[me], axis=1))  # [E, P]: end of each rank's range of them
-        key_pos = np.empty(E, dtype=np.int64)
-        key_pos[flow_order] = np.arange(E)
-        s_keypos = up.add(key_pos)
+        s_flowpos = up.add(flow_pos)
         sl = flow_slice_sizes(layer_routes.sum(1), K)[me].reshape(-1)  # [P_dst * K]
         s_starts = up.add(np.cumsum(sl) - sl)  # first pair of each (destination, chunk) slice of my flows
     elif P > 1:
@@ -308,7 +300,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         order = torch.argsort(exp, stable=True)
         tok, exp = tok[order], exp[order]
         dest = (rows - up.get(s_estart)[exp]).unsqueeze(1).ge(up.get(s_ebounds)[exp]).sum(1)
-        order = torch.argsort(dest * E + up.get(s_keypos)[exp], stable=True)
+        order = torch.argsort(dest * E + up.get(s_flowpos)[exp], stable=True)
         tok, exp = tok[order], exp[order]
         cell = torch.searchsorted(up.get(s_starts), rows, right=True) - 1  # destination * K + chunk
         rank_of = exp if s_pos is None else up.get(s_pos)[exp]

@@ -32,7 +32,7 @@ from .. import stats
 from ..dispatch.api import llep_moe
 from ..dispatch.bound import overlap_on
 from ..dispatch.grouped import GroupedExperts, grouped_supported, pack_expert_weights
-from ..dispatch.schedule import resolve_membership
+from ..dispatch.config import resolve_membership
 from . import fused_recompute, state
 from .logs import info_once
 

@@ -33,6 +33,7 @@ from typing import Literal
 
 from ..config import PeakflatConfig
 from ..dispatch.bound import chunk_count, flow_chunk_rows, overlap_on, split_floor, working_set_bound
+from ..dispatch.config import resolve_membership
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
@@ -414,7 +415,7 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
     K, c = llep_chunks(s, run, pf)
     d = pf.dispatch
     bound = run.ep * (c + s.topk)
-    if getattr(d, "membership", "auto") in ("auto", "expert"):  # per-flow chunks (schedule.resolve_membership)
+    if resolve_membership(d.membership) == "expert":  # per-flow chunks
         bound = min(bound, flow_chunk_rows(pairs_per_rank=math.ceil(run.layer_rows) * max(1, s.topk), ep=run.ep,
                                            chunk_cap=d.chunk_cap, max_chunks=d.max_chunks, alpha=d.alpha,
                                            imbalance_threshold=d.imbalance_threshold, min_spill=d.min_spill))
