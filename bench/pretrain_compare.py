@@ -31,9 +31,10 @@ from bench.harness import RESULTS  # noqa: E402
 from megatron_peakflat.testing.subproc import logged, memory_report  # noqa: E402
 
 
-def _env_pairs(spec: str) -> dict[str, str]:
+def _pairs(text: str, sep: str) -> dict[str, str]:
+    """``KEY=VALUE`` items separated by ``sep``."""
     out = {}
-    for item in filter(None, spec.split(",")):
+    for item in filter(None, text.split(sep)):
         if "=" not in item:
             raise SystemExit(f"--env/--run: expected KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
@@ -44,11 +45,7 @@ def _env_pairs(spec: str) -> dict[str, str]:
 def _run_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``name:KEY=V;KEY=V``: the components list itself holds commas, so pairs are split on ';'."""
     name, _, rest = spec.partition(":")
-    pairs = {}
-    for item in filter(None, rest.split(";")):
-        k, _, v = item.partition("=")
-        pairs[k] = v
-    return name, pairs
+    return name, _pairs(rest, ";")
 
 
 def parse_log(text: str) -> dict:
@@ -74,7 +71,7 @@ def main() -> None:
     ap.add_argument("--out", default="pretrain_compare.json", help="file name under bench/results")
     ap.add_argument("extra", nargs="*", help="Megatron flags for every run (after --)")
     a = ap.parse_args()
-    common = _env_pairs(a.env)
+    common = _pairs(a.env, ",")
     results = {"command": " ".join(sys.argv), "env": common, "extra": a.extra, "runs": {}}
     for spec in a.run:
         name, pairs = _run_spec(spec)
