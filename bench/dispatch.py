@@ -127,7 +127,8 @@ def skew_router(layer: Any, share: float, hot: int, seed: int = 0) -> None:
 def method_config(method: str) -> Any:
     """The PeakflatConfig a method name asks for: ``llep-unchunked`` (one chunk), or ``peakflat`` with any
     of the suffixes ``-overlap`` (async all-to-alls in every call; the defaults overlap calls the cap splits),
-    ``-nooverlap`` (never overlap), ``-unpacked`` (one all-to-all per piece), ``-strided`` / ``-expert`` / ``-hybrid`` (chunk membership) and ``-c<N>``
+    ``-nooverlap`` (never overlap), ``-unpacked`` (one all-to-all per piece), ``-nccl`` / ``-ce`` (what carries
+    overlapped all-to-alls: NCCL or the copy engines), ``-strided`` / ``-expert`` / ``-hybrid`` (chunk membership) and ``-c<N>``
     (chunk cap N, up to 1024 chunks so that the cap alone sets K), e.g. ``peakflat-overlap-c32768``."""
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
@@ -144,6 +145,8 @@ def method_config(method: str) -> Any:
                 kw["overlap_min_chunks"] = 0
             elif part == "unpacked":
                 kw["pack_collectives"] = False
+            elif part in ("nccl", "ce"):
+                kw["transport"] = "nccl" if part == "nccl" else "copy-engine"
             elif part in ("strided", "expert", "hybrid"):
                 kw["membership"] = part
             elif part.startswith("c") and part[1:].isdigit():
@@ -294,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
                             extra["max_chunks"] = cfgs[method].dispatch.max_chunks
                         from megatron_peakflat import stats
 
+                        stats.record("dispatch", "transport", None)  # set again by calls that overlap
                         before = stats.snapshot().get("dispatch", {})
                         try:
                             row = harness.run_row(case, method, step, exact=exact, warmup=args.warmup,
@@ -308,6 +312,15 @@ def main(argv: list[str] | None = None) -> None:
                             if P > 1 and calls:
                                 row.extra["spilled_experts_per_call"] = round(
                                     (after.get("spilled_experts", 0) - before.get("spilled_experts", 0)) / calls, 2)
+                        if method != "megatron-alltoall" and row.peak_gib is not None:
+                            from megatron_peakflat.dispatch import copy_engine
+
+                            # Symmetric memory of the copy-engine slots is outside the allocator's peak.
+                            sym = copy_engine.held_bytes(uncounted=True) / 2**30
+                            if sym and after.get("transport") == "copy-engine":
+                                row.extra["symmetric_gib_added"] = round(sym, 3)
+                                row.peak_gib += sym
+                            row.extra["transport"] = after.get("transport")
                         if P > 1:
                             row.peak_gib, row.ms = harness.across_ranks([row.peak_gib, row.ms])
                             print(f"{'':48s} {'max over ' + str(P) + ' ranks':28s} peak={row.peak_gib!s:>10} GiB  "

@@ -97,6 +97,8 @@ def test_unknown_choice_is_rejected_by_argparse(capsys):
         (["--peakflat-dispatch-imbalance-threshold", "0.9"], "--peakflat-dispatch-imbalance-threshold"),
         (["--peakflat-dispatch-min-spill", "-1"], "--peakflat-dispatch-min-spill"),
         (["--peakflat-dispatch-overlap-min-chunks", "-1"], "--peakflat-dispatch-overlap-min-chunks"),
+        (["--peakflat-dispatch-transport", "copy-engine", "--no-peakflat-dispatch-pack-collectives"],
+         "--peakflat-dispatch-transport"),
         (["--peakflat-vocab-block-size", "4"], "--peakflat-vocab-block-size"),
         (["--peakflat-sco-prefetch", "-1"], "--peakflat-sco-prefetch"),
         (["--peakflat-opt-slots", "5"], "--peakflat-opt-slots"),

@@ -9,17 +9,21 @@ the expert-parallel process group (None: one rank), ``cfg`` a DispatchConfig.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from .. import stats
+from . import copy_engine
+from .copy_engine import CopyEngineTransport
 from .config import DispatchConfig
 from .experts import ExpertBank
 from .pipelined import pipelined_moe
 from .bound import working_set_bound
 from .schedule import Schedule, build_schedule
 
-__all__ = ["llep_moe", "plan_layer", "working_set_bound"]
+__all__ = ["llep_moe", "plan_layer", "transport_for", "working_set_bound"]
 
 
 def _layout_order(bank: ExpertBank) -> list[int] | None:
@@ -66,4 +70,25 @@ def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, ba
                          "expected x [T, H] and probs, routing_map [T, E]")
     sched = plan_layer(routing_map, bank, group, cfg, num_chunks=num_chunks)
     return pipelined_moe(x, probs, sched, bank, group, out_grad, overlap=cfg.overlap,
-                         overlap_min_chunks=cfg.overlap_min_chunks, pack=cfg.pack_collectives)
+                         overlap_min_chunks=cfg.overlap_min_chunks, pack=cfg.pack_collectives,
+                         transport=functools.partial(transport_for, cfg.transport, group, x.device))
+
+
+def transport_for(choice: str, group: dist.ProcessGroup | None, device: torch.device) -> CopyEngineTransport | None:
+    """The copy-engine transport for an overlapped call under ``--peakflat-dispatch-transport choice``, or
+    None for NCCL. A collective on its first call for a group (every rank of it calls alike).
+
+    Raises RuntimeError when ``choice`` is 'copy-engine' and the copy engines cannot serve ``group``.
+    """
+    if choice == "nccl":
+        stats.record("dispatch", "transport", "nccl")
+        return None
+    ce, why = copy_engine.for_group(group, device)
+    if ce is None:
+        if choice == "copy-engine":
+            raise RuntimeError(f"--peakflat-dispatch-transport copy-engine: {why}; pass --peakflat-dispatch-transport "
+                               "auto (NCCL where the copy engines cannot serve) or nccl")
+        stats.record("dispatch", "transport", f"nccl ({why})")
+        return None
+    stats.record("dispatch", "transport", "copy-engine")
+    return ce

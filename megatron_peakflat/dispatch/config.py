@@ -77,6 +77,13 @@ class DispatchConfig(ComponentConfig):
     of up to three, the same bytes (exact: the pieces are copied bit for bit). Measured on 2 H200s at
     EP=2, H=4096: 0-3 ms faster per layer (124.4 against 127.4 ms at 32K tokens per rank, balanced).
     --no-peakflat-dispatch-pack-collectives sends each piece on its own."""
+    transport: Literal["auto", "nccl", "copy-engine"] = "auto"
+    """What carries an overlapped call's packed all-to-alls. 'copy-engine': the GPUs' copy engines,
+    pulling each peer's rows over NVLink from a symmetric-memory slot (torch.distributed's symmetric
+    memory), so the all-to-alls take no SM from the GEMMs they overlap; needs every EP rank on one host.
+    It holds 3 slots of symmetric memory, each sized to the largest chunk exchange seen (counted in the
+    peak tables). 'nccl': NCCL's all-to-all. 'auto': the copy engines where they can run (CUDA, one
+    host), else NCCL, logged. Calls that do not overlap use NCCL either way."""
     grouped_gemm: bool = True
     """Run each chunk's experts as grouped GEMMs (torch._grouped_mm: bf16 on sm80+ GPUs) on strided
     views of their weights, with no weight copy; --no-peakflat-dispatch-grouped-gemm runs one expert
@@ -99,6 +106,11 @@ class DispatchConfig(ComponentConfig):
             raise PeakflatConfigError(self.flag("overlap_min_chunks"), self.overlap_min_chunks,
                                       "a chunk count cannot be negative",
                                       "pass 0 (never by itself) or a chunk count, e.g. --peakflat-dispatch-overlap-min-chunks 8")
+        if self.transport == "copy-engine" and not self.pack_collectives:
+            raise PeakflatConfigError(self.flag("transport"), self.transport,
+                                      "the copy engines carry packed exchanges only",
+                                      "drop --no-peakflat-dispatch-pack-collectives, or pass "
+                                      "--peakflat-dispatch-transport nccl")
         if self.imbalance_threshold < 1.0:
             raise PeakflatConfigError(self.flag("imbalance_threshold"), self.imbalance_threshold,
                                       "max/mean load is never below 1, so this would always rebalance",

@@ -22,7 +22,9 @@ and added at the owner.
 
 Transport: at EP > 1 each chunk's dispatch sends its hidden rows, their probabilities and (in backward)
 their output-gradient rows as the columns of one buffer, and its combine sends dX, dprobs and the
-outputs home in one (``packed.py``): one all-to-all each way per chunk, the same bytes.
+outputs home in one (``packed.py``): one all-to-all each way per chunk, the same bytes. An overlapped
+call's packed exchanges may travel on the copy engines instead of NCCL's kernels (``copy_engine.py``),
+leaving every SM to the GEMMs they overlap; the bytes are the same, so the results are bit for bit.
 
 Expert math: a bank that offers grouped GEMMs (``GroupedExperts``) runs each chunk's experts in a
 few grouped GEMMs, forward and backward (``grouped.py``); otherwise each expert runs on its own.
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .copy_engine import CopyEngineTransport
 from .combine import add_rows
 from .bound import overlap_on
 from .experts import ExpertBank, exchange_weights, flatten_weights, return_weight_grads, unflatten_weights
@@ -85,7 +88,7 @@ class _InFlight:
     """One chunk's rows on their way: one exchange per piece, or one packed exchange (``packed.py``).
     ``wait()`` gives the pieces in order (None where a piece was None)."""
 
-    def __init__(self, exchanges: list[comm.Exchange | None], layout: RowLayout | None = None,
+    def __init__(self, exchanges: list[Any], layout: RowLayout | None = None,
                  present: list[bool] | None = None) -> None:
         self.exchanges, self.layout, self.present = exchanges, layout, present
         stats.add("dispatch", "all_to_alls", sum(e is not None for e in exchanges))
@@ -103,19 +106,22 @@ def _dispatch_finish(sched: Schedule, j: int, sent: _InFlight) -> list[torch.Ten
 
 
 def _combine_start(sched: Schedule, j: int, rows: list[torch.Tensor | None], group: dist.ProcessGroup | None,
-                   pack: bool) -> _InFlight:
+                   pack: bool, transport: CopyEngineTransport | None = None) -> _InFlight:
     idx = sched.ungroup[j]
     present = [r for r in rows if r is not None]
     layout = row_layout([(tuple(r.shape[1:]), r.dtype) for r in present]) if pack and len(present) > 1 else None
     if layout is not None:
-        buf = layout.empty(present[0].shape[0], present[0].device)
+        matrix = [list(col) for col in zip(*sched.flow_splits[j])]  # results go back: the dispatch's transpose
+        buf = (transport.send_buffer(matrix, layout.width, layout.dtype) if transport is not None
+               else layout.empty(present[0].shape[0], present[0].device))
         for v, r in zip(layout.views(buf), present):
             if idx is None:
                 v.copy_(r)
             else:
                 torch.index_select(r, 0, idx, out=v)
-        return _InFlight([comm.all_to_all_start(buf, sched.recv_splits[j], sched.send_splits[j], group)], layout,
-                         [r is not None for r in rows])
+        ex = (transport.start(buf, matrix) if transport is not None
+              else comm.all_to_all_start(buf, sched.recv_splits[j], sched.send_splits[j], group))
+        return _InFlight([ex], layout, [r is not None for r in rows])
     out: list[comm.Exchange | None] = []
     for r in rows:
         if r is not None and idx is not None:
@@ -128,12 +134,14 @@ class _Chunks:
     """One layer call's chunks: dispatch, experts and combine, forward or backward, chunk by chunk."""
 
     def __init__(self, sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup | None, overlap: bool = False,
-                 pack: bool = True) -> None:
+                 pack: bool = True, transport: CopyEngineTransport | None = None) -> None:
         self.sched, self.bank, self.group = sched, bank, group
         self.pack = pack and comm.group_size(group) > 1
         # overlap: chunk j + 1's dispatch and chunk j's combine travel while chunk j + 1 computes. Only
         # in a group of more than one rank (in a group of one nothing travels and one chunk is kept).
         self.overlap = overlap and comm.group_size(group) > 1
+        # Copy engines carry the packed exchanges of overlapped calls (``copy_engine.py``).
+        self.transport = transport if self.overlap and self.pack else None
         self.foreign = exchange_weights(sched, bank, group)
         self.local, self.weights = _segments(sched, bank, self.foreign)
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum
@@ -196,13 +204,16 @@ class _Chunks:
             rows = [x.index_select(0, tok), probs[tok, exp]] + [t.index_select(0, tok) for t in srcs[1:]]
             return _InFlight([comm.all_to_all_start(r, sched.send_splits[j], sched.recv_splits[j], self.group)
                               for r in rows])
-        buf = layout.empty(tok.numel(), x.device)
+        ce = self.transport
+        buf = (ce.send_buffer(sched.flow_splits[j], layout.width, layout.dtype) if ce is not None
+               else layout.empty(tok.numel(), x.device))
         views = layout.views(buf)
         for v, src in zip(views[:1] + views[2:], srcs):
             torch.index_select(src, 0, tok, out=v)
         views[1].copy_(probs[tok, exp])
-        return _InFlight([comm.all_to_all_start(buf, sched.send_splits[j], sched.recv_splits[j], self.group)], layout,
-                         [True] * len(views))
+        ex = (ce.start(buf, sched.flow_splits[j]) if ce is not None
+              else comm.all_to_all_start(buf, sched.send_splits[j], sched.recv_splits[j], self.group))
+        return _InFlight([ex], layout, [True] * len(views))
 
     def _returned(self, j: int, results: list[torch.Tensor | None], *, out: torch.Tensor | None = None,
                   gx: torch.Tensor | None = None, gp: torch.Tensor | None = None) -> None:
@@ -210,7 +221,7 @@ class _Chunks:
         what has arrived: with ``overlap`` the previous chunk's (so this chunk's combine travels while the
         next one computes), else this chunk's. ``j == K`` with no results drains the last one."""
         if results:
-            self._inflight.append((j, _combine_start(self.sched, j, results, self.group, self.pack)))
+            self._inflight.append((j, _combine_start(self.sched, j, results, self.group, self.pack, self.transport)))
         while self._inflight and (len(self._inflight) > 1 or not self.overlap or not results):
             jj, ex = self._inflight.pop(0)
             got = ex.wait()
@@ -342,7 +353,7 @@ class _PipelinedMoE(torch.autograd.Function):
     @staticmethod
     @region("dispatch")
     def forward(ctx: Any, x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
-                group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, transport: tuple[bool, bool],
+                group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, transport: tuple[bool, bool, CopyEngineTransport | None],
                 *params: torch.Tensor) -> torch.Tensor:
         chunks = _Chunks(sched, bank, group, *transport)
         ctx.sched, ctx.bank, ctx.group, ctx.transport = sched, bank, group, transport
@@ -391,7 +402,8 @@ class _PipelinedMoE(torch.autograd.Function):
 
 def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
                   group: dist.ProcessGroup | None, out_grad: torch.Tensor | None = None, *,
-                  overlap: bool = False, overlap_min_chunks: int = 0, pack: bool = True) -> torch.Tensor:
+                  overlap: bool = False, overlap_min_chunks: int = 0, pack: bool = True,
+                  transport: Callable[[], CopyEngineTransport | None] | None = None) -> torch.Tensor:
     """The MoE output [T, H] for rows ``x`` [T, H] with dense ``probs`` [T, E], under schedule ``sched``.
 
     Gradients flow to ``x``, ``probs`` (at routed entries) and every local expert parameter of ``bank``.
@@ -402,12 +414,15 @@ def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: E
     ``sched`` has two chunks or more (``bound.overlap_on``; ``plan_layer`` cut them by ``bound.split_floor``).
     ``pack``: at EP > 1, each chunk's rows, probs and output-gradient rows travel in one all-to-all, and its
     results in one (``packed.py``).
+    ``transport``: called when the call overlaps (at EP > 1, packed); the copy-engine transport that then
+    carries its exchanges (``copy_engine.py``), or None for NCCL.
     """
     if out_grad is not None and out_grad.shape != x.shape:
         raise ValueError(f"out_grad {tuple(out_grad.shape)} must have the output's shape {tuple(x.shape)}")
     overlap = overlap_on(overlap, overlap_min_chunks, sched.K, comm.group_size(group))
     stats.add("dispatch", "overlapped_calls", int(overlap))
+    ce = transport() if transport is not None and overlap and pack else None
     params: list[torch.Tensor] = []
     for i in range(bank.num_local_experts):
         params.extend(bank.expert_params(i))
-    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, (overlap, pack), *params)
+    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, (overlap, pack, ce), *params)

@@ -83,6 +83,9 @@ class Schedule:
     """(destination rank, expert) for each expert whose weights this rank sends, by (rank, expert)."""
     weight_recvs: list[tuple[int, int]] = field(default_factory=list)
     """(owner rank, expert) for each foreign expert this rank receives, by (rank, expert)."""
+    flow_splits: list[list[list[int]]] = field(default_factory=list)
+    """[K][P][P]: pairs rank s sends rank d in chunk j, for every rank (a copy-engine exchange pulls
+    from each peer's buffer at the offset this gives, ``copy_engine.pull_plan``)."""
 
     @property
     def moves_weights(self) -> bool:
@@ -343,7 +346,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     cmap = combine_map(tok, chunk_offsets, T, up.get(s_offsets))
     rows_cum = up.get(s_cum).to(torch.int32)
     return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, send_splits, recv_splits,
-                    regroup, ungroup, compute, tpe, rows_cum, cmap, sends, recvs)
+                    regroup, ungroup, compute, tpe, rows_cum, cmap, sends, recvs, routes.sum(2).tolist())
 
 
 def _regroup_runs(blocks: np.ndarray, compute: Sequence[int]) -> tuple[np.ndarray, ...]:

@@ -245,6 +245,8 @@ def _log_first_call(rows: int, cfg: Any, ep: int) -> None:
     _FIRST_CALL_LOGGED = True
     s = stats.snapshot()["dispatch"]
     overlap = "on" if overlap_on(cfg.overlap, cfg.overlap_min_chunks, s["chunks"], ep) else "off"
+    if overlap == "on" and cfg.pack_collectives:
+        overlap += f" (over {s.get('transport', cfg.transport)})"
     info_once(f"peakflat dispatch: first MoE layer call: {rows} tokens here, K={s.get('chunks')} chunks of at most "
               f"{s.get('max_chunk_rows')} rows, all-to-all overlap {overlap}, load imbalance {s.get('imbalance')}, "
               f"{s.get('spilled_experts', 0)} experts spilled so far")

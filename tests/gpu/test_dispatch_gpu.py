@@ -135,8 +135,11 @@ def test_gather_sum_kernel_bitwise_equal_to_torch(dtype):
 
 def _nccl_dispatch(rank: int, world: int, dev: str = "cuda") -> list[tuple[str, float, float, bool]]:
     """Per case: (name, bf16 error of ours vs fp64, bf16 error of the unchunked bf16 reference vs fp64,
-    packed == unpacked bit for bit), over out, dx, dprobs and every local expert's weight gradients."""
+    packed == unpacked == packed over the copy engines, bit for bit), over out, dx, dprobs and every
+    local expert's weight gradients."""
     import torch.distributed as dist
+
+    from megatron_peakflat import stats
 
     from megatron_peakflat.dispatch.api import llep_moe
     from megatron_peakflat.dispatch.config import DispatchConfig
@@ -160,16 +163,23 @@ def _nccl_dispatch(rank: int, world: int, dev: str = "cuda") -> list[tuple[str, 
             # One bank for both runs: expert-major and hybrid chunks follow the weights' memory order.
             bank = ReferenceExperts([w.to(dev).bfloat16() for w in fc1[rank * e_p:(rank + 1) * e_p]],
                                     [w.to(dev).bfloat16() for w in fc2[rank * e_p:(rank + 1) * e_p]], grouped=True)
-            for pack in (True, False):
+            # Every call the cap splits overlaps: packed over NCCL, one all-to-all per piece, packed over
+            # the copy engines (the same bytes through other hands).
+            for name, pack, transport in (("packed", True, "nccl"), ("unpacked", False, "nccl"),
+                                          ("copy-engine", True, "copy-engine")):
                 cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=128, max_chunks=64, min_spill=16,
-                                     imbalance_threshold=1.1, pack_collectives=pack)
+                                     imbalance_threshold=1.1, pack_collectives=pack, transport=transport)
                 x = x32.to(dev).bfloat16().requires_grad_(True)
                 probs = probs32.to(dev).requires_grad_(True)
                 gout = gout32.to(dev).bfloat16()
+                pulled = stats.snapshot().get("dispatch", {}).get("copy_engine_exchanges", 0)
                 out = llep_moe(x, probs, rmap, bank, dist.group.WORLD, cfg, out_grad=gout if fused else None)
                 got = torch.autograd.grad(out, [x, probs, *bank.parameters()], gout)
-                runs[pack] = [out.detach(), *got]
-            same = all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+                runs[name] = [out.detach(), *got]
+                pulled = stats.snapshot()["dispatch"].get("copy_engine_exchanges", 0) - pulled
+                assert (pulled > 0) == (transport == "copy-engine"), (name, pulled)
+            same = all(torch.equal(a, b) and torch.equal(a, c)
+                       for a, b, c in zip(runs["packed"], runs["unpacked"], runs["copy-engine"]))
 
             def ref(dtype):
                 w1 = [w.to(dev).to(dtype).requires_grad_(True) for w in fc1]
@@ -184,7 +194,7 @@ def _nccl_dispatch(rank: int, world: int, dev: str = "cuda") -> list[tuple[str, 
                 return [o.detach().double(), gr[0].double(), gr[1].double(), *wg[rank * e_p:(rank + 1) * e_p]]
 
             exact, naive = ref(torch.float64), ref(torch.bfloat16)
-            r = runs[True]  # out, dx, dprobs, every local fc1, every local fc2
+            r = runs["packed"]  # out, dx, dprobs, every local fc1, every local fc2
             ours = r[:3] + [torch.cat([a.reshape(-1), b.reshape(-1)]).double() for a, b in zip(r[3:3 + e_p], r[3 + e_p:])]
             err = max(_err(a.double(), b) for a, b in zip(ours, exact))
             err_naive = max(_err(a, b) for a, b in zip(naive, exact))
@@ -195,7 +205,8 @@ def _nccl_dispatch(rank: int, world: int, dev: str = "cuda") -> list[tuple[str, 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_ep_packed_exact_and_bf16_not_worse():
     """EP over NCCL (2-4 GPUs), bf16, balanced / 95% / all tokens on one expert, plain and fused backward:
-    the packed all-to-alls give bit for bit what one all-to-all per piece gives, and both are no worse
+    the packed all-to-alls give bit for bit what one all-to-all per piece gives and what the copy
+    engines' pulls give (their slots reused and grown across calls), and all are no worse
     against fp64 than an unchunked bf16 MoE (2x its error + 1e-3)."""
     from megatron_peakflat.testing import run_distributed
 
