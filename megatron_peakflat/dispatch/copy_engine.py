@@ -20,9 +20,12 @@ n+S waits for the barrier of exchange n+1 (S >= 2). One barrier per exchange, is
 copies: the only kernel of the protocol is that barrier, which runs as the pack finishes, before
 the next GEMM holds every SM.
 
-Slots grow when an exchange needs more room (every rank computes the need from the same global
-split matrix, so all grow at the same exchange: a collective rendezvous, rare); they are counted in
-``held_bytes`` (symmetric memory is not in PyTorch's allocator statistics) and in ``stats``.
+With S = 2 (the default) the slots take the place of the two send buffers an overlapped call over
+NCCL keeps in flight (the next chunk's dispatch, the last chunk's combine). They grow when an
+exchange needs more room: every rank computes the need from the same global split matrix, so all
+grow at the same exchange (a collective rendezvous; rare, since a source sends about n / K pairs per
+chunk whatever the routing, and a growth leaves 1/16 of headroom). They are counted in ``held_bytes``
+(symmetric memory is not in PyTorch's allocator statistics) and in ``stats``.
 
 Needs CUDA, every rank of the group on this host, and ``torch.distributed._symmetric_memory``;
 ``for_group`` answers None with the reason otherwise, and the caller keeps NCCL.
@@ -44,7 +47,7 @@ __all__ = ["pull_plan", "CopyEngineTransport", "for_group", "held_bytes"]
 
 log = logging.getLogger("megatron_peakflat")
 
-_GROWTH = 1.25
+_GROWTH = 1.0625
 _ROUND = 2 << 20
 
 
@@ -77,7 +80,7 @@ class _Pulled:
 class CopyEngineTransport:
     """Copy-engine all-to-alls among the ranks of ``group`` (one host), through S symmetric slots."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, slots: int = 3) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, slots: int = 2) -> None:
         if slots < 2:
             raise ValueError(f"slots={slots}: the pull protocol needs at least 2")
         self.group, self.device, self.S = group, device, slots
