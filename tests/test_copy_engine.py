@@ -71,3 +71,16 @@ def test_forced_copy_engine_names_the_flag_and_the_fix_where_it_cannot_run():
     for msg in run_distributed(_forced_on_cpu, 2):
         assert msg.startswith("--peakflat-dispatch-transport copy-engine: copy engines need CUDA tensors")
         assert "auto" in msg and "nccl" in msg
+
+
+def test_copy_engine_buffers_carry_one_hidden_row_each():
+    """Split for the copy engines: each row-wide piece gets its own buffer (so slots hold one hidden row
+    per pair), a piece of one value per row rides along; over NCCL everything shares one buffer."""
+    from megatron_peakflat.dispatch.pipelined import _pack_groups
+
+    h, bf, f32 = (4096,), torch.bfloat16, torch.float32
+    dispatch_bwd = [(h, bf), ((), f32), (h, bf)]
+    assert _pack_groups(dispatch_bwd, split=True) == [[0, 1], [2]]
+    assert _pack_groups(dispatch_bwd, split=False) == [[0, 1, 2]]
+    assert _pack_groups([(h, bf), ((), f32)], split=True) == [[0, 1]]
+    assert _pack_groups([(h, bf)], split=True) == [[0]]

@@ -81,8 +81,9 @@ class DispatchConfig(ComponentConfig):
     """What carries an overlapped call's packed all-to-alls. 'copy-engine': the GPUs' copy engines,
     pulling each peer's rows over NVLink from a symmetric-memory slot (torch.distributed's symmetric
     memory), so the all-to-alls take no SM from the GEMMs they overlap; needs every EP rank on one host.
-    It holds 2 slots of symmetric memory, each sized to the largest chunk exchange seen (they replace
-    the two send buffers an overlapped call keeps in flight; counted in the benchmarks' peaks). 'nccl': NCCL's all-to-all. 'auto': the copy engines where they can run (CUDA, one
+    It holds 2 slots of symmetric memory, each sized to the largest exchange seen (one hidden row per
+    pair: wider buffers travel as several exchanges), in place of the send buffers an overlapped call
+    keeps in flight (counted in the benchmarks' peaks). 'nccl': NCCL's all-to-all. 'auto': the copy engines where they can run (CUDA, one
     host), else NCCL, logged. Calls that do not overlap use NCCL either way."""
     grouped_gemm: bool = True
     """Run each chunk's experts as grouped GEMMs (torch._grouped_mm: bf16 on sm80+ GPUs) on strided

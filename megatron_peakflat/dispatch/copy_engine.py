@@ -20,8 +20,11 @@ n+S waits for the barrier of exchange n+1 (S >= 2). One barrier per exchange, is
 copies: the only kernel of the protocol is that barrier, which runs as the pack finishes, before
 the next GEMM holds every SM.
 
-With S = 2 (the default) the slots take the place of the two send buffers an overlapped call over
-NCCL keeps in flight (the next chunk's dispatch, the last chunk's combine). They grow when an
+With S = 2 (the default) and the pipeline's buffers split to one hidden row per pair
+(``pipelined._pack_groups``: the backward's dispatch sends rows and output gradients, its combine dX
+and outputs, each as two exchanges), the two slots hold half of what the two send buffers an
+overlapped call over NCCL keeps in flight do (the next chunk's dispatch, the last chunk's combine),
+whose size follows the chunk rather than staying at its largest. They grow when an
 exchange needs more room: every rank computes the need from the same global split matrix, so all
 grow at the same exchange (a collective rendezvous; rare, since a source sends about n / K pairs per
 chunk whatever the routing, and a growth leaves 1/16 of headroom). They are counted in ``held_bytes``

@@ -50,7 +50,7 @@ from .copy_engine import CopyEngineTransport
 from .combine import add_rows
 from .bound import overlap_on
 from .experts import ExpertBank, exchange_weights, flatten_weights, return_weight_grads, unflatten_weights
-from .packed import RowLayout, row_layout
+from .packed import RowLayout, RowSpec, row_layout
 from .schedule import Schedule
 from .. import stats
 from ..main_grad import handed_to_main_grad, main_grad_of
@@ -84,20 +84,66 @@ def _compute(bank: ExpertBank, x: torch.Tensor, probs: torch.Tensor, tpe: list[i
     return bank.compute(x, probs, tpe, local, weights)
 
 
-class _InFlight:
-    """One chunk's rows on their way: one exchange per piece, or one packed exchange (``packed.py``).
-    ``wait()`` gives the pieces in order (None where a piece was None)."""
+Fill = Callable[[torch.Tensor], object]
+"""Writes one piece's rows into the view it is given (its columns of a packed buffer)."""
 
-    def __init__(self, exchanges: list[Any], layout: RowLayout | None = None,
-                 present: list[bool] | None = None) -> None:
-        self.exchanges, self.layout, self.present = exchanges, layout, present
-        stats.add("dispatch", "all_to_alls", sum(e is not None for e in exchanges))
+
+class _InFlight:
+    """One chunk's pieces on their way: exchanges each carrying one piece, or several packed as the columns
+    of one buffer (``packed.py``). ``wait()`` gives all ``n`` pieces in order, None where a piece was None."""
+
+    def __init__(self, parts: list[tuple[Any, RowLayout | None, list[int]]], n: int) -> None:
+        self.parts, self.n = parts, n
+        stats.add("dispatch", "all_to_alls", len(parts))
 
     def wait(self) -> list[torch.Tensor | None]:
-        if self.layout is None:
-            return [None if e is None else e.wait() for e in self.exchanges]
-        views = iter(self.layout.views(self.exchanges[0].wait()))  # type: ignore[union-attr]
-        return [next(views) if here else None for here in self.present]  # type: ignore[union-attr]
+        out: list[torch.Tensor | None] = [None] * self.n
+        for ex, layout, members in self.parts:
+            got = ex.wait()
+            for i, v in zip(members, layout.views(got) if layout is not None else [got]):
+                out[i] = v
+        return out
+
+
+def _pack_groups(specs: list[RowSpec], split: bool) -> list[list[int]]:
+    """Which pieces share a buffer: all of them, or with ``split`` one row-wide piece per buffer (a piece of
+    one value per row rides with the piece before it). Copy-engine slots are held at the size of the
+    largest buffer, so split buffers need slots of one hidden row per pair instead of two."""
+    if not split:
+        return [list(range(len(specs)))]
+    groups: list[list[int]] = []
+    for i, (shape, _) in enumerate(specs):
+        if groups and not shape:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _start_packed(pieces: list[tuple[int, RowSpec, Fill]], n: int, rows: int, device: torch.device,
+                  splits: tuple[list[int], list[int]], matrix: list[list[int]], group: dist.ProcessGroup | None,
+                  transport: CopyEngineTransport | None) -> _InFlight | None:
+    """Pack ``pieces`` (position among ``n``, per-row spec, fill) into buffers of ``rows`` rows and start
+    their exchanges: over NCCL with ``splits`` (sent, received per rank), or pulled by the copy engines
+    with ``matrix`` (every rank's sends). None, having started nothing, when a piece cannot be packed."""
+    groups = _pack_groups([spec for _, spec, _ in pieces], split=transport is not None)
+    layouts = [row_layout([pieces[i][1] for i in g]) for g in groups]
+    if any(layout is None for layout in layouts):
+        return None
+    parts: list[tuple[Any, RowLayout | None, list[int]]] = []
+    for g, layout in zip(groups, layouts):
+        buf = (transport.send_buffer(matrix, layout.width, layout.dtype) if transport is not None  # type: ignore[union-attr]
+               else layout.empty(rows, device))  # type: ignore[union-attr]
+        for i, v in zip(g, layout.views(buf)):  # type: ignore[union-attr]
+            pieces[i][2](v)
+        ex = (transport.start(buf, matrix) if transport is not None
+              else comm.all_to_all_start(buf, splits[0], splits[1], group))
+        parts.append((ex, layout, [pieces[i][0] for i in g]))
+    return _InFlight(parts, n)
+
+
+def _gather_into(src: torch.Tensor, idx: torch.Tensor | None) -> Fill:
+    return (lambda v: v.copy_(src)) if idx is None else (lambda v: torch.index_select(src, 0, idx, out=v))
 
 
 def _dispatch_finish(sched: Schedule, j: int, sent: _InFlight) -> list[torch.Tensor]:
@@ -108,26 +154,20 @@ def _dispatch_finish(sched: Schedule, j: int, sent: _InFlight) -> list[torch.Ten
 def _combine_start(sched: Schedule, j: int, rows: list[torch.Tensor | None], group: dist.ProcessGroup | None,
                    pack: bool, transport: CopyEngineTransport | None = None) -> _InFlight:
     idx = sched.ungroup[j]
-    present = [r for r in rows if r is not None]
-    layout = row_layout([(tuple(r.shape[1:]), r.dtype) for r in present]) if pack and len(present) > 1 else None
-    if layout is not None:
-        matrix = [list(col) for col in zip(*sched.flow_splits[j])]  # results go back: the dispatch's transpose
-        buf = (transport.send_buffer(matrix, layout.width, layout.dtype) if transport is not None
-               else layout.empty(present[0].shape[0], present[0].device))
-        for v, r in zip(layout.views(buf), present):
-            if idx is None:
-                v.copy_(r)
-            else:
-                torch.index_select(r, 0, idx, out=v)
-        ex = (transport.start(buf, matrix) if transport is not None
-              else comm.all_to_all_start(buf, sched.recv_splits[j], sched.send_splits[j], group))
-        return _InFlight([ex], layout, [r is not None for r in rows])
-    out: list[comm.Exchange | None] = []
-    for r in rows:
-        if r is not None and idx is not None:
-            r = r.index_select(0, idx)
-        out.append(None if r is None else comm.all_to_all_start(r, sched.recv_splits[j], sched.send_splits[j], group))
-    return _InFlight(out)
+    present = [i for i, r in enumerate(rows) if r is not None]
+    splits = (sched.recv_splits[j], sched.send_splits[j])  # results go back the way their rows came
+    if pack and (len(present) > 1 or transport is not None):
+        r0 = rows[present[0]]
+        pieces = [(i, (tuple(rows[i].shape[1:]), rows[i].dtype), _gather_into(rows[i], idx)) for i in present]
+        matrix = [list(col) for col in zip(*sched.flow_splits[j])] if transport is not None else []
+        sent = _start_packed(pieces, len(rows), r0.shape[0], r0.device, splits, matrix, group, transport)  # type: ignore[arg-type]
+        if sent is not None:
+            return sent
+    parts: list[tuple[Any, RowLayout | None, list[int]]] = []
+    for i in present:
+        r = rows[i] if idx is None else rows[i].index_select(0, idx)  # type: ignore[union-attr]
+        parts.append((comm.all_to_all_start(r, *splits, group), None, [i]))
+    return _InFlight(parts, len(rows))
 
 
 class _Chunks:
@@ -196,24 +236,19 @@ class _Chunks:
         sched = self.sched
         tok, exp = self._pairs(j)
         srcs = [x] if grad_out is None else [x, grad_out]
-        layout = None
+        pieces: list[tuple[int, RowSpec, Fill]] = [
+            (0, (tuple(x.shape[1:]), x.dtype), _gather_into(x, tok)),
+            (1, ((), probs.dtype), lambda v: v.copy_(probs[tok, exp]))]
+        pieces += [(2, (tuple(grad_out.shape[1:]), grad_out.dtype), _gather_into(grad_out, tok))] if grad_out is not None else []
+        splits = (sched.send_splits[j], sched.recv_splits[j])
         if self.pack:
-            specs = [(tuple(x.shape[1:]), x.dtype), ((), probs.dtype)]
-            layout = row_layout(specs + [(tuple(t.shape[1:]), t.dtype) for t in srcs[1:]])
-        if layout is None:
-            rows = [x.index_select(0, tok), probs[tok, exp]] + [t.index_select(0, tok) for t in srcs[1:]]
-            return _InFlight([comm.all_to_all_start(r, sched.send_splits[j], sched.recv_splits[j], self.group)
-                              for r in rows])
-        ce = self.transport
-        buf = (ce.send_buffer(sched.flow_splits[j], layout.width, layout.dtype) if ce is not None
-               else layout.empty(tok.numel(), x.device))
-        views = layout.views(buf)
-        for v, src in zip(views[:1] + views[2:], srcs):
-            torch.index_select(src, 0, tok, out=v)
-        views[1].copy_(probs[tok, exp])
-        ex = (ce.start(buf, sched.flow_splits[j]) if ce is not None
-              else comm.all_to_all_start(buf, sched.send_splits[j], sched.recv_splits[j], self.group))
-        return _InFlight([ex], layout, [True] * len(views))
+            sent = _start_packed(pieces, len(pieces), tok.numel(), x.device, splits, sched.flow_splits[j], self.group,
+                                 self.transport)
+            if sent is not None:
+                return sent
+        rows = [x.index_select(0, tok), probs[tok, exp]] + [t.index_select(0, tok) for t in srcs[1:]]
+        return _InFlight([(comm.all_to_all_start(r, *splits, self.group), None, [i]) for i, r in enumerate(rows)],
+                         len(rows))
 
     def _returned(self, j: int, results: list[torch.Tensor | None], *, out: torch.Tensor | None = None,
                   gx: torch.Tensor | None = None, gp: torch.Tensor | None = None) -> None:
