@@ -88,7 +88,7 @@ def transport_for(choice: str, group: dist.ProcessGroup | None, device: torch.de
         if choice == "copy-engine":
             raise RuntimeError(f"--peakflat-dispatch-transport copy-engine: {why}; pass --peakflat-dispatch-transport "
                                "auto (NCCL where the copy engines cannot serve) or nccl")
-        stats.record("dispatch", "transport", f"nccl ({why})")
+        stats.record("dispatch", "transport", f"nccl: {why}")
         return None
     stats.record("dispatch", "transport", "copy-engine")
     return ce
