@@ -65,8 +65,11 @@ def working_set_bound(*, num_tokens: float, hidden: int, ffn: int, num_experts: 
     weights), and one chunk's working set: ``chunk_rows`` rows (at most P * (c + k) per chunk) times
     the dispatch, combine and expert activation rows. Only the first four grow with T. With ``ep`` > 1
     the next chunk's dispatch and the previous chunk's combine are in flight while a chunk computes
-    when ``overlap`` is on: two more chunks' rows sent and received (8 H per row). Integer inputs give
-    an integer; the planner passes its fractional token and expert counts.
+    when ``overlap`` is on: two more chunks' rows sent and received (8 H per row). The copy-engine
+    transport stays inside that term: its received rows are the same, and its two symmetric slots
+    (one hidden row per pair each, sized to a source's largest chunk, at most c_eff + P pairs, under
+    ``chunk_rows``, plus 1/16 headroom) replace the sent buffers. Integer inputs give an integer; the
+    planner passes its fractional token and expert counts.
     """
     f1 = ffn * (2 if glu else 1)
     per_row = dtype_bytes * ((20 if ep > 1 and overlap else 12) * hidden + 3 * f1 + 4 * ffn) + 64
