@@ -95,7 +95,7 @@ class CopyEngineTransport:
         self._handle = None
         self._n = 0  # exchanges started
         self._barrier_done: deque[torch.cuda.Event] = deque(maxlen=slots)  # of the last S exchanges
-        self._pending: tuple[torch.Tensor, int] | None = None  # (slot view handed out, its exchange)
+        self._pending: tuple[torch.Tensor, int] | None = None  # (slot view handed out, its byte offset)
 
     @property
     def held_bytes(self) -> int:
@@ -136,19 +136,19 @@ class CopyEngineTransport:
         rows = int(sum(matrix[self.rank]))
         start = (self._n % self.S) * self.slot_bytes
         view = self._buf[start:start + rows * row_bytes].view(dtype).view(rows, width)  # type: ignore[index]
-        self._pending = (view, self._n)
+        self._pending = (view, start)
         return view
 
     def start(self, buf: torch.Tensor, matrix: Sequence[Sequence[int]]) -> _Pulled:
         """Start the exchange of ``buf`` (the tensor ``send_buffer`` returned, now filled)."""
         if self._pending is None or self._pending[0] is not buf:
             raise RuntimeError("CopyEngineTransport.start takes the buffer of the last send_buffer call")
+        start = self._pending[1]
         self._pending = None
         width, dtype = buf.shape[1], buf.dtype
         row_bytes = width * dtype.itemsize
         plan = pull_plan(matrix, self.rank)
         out = torch.empty((sum(n for *_, n in plan), width), dtype=dtype, device=self.device)
-        start = (self._n % self.S) * self.slot_bytes
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             self._handle.barrier()  # type: ignore[union-attr]

@@ -180,8 +180,8 @@ class _Chunks:
         # overlap: chunk j + 1's dispatch and chunk j's combine travel while chunk j + 1 computes. Only
         # in a group of more than one rank (in a group of one nothing travels and one chunk is kept).
         self.overlap = overlap and comm.group_size(group) > 1
-        # Copy engines carry the packed exchanges of overlapped calls (``copy_engine.py``).
-        self.transport = transport if self.overlap and self.pack else None
+        # Copy engines carry the packed exchanges (``pipelined_moe`` hands one only to calls that overlap).
+        self.transport = transport
         self.foreign = exchange_weights(sched, bank, group)
         self.local, self.weights = _segments(sched, bank, self.foreign)
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum

@@ -18,6 +18,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -60,10 +61,10 @@ class Schedule:
     """[n] long: global expert of each local pair, same order."""
     chunk_offsets: list[int]
     """[K + 1]: the pairs of chunk j are ``pair_*[chunk_offsets[j]:chunk_offsets[j + 1]]``."""
-    send_splits: list[list[int]]
-    """[K][P]: pairs this rank sends to each rank in chunk j."""
-    recv_splits: list[list[int]]
-    """[K][P]: pairs this rank receives from each rank in chunk j."""
+    flow_splits: list[list[list[int]]]
+    """[K][P][P]: pairs rank s sends rank d in chunk j, for every rank (``send_splits`` and ``recv_splits``
+    are this rank's row and column; a copy-engine exchange pulls from each peer's buffer at the offset
+    this gives, ``copy_engine.pull_plan``)."""
     regroup: list[torch.Tensor | None]
     """[K]: index turning received rows (source, expert, token) into (expert, source, token); None: identity."""
     ungroup: list[torch.Tensor | None]
@@ -83,9 +84,16 @@ class Schedule:
     """(destination rank, expert) for each expert whose weights this rank sends, by (rank, expert)."""
     weight_recvs: list[tuple[int, int]] = field(default_factory=list)
     """(owner rank, expert) for each foreign expert this rank receives, by (rank, expert)."""
-    flow_splits: list[list[list[int]]] = field(default_factory=list)
-    """[K][P][P]: pairs rank s sends rank d in chunk j, for every rank (a copy-engine exchange pulls
-    from each peer's buffer at the offset this gives, ``copy_engine.pull_plan``)."""
+
+    @functools.cached_property
+    def send_splits(self) -> list[list[int]]:
+        """[K][P]: pairs this rank sends to each rank in chunk j."""
+        return [chunk[self.rank] for chunk in self.flow_splits]
+
+    @functools.cached_property
+    def recv_splits(self) -> list[list[int]]:
+        """[K][P]: pairs this rank receives from each rank in chunk j."""
+        return [[row[self.rank] for row in chunk] for chunk in self.flow_splits]
 
     @property
     def moves_weights(self) -> bool:
@@ -266,8 +274,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     n = int(mine.sum())
     chunk_offsets = [0, *np.cumsum(mine.sum(1)).tolist()]
     recv = routes[:, :, :, me]  # [K, P_src, E]
-    send_splits = routes[:, me, :, :].sum(1).tolist()  # [K][P]
-    recv_splits = recv.sum(2).tolist()
+    flows = routes.sum(2)  # [K, P_src, P_dst]
     tpe = recv[:, :, compute].sum(1).tolist()  # [K][C]
     up = Uploads()
     s_pos = None
@@ -335,7 +342,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     ungroup: list[torch.Tensor | None] = [None] * K
     if P > 1:
         for jj in range(K):
-            total = sum(recv_splits[jj])
+            total = int(flows[jj, :, me].sum())
             reg_delta, reg_size, ung_delta, ung_size = (up.get(slot)[jj] for slot in s_regroup)
             r = torch.arange(total, device=dev)
             regroup[jj] = torch.repeat_interleave(reg_delta, reg_size, output_size=total) + r
@@ -345,8 +352,8 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
     cmap = combine_map(tok, chunk_offsets, T, up.get(s_offsets))
     rows_cum = up.get(s_cum).to(torch.int32)
-    return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, send_splits, recv_splits,
-                    regroup, ungroup, compute, tpe, rows_cum, cmap, sends, recvs, routes.sum(2).tolist())
+    return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, flows.tolist(), regroup, ungroup,
+                    compute, tpe, rows_cum, cmap, sends, recvs)
 
 
 def _regroup_runs(blocks: np.ndarray, compute: Sequence[int]) -> tuple[np.ndarray, ...]:
