@@ -16,9 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import torch
-from megatron_peakflat.vocab.block_torch import fold_logits_torch, grad_logits_torch
+from megatron_peakflat.vocab.block_torch import fold_grad_logits_torch, fold_logits_torch, grad_logits_torch
 from megatron_peakflat.vocab import block_triton as bt
-bt._COLS = 16  # several chunks per row
+for k in bt.SHAPES:
+    bt.SHAPES[k] = bt.KernelShape(16, 4)  # several chunks per row, the last one partial
 torch.manual_seed(0)
 for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
     n, c = 6, 37
@@ -37,6 +38,18 @@ for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
     ulp = 2.0 ** -7 if dt == torch.bfloat16 else 1e-6  # one bf16 rounding of an FMA-ordered expression
     err = ((d1 - d2).abs() / d1.abs().clamp_min(1.0)).max().item()
     assert err <= ulp, ("grad", dt, err)
+    ws = torch.tensor([0.5, 1.0, 0.0, 2.0, 0.25, 1.0])
+    for eps in (0.0, 0.1):
+        st3, st4 = torch.empty(4, n), torch.full((4, n), 7.0)  # fold_grad overwrites any prior state
+        d3 = fold_grad_logits_torch(z.clone(), lab, st3, ws, eps, 1000).float()
+        d4 = bt.fold_grad_logits_triton(z.clone(), lab, st4, ws, eps, 1000).float()
+        err = ((st3 - st4).abs() / st3.abs().clamp_min(1.0)).max().item()
+        assert err < tol, ("fold_grad state", dt, eps, err)
+        err = ((d3 - d4).abs() / d3.abs().clamp_min(1.0)).max().item()
+        assert err <= ulp, ("fold_grad", dt, eps, err)
+        fresh = torch.zeros(4, n); fresh[0] = float("-inf")
+        fold_logits_torch(z, lab, fresh)
+        assert torch.allclose(fresh, st3), "fold_grad's state is the fold's"
 print("ok")
 """
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fold_logits_torch", "grad_logits_torch"]
+__all__ = ["fold_logits_torch", "grad_logits_torch", "fold_grad_logits_torch"]
 
 
 def fold_logits_torch(z: torch.Tensor, local_labels: torch.Tensor, state: torch.Tensor) -> None:
@@ -40,3 +40,20 @@ def grad_logits_torch(z: torch.Tensor, local_labels: torch.Tensor, coef: torch.T
     rows = torch.nonzero(inb).squeeze(1)
     d[rows, local_labels[rows]] -= b[rows]
     return d.to(z.dtype)
+
+
+def fold_grad_logits_torch(z: torch.Tensor, local_labels: torch.Tensor, state: torch.Tensor, ws: torch.Tensor,
+                           label_smoothing: float, vocab_size: int) -> torch.Tensor:
+    """Fold ``z`` [n, b] into a fresh ``state`` [4, n] (overwritten), then return the gradient of the
+    loss for the per-token upstream gradient ``ws`` [n] (fp32, 0 where ignored).
+
+    For a block holding every logit of its rows (one rank's whole vocabulary), whose log-sum-exp is
+    therefore complete after the fold: the same numbers as ``fold_logits_torch`` followed by
+    ``grad_logits_torch`` with coefficients (lse, ws, ws (1 - eps), ws eps / V).
+    """
+    state[0].fill_(float("-inf"))
+    state[1:].zero_()
+    fold_logits_torch(z, local_labels, state)
+    lse = state[0] + torch.log(state[1])
+    coef = torch.stack([lse, ws, ws * (1.0 - label_smoothing), ws * (label_smoothing / vocab_size)])
+    return grad_logits_torch(z, local_labels, coef)

@@ -1,69 +1,109 @@
-"""Triton block kernels: the same two operations as ``block_torch.py`` in one pass over the block.
+"""Triton block kernels: the operations of ``block_torch.py``, each in one pass over the block.
 
 The logits block itself comes from a cuBLAS matmul (fp32 accumulation inside the GEMM); these
-kernels read it once (fold) or read and overwrite it in place with its gradient (grad), so a block
-costs one extra HBM round trip and no fp32 copy. Imported lazily: only on CUDA.
+kernels read it once (fold), read and overwrite it in place with its gradient (grad), or do both for
+a block whose row state is complete once it is folded (fold_grad: a single rank's whole vocabulary).
+No fp32 copy of a block is made. Imported lazily: only on CUDA.
+
+The fold keeps one running max per row, raised once per column chunk, so each logit costs one
+``exp`` (a per-element running max costs two, and the exponentials, not the memory, then bound the
+pass). Launch shapes: ``bench/vocab_kernels.py`` (results in bench/results/vocab_kernels.json).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fold_logits_triton", "grad_logits_triton"]
+__all__ = ["KernelShape", "SHAPES", "fold_logits_triton", "grad_logits_triton", "fold_grad_logits_triton"]
 
-_COLS = 1024
+
+@dataclass(frozen=True)
+class KernelShape:
+    """Columns per step and warps per row-program of one kernel."""
+
+    cols: int
+    warps: int
+
+
+SHAPES: dict[str, KernelShape] = {
+    "fold": KernelShape(2048, 4),
+    "grad": KernelShape(4096, 8),
+    "fold_grad": KernelShape(2048, 4),
+}
+"""Per-kernel launch shapes, the fastest measured on an H200 for a [4096, 201088] bf16 block."""
 
 
 @triton.jit
-def _fold_kernel(z_ptr, stride_z, lab_ptr, state_ptr, n, ncols, COLS: tl.constexpr):
-    row = tl.program_id(0)
-    zrow = z_ptr + row.to(tl.int64) * stride_z
-    lab = tl.load(lab_ptr + row)
-    m_vec = tl.full([COLS], float("-inf"), tl.float32)
+def _fold_row(zrow, lab, ncols, COLS: tl.constexpr):
+    """(max, sum of exp(z - max), target logit, sum of logits) of one row; one exp per element."""
+    m = tl.full([], float("-inf"), tl.float32)
     s_vec = tl.zeros([COLS], tl.float32)
     zs_vec = tl.zeros([COLS], tl.float32)
     for c0 in range(0, ncols, COLS):
         cols = c0 + tl.arange(0, COLS)
         msk = cols < ncols
         z = tl.load(zrow + cols, mask=msk, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m_vec, z)
-        scale = tl.where(m_vec == m_new, 1.0, tl.exp(m_vec - m_new))
-        s_vec = s_vec * scale + tl.where(msk, tl.exp(z - m_new), 0.0)
-        m_vec = m_new
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_vec = s_vec * tl.exp(m - ref) + tl.exp(z - ref)
+        m = m_new
         zs_vec += tl.where(msk, z, 0.0)
-    bm = tl.max(m_vec, axis=0)
-    bs = tl.sum(tl.where(m_vec == float("-inf"), 0.0, s_vec * tl.exp(m_vec - bm)), axis=0)
+    s = tl.sum(s_vec, axis=0)
+    inb = (lab >= 0) & (lab < ncols)
+    t = tl.where(inb, tl.load(zrow + tl.where(inb, lab, 0)).to(tl.float32), 0.0)
+    return m, s, t, tl.sum(zs_vec, axis=0)
+
+
+@triton.jit
+def _fold_kernel(z_ptr, stride_z, lab_ptr, state_ptr, n, ncols, COLS: tl.constexpr):
+    row = tl.program_id(0)
+    zrow = z_ptr + row.to(tl.int64) * stride_z
+    bm, bs, bt, bzs = _fold_row(zrow, tl.load(lab_ptr + row), ncols, COLS)
     m_old = tl.load(state_ptr + row)
     s_old = tl.load(state_ptr + n + row)
     m_all = tl.maximum(m_old, bm)
-    s_all = tl.where(m_old == float("-inf"), 0.0, s_old * tl.exp(m_old - m_all)) + bs * tl.exp(bm - m_all)
+    s_all = (tl.where(m_old == float("-inf"), 0.0, s_old * tl.exp(m_old - m_all))
+             + tl.where(bm == float("-inf"), 0.0, bs * tl.exp(bm - m_all)))
     tl.store(state_ptr + row, m_all)
     tl.store(state_ptr + n + row, s_all)
-    inb = (lab >= 0) & (lab < ncols)
-    tz = tl.load(zrow + tl.where(inb, lab, 0)).to(tl.float32)
-    t_old = tl.load(state_ptr + 2 * n + row)
-    tl.store(state_ptr + 2 * n + row, t_old + tl.where(inb, tz, 0.0))
-    zs_old = tl.load(state_ptr + 3 * n + row)
-    tl.store(state_ptr + 3 * n + row, zs_old + tl.sum(zs_vec, axis=0))
+    tl.store(state_ptr + 2 * n + row, tl.load(state_ptr + 2 * n + row) + bt)
+    tl.store(state_ptr + 3 * n + row, tl.load(state_ptr + 3 * n + row) + bzs)
+
+
+@triton.jit
+def _grad_row(zrow, lab, lse, a, b, c, ncols, COLS: tl.constexpr):
+    for c0 in range(0, ncols, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        msk = cols < ncols
+        z = tl.load(zrow + cols, mask=msk, other=0.0).to(tl.float32)
+        d = a * tl.exp(z - lse) - c - tl.where(cols == lab, b, 0.0)
+        tl.store(zrow + cols, d.to(zrow.dtype.element_ty), mask=msk)
 
 
 @triton.jit
 def _grad_kernel(z_ptr, stride_z, lab_ptr, coef_ptr, n, ncols, COLS: tl.constexpr):
     row = tl.program_id(0)
     zrow = z_ptr + row.to(tl.int64) * stride_z
+    _grad_row(zrow, tl.load(lab_ptr + row), tl.load(coef_ptr + row), tl.load(coef_ptr + n + row),
+              tl.load(coef_ptr + 2 * n + row), tl.load(coef_ptr + 3 * n + row), ncols, COLS)
+
+
+@triton.jit
+def _fold_grad_kernel(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, COLS: tl.constexpr):
+    row = tl.program_id(0)
+    zrow = z_ptr + row.to(tl.int64) * stride_z
     lab = tl.load(lab_ptr + row)
-    lse = tl.load(coef_ptr + row)
-    a = tl.load(coef_ptr + n + row)
-    b = tl.load(coef_ptr + 2 * n + row)
-    c = tl.load(coef_ptr + 3 * n + row)
-    for c0 in range(0, ncols, COLS):
-        cols = c0 + tl.arange(0, COLS)
-        msk = cols < ncols
-        z = tl.load(zrow + cols, mask=msk, other=0.0).to(tl.float32)
-        d = a * tl.exp(z - lse) - c - tl.where(cols == lab, b, 0.0)
-        tl.store(zrow + cols, d.to(z_ptr.dtype.element_ty), mask=msk)
+    m, s, t, zs = _fold_row(zrow, lab, ncols, COLS)
+    tl.store(state_ptr + row, m)
+    tl.store(state_ptr + n + row, s)
+    tl.store(state_ptr + 2 * n + row, t)
+    tl.store(state_ptr + 3 * n + row, zs)
+    g = tl.load(ws_ptr + row)
+    _grad_row(zrow, lab, m + tl.log(s), g, g * keep, g * spread, ncols, COLS)
 
 
 def _check(z: torch.Tensor, local_labels: torch.Tensor, side: torch.Tensor) -> None:
@@ -79,8 +119,9 @@ def fold_logits_triton(z: torch.Tensor, local_labels: torch.Tensor, state: torch
     _check(z, local_labels, state)
     if z.shape[0] == 0:
         return
+    sh = SHAPES["fold"]
     _fold_kernel[(z.shape[0],)](z, z.stride(0), local_labels.contiguous(), state, z.shape[0], z.shape[1],
-                                COLS=_COLS, num_warps=4)
+                                COLS=sh.cols, num_warps=sh.warps)
 
 
 def grad_logits_triton(z: torch.Tensor, local_labels: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
@@ -88,6 +129,23 @@ def grad_logits_triton(z: torch.Tensor, local_labels: torch.Tensor, coef: torch.
     _check(z, local_labels, coef)
     if z.shape[0] == 0:
         return z
+    sh = SHAPES["grad"]
     _grad_kernel[(z.shape[0],)](z, z.stride(0), local_labels.contiguous(), coef, z.shape[0], z.shape[1],
-                                COLS=_COLS, num_warps=4)
+                                COLS=sh.cols, num_warps=sh.warps)
+    return z
+
+
+def fold_grad_logits_triton(z: torch.Tensor, local_labels: torch.Tensor, state: torch.Tensor, ws: torch.Tensor,
+                            label_smoothing: float, vocab_size: int) -> torch.Tensor:
+    """Triton twin of ``fold_grad_logits_torch`` (same contract) in one kernel: each row is folded, then
+    overwritten by its gradient (one launch, and the row's state never leaves the program)."""
+    _check(z, local_labels, state)
+    if ws.shape != local_labels.shape or ws.dtype != torch.float32:
+        raise ValueError(f"ws must be fp32 [{z.shape[0]}], got {tuple(ws.shape)} {ws.dtype}")
+    if z.shape[0] == 0:
+        return z
+    sh = SHAPES["fold_grad"]
+    _fold_grad_kernel[(z.shape[0],)](z, z.stride(0), local_labels.contiguous(), ws.contiguous(), state, z.shape[0],
+                                     z.shape[1], 1.0 - label_smoothing, label_smoothing / vocab_size,
+                                     COLS=sh.cols, num_warps=sh.warps)
     return z

@@ -13,18 +13,20 @@ from typing import Callable
 import torch
 
 from ..matmul import accumulate_mm
-from .block_torch import fold_logits_torch, grad_logits_torch
+from .block_torch import fold_grad_logits_torch, fold_logits_torch, grad_logits_torch
 
 __all__ = ["BlockOps", "block_ops", "fold_shard", "grad_shard"]
 
 
 @dataclass(frozen=True)
 class BlockOps:
-    """The two block kernels of one implementation (``block_torch.py`` or ``block_triton.py``)."""
+    """The block kernels of one implementation (``block_torch.py`` or ``block_triton.py``): fold, grad,
+    and both at once for a block whose rows hold their whole vocabulary (``fold_grad``)."""
 
     name: str
     fold: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
     grad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    fold_grad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
 
 
 def block_ops(kernel: str, device: torch.device) -> BlockOps:
@@ -32,12 +34,12 @@ def block_ops(kernel: str, device: torch.device) -> BlockOps:
     if kernel not in ("auto", "triton", "torch"):
         raise ValueError(f"kernel={kernel!r}: use 'auto', 'triton' or 'torch'")
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
-        return BlockOps("torch", fold_logits_torch, grad_logits_torch)
+        return BlockOps("torch", fold_logits_torch, grad_logits_torch, fold_grad_logits_torch)
     if device.type != "cuda":
         raise ValueError(f"kernel='triton' needs CUDA tensors, got {device}; use kernel='torch' or 'auto'")
-    from .block_triton import fold_logits_triton, grad_logits_triton
+    from .block_triton import fold_grad_logits_triton, fold_logits_triton, grad_logits_triton
 
-    return BlockOps("triton", fold_logits_triton, grad_logits_triton)
+    return BlockOps("triton", fold_logits_triton, grad_logits_triton, fold_grad_logits_triton)
 
 
 def fold_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, state: torch.Tensor,

@@ -134,13 +134,17 @@ def forward_with_grads(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels:
         z = cur.x @ w.t()
         local = cur.labels - own_start
         st = new_state(z.shape[0], x.device)
-        plan.ops.fold(z, local, st)
-        chunk_loss, lse = finish_loss(plan, _state_across_ring(plan, st), cur.labels >= 0)
+        if P == 1:  # the block holds whole rows: one pass folds it and turns it into its gradient
+            d = plan.ops.fold_grad(z, local, st, cur.ws, plan.label_smoothing, plan.vocab_size)
+            chunk_loss, lse = finish_loss(plan, st, cur.labels >= 0)
+        else:
+            plan.ops.fold(z, local, st)
+            chunk_loss, lse = finish_loss(plan, _state_across_ring(plan, st), cur.labels >= 0)
+            d = plan.ops.grad(z, local, coefficients(plan, lse, cur.ws))
+        del z
         mine = slice(r * rows, r * rows + m) if P > 1 else slice(0, m)
         loss[lo:lo + m] = chunk_loss[mine]
         lse_out[lo:lo + m] = lse[mine]
-        d = plan.ops.grad(z, local, coefficients(plan, lse, cur.ws))
-        del z
         if P == 1:
             torch.mm(d, w, out=dx[lo:lo + m])
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_peakflat import stats
 from megatron_peakflat.vocab import reference_linear_cross_entropy, ring_linear_cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -69,6 +70,30 @@ def test_triton_equals_fallback(case, dtype) -> None:
     for what, a, b in zip(("loss", "dX", "dW"), tri, ref):
         rel = float((a - b).norm() / b.norm())
         assert rel < tol, (what, dtype, rel)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_in_forward_fused_kernel(case, dtype, eps) -> None:
+    """The single-GPU in-forward schedule (one fold_grad kernel per chunk) against the plain-PyTorch
+    fold_grad, and both against fp64 no worse than the naive same-dtype path; labels on block edges,
+    ignored tokens, label smoothing, a per-token upstream gradient given as the hint."""
+    x, w, y, gout, _ = case
+    ref = _run(lambda a, b: reference_linear_cross_entropy(a, b, y, label_smoothing=eps), x, w, gout, torch.float64)
+    naive = _err(_run(lambda a, b: reference_linear_cross_entropy(a, b, y, label_smoothing=eps), x, w, gout, dtype), ref)
+    kw = dict(label_smoothing=eps, grad="in-forward", grad_hint=gout.float(), chunk_tokens=512)
+    stats.reset()
+    tri = _run(lambda a, b: ring_linear_cross_entropy(a, b, y, kernel="triton", **kw), x, w, gout, dtype)
+    st = stats.snapshot()["vocab"]
+    assert st["kernel"] == "triton" and st["in_forward_chunks"] == 4 and st.get("hint_corrections", 0) == 0, st
+    fallback = _run(lambda a, b: ring_linear_cross_entropy(a, b, y, kernel="torch", **kw), x, w, gout, dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for what, a, b in zip(("loss", "dX", "dW"), tri, fallback):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < tol, (what, dtype, rel)
+    slack = 2e-4 if dtype == torch.bfloat16 else 2e-6
+    for what, o, nv in zip(("loss", "dX", "dW"), _err(tri, ref), naive):
+        assert o <= nv * 1.05 + slack, (what, dtype, o, nv)
 
 
 def test_fp32_matches_cross_entropy_1e5(case) -> None:
