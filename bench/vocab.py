@@ -5,10 +5,14 @@ Same process, same bf16 inputs; each method runs forward + backward of the mean 
 dX and dW (``torch.autograd.grad``), so the gradients count in the peak as they do in training. Peak is
 the allocation above the inputs (bench/harness.py). ``exact`` says whether loss, dX and dW are within
 ``--tol`` (relative Frobenius norm) of an fp32 reference computed token-chunk by token-chunk; the errors
-themselves are in each row's extras (``err_loss``, ``err_dx``, ``err_dw``).
+themselves are in each row's extras (``err_loss``, ``err_dx``, ``err_dw``). At the H200's power limit
+a method's time drifts by 1-2% from one run to the next; ``--rounds R`` times every method of a case
+R times in turn (A, B, ..., A, B, ...) and reports the median of the R medians (each round's in
+``extra.ms_rounds``), so that a drift of the GPU's clock falls on every method alike.
 
     python bench/vocab.py                      # default cases (about 2-3 minutes on an H200)
     python bench/vocab.py --cases 16384x4096x201088 --methods peakflat,peakflat-b4096,liger-flce
+    python bench/vocab.py --cases 32768x7168x201088 --methods peakflat-fwd-main-grad,liger-flce --rounds 3
     torchrun --nproc-per-node 2 bench/vocab.py --cases 32768x7168x201088    # TP=2, SP: rows ``tp=2``
     torchrun --nproc-per-node 2 bench/vocab.py --dry-run                    # the TP path on CPU (gloo)
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -39,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, across_ranks, finish_distributed, run_row, world, write  # noqa: E402
+from bench.harness import Row, across_ranks, finish_distributed, measure, run_row, world, write  # noqa: E402
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 
 DEFAULT_CASES = "32768x7168x201088,16384x4096x201088,32768x7168x128256,16384x4096x128256"
@@ -335,12 +340,37 @@ def main_tp(args: argparse.Namespace) -> None:
         write("vocab", rows, merge=True)
 
 
+def _more_rounds(first: list[Row], meths: dict[str, Method], x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+                 args: argparse.Namespace) -> list[Row]:
+    """Rounds 2..R of ``--rounds``: every method that ran in the first round, timed again in turn; each
+    row's ``ms`` becomes the median of its rounds' medians (``extra.ms_rounds``)."""
+    if args.rounds <= 1:
+        return first
+    for row in first:
+        if row.ms is not None:
+            row.extra["ms_rounds"] = [row.ms]
+    for r in range(2, args.rounds + 1):
+        for row in first:
+            if row.ms is None:
+                continue
+            ms = measure(_grad_step(meths[row.method], x, w, y), warmup=args.warmup, reps=args.reps)[1]
+            torch.cuda.empty_cache()
+            row.extra["ms_rounds"].append(round(ms, 3))
+            print(f"{row.case:48s} {row.method:28s} round {r}: ms={ms:.3f}", flush=True)
+    for row in first:
+        if row.ms is not None:
+            row.ms = round(statistics.median(row.extra["ms_rounds"]), 3)
+            print(f"{row.case:48s} {row.method:28s} median of {args.rounds} rounds: ms={row.ms}", flush=True)
+    return first
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=DEFAULT_CASES, help="comma list of NxHxV (default: %(default)s)")
     ap.add_argument("--methods", default=ALL_METHODS, help="comma list (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="time every method this many times in turn (one GPU)")
     ap.add_argument("--tol", type=float, default=2e-2, help="relative error for exact=True (bf16 level)")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference (exact=None)")
     ap.add_argument("--dry-run", action="store_true", help="under torchrun on CPU: the TP path with tiny shapes, "
@@ -369,11 +399,13 @@ def main(argv: list[str] | None = None) -> None:
         _with_main_grad(w, meths)
         ref = None if args.no_check else fp32_reference(x.detach(), w.detach(), y)
         torch.cuda.empty_cache()
+        first: list[Row] = []
         for name, fn in meths.items():
             exact, extra = (None, {}) if ref is None else check(fn, x, w, y, ref, args.tol)
             torch.cuda.empty_cache()
-            rows.append(run_row(case, name, _grad_step(fn, x, w, y), exact=exact, warmup=args.warmup, reps=args.reps,
-                                **extra))
+            first.append(run_row(case, name, _grad_step(fn, x, w, y), exact=exact, warmup=args.warmup,
+                                 reps=args.reps, **extra))
+        rows += _more_rounds(first, meths, x, w, y, args)
         del x, w, y, ref
         torch.cuda.empty_cache()
     write("vocab", rows, merge=True)  # keeps the TP rows (and other cases) of earlier runs
