@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import Row, measure, write  # noqa: E402
 from megatron_peakflat.vocab import block_triton as bt  # noqa: E402
+from megatron_peakflat.vocab.ring import new_state  # noqa: E402
 
 
 @triton.jit
@@ -59,12 +60,6 @@ def _lse_err(st: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((lse - ref_lse).abs() / ref_lse.abs()).max())
 
 
-def _fresh(n: int, dev: str) -> torch.Tensor:
-    st = torch.zeros(4, n, device=dev)
-    st[0].fill_(float("-inf"))
-    return st
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4096)
@@ -86,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(Row(case, method, None, round(ms, 4), None, {"gb_s": round(moved / ms / 1e6, 1), **extra}))
         print(f"{case} {method:34s} {ms:8.4f} ms  {moved / ms / 1e6:7.1f} GB/s  {extra}", flush=True)
 
-    ref_state = _fresh(n, "cuda")
+    ref_state = new_state(n, z0.device)
     _fold_before[(n,)](z0, z0.stride(0), lab, ref_state, n, V, COLS=1024, num_warps=4)
     lse = ref_state[0] + ref_state[1].log()
     coef = torch.stack([lse, ws, ws, torch.zeros_like(ws)]).contiguous()
@@ -95,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     bt.grad_logits_triton(ref_grad, lab, coef)
     ulp = 2.0 ** -7 / 32768  # bf16 spacing at the largest gradient, ws = 1/32768
 
-    st = _fresh(n, "cuda")
+    st = new_state(n, z0.device)
     fold_before_ms = measure(lambda: _fold_before[(n,)](z0, z0.stride(0), lab, st, n, V, COLS=1024, num_warps=4),
                              warmup=2, reps=args.reps)[1]
     emit("fold before (1024 cols, 4 warps)", fold_before_ms, zbytes)
@@ -108,10 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     for cols, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
         shape = bt.KernelShape(cols, warps)
         bt.SHAPES["fold"] = bt.SHAPES["grad"] = bt.SHAPES["fold_grad"] = shape
-        st = _fresh(n, "cuda")
+        st = new_state(n, z0.device)
         bt.fold_logits_triton(z0, lab, st)
         err = _lse_err(st, ref_state)
-        st = _fresh(n, "cuda")
+        st = new_state(n, z0.device)
         ms = measure(lambda: bt.fold_logits_triton(z0, lab, st), warmup=2, reps=args.reps)[1]
         emit(f"fold {cols} cols, {warps} warps", ms, zbytes, lse_err=err)
         f_ms = ms

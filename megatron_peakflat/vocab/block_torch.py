@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fold_logits_torch", "grad_logits_torch", "fold_grad_logits_torch"]
+__all__ = ["fold_logits_torch", "grad_logits_torch", "fold_grad_logits_torch", "grad_coefficients"]
 
 
 def fold_logits_torch(z: torch.Tensor, local_labels: torch.Tensor, state: torch.Tensor) -> None:
@@ -42,6 +42,13 @@ def grad_logits_torch(z: torch.Tensor, local_labels: torch.Tensor, coef: torch.T
     return d.to(z.dtype)
 
 
+def grad_coefficients(lse: torch.Tensor, g: torch.Tensor, label_smoothing: float, vocab_size: int) -> torch.Tensor:
+    """The [4, n] (lse, a, b, c) of ``grad_logits_*`` for the per-token upstream gradient ``g`` (0 where
+    ignored): a = g, b = g (1 - eps), c = g eps / V."""
+    eps = label_smoothing
+    return torch.stack([lse, g, g * (1.0 - eps), g * (eps / vocab_size)]).contiguous()
+
+
 def fold_grad_logits_torch(z: torch.Tensor, local_labels: torch.Tensor, state: torch.Tensor, ws: torch.Tensor,
                            label_smoothing: float, vocab_size: int) -> torch.Tensor:
     """Fold ``z`` [n, b] into a fresh ``state`` [4, n] (overwritten), then return the gradient of the
@@ -49,11 +56,10 @@ def fold_grad_logits_torch(z: torch.Tensor, local_labels: torch.Tensor, state: t
 
     For a block holding every logit of its rows (one rank's whole vocabulary), whose log-sum-exp is
     therefore complete after the fold: the same numbers as ``fold_logits_torch`` followed by
-    ``grad_logits_torch`` with coefficients (lse, ws, ws (1 - eps), ws eps / V).
+    ``grad_logits_torch`` with ``grad_coefficients``.
     """
     state[0].fill_(float("-inf"))
     state[1:].zero_()
     fold_logits_torch(z, local_labels, state)
     lse = state[0] + torch.log(state[1])
-    coef = torch.stack([lse, ws, ws * (1.0 - label_smoothing), ws * (label_smoothing / vocab_size)])
-    return grad_logits_torch(z, local_labels, coef)
+    return grad_logits_torch(z, local_labels, grad_coefficients(lse, ws, label_smoothing, vocab_size))

@@ -133,11 +133,12 @@ def forward_with_grads(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels:
         nxt = _Chunk(plan, x, labels, ws, lo + rows, rows) if j + 1 < n_chunks else None
         z = cur.x @ w.t()
         local = cur.labels - own_start
-        st = new_state(z.shape[0], x.device)
         if P == 1:  # the block holds whole rows: one pass folds it and turns it into its gradient
+            st = torch.empty(4, z.shape[0], dtype=torch.float32, device=x.device)  # fold_grad writes it whole
             d = plan.ops.fold_grad(z, local, st, cur.ws, plan.label_smoothing, plan.vocab_size)
             chunk_loss, lse = finish_loss(plan, st, cur.labels >= 0)
         else:
+            st = new_state(z.shape[0], x.device)
             plan.ops.fold(z, local, st)
             chunk_loss, lse = finish_loss(plan, _state_across_ring(plan, st), cur.labels >= 0)
             d = plan.ops.grad(z, local, coefficients(plan, lse, cur.ws))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .block_torch import grad_coefficients
 from .blocks import BlockOps, fold_shard, grad_shard
 from .. import stats
 from ..main_grad import main_grad_of, release
@@ -232,8 +233,7 @@ def backward_ring(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torc
 
 def coefficients(plan: RingPlan, lse: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """The [4, n] (lse, a, b, c) of ``grad_logits_*`` for per-token upstream gradient ``g`` (0 where ignored)."""
-    eps = plan.label_smoothing
-    return torch.stack([lse, g, g * (1.0 - eps), g * (eps / plan.vocab_size)]).contiguous()
+    return grad_coefficients(lse, g, plan.label_smoothing, plan.vocab_size)
 
 
 def finish_loss(plan: RingPlan, state: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
