@@ -321,7 +321,7 @@ def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int,
     r = int(math.ceil(run.layer_rows))
     k = max(1, s.topk)
     d = pf.dispatch
-    K = split_floor(chunk_count(r * k, d.chunk_cap, d.max_chunks), run.ep, int(getattr(d, "overlap_min_chunks", 0)),
+    K = split_floor(chunk_count(r * k, d.chunk_cap, d.max_chunks), run.ep, d.overlap_min_chunks,
                     d.max_chunks)
     return K, int(math.ceil(r * k / K))
 
@@ -358,7 +358,7 @@ def llep_overlaps(s: ModelShape, run: RunConfig, pf: PeakflatConfig, *, worst: b
     (skewed routing can take more chunks, up to max_chunks), for the bound."""
     d = pf.dispatch
     K = d.max_chunks if worst else llep_chunks(s, run, pf)[0]
-    return overlap_on(bool(d.overlap), int(getattr(d, "overlap_min_chunks", 0)), K, run.ep)
+    return overlap_on(bool(d.overlap), d.overlap_min_chunks, K, run.ep)
 
 
 def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig, chunk_rows: float) -> float:
