@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -73,12 +74,17 @@ def _worker(
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         errors.put((rank, traceback.format_exc()))
         os._exit(1)
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    # The result is delivered and every rank passed the barrier. Skipping interpreter finalization avoids
+    # a known gloo teardown abort: a process group still referenced from Python (a captured group
+    # handle) is destroyed during finalization, and its worker threads call std::terminate (SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(
