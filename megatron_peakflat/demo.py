@@ -218,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(both runs took {time.perf_counter() - t0:.0f} s)")
     ok = _print_report(results[0], opts, unavailable)
     if not a.no_plan:
-        print("\n== peak planner: gpt-oss-120b at 1M context on 16 GPUs ==")
+        # A fixed cluster, so that the table reads the same on a laptop and on a GPU node with little host RAM.
+        print("\n== peak planner: gpt-oss-120b at 1M context on 16 GPUs of 80 GiB, 8 per node, 2 TiB host per node ==")
         try:
             from .plan import main as plan_main
 
-            plan_main(["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16"])
+            plan_main(["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16", "--gpus-per-node", "8",
+                       "--hbm-gib", "80", "--host-gib", "2048"])
         except ImportError as e:
             print(f"planner not available: {e}")
     return 0 if ok else 1
