@@ -28,6 +28,17 @@ def test_launcher_runs_world(world):
     assert out == [(r, world, expected) for r in range(world)]
 
 
+def _large_result(rank, world_size):
+    return torch.full((256 * 1024,), float(rank))  # 1 MiB pickled: 16 times a Linux pipe's buffer
+
+
+def test_launcher_returns_results_larger_than_a_pipe_buffer():
+    """A rank blocks in put() until the parent reads; the parent reads while the ranks run, so no hang."""
+    out = run_distributed(_large_result, 2, timeout=60)
+    assert [t.numel() for t in out] == [256 * 1024] * 2
+    assert [t.unique().tolist() for t in out] == [[0.0], [1.0]]
+
+
 def test_launcher_reports_the_failing_rank():
     with pytest.raises(DistributedTestError) as e:
         run_distributed(_fail_on_rank_one, 2, timeout=60)

@@ -13,6 +13,7 @@ Guarantees:
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
 import traceback
@@ -69,7 +70,9 @@ def _worker(
             timeout=timedelta(seconds=timeout_s),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, out))
+        # Plain pickle copies tensors' bytes; torch's queue pickling would share them through a file
+        # descriptor that dies with this process, before the parent may have read it.
+        results.put((rank, pickle.dumps(out)))
         dist.barrier()  # no rank tears its connections down while a peer may still be using them
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         errors.put((rank, traceback.format_exc()))
@@ -115,9 +118,17 @@ def run_distributed(
 
     deadline = time.monotonic() + timeout
     failed: list[tuple[int, str]] = []
+    out: dict[int, Any] = {}
+
+    def drain_results() -> None:  # a result larger than the pipe's buffer blocks its rank until read
+        while not results.empty():
+            r, v = results.get()
+            out[r] = pickle.loads(v)
+
     while any(p.is_alive() for p in procs):
         while not errors.empty():
             failed.append(errors.get())
+        drain_results()
         if failed or time.monotonic() > deadline:
             break
         for p in procs:
@@ -137,8 +148,5 @@ def run_distributed(
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise DistributedTestError(f"ranks exited abnormally without a traceback: {bad}")
-    out: dict[int, Any] = {}
-    while not results.empty():
-        r, v = results.get()
-        out[r] = v
+    drain_results()
     return [out.get(r) for r in range(world_size)]
