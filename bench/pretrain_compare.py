@@ -6,10 +6,12 @@ keeps every iteration's loss and grad norm, the median time per iteration after 
 Megatron's memory report after two iterations (rank 0: allocated, which holds the weights, gradient
 buffers and optimizer state, and max allocated). Separate processes, one after another on the same
 machine: the figures compare configurations, not peers inside one process (``bench/<component>.py`` do).
+A run that dies of CUDA OOM keeps the allocator's message and the innermost frames it died in (``oom``);
+``--compare a:b`` records how far two runs' losses are apart (runs that differ only in peakflat being on).
 
     python3 bench/pretrain_compare.py --env VOCAB=201088,HIDDEN=2048 \
         --run off:PEAKFLAT=off --run whole:PEAKFLAT_COMPONENTS=dispatch,vocab,sco \
-        --run shard:PEAKFLAT_COMPONENTS=dispatch,vocab-ep,sco -- --deterministic-mode
+        --run shard:PEAKFLAT_COMPONENTS=dispatch,vocab-ep,sco --compare off:whole -- --deterministic-mode
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import argparse
 import json
 import os
 import random
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import RESULTS  # noqa: E402
+from bench.harness import RESULTS, environment  # noqa: E402
 from megatron_peakflat.testing.subproc import logged, memory_report  # noqa: E402
 
 
@@ -48,6 +52,39 @@ def _run_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, _pairs(rest, ";")
 
 
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def oom_of(text: str, frames: int = 4) -> dict | None:
+    """The first CUDA out-of-memory error in a log: the allocator's message (what it tried to allocate,
+    what was free) and the innermost ``frames`` frames of the traceback above it, as ``file:line func``
+    with the path from its package down, so that the peak it died in can be named. None without one."""
+    lines = text.splitlines()
+    for i, ln in enumerate(lines):
+        if "OutOfMemoryError" in ln and "CUDA out of memory" in ln:
+            found = [m for m in (_FRAME.search(x) for x in lines[max(0, i - 200):i]) if m]
+            where = []
+            for m in found[-frames:]:
+                path = m.group(1)
+                for pkg in ("megatron_peakflat/", "megatron/", "torch/"):
+                    if pkg in path:
+                        path = pkg + path.split(pkg, 1)[1]
+                        break
+                where.append(f"{path}:{m.group(2)} {m.group(3)}")
+            return {"message": ln.split("OutOfMemoryError:", 1)[-1].strip()[:400], "where": where}
+    return None
+
+
+def loss_gap(a: list[float], b: list[float]) -> dict:
+    """How far two runs' per-iteration losses are apart: the largest relative difference, at which iteration."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return {"iterations": 0, "max_rel_diff": None}
+    rel = [abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a[:n], b[:n])]
+    k = max(range(n), key=rel.__getitem__)
+    return {"iterations": n, "max_rel_diff": rel[k], "at_iteration": k + 1}
+
+
 def parse_log(text: str) -> dict:
     """Losses, grad norms, per-iteration times and the memory report of one Megatron training log."""
     times = logged(text, "elapsed time per iteration (ms)")
@@ -61,7 +98,38 @@ def parse_log(text: str) -> dict:
         "peakflat_lines": list(dict.fromkeys(  # what the components said they did, once each
             ln.strip() for ln in text.splitlines()
             if ln.startswith(("peakflat dispatch:", "peakflat vocab:", "peakflat SCO", "peakflat optimizer:", "peakflat peaks"))))[:16],
+        "oom": oom_of(text),
     }
+
+
+def run_in_session(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int, str]:
+    """(exit status, stdout and stderr) of ``cmd`` run in a session of its own, so that a timeout kills
+    every process it started (torchrun's ranks too), not the launcher alone; 124 on a timeout."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return 124, out + f"\n[pretrain_compare] killed after --timeout {timeout} s\n"
+
+
+def _machine() -> dict:
+    """Where the runs ran: the harness's device and versions, GPU count and host memory."""
+    import torch
+
+    mem = re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text()) if Path("/proc/meminfo").exists() else None
+    return {**environment(), "gpus": torch.cuda.device_count(), "host_mem_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None}
+
+
+def _write(results: dict, name: str) -> Path:
+    path = RESULTS / name
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], name).write_text(json.dumps(results, indent=2) + "\n")
+    return path
 
 
 def main() -> None:
@@ -69,31 +137,38 @@ def main() -> None:
     ap.add_argument("--env", default="", help="KEY=VALUE,... for every run")
     ap.add_argument("--run", action="append", required=True, help="name:KEY=VALUE;KEY=VALUE (repeatable)")
     ap.add_argument("--out", default="pretrain_compare.json", help="file name under bench/results")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds a run may take before it is killed (rc 124)")
+    ap.add_argument("--compare", action="append", default=[], help="a:b: record how far runs a and b's losses are apart")
     ap.add_argument("extra", nargs="*", help="Megatron flags for every run (after --)")
     a = ap.parse_args()
     common = _pairs(a.env, ",")
-    results = {"command": " ".join(sys.argv), "env": common, "extra": a.extra, "runs": {}}
+    pairs_to_compare = [tuple(c.split(":", 1)) for c in a.compare]
+    names = [_run_spec(spec)[0] for spec in a.run]
+    for pair in pairs_to_compare:
+        if len(pair) != 2 or not set(pair) <= set(names):
+            raise SystemExit(f"--compare {':'.join(pair)}: expected two of the runs' names {names}, as a:b")
+    results = {"command": " ".join(sys.argv), "env": common, "extra": a.extra, "environment": _machine(), "runs": {}}
     for spec in a.run:
         name, pairs = _run_spec(spec)
         env = {**os.environ, **common, **pairs, "MASTER_PORT": str(29600 + random.randrange(300))}  # a run's pairs win
         t0 = time.time()
         print(f"=== {name}: {pairs}", flush=True)
-        proc = subprocess.run(["bash", "examples/pretrain_moe.sh", *a.extra], cwd=ROOT, env=env,
-                              capture_output=True, text=True)
-        text = proc.stdout + proc.stderr
+        rc, text = run_in_session(["bash", "examples/pretrain_moe.sh", *a.extra], env, a.timeout)
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], f"pretrain_{name}.log").write_text(text)
-        row = {"env": pairs, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1), **parse_log(text)}
-        if proc.returncode:
+        row = {"env": pairs, "rc": rc, "wall_s": round(time.time() - t0, 1), **parse_log(text)}
+        if rc:
             row["tail"] = text[-3000:]
         results["runs"][name] = row
         print(json.dumps({k: v for k, v in row.items() if k != "tail"}, indent=1), flush=True)
-        if proc.returncode:
+        if rc:
             print(text[-3000:], flush=True)
-    path = RESULTS / a.out
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], a.out).write_text(json.dumps(results, indent=2) + "\n")
+        path = _write(results, a.out)  # after every run: a run that outlasts its machine keeps the others
+    if pairs_to_compare:
+        results["loss_gaps"] = {f"{x}:{y}": loss_gap(results["runs"][x]["lm_loss"], results["runs"][y]["lm_loss"])
+                                for x, y in pairs_to_compare}
+        print(json.dumps(results["loss_gaps"], indent=1), flush=True)
+        path = _write(results, a.out)
     print(f"wrote {path}")
 
 

@@ -11,7 +11,8 @@
 # TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8], TRAIN_ITERS [20], VOCAB [32768], UNTIE [1] (0: output
 # layer tied to the embedding),
 # PEAKFLAT [on], PEAKFLAT_COMPONENTS [dispatch,vocab,sco,optimizer; vocab-ep in place of vocab also shards the
-# output layer over the EP group], CHUNK_CAP [4096], DATA_PATH, TOKENIZER_MODEL, PYTHON [python3].
+# output layer over the EP group], CHUNK_CAP [4096], DATA_PATH, TOKENIZER_MODEL, PYTHON [python3],
+# MEGATRON_ARGS [none: more Megatron flags, split on spaces, e.g. "--optimizer-cpu-offload --use-precision-aware-optimizer"].
 #
 #SBATCH --job-name=peakflat-moe
 #SBATCH --nodes=1
@@ -97,10 +98,12 @@ case "$PEAKFLAT" in
   *) echo "PEAKFLAT must be on or off, not '$PEAKFLAT'" >&2; exit 2 ;;
 esac
 
+read -ra USER_ARGS <<< "${MEGATRON_ARGS:-}"
+
 LAUNCH=(
   "$PYTHON" -m torch.distributed.run --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-  -m megatron_peakflat.pretrain "${MODEL[@]}" "${PARALLEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${PF[@]}" "$@"
+  -m megatron_peakflat.pretrain "${MODEL[@]}" "${PARALLEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${PF[@]}" "${USER_ARGS[@]}" "$@"
 )
 echo "peakflat=$PEAKFLAT nodes=$NNODES gpus/node=$GPUS_PER_NODE tp=$TP ep=$EP seq=$SEQ_LEN layers=$NUM_LAYERS experts=$EXPERTS"
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}

@@ -59,3 +59,49 @@ def test_pretrain_compare_reads_megatron_log():
     assert got["ms_per_iter"] == 420.0
     assert (got["allocated_mib"], got["max_allocated_mib"]) == (1234.5, 2345.25)
     assert parse_log("no log")["ms_per_iter"] is None
+
+
+def test_pretrain_compare_names_an_oom_and_compares_losses():
+    """A run that died of CUDA OOM keeps the allocator's message and the innermost frames it died in, with
+    paths cut to their package; a log without one has none; two runs' loss gap is the largest relative one."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.pretrain_compare import loss_gap, oom_of, parse_log
+
+    log = "\n".join([
+        " [2026-11-30] iteration 1/ 4 | lm loss: 1.0E+01 |",
+        "Traceback (most recent call last):",
+        '  File "/tmp/site/megatron/training/training.py", line 10, in train_step',
+        "    losses = forward_backward_func()",
+        '  File "/tmp/site/megatron/core/tensor_parallel/cross_entropy.py", line 120, in forward',
+        "    exp_logits = torch.exp(vocab_parallel_logits)",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 48.00 GiB. GPU 0 has a total capacity "
+        "of 139.81 GiB of which 20.10 GiB is free.",
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB.",
+    ])
+    got = oom_of(log)
+    assert got["message"].startswith("CUDA out of memory. Tried to allocate 48.00 GiB"), got
+    assert got["where"] == ["megatron/training/training.py:10 train_step",
+                            "megatron/core/tensor_parallel/cross_entropy.py:120 forward"], got
+    assert parse_log(log)["oom"] == got
+    assert oom_of(log.replace("OutOfMemoryError", "RuntimeError")) is None
+    gap = loss_gap([10.0, 9.0, 8.0], [10.0, 9.009, 8.004, 7.0])
+    assert gap["iterations"] == 3 and gap["at_iteration"] == 2 and abs(gap["max_rel_diff"] - 1e-3) < 1e-12
+    assert loss_gap([], [1.0])["max_rel_diff"] is None
+
+
+def test_pretrain_compare_timeout_kills_the_whole_session():
+    """--timeout ends every process a run started (a launcher's children too), with status 124."""
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.pretrain_compare import run_in_session
+
+    marker = Path("/tmp") / f"peakflat_timeout_{os.getpid()}"
+    marker.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    rc, out = run_in_session(["bash", "-c", f"echo started; (sleep 3; touch {marker}) & sleep 60"], dict(os.environ), 1.0)
+    assert rc == 124 and "started" in out and "killed after --timeout" in out
+    assert time.monotonic() - t0 < 20
+    time.sleep(3.5)
+    assert not marker.exists(), "a child of the timed-out run survived it"
+    assert run_in_session(["bash", "-c", "echo fine"], dict(os.environ), 10.0) == (0, "fine\n")
