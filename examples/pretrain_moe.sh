@@ -67,12 +67,15 @@ PARALLEL=(
   --use-distributed-optimizer
 )
 [[ "$TP" -gt 1 ]] && PARALLEL+=(--sequence-parallel)
+# A causal model needs no [s, s] mask from the dataloader; at 64K tokens Megatron's default one is 4 GiB per
+# sample in host memory (megatron_peakflat.apply rejects that at start-up).
 TRAIN=(
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
   --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
   --bf16 --seed 1234
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
   --log-interval 1 --eval-iters 0 --eval-interval 1000000
+  --no-create-attention-mask-in-dataloader
 )
 if [[ -n "${DATA_PATH:-}" ]]; then
   DATA=(--data-path "$DATA_PATH" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL with DATA_PATH}")

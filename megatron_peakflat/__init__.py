@@ -37,6 +37,12 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
         components.add("attention")
     if cfg.general.report_peaks:
         components.add("report")
+    if components and not isinstance(config, PeakflatConfig):
+        from .integration.attention import check_dataloader_mask
+
+        note = check_dataloader_mask(config)  # raises, before anything is patched, when it cannot run
+        if note:
+            log.warning(note)
     state.set_current(cfg)
     registry.apply_patches(components)
     if not isinstance(config, PeakflatConfig):

@@ -95,3 +95,42 @@ def test_a_missing_module_fails_naming_it(monkeypatch):
     monkeypatch.setattr(registry, "PATCHES", (bogus,))
     with pytest.raises(registry.PeakflatIntegrationError, match="megatron.core.no_such_module"):
         megatron_peakflat.apply(PeakflatConfig(sco=SCOConfig(enabled=True), general=GeneralConfig(attention="local")))
+
+
+def _megatron_args(seq: int, mask: bool, micro_batch: int = 1):
+    from tests.test_config import megatron_args, parse
+
+    ns = parse("--peakflat-sco", "--peakflat-attention", "sdpa")
+    for k, v in vars(megatron_args(seq_length=seq, micro_batch_size=micro_batch,
+                                   create_attention_mask_in_dataloader=mask)).items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_a_dataloader_mask_too_large_to_hold_fails_at_startup_and_patches_nothing():
+    """At 64K tokens Megatron's default dataloader mask is 4 GiB per sample (its workers get killed minutes
+    in): apply() names the flag, the value and the fix before anything is patched."""
+    before = snapshot()
+    with pytest.raises(megatron_peakflat.PeakflatConfigError) as e:
+        megatron_peakflat.apply(_megatron_args(65536, True))
+    assert e.value.flag == "--create-attention-mask-in-dataloader" and e.value.value is True
+    assert "[1, 1, 65536, 65536]" in str(e.value) and "4.00 GiB" in str(e.value)
+    assert e.value.fix.startswith("pass --no-create-attention-mask-in-dataloader")
+    assert registry.applied() == [] and snapshot() == before and state.get() is None
+
+
+def test_a_large_dataloader_mask_is_warned_about_and_none_is_quiet(caplog):
+    """From 256 MiB per micro-batch (16K tokens) the mask is a warning naming the fix; without the mask, or
+    at short context, nothing is said and the run proceeds."""
+    with caplog.at_level("WARNING", logger="megatron_peakflat"):
+        megatron_peakflat.apply(_megatron_args(8192, True, micro_batch=4))  # 256 MiB per micro-batch
+    assert any("--no-create-attention-mask-in-dataloader" in r.getMessage() and "[4, 1, 8192, 8192]" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert registry.applied()
+    megatron_peakflat.remove()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megatron_peakflat"):
+        megatron_peakflat.apply(_megatron_args(131072, False))
+        megatron_peakflat.remove()
+        megatron_peakflat.apply(_megatron_args(8192, True))  # 64 MiB
+    assert not [r for r in caplog.records if "attention mask" in r.getMessage()], caplog.text
