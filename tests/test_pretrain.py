@@ -30,6 +30,17 @@ def test_bad_combination_fails_before_the_model_is_built():
     assert not re.search(r"iteration +1/", text)
 
 
+def test_dataloader_mask_at_long_context_fails_before_the_model_is_built():
+    """At 64K tokens Megatron's default [s, s] dataloader mask (4 GiB per sample) is refused at start-up,
+    naming the flag and the fix, instead of the loader's workers being killed for host memory minutes in."""
+    long = ["--seq-length", "65536", "--max-position-embeddings", "65536"]
+    out = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, *long, "--peakflat-vocab", "ring-dtp")
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "--create-attention-mask-in-dataloader=True" in text and "--no-create-attention-mask-in-dataloader" in text
+    assert "building GPT model" not in text and not re.search(r"iteration +1/", text)
+
+
 def _losses(text: str) -> list[float]:
     return logged(text, "lm loss")
 

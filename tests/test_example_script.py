@@ -1,0 +1,76 @@
+"""examples/pretrain_moe.sh builds the Megatron command line its environment asks for (read back with the
+launcher replaced by ``echo``, so no GPU is needed): peakflat's flags only when on, one per component,
+the example's long-context defaults, and the user's flags last, so that they win."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+
+import pytest
+
+from megatron_peakflat.testing.subproc import ROOT
+
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_moe.sh")
+
+
+def command(**env: str) -> list[str]:
+    """The launcher's argv the script would exec, for this environment."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("PEAKFLAT", "SLURM", "MEGATRON_ARGS"))}
+    full.update(GPUS_PER_NODE="2", PYTHON="echo", **env)
+    extra = shlex.split(full.pop("ARGV", ""))
+    out = subprocess.run(["bash", SCRIPT, *extra], env=full, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return shlex.split(out.stdout.splitlines()[-1])
+
+
+def value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_off_passes_no_peakflat_flag():
+    argv = command(PEAKFLAT="off")
+    assert argv[:2] == ["-m", "torch.distributed.run"] and value(argv, "--nproc-per-node") == "2"
+    assert "megatron_peakflat.pretrain" in argv
+    assert not [a for a in argv if a.startswith("--peakflat")]
+    assert "--optimizer-cpu-offload" not in argv
+    assert "--no-create-attention-mask-in-dataloader" in argv
+    assert value(argv, "--expert-model-parallel-size") == "2" and value(argv, "--seq-length") == "4096"
+
+
+def test_on_passes_each_component_and_the_flags_it_needs():
+    argv = command(PEAKFLAT="on", CHUNK_CAP="65536")
+    assert value(argv, "--peakflat-dispatch") == "pipelined-llep"
+    assert value(argv, "--peakflat-dispatch-chunk-cap") == "65536"
+    assert value(argv, "--peakflat-vocab") == "ring-dtp"
+    assert value(argv, "--peakflat-optimizer") == "offload-stream"
+    for flag in ("--peakflat-sco", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+                 "--use-distributed-optimizer", "--peakflat-report-peaks"):
+        assert flag in argv, flag
+    assert "--peakflat-vocab-shard-over-ep" not in argv
+    only = command(PEAKFLAT="on", PEAKFLAT_COMPONENTS="dispatch,vocab-ep")
+    assert "--peakflat-vocab-shard-over-ep" in only and "--peakflat-sco" not in only
+    assert "--peakflat-optimizer" not in only
+
+
+def test_user_flags_come_last_so_that_they_win():
+    argv = command(PEAKFLAT="off", MEGATRON_ARGS="--optimizer-cpu-offload --use-precision-aware-optimizer",
+                   ARGV="--save /ckpt --seq-length 8192")
+    tail = argv[-6:]
+    assert tail == ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--save", "/ckpt",
+                    "--seq-length", "8192"], argv
+    sizes = dict(SEQ_LEN="131072", EXPERTS="64", NUM_LAYERS="2")
+    argv = command(PEAKFLAT="off", **sizes)
+    assert value(argv, "--seq-length") == value(argv, "--max-position-embeddings") == "131072"
+    assert value(argv, "--num-experts") == "64" and value(argv, "--num-layers") == "2"
+
+
+@pytest.mark.parametrize("bad, words", [(dict(PEAKFLAT="maybe"), "PEAKFLAT must be on or off"),
+                                        (dict(PEAKFLAT="on", PEAKFLAT_COMPONENTS="dispatch,bogus"),
+                                         "unknown component 'bogus'")])
+def test_bad_environment_is_refused_with_its_value(bad, words):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEAKFLAT")}
+    env.update(GPUS_PER_NODE="1", PYTHON="echo", **bad)
+    out = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and words in out.stderr, out.stderr
