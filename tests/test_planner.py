@@ -75,7 +75,7 @@ def test_output_layer_sharded_over_ep_by_hand():
     assert M.vocab_ring_size(RunConfig(seq_len=4096, tp=2, ep=4, dp=2), pf) == 2  # TP > 1: the TP ring
     base = plan(TINY, run, PeakflatConfig(vocab=VocabConfig(impl="ring-dtp"))).stages[0].rows
     got = plan(TINY, run, pf).stages[0].rows
-    for name, per_param in (("parameters", run.w), ("gradients", 4 if run.grads_fp32 else run.w)):
+    for name, per_param in (("parameters", run.w), ("gradients", run.grad_bytes)):
         assert got[name].baseline == base[name].baseline
         assert base[name].baseline - got[name].peakflat == pytest.approx(1000 * 64 * 3 / 4 * per_param)
     # Megatron's optimizer state follows the shard: the same per rank under the distributed optimizer (dense

@@ -34,6 +34,8 @@ def megatron_parser() -> argparse.ArgumentParser:
                  "optimizer-cpu-offload", "accumulate-allreduce-grads-in-fp32", "untie-embeddings-and-output-weights",
                  "swiglu", "cross-entropy-loss-fusion", "multi-latent-attention"]:
         p.add_argument("--" + name, action="store_true", default=None)
+    p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None)
+    p.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default=None)
     p.add_argument("--optimizer-offload-fraction", type=float, default=None)
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     p.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
@@ -136,6 +138,10 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
                      ("cross_entropy_loss_fusion", "cross_entropy_fusion")):
         if getattr(ns, src, None) is not None:
             out[dst] = bool(getattr(ns, src))
+    # Megatron's rule for bf16 (megatron/training/arguments.py): fp32 grads unless one of these says bf16.
+    if getattr(ns, "grad_reduce_in_bf16", None) or "bf16" in str(getattr(ns, "main_grads_dtype", "") or "").replace(
+            "bfloat16", "bf16"):
+        out["grads_fp32"] = False
     if getattr(ns, "optimizer_cpu_offload", None) and "optimizer_offload_fraction" not in out:
         out["optimizer_offload_fraction"] = 1.0
     if not getattr(ns, "optimizer_cpu_offload", None) and "optimizer_offload_fraction" in out:

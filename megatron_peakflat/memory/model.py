@@ -74,8 +74,10 @@ class RunConfig:
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     distributed_optimizer: bool = True
     """--use-distributed-optimizer."""
-    grads_fp32: bool = False
-    """--accumulate-allreduce-grads-in-fp32 (grad buffer in fp32)."""
+    grads_fp32: bool | None = None
+    """--accumulate-allreduce-grads-in-fp32 (grad buffer in fp32). None: Megatron's default, which is fp32 for
+    bf16 training (megatron/training/arguments.py turns the flag on unless --grad-reduce-in-bf16 or
+    --main-grads-dtype bf16) and the parameters' dtype otherwise."""
     optimizer_offload_fraction: float = 0.0
     """--optimizer-cpu-offload with --optimizer-offload-fraction (Megatron's HybridDeviceOptimizer)."""
     cross_entropy_fusion: bool = False
@@ -97,6 +99,12 @@ class RunConfig:
     @property
     def w(self) -> int:
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per parameter of DDP's grad buffer (``grads_fp32``; unset: fp32 for bf16, as Megatron does)."""
+        fp32 = self.precision == "bf16" if self.grads_fp32 is None else self.grads_fp32
+        return 4 if fp32 else self.w
 
     @property
     def tokens(self) -> float:
@@ -588,7 +596,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
 
         rows["parameters"] = Row("parameters", params * w, params_pf * w,
                                  source="param_and_grad_buffer.py _ParamAndGradBuffer.param_data (w bytes/param)")
-        gbytes = 4 if run.grads_fp32 else w
+        gbytes = run.grad_bytes
         rows["gradients"] = Row("gradients", params * gbytes, params_pf * gbytes,
                                 source="param_and_grad_buffer.py grad_data, full size even with the distributed optimizer")
 
