@@ -105,3 +105,33 @@ def test_pretrain_compare_timeout_kills_the_whole_session():
     time.sleep(3.5)
     assert not marker.exists(), "a child of the timed-out run survived it"
     assert run_in_session(["bash", "-c", "echo fine"], dict(os.environ), 10.0) == (0, "fine\n")
+
+
+def test_memory_peak_replays_a_snapshot_to_its_highest_point():
+    """bench/memory_peak.py walks the allocator's events back from the live state: the peak inside the window
+    and the blocks alive there (a block freed before the snapshot included), charged to their first frame in
+    this package or Megatron."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.memory_peak import by_site, find_peak, report
+
+    def fr(path: str, line: int) -> list[dict]:
+        return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": f"/site/{path}", "line": line, "name": "f"}]
+
+    a, b, c, d = fr("megatron/core/a.py", 1), fr("megatron_peakflat/vocab/b.py", 2), fr("megatron/core/c.py", 3), fr("x/d.py", 4)
+    snap = {"segments": [{"blocks": [{"address": 1, "size": 100, "state": "active_allocated", "frames": a},
+                                     {"address": 4, "size": 10, "state": "active_allocated", "frames": d},
+                                     {"address": 9, "size": 7, "state": "inactive"}]}],
+            "device_traces": [[{"action": "alloc", "addr": 2, "size": 50, "frames": b},
+                               {"action": "alloc", "addr": 3, "size": 200, "frames": c},
+                               {"action": "free_requested", "addr": 3, "size": 200, "frames": c},
+                               {"action": "free_completed", "addr": 3, "size": 200, "frames": c},
+                               {"action": "alloc", "addr": 4, "size": 10, "frames": d},
+                               {"action": "free_completed", "addr": 2, "size": 50, "frames": b}]]}
+    peak = find_peak(snap)
+    assert peak.bytes == 350 and sorted(peak.live) == [1, 2, 3] and peak.event == 3
+    assert by_site(peak.live) == [("megatron/core/c.py:3 f", 200, 1), ("megatron/core/a.py:1 f", 100, 1),
+                                  ("megatron_peakflat/vocab/b.py:2 f", 50, 1)]
+    lines = list(report(snap))
+    assert "at the snapshot" in lines[0] and len(lines) == 4
+    assert find_peak({"segments": snap["segments"]}).bytes == 110  # no history: the live state is all there is

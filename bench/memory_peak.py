@@ -1,0 +1,119 @@
+"""What was alive at the peak: read a CUDA allocator snapshot and name the tensors behind its highest point.
+
+A snapshot from ``torch.cuda.memory._snapshot()`` (Megatron writes one per log interval with
+``--record-memory-history --memory-snapshot-path FILE``) holds the blocks alive when it was taken and the
+allocator's last events, each with its Python stack. Walking the events back from the live state gives the
+allocated bytes after every event, so the highest point inside the recorded window, and the blocks alive
+there. Each is charged to its first frame in this package or in Megatron (else its first frame), and the
+sites are printed largest first: the composition the peak planner has to predict.
+
+    python3 bench/memory_peak.py snapshot.pickle --top 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+GIB = 2**30
+OURS = ("megatron_peakflat/", "megatron/")
+
+
+@dataclass
+class Peak:
+    """The highest allocated total in the window, how many recorded events came before it, and its live blocks."""
+
+    bytes: int
+    event: int
+    live: dict[int, tuple[int, list[dict]]]
+    """address -> (size, frames) of every block alive at the peak."""
+
+
+def _site(frames: list[dict]) -> str:
+    """The first frame in this package or Megatron (else the first frame) as ``path:line function``."""
+    def fmt(f: dict) -> str:
+        name = f.get("filename", "?")
+        for pkg in OURS + ("torch/",):
+            if pkg in name:
+                name = pkg + name.split(pkg, 1)[1]
+                break
+        return f"{name}:{f.get('line', '?')} {f.get('name', '?')}"
+
+    for f in frames:
+        if any(p in f.get("filename", "") for p in OURS):
+            return fmt(f)
+    return fmt(frames[0]) if frames else "(no stack recorded)"
+
+
+def live_blocks(snapshot: dict) -> dict[int, tuple[int, list[dict]]]:
+    """Blocks allocated when the snapshot was taken: address -> (size, frames)."""
+    out: dict[int, tuple[int, list[dict]]] = {}
+    for seg in snapshot.get("segments", []):
+        for b in seg.get("blocks", []):
+            if b.get("state") == "active_allocated":
+                out[b["address"]] = (b["size"], b.get("frames", []))
+    return out
+
+
+def find_peak(snapshot: dict, device: int = 0) -> Peak:
+    """Replay ``device``'s recorded events backwards from the live state and return the highest point.
+
+    Exact inside the recorded window: an ``alloc`` after a point was not alive there, a ``free_completed``
+    after it was. Blocks allocated before the window keep the frames the live state gives them."""
+    live = live_blocks(snapshot)
+    trace: list[dict] = snapshot.get("device_traces", [[]])[device] if snapshot.get("device_traces") else []
+    total = sum(size for size, _ in live.values())
+    cur = dict(live)
+    best = Peak(total, len(trace), dict(cur))
+    for i in range(len(trace) - 1, -1, -1):
+        ev = trace[i]
+        action, addr, size = ev.get("action"), ev.get("addr"), ev.get("size", 0)
+        if action == "alloc":
+            cur.pop(addr, None)
+            total -= size
+        elif action == "free_completed":
+            cur[addr] = (size, ev.get("frames", []))
+            total += size
+        else:
+            continue
+        if total > best.bytes:  # the state before event i, i.e. right after event i - 1
+            best = Peak(total, i, dict(cur))
+    return best
+
+
+def by_site(live: dict[int, tuple[int, list[dict]]]) -> list[tuple[str, int, int]]:
+    """(site, bytes, blocks), largest first."""
+    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, frames in live.values():
+        s = sums[_site(frames)]
+        s[0] += size
+        s[1] += 1
+    return sorted(((k, v[0], v[1]) for k, v in sums.items()), key=lambda r: -r[1])
+
+
+def report(snapshot: dict, top: int = 25, device: int = 0) -> Iterable[str]:
+    peak = find_peak(snapshot, device)
+    events = len(snapshot.get("device_traces", [[]])[device]) if snapshot.get("device_traces") else 0
+    yield (f"peak in the recorded window: {peak.bytes / GIB:.2f} GiB allocated, after the first {peak.event} of "
+           f"{events} events; {len(peak.live)} blocks; at the snapshot: {sum(s for s, _ in live_blocks(snapshot).values()) / GIB:.2f} GiB")
+    for site, size, n in by_site(peak.live)[:top]:
+        yield f"  {size / GIB:8.3f} GiB  {n:5d}  {site}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("snapshot", help="pickle written by torch.cuda.memory._snapshot()")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--device", type=int, default=0)
+    a = ap.parse_args(argv)
+    with open(a.snapshot, "rb") as f:
+        snap: Any = pickle.load(f)
+    for line in report(snap, a.top, a.device):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
