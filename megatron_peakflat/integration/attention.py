@@ -39,8 +39,9 @@ def check_dataloader_mask(args: Any) -> str | None:
     """Reject, or warn about, the [b, 1, s, s] attention mask Megatron's dataloader builds by default.
 
     Megatron's loader creates it unless ``--no-create-attention-mask-in-dataloader``: s * s bytes per
-    sample, prefetched by every worker, then copied to the GPU, where it forces SDPA onto an explicit-mask
-    kernel instead of the causal flash one. A causal model needs none. Raises PeakflatConfigError (naming
+    sample, prefetched by every worker, then copied to the GPU, where it also keeps SDPA off its causal
+    flash kernel (an explicit mask). A causal model needs none. At 128K tokens on the H200 node the workers
+    were killed for host memory before the first step. Raises PeakflatConfigError (naming
     the flag, the value and the fix) at MASK_FAIL_BYTES per micro-batch; returns a warning line from
     MASK_WARN_BYTES; else None.
     """
@@ -52,8 +53,7 @@ def check_dataloader_mask(args: Any) -> str | None:
         return None
     size = b * s * s
     problem = (f"at --seq-length {s} the dataloader builds a [{b}, 1, {s}, {s}] attention mask per micro-batch "
-               f"({size / 2**30:.2f} GiB of host memory per sample and per prefetch, copied to the GPU, where it "
-               f"keeps SDPA off its causal flash kernel)")
+               f"({size / 2**30:.2f} GiB of host memory for each one its workers prefetch, then copied to the GPU)")
     fix = "pass --no-create-attention-mask-in-dataloader (a causal model needs no mask)"
     if size >= MASK_FAIL_BYTES:
         raise PeakflatConfigError("--create-attention-mask-in-dataloader", True, problem, fix)

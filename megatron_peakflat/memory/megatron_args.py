@@ -139,8 +139,8 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
         if getattr(ns, src, None) is not None:
             out[dst] = bool(getattr(ns, src))
     # Megatron's rule for bf16 (megatron/training/arguments.py): fp32 grads unless one of these says bf16.
-    if getattr(ns, "grad_reduce_in_bf16", None) or "bf16" in str(getattr(ns, "main_grads_dtype", "") or "").replace(
-            "bfloat16", "bf16"):
+    main_grads = str(getattr(ns, "main_grads_dtype", None) or "")  # 'bf16' on a command line, a torch dtype once validated
+    if getattr(ns, "grad_reduce_in_bf16", None) or main_grads in ("bf16", "torch.bfloat16"):
         out["grads_fp32"] = False
     if getattr(ns, "optimizer_cpu_offload", None) and "optimizer_offload_fraction" not in out:
         out["optimizer_offload_fraction"] = 1.0
