@@ -32,15 +32,18 @@ class Peak:
     """address -> (size, frames) of every block alive at the peak."""
 
 
+def short_path(path: str) -> str:
+    """``path`` from its package down (this package, Megatron or torch), wherever it is installed."""
+    for pkg in OURS + ("torch/",):
+        if pkg in path:
+            return pkg + path.rsplit(pkg, 1)[1]
+    return path
+
+
 def _site(frames: list[dict]) -> str:
     """The first frame in this package or Megatron (else the first frame) as ``path:line function``."""
     def fmt(f: dict) -> str:
-        name = f.get("filename", "?")
-        for pkg in OURS + ("torch/",):
-            if pkg in name:
-                name = pkg + name.split(pkg, 1)[1]
-                break
-        return f"{name}:{f.get('line', '?')} {f.get('name', '?')}"
+        return f"{short_path(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
 
     for f in frames:
         if any(p in f.get("filename", "") for p in OURS):

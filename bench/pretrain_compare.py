@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import RESULTS, environment  # noqa: E402
+from bench.memory_peak import short_path  # noqa: E402
 from megatron_peakflat.testing.subproc import logged, memory_report  # noqa: E402
 
 
@@ -63,14 +64,7 @@ def oom_of(text: str, frames: int = 4) -> dict | None:
     for i, ln in enumerate(lines):
         if "OutOfMemoryError" in ln and "CUDA out of memory" in ln:
             found = [m for m in (_FRAME.search(x) for x in lines[max(0, i - 200):i]) if m]
-            where = []
-            for m in found[-frames:]:
-                path = m.group(1)
-                for pkg in ("megatron_peakflat/", "megatron/", "torch/"):
-                    if pkg in path:
-                        path = pkg + path.split(pkg, 1)[1]
-                        break
-                where.append(f"{path}:{m.group(2)} {m.group(3)}")
+            where = [f"{short_path(m.group(1))}:{m.group(2)} {m.group(3)}" for m in found[-frames:]]
             return {"message": ln.split("OutOfMemoryError:", 1)[-1].strip()[:400], "where": where}
     return None
 

@@ -70,6 +70,7 @@ def test_pretrain_compare_names_an_oom_and_compares_losses():
     log = "\n".join([
         " [2026-11-30] iteration 1/ 4 | lm loss: 1.0E+01 |",
         "Traceback (most recent call last):",
+        '  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/autograd/function.py", line 5, in apply',
         '  File "/tmp/site/megatron/training/training.py", line 10, in train_step',
         "    losses = forward_backward_func()",
         '  File "/tmp/site/megatron/core/tensor_parallel/cross_entropy.py", line 120, in forward',
@@ -80,7 +81,7 @@ def test_pretrain_compare_names_an_oom_and_compares_losses():
     ])
     got = oom_of(log)
     assert got["message"].startswith("CUDA out of memory. Tried to allocate 48.00 GiB"), got
-    assert got["where"] == ["megatron/training/training.py:10 train_step",
+    assert got["where"] == ["torch/autograd/function.py:5 apply", "megatron/training/training.py:10 train_step",
                             "megatron/core/tensor_parallel/cross_entropy.py:120 forward"], got
     assert parse_log(log)["oom"] == got
     assert oom_of(log.replace("OutOfMemoryError", "RuntimeError")) is None
