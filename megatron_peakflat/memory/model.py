@@ -281,6 +281,27 @@ def attention_activations(s: ModelShape, run: RunConfig) -> float:
     return norm + qkvo + lse
 
 
+def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
+    """What core attention's backward holds beside the layer's saved tensors, where a long-context layer
+    peaks: dQ, dK, dV, flash attention's fp32 dQ accumulator and dO, plus the rotated copies of q and k
+    that RoPE makes in the (re)computed forward. Measured at 128K tokens on one H200
+    (bench/results/memory_peak_128k.txt): the run's peak sat in this backward; without this term the
+    planner was 9.3 GiB (16%) under it."""
+    t, w = run.tp, run.w
+    T = run.tokens
+    if s.mla is None:
+        q = T / t * s.heads * s.head_dim
+        k = v = T / t * s.kv_heads * s.head_dim
+        rotated = (q + k) * w
+    else:
+        m = s.mla
+        q = k = T / t * s.heads * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+        v = T / t * s.heads * m.v_head_dim
+        rotated = T / t * (s.heads + 1) * m.qk_pos_emb_head_dim * w
+    d_out = T / t * s.heads * (s.head_dim if s.mla is None else s.mla.v_head_dim)
+    return (q + k + v) * w + q * 4 + d_out * w + rotated
+
+
 def mlp_activations(s: ModelShape, run: RunConfig, ffn: int) -> float:
     """Dense MLP: pre-MLP norm (input, output) + fc1 output + activation output."""
     t, w = run.tp, run.w
@@ -641,7 +662,9 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         # Activations and checkpoint boundaries.
         attn = attention_activations(s, run)
         layer_act = [attn + mlp_activations(s, run, s.ffn)] * n_dense + [attn + moe_nondispatch_activations(s, run)] * n_moe
-        one_layer = max(layer_act) if layer_act else 0.0
+        # The working set of the layer being (re)computed and backpropagated: its saved tensors plus what
+        # core attention's backward holds beside them (not saved, so not part of stored layers below).
+        one_layer = max(layer_act) + attention_backward_transient(s, run) if layer_act else 0.0
         boundary = r * s.hidden * w
         if run.recompute == "full":
             n = max(1, run.recompute_num_layers)
@@ -659,8 +682,9 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                                          f"{stored_layers} stored layers x {inflight} micro-batches in flight")
         rows["layer working set"] = Row(
             "layer working set", work_layers * one_layer, work_layers * one_layer, phase="layer",
-            source="one recompute chunk re-materialised in backward (recompute.py checkpointed_forward)"
-            if run.recompute == "full" else "the layer in backward")
+            source="one recompute chunk re-materialised in backward (recompute.py checkpointed_forward), "
+                   "with attention's backward gradients (model.py attention_backward_transient)"
+            if run.recompute == "full" else "the layer in backward, with attention's backward gradients")
 
         total_b = inflight * n_ckpt * boundary
         if run.recompute == "full":
