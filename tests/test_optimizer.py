@@ -210,6 +210,10 @@ def test_refuses_state_larger_than_host_share(monkeypatch):
     with pytest.raises(HostMemoryError, match=r"LOCAL_WORLD_SIZE=8"):
         opt.dummy_step()
     assert allocated == []  # refused before allocating
+    del opt  # its state stays promised while it lives
+    import gc
+
+    gc.collect()
     assert host_memory.check_host_budget(10, what="x", available=100, local_world_size=2) == 50
 
 
@@ -376,3 +380,35 @@ def test_no_more_staging_slots_than_buckets(n_params, want):
     torch.optim.AdamW(ref, lr=1e-2).step()
     for p, r in zip(ps, ref):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+
+
+def test_host_state_is_promised_until_the_first_step_allocates_it():
+    """OffloadStreamAdamW promises its host bytes when built (memory.host), so a budget sized before its
+    first step leaves room for them; allocating settles the promise; a dropped optimizer settles too; and
+    another optimizer's promise counts against this one's share."""
+    import gc
+
+    from megatron_peakflat.memory import host
+
+    p = torch.nn.Parameter(torch.zeros(10_000))
+    opt = OffloadStreamAdamW([p], bucket=1000, engine="cpu", pin=False)
+    own = host.promised_by(opt._host_owner)
+    assert own >= 12 * 10_000 and host.promised() >= own
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(5_000))]})
+    assert host.promised_by(opt._host_owner) >= own + 12 * 5_000
+    other = OffloadStreamAdamW([torch.nn.Parameter(torch.zeros(1_000))], bucket=1000)
+    assert host.promised_by(other._host_owner) > 0
+    del other
+    gc.collect()
+    assert host.promised() == host.promised_by(opt._host_owner)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert host.promised_by(opt._host_owner) == 0
+    host.promise("another", 900)
+    try:
+        with pytest.raises(HostMemoryError, match="other optimizers will pin"):
+            host_memory.check_host_budget(200, what="x", available=1000, local_world_size=1)
+        assert host_memory.check_host_budget(100, what="x", available=1000, local_world_size=1) == 100
+        assert host_memory.check_host_budget(900, what="x", available=1000, local_world_size=1, owner="another") == 1000
+    finally:
+        host.settle("another")

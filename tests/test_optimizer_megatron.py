@@ -66,6 +66,7 @@ def _rank_main(rank: int, world: int, ckpt_dir: str):
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.optimizer import OffloadStreamAdamW
+    from megatron_peakflat.memory import host
     from megatron_peakflat.optimizer.config import OptimizerConfig as PfOpt
     from megatron_peakflat.testing.megatron_cpu import install_cpu_shim
 
@@ -90,10 +91,15 @@ def _rank_main(rank: int, world: int, ckpt_dir: str):
         assert isinstance(inner, HybridDeviceOptimizer)
         shard = sum(p.numel() for g in inner.param_groups for p in g["params"])
         total = sum(p.numel() for p in ddp.parameters())
+        # Host memory promised before the first step: the shard's state only (the whole-model instance that
+        # DistributedOptimizer rebuilt over the shard promised too, and was settled when it was dropped).
+        promised = (host.promised(), host.promised_by(inner._host_owner))
         run = []
         ckpt = os.path.join(ckpt_dir, f"{engine}-rank{rank}")
         for s in range(1, STEPS + 1):
             run.append((*_train_step(ddp, opt, s, rank), _params(ddp)))
+            if s == 1:
+                promised += (host.promised(),)
             if s == SAVE_AT:
                 torch.save({"model": ddp.state_dict(), "optimizer": opt.state_dict()}, ckpt + ".pt")
                 opt.save_parameter_state(os.path.join(ckpt_dir, f"{engine}-param-state.pt"))
@@ -116,7 +122,7 @@ def _rank_main(rank: int, world: int, ckpt_dir: str):
         moved = max(max_rel_error(run[-1][2][k], run[0][2][k]) for k in run[0][2])
         out[engine] = dict(shard=shard, total=total, worst_loss=worst_loss, worst_norm=worst_norm,
                            worst_param=worst_param, worst_where=worst_where, same_names=same_names, resume_bitwise=bitwise,
-                           n_resumed=len(resumed), moved=moved)
+                           n_resumed=len(resumed), moved=moved, promised=promised)
     return out
 
 
@@ -133,6 +139,9 @@ def test_offload_stream_in_distributed_optimizer_world2():
             assert r["worst_param"] <= 1e-5, (rank, engine, r["worst_param"], r["worst_where"])
             assert r["n_resumed"] == STEPS - SAVE_AT and r["resume_bitwise"], (rank, engine, r)
             assert r["moved"] > 1e-4  # training changed the parameters
+            everything, own, after_step1 = r["promised"]
+            assert everything == own >= 12 * r["shard"], (rank, engine, r["promised"])  # no stale promise left
+            assert after_step1 == 0  # allocated at the first step: MemAvailable shows it now
 
 
 def test_replacement_class_keeps_isinstance_and_hands_back():

@@ -372,3 +372,22 @@ def test_config_rejects_bad_values():
                       (dict(pool="cuda"), "--peakflat-sco-pool")):
         with pytest.raises(PeakflatConfigError, match=flag):
             SCOConfig(enabled=True, **bad).validate()
+
+
+def test_default_budget_leaves_room_for_promised_optimizer_state():
+    """The boundary pool is sized in the first forward, before OffloadStreamAdamW pins its state at the
+    first step: what the optimizer promised comes off this rank's share before the budget is taken from it
+    (on the 126 GiB H200 node the 128K run's SCO budget was 61.5 GiB beside the optimizer's 57.4 GiB)."""
+    from megatron_peakflat.memory import host
+
+    gib = 1 << 30
+    try:
+        host.promise("test-optimizer", 57 * gib)
+        assert resolve_budget(None, available=123 * gib, local_ranks=1) == int(66 * gib * 0.5)
+        assert resolve_budget(None, available=123 * gib, local_ranks=2) == int((123 * gib // 2 - 57 * gib) * 0.5)
+        assert resolve_budget(100 * gib, available=123 * gib, local_ranks=1) == int(66 * gib * 0.9)  # clamped
+        host.promise("test-optimizer", 200 * gib)  # more than there is: nothing left for boundaries
+        assert resolve_budget(None, available=123 * gib, local_ranks=1) == 0
+    finally:
+        host.settle("test-optimizer")
+    assert resolve_budget(None, available=123 * gib, local_ranks=1) == int(123 * gib * 0.5)

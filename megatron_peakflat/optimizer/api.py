@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import Any, Callable, Iterable, Literal
 
 import torch
 
 from .. import stats
 from ..config_base import format_bytes
-from ..memory import meter
+from ..memory import host, meter
 from ..memory.meter import region
 from .streamer import NativeStreamer
 from .engines import CpuEngineWorker, GroupHyper, HostSlot, Slot, Streams, run_gpu_engine
@@ -135,6 +136,23 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         self._gpu_fraction: float | None = _FIXED_GPU_FRACTION.get(engine)
         self._measured: list[tuple[int, float, int, float]] = []
         self._step_tensors: dict[int, torch.Tensor] = {}
+        # The host state is allocated at the first step; until then it is promised, so that a budget sized
+        # from MemAvailable in between (SCO's boundary pool, in the first forward) leaves room for it.
+        self._host_owner = f"OffloadStreamAdamW@{id(self):x}"
+        weakref.finalize(self, host.settle, self._host_owner)
+        self._promise_host()
+
+    def _host_need(self, n: int, max_bucket: int, n_slots: int) -> int:
+        """Host bytes of the state of ``n`` parameters: fp32 master and moments, plus the host kernel's
+        staging slots unless the engine is 'gpu', plus alignment."""
+        out_itemsize = self._out_dtype().itemsize
+        host_slot_bytes = n_slots * max_bucket * (4 + out_itemsize) if self.engine != "gpu" else 0
+        return 3 * 4 * n + host_slot_bytes + 256 * (4 + 2 * n_slots)
+
+    def _promise_host(self) -> None:
+        n = sum(p.numel() for p in self._flat_params())
+        buckets = max(1, -(-n // self.bucket)) if n else 1
+        host.promise(self._host_owner, self._host_need(n, min(self.bucket, max(1, n)), min(self.slots, buckets)))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch.optim, but views are accepted: Megatron hands over fp32 shards that are views of the
@@ -156,6 +174,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         if any(id(p) in seen for p in params) or len({id(p) for p in params}) != len(params):
             raise ValueError("OffloadStreamAdamW: a parameter appears in more than one param group")
         self.param_groups.append(group)
+        if "_host_owner" in self.__dict__:  # a group added after construction grows the promise
+            self._promise_host()
 
     # ----------------------------------------------------------------------------------------------
     # layout and allocation
@@ -185,10 +205,11 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         grad_dtype = torch.float32
         # bucket i goes through slot i mod slots: with fewer buckets than slots, the rest would never be used
         self._n_slots = min(self.slots, max(1, len(self._layout.buckets)))
-        host_slot_bytes = self._n_slots * B * (grad_dtype.itemsize + out_dtype.itemsize) if self.engine != "gpu" else 0
-        need = 3 * 4 * n + host_slot_bytes + 256 * (4 + 2 * self._n_slots)
-        check_host_budget(need, what=f"{n:,} parameters (fp32 master, exp_avg, exp_avg_sq) and staging")
+        need = self._host_need(n, B, self._n_slots)
+        check_host_budget(need, what=f"{n:,} parameters (fp32 master, exp_avg, exp_avg_sq) and staging",
+                          owner=self._host_owner)
         self._region = HostRegion(need, pin=self.pin and self.device.type == "cuda", ext=self._ext)
+        host.settle(self._host_owner)  # MemAvailable shows it from here on
         self._master = self._region.carve(n, torch.float32)
         self._exp_avg = self._region.carve(n, torch.float32)
         self._exp_avg_sq = self._region.carve(n, torch.float32)

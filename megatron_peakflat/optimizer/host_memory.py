@@ -11,12 +11,12 @@ share of the node's available memory.
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 
 import torch
 
 from ..config_base import format_bytes
+from ..memory import host
 from .._ext import register_host_memory, unregister_host_memory
 
 __all__ = ["HostMemoryError", "HostRegion", "check_host_budget", "mem_available", "ranks_on_node"]
@@ -28,36 +28,27 @@ class HostMemoryError(RuntimeError):
     """The pinned optimizer state would not fit this rank's share of host memory."""
 
 
-def mem_available(path: str = "/proc/meminfo") -> int | None:
-    """MemAvailable in bytes, or None where /proc/meminfo is unreadable."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def ranks_on_node() -> int:
-    """The ranks sharing this node (LOCAL_WORLD_SIZE, set by torchrun; 1 when unset or empty)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+mem_available = host.mem_available
+ranks_on_node = host.local_ranks
 
 
 def check_host_budget(need: int, *, what: str, available: int | None = None,
-                      local_world_size: int | None = None) -> int | None:
-    """Raise HostMemoryError when ``need`` bytes exceed MemAvailable / LOCAL_WORLD_SIZE; return the share."""
+                      local_world_size: int | None = None, owner: str | None = None) -> int | None:
+    """Raise HostMemoryError when ``need`` bytes exceed this rank's share: MemAvailable / LOCAL_WORLD_SIZE,
+    less what other components promised to pin and have not yet (``memory.host``; ``owner``'s own promise
+    is this need). Returns the share."""
     avail = mem_available() if available is None else available
     if avail is None:
         log.warning("peakflat optimizer: /proc/meminfo unreadable; cannot check %s of host memory", format_bytes(need))
         return None
     ranks = max(1, local_world_size if local_world_size is not None else ranks_on_node())
-    share = avail // ranks
+    others = host.promised() - (host.promised_by(owner) if owner is not None else 0)
+    share = max(0, avail // ranks - others)
     if need > share:
+        promised = f", less {format_bytes(others)} other optimizers will pin" if others else ""
         raise HostMemoryError(
             f"OffloadStreamAdamW needs {format_bytes(need)} of host memory for {what} on this rank, but this rank's "
-            f"share is {format_bytes(share)} (MemAvailable {format_bytes(avail)} / LOCAL_WORLD_SIZE={ranks}). "
+            f"share is {format_bytes(share)} (MemAvailable {format_bytes(avail)} / LOCAL_WORLD_SIZE={ranks}{promised}). "
             f"Fix: shard the state over more data-parallel ranks (--use-distributed-optimizer with a larger DP size), "
             f"run fewer ranks per node, or keep part of the state on the GPU (--peakflat-optimizer megatron with "
             f"--optimizer-offload-fraction < 1).")

@@ -17,8 +17,9 @@ class SCOConfig(ComponentConfig):
     enabled: bool = False
     """Keep each full-recompute checkpoint boundary's input in pinned host memory until backward."""
     budget: Bytes | None = None
-    """Pinned host bytes per rank for boundaries (e.g. 64GiB). Default: a safe share of free host
-    RAM divided among the local ranks; boundaries past the budget stay on the GPU."""
+    """Pinned host bytes per rank for boundaries (e.g. 64GiB). Default: half of this rank's share of the
+    free host RAM (divided among the local ranks), less the state --peakflat-optimizer offload-stream will
+    pin at its first step; boundaries past the budget stay on the GPU."""
     prefetch: int = 1
     """How many boundaries backward brings back ahead of use."""
     pool: Literal["torch", "native"] = "torch"

@@ -16,13 +16,13 @@ Guarantees:
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from ..config_base import format_bytes
+from ..memory import host
 from .._ext import register_host_memory, unregister_host_memory
 
 __all__ = ["HostSlot", "HostPool", "TorchHostPool", "NativeHostPool", "make_pool", "host_available_bytes",
@@ -74,45 +74,40 @@ class HostPool(Protocol):
 
 def host_available_bytes() -> int | None:
     """``MemAvailable`` from /proc/meminfo, in bytes; None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _local_ranks() -> int:
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+    return host.mem_available()
 
 
 def resolve_budget(requested: int | None, *, available: int | None = None, local_ranks: int | None = None) -> int:
     """The pool budget in bytes for this rank.
 
-    ``None`` gives SAFE_FRACTION of the available host RAM divided among the local ranks. An
-    explicit request above CLAMP_FRACTION of the available RAM per local rank is clamped to it,
-    with a warning, since pinning more than is free would push the host into swap or the OOM killer.
+    This rank's share is the available host RAM divided among the local ranks, less the pinned memory that
+    other components have promised and not yet allocated (``memory.host``: OffloadStreamAdamW's state,
+    allocated at its first step, after this budget is chosen in the first forward). ``None`` gives
+    SAFE_FRACTION of that share. An explicit request above CLAMP_FRACTION of it is clamped, with a
+    warning, since pinning more than is free would push the host into swap or the OOM killer.
     """
     available = host_available_bytes() if available is None else available
-    local_ranks = _local_ranks() if local_ranks is None else local_ranks
-    if requested is None:
-        if available is None:
+    ranks = host.local_ranks() if local_ranks is None else max(1, local_ranks)
+    if available is None:
+        if requested is None:
             log.warning("peakflat SCO: cannot read MemAvailable; budget 0 (boundaries stay on the device); "
                         "pass --peakflat-sco-budget")
             return 0
-        return int(available * SAFE_FRACTION) // local_ranks
-    if available is not None:
-        ceiling = int(available * CLAMP_FRACTION) // local_ranks
-        if requested > ceiling:
-            log.warning("peakflat SCO: --peakflat-sco-budget %s exceeds %s (%.0f%% of the %s available, over %d "
-                        "local ranks); clamped", format_bytes(requested), format_bytes(ceiling),
-                        CLAMP_FRACTION * 100, format_bytes(available), local_ranks)
-            return ceiling
+        return int(requested)
+    promised = host.promised()
+    mine = host.share(available, ranks) or 0
+    if promised:
+        log.info("peakflat SCO: %s of host memory per rank, less %s that the optimizer will pin: %s to size the "
+                 "boundary pool from", format_bytes(available // ranks), format_bytes(promised), format_bytes(mine))
+    if requested is None:
+        return int(mine * SAFE_FRACTION)
+    ceiling = int(mine * CLAMP_FRACTION)
+    if requested > ceiling:
+        log.warning("peakflat SCO: --peakflat-sco-budget %s exceeds %s (%.0f%% of the %s available, over %d "
+                    "local ranks, less %s promised to the optimizer); clamped", format_bytes(requested),
+                    format_bytes(ceiling), CLAMP_FRACTION * 100, format_bytes(available), ranks,
+                    format_bytes(promised))
+        return ceiling
     return int(requested)
 
 
