@@ -53,10 +53,10 @@ def settle(owner: str) -> None:
         _promised.pop(owner, None)
 
 
-def promised() -> int:
-    """Bytes promised in this process and not yet allocated."""
+def promised(exclude: str | None = None) -> int:
+    """Bytes promised in this process and not yet allocated, but for ``exclude``'s own promise."""
     with _lock:
-        return sum(_promised.values())
+        return sum(n for owner, n in _promised.items() if owner != exclude)
 
 
 def promised_by(owner: str) -> int:
@@ -65,13 +65,14 @@ def promised_by(owner: str) -> int:
         return _promised.get(owner, 0)
 
 
-def share(available: int | None = None, ranks: int | None = None) -> int | None:
-    """This rank's share of the host's available memory, less what this process has promised; None when
-    ``MemAvailable`` cannot be read. Every local rank is assumed to promise alike (they hold equal shards)."""
+def share(available: int | None = None, ranks: int | None = None, exclude: str | None = None) -> int | None:
+    """This rank's share of the host's available memory, less what this process has promised (but for
+    ``exclude``'s own promise); None when ``MemAvailable`` cannot be read. Every local rank is assumed to
+    promise alike (they hold equal shards)."""
     available = mem_available() if available is None else available
     if available is None:
         return None
-    return max(0, available // (local_ranks() if ranks is None else max(1, ranks)) - promised())
+    return max(0, available // (local_ranks() if ranks is None else max(1, ranks)) - promised(exclude))
 
 
 def reset() -> None:

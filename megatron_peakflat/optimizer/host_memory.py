@@ -42,9 +42,9 @@ def check_host_budget(need: int, *, what: str, available: int | None = None,
         log.warning("peakflat optimizer: /proc/meminfo unreadable; cannot check %s of host memory", format_bytes(need))
         return None
     ranks = max(1, local_world_size if local_world_size is not None else ranks_on_node())
-    others = host.promised() - (host.promised_by(owner) if owner is not None else 0)
-    share = max(0, avail // ranks - others)
+    share = host.share(avail, ranks, exclude=owner)
     if need > share:
+        others = host.promised(exclude=owner)
         promised = f", less {format_bytes(others)} other optimizers will pin" if others else ""
         raise HostMemoryError(
             f"OffloadStreamAdamW needs {format_bytes(need)} of host memory for {what} on this rank, but this rank's "

@@ -25,8 +25,7 @@ from ..config_base import format_bytes
 from ..memory import host
 from .._ext import register_host_memory, unregister_host_memory
 
-__all__ = ["HostSlot", "HostPool", "TorchHostPool", "NativeHostPool", "make_pool", "host_available_bytes",
-           "resolve_budget"]
+__all__ = ["HostSlot", "HostPool", "TorchHostPool", "NativeHostPool", "make_pool", "resolve_budget"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -72,11 +71,6 @@ class HostPool(Protocol):
         ...
 
 
-def host_available_bytes() -> int | None:
-    """``MemAvailable`` from /proc/meminfo, in bytes; None where it cannot be read."""
-    return host.mem_available()
-
-
 def resolve_budget(requested: int | None, *, available: int | None = None, local_ranks: int | None = None) -> int:
     """The pool budget in bytes for this rank.
 
@@ -86,7 +80,7 @@ def resolve_budget(requested: int | None, *, available: int | None = None, local
     SAFE_FRACTION of that share. An explicit request above CLAMP_FRACTION of it is clamped, with a
     warning, since pinning more than is free would push the host into swap or the OOM killer.
     """
-    available = host_available_bytes() if available is None else available
+    available = host.mem_available() if available is None else available
     ranks = host.local_ranks() if local_ranks is None else max(1, local_ranks)
     if available is None:
         if requested is None:
@@ -95,7 +89,7 @@ def resolve_budget(requested: int | None, *, available: int | None = None, local
             return 0
         return int(requested)
     promised = host.promised()
-    mine = host.share(available, ranks) or 0
+    mine = host.share(available, ranks)
     if promised:
         log.info("peakflat SCO: %s of host memory per rank, less %s that the optimizer will pin: %s to size the "
                  "boundary pool from", format_bytes(available // ranks), format_bytes(promised), format_bytes(mine))
