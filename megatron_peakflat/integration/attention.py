@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..config_base import PeakflatConfigError
+
 log = logging.getLogger("megatron_peakflat")
 
 __all__ = ["transformer_engine_available", "wrap_local_core_attention", "sdpa_core_attention_class",
@@ -45,8 +47,6 @@ def check_dataloader_mask(args: Any) -> str | None:
     the flag, the value and the fix) at MASK_FAIL_BYTES per micro-batch; returns a warning line from
     MASK_WARN_BYTES; else None.
     """
-    from ..config_base import PeakflatConfigError
-
     s = int(getattr(args, "seq_length", 0) or 0)
     b = int(getattr(args, "micro_batch_size", 1) or 1)
     if not getattr(args, "create_attention_mask_in_dataloader", False) or b * s * s < MASK_WARN_BYTES:
