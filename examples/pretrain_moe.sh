@@ -11,7 +11,9 @@
 # TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8], TRAIN_ITERS [20], VOCAB [32768], UNTIE [1] (0: output
 # layer tied to the embedding),
 # PEAKFLAT [on], PEAKFLAT_COMPONENTS [dispatch,vocab,sco,optimizer; vocab-ep in place of vocab also shards the
-# output layer over the EP group], CHUNK_CAP [4096], DATA_PATH, TOKENIZER_MODEL, PYTHON [python3],
+# output layer over the EP group; sco and optimizer cost PCIe time every step, so take only the components that
+# `python -m megatron_peakflat.plan --megatron-args "..."` recommends], CHUNK_CAP [4096], DATA_PATH,
+# TOKENIZER_MODEL, PYTHON [python3],
 # MEGATRON_ARGS [none: more Megatron flags, split on spaces, e.g. "--optimizer-cpu-offload --use-precision-aware-optimizer"].
 #
 #SBATCH --job-name=peakflat-moe

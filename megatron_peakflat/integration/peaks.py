@@ -80,10 +80,20 @@ def prediction(args: Any) -> tuple[Plan, str]:
         fields["hbm_bytes"] = _hbm_bytes()
         fields["host_bytes_per_node"] = int((local_host_gib() or 1024) * GIB)
         fields["gpus_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", 8))
+        fields["fused_adam"] = _megatron_fused_adam()
         run = RunConfig(**fields)
         _cache["plan"] = plan(shape, run, _config(args))
         _cache["stage"] = _stage_name(run)
     return _cache["plan"], _cache["stage"]
+
+
+def _megatron_fused_adam() -> bool:
+    """Whether Megatron's optimizer module found TE's or apex's FusedAdam (else it uses torch.optim.AdamW)."""
+    try:
+        from megatron.core import optimizer as mcore_optimizer
+    except ImportError:
+        return False
+    return not getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", True)
 
 
 def _stage_name(run: RunConfig) -> str:
@@ -127,9 +137,10 @@ def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = No
                      "absolute_gib": peak.absolute / GIB, "calls": float(peak.calls)}
     which = "peakflat" if any(on.values()) else "baseline"
     # The planner's total keeps a reserve for the CUDA context and allocator fragmentation; the
-    # measured total is allocated bytes, so it is compared with the total less that reserve.
+    # measured total is allocated bytes, so it is compared with the steps' peak (training or optimizer
+    # step) less that reserve. The first interval's measurement also spans the model build.
     reserve = st.rows.get("reserve")
-    allocated = st.total(which) - (getattr(reserve, which) if reserve is not None else 0.0)
+    allocated = st.total(which, build=False) - (getattr(reserve, which) if reserve is not None else 0.0)
     out["total"] = {"measured_gib": meter.process_peak() / GIB, "predicted_gib": allocated / GIB}
     parts = [f"{k} {v['measured_gib']:.2f}/{v['predicted_gib']:.2f}{_note(k)}" for k, v in out.items()]
     import torch.distributed as dist

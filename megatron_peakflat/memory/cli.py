@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ..config import PeakflatConfig, add_args
 from ..config_base import PeakflatConfigError
-from .megatron_args import parse_megatron_args, run_fields_from_namespace, shape_from_namespace
+from .megatron_args import fused_adam_importable, parse_megatron_args, run_fields_from_namespace, shape_from_namespace
 from .model import COMPONENTS, GIB, Plan, RunConfig, plan
 from .recommend import Recommendation, recommend
 from .shapes import PRESETS, ModelShape, preset
@@ -201,6 +201,7 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     kw["hbm_bytes"] = int(hbm * GIB)
     kw["host_bytes_per_node"] = int(host * GIB)
     kw["gpus_per_node"] = ns.gpus_per_node
+    kw.setdefault("fused_adam", fused_adam_importable())
     run = RunConfig(**kw)
     validate(shape, run, gpus)
     # --peakflat-* knobs: planner flags win over the ones inside --megatron-args.
@@ -242,7 +243,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                    "  GiB per rank")
         out.append(f"  {'term':18s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
         order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "boundaries",
-                 "dispatch", "vocab", "reserve"]
+                 "dispatch", "vocab", "reserve", "optimizer step", "model build"]
         for name in order:
             if name not in st.rows:
                 continue
@@ -252,7 +253,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                        f"{_gib(row.host_peakflat)}  {row.phase}")
         tb, tp_ = st.total("baseline"), st.total("peakflat")
         out.append(f"  {'total':18s} {_gib(tb)} {_gib(tp_)} {'':9s} {_gib(st.host('peakflat'))}"
-                   f"  = persistent + max(layer, loss)")
+                   f"  = max(persistent + max(layer, loss), step, build)")
         out.append(f"  binding peak: baseline '{st.binding('baseline')}' ({'fits' if tb <= r.hbm_bytes else 'OOM'}), "
                    f"peakflat '{st.binding('peakflat')}' ({'fits' if tp_ <= r.hbm_bytes else 'OOM'})")
         for n in st.notes:

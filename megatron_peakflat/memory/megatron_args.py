@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import shlex
 from typing import Any
 
 from ..config import add_args
 from .shapes import MLA, ModelShape
 
-__all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace"]
+__all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
+           "fused_adam_importable"]
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -111,6 +113,11 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
         dense_layers=dense, gated=bool(get("swiglu", b.gated if b else False)),
         tied_embeddings=(not untie) if untie is not None else (b.tied_embeddings if b else True),
         mla=mla, source=(b.source + " + " if b else "") + "Megatron flags")
+
+
+def fused_adam_importable() -> bool:
+    """Whether Megatron would find a FusedAdam here (Transformer Engine's, else apex's), without importing either."""
+    return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
 
 
 def run_fields_from_namespace(ns: Any) -> dict[str, Any]:

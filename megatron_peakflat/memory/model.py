@@ -82,6 +82,10 @@ class RunConfig:
     """--optimizer-cpu-offload with --optimizer-offload-fraction (Megatron's HybridDeviceOptimizer)."""
     cross_entropy_fusion: bool = False
     """--cross-entropy-loss-fusion (fused_vocab_parallel_cross_entropy)."""
+    fused_adam: bool = False
+    """Megatron's Adam is Transformer Engine's or apex's FusedAdam. Without either Megatron falls back to
+    torch.optim.AdamW, whose multi-tensor step allocates one fp32 tensor the size of its shard (the square
+    roots of exp_avg_sq): 19.14 GiB for 5.14B parameters on one H200 (pretrain_recommended_16k.json)."""
     routing_skew: float = 1.0
     """max/mean tokens received per expert-parallel rank (1: balanced)."""
     hbm_bytes: int = 80 * GIB
@@ -152,7 +156,7 @@ class Row:
     bound: float | None = None
     host_baseline: float = 0.0
     host_peakflat: float = 0.0
-    phase: Literal["persistent", "layer", "loss"] = "persistent"
+    phase: Literal["persistent", "layer", "loss", "build", "step"] = "persistent"
     source: str = ""
 
 
@@ -165,31 +169,58 @@ class StagePlan:
     rows: dict[str, Row]
     notes: list[str] = field(default_factory=list)
 
-    def total(self, which: Literal["baseline", "peakflat"], *, guaranteed: bool = False) -> float:
-        """persistent + max over the phases that never overlap (layer backward vs loss).
+    def total(self, which: Literal["baseline", "peakflat"], *, guaranteed: bool = False, build: bool = True) -> float:
+        """The largest of the phases' peaks: training's, persistent + max over the phases that never overlap
+        (layer backward vs loss); the optimizer step's; and the model build's (``build``). A step or build
+        phase holds its own rows plus the rows ``ALIVE`` names for it.
 
         ``guaranteed``: count each bounded peakflat row at its bound when that is larger (dispatch
         under the worst routing), so a fit holds whatever the tokens do."""
-        per = {"persistent": 0.0, "layer": 0.0, "loss": 0.0}
+        return max(self.phase_totals(which, guaranteed=guaranteed, build=build).values())
+
+    def training(self, which: Literal["baseline", "peakflat"], *, guaranteed: bool = False) -> float:
+        """The forward and backward's peak alone: persistent + max(layer, loss)."""
+        per = self._phases(which, guaranteed)
+        return per["persistent"] + max(per["layer"], per["loss"])
+
+    def phase_totals(self, which: Literal["baseline", "peakflat"], *, guaranteed: bool = False, build: bool = True
+                     ) -> dict[str, float]:
+        """Each phase's peak: 'training', and 'step' / 'build' where rows of theirs exist."""
+        per = self._phases(which, guaranteed)
+        out = {"training": per["persistent"] + max(per["layer"], per["loss"])}
+        for phase in ("step", "build") if build else ("step",):
+            if per[phase]:
+                out[phase] = per[phase] + sum(getattr(self.rows[n], which) for n in ALIVE[phase] if n in self.rows)
+        return out
+
+    def _phases(self, which: Literal["baseline", "peakflat"], guaranteed: bool = False) -> dict[str, float]:
+        per = {"persistent": 0.0, "layer": 0.0, "loss": 0.0, "build": 0.0, "step": 0.0}
         for row in self.rows.values():
             v = getattr(row, which)
             if guaranteed and which == "peakflat" and row.bound is not None:
                 v = max(v, row.bound)
             per[row.phase] += v
-        return per["persistent"] + max(per["layer"], per["loss"])
+        return per
 
     def host(self, which: Literal["baseline", "peakflat"]) -> float:
         return sum(getattr(r, "host_" + which) for r in self.rows.values())
 
     def binding(self, which: Literal["baseline", "peakflat"]) -> str:
         """The largest row that counts in the total (the peak to lower next)."""
-        per = {"layer": 0.0, "loss": 0.0}
-        for row in self.rows.values():
-            if row.phase in per:
-                per[row.phase] += getattr(row, which)
+        totals = self.phase_totals(which)
+        phase = max(totals, key=lambda k: totals[k])
+        if phase != "training":
+            return max((r for r in self.rows.values() if r.phase == phase), key=lambda r: getattr(r, which)).name
+        per = self._phases(which)
         live = "layer" if per["layer"] >= per["loss"] else "loss"
         rows = [r for r in self.rows.values() if r.phase in ("persistent", live) and r.name != "reserve"]
         return max(rows, key=lambda r: getattr(r, which)).name
+
+
+ALIVE = {"build": ("parameters", "gradients", "reserve"),
+         "step": ("parameters", "gradients", "optimizer", "reserve")}
+"""The persistent rows allocated during the model build (the optimizer's state and every activation come
+later) and during the optimizer step (activations and boundaries are gone by then)."""
 
 
 @dataclass
@@ -617,6 +648,12 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
 
         rows["parameters"] = Row("parameters", params * w, params_pf * w,
                                  source="param_and_grad_buffer.py _ParamAndGradBuffer.param_data (w bytes/param)")
+        # Megatron's DDP allocates its param and grad buffers while the model's own parameters are alive,
+        # then copies each in and frees it: at 16K and 32K tokens on one H200 this was the run's peak
+        # (38.28 GiB = 2 x 9.57 + 19.14, bench/results/memory_peak_16k.txt).
+        rows["model build"] = Row("model build", params * w, params_pf * w, phase="build",
+                                  source="distributed_data_parallel.py: the module's parameters, alive while "
+                                         "_ParamAndGradBuffer is built and filled")
         gbytes = run.grad_bytes
         rows["gradients"] = Row("gradients", params * gbytes, params_pf * gbytes,
                                 source="param_and_grad_buffer.py grad_data, full size even with the distributed optimizer")
@@ -653,16 +690,25 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                                                                         vocab_ep_shards(run, pf)))
         if pf.enabled["optimizer"]:
             # as many slots as buckets when there are fewer (optimizer/api.py), each the size of the largest bucket
-            opt_pf = sum(min(slots, math.ceil(n / bucket)) * min(bucket, n) * 16 for n in instances) if gpu_engine else 0.0
-            opt_host_pf = shard_pf * 16
+            slot_params = sum(min(slots, math.ceil(n / bucket)) * min(bucket, n) for n in instances)
+            opt_pf = slot_params * 16 if gpu_engine else 0.0
+            # host: fp32 master and moments, plus the host kernel's slots unless the engine is 'gpu' (api.py _host_need)
+            opt_host_pf = shard_pf * 12 + (slot_params * (4 + w) if pf.optimizer.engine != "gpu" else 0.0)
         else:
             opt_pf, opt_host_pf = opt_gpu_pf, (shard_pf * per_param + 4 * shard_pf) * f
+        # torch.optim.AdamW (no TE, no apex): one fp32 temporary of the GPU shard during the step
+        step_temp = 0.0 if run.fused_adam else 4.0 * (1 - f)
+        rows["optimizer step"] = Row("optimizer step", shard * step_temp,
+                                     0.0 if pf.enabled["optimizer"] else shard_pf * step_temp, phase="step",
+                                     source="torch.optim.adam _multi_tensor_adam: _foreach_sqrt(exp_avg_sq), 4 B/param "
+                                            "of the GPU shard, when Megatron falls back to torch's AdamW (no TE or apex)")
         rows["optimizer"] = Row(
             "optimizer", opt_gpu_base, opt_pf, bound=len(instances) * slots * bucket * 16 if gpu_engine else 0.0,
             host_baseline=(shard * per_param + 4 * shard) * f, host_peakflat=opt_host_pf,
             source="distrib_optimizer.py fp32 master + Adam moments (12 B/param shard); "
                    "OffloadStreamAdamW: slots x bucket x 16 B staging per chained optimizer (dense, expert; "
-                   "engine 'auto' may use less: it can send every bucket to the host), 16 B/param pinned host")
+                   "engine 'auto' may use less: it can send every bucket to the host); pinned host: 12 B/param, plus "
+                   "slots x bucket x (4 + param bytes) for the host kernel unless the engine is 'gpu'")
 
         # Activations and checkpoint boundaries.
         attn = attention_activations(s, run)

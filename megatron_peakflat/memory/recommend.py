@@ -3,7 +3,8 @@
 Start from each component's default knobs (the sizes its author found fast: dispatch chunk cap,
 automatic vocabulary block, optimizer bucket, 3 staging slots), give SCO the host RAM the optimizer
 leaves, then halve whichever knob's row is the largest in the binding stage until the total fits,
-whatever the routing, or every knob is at its floor.
+whatever the routing, or every knob is at its floor. Then leave off the host components (SCO, the
+offloaded optimizer), which cost PCIe time at every step, where the run fits without them.
 Smaller knobs only cost time (more chunks, blocks, buckets), never exactness.
 """
 
@@ -77,6 +78,10 @@ def _why(p: Plan) -> list[str]:
         "optimizer": "the optimizer shard stays on the GPU because host RAM is short: raise --host-gib or DP",
         "activations": "turn on --recompute-granularity full",
         "layer working set": "raise --context-parallel-size or --tensor-model-parallel-size",
+        "model build": "raise --pipeline-model-parallel-size or --expert-model-parallel-size (Megatron's DDP "
+                       "holds the parameters twice while it builds its buffers)",
+        "optimizer step": "install Transformer Engine or apex (Megatron's Adam is then their FusedAdam, which "
+                          "needs no temporary), or shard the optimizer over more ranks",
         "boundaries": "the SCO budget cannot hold the boundaries: raise --host-gib or --context-parallel-size",
         "dispatch": "raise --expert-model-parallel-size (the chunk is at its floor)",
         "vocab": "raise --tensor-model-parallel-size or --context-parallel-size (the block is at its floor)",
@@ -101,17 +106,48 @@ def _guaranteed(r: Row) -> float:
 
 
 def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None) -> Recommendation:
-    """Knobs for every component that make the worst stage fit ``run.hbm_bytes`` and the host share."""
+    """Knobs that make the worst stage fit ``run.hbm_bytes`` and the host share, with the fewest host components.
+
+    Dispatch and vocabulary run whenever they apply. SCO and OffloadStreamAdamW move bytes over PCIe at
+    every step (the optimizer streams its fp32 state through the GPU: 1.3 s of a 2.4 s step for 5.1B
+    parameters on one H200, ``bench/results/pretrain_components_16k.json``), so each is left off when the run fits
+    without it at knobs no smaller than with every component on; the reasons say which were left off.
+    """
+    full = _fit(shape, run, base, optimizer=True, sco=True)
+    if not full.fits:
+        return full
+    for optimizer, sco in ((False, False), (False, True), (True, False)):
+        rec = _fit(shape, run, base, optimizer=optimizer, sco=sco)
+        if rec.fits and all(a >= b for a, b in zip(_knobs(rec.config), _knobs(full.config))):
+            if not optimizer and full.config.optimizer.impl != "megatron":
+                rec.reasons.append("optimizer offload (--peakflat-optimizer offload-stream) left off: the run fits "
+                                   "without it")
+            if not sco and full.config.sco.enabled:
+                rec.reasons.append("SCO (--peakflat-sco) left off: the run fits without it")
+            return rec
+    return full
+
+
+def _knobs(cfg: PeakflatConfig) -> tuple[int, int]:
+    """The knobs that cost time as they shrink (dispatch chunk cap, vocabulary block; 0: automatic, largest)."""
+    return (cfg.dispatch.chunk_cap, cfg.vocab.block_size or 1 << 62)
+
+
+def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, optimizer: bool, sco: bool
+         ) -> Recommendation:
+    """Component defaults (``optimizer``: offload-stream, ``sco``: on under full recompute), then the largest
+    shrinkable row of the binding stage halved until the total fits whatever the routing, or all are at floor."""
     base = base or PeakflatConfig()
     disp = dataclasses.replace(base.dispatch, impl="pipelined-llep" if shape.experts else "megatron",
                                chunk_cap=STARTS["chunk_cap"])
     voc = dataclasses.replace(base.vocab, impl="ring-dtp", block_size=STARTS["block_size"])
-    opt = dataclasses.replace(base.optimizer, impl="offload-stream", bucket=STARTS["bucket"], slots=3)
-    sco = dataclasses.replace(base.sco, enabled=run.recompute == "full", budget=None)
-    cfg = PeakflatConfig(dispatch=disp, vocab=voc, sco=sco, optimizer=opt, general=base.general)
+    opt = dataclasses.replace(base.optimizer, impl="offload-stream" if optimizer else "megatron",
+                              bucket=STARTS["bucket"], slots=3)
+    sco_cfg = dataclasses.replace(base.sco, enabled=sco and run.recompute == "full", budget=None)
+    cfg = PeakflatConfig(dispatch=disp, vocab=voc, sco=sco_cfg, optimizer=opt, general=base.general)
 
     probe = plan(shape, run, cfg)
-    opt_host = max(s.rows["optimizer"].host_peakflat for s in probe.stages)
+    opt_host = max(s.rows["optimizer"].host_peakflat for s in probe.stages) if optimizer else 0.0
     reasons: list[str] = []
     if opt_host > run.host_bytes_per_rank:
         cfg.optimizer = dataclasses.replace(cfg.optimizer, impl="megatron")
