@@ -49,6 +49,9 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
         from .integration import peaks
 
         peaks.setup(config)
+        advice = peaks.advise(config)
+        if advice:
+            log.info(advice)
     if not components:
         log.info("peakflat: no component enabled; Megatron runs unchanged")
     return cfg

@@ -550,3 +550,39 @@ def test_region_off_costs_next_to_nothing():
             pass
     per_call = (time.perf_counter() - t0) / n
     assert per_call < 5e-6, per_call  # a bool test and an empty `with`
+
+
+@pytest.mark.parametrize("hbm_gib, left_off", [(139, ["--peakflat-optimizer offload-stream (and --optimizer-cpu-offload)",
+                                                       "--peakflat-sco"]),
+                                                (80, ["--peakflat-sco"])])
+def test_startup_advises_leaving_off_the_host_components_the_run_fits_without(monkeypatch, hbm_gib, left_off):
+    """The 5.1B-parameter model at 16K tokens with every component on: on a 139 GiB GPU it fits without the
+    offloaded optimizer and SCO, and start-up says so (the run goes on as configured); on 80 GiB the optimizer
+    state needs the offload, so only SCO is named. Without either host component there is nothing to say."""
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.integration import peaks, state
+    from megatron_peakflat.memory.megatron_args import megatron_parser
+
+    env = _h200_results("pretrain_recommended_16k.json")["env"]
+    argv = (_h200_model_flags(env) + " --optimizer-cpu-offload --use-precision-aware-optimizer "
+            "--peakflat-dispatch pipelined-llep --peakflat-vocab ring-dtp --peakflat-sco "
+            "--peakflat-optimizer offload-stream").split()
+    ns = megatron_parser().parse_known_args(argv)[0]
+    ns.world_size, ns.data_parallel_size = 1, 1
+    monkeypatch.setattr(peaks, "_hbm_bytes", lambda: hbm_gib * GIB)
+    monkeypatch.setattr("megatron_peakflat.memory.cli.local_host_gib", lambda: 126.0)
+    state.set_current(PeakflatConfig.from_args(ns, validate=False))
+    peaks._cache.clear()
+    line = peaks.advise(ns)
+    assert line is not None and line.startswith("peakflat plan: this run is predicted to fit without")
+    named = line.split("fit without ")[1].split(" GiB per GPU")[0]
+    assert named.startswith(" and ".join(left_off) + " (")
+    if len(left_off) == 1:
+        assert "offload-stream" not in line
+    assert f"of {hbm_gib} GiB" in line
+    plain = megatron_parser().parse_args(_h200_model_flags(env).split() + ["--peakflat-vocab", "ring-dtp"])
+    plain.world_size, plain.data_parallel_size = 1, 1
+    state.set_current(PeakflatConfig.from_args(plain, validate=False))
+    peaks._cache.clear()
+    assert peaks.advise(plain) is None
+    state.set_current(None)

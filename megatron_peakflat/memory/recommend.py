@@ -120,8 +120,8 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
         rec = _fit(shape, run, base, optimizer=optimizer, sco=sco)
         if rec.fits and all(a >= b for a, b in zip(_knobs(rec.config), _knobs(full.config))):
             if not optimizer and full.config.optimizer.impl != "megatron":
-                rec.reasons.append("optimizer offload (--peakflat-optimizer offload-stream) left off: the run fits "
-                                   "without it")
+                rec.reasons.append("optimizer offload left off: the run fits with Megatron's optimizer on the GPU "
+                                   "(no --peakflat-optimizer offload-stream, no --optimizer-cpu-offload)")
             if not sco and full.config.sco.enabled:
                 rec.reasons.append("SCO (--peakflat-sco) left off: the run fits without it")
             return rec
@@ -154,6 +154,8 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, opti
         reasons.append(f"optimizer offload needs {format_bytes(opt_host)} host per rank, more than the "
                        f"{format_bytes(run.host_bytes_per_rank)} available: the optimizer stays on the GPU")
         opt_host = 0.0
+    if cfg.optimizer.impl == "megatron":  # on the GPU: not Megatron's own CPU offload either
+        run = dataclasses.replace(run, optimizer_offload_fraction=0.0)
     if cfg.sco.enabled:
         need = max(s.rows["boundaries"].baseline for s in probe.stages)
         avail = max(0.0, run.host_bytes_per_rank - opt_host)
