@@ -49,14 +49,19 @@ def measure(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 5) -> tuple[f
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(timed_call(fn))
         peak = max(peak, (torch.cuda.max_memory_allocated() - base) / 2**30)
     return peak, statistics.median(times)
+
+
+def timed_call(fn: Callable[[], Any]) -> float:
+    """Milliseconds of one ``fn()`` on the current stream (CUDA events), synchronized after."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
 
 
 def peak_once(fn: Callable[[], Any], *, cpu: bool = False) -> tuple[int, int]:

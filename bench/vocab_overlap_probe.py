@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import timed_call  # noqa: E402
 from megatron_peakflat.matmul import accumulate_mm  # noqa: E402
 from megatron_peakflat.vocab.block_triton import fold_grad_logits_triton  # noqa: E402
 
@@ -32,15 +33,7 @@ from megatron_peakflat.vocab.block_triton import fold_grad_logits_triton  # noqa
 def _timed(fn, reps: int) -> list[float]:
     fn()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
+    return [timed_call(fn) for _ in range(reps)]
 
 
 def main(argv: list[str] | None = None) -> None:
