@@ -268,7 +268,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                f"{'fits' if pl.fits('peakflat', guaranteed=True) else 'does NOT fit'}")
     rw = rec.plan.worst("peakflat")
     if rec.fits:
-        out.append(f"recommended (component defaults, shrunk until they fit): {rw.total('peakflat') / GIB:.1f} GiB per GPU expected, "
+        out.append(f"recommended (the components this run needs, their defaults shrunk until they fit): {rw.total('peakflat') / GIB:.1f} GiB per GPU expected, "
                    f"{max(x.total('peakflat', guaranteed=True) for x in rec.plan.stages) / GIB:.1f} GiB whatever "
                    "the routing, "
                    f"{max(x.host('peakflat') for x in rec.plan.stages) / GIB:.1f} GiB host per rank; "
