@@ -53,16 +53,28 @@ def setup(args: Any) -> bool:
     return on
 
 
-def _hbm_bytes() -> int:
-    """This GPU's memory; 80 GiB when there is none (the planner's default)."""
+def _device() -> Any:
+    """This GPU's properties, or None without one."""
     try:
         import torch
 
         if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+            return torch.cuda.get_device_properties(torch.cuda.current_device())
     except Exception:  # noqa: BLE001
         pass
-    return 80 * GIB
+    return None
+
+
+def _hbm_bytes() -> int:
+    """This GPU's memory; 80 GiB when there is none (the planner's default)."""
+    dev = _device()
+    return int(dev.total_memory) if dev is not None else 80 * GIB
+
+
+def _sm_count() -> int:
+    """This GPU's streaming multiprocessors; the planner's default (an H100's or H200's 132) without one."""
+    dev = _device()
+    return int(dev.multi_processor_count) if dev is not None else RunConfig.sm_count
 
 
 def prediction(args: Any) -> tuple[Plan, str]:
@@ -81,6 +93,7 @@ def prediction(args: Any) -> tuple[Plan, str]:
         fields["host_bytes_per_node"] = int((local_host_gib() or 1024) * GIB)
         fields["gpus_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", 8))
         fields["fused_adam"] = _megatron_fused_adam()
+        fields["sm_count"] = _sm_count()
         run = RunConfig(**fields)
         _cache["plan"] = plan(shape, run, _config(args))
         _cache["stage"] = _stage_name(run)

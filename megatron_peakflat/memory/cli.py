@@ -242,8 +242,8 @@ def render(pl: Plan, rec: Recommendation) -> str:
         out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight} micro-batch(es) in flight;"
                    "  GiB per rank")
         out.append(f"  {'term':18s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
-        order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "boundaries",
-                 "dispatch", "vocab", "reserve", "optimizer step", "model build"]
+        order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "attention backward",
+                 "boundaries", "dispatch", "vocab", "reserve", "optimizer step", "model build"]
         for name in order:
             if name not in st.rows:
                 continue
@@ -253,7 +253,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                        f"{_gib(row.host_peakflat)}  {row.phase}")
         tb, tp_ = st.total("baseline"), st.total("peakflat")
         out.append(f"  {'total':18s} {_gib(tb)} {_gib(tp_)} {'':9s} {_gib(st.host('peakflat'))}"
-                   f"  = max(persistent + max(layer, loss), step, build)")
+                   f"  = max(persistent + max(layer + max(attention, moe), loss), step, build)")
         out.append(f"  binding peak: baseline '{st.binding('baseline')}' ({'fits' if tb <= r.hbm_bytes else 'OOM'}), "
                    f"peakflat '{st.binding('peakflat')}' ({'fits' if tp_ <= r.hbm_bytes else 'OOM'})")
         for n in st.notes:

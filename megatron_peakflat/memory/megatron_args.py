@@ -34,7 +34,7 @@ def megatron_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name, type=int, default=None)
     for name in ["group-query-attention", "sequence-parallel", "bf16", "fp16", "use-distributed-optimizer",
                  "optimizer-cpu-offload", "accumulate-allreduce-grads-in-fp32", "untie-embeddings-and-output-weights",
-                 "swiglu", "cross-entropy-loss-fusion", "multi-latent-attention"]:
+                 "swiglu", "cross-entropy-loss-fusion", "multi-latent-attention", "deterministic-mode"]:
         p.add_argument("--" + name, action="store_true", default=None)
     p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None)
     p.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default=None)
@@ -142,7 +142,8 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
         out["precision"] = "fp32"  # Megatron trains in fp32 unless --bf16 or --fp16
     for src, dst in (("use_distributed_optimizer", "distributed_optimizer"),
                      ("accumulate_allreduce_grads_in_fp32", "grads_fp32"),
-                     ("cross_entropy_loss_fusion", "cross_entropy_fusion")):
+                     ("cross_entropy_loss_fusion", "cross_entropy_fusion"),
+                     ("deterministic_mode", "deterministic")):
         if getattr(ns, src, None) is not None:
             out[dst] = bool(getattr(ns, src))
     # Megatron's rule for bf16 (megatron/training/arguments.py): fp32 grads unless one of these says bf16.

@@ -82,6 +82,11 @@ class RunConfig:
     """--optimizer-cpu-offload with --optimizer-offload-fraction (Megatron's HybridDeviceOptimizer)."""
     cross_entropy_fusion: bool = False
     """--cross-entropy-loss-fusion (fused_vocab_parallel_cross_entropy)."""
+    deterministic: bool = False
+    """--deterministic-mode (torch.use_deterministic_algorithms): torch SDPA's backward is then flash attention's
+    deterministic one, whose fp32 dQ accumulator has one copy per split (``flash_dq_splits``)."""
+    sm_count: int = 132
+    """Streaming multiprocessors per GPU (H100/H200: 132), which set that split count."""
     fused_adam: bool = False
     """Megatron's Adam is Transformer Engine's or apex's FusedAdam. Without either Megatron falls back to
     torch.optim.AdamW, whose multi-tensor step allocates one fp32 tensor the size of its shard (the square
@@ -156,7 +161,7 @@ class Row:
     bound: float | None = None
     host_baseline: float = 0.0
     host_peakflat: float = 0.0
-    phase: Literal["persistent", "layer", "loss", "build", "step"] = "persistent"
+    phase: Literal["persistent", "layer", "attention", "moe", "loss", "build", "step"] = "persistent"
     source: str = ""
 
 
@@ -170,31 +175,42 @@ class StagePlan:
     notes: list[str] = field(default_factory=list)
 
     def total(self, which: Literal["baseline", "peakflat"], *, guaranteed: bool = False, build: bool = True) -> float:
-        """The largest of the phases' peaks: training's, persistent + max over the phases that never overlap
-        (layer backward vs loss); the optimizer step's; and the model build's (``build``). A step or build
-        phase holds its own rows plus the rows ``ALIVE`` names for it.
+        """The largest of the phases' peaks: training's (``training``); the optimizer step's; and the model
+        build's (``build``). A step or build phase holds its own rows plus the rows ``ALIVE`` names for it.
 
         ``guaranteed``: count each bounded peakflat row at its bound when that is larger (dispatch
         under the worst routing), so a fit holds whatever the tokens do."""
         return max(self.phase_totals(which, guaranteed=guaranteed, build=build).values())
 
     def training(self, which: Literal["baseline", "peakflat"], *, guaranteed: bool = False) -> float:
-        """The forward and backward's peak alone: persistent + max(layer, loss)."""
+        """The forward and backward's peak: persistent + the larger of the loss and the layer backward, where
+        the layer's saved tensors ('layer') meet either attention's backward or the MoE's, never both."""
         per = self._phases(which, guaranteed)
-        return per["persistent"] + max(per["layer"], per["loss"])
+        return sum(per[p] for p in self._live(per))
+
+    def live_phases(self, which: Literal["baseline", "peakflat"], *, guaranteed: bool = False) -> set[str]:
+        """The phases whose rows make the training peak (the rows worth shrinking)."""
+        return self._live(self._phases(which, guaranteed))
+
+    @staticmethod
+    def _live(per: dict[str, float]) -> set[str]:
+        inner = "attention" if per["attention"] >= per["moe"] else "moe"
+        if per["layer"] + per[inner] >= per["loss"]:
+            return {"persistent", "layer", inner}
+        return {"persistent", "loss"}
 
     def phase_totals(self, which: Literal["baseline", "peakflat"], *, guaranteed: bool = False, build: bool = True
                      ) -> dict[str, float]:
         """Each phase's peak: 'training', and 'step' / 'build' where rows of theirs exist."""
         per = self._phases(which, guaranteed)
-        out = {"training": per["persistent"] + max(per["layer"], per["loss"])}
+        out = {"training": sum(per[p] for p in self._live(per))}
         for phase in ("step", "build") if build else ("step",):
             if per[phase]:
                 out[phase] = per[phase] + sum(getattr(self.rows[n], which) for n in ALIVE[phase] if n in self.rows)
         return out
 
     def _phases(self, which: Literal["baseline", "peakflat"], guaranteed: bool = False) -> dict[str, float]:
-        per = {"persistent": 0.0, "layer": 0.0, "loss": 0.0, "build": 0.0, "step": 0.0}
+        per = dict.fromkeys(PHASES, 0.0)
         for row in self.rows.values():
             v = getattr(row, which)
             if guaranteed and which == "peakflat" and row.bound is not None:
@@ -209,13 +225,14 @@ class StagePlan:
         """The largest row that counts in the total (the peak to lower next)."""
         totals = self.phase_totals(which)
         phase = max(totals, key=lambda k: totals[k])
-        if phase != "training":
-            return max((r for r in self.rows.values() if r.phase == phase), key=lambda r: getattr(r, which)).name
-        per = self._phases(which)
-        live = "layer" if per["layer"] >= per["loss"] else "loss"
-        rows = [r for r in self.rows.values() if r.phase in ("persistent", live) and r.name != "reserve"]
+        live = self.live_phases(which) if phase == "training" else {phase}
+        rows = [r for r in self.rows.values() if r.phase in live and r.name != "reserve"]
         return max(rows, key=lambda r: getattr(r, which)).name
 
+
+PHASES = ("persistent", "layer", "attention", "moe", "loss", "build", "step")
+"""When a row is alive: always; through a layer's backward (its saved tensors); in attention's backward; in
+the MoE's backward (the dispatch); in the loss; while the model is built; in the optimizer step."""
 
 ALIVE = {"build": ("parameters", "gradients", "reserve"),
          "step": ("parameters", "gradients", "optimizer", "reserve")}
@@ -312,12 +329,21 @@ def attention_activations(s: ModelShape, run: RunConfig) -> float:
     return norm + qkvo + lse
 
 
+def flash_dq_splits(s: ModelShape, run: RunConfig) -> int:
+    """Copies of the fp32 dQ accumulator in flash attention's backward: one, or under deterministic algorithms
+    ceil(SMs / (batch x heads)) (flash_api.cpp mha_bwd), e.g. 5 for 32 heads on an H200. Measured with torch
+    2.11's SDPA at 32K and 128K tokens (bench/results/attention_backward_peak.txt): 5.02 units of [s, hidden]
+    bf16 beside the inputs without, 13.02 with."""
+    if not run.deterministic:
+        return 1
+    return max(1, -(-run.sm_count // max(1, run.micro_batch * s.heads // run.tp)))
+
+
 def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
     """What core attention's backward holds beside the layer's saved tensors, where a long-context layer
-    peaks: dQ, dK, dV, flash attention's fp32 dQ accumulator and dO, plus the rotated copies of q and k
+    peaks: dQ, dK, dV, flash attention's fp32 dQ accumulator(s) and dO, plus the rotated copies of q and k
     that RoPE makes in the (re)computed forward. Measured at 128K tokens on one H200
-    (bench/results/memory_peak_128k.txt): the run's peak sat in this backward; without this term the
-    planner was 9.3 GiB (16%) under it."""
+    (bench/results/memory_peak_128k.txt, under --deterministic-mode): the run's peak sat in this backward."""
     t, w = run.tp, run.w
     T = run.tokens
     if s.mla is None:
@@ -330,7 +356,7 @@ def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
         v = T / t * s.heads * m.v_head_dim
         rotated = T / t * (s.heads + 1) * m.qk_pos_emb_head_dim * w
     d_out = T / t * s.heads * (s.head_dim if s.mla is None else s.mla.v_head_dim)
-    return (q + k + v) * w + q * 4 + d_out * w + rotated
+    return (q + k + v) * w + q * 4 * flash_dq_splits(s, run) + d_out * w + rotated
 
 
 def mlp_activations(s: ModelShape, run: RunConfig, ffn: int) -> float:
@@ -713,9 +739,9 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         # Activations and checkpoint boundaries.
         attn = attention_activations(s, run)
         layer_act = [attn + mlp_activations(s, run, s.ffn)] * n_dense + [attn + moe_nondispatch_activations(s, run)] * n_moe
-        # The working set of the layer being (re)computed and backpropagated: its saved tensors plus what
-        # core attention's backward holds beside them (not saved, so not part of stored layers below).
-        one_layer = max(layer_act) + attention_backward_transient(s, run) if layer_act else 0.0
+        # The working set of the layers being (re)computed and backpropagated: their saved tensors, and beside
+        # them (not saved, so not part of stored layers below) either one attention's backward or one MoE's.
+        one_layer = max(layer_act) if layer_act else 0.0
         boundary = r * s.hidden * w
         if run.recompute == "full":
             n = max(1, run.recompute_num_layers)
@@ -733,9 +759,13 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                                          f"{stored_layers} stored layers x {inflight} micro-batches in flight")
         rows["layer working set"] = Row(
             "layer working set", work_layers * one_layer, work_layers * one_layer, phase="layer",
-            source="one recompute chunk re-materialised in backward (recompute.py checkpointed_forward), "
-                   "with attention's backward gradients (model.py attention_backward_transient)"
-            if run.recompute == "full" else "the layer in backward, with attention's backward gradients")
+            source="one recompute chunk re-materialised in backward (recompute.py checkpointed_forward)"
+            if run.recompute == "full" else "the layer in backward")
+        attn_bwd = attention_backward_transient(s, run) if layer_act else 0.0
+        rows["attention backward"] = Row(
+            "attention backward", attn_bwd, attn_bwd, phase="attention",
+            source="dQ, dK, dV, fp32 dQ accumulator x flash_dq_splits, dO, rotated q and k "
+                   "(model.py attention_backward_transient); never alive with the MoE's backward")
 
         total_b = inflight * n_ckpt * boundary
         if run.recompute == "full":
@@ -768,7 +798,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
             bound = llep_working_set(s, run, rows_bound, llep_overlaps(s, run, pf, worst=True))
             rows["dispatch"] = Row(
                 "dispatch", base, llep_expected_working_set(s, run, pf, rows_expected), bound=bound,
-                phase="layer" if run.recompute == "full" else "persistent",
+                phase="moe" if run.recompute == "full" else "persistent",
                 source=f"alltoall dispatcher: R x (4H + 3F) x w per layer, R = {pairs:.3g} pairs (skew "
                        f"{run.routing_skew:g}, worst {routed_pairs_worst(s, run):.3g}); PipelinedLLEP: "
                        f"K={llep_chunks(s, run, pf)[0]} chunks of c={c_eff} pairs per source, {rows_expected:.3g} "

@@ -166,14 +166,13 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, opti
         if p.fits("peakflat", guaranteed=True):
             return Recommendation(True, cfg, p, _flags(cfg, p), reasons)
         st = max(p.stages, key=lambda x: x.total("peakflat", guaranteed=True))
-        live_phase = "layer" if sum(_guaranteed(r) for r in st.rows.values() if r.phase == "layer") >= \
-            sum(_guaranteed(r) for r in st.rows.values() if r.phase == "loss") else "loss"
+        live = st.live_phases("peakflat", guaranteed=True)
         candidates = []
         if "dispatch" in st.rows and cfg.dispatch.impl != "megatron" and cfg.dispatch.chunk_cap > FLOORS["chunk_cap"] \
-                and st.rows["dispatch"].phase in ("persistent", live_phase):
+                and st.rows["dispatch"].phase in live:
             candidates.append((_guaranteed(st.rows["dispatch"]), "chunk_cap"))
         block = cfg.vocab.block_size or vocab_block(run.tp_tokens, run.w, 0)
-        if "vocab" in st.rows and block > FLOORS["block_size"] and live_phase == "loss":
+        if "vocab" in st.rows and block > FLOORS["block_size"] and "loss" in live:
             candidates.append((_guaranteed(st.rows["vocab"]), "block_size"))
         if cfg.optimizer.impl != "megatron" and (cfg.optimizer.bucket > FLOORS["bucket"] or cfg.optimizer.slots > 2):
             candidates.append((_guaranteed(st.rows["optimizer"]), "bucket"))
