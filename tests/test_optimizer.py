@@ -202,7 +202,7 @@ def test_megatron_state_contract():
 
 
 def test_refuses_state_larger_than_host_share(monkeypatch):
-    monkeypatch.setattr(host_memory, "mem_available", lambda path="/proc/meminfo": 1_000_000)
+    monkeypatch.setattr(host_memory.host, "mem_available", lambda path="/proc/meminfo": 1_000_000)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     allocated = []
     monkeypatch.setattr(host_memory.HostRegion, "__init__", lambda self, *a, **k: allocated.append(1))

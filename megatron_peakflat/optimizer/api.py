@@ -34,7 +34,7 @@ from ..memory import host, meter
 from ..memory.meter import region
 from .streamer import NativeStreamer
 from .engines import CpuEngineWorker, GroupHyper, HostSlot, Slot, Streams, run_gpu_engine
-from .host_memory import HostRegion, check_host_budget, ranks_on_node
+from .host_memory import HostRegion, check_host_budget
 from .layout import Layout, plan_layout
 
 __all__ = ["OffloadStreamAdamW"]
@@ -53,7 +53,7 @@ def _default_host_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, cores // ranks_on_node())
+    return max(1, cores // host.local_ranks())
 
 
 def _refuse_unsupported(options: dict[str, Any], where: str) -> None:

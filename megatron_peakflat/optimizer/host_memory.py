@@ -19,7 +19,7 @@ from ..config_base import format_bytes
 from ..memory import host
 from .._ext import register_host_memory, unregister_host_memory
 
-__all__ = ["HostMemoryError", "HostRegion", "check_host_budget", "mem_available", "ranks_on_node"]
+__all__ = ["HostMemoryError", "HostRegion", "check_host_budget"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -28,20 +28,16 @@ class HostMemoryError(RuntimeError):
     """The pinned optimizer state would not fit this rank's share of host memory."""
 
 
-mem_available = host.mem_available
-ranks_on_node = host.local_ranks
-
-
 def check_host_budget(need: int, *, what: str, available: int | None = None,
                       local_world_size: int | None = None, owner: str | None = None) -> int | None:
     """Raise HostMemoryError when ``need`` bytes exceed this rank's share: MemAvailable / LOCAL_WORLD_SIZE,
     less what other components promised to pin and have not yet (``memory.host``; ``owner``'s own promise
     is this need). Returns the share."""
-    avail = mem_available() if available is None else available
+    avail = host.mem_available() if available is None else available
     if avail is None:
         log.warning("peakflat optimizer: /proc/meminfo unreadable; cannot check %s of host memory", format_bytes(need))
         return None
-    ranks = max(1, local_world_size if local_world_size is not None else ranks_on_node())
+    ranks = max(1, local_world_size if local_world_size is not None else host.local_ranks())
     share = host.share(avail, ranks, exclude=owner)
     if need > share:
         others = host.promised(exclude=owner)
