@@ -71,14 +71,17 @@ def setup(cpu: bool) -> None:
 
 
 def build_layer(hidden: int, experts: int, topk: int, ffn: int, cpu: bool, ddp: bool = True,
-                dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+                dtype: torch.dtype | None = None, experts_impl: str = "sequential") -> tuple[Any, Any]:
     """(DDP-wrapped MoELayer, the MoELayer) built after ``megatron_peakflat.apply`` (so it holds both dispatchers).
 
-    ``ddp=False`` returns the bare layer twice (weight gradients in ``.grad``)."""
+    ``ddp=False`` returns the bare layer twice (weight gradients in ``.grad``). ``experts_impl``:
+    SequentialMLP (``"sequential"``) or TEGroupedMLP in TE's layout (``"grouped"``, see
+    ``megatron_cpu.gpt_layer_spec``)."""
     import torch.nn.functional as F
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_peakflat.testing import megatron_cpu
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = dtype or (torch.float32 if cpu else torch.bfloat16)
@@ -90,7 +93,7 @@ def build_layer(hidden: int, experts: int, topk: int, ffn: int, cpu: bool, ddp: 
         gradient_accumulation_fusion=False, moe_permute_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         bf16=not cpu, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=cpu,
         recompute_granularity="selective", recompute_modules=["moe"])
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    spec = megatron_cpu.gpt_layer_spec(experts, experts_impl)
     mlp = spec.submodules.mlp
     torch.manual_seed(0)
     layer = build_module(mlp, config=config) if hasattr(mlp, "module") else mlp(config=config)

@@ -134,6 +134,7 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
             raise PeakflatConfigError(flag, cfg.dispatch.impl,
                                       f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}",
                                       "choose an EP size that divides the number of experts")
+        _check_dispatch_experts(cfg, args)
     if cfg.vocab.impl != "megatron":
         flag = cfg.vocab.flag("impl")
         if _get(args, "mtp_num_layers"):
@@ -179,6 +180,53 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
         if not _get(args, "decoupled_weight_decay", True):
             raise PeakflatConfigError(flag, cfg.optimizer.impl, "it implements AdamW (decoupled weight decay)",
                                       "drop --no-decoupled-weight-decay")
+
+
+_DISPATCH_CONFLICTS: tuple[tuple[str, str, str], ...] = (
+    # (Megatron dest, what it does that PipelinedLLEP cannot, the fix)
+    ("add_bias_linear", "experts with biases (Megatron's default unless --disable-bias-linear); PipelinedLLEP's "
+     "experts are bias-free", "pass --disable-bias-linear"),
+    ("fp8", "fp8 experts (--fp8-format)", "drop --fp8-format"),
+    ("fp4", "fp4 experts (--fp4-format)", "drop --fp4-format"),
+    ("moe_router_padding_for_quantization", "router padding for quantized experts",
+     "drop --moe-router-padding-for-quantization"),
+    ("delay_wgrad_compute", "delayed expert weight gradients", "drop --delay-wgrad-compute"),
+    ("overlap_dispatch_backward_with_experts_wgrad", "Megatron's own dispatch/wgrad overlap",
+     "drop --overlap-dispatch-backward-with-experts-wgrad"),
+    ("moe_latent_size", "latent MoE projections", "drop --moe-latent-size"),
+    ("enable_cuda_graph", "CUDA graphs of the layers (PipelinedLLEP's chunk sizes follow the routing)",
+     "drop --enable-cuda-graph"),
+    ("use_te_activation_func", "Transformer Engine activation modules in the experts",
+     "drop --use-te-activation-func"),
+    ("use_transformer_engine_op_fuser", "TE's fused grouped MLP", "drop --use-transformer-engine-op-fuser"),
+    ("moe_single_grouped_weight", "one grouped weight tensor per projection (PipelinedLLEP reads TE's weight0.."
+     "weightN layout)", "drop --moe-single-grouped-weight"),
+    ("moe_single_grouped_bias", "grouped expert biases", "drop --moe-single-grouped-bias"),
+    ("moe_mlp_glu_interleave_size", "interleaved GLU weights", "drop --moe-mlp-glu-interleave-size"),
+)
+
+
+def _check_dispatch_experts(cfg: PeakflatConfig, args: Any) -> None:
+    """Reject the Megatron flags whose MoE layers PipelinedLLEP would hand back to Megatron's dispatcher
+    (``integration.dispatch.unsupported_reason``), so that the choice fails at start-up, not silently."""
+    flag = cfg.dispatch.flag("impl")
+    for dest, what, fix in _DISPATCH_CONFLICTS:
+        if _get(args, dest):
+            raise PeakflatConfigError(flag, cfg.dispatch.impl, f"it does not support {what}",
+                                      f"{fix}, or drop {flag}")
+    if (_get(args, "cuda_graph_impl", "none") or "none") != "none":
+        raise PeakflatConfigError(flag, cfg.dispatch.impl,
+                                  f"--cuda-graph-impl {_get(args, 'cuda_graph_impl')} captures the layers, and "
+                                  "PipelinedLLEP's chunk sizes follow the routing", f"drop --cuda-graph-impl, or drop {flag}")
+    if _get(args, "transformer_impl") == "inference_optimized":
+        raise PeakflatConfigError(flag, cfg.dispatch.impl, "--transformer-impl inference_optimized builds inference "
+                                  "experts", f"use --transformer-impl transformer_engine or local, or drop {flag}")
+    offloaded = {"expert_fc1", "moe_act"} & set(_get(args, "offload_modules", None) or [])
+    if _get(args, "fine_grained_activation_offloading") and offloaded:
+        raise PeakflatConfigError(flag, cfg.dispatch.impl,
+                                  f"--offload-modules {' '.join(sorted(offloaded))} offloads activations inside "
+                                  "Megatron's expert modules, which PipelinedLLEP does not call",
+                                  f"drop {' '.join(sorted(offloaded))} from --offload-modules, or drop {flag}")
 
 
 def _check_vocab_shard_over_ep(cfg: PeakflatConfig, args: Any) -> None:

@@ -42,16 +42,16 @@ def _skew_router(model, skew: str, seed: int) -> None:
         m.gating = skewed
 
 
-def _ref_and_patched(config, dispatch) -> tuple:  # noqa: ANN001
+def _ref_and_patched(config, dispatch, experts: str = "sequential") -> tuple:  # noqa: ANN001
     """Megatron's own model, then the same weights built with PipelinedLLEP (``dispatch``) patched in."""
     import megatron_peakflat
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.testing import megatron_cpu as mc
 
-    ref = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+    ref = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ, experts=experts)
     megatron_peakflat.apply(PeakflatConfig(dispatch=dispatch, general=GeneralConfig(attention="local")))
-    model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ)
+    model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ, experts=experts)
     model.load_state_dict(ref.state_dict())
     return ref, model
 
@@ -167,7 +167,7 @@ def _tp_case(rank: int) -> tuple[str, float, int]:
     return (f"tp2-ep2-sp,rank={rank}", worst, 0)
 
 
-def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:
+def _ddp_case(rank: int, world: int, E: int, experts: str = "sequential") -> tuple[str, float, int]:
     """Megatron DDP with overlapped grad reduce: main_grad after finish_grad_sync matches, 2 iterations."""
     import megatron_peakflat
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -179,7 +179,7 @@ def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:
     config = mc.tiny_transformer_config(num_moe_experts=E)
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
     ref_inner, inner = _ref_and_patched(config, DispatchConfig(impl="pipelined-llep", chunk_cap=10, min_spill=0,
-                                                               imbalance_threshold=1.05, overlap=world > 1))
+                                                               imbalance_threshold=1.05, overlap=world > 1), experts)
     _skew_router(ref_inner, "hot95", 5 + rank)
     _skew_router(inner, "hot95", 5 + rank)
     models = [DistributedDataParallel(config, ddp_cfg, m) for m in (ref_inner, inner)]
@@ -206,7 +206,7 @@ def _ddp_case(rank: int, world: int, E: int) -> tuple[str, float, int]:
         runs = weight_runs(*bank._weights(order, [None] * len(order)))
         assert bank._packed and len(runs) == 1, (order, [(r.first, r.n) for r in runs])
     megatron_peakflat.remove()
-    return (f"ddp-overlap,overlap={world > 1},rank={rank}", worst, 0)
+    return (f"{experts},ddp-overlap,overlap={world > 1},rank={rank}", worst, 0)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -219,6 +219,69 @@ def test_exact_against_megatron_alltoall(world):
                 assert spilled > 0, name  # expert weights really moved to helper ranks
     if world > 1:
         assert any("overlap=True" in name for name, _, _ in per_rank[0])
+
+
+def grouped_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
+    """Megatron's TEGroupedMLP experts (TE's GroupedLinear layout, ``testing.grouped_linear``): PipelinedLLEP
+    against Megatron's alltoall dispatcher driving TEGroupedMLP.forward, loss and every gradient."""
+    import megatron_peakflat
+    from megatron_peakflat import stats
+    from megatron_peakflat.dispatch.config import DispatchConfig
+    from megatron_peakflat.integration.dispatch import GroupedLinearBank, PeakflatDispatcher, unsupported_reason
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    mc.install_cpu_shim()
+    E = 4 * world if world < 4 else 8
+    swiglu = {"bias_activation_fusion": True, "gated_linear_unit": True, "activation_func": torch.nn.functional.silu}
+    full = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    cases = [("balanced", 2, {}), ("all", 7, {}), ("hot95", 2, swiglu), ("all", 2, full)]
+    caps = {1: 64, 2: 32, 7: 10}
+    out = []
+    for skew, K, extra in cases:
+        megatron_peakflat.remove()
+        torch.manual_seed(4321)
+        mc.init_megatron_parallel(ep=world, seed=4321)
+        config = mc.tiny_transformer_config(num_moe_experts=E, **extra)
+        ref_model, model = _ref_and_patched(config, DispatchConfig(
+            impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8, min_spill=0, imbalance_threshold=1.05,
+            overlap=world > 1 and K == 7, overlap_min_chunks=0), experts="grouped")
+        swapped = [m for m in model.modules() if isinstance(getattr(m, "token_dispatcher", None), PeakflatDispatcher)]
+        assert len(swapped) == config.num_layers, "TEGroupedMLP layers must take PipelinedLLEP's dispatcher"
+        # Gradient-accumulation fusion (Megatron's default with TE or apex) changes nothing for these experts:
+        # their weights' gradients are added into main_grad by PipelinedLLEP, never by the linear modules.
+        # (Checked on the reference's layers, which still hold Megatron's alltoall dispatcher.)
+        config.gradient_accumulation_fusion = True
+        megatron_layers = [m for m in ref_model.modules() if hasattr(m, "token_dispatcher") and hasattr(m, "experts")]
+        assert [unsupported_reason(m) for m in megatron_layers] == [None] * config.num_layers
+        _skew_router(ref_model, skew, 91 + rank)
+        _skew_router(model, skew, 91 + rank)
+        batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=11 + rank)
+        stats.reset()
+        losses = []
+        for m in (ref_model, model):
+            loss = mc.gpt_loss(m, batch)
+            loss.backward()
+            losses.append(loss.detach())
+        assert all(isinstance(m.token_dispatcher._bank, GroupedLinearBank) for m in swapped)
+        snap = stats.snapshot().get("dispatch", {})
+        assert snap.get("chunks") == K, (K, snap)
+        name = f"grouped,{skew},K={K},{'+'.join(k for k in extra if k != 'recompute_method')},rank={rank}"
+        out.append((name, _check_grads(name, ref_model, model, losses), int(snap.get("spilled_experts", 0))))
+        megatron_peakflat.remove()
+    if world <= 2:
+        out.append(_ddp_case(rank, world, E, experts="grouped"))
+    mc.destroy_megatron_parallel()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_te_grouped_experts_exact_against_megatron(world):
+    per_rank = run_distributed(grouped_worker, world, timeout=300)
+    for rows in per_rank:
+        for name, err, spilled in rows:
+            assert err <= 1e-5, (name, err)
+            if world > 1 and ",all," in name:
+                assert spilled > 0, name
 
 
 def handback_worker(rank: int, world: int) -> list[str]:
@@ -264,8 +327,21 @@ def test_startup_errors_name_the_flag():
     for bad, match in ((dict(num_experts=None), "no MoE"), (dict(expert_tensor_parallel_size=2), "expert tensor"),
                        (dict(expert_model_parallel_size=3), "divisible"),
                        (dict(moe_token_dispatcher_type="flex"), "alltoall"),
-                       (dict(moe_pad_expert_input_to_capacity=True), "capacity")):
+                       (dict(moe_pad_expert_input_to_capacity=True), "capacity"),
+                       (dict(add_bias_linear=True), "--disable-bias-linear"), (dict(fp8="hybrid"), "--fp8-format"),
+                       (dict(delay_wgrad_compute=True), "--delay-wgrad-compute"),
+                       (dict(moe_latent_size=64), "--moe-latent-size"),
+                       (dict(cuda_graph_impl="local"), "--cuda-graph-impl"),
+                       (dict(use_te_activation_func=True), "--use-te-activation-func"),
+                       (dict(moe_single_grouped_weight=True), "--moe-single-grouped-weight"),
+                       (dict(transformer_impl="inference_optimized"), "inference_optimized"),
+                       (dict(fine_grained_activation_offloading=True, offload_modules=["moe_act"]), "moe_act")):
         with pytest.raises(PeakflatConfigError, match="--peakflat-dispatch") as e:
             cfg.validate(SimpleNamespace(**{**base, **bad}))
         assert match in str(e.value)
     cfg.validate(SimpleNamespace(**base))
+    # Megatron's defaults with Transformer Engine and apex: TE spec, grouped GEMM experts, gradient-accumulation
+    # fusion; supported, so no error.
+    cfg.validate(SimpleNamespace(**base, add_bias_linear=False, transformer_impl="transformer_engine",
+                                 moe_grouped_gemm=True, gradient_accumulation_fusion=True, cuda_graph_impl="none",
+                                 fine_grained_activation_offloading=True, offload_modules=["attn_norm"]))

@@ -6,17 +6,22 @@ Two registry entries:
   config value stays ``alltoall``), and ``set_shared_experts`` is called again under shared-expert overlap;
 - ``wrap_routed_experts_compute`` wraps ``MoELayer.routed_experts_compute``: for a layer holding a
   PeakflatDispatcher it runs dispatch -> experts -> combine for all chunks in one autograd Function
-  (``dispatch.pipelined``), calling the layer's own ``SequentialMLP`` experts on each chunk.
+  (``dispatch.pipelined``), running the layer's own experts on each chunk.
 
 The dispatcher's other steps are cheap pass-throughs (reshape in, reshape out, shared experts
 added at the end), so MoELayer.forward, the router, its aux losses and expert bias, and
 ``--recompute-modules moe`` all run unchanged.
 
+The experts are Megatron's ``SequentialMLP`` (local or TE linear layers) or ``TEGroupedMLP``
+(Transformer Engine's GroupedLinear, ``--moe-grouped-gemm`` on the TE spec); PipelinedLLEP runs
+their math on their weights (``ExpertMath``) and adds the weight gradients into ``main_grad``
+itself, so gradient-accumulation fusion changes nothing for it.
+
 Handed back to Megatron's own dispatcher, with one logged reason per layer kind (``unsupported_reason``),
-for: a dispatcher type other than alltoall, TE grouped experts (or any experts other than
-SequentialMLP), expert tensor parallelism, pad-to-capacity, router padding for quantization,
-fp8/fp4, latent MoE, expert biases, CUDA graphs, delayed/overlapped wgrad, gradient-accumulation
-fusion (its wgrads bypass autograd), and the inference-optimized transformer.
+for: a dispatcher type other than alltoall, other expert modules, expert tensor parallelism,
+pad-to-capacity, router padding for quantization, fp8/fp4, latent MoE, expert biases, CUDA graphs,
+delayed/overlapped wgrad, TE's op fuser or activation modules, and the inference-optimized
+transformer. The start-up check rejects the flags behind these before the model is built.
 """
 
 from __future__ import annotations
@@ -36,46 +41,189 @@ from ..dispatch.config import resolve_membership
 from . import fused_recompute, state
 from .logs import info_once
 
-__all__ = ["wrap_moe_layer_init", "wrap_routed_experts_compute", "PeakflatDispatcher", "SequentialMLPBank",
-           "unsupported_reason"]
+__all__ = ["wrap_moe_layer_init", "wrap_routed_experts_compute", "PeakflatDispatcher", "ExpertMath",
+           "SequentialMLPBank", "GroupedLinearBank", "make_bank", "grouped_linear_reason", "unsupported_reason"]
 
 
-def _plain_mlp_reason(experts: Any) -> str | None:
-    """Why the experts' MLP math cannot be run as plain torch ops on their weights (None: it can)."""
+def _plain_linear_types() -> tuple[type, ...]:
+    """Linear modules whose forward is ``x @ weight.T`` for a bias-free expert at expert TP=1: Megatron's
+    own, and Transformer Engine's wrappers of them when TE is importable (the NGC default spec)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    c = experts.config
-    mlp = experts.local_experts[0]
-    if type(mlp.linear_fc1) is not ColumnParallelLinear or type(mlp.linear_fc2) is not RowParallelLinear:
-        return f"linear layers {type(mlp.linear_fc1).__name__}/{type(mlp.linear_fc2).__name__}"
-    if [n for n, _ in mlp.named_parameters()] != ["linear_fc1.weight", "linear_fc2.weight"]:
-        return "expert parameters other than two weights"
-    for attr in ("use_te_activation_func", "add_bias_linear", "fp8", "fp4"):
-        if getattr(c, attr, None):
-            return attr
+    types: list[type] = [ColumnParallelLinear, RowParallelLinear]
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+    except ImportError:  # pragma: no cover - depends on the Megatron build
+        te_ext = None
+    for name in ("TEColumnParallelLinear", "TERowParallelLinear", "TELinear"):
+        t = getattr(te_ext, name, None)
+        if isinstance(t, type):
+            types.append(t)
+    return tuple(types)
+
+
+def _activation_reason(c: Any) -> str | None:
+    """Why the experts' activation is not one ``ExpertMath.elementwise`` reproduces (None: it is)."""
+    if getattr(c, "use_te_activation_func", False):
+        return "use_te_activation_func (Transformer Engine activation modules)"
     if c.bias_activation_fusion:
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         if not c.gated_linear_unit or c.activation_func not in (torch.nn.functional.silu, quick_gelu):
             return "bias_activation_fusion without swiglu/quick-geglu"
-    if getattr(c, "_cpu_offloading_context", None) is not None:
-        return "cpu offloading"
-    from megatron.core.utils import get_pg_size
-
-    if get_pg_size(mlp.linear_fc1.tp_group) != 1 or get_pg_size(mlp.linear_fc2.tp_group) != 1:
-        return "expert tensor parallelism"
     return None
 
 
-class SequentialMLPBank(GroupedExperts):
+def _plain_mlp_reason(experts: Any) -> str | None:
+    """Why the SequentialMLP experts' math cannot be run as plain torch ops on their weights (None: it can)."""
+    c = experts.config
+    mlp = experts.local_experts[0]
+    allowed = _plain_linear_types()
+    if type(mlp.linear_fc1) not in allowed or type(mlp.linear_fc2) not in allowed:
+        return f"linear layers {type(mlp.linear_fc1).__name__}/{type(mlp.linear_fc2).__name__}"
+    if [n for n, _ in mlp.named_parameters()] != ["linear_fc1.weight", "linear_fc2.weight"]:
+        return "expert parameters other than two weights"
+    for attr in ("add_bias_linear", "fp8", "fp4"):
+        if getattr(c, attr, None):
+            return attr
+    if (why := _activation_reason(c)) is not None:
+        return why
+    if getattr(c, "_cpu_offloading_context", None) is not None:
+        return "cpu offloading"
+    if (getattr(c, "expert_tensor_parallel_size", 1) or 1) != 1:
+        return "expert tensor parallelism"
+    from megatron.core.utils import get_pg_size
+
+    for lin in (mlp.linear_fc1, mlp.linear_fc2):
+        group = getattr(lin, "tp_group", None)
+        if group is not None and get_pg_size(group) != 1:
+            return "expert tensor parallelism"
+    return None
+
+
+def grouped_linear_reason(experts: Any) -> str | None:
+    """Why Megatron's TEGroupedMLP ``experts`` cannot run as PipelinedLLEP's bank (None: they can).
+
+    Needs Transformer Engine's GroupedLinear layout: ``linear_fc1`` / ``linear_fc2`` each holding
+    one [out, in] ``weight{i}`` per local expert and nothing else, and the unfused, unquantized
+    forward of ``TEGroupedMLP.forward`` (no op fuser, no TE activation module, no interleaved GLU).
+    """
+    c = experts.config
+    n = experts.num_local_experts
+    if getattr(experts, "_with_fused_impl", False):
+        return "use_transformer_engine_op_fuser (TE's fused grouped MLP)"
+    for attr, what in (("moe_single_grouped_weight", "moe_single_grouped_weight"),
+                       ("moe_single_grouped_bias", "moe_single_grouped_bias"),
+                       ("moe_mlp_glu_interleave_size", "moe_mlp_glu_interleave_size (interleaved GLU)"),
+                       ("add_bias_linear", "add_bias_linear"), ("fp8", "fp8"), ("fp4", "fp4")):
+        if getattr(c, attr, None):
+            return what
+    if getattr(experts, "offload_expert_fc1", False) or getattr(experts, "offload_moe_act", False):
+        return "fine-grained activation offloading of expert_fc1/moe_act"
+    if (why := _activation_reason(c)) is not None:
+        return why
+    from megatron.core.utils import get_pg_size
+
+    if experts.tp_group is not None and get_pg_size(experts.tp_group) != 1:
+        return "expert tensor parallelism"
+    want = [f"weight{i}" for i in range(n)]
+    for name in ("linear_fc1", "linear_fc2"):
+        lin = getattr(experts, name)
+        got = [p for p, _ in lin.named_parameters()]
+        if got != want:
+            return f"{name} parameters {got[:3]}{'...' if len(got) > 3 else ''}, not weight0..weight{n - 1}"
+        if len({tuple(getattr(lin, w).shape) for w in want}) != 1:
+            return f"{name} weights of different shapes"
+    return None
+
+
+class ExpertMath(GroupedExperts):
+    """The bias-free expert MLP of Megatron's experts as plain torch ops on given weights.
+
+    ``elementwise`` is what ``MLP.forward`` (SequentialMLP's experts) and ``TEGroupedMLP.forward``
+    do between fc1 and fc2: the activation or gated unit (with clamp and offset) and the per-token
+    prob scale, or Megatron's weighted swiglu/quick-geglu fusion. With ``grouped``, a chunk's experts
+    run as grouped GEMMs (``GroupedExperts``), else one expert at a time.
+    """
+
+    experts: Any
+    config: Any
+    num_local_experts: int
+    plain: bool = True
+    want_grouped: bool = True
+    fused_squared_relu: bool = False
+    """TEGroupedMLP's weighted squared-ReLU kernel (``use_fused_weighted_squared_relu``)."""
+
+    @property
+    def grouped(self) -> bool:  # type: ignore[override]
+        """Grouped GEMMs: wanted, plain ops possible, and probs applied inside the MLP (not on its input)."""
+        return self.want_grouped and self.plain and not self.config.moe_apply_probs_on_input
+
+    def _plain(self, x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.elementwise(torch.nn.functional.linear(x, fc1), probs), fc2)
+
+    def elementwise(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The experts' forward between fc1 and fc2: the activation (or gated unit) and the per-token prob scale."""
+        c = self.config
+        if c.bias_activation_fusion:  # the fused branch with a per-token scale
+            from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
+            from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+            if c.activation_func == torch.nn.functional.silu:
+                h = weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1), c.activation_func_fp8_input_store)
+            else:
+                h = weighted_bias_quick_geglu_impl(h, None, probs.unsqueeze(-1), c.activation_func_fp8_input_store,
+                                                   c.glu_linear_offset, c.activation_func_clamp_value)
+            return h
+        if self.fused_squared_relu:
+            from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
+
+            return weighted_squared_relu_impl(h, probs.unsqueeze(-1))
+        if c.gated_linear_unit:
+            a, b = torch.chunk(h, 2, dim=-1)
+            if (val := c.activation_func_clamp_value) is not None:
+                a = a.clamp(min=None, max=val)
+                b = b.clamp(min=-val, max=val)
+            h = c.activation_func(a) * (b + c.glu_linear_offset)
+        else:
+            h = c.activation_func(h)
+        dtype = h.dtype
+        return (h * probs.unsqueeze(-1)).to(dtype)
+
+    def expert_params(self, local: int) -> list[torch.Tensor]:
+        return self._params[local]
+
+    def _module_call(self, li: int | None, w: Sequence[torch.Tensor] | None, xs: torch.Tensor, ps: torch.Tensor
+                     ) -> torch.Tensor:
+        raise RuntimeError(f"{type(self).__name__} runs plain ops only")
+
+    def compute(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: Sequence[int],
+                local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]) -> torch.Tensor:
+        if self.config.moe_apply_probs_on_input:  # as SequentialMLP.forward and TEGroupedMLP.forward do
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        outs, o = [], 0
+        for n, li, w in zip(tokens_per_expert, local, weights):
+            if n == 0:
+                continue
+            xs, ps = x[o:o + n], probs[o:o + n]
+            if self.plain:
+                w = self.expert_params(li) if li is not None else w
+                y = self._plain(xs, ps, w[0], w[1])
+            else:
+                y = self._module_call(li, w, xs, ps)
+            outs.append(y)
+            o += n
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+
+
+class SequentialMLPBank(ExpertMath):
     """Megatron's SequentialMLP as an ExpertBank: the same expert MLP math, with own or received weights.
 
     ``plain=True`` (used when ``_plain_mlp_reason`` finds nothing against it) runs ``MLP.forward``'s
-    math (fc1; the unfused activation or gated unit with clamp and offset and the per-token prob
-    scale, or Megatron's own weighted swiglu/quick-geglu fusion; fc2) on the experts' weights: the
-    same GEMMs and elementwise ops without Megatron's per-call Python layers, which dominate when a
-    chunk gives each expert few rows. Otherwise every segment calls the expert module itself.
-    With plain ops and ``grouped``, a chunk's experts run as grouped GEMMs (``GroupedExperts``).
+    math on the experts' weights (``ExpertMath``): the same GEMMs and elementwise ops without
+    Megatron's per-call Python layers, which dominate when a chunk gives each expert few rows.
+    Otherwise every segment calls the expert module itself.
     """
 
     def __init__(self, experts: Any, plain: bool | None = None, grouped: bool = True) -> None:
@@ -92,61 +240,47 @@ class SequentialMLPBank(GroupedExperts):
         self.want_grouped = grouped
         """The flag's wish (--peakflat-dispatch-grouped-gemm); ``grouped`` adds what the experts allow."""
 
-    @property
-    def grouped(self) -> bool:  # type: ignore[override]
-        """Grouped GEMMs: wanted, plain ops possible, and probs applied inside the MLP (not on its input)."""
-        return self.want_grouped and self.plain and not self.config.moe_apply_probs_on_input
-
-    def _plain(self, x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(self.elementwise(torch.nn.functional.linear(x, fc1), probs), fc2)
-
-    def elementwise(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """MLP.forward between fc1 and fc2: the activation (or gated unit) and the per-token prob scale."""
-        c = self.config
-        if c.bias_activation_fusion:  # MLP.forward's fused branch with a per-token scale
-            from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
-            from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
-
-            if c.activation_func == torch.nn.functional.silu:
-                h = weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1), c.activation_func_fp8_input_store)
-            else:
-                h = weighted_bias_quick_geglu_impl(h, None, probs.unsqueeze(-1), c.activation_func_fp8_input_store,
-                                                   c.glu_linear_offset, c.activation_func_clamp_value)
-            return h
-        if c.gated_linear_unit:
-            a, b = torch.chunk(h, 2, dim=-1)
-            if (val := c.activation_func_clamp_value) is not None:
-                a = a.clamp(min=None, max=val)
-                b = b.clamp(min=-val, max=val)
-            h = c.activation_func(a) * (b + c.glu_linear_offset)
+    def _module_call(self, li: int | None, w: Sequence[torch.Tensor] | None, xs: torch.Tensor, ps: torch.Tensor
+                     ) -> torch.Tensor:
+        if li is not None:
+            y, _ = self.experts.local_experts[li](xs, ps)
         else:
-            h = c.activation_func(h)
-        dtype = h.dtype
-        return (h * probs.unsqueeze(-1)).to(dtype)
+            y, _ = functional_call(self._template, dict(zip(self._names, w)), (xs, ps))
+        return y
 
-    def expert_params(self, local: int) -> list[torch.Tensor]:
-        return self._params[local]
 
-    def compute(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: Sequence[int],
-                local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]) -> torch.Tensor:
-        if self.config.moe_apply_probs_on_input:  # as SequentialMLP.forward does
-            x = (probs.unsqueeze(-1) * x).to(x.dtype)
-            probs = torch.ones_like(probs)
-        outs, o = [], 0
-        for n, li, w in zip(tokens_per_expert, local, weights):
-            if n == 0:
-                continue
-            xs, ps = x[o:o + n], probs[o:o + n]
-            if self.plain:
-                w = self.expert_params(li) if li is not None else w
-                y = self._plain(xs, ps, w[0], w[1])
-            elif li is not None:
-                y, _ = self.experts.local_experts[li](xs, ps)
-            else:
-                y, _ = functional_call(self._template, dict(zip(self._names, w)), (xs, ps))
-            outs.append(y)
-            o += n
-        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+class GroupedLinearBank(ExpertMath):
+    """Megatron's TEGroupedMLP as an ExpertBank: expert i is ``linear_fc1.weight{i}`` and
+    ``linear_fc2.weight{i}`` (Transformer Engine's GroupedLinear layout), run with the math of
+    ``TEGroupedMLP.forward`` (``ExpertMath``); TE's own grouped GEMM modules are not called, so the
+    weights' gradients go where PipelinedLLEP puts them (``main_grad`` under Megatron's DDP), with
+    or without gradient-accumulation fusion. Only configurations ``grouped_linear_reason`` accepts."""
+
+    def __init__(self, experts: Any, grouped: bool = True) -> None:
+        from megatron.core.activations import squared_relu
+
+        self.experts = experts
+        self.config = c = experts.config
+        self.num_local_experts = n = experts.num_local_experts
+        self._params = [[getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}")]
+                        for i in range(n)]
+        self.plain_reason = None
+        self.want_grouped = grouped
+        self.fused_squared_relu = (not c.bias_activation_fusion and c.activation_func == squared_relu
+                                   and bool(getattr(c, "use_fused_weighted_squared_relu", False)))
+
+
+def _is_grouped_linear_mlp(experts: Any) -> bool:
+    from megatron.core.transformer.moe.experts import InferenceGroupedMLP, TEGroupedMLP
+
+    return isinstance(experts, TEGroupedMLP) and not isinstance(experts, InferenceGroupedMLP)
+
+
+def make_bank(experts: Any, plain: bool | None = None, grouped: bool = True) -> ExpertMath:
+    """The ExpertBank for a MoE layer's experts: TEGroupedMLP or SequentialMLP."""
+    if _is_grouped_linear_mlp(experts):
+        return GroupedLinearBank(experts, grouped=grouped)
+    return SequentialMLPBank(experts, plain=plain, grouped=grouped)
 
 
 def _dispatcher_base() -> type:
@@ -204,7 +338,7 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
         cfg = state.current().dispatch
         bank = getattr(self, "_bank", None)
         if bank is None or bank.experts is not experts:
-            bank = self._bank = SequentialMLPBank(experts, plain=self.plain_experts, grouped=cfg.grouped_gemm)
+            bank = self._bank = make_bank(experts, plain=self.plain_experts, grouped=cfg.grouped_gemm)
             if not bank.plain:
                 info_once(f"peakflat dispatch: experts run through their modules ({bank.plain_reason or 'forced'})")
         bank.want_grouped = cfg.grouped_gemm
@@ -266,15 +400,28 @@ def make_dispatcher(original: Any) -> PeakflatDispatcher:
 
 
 def unsupported_reason(layer: Any) -> str | None:
-    """Why this MoELayer must keep Megatron's dispatcher, or None when PipelinedLLEP can run it."""
+    """Why this MoELayer must keep Megatron's dispatcher, or None when PipelinedLLEP can run it.
+
+    The start-up check (``config._check_against_megatron``) rejects the flags behind most of these
+    reasons before the model is built; this is the net for models built through the API."""
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     c = layer.config
     if not isinstance(layer.token_dispatcher, MoEAlltoAllTokenDispatcher):
         return f"moe_token_dispatcher_type is {c.moe_token_dispatcher_type!r}, not 'alltoall'"
-    if not isinstance(layer.experts, SequentialMLP):
-        return f"experts are {type(layer.experts).__name__} (TE grouped experts); only SequentialMLP is supported"
+    experts = layer.experts
+    if _is_grouped_linear_mlp(experts):
+        if (why := grouped_linear_reason(experts)) is not None:
+            return f"TEGroupedMLP experts: {why}"
+    elif isinstance(experts, SequentialMLP):
+        # Gradient-accumulation fusion writes main_grad inside the linear layers' backward. The plain path
+        # never calls them (it adds into main_grad itself); experts run through their modules would
+        # bypass PipelinedLLEP's weight-gradient routing, so only that path is refused.
+        if getattr(c, "gradient_accumulation_fusion", False) and (why := _plain_mlp_reason(experts)) is not None:
+            return f"gradient-accumulation fusion with experts run through their modules ({why})"
+    else:
+        return f"experts are {type(experts).__name__}; SequentialMLP and TEGroupedMLP are supported"
     if layer.token_dispatcher.tp_size > 1:
         return "expert tensor parallelism > 1"
     checks = [
@@ -284,7 +431,6 @@ def unsupported_reason(layer: Any) -> str | None:
         ("moe_latent_size", "latent MoE projections"),
         ("overlap_dispatch_backward_with_experts_wgrad", "dispatch/wgrad overlap"),
         ("delay_wgrad_compute", "delayed wgrad"),
-        ("gradient_accumulation_fusion", "gradient-accumulation fusion (wgrads bypass autograd)"),
         ("add_bias_linear", "expert biases"),
     ]
     for attr, what in checks:

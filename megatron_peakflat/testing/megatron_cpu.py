@@ -238,14 +238,35 @@ def tiny_transformer_config(**overrides: Any) -> Any:
     return TransformerConfig(**base)
 
 
-def build_tiny_gpt(config: Any, vocab_size: int = 128, seq_len: int = 16, moe: bool = True,
-                   share_embeddings: bool = False, **kwargs: Any) -> Any:
-    """A GPTModel on Megatron's local spec (what runs without Transformer Engine)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
+def gpt_layer_spec(num_experts: int | None, experts: str = "sequential") -> Any:
+    """Megatron's local GPT layer spec (what runs without Transformer Engine).
+
+    ``experts="grouped"`` swaps the MoE layers' SequentialMLP for Megatron's TEGroupedMLP built on
+    ``TorchGroupedLinear`` (TE's GroupedLinear parameter layout, in plain torch)."""
+    from functools import partial
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts if moe else None, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    if experts == "grouped":
+        from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+        from .grouped_linear import TorchGroupedLinear
+
+        spec.submodules.mlp.keywords["submodules"].experts = partial(
+            TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=TorchGroupedLinear, linear_fc2=TorchGroupedLinear))
+    elif experts != "sequential":
+        raise ValueError(f"experts={experts!r}: 'sequential' or 'grouped'")
+    return spec
+
+
+def build_tiny_gpt(config: Any, vocab_size: int = 128, seq_len: int = 16, moe: bool = True,
+                   share_embeddings: bool = False, experts: str = "sequential", **kwargs: Any) -> Any:
+    """A GPTModel on Megatron's local spec (``gpt_layer_spec``; ``experts`` as there)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    spec = gpt_layer_spec(config.num_moe_experts if moe else None, experts)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

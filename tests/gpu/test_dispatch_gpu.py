@@ -1,4 +1,5 @@
-"""PipelinedLLEP on one GPU, bf16, inside Megatron's MoELayer (local spec, SequentialMLP).
+"""PipelinedLLEP on one GPU, bf16, inside Megatron's MoELayer (local spec: SequentialMLP, or TEGroupedMLP
+with TE's GroupedLinear layout in plain torch, ``testing.grouped_linear``).
 
 - bf16 rule: against an fp64 copy of the same layer (Megatron's dispatcher), PipelinedLLEP's error in
   the output, the input gradient, the router gradient and every expert gradient is not worse than
@@ -30,10 +31,10 @@ def megatron_gpu():
     megatron_peakflat.remove()
 
 
-def _layer(H: int, E: int, k: int, F: int):
+def _layer(H: int, E: int, k: int, F: int, experts: str = "sequential"):
     from bench.dispatch import build_layer
 
-    _, layer = build_layer(H, E, k, F, cpu=False, ddp=False)
+    _, layer = build_layer(H, E, k, F, cpu=False, ddp=False, experts_impl=experts)
     return layer
 
 
@@ -51,19 +52,20 @@ def _err(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+@pytest.mark.parametrize("experts", ["sequential", "grouped"])
 @pytest.mark.parametrize("skew", [0.0, 1.0])
 @pytest.mark.parametrize("method", ["peakflat-c64", "peakflat-c1048576"])
-def test_bf16_not_worse_than_megatron(megatron_gpu, skew, method):
+def test_bf16_not_worse_than_megatron(megatron_gpu, skew, method, experts):
     from bench.dispatch import select, skew_router
 
     H, E, k, F, T = 256, 8, 2, 128, 512
-    layer = _layer(H, E, k, F)
+    layer = _layer(H, E, k, F, experts)
     skew_router(layer, skew, 2)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, 1, H, generator=g).cuda()
     gout = torch.randn(T, 1, H, generator=g).cuda()
 
-    ref64 = _layer(H, E, k, F)
+    ref64 = _layer(H, E, k, F, experts)
     ref64.load_state_dict(layer.state_dict())
     ref64.double()
     select(ref64, "megatron-alltoall", megatron_gpu, "none")
@@ -75,8 +77,10 @@ def test_bf16_not_worse_than_megatron(megatron_gpu, skew, method):
     ours = _run(layer, x.bfloat16(), gout.bfloat16())
     from megatron_peakflat import stats
 
-    K = stats.snapshot()["dispatch"]["chunks"]
+    snap = stats.snapshot()["dispatch"]
+    K = snap["chunks"]
     assert (K > 1) == (method == "peakflat-c64"), K
+    assert snap["experts"] == "grouped", snap  # grouped GEMMs on the experts' weights, both expert modules
     for name, w in want.items():
         e_ours, e_theirs = _err(ours[name], w), _err(theirs[name], w)
         assert e_ours <= e_theirs * 1.25 + 2e-3, (name, e_ours, e_theirs)
