@@ -68,11 +68,38 @@ def _check_grads(name: str, ref, model, losses: list[torch.Tensor]) -> float:  #
 
 
 
+def _swapped(model, num_layers: int) -> list:  # noqa: ANN001
+    """The model's MoE layers, each of which must hold PipelinedLLEP's dispatcher."""
+    from megatron_peakflat.integration.dispatch import PeakflatDispatcher
+
+    swapped = [m for m in model.modules() if isinstance(getattr(m, "token_dispatcher", None), PeakflatDispatcher)]
+    assert len(swapped) == num_layers, "every MoE layer must hold PipelinedLLEP's dispatcher"
+    return swapped
+
+
+def _both_steps(ref, model, skew: str, router_seed: int, batch_seed: int) -> list[torch.Tensor]:  # noqa: ANN001
+    """Skew both routers alike, run one forward and backward of each model on one batch (stats reset
+    first); returns [reference loss, patched loss]."""
+    from megatron_peakflat import stats
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    _skew_router(ref, skew, router_seed)
+    _skew_router(model, skew, router_seed)
+    batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=batch_seed)
+    stats.reset()
+    losses = []
+    for m in (ref, model):
+        m.train()
+        loss = mc.gpt_loss(m, batch)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
 def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
     import megatron_peakflat
     from megatron_peakflat import stats
     from megatron_peakflat.dispatch.config import DispatchConfig
-    from megatron_peakflat.integration.dispatch import PeakflatDispatcher
     from megatron_peakflat.testing import megatron_cpu as mc
 
     mc.install_cpu_shim()
@@ -106,22 +133,12 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         ref_model, model = _ref_and_patched(config, DispatchConfig(
             impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8, alpha=1.0, min_spill=0, imbalance_threshold=1.05,
             overlap=overlap, overlap_min_chunks=0))  # the cap alone sets K (the floor has its own test)
-        swapped = [m for m in model.modules() if isinstance(getattr(m, "token_dispatcher", None), PeakflatDispatcher)]
-        assert len(swapped) == config.num_layers, "every MoE layer must hold PipelinedLLEP's dispatcher"
+        swapped = _swapped(model, config.num_layers)
         assert all(m.config.moe_token_dispatcher_type == "alltoall" for m in swapped)
         plain = K != 7  # K=7 cases call the expert modules themselves; the others the plain-ops path
         for m in swapped:
             m.token_dispatcher.plain_experts = plain
-        _skew_router(ref_model, skew, 77 + rank)
-        _skew_router(model, skew, 77 + rank)
-        batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=5 + rank)
-        stats.reset()
-        losses = []
-        for m in (ref_model, model):
-            m.train()
-            loss = mc.gpt_loss(m, batch)
-            loss.backward()
-            losses.append(loss.detach())
+        losses = _both_steps(ref_model, model, skew, 77 + rank, 5 + rank)
         assert all(m.token_dispatcher._bank.plain == plain for m in swapped)
         snap = stats.snapshot().get("dispatch", {})
         if "moe_expert_capacity_factor" in extra:  # dropped pairs: fewer than 32 x 2 to cut by the cap
@@ -227,7 +244,7 @@ def grouped_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
     import megatron_peakflat
     from megatron_peakflat import stats
     from megatron_peakflat.dispatch.config import DispatchConfig
-    from megatron_peakflat.integration.dispatch import GroupedLinearBank, PeakflatDispatcher, unsupported_reason
+    from megatron_peakflat.integration.dispatch import GroupedLinearBank, unsupported_reason
     from megatron_peakflat.testing import megatron_cpu as mc
 
     mc.install_cpu_shim()
@@ -245,23 +262,14 @@ def grouped_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         ref_model, model = _ref_and_patched(config, DispatchConfig(
             impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8, min_spill=0, imbalance_threshold=1.05,
             overlap=world > 1 and K == 7, overlap_min_chunks=0), experts="grouped")
-        swapped = [m for m in model.modules() if isinstance(getattr(m, "token_dispatcher", None), PeakflatDispatcher)]
-        assert len(swapped) == config.num_layers, "TEGroupedMLP layers must take PipelinedLLEP's dispatcher"
+        swapped = _swapped(model, config.num_layers)
         # Gradient-accumulation fusion (Megatron's default with TE or apex) changes nothing for these experts:
         # their weights' gradients are added into main_grad by PipelinedLLEP, never by the linear modules.
         # (Checked on the reference's layers, which still hold Megatron's alltoall dispatcher.)
         config.gradient_accumulation_fusion = True
         megatron_layers = [m for m in ref_model.modules() if hasattr(m, "token_dispatcher") and hasattr(m, "experts")]
         assert [unsupported_reason(m) for m in megatron_layers] == [None] * config.num_layers
-        _skew_router(ref_model, skew, 91 + rank)
-        _skew_router(model, skew, 91 + rank)
-        batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=11 + rank)
-        stats.reset()
-        losses = []
-        for m in (ref_model, model):
-            loss = mc.gpt_loss(m, batch)
-            loss.backward()
-            losses.append(loss.detach())
+        losses = _both_steps(ref_model, model, skew, 91 + rank, 11 + rank)
         assert all(isinstance(m.token_dispatcher._bank, GroupedLinearBank) for m in swapped)
         snap = stats.snapshot().get("dispatch", {})
         assert snap.get("chunks") == K, (K, snap)
