@@ -1,5 +1,6 @@
 """Ring-DTP inside Megatron's GPTModel on CPU: loss and every parameter's gradient equal the unpatched
-model's (fp32, 1e-5 relative), TP=1 and TP=2 (SP on with MoE; SP off, dense; shared embeddings), with
+model's (fp32, 1e-5 relative), TP=1 and TP=2 (SP on with MoE; SP off, dense; shared embeddings; MuP's
+logit scale), with
 gradients recomputed in backward or computed with the loss (in-forward, for the gradient of the masked
 mean, one microbatch), and the output layer is never called (no logits)."""
 
@@ -44,6 +45,9 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
     init_num_microbatches_calculator(rank, None, 3, 3, 1)  # one microbatch of 3 sequences
     variants = [("moe", dict(), dict(moe=True), ["auto"] if world == 1 else ["activations"]),
                 ("shared-emb", dict(), dict(moe=True, share_embeddings=True), ["auto"] if world == 1 else ["weights"])]
+    # MuP (width x2): Megatron scales the logits by mup_output_mult = 0.5; Ring-DTP scales the hidden states.
+    mup = dict(use_mup=True, mup_base_hidden_size=32)
+    variants.append(("mup", mup, dict(moe=True), ["auto"] if world == 1 else ["activations"]))
     if world > 1:
         variants.append(("dense-no-sp", dict(num_moe_experts=None, sequence_parallel=False), dict(moe=False),
                          ["activations", "weights"]))

@@ -26,7 +26,7 @@ from .logs import info_once
 from .vocab_shard import FLAG as SHARD_FLAG
 from .vocab_shard import shard_of
 
-__all__ = ["wrap_gpt_forward", "ring_output_processor"]
+__all__ = ["wrap_gpt_forward", "ring_output_processor", "logit_multiplier"]
 
 
 
@@ -113,6 +113,14 @@ def _resolve_grad(cfg: Any, into_main_grad: bool, loss_mask: torch.Tensor | None
     return "in-forward", hint
 
 
+def logit_multiplier(config: Any) -> float:
+    """The factor Megatron's ``LanguageModule._scale_logits`` multiplies the logits by (MuP's
+    ``mup_output_mult`` when ``use_mup``; else 1)."""
+    if config is None or not getattr(config, "use_mup", False):
+        return 1.0
+    return float(getattr(config, "mup_output_mult", 1.0))
+
+
 def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, output_weight: torch.Tensor | None,
                           labels: torch.Tensor, loss_mask: torch.Tensor | None = None, config: Any = None,
                           embedding_here: bool = True, **_: Any) -> torch.Tensor:
@@ -123,6 +131,10 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
     ep_shard = shard_of(output_layer)
     group = output_layer.tp_group if ep_shard is None else ep_shard.group
     ring = dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
+    if (mult := logit_multiplier(config)) != 1.0:
+        # MuP's output scale (``LanguageModule._scale_logits``): (m h) W^T is m (h W^T), and autograd takes
+        # the scale through to dX; only the rounding point differs from scaling the logits.
+        hidden_states = hidden_states * mult
     s_local, b, h = hidden_states.shape
     labels_sb = labels.transpose(0, 1)  # [s, b]
     # A tied weight on the stage that also looks tokens up gets the embedding's gradient through autograd
@@ -170,8 +182,6 @@ def _hand_back_reason(model: Any, kwargs: dict[str, Any]) -> str | None:
         return "the caller passed its own output_processor"
     if getattr(cfg, "mtp_num_layers", None):
         return "multi-token prediction heads build their own logits"
-    if getattr(cfg, "use_mup", False) and getattr(cfg, "mup_output_mult", 1.0) != 1.0:
-        return "MuP output scaling of the logits is not folded into Ring-DTP"
     if not getattr(model, "post_process", True):
         return "this pipeline stage has no output layer"
     if getattr(model.output_layer, "bias", None) is not None:
