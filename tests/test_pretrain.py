@@ -126,3 +126,23 @@ def test_pipeline_and_expert_parallel_same_loss_with_dispatch_on():
     assert len(base) == 3
     assert _losses(text) == pytest.approx(base, rel=1e-5)
     assert _grad_norms(text) == pytest.approx(_grad_norms(off.stdout + off.stderr), rel=1e-4)
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_pipeline_parallel_same_loss_with_vocab_and_sco_on(untie):
+    """Ring-DTP on the last of two pipeline stages (tied: the output weight is the last stage's copy of the
+    embedding, which Megatron keeps in sync through the embedding group) and SCO on both, 2 gloo ranks:
+    same losses and grad norms as peakflat off."""
+    args = [*TINY, *RECOMPUTE, "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+            *(["--untie-embeddings-and-output-weights"] if untie else [])]
+    off = run("megatron_peakflat.testing.pretrain_dryrun", *args, nproc=2)
+    assert off.returncode == 0, (off.stdout + off.stderr)[-3000:]
+    on = run("megatron_peakflat.testing.pretrain_dryrun", *args, "--peakflat-vocab", "ring-dtp", "--peakflat-sco",
+             nproc=2)
+    text = on.stdout + on.stderr
+    assert on.returncode == 0, text[-3000:]
+    assert "peakflat vocab: Ring-DTP loss" in text and "boundaries packed" in text
+    base = _losses(off.stdout + off.stderr)
+    assert len(base) == 3
+    assert _losses(text) == pytest.approx(base, rel=1e-5)
+    assert _grad_norms(text) == pytest.approx(_grad_norms(off.stdout + off.stderr), rel=1e-4)
