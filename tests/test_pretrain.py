@@ -49,6 +49,23 @@ def _grad_norms(text: str) -> list[float]:
     return logged(text, "grad norm")
 
 
+def _off_then_on(args: list[str], on: list[str], nproc: int = 1) -> tuple[str, str]:
+    """Megatron's log of a dry run with ``args`` (peakflat off), then with ``on`` added; both must succeed."""
+    off = run("megatron_peakflat.testing.pretrain_dryrun", *args, nproc=nproc)
+    assert off.returncode == 0, (off.stdout + off.stderr)[-3000:]
+    ran = run("megatron_peakflat.testing.pretrain_dryrun", *args, *on, nproc=nproc)
+    assert ran.returncode == 0, (ran.stdout + ran.stderr)[-3000:]
+    return off.stdout + off.stderr, ran.stdout + ran.stderr
+
+
+def _same_training(off: str, on: str) -> None:
+    """The three logged losses equal to 1e-5 and the grad norms to 1e-4."""
+    base = _losses(off)
+    assert len(base) == 3
+    assert _losses(on) == pytest.approx(base, rel=1e-5)
+    assert _grad_norms(on) == pytest.approx(_grad_norms(off), rel=1e-4)
+
+
 @pytest.mark.parametrize("untie", [False, True])
 def test_short_run_same_loss_with_peakflat_on(untie):
     """Ring-DTP adds dW into the output layer's main_grad (tied: the embedding's gradient joins it there
@@ -56,22 +73,14 @@ def test_short_run_same_loss_with_peakflat_on(untie):
     loss gives (2 microbatches: loss_mask over the token count over 2), which backward finds right (no
     recompute). Same losses and grad norms as peakflat off."""
     extra = ["--untie-embeddings-and-output-weights"] if untie else []
-    off = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, *RECOMPUTE, *extra)
-    assert off.returncode == 0, (off.stdout + off.stderr)[-3000:]
-    base = _losses(off.stdout + off.stderr)
-    assert len(base) == 3
-    on = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, *RECOMPUTE, *extra, "--peakflat-sco",
-              "--peakflat-vocab", "ring-dtp")
-    text = on.stdout + on.stderr
-    assert on.returncode == 0, text[-3000:]
+    off, text = _off_then_on([*TINY, *RECOMPUTE, *extra], ["--peakflat-sco", "--peakflat-vocab", "ring-dtp"])
     assert "patched megatron.core.recompute.checkpointed_forward" in text
     assert "patched megatron.core.models.gpt.gpt_model.GPTModel.forward" in text
     assert "weight gradient goes straight into DDP's main_grad" in text
     assert ("the tied embedding's gradient joins it there" in text) == (not untie)
     assert "computed with the loss (in-forward" in text
     assert "was not the loss's real gradient" not in text
-    assert _losses(text) == pytest.approx(base, rel=1e-5)
-    assert _grad_norms(text) == pytest.approx(_grad_norms(off.stdout + off.stderr), rel=1e-4)
+    _same_training(off, text)
 
 
 RESUME = [*TINY, *RECOMPUTE, "--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -112,20 +121,13 @@ def test_pipeline_and_expert_parallel_same_loss_with_dispatch_on():
     deadlock. Same losses and grad norms as Megatron's own dispatcher."""
     args = [*TINY, *RECOMPUTE, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
             "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
-    off = run("megatron_peakflat.testing.pretrain_dryrun", *args, nproc=4)
-    assert off.returncode == 0, (off.stdout + off.stderr)[-3000:]
-    on = run("megatron_peakflat.testing.pretrain_dryrun", *args, "--peakflat-dispatch", "pipelined-llep",
-             "--peakflat-dispatch-chunk-cap", "16", "--peakflat-dispatch-imbalance-threshold", "1.0",
-             "--peakflat-dispatch-min-spill", "0", nproc=4)
-    text = on.stdout + on.stderr
-    assert on.returncode == 0, text[-3000:]
+    off, text = _off_then_on(args, ["--peakflat-dispatch", "pipelined-llep", "--peakflat-dispatch-chunk-cap", "16",
+                                    "--peakflat-dispatch-imbalance-threshold", "1.0",
+                                    "--peakflat-dispatch-min-spill", "0"], nproc=4)
     spilled = [int(n) for n in re.findall(r"first MoE layer call: .*, (\d+) experts spilled so far", text)]
     assert spilled and max(spilled) > 0, spilled
     assert re.search(r"K=8 chunks .* all-to-all overlap on", text)
-    base = _losses(off.stdout + off.stderr)
-    assert len(base) == 3
-    assert _losses(text) == pytest.approx(base, rel=1e-5)
-    assert _grad_norms(text) == pytest.approx(_grad_norms(off.stdout + off.stderr), rel=1e-4)
+    _same_training(off, text)
 
 
 @pytest.mark.parametrize("untie", [False, True])
@@ -135,14 +137,6 @@ def test_pipeline_parallel_same_loss_with_vocab_and_sco_on(untie):
     same losses and grad norms as peakflat off."""
     args = [*TINY, *RECOMPUTE, "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
             *(["--untie-embeddings-and-output-weights"] if untie else [])]
-    off = run("megatron_peakflat.testing.pretrain_dryrun", *args, nproc=2)
-    assert off.returncode == 0, (off.stdout + off.stderr)[-3000:]
-    on = run("megatron_peakflat.testing.pretrain_dryrun", *args, "--peakflat-vocab", "ring-dtp", "--peakflat-sco",
-             nproc=2)
-    text = on.stdout + on.stderr
-    assert on.returncode == 0, text[-3000:]
+    off, text = _off_then_on(args, ["--peakflat-vocab", "ring-dtp", "--peakflat-sco"], nproc=2)
     assert "peakflat vocab: Ring-DTP loss" in text and "boundaries packed" in text
-    base = _losses(off.stdout + off.stderr)
-    assert len(base) == 3
-    assert _losses(text) == pytest.approx(base, rel=1e-5)
-    assert _grad_norms(text) == pytest.approx(_grad_norms(off.stdout + off.stderr), rel=1e-4)
+    _same_training(off, text)
