@@ -120,6 +120,37 @@ def test_state_dict_round_trip_continues_bitwise(engine):
     assert_same_params_and_state(opt, ps, resumed, qs)
 
 
+@pytest.mark.parametrize("group_step_only", [False, True])
+def test_resume_keeps_the_step_through_megatrons_load_sequence(group_step_only):
+    """Megatron's DistributedOptimizer resumes in two moves: ``load_state_dict`` with the saved step (per
+    parameter without TE or apex, only in the param groups with them), then its parameter-state loader writes
+    the masters and moments into ``state[param]``, and with them the step its sharded-state template held
+    before the load (0), before ``_sync_hdo_state_to_sub_optimizers``. The count must stay the saved one, or
+    Adam's bias correction restarts: the resumed run continues bitwise."""
+    ps = _params()
+    opt = OffloadStreamAdamW(_groups(ps), lr=1e-3, bucket=2500, engine="cpu", host_threads=2)
+    _run(opt, ps, 3)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for p in ps], "opt": opt.state_dict()}, buf)
+    _run(opt, ps, 4, start=3)
+
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    assert all(g["step"] == 3 for g in saved["opt"]["param_groups"])
+    if group_step_only:
+        for st in saved["opt"]["state"].values():
+            del st["step"]
+    qs = [torch.nn.Parameter(t) for t in saved["params"]]
+    resumed = OffloadStreamAdamW(_groups(qs), lr=1e-3, bucket=2500, engine="cpu", host_threads=2)
+    resumed.load_state_dict(saved["opt"])
+    for q in qs:
+        resumed.state[q]["step"] = torch.tensor(0.0)
+    resumed._sync_hdo_state_to_sub_optimizers()
+    assert {float(resumed.state[q]["step"]) for q in qs} == {3.0}
+    _run(resumed, qs, 4, start=3)
+    assert_same_params_and_state(opt, ps, resumed, qs)
+
+
 def test_host_kernels_agree_bitwise_on_vector_body():
     if not HAVE_NATIVE:
         pytest.skip("megatron_peakflat._C not built")
@@ -186,18 +217,20 @@ def test_megatron_state_contract():
     p = ps[3]
     opt.state[p]["exp_avg"] = torch.full(p.shape, 0.25)
     opt.state[p]["master_param"] = torch.full(p.shape, 2.0)
-    opt.state[p]["step"] = torch.tensor(7.0)
+    opt.state[p]["step"] = torch.tensor(7.0)  # a loader's step write is not the count: load_state_dict sets it
     opt._sync_hdo_state_to_sub_optimizers()
     assert torch.equal(opt._view(opt._exp_avg, 3), torch.full((p.numel(),), 0.25))
     assert opt.state[p]["exp_avg"].data_ptr() == opt._view(opt._exp_avg, 3).data_ptr()
-    assert opt._steps[3] == 7
+    assert opt._steps[3] == 0 and float(opt.state[p]["step"]) == 0.0
     # finetuning: masters reloaded from the model params
     with torch.no_grad():
         ps[0].fill_(3.0)
     opt.update_fp32_param_by_new_param()
     assert torch.equal(opt.state[ps[0]]["master_param"], torch.full(ps[0].shape, 3.0))
     sd = opt.state_dict()
-    assert sd["param_groups"][0]["step"] == 0 and "step" not in sd["param_groups"][1]  # group 1 mixes steps 0 and 7
+    assert [g["step"] for g in sd["param_groups"]] == [0, 0, 0]
+    opt.load_state_dict({"state": {}, "param_groups": [{**g, "step": 5} for g in sd["param_groups"]]})
+    assert set(opt._steps) == {5} and {float(opt.state[q]["step"]) for q in ps} == {5.0}  # a group's step counts
     assert stats.snapshot()["optimizer"]["host_bytes"] >= 12 * sum(p.numel() for p in ps)
 
 

@@ -140,3 +140,21 @@ def test_pipeline_parallel_same_loss_with_vocab_and_sco_on(untie):
     off, text = _off_then_on(args, ["--peakflat-vocab", "ring-dtp", "--peakflat-sco"], nproc=2)
     assert "peakflat vocab: Ring-DTP loss" in text and "boundaries packed" in text
     _same_training(off, text)
+
+
+def test_checkpoint_resume_with_offloaded_optimizer_continues_as_megatron_does(tmp_path):
+    """OffloadStreamAdamW inside Megatron's DistributedOptimizer (CPU offload, precision-aware), saved at
+    iteration 3 and loaded: Adam's step count, masters and moments survive Megatron's two-move load, so
+    the resumed iterations are Megatron's own resumed iterations (its plain Adam here: Megatron's CPU
+    offload does not run on CPU) and the last equals the uninterrupted run's. Before the fix the resumed
+    step count restarted at 1 and iterations 5 and 6 drifted by ~1%."""
+    opt = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+           "--peakflat-optimizer", "offload-stream"]
+    straight = run("megatron_peakflat.testing.pretrain_dryrun", *RESUME, *opt)
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-3000:]
+    full = _losses(straight.stdout + straight.stderr)
+    ours = _save_and_resume(str(tmp_path / "on"), *opt)
+    theirs = _save_and_resume(str(tmp_path / "off"))
+    assert len(full) == 6 and len(ours) == 3
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    assert ours[-1] == pytest.approx(full[-1], rel=1e-6) and ours[0] == pytest.approx(full[3], rel=1e-6)

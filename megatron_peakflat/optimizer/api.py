@@ -424,7 +424,15 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         self._materialize()
 
     def _sync_hdo_state_to_sub_optimizers(self) -> None:
-        """Adopt state tensors that callers put into ``state[param]`` (e.g. a checkpoint load) into the buckets."""
+        """Adopt the tensors that callers put into ``state[param]`` (a checkpoint load writes the masters and
+        moments there) into the buckets.
+
+        The step count is not adopted: it comes from ``load_state_dict`` (per parameter, or from its param
+        group) and from ``step``. Megatron's DistributedOptimizer writes into ``state[param]["step"]`` the
+        value its sharded-state template held before the load (``load_parameter_state_from_dp_reshardable``
+        hands ``_set_main_param_and_optimizer_states`` the template's 0), after it has loaded the real step
+        through ``load_state_dict``; adopting it would restart Adam's bias correction on every resume. A
+        ``step`` entry that disagrees with the count is replaced by it."""
         if not self._materialized:
             return
         flats = self._flat_state()
@@ -442,11 +450,13 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 elif not isinstance(v, torch.Tensor) or v.data_ptr() != dst.data_ptr():
                     dst.copy_(torch.as_tensor(v).reshape(-1))
                     rebind = True
-            s = st.get("step")
-            if s is not None:
-                self._steps[i] = int(float(s))
-            if rebind or not isinstance(s, torch.Tensor):
+            if rebind or not self._step_is_current(i, p):
                 self._bind_state(i, p)
+
+    def _step_is_current(self, i: int, p: torch.Tensor) -> bool:
+        """Whether ``state[p]["step"]`` is a tensor holding parameter i's step count."""
+        s = self.state.get(p, {}).get("step")
+        return isinstance(s, torch.Tensor) and float(s) == float(self._steps[i])
 
     def update_fp32_param_by_new_param(self) -> None:
         """Reload the fp32 masters from the model parameters (Megatron calls this after loading weights only)."""
@@ -502,13 +512,17 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 raise ValueError("OffloadStreamAdamW.load_state_dict: a param group's size differs from the saved one")
             _refuse_unsupported(saved, f"in saved param group {gi}")
         id_map = {}
+        index = {id(p): i for i, p in enumerate(self._params)}
         for saved, mine in zip(groups, self.param_groups):
             for k, v in saved.items():
                 if k not in ("params", "step", "peakflat_gpu_fraction"):
                     mine[k] = v
             for idx, p in zip(saved["params"], mine["params"]):
                 id_map[idx] = p
-        index = {id(p): i for i, p in enumerate(self._params)}
+                # The group's step (ours; Megatron's DistributedOptimizer keeps only the group's with TE or
+                # apex present); a per-parameter step below takes precedence.
+                if saved.get("step") is not None:
+                    self._steps[index[id(p)]] = int(float(saved["step"]))
         flats = self._flat_state()
         with torch.no_grad():
             for idx, st in state_dict["state"].items():
@@ -523,6 +537,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 if "step" in st:
                     self._steps[i] = int(float(st["step"]))
                 self._bind_state(i, p)
+            for i, p in enumerate(self._params):  # parameters whose step came from their group alone
+                if not self._step_is_current(i, p):
+                    self._bind_state(i, p)
         extra = state_dict.get("peakflat") or {}
         fraction = extra.get("gpu_fraction", groups[0].get("peakflat_gpu_fraction") if groups else None)
         if self.engine == "auto" and fraction is not None:
