@@ -26,12 +26,13 @@ TINY_GPT_ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-
 """Megatron flags of a tiny MoE GPT on mock data (add --train-iters), small enough for a CPU dry run."""
 
 
-def run_module(module: str, *argv: str, nproc: int = 1, timeout: int = 400) -> subprocess.CompletedProcess:
+def run_module(module: str, *argv: str, nproc: int = 1, timeout: int = 400,
+               launcher: bool | None = None) -> subprocess.CompletedProcess:
     """``python -m module argv`` from the repository root (on PYTHONPATH, warnings off); with ``nproc`` > 1
-    under ``torch.distributed.run`` on that many local ranks, on a free port."""
+    (or ``launcher=True``) under ``torch.distributed.run`` on that many local ranks, on a free port."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
-    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
-    cmd = [sys.executable, *(launcher if nproc > 1 else []), "-m", module, *argv]
+    launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
+    cmd = [sys.executable, *(launch if (nproc > 1 if launcher is None else launcher) else []), "-m", module, *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

@@ -1,0 +1,41 @@
+"""OffloadStreamAdamW through Megatron's distributed checkpoint on one GPU, through Megatron's own pretrain loop.
+
+A tiny MoE GPT with Megatron's DistributedOptimizer under CPU offload (``--peakflat-optimizer
+offload-stream``), ``--deterministic-mode``: six iterations straight, then three saved at iteration 3 and
+three more after loading it. The first resumed iteration sees the loaded weights, the last one every
+moment, master and the step count: both must equal the uninterrupted run's. (The middle one is Megatron's
+own: its resumed iteration 5 differs from the straight run's with Megatron's optimizer too.)
+
+The same three commands ran on the H200 at 5468792 from a throwaway script (straight 5.553538 ..
+5.262894; resumed 5.401217, 5.343194, 5.262894); this file was written from it afterwards and has not
+itself run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+ARGS = [*TINY_GPT_ARGS, "--train-iters", "6", "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+        "--deterministic-mode", "--peakflat-optimizer", "offload-stream"]
+
+
+def _losses(*argv: str) -> list[float]:
+    out = run_module("megatron_peakflat.pretrain", *ARGS, *argv, launcher=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    return logged(text, "lm loss")
+
+
+def test_offloaded_optimizer_resumes_on_the_uninterrupted_run(tmp_path):
+    straight = _losses()
+    _losses("--save", str(tmp_path), "--save-interval", "3", "--exit-interval", "3")
+    resumed = _losses("--load", str(tmp_path))
+    assert len(straight) == 6 and len(resumed) == 3
+    assert resumed[0] == straight[3] and resumed[-1] == straight[-1], (straight, resumed)
