@@ -100,17 +100,22 @@ def assert_same_params_and_state(opt_a, ps_a, opt_b, ps_b) -> None:
             assert torch.equal(opt_a.state[p][key], opt_b.state[q][key]), key
 
 
+def _checkpoint_and_go_on(opt, ps, before: int, after: int) -> dict:
+    """Run ``before`` steps, checkpoint params and optimizer (a serialised copy), run ``after`` more;
+    returns the checkpoint as loaded back."""
+    _run(opt, ps, before)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for p in ps], "opt": opt.state_dict()}, buf)
+    _run(opt, ps, after, start=before)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
 @pytest.mark.parametrize("engine", ["gpu", "cpu", "auto"])
 def test_state_dict_round_trip_continues_bitwise(engine):
     ps = _params()
     opt = OffloadStreamAdamW(_groups(ps), lr=1e-3, bucket=2500, engine=engine, host_threads=2)
-    _run(opt, ps, 5)
-    buf = io.BytesIO()
-    torch.save({"params": [p.detach().clone() for p in ps], "opt": opt.state_dict()}, buf)
-    _run(opt, ps, 7, start=5)
-
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = _checkpoint_and_go_on(opt, ps, 5, 7)
     qs = [torch.nn.Parameter(t) for t in saved["params"]]
     resumed = OffloadStreamAdamW(_groups(qs), lr=1e-3, bucket=2500, engine=engine, host_threads=2)
     resumed.load_state_dict(saved["opt"])
@@ -129,13 +134,7 @@ def test_resume_keeps_the_step_through_megatrons_load_sequence(group_step_only):
     Adam's bias correction restarts: the resumed run continues bitwise."""
     ps = _params()
     opt = OffloadStreamAdamW(_groups(ps), lr=1e-3, bucket=2500, engine="cpu", host_threads=2)
-    _run(opt, ps, 3)
-    buf = io.BytesIO()
-    torch.save({"params": [p.detach().clone() for p in ps], "opt": opt.state_dict()}, buf)
-    _run(opt, ps, 4, start=3)
-
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
+    saved = _checkpoint_and_go_on(opt, ps, 3, 4)
     assert all(g["step"] == 3 for g in saved["opt"]["param_groups"])
     if group_step_only:
         for st in saved["opt"]["state"].values():
