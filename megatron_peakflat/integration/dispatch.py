@@ -105,8 +105,9 @@ def grouped_linear_reason(experts: Any) -> str | None:
     """Why Megatron's TEGroupedMLP ``experts`` cannot run as PipelinedLLEP's bank (None: they can).
 
     Needs Transformer Engine's GroupedLinear layout: ``linear_fc1`` / ``linear_fc2`` each holding
-    one [out, in] ``weight{i}`` per local expert and nothing else, and the unfused, unquantized
-    forward of ``TEGroupedMLP.forward`` (no op fuser, no TE activation module, no interleaved GLU).
+    one [out, in] ``weight{i}`` per local expert and nothing else, and the unfused forward of
+    ``TEGroupedMLP.forward`` (no op fuser, no TE activation module, no interleaved GLU). Biases and
+    fp8/fp4, refused for every expert kind, are ``unsupported_reason``'s checks.
     """
     c = experts.config
     n = experts.num_local_experts
@@ -114,8 +115,7 @@ def grouped_linear_reason(experts: Any) -> str | None:
         return "use_transformer_engine_op_fuser (TE's fused grouped MLP)"
     for attr, what in (("moe_single_grouped_weight", "moe_single_grouped_weight"),
                        ("moe_single_grouped_bias", "moe_single_grouped_bias"),
-                       ("moe_mlp_glu_interleave_size", "moe_mlp_glu_interleave_size (interleaved GLU)"),
-                       ("add_bias_linear", "add_bias_linear"), ("fp8", "fp8"), ("fp4", "fp4")):
+                       ("moe_mlp_glu_interleave_size", "moe_mlp_glu_interleave_size (interleaved GLU)")):
         if getattr(c, attr, None):
             return what
     if getattr(experts, "offload_expert_fc1", False) or getattr(experts, "offload_moe_act", False):

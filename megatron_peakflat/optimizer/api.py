@@ -536,10 +536,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                             dst.copy_(src.reshape(-1))
                 if "step" in st:
                     self._steps[i] = int(float(st["step"]))
-                self._bind_state(i, p)
-            for i, p in enumerate(self._params):  # parameters whose step came from their group alone
-                if not self._step_is_current(i, p):
-                    self._bind_state(i, p)
+        for i, p in enumerate(self._params):  # views of the buckets, and each step (its group's or its own)
+            self._bind_state(i, p)
         extra = state_dict.get("peakflat") or {}
         fraction = extra.get("gpu_fraction", groups[0].get("peakflat_gpu_fraction") if groups else None)
         if self.engine == "auto" and fraction is not None:

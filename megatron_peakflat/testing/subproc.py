@@ -31,8 +31,10 @@ def run_module(module: str, *argv: str, nproc: int = 1, timeout: int = 400,
     """``python -m module argv`` from the repository root (on PYTHONPATH, warnings off); with ``nproc`` > 1
     (or ``launcher=True``) under ``torch.distributed.run`` on that many local ranks, on a free port."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
+    if launcher is None:
+        launcher = nproc > 1
     launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
-    cmd = [sys.executable, *(launch if (nproc > 1 if launcher is None else launcher) else []), "-m", module, *argv]
+    cmd = [sys.executable, *(launch if launcher else []), "-m", module, *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
