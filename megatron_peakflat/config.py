@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -180,6 +181,33 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
         if not _get(args, "decoupled_weight_decay", True):
             raise PeakflatConfigError(flag, cfg.optimizer.impl, "it implements AdamW (decoupled weight decay)",
                                       "drop --no-decoupled-weight-decay")
+    elif _get(args, "optimizer_cpu_offload", False) and not (_get(args, "bf16") or _get(args, "fp16")):
+        _check_megatron_offload_fp32()
+
+
+def _check_megatron_offload_fp32() -> None:
+    """Megatron's own offloaded optimizer, on fp32 parameters. megatron-core 0.19's HybridDeviceOptimizer
+    then receives the DistributedOptimizer's fp32 shards, which are views of the parameters, and torch
+    refuses them when the model is already built ("can't optimize a non-leaf Tensor"); OffloadStreamAdamW
+    keeps its own host copies and runs there."""
+    version = _megatron_core_version()
+    if version is None or version >= (0, 20):
+        return
+    raise PeakflatConfigError("--optimizer-cpu-offload", True,
+                              f"megatron-core {'.'.join(map(str, version))}'s offloaded optimizer fails on fp32 "
+                              "parameters (without --bf16 or --fp16) once the model is built, with \"can't optimize "
+                              "a non-leaf Tensor\"",
+                              "add --bf16, or add --peakflat-optimizer offload-stream (which runs fp32 parameters)")
+
+
+def _megatron_core_version() -> tuple[int, ...] | None:
+    from importlib import metadata
+
+    try:
+        text = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
 _DISPATCH_CONFLICTS: tuple[tuple[str, str, str], ...] = (

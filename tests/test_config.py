@@ -130,6 +130,7 @@ def test_bad_values_name_flag_value_and_fix(argv, flag):
         (["--peakflat-optimizer", "offload-stream"], dict(use_distributed_optimizer=False), "--peakflat-optimizer", "--use-distributed-optimizer"),
         (["--peakflat-optimizer", "offload-stream"], dict(optimizer_cpu_offload=False), "--peakflat-optimizer", "--optimizer-cpu-offload"),
         (["--peakflat-optimizer", "offload-stream"], dict(use_precision_aware_optimizer=False), "--peakflat-optimizer", "--use-precision-aware-optimizer"),
+        ([], dict(bf16=False, fp16=False), "--optimizer-cpu-offload", "--peakflat-optimizer offload-stream"),
     ],
 )
 def test_incompatible_combinations_fail_at_startup(argv, megatron, flag, words):
@@ -152,6 +153,17 @@ def test_offload_stream_names_exactly_the_missing_megatron_flag(dest, flag):
     with pytest.raises(PeakflatConfigError) as e:
         PeakflatConfig.from_args(ns)
     assert e.value.fix == f"add {flag}"
+
+
+def test_megatron_offload_runs_in_half_precision_and_offload_stream_in_fp32():
+    """The fp32 refusal of Megatron's own offloaded optimizer (megatron-core 0.19) stops at fp32: with
+    --bf16 or --fp16 Megatron's runs, and OffloadStreamAdamW runs fp32 too."""
+    for argv, megatron in [([], dict(bf16=True)), ([], dict(fp16=True)),
+                           (["--peakflat-optimizer", "offload-stream"], dict(bf16=False))]:
+        ns = parse(*argv)
+        for k, v in vars(megatron_args(**megatron)).items():
+            setattr(ns, k, v)
+        PeakflatConfig.from_args(ns)
 
 
 def test_deterministic_mode_pins_the_optimizer_engine():

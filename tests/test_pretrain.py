@@ -147,10 +147,10 @@ def test_pipeline_parallel_same_loss_with_vocab_and_sco_on(untie):
 def test_checkpoint_resume_with_offloaded_optimizer_continues_as_megatron_does(tmp_path):
     """OffloadStreamAdamW inside Megatron's DistributedOptimizer (CPU offload, precision-aware), saved at
     iteration 3 and loaded: Adam's step count, masters and moments survive Megatron's two-move load, so
-    the resumed iterations are Megatron's own resumed iterations (its plain Adam here: Megatron's CPU
-    offload does not run on CPU) and every one equals the uninterrupted run's (the second as Megatron logs
-    it, see ``_resumed_log_of_iteration_5``). Before the fix the resumed step count restarted at 1 and
-    iterations 5 and 6 drifted by ~1%."""
+    the resumed iterations are Megatron's own resumed iterations (its plain Adam here: megatron-core
+    0.19.2's CPU offload fails on fp32 parameters, ``config._check_megatron_offload_fp32``) and every one
+    equals the uninterrupted run's (the second as Megatron logs it, see ``_resumed_log_of_iteration_5``).
+    Before the fix the resumed step count restarted at 1 and iterations 5 and 6 drifted by ~1%."""
     opt = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
            "--peakflat-optimizer", "offload-stream"]
     straight = run("megatron_peakflat.testing.pretrain_dryrun", *RESUME, *opt)
