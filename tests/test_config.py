@@ -18,7 +18,8 @@ def megatron_args(**kw):
     base = dict(num_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2,
                 expert_tensor_parallel_size=1, mtp_num_layers=None, recompute_granularity="full",
                 distribute_saved_activations=False, cpu_offloading=False, optimizer="adam",
-                use_distributed_optimizer=True, optimizer_cpu_offload=True, use_precision_aware_optimizer=True)
+                use_distributed_optimizer=True, optimizer_cpu_offload=True, use_precision_aware_optimizer=True,
+                bf16=True)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -158,7 +159,7 @@ def test_offload_stream_names_exactly_the_missing_megatron_flag(dest, flag):
 def test_megatron_offload_runs_in_half_precision_and_offload_stream_in_fp32():
     """The fp32 refusal of Megatron's own offloaded optimizer (megatron-core 0.19) stops at fp32: with
     --bf16 or --fp16 Megatron's runs, and OffloadStreamAdamW runs fp32 too."""
-    for argv, megatron in [([], dict(bf16=True)), ([], dict(fp16=True)),
+    for argv, megatron in [([], dict(bf16=True)), ([], dict(bf16=False, fp16=True)),
                            (["--peakflat-optimizer", "offload-stream"], dict(bf16=False))]:
         ns = parse(*argv)
         for k, v in vars(megatron_args(**megatron)).items():
