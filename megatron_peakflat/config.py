@@ -186,17 +186,18 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
 
 
 def _check_megatron_offload_fp32() -> None:
-    """Megatron's own offloaded optimizer, on fp32 parameters. megatron-core 0.19's HybridDeviceOptimizer
-    then receives the DistributedOptimizer's fp32 shards, which are views of the parameters, and torch
-    refuses them when the model is already built ("can't optimize a non-leaf Tensor"); OffloadStreamAdamW
-    keeps its own host copies and runs there."""
+    """Megatron's own offloaded optimizer, on fp32 parameters. Up to megatron-core 0.19.2 (the last
+    release checked) DistributedOptimizer hands HybridDeviceOptimizer fp32 shards that are views of the
+    parameters, and torch refuses them once the model is built ("can't optimize a non-leaf Tensor"; fixed
+    on Megatron-LM's main by PR 6982). OffloadStreamAdamW keeps its own host copies and runs there.
+    Later releases are left to Megatron."""
     version = _megatron_core_version()
-    if version is None or version >= (0, 20):
+    if version is None or version > (0, 19, 2):
         return
     raise PeakflatConfigError("--optimizer-cpu-offload", True,
                               f"megatron-core {'.'.join(map(str, version))}'s offloaded optimizer fails on fp32 "
-                              "parameters (without --bf16 or --fp16) once the model is built, with \"can't optimize "
-                              "a non-leaf Tensor\"",
+                              "parameters (without --bf16 or --fp16) once the model is built (\"can't optimize "
+                              "a non-leaf Tensor\"; fixed on Megatron-LM's main by PR 6982)",
                               "add --bf16, or add --peakflat-optimizer offload-stream (which runs fp32 parameters)")
 
 

@@ -167,6 +167,23 @@ def test_megatron_offload_runs_in_half_precision_and_offload_stream_in_fp32():
         PeakflatConfig.from_args(ns)
 
 
+def test_the_fp32_refusal_stops_at_the_last_megatron_core_checked(monkeypatch):
+    """Only megatron-core releases up to 0.19.2, where the failure was seen, are refused; later ones carry
+    Megatron-LM's fix (PR 6982) or their own error."""
+    import megatron_peakflat.config as config
+
+    ns = parse()
+    for k, v in vars(megatron_args(bf16=False)).items():
+        setattr(ns, k, v)
+    for version, refused in [((0, 19, 2), True), ((0, 17, 0), True), ((0, 19, 3), False), ((0, 20, 0), False), (None, False)]:
+        monkeypatch.setattr(config, "_megatron_core_version", lambda v=version: v)
+        if refused:
+            with pytest.raises(PeakflatConfigError, match="optimizer-cpu-offload"):
+                PeakflatConfig.from_args(ns)
+        else:
+            PeakflatConfig.from_args(ns)
+
+
 def test_deterministic_mode_pins_the_optimizer_engine():
     """engine='auto' splits buckets between two kernels by measured speed (not bit-for-bit repeatable);
     Megatron's --deterministic-mode resolves it to 'gpu' at start-up, and an explicit choice stays."""
