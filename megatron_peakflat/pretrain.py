@@ -37,20 +37,20 @@ def _default_argv(argv: list[str]) -> list[str]:
     user passed always wins."""
     import importlib.util
 
-    adds: list[tuple[str, ...]] = []
+    adds: list[tuple[str, tuple[str, ...]]] = []  # (what is missing, flags)
     if not transformer_engine_available():
         if not _flag_given(argv, "--transformer-impl"):
-            adds.append(("--transformer-impl", "local"))
+            adds.append(("Transformer Engine", ("--transformer-impl", "local")))
         if not _flag_given(argv, "--rope-fusion", "--no-rope-fusion"):
-            adds.append(("--no-rope-fusion",))
+            adds.append(("Transformer Engine", ("--no-rope-fusion",)))
         if not _flag_given(argv, "--no-persist-layer-norm"):
-            adds.append(("--no-persist-layer-norm",))
+            adds.append(("Transformer Engine", ("--no-persist-layer-norm",)))
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None and not _flag_given(
             argv, "--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"):
-        adds.append(("--no-gradient-accumulation-fusion",))
-    for flags in adds:
-        log.info("peakflat: Transformer Engine/apex not found; adding %s", " ".join(flags))
-    return [*argv, *(a for flags in adds for a in flags)]
+        adds.append(("apex's fused_weight_gradient_mlp_cuda", ("--no-gradient-accumulation-fusion",)))
+    for missing, flags in adds:
+        log.info("peakflat: %s not found; adding %s", missing, " ".join(flags))
+    return [*argv, *(a for _, flags in adds for a in flags)]
 
 
 def extra_args_provider(parser: Any) -> Any:

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Bring Transformer Engine to an offline GPU machine whose transfers are capped (64 MiB a call here) and
+# build its PyTorch extension there. How tests/gpu/test_te_gpu.py got TE 2.20.2 onto the H200.
+#
+#   here:   bash tools/te_to_device.sh fetch      # .tep1 ... .tep5 (ignored): TE's 276 MB core wheel in 5 parts,
+#                                                 # its torch extension's sdist and the wheels TE needs
+#   there:  one call per part, carrying .tepN:     cp .tepN/* /tmp/teparts/   (a warm machine keeps /tmp,
+#                                                 # not a carried folder that the next call does not name)
+#   there:  bash tools/te_to_device.sh build      # assemble, install into /tmp/site, build for sm_90 (~100 s)
+#
+# Then: export PYTHONPATH=/tmp/site:$PWD; python3 -m pytest tests/gpu/test_te_gpu.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TE=${TE_VERSION:-2.20.2}
+CORE=transformer_engine_cu13-$TE-py3-none-manylinux_2_28_x86_64.whl
+case "${1:-}" in
+  fetch)
+    PY=${PYTHON:-python3}
+    tmp=$(mktemp -d)
+    $PY -m pip download -q --no-deps -d "$tmp" "transformer_engine_cu13==$TE" "transformer_engine==$TE" \
+      "transformer_engine_torch==$TE"
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$tmp" \
+      pydantic pydantic-core annotated-types typing-inspection "typing_extensions>=4.16" nvdlfw-inspect \
+      "nvidia-cudnn-frontend>=1.29.0"
+    for i in 1 2 3 4 5; do mkdir -p .tep$i; grep -qx "/.tep$i/" .git/info/exclude || echo "/.tep$i/" >> .git/info/exclude; done
+    split -b 58000000 -d -a 1 "$tmp/$CORE" "$tmp/cu13.part"
+    for i in 0 1 2 3; do mv "$tmp/cu13.part$i" .tep$((i + 1))/; done
+    mv "$tmp/cu13.part4" "$tmp"/*.whl "$tmp"/*.tar.gz .tep5/
+    du -sh .tep*
+    ;;
+  build)
+    mkdir -p /tmp/teparts /tmp/tew /tmp/tebuild
+    cp .tep5/cu13.part4 /tmp/teparts/
+    cat /tmp/teparts/cu13.part{0,1,2,3,4} > /tmp/tew/$CORE
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .tep5/*.whl /tmp/tew/$CORE
+    export PYTHONPATH=/tmp/site:$PWD
+    # CUDA's toolkit lacks cuDNN's headers: add every nvidia/*/include of the torch install.
+    INC=$(python3 -c "import glob, os, nvidia; print(':'.join(d for r in nvidia.__path__ for d in glob.glob(os.path.join(r, '*', 'include'))))")
+    cd /tmp/tebuild
+    [[ -d transformer_engine_torch-$TE ]] || tar xzf "$OLDPWD/.tep5/transformer_engine_torch-$TE.tar.gz"
+    cd transformer_engine_torch-$TE
+    CPLUS_INCLUDE_PATH=$INC NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_CUDA_ARCHS=90 NVTE_WITH_NCCL_EP=0 MAX_JOBS=${MAX_JOBS:-16} \
+      python3 setup.py -q bdist_wheel > /tmp/te_build.log 2>&1 || { tail -40 /tmp/te_build.log; exit 1; }
+    # pip --target will not merge into the transformer_engine/ the core wheel made: copy the extension in.
+    cp build/lib.*/transformer_engine/wheel_lib/transformer_engine_torch*.so /tmp/site/transformer_engine/wheel_lib/
+    python3 -c "import transformer_engine, transformer_engine.pytorch as te; print('TE', transformer_engine.__version__)"
+    ;;
+  *) echo "usage: $0 fetch|build" >&2; exit 2 ;;
+esac
