@@ -131,7 +131,6 @@ def test_bad_values_name_flag_value_and_fix(argv, flag):
         (["--peakflat-optimizer", "offload-stream"], dict(use_distributed_optimizer=False), "--peakflat-optimizer", "--use-distributed-optimizer"),
         (["--peakflat-optimizer", "offload-stream"], dict(optimizer_cpu_offload=False), "--peakflat-optimizer", "--optimizer-cpu-offload"),
         (["--peakflat-optimizer", "offload-stream"], dict(use_precision_aware_optimizer=False), "--peakflat-optimizer", "--use-precision-aware-optimizer"),
-        ([], dict(bf16=False, fp16=False), "--optimizer-cpu-offload", "--peakflat-optimizer offload-stream"),
     ],
 )
 def test_incompatible_combinations_fail_at_startup(argv, megatron, flag, words):
@@ -156,9 +155,12 @@ def test_offload_stream_names_exactly_the_missing_megatron_flag(dest, flag):
     assert e.value.fix == f"add {flag}"
 
 
-def test_megatron_offload_runs_in_half_precision_and_offload_stream_in_fp32():
+def test_megatron_offload_runs_in_half_precision_and_offload_stream_in_fp32(monkeypatch):
     """The fp32 refusal of Megatron's own offloaded optimizer (megatron-core 0.19) stops at fp32: with
     --bf16 or --fp16 Megatron's runs, and OffloadStreamAdamW runs fp32 too."""
+    import megatron_peakflat.config as config
+
+    monkeypatch.setattr(config, "_megatron_core_version", lambda: (0, 19, 2))
     for argv, megatron in [([], dict(bf16=True)), ([], dict(bf16=False, fp16=True)),
                            (["--peakflat-optimizer", "offload-stream"], dict(bf16=False))]:
         ns = parse(*argv)
@@ -175,11 +177,14 @@ def test_the_fp32_refusal_stops_at_the_last_megatron_core_checked(monkeypatch):
     ns = parse()
     for k, v in vars(megatron_args(bf16=False)).items():
         setattr(ns, k, v)
-    for version, refused in [((0, 19, 2), True), ((0, 17, 0), True), ((0, 19, 3), False), ((0, 20, 0), False), (None, False)]:
+    for version, refused in [((0, 19, 2), True), ((0, 17, 0), True), ((0, 19, 3), False), ((0, 20, 0), False),
+                             (None, False)]:
         monkeypatch.setattr(config, "_megatron_core_version", lambda v=version: v)
         if refused:
-            with pytest.raises(PeakflatConfigError, match="optimizer-cpu-offload"):
+            with pytest.raises(PeakflatConfigError) as e:
                 PeakflatConfig.from_args(ns)
+            assert e.value.flag == "--optimizer-cpu-offload" and "non-leaf" in e.value.problem
+            assert e.value.fix == "add --bf16, or add --peakflat-optimizer offload-stream (which runs fp32 parameters)"
         else:
             PeakflatConfig.from_args(ns)
 

@@ -11,6 +11,7 @@
 # Then: export PYTHONPATH=/tmp/site:$PWD; python3 -m pytest tests/gpu/test_te_gpu.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
 TE=${TE_VERSION:-2.20.2}
 CORE=transformer_engine_cu13-$TE-py3-none-manylinux_2_28_x86_64.whl
 case "${1:-}" in
@@ -24,7 +25,7 @@ case "${1:-}" in
       pydantic pydantic-core annotated-types typing-inspection "typing_extensions>=4.16" nvdlfw-inspect \
       "nvidia-cudnn-frontend>=1.29.0"
     for i in 1 2 3 4 5; do mkdir -p .tep$i; grep -qx "/.tep$i/" .git/info/exclude || echo "/.tep$i/" >> .git/info/exclude; done
-    split -b 58000000 -d -a 1 "$tmp/$CORE" "$tmp/cu13.part"
+    split -b 58000000 -d -a 1 "$tmp/$CORE" "$tmp/cu13.part" && rm "$tmp/$CORE"
     for i in 0 1 2 3; do mv "$tmp/cu13.part$i" .tep$((i + 1))/; done
     mv "$tmp/cu13.part4" "$tmp"/*.whl "$tmp"/*.tar.gz .tep5/
     du -sh .tep*
@@ -38,7 +39,7 @@ case "${1:-}" in
     # CUDA's toolkit lacks cuDNN's headers: add every nvidia/*/include of the torch install.
     INC=$(python3 -c "import glob, os, nvidia; print(':'.join(d for r in nvidia.__path__ for d in glob.glob(os.path.join(r, '*', 'include'))))")
     cd /tmp/tebuild
-    [[ -d transformer_engine_torch-$TE ]] || tar xzf "$OLDPWD/.tep5/transformer_engine_torch-$TE.tar.gz"
+    [[ -d transformer_engine_torch-$TE ]] || tar xzf "$REPO/.tep5/transformer_engine_torch-$TE.tar.gz"
     cd transformer_engine_torch-$TE
     CPLUS_INCLUDE_PATH=$INC NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_CUDA_ARCHS=90 NVTE_WITH_NCCL_EP=0 MAX_JOBS=${MAX_JOBS:-16} \
       python3 setup.py -q bdist_wheel > /tmp/te_build.log 2>&1 || { tail -40 /tmp/te_build.log; exit 1; }

@@ -8,8 +8,8 @@ as the mean of the first two resumed iterations (``training_log`` does not reset
 run's first report), which a run that trains exactly reproduces too.
 
 The same three commands ran on the H200 at 5468792 from a throwaway script (straight 5.553538 ..
-5.262894; resumed 5.401217, 5.343194 = (5.401217 + 5.285172) / 2, 5.262894); this file, written from it afterwards, passed on
-one H200 of the 2x H200 machine at c70afc2.
+5.262894; resumed 5.401217, 5.343194 = (5.401217 + 5.285172) / 2, 5.262894); this file, written from
+it afterwards, passed on one H200 of the 2x H200 machine at c70afc2.
 """
 
 from __future__ import annotations
