@@ -9,7 +9,7 @@
 # Environment (defaults in brackets): GPUS_PER_NODE [all visible], NUM_LAYERS [4], HIDDEN [1024],
 # HEADS [8], FFN [2816], MOE_FFN [704], EXPERTS [8], TOPK [2], EP [GPUS_PER_NODE*NNODES, capped at EXPERTS],
 # TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8], TRAIN_ITERS [20], VOCAB [32768], UNTIE [1] (0: output
-# layer tied to the embedding),
+# layer tied to the embedding), GROUPED_GEMM [auto: 1 when Transformer Engine imports, adding --moe-grouped-gemm; 0],
 # PEAKFLAT [on], PEAKFLAT_COMPONENTS [dispatch,vocab,sco,optimizer; vocab-ep in place of vocab also shards the
 # output layer over the EP group; sco and optimizer cost PCIe time every step, so take only the components that
 # `python -m megatron_peakflat.plan --megatron-args "..."` recommends], CHUNK_CAP [4096], DATA_PATH,
@@ -52,6 +52,7 @@ VOCAB=${VOCAB:-32768}
 PEAKFLAT=${PEAKFLAT:-on}
 CHUNK_CAP=${CHUNK_CAP:-4096}
 UNTIE=${UNTIE:-1}
+GROUPED_GEMM=${GROUPED_GEMM:-auto}
 
 MODEL=(
   --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --ffn-hidden-size "$FFN"
@@ -62,6 +63,12 @@ MODEL=(
   --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
 )
 if [[ "$UNTIE" == 1 ]]; then MODEL+=(--untie-embeddings-and-output-weights); fi
+# With Transformer Engine (NGC containers) the experts are TE's grouped GEMM (TEGroupedMLP), which PipelinedLLEP
+# runs on its own grouped path; without TE, Megatron's local SequentialMLP.
+if [[ "$GROUPED_GEMM" == auto ]]; then
+  if "$PYTHON" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then GROUPED_GEMM=1; else GROUPED_GEMM=0; fi
+fi
+if [[ "$GROUPED_GEMM" == 1 ]]; then MODEL+=(--moe-grouped-gemm); fi
 # No dropout, as MoE pretraining recipes run; with --hidden-dropout > 0 PipelinedLLEP's fused recompute
 # (--peakflat-dispatch-fuse-recompute) turns itself off, logged, and each MoE layer pays one more expert forward.
 PARALLEL=(

@@ -18,7 +18,8 @@ SCRIPT = os.path.join(ROOT, "examples", "pretrain_moe.sh")
 def command(**env: str) -> list[str]:
     """The launcher's argv the script would exec, for this environment."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("PEAKFLAT", "SLURM", "MEGATRON_ARGS"))}
-    full.update(GPUS_PER_NODE="2", PYTHON="echo", **env)
+    full.update(GPUS_PER_NODE="2", PYTHON="echo")
+    full.update(env)
     extra = shlex.split(full.pop("ARGV", ""))
     out = subprocess.run(["bash", SCRIPT, *extra], env=full, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -52,6 +53,18 @@ def test_on_passes_each_component_and_the_flags_it_needs():
     only = command(PEAKFLAT="on", PEAKFLAT_COMPONENTS="dispatch,vocab-ep")
     assert "--peakflat-vocab-shard-over-ep" in only and "--peakflat-sco" not in only
     assert "--peakflat-optimizer" not in only
+
+
+def test_grouped_experts_follow_transformer_engine(tmp_path):
+    """TE's grouped experts when TE imports (auto), Megatron's SequentialMLP otherwise; either can be forced."""
+    assert "--moe-grouped-gemm" in command(PEAKFLAT="off", GROUPED_GEMM="1")
+    assert "--moe-grouped-gemm" not in command(PEAKFLAT="on", GROUPED_GEMM="0")
+    for te, grouped in [(True, True), (False, False)]:
+        python = tmp_path / f"python-te-{te}"  # answers the script's TE probe, echoes the launch
+        python.write_text('#!/usr/bin/env bash\nif [[ "$1" == -c ]]; then exit %d; fi\necho "$@"\n' % (0 if te else 1))
+        python.chmod(0o755)
+        argv = command(PEAKFLAT="off", PYTHON=str(python))
+        assert ("--moe-grouped-gemm" in argv) == grouped
 
 
 def test_user_flags_come_last_so_that_they_win():
