@@ -80,9 +80,9 @@ def build_layer(hidden: int, experts: int, topk: int, ffn: int, cpu: bool, ddp: 
     import torch.nn.functional as F
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_peakflat.testing import megatron_cpu
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = dtype or (torch.float32 if cpu else torch.bfloat16)
     config = TransformerConfig(

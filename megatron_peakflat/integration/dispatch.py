@@ -146,13 +146,21 @@ class ExpertMath(GroupedExperts):
     run as grouped GEMMs (``GroupedExperts``), else one expert at a time.
     """
 
-    experts: Any
-    config: Any
-    num_local_experts: int
     plain: bool = True
-    want_grouped: bool = True
     fused_squared_relu: bool = False
     """TEGroupedMLP's weighted squared-ReLU kernel (``use_fused_weighted_squared_relu``)."""
+
+    def __init__(self, experts: Any, params: list[list[torch.Tensor]], grouped: bool,
+                 plain_reason: str | None = None) -> None:
+        self.experts = experts
+        self.config = experts.config
+        self.num_local_experts = experts.num_local_experts
+        self._params = params
+        """[fc1, fc2] weights of each local expert."""
+        self.plain_reason = plain_reason
+        """Why the plain-ops path cannot run (None: it can)."""
+        self.want_grouped = grouped
+        """The flag's wish (--peakflat-dispatch-grouped-gemm); ``grouped`` adds what the experts allow."""
 
     @property
     def grouped(self) -> bool:  # type: ignore[override]
@@ -227,18 +235,11 @@ class SequentialMLPBank(ExpertMath):
     """
 
     def __init__(self, experts: Any, plain: bool | None = None, grouped: bool = True) -> None:
-        self.experts = experts
-        self.config = experts.config
-        self.num_local_experts = experts.num_local_experts
-        template = experts.local_experts[0]
-        self._template = template
-        self._names = [n for n, _ in template.named_parameters()]
-        self._params = [list(m.parameters()) for m in experts.local_experts]
-        self.plain_reason = _plain_mlp_reason(experts)
-        """Why the plain-ops path cannot run (None: it can)."""
+        super().__init__(experts, [list(m.parameters()) for m in experts.local_experts], grouped,
+                         _plain_mlp_reason(experts))
+        self._template = experts.local_experts[0]
+        self._names = [n for n, _ in self._template.named_parameters()]
         self.plain = self.plain_reason is None if plain is None else plain
-        self.want_grouped = grouped
-        """The flag's wish (--peakflat-dispatch-grouped-gemm); ``grouped`` adds what the experts allow."""
 
     def _module_call(self, li: int | None, w: Sequence[torch.Tensor] | None, xs: torch.Tensor, ps: torch.Tensor
                      ) -> torch.Tensor:
@@ -259,13 +260,9 @@ class GroupedLinearBank(ExpertMath):
     def __init__(self, experts: Any, grouped: bool = True) -> None:
         from megatron.core.activations import squared_relu
 
-        self.experts = experts
-        self.config = c = experts.config
-        self.num_local_experts = n = experts.num_local_experts
-        self._params = [[getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}")]
-                        for i in range(n)]
-        self.plain_reason = None
-        self.want_grouped = grouped
+        super().__init__(experts, [[getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}")]
+                                   for i in range(experts.num_local_experts)], grouped)
+        c = self.config
         self.fused_squared_relu = (not c.bias_activation_fusion and c.activation_func == squared_relu
                                    and bool(getattr(c, "use_fused_weighted_squared_relu", False)))
 
