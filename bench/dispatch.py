@@ -36,6 +36,7 @@ Usage (one H200, no TE):
     python -m bench.dispatch --hidden 4096 --tokens 32768 --skews 0,95 --regimes full
     python -m bench.dispatch --dry-run            # tiny shapes on CPU (gloo, Megatron CPU shim): checks only
     torchrun --nproc-per-node 2 bench/dispatch.py --hidden 4096 --tokens 32768,65536 --skews 0,95   # EP=2
+    python -m bench.dispatch --experts-impl te ...   # with TE: every method on TE's grouped experts
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def build_layer(hidden: int, experts: int, topk: int, ffn: int, cpu: bool, ddp: 
     """(DDP-wrapped MoELayer, the MoELayer) built after ``megatron_peakflat.apply`` (so it holds both dispatchers).
 
     ``ddp=False`` returns the bare layer twice (weight gradients in ``.grad``). ``experts_impl``:
-    SequentialMLP (``"sequential"``) or TEGroupedMLP in TE's layout (``"grouped"``, see
-    ``megatron_cpu.gpt_layer_spec``)."""
+    SequentialMLP (``"sequential"``), TEGroupedMLP in TE's layout on plain torch (``"grouped"``, see
+    ``megatron_cpu.gpt_layer_spec``), or Transformer Engine's own MoE spec (``"te"``: TEGroupedMLP on
+    TE's GroupedLinear, with TE's fused permute in Megatron's dispatcher, what NGC users run)."""
     import torch.nn.functional as F
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.spec_utils import build_module
@@ -90,11 +92,15 @@ def build_layer(hidden: int, experts: int, topk: int, ffn: int, cpu: bool, ddp: 
         num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, add_bias_linear=False,
         gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
-        gradient_accumulation_fusion=False, moe_permute_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         bf16=not cpu, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=cpu,
-        recompute_granularity="selective", recompute_modules=["moe"])
-    spec = megatron_cpu.gpt_layer_spec(experts, experts_impl)
-    mlp = spec.submodules.mlp
+        recompute_granularity="selective", recompute_modules=["moe"], moe_permute_fusion=experts_impl == "te")
+    if experts_impl == "te":
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+        mlp = get_moe_module_spec(use_te=True, num_experts=experts, moe_grouped_gemm=True)
+    else:
+        mlp = megatron_cpu.gpt_layer_spec(experts, experts_impl).submodules.mlp
     torch.manual_seed(0)
     layer = build_module(mlp, config=config) if hasattr(mlp, "module") else mlp(config=config)
     layer = layer.to(dtype)
@@ -221,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma list; peakflat takes the suffixes -overlap (async all-to-alls in every call), "
                          "-nooverlap, -unpacked, -strided, -expert, -hybrid and -c<N> (chunk cap), e.g. "
                          "peakflat-overlap-c32768 (default: %(default)s)")
+    ap.add_argument("--experts-impl", choices=("sequential", "grouped", "te"), default="sequential",
+                    help="the layer's experts: SequentialMLP of local linears, TEGroupedMLP's layout in plain torch, "
+                         "or Transformer Engine's MoE spec with its fused permute (default: %(default)s)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--ffn", type=int, default=1536)
@@ -253,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[harness.Row] = []
     t0 = time.time()
     for H in [int(h) for h in args.hidden.split(",")]:
-        ddp, layer = build_layer(H, args.experts, args.topk, args.ffn, cpu)
+        ddp, layer = build_layer(H, args.experts, args.topk, args.ffn, cpu, experts_impl=args.experts_impl)
         wide = H > 4096
         tokens = [int(t) for t in (args.wide_tokens if wide else args.tokens).split(",") if t]
         skews = [int(s) for s in (args.wide_skews if wide else args.skews).split(",") if s]
@@ -269,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
                     case = f"recompute={regime},N={T},H={H},ep={P},skew={skew}%@{args.hot}"
                     if (args.experts, args.topk) != (64, 8):  # the default shape's cases carry no E, k
                         case += f",E={args.experts},k={args.topk}"
+                    if args.experts_impl != "sequential":
+                        case += f",experts={args.experts_impl}"
                     ref = None
                     for method in methods:
                         select(layer, method, cfgs, regime)

@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hot", type=int, default=4)
     ap.add_argument("--regime", default="full")
     ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts-impl", choices=("sequential", "grouped", "te"), default="sequential",
+                    help="as bench/dispatch.py's flag (default: %(default)s)")
     ap.add_argument("--top", type=int, default=22)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--trace", default="", help="folder: also write each method's Chrome trace there, with the host's "
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     cfgs = {m: bd.method_config(m) for m in [bd.OURS_DEFAULT, *methods] if m != "megatron-alltoall"}
     megatron_peakflat.apply(cfgs[bd.OURS_DEFAULT])
-    ddp, layer = bd.build_layer(args.hidden, 64, 8, 1536, cpu=False)
+    ddp, layer = bd.build_layer(args.hidden, args.experts, args.topk, 1536, cpu=False, experts_impl=args.experts_impl)
     seq = 4096
     g = torch.Generator(device="cpu").manual_seed(args.tokens)
     x = (torch.randn(seq, args.tokens // seq, args.hidden, generator=g) * 0.5).cuda().to(torch.bfloat16)
