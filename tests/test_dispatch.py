@@ -598,7 +598,7 @@ def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch):
             p.grad_added_to_main_grad = False
     order = bank.layout_order()
     assert order == list(range(E))[::-1]
-    assert len(grouped.weight_runs(*bank._weights(order, [None] * E))) == 1
+    assert len(bank._runs(order, [None] * E)) == 1
     into = []
     real_acc = grouped.accumulate_mm
     monkeypatch.setattr(grouped, "accumulate_mm", lambda acc, a, b: into.append(acc.data_ptr()) or real_acc(acc, a, b))
@@ -676,6 +676,50 @@ def test_working_set_bound_covers_top8_metadata():
     bound = working_set_bound(num_tokens=T, hidden=Hb, ffn=Fb, num_experts=E, topk=k, chunk_rows=c + k,
                               expert_param_bytes=sum(p.numel() * 4 for p in bank.parameters()), dtype_bytes=4)
     assert meter.peak <= bound, (meter.peak, bound)
+
+
+def test_chunk_runs_slice_the_bank_layout_and_follow_moved_weights():
+    """A chunk's runs, own experts cut from the bank's cached layout: every position in order, each run's
+    views the listed experts' own weights (no copy); experts consecutive in the layout share one run,
+    received weights get theirs; a weight moved to new storage is seen at the next call."""
+    E = 5
+    g = torch.Generator().manual_seed(3)
+    bank = ReferenceExperts([torch.randn(2 * F, H, generator=g) for _ in range(E)],
+                            [torch.randn(H, F, generator=g) for _ in range(E)], grouped=True)
+    n1, n2 = bank.fc1[0].numel(), bank.fc2[0].numel()
+    b1, b2 = torch.zeros(E * n1), torch.zeros(E * n2)
+    for e in range(E):  # reverse layout: expert 4 first
+        at = E - 1 - e
+        b1[at * n1:(at + 1) * n1] = bank.fc1[e].detach().reshape(-1)
+        b2[at * n2:(at + 1) * n2] = bank.fc2[e].detach().reshape(-1)
+        bank.fc1[e].data = b1[at * n1:(at + 1) * n1].view(2 * F, H)
+        bank.fc2[e].data = b2[at * n2:(at + 1) * n2].view(H, F)
+    rec = [torch.randn(2 * 2 * F * H).view(2, 2 * F, H), torch.randn(2 * H * F).view(2, H, F)]
+    received = [[rec[0][0], rec[1][0]], [rec[0][1], rec[1][1]]]  # two received experts at one stride
+
+    def spans(local, weights=None):
+        weights = weights or [None] * len(local)
+        runs = bank._runs(local, weights)
+        pos = 0
+        for r in runs:
+            assert r.first == pos
+            for m in range(r.n):
+                li, w = local[pos + m], weights[pos + m]
+                for got, want in zip((r.fc1[m], r.fc2[m]), bank.expert_params(li) if li is not None else w):
+                    assert got.data_ptr() == want.data_ptr() and torch.equal(got, want), (local, pos + m)
+            pos += r.n
+        assert pos == len(local)
+        return [(r.first, r.n) for r in runs]
+
+    assert bank.layout_order() == [4, 3, 2, 1, 0]
+    assert spans([4, 3, 2, 1, 0]) == [(0, 5)]
+    assert spans([3, 2, 1]) == [(0, 3)]
+    assert spans([4, 2, 1]) == [(0, 1), (1, 2)]
+    assert spans([3, 4]) == [(0, 1), (1, 1)]
+    assert spans([0]) == [(0, 1)]
+    assert spans([2, 1, None, None], [None, None, *received]) == [(0, 2), (2, 2)]
+    bank.fc1[2].data = bank.fc1[2].detach().clone()  # expert 2 leaves the shared buffer
+    assert spans([4, 3, 2, 1, 0]) == [(0, 2), (2, 1), (3, 2)]
 
 
 def test_stacked_views_and_packing():

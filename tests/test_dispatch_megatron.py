@@ -217,12 +217,10 @@ def _ddp_case(rank: int, world: int, E: int, experts: str = "sequential") -> tup
             worst = max(worst, e)
     # Without the distributed optimizer DDP leaves the weights where they were allocated: the first
     # grouped call packed each layer's experts into one buffer, so they form one grouped-GEMM run.
-    from megatron_peakflat.dispatch.grouped import weight_runs
-
     for layer in inner.decoder.layers:
         bank = layer.mlp.token_dispatcher._bank
         order = bank.layout_order()
-        runs = weight_runs(*bank._weights(order, [None] * len(order)))
+        runs = bank._runs(order, [None] * len(order))
         assert bank._packed and len(runs) == 1, (order, [(r.first, r.n) for r in runs])
     megatron_peakflat.remove()
     return (f"{experts},ddp-overlap,overlap={world > 1},rank={rank}", worst, 0)

@@ -290,25 +290,58 @@ class GroupedExperts:
 
     def layout_order(self) -> list[int]:
         """Local experts by the address of their fc1 weight, so that experts laid out at one stride form one run."""
-        n = self.num_local_experts  # type: ignore[attr-defined]
-        return sorted(range(n), key=lambda i: self.expert_params(i)[0].data_ptr())  # type: ignore[attr-defined]
+        return list(self._bank_layout()[0])
 
-    def _weights(self, local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        fc1, fc2 = [], []
-        for li, w in zip(local, weights):
-            w = self.expert_params(li) if li is not None else w  # type: ignore[attr-defined]
-            fc1.append(w[0].detach())
-            fc2.append(w[1].detach())
-        return fc1, fc2
+    def _bank_layout(self) -> tuple[list[int], list[tuple[Run, int]]]:
+        """(layout order, each local expert's (run, index in it)) of the bank's own weights: ``weight_runs``
+        over the experts in layout order. Cached while every weight stays at its address (one
+        ``data_ptr`` per weight and call): a chunk's runs of own experts are then slices of these,
+        with no per-expert tensor call, which at a few rows per expert is host time the GPU waits for.
+        A weight whose storage changed has another address (the cached views keep the old storage alive)."""
+        n = self.num_local_experts  # type: ignore[attr-defined]
+        params = [self.expert_params(i) for i in range(n)]  # type: ignore[attr-defined]
+        key = tuple(t.data_ptr() for w in params for t in w[:2])
+        cached = self.__dict__.get("_layout_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        order = sorted(range(n), key=lambda i: key[2 * i])
+        runs = weight_runs([params[i][0].detach() for i in order], [params[i][1].detach() for i in order])
+        where: list[tuple[Run, int]] = [None] * n  # type: ignore[list-item]
+        for r in runs:
+            for k in range(r.n):
+                where[order[r.first + k]] = (r, k)
+        self.__dict__["_layout_cache"] = (key, (order, where))
+        return order, where
+
+    def _runs(self, local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]) -> list[Run]:
+        """The chunk's experts as runs (``local``: bank index, or None for received ``weights``). Own
+        experts consecutive in a run of the bank's layout take a slice of its stacked view; received
+        weights go through ``weight_runs``."""
+        runs: list[Run] = []
+        where = self._bank_layout()[1] if any(li is not None for li in local) else []
+        i, n = 0, len(local)
+        while i < n:
+            j = i + 1
+            if local[i] is None:
+                while j < n and local[j] is None:
+                    j += 1
+                got = weight_runs([w[0].detach() for w in weights[i:j]], [w[1].detach() for w in weights[i:j]])  # type: ignore[index]
+                runs += [Run(i + r.first, r.n, r.fc1, r.fc2) for r in got]
+                i = j
+                continue
+            r, k = where[local[i]]
+            while j < n and local[j] is not None and where[local[j]][0] is r and where[local[j]][1] == k + j - i:  # type: ignore[index]
+                j += 1
+            runs.append(Run(i, j - i, r.fc1[k:k + j - i], r.fc2[k:k + j - i]))
+            i = j
+        return runs
 
     def grouped_compute(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: Sequence[int],
                         local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None],
                         cum: torch.Tensor | None = None) -> torch.Tensor:
         """ExpertBank.compute without autograd, in grouped GEMMs (``cum``: the rows' device ``Offsets.cum``)."""
-        fc1, fc2 = self._weights(local, weights)
         with torch.no_grad():
-            return grouped_mlp_forward(x, probs, Offsets(tokens_per_expert, x.device, cum), weight_runs(fc1, fc2),
+            return grouped_mlp_forward(x, probs, Offsets(tokens_per_expert, x.device, cum), self._runs(local, weights),
                                        self.elementwise)
 
     def backward_chunk(self, x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor,
@@ -318,6 +351,5 @@ class GroupedExperts:
         """(dx, dprobs, output or None) of one chunk, weight gradients into ``sink``; None: use autograd."""
         if not self.use_grouped(x):
             return None
-        fc1, fc2 = self._weights(local, weights)
-        return grouped_mlp_backward(x, probs, dy, Offsets(tokens_per_expert, x.device, cum), weight_runs(fc1, fc2),
+        return grouped_mlp_backward(x, probs, dy, Offsets(tokens_per_expert, x.device, cum), self._runs(local, weights),
                                     self.elementwise, sink, want_out)
