@@ -98,6 +98,20 @@ def _both_steps(ref, model, skew: str, router_seed: int, batch_seed: int) -> lis
     return losses
 
 
+def _steps(ref, model, skew: str, router_seed: int, batch_seed: int, extra: dict, num_layers: int  # noqa: ANN001
+           ) -> list[torch.Tensor]:
+    """``_both_steps``; under full recompute twice (gradients add up in both models): the first step's
+    recomputes confirm each layer's assumed output gradient, so the second's skip the MoE output."""
+    from megatron_peakflat import stats
+
+    losses = _both_steps(ref, model, skew, router_seed, batch_seed)
+    if extra.get("recompute_granularity") == "full":
+        assert stats.snapshot()["dispatch"].get("fused_recompute_output_skipped") is None
+        losses = _both_steps(ref, model, skew, router_seed, batch_seed + 100)
+        assert stats.snapshot()["dispatch"].get("fused_recompute_output_skipped") == num_layers
+    return losses
+
+
 def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
     import megatron_peakflat
     from megatron_peakflat import stats
@@ -140,7 +154,7 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         plain = K != 7  # K=7 cases call the expert modules themselves; the others the plain-ops path
         for m in swapped:
             m.token_dispatcher.plain_experts = plain
-        losses = _both_steps(ref_model, model, skew, 77 + rank, 5 + rank)
+        losses = _steps(ref_model, model, skew, 77 + rank, 5 + rank, extra, config.num_layers)
         assert all(m.token_dispatcher._bank.plain == plain for m in swapped)
         snap = stats.snapshot().get("dispatch", {})
         if "moe_expert_capacity_factor" in extra:  # dropped pairs: fewer than 32 x 2 to cut by the cap
@@ -274,7 +288,7 @@ def grouped_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         config.gradient_accumulation_fusion = True
         megatron_layers = [m for m in ref_model.modules() if hasattr(m, "token_dispatcher") and hasattr(m, "experts")]
         assert [unsupported_reason(m) for m in megatron_layers] == [None] * config.num_layers
-        losses = _both_steps(ref_model, model, skew, 91 + rank, 11 + rank)
+        losses = _steps(ref_model, model, skew, 91 + rank, 11 + rank, extra, config.num_layers)
         assert all(isinstance(m.token_dispatcher._bank, GroupedLinearBank) for m in swapped)
         snap = stats.snapshot().get("dispatch", {})
         assert snap.get("chunks") == K, (K, snap)

@@ -57,11 +57,13 @@ def plan_layer(routing_map: torch.Tensor, bank: ExpertBank, group: dist.ProcessG
 
 def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, bank: ExpertBank,
              group: dist.ProcessGroup | None, cfg: DispatchConfig, *, num_chunks: int | None = None,
-             out_grad: torch.Tensor | None = None) -> torch.Tensor:
+             out_grad: torch.Tensor | None = None, need_output: bool = True) -> torch.Tensor:
     """MoE output [T, H]: exact (up to summation order) against an unchunked MoE on the same weights.
 
     ``out_grad``: the gradient the output will receive, when the caller knows it (a recompute); the
     chunks' backward then runs in this call (``pipelined``), and the result stays exact if it differs.
+    ``need_output=False`` (with ``out_grad``): zeros are returned instead of the output, whose values
+    the caller knows nothing reads; the gradients are the same.
 
     Raises ValueError on mismatched shapes, or when ``E`` is not the group size times the bank's experts.
     """
@@ -71,7 +73,8 @@ def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, ba
     sched = plan_layer(routing_map, bank, group, cfg, num_chunks=num_chunks)
     return pipelined_moe(x, probs, sched, bank, group, out_grad, overlap=cfg.overlap,
                          overlap_min_chunks=cfg.overlap_min_chunks, pack=cfg.pack_collectives,
-                         transport=functools.partial(transport_for, cfg.transport, group, x.device))
+                         transport=functools.partial(transport_for, cfg.transport, group, x.device),
+                         need_output=need_output)
 
 
 def transport_for(choice: str, group: dist.ProcessGroup | None, device: torch.device) -> CopyEngineTransport | None:

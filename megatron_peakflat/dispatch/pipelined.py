@@ -13,7 +13,9 @@ forward and backward back to back and keeps dX, dprobs; backward then checks tha
 receives is the one assumed (one comparison) and returns them. So the layer pays one expert
 forward less than a recompute of its own. If the gradients differ, backward runs the chunks on
 the difference and adds it (the gradients are linear in the output gradient), so the result
-stays exact.
+stays exact. A caller that knows the recomputed output is never read (``need_output=False``) is
+spared computing it: each chunk's second expert GEMM of the forward, and at EP > 1 the output
+rows of every combine.
 
 Exactness: every token-expert pair is computed by the same expert math on the same weights as an
 unchunked MoE; only the summation order of a token's k expert outputs (and of each expert's weight
@@ -389,7 +391,7 @@ class _PipelinedMoE(torch.autograd.Function):
     @region("dispatch")
     def forward(ctx: Any, x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
                 group: dist.ProcessGroup | None, out_grad: torch.Tensor | None, transport: tuple[bool, bool, CopyEngineTransport | None],
-                *params: torch.Tensor) -> torch.Tensor:
+                need_output: bool, *params: torch.Tensor) -> torch.Tensor:
         chunks = _Chunks(sched, bank, group, *transport)
         ctx.sched, ctx.bank, ctx.group, ctx.transport = sched, bank, group, transport
         ctx.fused = out_grad is not None
@@ -401,7 +403,9 @@ class _PipelinedMoE(torch.autograd.Function):
         out = torch.zeros_like(x)
         gx, gp = torch.zeros_like(x), torch.zeros_like(probs)
         g0 = out_grad.contiguous()
-        chunks.backward(x, probs, g0, gx, gp, out=out)
+        if not need_output:
+            stats.add("dispatch", "fused_recompute_output_skipped", 1)
+        chunks.backward(x, probs, g0, gx, gp, out=out if need_output else None)
         ctx.chunks = chunks  # keeps the gradients of experts without main_grad until backward
         ctx.save_for_backward(x, probs, g0, gx, gp)
         return out
@@ -424,21 +428,24 @@ class _PipelinedMoE(torch.autograd.Function):
                 stats.add("dispatch", "fused_recompute_corrections", 1)
                 ctx.bank.assumed_grad_mismatch = True  # callers may stop assuming for this bank
                 chunks.backward(x, probs, grad_out - g0, gx, gp)
+            else:
+                ctx.bank.assumed_grad_confirmed = True
         else:
             x, probs = ctx.saved_tensors
             chunks = _Chunks(ctx.sched, ctx.bank, ctx.group, *ctx.transport)
             gx, gp = torch.zeros_like(x), torch.zeros_like(probs)
             chunks.backward(x, probs, grad_out, gx, gp)
-        out_grads = chunks.weight_grads(ctx.needs_input_grad[7:])
+        out_grads = chunks.weight_grads(ctx.needs_input_grad[8:])
         chunks.release()
         return (gx if ctx.needs_input_grad[0] else None, gp if ctx.needs_input_grad[1] else None,
-                None, None, None, None, None, *out_grads)
+                None, None, None, None, None, None, *out_grads)
 
 
 def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: ExpertBank,
                   group: dist.ProcessGroup | None, out_grad: torch.Tensor | None = None, *,
                   overlap: bool = False, overlap_min_chunks: int = 0, pack: bool = True,
-                  transport: Callable[[], CopyEngineTransport | None] | None = None) -> torch.Tensor:
+                  transport: Callable[[], CopyEngineTransport | None] | None = None,
+                  need_output: bool = True) -> torch.Tensor:
     """The MoE output [T, H] for rows ``x`` [T, H] with dense ``probs`` [T, E], under schedule ``sched``.
 
     Gradients flow to ``x``, ``probs`` (at routed entries) and every local expert parameter of ``bank``.
@@ -451,6 +458,8 @@ def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: E
     results in one (``packed.py``).
     ``transport``: called when the call overlaps (at EP > 1, packed); the copy-engine transport that then
     carries its exchanges (``copy_engine.py``), or None for NCCL.
+    ``need_output=False`` (with ``out_grad``): the output's values are not computed and zeros are
+    returned (gradients are unchanged); only for a caller that knows nothing reads them.
     """
     if out_grad is not None and out_grad.shape != x.shape:
         raise ValueError(f"out_grad {tuple(out_grad.shape)} must have the output's shape {tuple(x.shape)}")
@@ -460,4 +469,6 @@ def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: E
     params: list[torch.Tensor] = []
     for i in range(bank.num_local_experts):
         params.extend(bank.expert_params(i))
-    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, (overlap, pack, ce), *params)
+    if not need_output and out_grad is None:
+        raise ValueError("need_output=False needs out_grad: without it the forward must produce the output")
+    return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, (overlap, pack, ce), need_output, *params)

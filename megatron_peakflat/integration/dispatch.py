@@ -361,7 +361,11 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
                 fused_recompute.disable(self, "its output gradient differed from the checkpoint's (corrected exactly)")
             else:
                 out_grad = fused_recompute.known_output_grad(self, hidden_states)
-        out = llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg, out_grad=out_grad)
+        # Once a fused call of this layer found the assumed gradient exact, the recomputed output is known
+        # to reach nothing but the checkpoint's output, whose values the recompute discards.
+        need_output = out_grad is None or not getattr(bank, "assumed_grad_confirmed", False)
+        out = llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg, out_grad=out_grad,
+                       need_output=need_output)
         if not _FIRST_CALL_LOGGED:
             _log_first_call(hidden_states.shape[0], cfg, self.ep_size)
         return out

@@ -13,6 +13,14 @@ and that dispatcher current while the recompute runs). The assumption is checked
 the MoE backward compares the gradient it receives with the one assumed and, if they differ
 (dropout after the MoE, a dense layer after the last MoE layer), adds the difference exactly and
 stops assuming for that layer, with one log line.
+
+Once a layer's assumed gradient has been found exact, its later recomputes skip the MoE output
+itself (``need_output=False``: zeros in its place). The output's values matter to a recompute only
+through what reads them inside the checkpointed function; every such reader between the MoE and
+the checkpoint's output (a norm, a dropout, a dense layer) would also have changed the gradient, so
+an exact match leaves only the residual add, whose result ``CheckpointFunction.backward`` uses as a
+root of ``torch.autograd.backward`` and never reads. The match is checked on every call and is the
+same on every rank of the expert-parallel group (its comparison is all-reduced there).
 """
 
 from __future__ import annotations
