@@ -623,17 +623,19 @@ def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch):
     assert len(set(into)) == 2 * E  # every expert of both skews had rows at least once
 
 
+@pytest.mark.parametrize("need_output", [True, False])
 @pytest.mark.parametrize("grouped", [True, False])
-def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped):
+def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped, need_output):
     """Given the output gradient up front, forward runs each chunk's backward too; backward returns the
-    result when the gradient matches and corrects it (by linearity) when it does not: exact both ways."""
+    result when the gradient matches and corrects it (by linearity) when it does not: exact both ways.
+    need_output=False spares the output (zeros come back) and changes no gradient; it needs out_grad."""
     from megatron_peakflat import stats
 
     E, T = 4, 31
     g = torch.Generator().manual_seed(11)
     fc1 = [torch.randn(2 * F, H, generator=g) * 0.3 for _ in range(E)]
     fc2 = [torch.randn(H, F, generator=g) * 0.3 for _ in range(E)]
-    for skew, wrong in (("all", False), ("hot95", True)):
+    for skew, wrong in (("all", False), ("hot95", True), ("balanced", False)):
         bank = ReferenceExperts(fc1, fc2, grouped=grouped)
         probs, rmap = make_routing(T, E, TOPK, skew, 2)
         probs.requires_grad_(True)
@@ -641,56 +643,29 @@ def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped):
         gout = torch.randn(T, H, generator=g)
         assumed = gout * 0.5 if wrong else gout.clone()
         stats.reset()
-        out = llep_moe(x, probs, rmap, bank, None, DispatchConfig(chunk_cap=8), out_grad=assumed)
+        out = llep_moe(x, probs, rmap, bank, None, DispatchConfig(chunk_cap=8), out_grad=assumed,
+                       need_output=need_output)
         params = [p for i in range(E) for p in bank.expert_params(i)]
         got = torch.autograd.grad(out, [x, probs, *params], gout)
         w1 = [w.clone().requires_grad_(True) for w in fc1]
         w2 = [w.clone().requires_grad_(True) for w in fc2]
         ref = reference_moe(x, probs, rmap, w1, w2)
         want = torch.autograd.grad(ref, [x, probs, *[w for pair in zip(w1, w2) for w in pair]], gout)
-        assert max_rel_error(out, ref) <= 1e-5
+        if need_output:
+            assert max_rel_error(out, ref) <= 1e-5
+        else:
+            assert torch.count_nonzero(out) == 0
         for a, b in zip(got, want):
             assert max_rel_error(a, b) <= 1e-5, (skew, wrong)
         snap = stats.snapshot()["dispatch"]
         assert snap["chunks"] > 1 and snap["fused_recompute_calls"] == 1
+        assert snap.get("fused_recompute_output_skipped", 0) == int(not need_output)
         assert snap.get("fused_recompute_corrections", 0) == int(wrong)
         assert getattr(bank, "assumed_grad_confirmed", False) == (not wrong)
         assert getattr(bank, "assumed_grad_mismatch", False) == wrong
-
-
-@pytest.mark.parametrize("grouped", [True, False])
-def test_fused_recompute_without_the_output_keeps_the_gradients(grouped):
-    """need_output=False spares the output (zeros come back) and changes no gradient, with the right
-    gradient assumed or a wrong one (then corrected); it needs out_grad."""
-    from megatron_peakflat import stats
-
-    E, T = 4, 29
-    g = torch.Generator().manual_seed(12)
-    fc1 = [torch.randn(2 * F, H, generator=g) * 0.3 for _ in range(E)]
-    fc2 = [torch.randn(H, F, generator=g) * 0.3 for _ in range(E)]
-    for skew, wrong in (("hot95", False), ("all", True), ("balanced", False)):
-        bank = ReferenceExperts(fc1, fc2, grouped=grouped)
-        probs, rmap = make_routing(T, E, TOPK, skew, 3)
-        probs.requires_grad_(True)
-        x = torch.randn(T, H, generator=g, requires_grad=True)
-        gout = torch.randn(T, H, generator=g)
-        stats.reset()
-        out = llep_moe(x, probs, rmap, bank, None, DispatchConfig(chunk_cap=8),
-                       out_grad=gout * 2 if wrong else gout.clone(), need_output=False)
-        assert torch.count_nonzero(out) == 0
-        params = [p for i in range(E) for p in bank.expert_params(i)]
-        got = torch.autograd.grad(out, [x, probs, *params], gout)
-        w1 = [w.clone().requires_grad_(True) for w in fc1]
-        w2 = [w.clone().requires_grad_(True) for w in fc2]
-        ref = reference_moe(x, probs, rmap, w1, w2)
-        want = torch.autograd.grad(ref, [x, probs, *[w for pair in zip(w1, w2) for w in pair]], gout)
-        for a, b in zip(got, want):
-            assert max_rel_error(a, b) <= 1e-5, (skew, wrong)
-        snap = stats.snapshot()["dispatch"]
-        assert snap["chunks"] > 1 and snap["fused_recompute_output_skipped"] == 1
-        assert snap.get("fused_recompute_corrections", 0) == int(wrong)
-    with pytest.raises(ValueError, match="need_output=False needs out_grad"):
-        llep_moe(x, probs, rmap, bank, None, DispatchConfig(chunk_cap=8), need_output=False)
+    if not need_output:
+        with pytest.raises(ValueError, match="need_output=False needs out_grad"):
+            llep_moe(x, probs, rmap, bank, None, DispatchConfig(chunk_cap=8), need_output=False)
 
 
 def test_working_set_bound_covers_top8_metadata():

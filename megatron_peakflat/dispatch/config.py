@@ -55,7 +55,9 @@ class DispatchConfig(ComponentConfig):
     """Under full recompute (or --recompute-modules moe), run each chunk's forward and backward
     together in the checkpoint's recompute, where the MoE output's gradient is already known: one
     expert forward less per layer. Checked against the gradient that arrives; exact either way.
-    Needs --hidden-dropout 0 (Megatron's default is 0.1); otherwise it turns itself off, logged."""
+    Once a layer's gradient has matched, its later recomputes skip the MoE output too, which only the
+    checkpoint's discarded output reads. Needs --hidden-dropout 0 (Megatron's default is 0.1);
+    otherwise it turns itself off, logged."""
     overlap: bool = False
     """At EP > 1, send chunk j+1's rows and chunk j's results while the next chunk computes (async
     all-to-alls), hiding communication behind the experts' GEMMs, in every layer call, including
