@@ -262,6 +262,9 @@ def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096,
                 step()  # warm-up: library workspaces, the router's first call, weight packing
                 ddp.zero_grad_buffer()
                 x.grad = None
+                # Measure a layer's first recompute, the run's peak: it computes the MoE output, which the
+                # later ones skip once the assumed gradient is confirmed (integration/fused_recompute.py).
+                layer.token_dispatcher._bank.assumed_grad_confirmed = False
                 stats.reset()
                 measured = peak_of(step)
                 snap = stats.snapshot().get("dispatch", {})

@@ -364,6 +364,9 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
         # Once a fused call of this layer found the assumed gradient exact, the recomputed output is known
         # to reach nothing but the checkpoint's output, whose values the recompute discards.
         need_output = out_grad is None or not getattr(bank, "assumed_grad_confirmed", False)
+        if not need_output:
+            info_once("peakflat dispatch: fused recompute confirmed the MoE output gradient; later recomputes "
+                      "skip the MoE output, which only the checkpoint's discarded output reads")
         out = llep_moe(hidden_states, probs, self.routing_map, bank, group, cfg, out_grad=out_grad,
                        need_output=need_output)
         if not _FIRST_CALL_LOGGED:

@@ -466,7 +466,8 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     Weight gradients go into main_grad by GEMMs with beta=1: no transient. Under full recompute with
     ``--peakflat-dispatch-fuse-recompute`` (``llep_fused``) each chunk's forward runs inside its
     backward, in the checkpoint's recompute: from its fc2 GEMM on, the chunk also holds its output
-    ([R, H]). At EP > 1 with overlap (``llep_overlaps``) the next chunk's dispatch (rows and output gradient, sent and received) and the
+    ([R, H]) in each layer's first recompute, the run's peak (later ones skip the output once its
+    assumed gradient is confirmed, integration/fused_recompute.py). At EP > 1 with overlap (``llep_overlaps``) the next chunk's dispatch (rows and output gradient, sent and received) and the
     previous chunk's combine (dX and output, sent and received) are in flight: 8 [R, H] more, from the
     code, not measured on GPUs.
     The per-expert path (grouped GEMMs off, or not bf16) keeps the chunk's concatenated output, the
