@@ -187,6 +187,7 @@ class _Chunks:
         self.foreign = exchange_weights(sched, bank, group)
         self.local, self.weights = _segments(sched, bank, self.foreign)
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum
+        self._sinks: dict[tuple[int, int], torch.Tensor | None] = {}  # sink()'s answers, fixed for the call
         self._inflight: list[tuple[int, _InFlight]] = []  # combines sent, not yet added
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -283,7 +284,14 @@ class _Chunks:
 
     def sink(self, i: int, k: int) -> torch.Tensor | None:
         """The buffer that accumulates parameter k's gradient of compute expert i: the owner's main_grad
-        when Megatron's DDP gave it one, else this call's fp32 sum; None: not wanted."""
+        when Megatron's DDP gave it one, else this call's fp32 sum; None: not wanted. The same buffer for
+        every chunk of the call (looked up once: each chunk asks for every expert with rows)."""
+        key = (i, k)
+        if key not in self._sinks:
+            self._sinks[key] = self._find_sink(i, k)
+        return self._sinks[key]
+
+    def _find_sink(self, i: int, k: int) -> torch.Tensor | None:
         li = self.local[i]
         if li is not None:
             p = self.bank.expert_params(li)[k]
@@ -358,7 +366,7 @@ class _Chunks:
             if e in foreign_parts:
                 foreign_grads[e] = flatten_weights([g.to(w.dtype) if g is not None else torch.zeros_like(w)
                                                     for g, w in zip(foreign_parts[e], self.weights[i])])
-        self.acc = {}
+        self.acc, self._sinks = {}, {}
         del foreign_parts
         back = return_weight_grads(sched, foreign_grads, bank, self.group)
         for e, flat in back.items():
