@@ -471,12 +471,12 @@ def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: E
     """
     if out_grad is not None and out_grad.shape != x.shape:
         raise ValueError(f"out_grad {tuple(out_grad.shape)} must have the output's shape {tuple(x.shape)}")
+    if not need_output and out_grad is None:
+        raise ValueError("need_output=False needs out_grad: without it the forward must produce the output")
     overlap = overlap_on(overlap, overlap_min_chunks, sched.K, comm.group_size(group))
     stats.add("dispatch", "overlapped_calls", int(overlap))
     ce = transport() if transport is not None and overlap and pack else None
     params: list[torch.Tensor] = []
     for i in range(bank.num_local_experts):
         params.extend(bank.expert_params(i))
-    if not need_output and out_grad is None:
-        raise ValueError("need_output=False needs out_grad: without it the forward must produce the output")
     return _PipelinedMoE.apply(x, probs, sched, bank, group, out_grad, (overlap, pack, ce), need_output, *params)
