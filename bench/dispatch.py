@@ -53,6 +53,8 @@ import torch
 from bench import harness
 
 OURS_DEFAULT = "peakflat"
+EXPERTS_IMPLS = ("sequential", "grouped", "te")
+"""``build_layer``'s ``experts_impl`` values (the ``--experts-impl`` flag here and in profile_dispatch.py)."""
 
 
 def setup(cpu: bool) -> None:
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma list; peakflat takes the suffixes -overlap (async all-to-alls in every call), "
                          "-nooverlap, -unpacked, -strided, -expert, -hybrid and -c<N> (chunk cap), e.g. "
                          "peakflat-overlap-c32768 (default: %(default)s)")
-    ap.add_argument("--experts-impl", choices=("sequential", "grouped", "te"), default="sequential",
+    ap.add_argument("--experts-impl", choices=EXPERTS_IMPLS, default="sequential",
                     help="the layer's experts: SequentialMLP of local linears, TEGroupedMLP's layout in plain torch, "
                          "or Transformer Engine's MoE spec with its fused permute (default: %(default)s)")
     ap.add_argument("--experts", type=int, default=64)

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="megatron-alltoall,llep-unchunked,peakflat")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--experts-impl", choices=("sequential", "grouped", "te"), default="sequential",
+    ap.add_argument("--experts-impl", choices=bd.EXPERTS_IMPLS, default="sequential",
                     help="as bench/dispatch.py's flag (default: %(default)s)")
     ap.add_argument("--top", type=int, default=22)
     ap.add_argument("--steps", type=int, default=2)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module
+from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module, second_resumed_log
 
 TINY = [*TINY_GPT_ARGS, "--train-iters", "3"]
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
@@ -113,7 +113,7 @@ def test_checkpoint_resume_with_peakflat_continues_as_megatron_does(tmp_path):
     assert len(full) == 6 and len(ours) == 3
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert ours[-1] == full[-1] and ours[0] == full[3]
-    assert ours[1] == pytest.approx(_resumed_log_of_iteration_5(full), abs=2e-6)
+    assert ours[1] == pytest.approx(second_resumed_log(full, 3), abs=2e-6)
 
 
 def test_pipeline_and_expert_parallel_same_loss_with_dispatch_on():
@@ -149,7 +149,7 @@ def test_checkpoint_resume_with_offloaded_optimizer_continues_as_megatron_does(t
     iteration 3 and loaded: Adam's step count, masters and moments survive Megatron's two-move load, so
     the resumed iterations are Megatron's own resumed iterations (its plain Adam here: megatron-core
     0.19.2's CPU offload fails on fp32 parameters, ``config._check_megatron_offload_fp32``) and every one
-    equals the uninterrupted run's (the second as Megatron logs it, see ``_resumed_log_of_iteration_5``).
+    equals the uninterrupted run's (the second as Megatron logs it, ``subproc.second_resumed_log``).
     Before the fix the resumed step count restarted at 1 and iterations 5 and 6 drifted by ~1%."""
     opt = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
            "--peakflat-optimizer", "offload-stream"]
@@ -161,14 +161,7 @@ def test_checkpoint_resume_with_offloaded_optimizer_continues_as_megatron_does(t
     assert len(full) == 6 and len(ours) == 3
     assert ours == pytest.approx(theirs, rel=1e-5)
     assert ours[-1] == pytest.approx(full[-1], rel=1e-6) and ours[0] == pytest.approx(full[3], rel=1e-6)
-    assert ours[1] == pytest.approx(_resumed_log_of_iteration_5(full), abs=2e-6)
-
-
-def _resumed_log_of_iteration_5(full: list[float]) -> float:
-    """What Megatron 0.19 logs at the second iteration after a resume: the mean of the first two resumed
-    iterations' losses. ``training_log`` does not reset its loss sums after a run's first report
-    (``should_reset = not is_first_iteration``), so a resume that trains exactly logs (full[3] + full[4]) / 2."""
-    return (full[3] + full[4]) / 2
+    assert ours[1] == pytest.approx(second_resumed_log(full, 3), abs=2e-6)
 
 
 def test_checkpoint_resume_with_dropout_matches_megatrons_resume(tmp_path):

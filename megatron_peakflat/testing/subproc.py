@@ -13,7 +13,7 @@ import sys
 
 from .distributed import free_port
 
-__all__ = ["ROOT", "TINY_GPT_ARGS", "run_module", "logged", "memory_report"]
+__all__ = ["ROOT", "TINY_GPT_ARGS", "run_module", "logged", "memory_report", "second_resumed_log"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The repository root (put on PYTHONPATH and used as the working directory)."""
@@ -41,6 +41,14 @@ def run_module(module: str, *argv: str, nproc: int = 1, timeout: int = 400,
 def logged(text: str, key: str) -> list[float]:
     """Every number Megatron's training log prints after ``key: `` (e.g. 'lm loss', 'grad norm'), in order."""
     return [float(x) for x in re.findall(re.escape(key) + r": ([0-9.E+-]+)", text)]
+
+
+def second_resumed_log(straight: list[float], saved_at: int) -> float:
+    """The 'lm loss' Megatron 0.19 logs at the second iteration after resuming from a checkpoint saved
+    after ``saved_at`` iterations, for a resume that trains exactly as the uninterrupted run ``straight``
+    (losses by iteration): the mean of the first two resumed iterations' losses. ``training_log`` does
+    not reset its loss sums after a run's first report (``should_reset = not is_first_iteration``)."""
+    return (straight[saved_at] + straight[saved_at + 1]) / 2
 
 
 def memory_report(text: str, iteration: int = 2) -> tuple[float, float] | None:
