@@ -125,24 +125,33 @@ def test_state_dict_round_trip_continues_bitwise(engine):
     assert_same_params_and_state(opt, ps, resumed, qs)
 
 
-@pytest.mark.parametrize("group_step_only", [False, True])
-def test_resume_keeps_the_step_through_megatrons_load_sequence(group_step_only):
-    """Megatron's DistributedOptimizer resumes in two moves: ``load_state_dict`` with the saved step (per
-    parameter without TE or apex, only in the param groups with them), then its parameter-state loader writes
-    the masters and moments into ``state[param]``, and with them the step its sharded-state template held
-    before the load (0), before ``_sync_hdo_state_to_sub_optimizers``. The count must stay the saved one, or
-    Adam's bias correction restarts: the resumed run continues bitwise."""
+@pytest.mark.parametrize("saved_step", ["per-parameter", "group-only", "group-and-template"])
+def test_resume_keeps_the_step_through_megatrons_load_sequence(saved_step):
+    """Megatron's DistributedOptimizer resumes in two moves: ``load_state_dict`` with the saved step, then its
+    parameter-state loader writes the masters and moments into ``state[param]``, and with them the step its
+    sharded-state template held before the load (0), before ``_sync_hdo_state_to_sub_optimizers``. The count
+    must stay the saved one, or Adam's bias correction restarts: the resumed run continues bitwise.
+
+    Where the saved step is: ``per-parameter`` and in the groups (Megatron without TE or apex); ``group-only``;
+    ``group-and-template``, Megatron with TE or apex installed: the step only in the param groups, and as
+    per-parameter state the resumed optimizer's own state from before the load (step 0)."""
     ps = _params()
     opt = OffloadStreamAdamW(_groups(ps), lr=1e-3, bucket=2500, engine="cpu", host_threads=2)
     saved = _checkpoint_and_go_on(opt, ps, 3, 4)
     assert all(g["step"] == 3 for g in saved["opt"]["param_groups"])
-    if group_step_only:
-        for st in saved["opt"]["state"].values():
-            del st["step"]
     qs = [torch.nn.Parameter(t) for t in saved["params"]]
     resumed = OffloadStreamAdamW(_groups(qs), lr=1e-3, bucket=2500, engine="cpu", host_threads=2)
+    real = saved["opt"]["state"]
+    if saved_step == "group-only":
+        for st in real.values():
+            del st["step"]
+    elif saved_step == "group-and-template":
+        saved["opt"]["state"] = resumed.state_dict()["state"]  # what distrib_optimizer.load_state_dict passes on
+        assert {float(st["step"]) for st in saved["opt"]["state"].values()} == {0.0}
     resumed.load_state_dict(saved["opt"])
-    for q in qs:
+    for i, q in enumerate(qs):  # the parameter-state loader: masters and moments, and the template's step
+        if saved_step == "group-and-template":
+            resumed.state[q].update({k: v for k, v in real[i].items() if k != "step"})
         resumed.state[q]["step"] = torch.tensor(0.0)
     resumed._sync_hdo_state_to_sub_optimizers()
     assert {float(resumed.state[q]["step"]) for q in qs} == {3.0}

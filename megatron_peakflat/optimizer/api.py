@@ -513,16 +513,16 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             _refuse_unsupported(saved, f"in saved param group {gi}")
         id_map = {}
         index = {id(p): i for i, p in enumerate(self._params)}
+        group_step: set[int] = set()  # parameters whose step their saved group gives
         for saved, mine in zip(groups, self.param_groups):
             for k, v in saved.items():
                 if k not in ("params", "step", "peakflat_gpu_fraction"):
                     mine[k] = v
             for idx, p in zip(saved["params"], mine["params"]):
                 id_map[idx] = p
-                # The group's step (ours; Megatron's DistributedOptimizer keeps only the group's with TE or
-                # apex present); a per-parameter step below takes precedence.
                 if saved.get("step") is not None:
                     self._steps[index[id(p)]] = int(float(saved["step"]))
+                    group_step.add(index[id(p)])
         flats = self._flat_state()
         with torch.no_grad():
             for idx, st in state_dict["state"].items():
@@ -534,7 +534,10 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                         src = torch.as_tensor(st[k])
                         if src.data_ptr() != dst.data_ptr():
                             dst.copy_(src.reshape(-1))
-                if "step" in st:
+                # A group's step wins: ours writes one only where every parameter shares it, and Megatron's
+                # DistributedOptimizer with TE or apex present saves only the group's and hands back, as
+                # per-parameter state, what this optimizer held before the load (step 0).
+                if "step" in st and i not in group_step:
                     self._steps[i] = int(float(st["step"]))
         for i, p in enumerate(self._params):  # views of the buckets, and each step (its group's or its own)
             self._bind_state(i, p)

@@ -3,6 +3,10 @@
 A dry run of ``megatron_peakflat.pretrain`` for tests and for checking a command line without a
 GPU: the CPU shim is installed, ``initialize_megatron``'s CUDA assertion is satisfied for its
 duration only, torch.compile is off, and the data loader runs in-process. Test use only.
+
+``PEAKFLAT_DRYRUN_FUSED_ADAM=1`` makes Megatron's DistributedOptimizer save and load its checkpoints as it
+does where Transformer Engine or apex provides FusedAdam (``distrib_optimizer.HAVE_APEX_OR_TE``): Adam's
+step then travels only in the param groups. Those installs need a GPU; the CPU tests reach the branch so.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ def main(argv: list[str]) -> None:
 
     training.initialize_megatron = initialize_megatron
     initialize.initialize_megatron = initialize_megatron
+    if os.environ.get("PEAKFLAT_DRYRUN_FUSED_ADAM") == "1":
+        from megatron.core.optimizer import distrib_optimizer
+
+        distrib_optimizer.HAVE_APEX_OR_TE = True
     from megatron_peakflat import pretrain
 
     extra = [("--distributed-backend", "gloo"), ("--num-workers", "0"), ("--use-cpu-initialization",),
