@@ -427,8 +427,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         """Adopt the tensors that callers put into ``state[param]`` (a checkpoint load writes the masters and
         moments there) into the buckets.
 
-        The step count is not adopted: it comes from ``load_state_dict`` (per parameter, or from its param
-        group) and from ``step``. Megatron's DistributedOptimizer writes into ``state[param]["step"]`` the
+        The step count is not adopted: it comes from ``load_state_dict`` (from the parameter's saved param
+        group when that carries one, else per parameter) and from ``step``. Megatron's DistributedOptimizer writes into ``state[param]["step"]`` the
         value its sharded-state template held before the load (``load_parameter_state_from_dp_reshardable``
         hands ``_set_main_param_and_optimizer_states`` the template's 0), after it has loaded the real step
         through ``load_state_dict``; adopting it would restart Adam's bias correction on every resume. A
@@ -501,7 +501,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` (ours, or torch.optim.AdamW's without ``master_param``: masters then
-        come from the current parameters). Tensors are copied into the host buckets."""
+        come from the current parameters). Tensors are copied into the host buckets. A parameter's Adam
+        step is its saved param group's ``step`` when the group has one, else its own saved ``step``."""
         self._materialize()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
