@@ -3,7 +3,7 @@
 
 - ``megatron-alltoall``: Megatron's own alltoall dispatcher (the layer as Megatron builds it);
 - ``llep-unchunked``: PipelinedLLEP with one chunk (the plan and recompute, no chunking);
-- ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap 65536, at most 64 chunks, chunk
+- ``peakflat``: PipelinedLLEP with the flags' defaults (chunk cap auto = 8192 x top-k pairs, at most 64 chunks, chunk
   membership 'auto' = 'expert': each flow cut in expert order; all-to-alls packed, and at EP > 1 a call
   the cap splits overlapped, in at least min(8, 2K) chunks);
 - ``peakflat-strided`` / ``peakflat-expert`` / ``peakflat-hybrid``: the defaults with that membership
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     cfgs = {m: method_config(m) for m in [OURS_DEFAULT, *methods] if m != "megatron-alltoall"}
     if cpu:
         for v in cfgs.values():
-            v.dispatch.chunk_cap = min(v.dispatch.chunk_cap, 64)
+            v.dispatch.chunk_cap = min(v.dispatch.cap(args.topk), 64)
     megatron_peakflat.apply(cfgs[OURS_DEFAULT])
     device = torch.device("cpu" if cpu else "cuda")
     rows: list[harness.Row] = []
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
                             continue
                         extra: dict[str, Any] = {}
                         if method != "megatron-alltoall":
-                            extra["chunk_cap"] = cfgs[method].dispatch.chunk_cap
+                            extra["chunk_cap"] = cfgs[method].dispatch.cap(args.topk)
                             extra["max_chunks"] = cfgs[method].dispatch.max_chunks
                         from megatron_peakflat import stats
 

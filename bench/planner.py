@@ -279,7 +279,7 @@ def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096,
                 rows.append(row(f"recompute={regime},N={T},H={hidden},E={experts},k={topk},F={ffn},ep=1,bf16",
                                 "peakflat", measured, predicted, "dispatch", bound_gib=round(bound / GIB, 4),
                                 within_bound=measured <= bound, boundary_gib=round(held / GIB, 4),
-                                chunk_cap=pf.dispatch.chunk_cap, chunks=snap.get("chunks"), chunks_planned=K,
+                                chunk_cap=pf.dispatch.cap(topk), chunks=snap.get("chunks"), chunks_planned=K,
                                 max_chunk_rows=snap.get("max_chunk_rows"), rows_planned=c,
                                 experts_path=snap.get("experts"), fused_recompute=M.llep_fused(run, pf),
                                 fused_recompute_calls=snap.get("fused_recompute_calls", 0)))

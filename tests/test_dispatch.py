@@ -291,7 +291,22 @@ def test_bad_arguments():
         llep_moe(torch.randn(3, 2), torch.rand(3, 2), torch.ones(3, 2, dtype=torch.bool), bank, None,
                  DispatchConfig(), num_chunks=0)
     with pytest.raises(ValueError, match="experts"):
-        llep_moe(torch.randn(3, 2), torch.rand(3, 4), torch.ones(3, 4, dtype=torch.bool), bank, None, DispatchConfig())
+        llep_moe(torch.randn(3, 2), torch.rand(3, 4), torch.ones(3, 4, dtype=torch.bool), bank, None,
+                 DispatchConfig(chunk_cap=64))
+    with pytest.raises(ValueError, match="resolved"):  # 'auto' needs the router's top-k
+        llep_moe(torch.randn(3, 2), torch.rand(3, 2), torch.ones(3, 2, dtype=torch.bool), bank, None, DispatchConfig())
+
+
+def test_auto_chunk_cap_scales_with_top_k():
+    """'auto' is 8192 tokens' pairs: 65536 at top-8, 32768 at top-4, so 32K tokens per rank make K=4 at both."""
+    from megatron_peakflat.dispatch.bound import chunk_count
+
+    auto = DispatchConfig()
+    assert auto.chunk_cap is None and (auto.cap(8), auto.cap(4), auto.cap(1)) == (65536, 32768, 8192)
+    assert [chunk_count(32768 * k, auto.cap(k), auto.max_chunks) for k in (1, 2, 4, 8)] == [4, 4, 4, 4]
+    assert auto.resolved(4).chunk_cap == 32768 and auto.resolved(4).max_chunks == auto.max_chunks
+    explicit = DispatchConfig(chunk_cap=1000)
+    assert explicit.cap(4) == 1000 and explicit.resolved(4) is explicit
 
 
 # ---------------------------------------------------------------- exactness on 1, 2, 4 ranks

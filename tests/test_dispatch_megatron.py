@@ -257,6 +257,44 @@ def test_exact_against_megatron_alltoall(world):
         assert any("overlap=True" in name for name, _, _ in per_rank[0])
 
 
+def auto_cap_worker(rank: int, world: int) -> list[tuple[str, float, int, int]]:
+    """--peakflat-dispatch-chunk-cap auto takes each model's --moe-router-topk: with the auto cap shrunk to
+    8 tokens' pairs, 32 tokens per rank make K=4 at top-1, 2 and 4 alike; exact against Megatron."""
+    import megatron_peakflat
+    from megatron_peakflat import stats
+    from megatron_peakflat.dispatch import config as dispatch_config
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    mc.install_cpu_shim()
+    dispatch_config.AUTO_CAP_TOKENS = 8  # this process only
+    out = []
+    for topk in (1, 2, 4):
+        megatron_peakflat.remove()
+        torch.manual_seed(99)
+        mc.init_megatron_parallel(ep=world, seed=99)
+        config = mc.tiny_transformer_config(num_moe_experts=4 * world, moe_router_topk=topk,
+                                            moe_router_pre_softmax=topk == 1)
+        ref, model = _ref_and_patched(config, dispatch_config.DispatchConfig(
+            impl="pipelined-llep", min_spill=0, overlap_min_chunks=0))
+        losses = _steps(ref, model, "hot95", 21 + rank, 31 + rank, {}, config.num_layers)
+        snap = stats.snapshot()["dispatch"]
+        out.append((f"top-{topk},rank={rank}", _check_grads(f"top-{topk}", ref, model, losses),
+                    snap["chunks"], snap["max_chunk_rows"]))
+        megatron_peakflat.remove()
+    mc.destroy_megatron_parallel()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_auto_chunk_cap_follows_the_router_top_k(world):
+    per_rank = run_distributed(auto_cap_worker, world, timeout=300)
+    for rows in per_rank:
+        for (name, err, K, rows_max), topk in zip(rows, (1, 2, 4)):
+            assert err <= 1e-5, (name, err)
+            assert K == 4, (name, K)  # 32 x top-k pairs per source, cut at 8 x top-k
+            assert rows_max <= world * 8 * topk + topk, (name, rows_max)
+
+
 def grouped_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
     """Megatron's TEGroupedMLP experts (TE's GroupedLinear layout, ``testing.grouped_linear``): PipelinedLLEP
     against Megatron's alltoall dispatcher driving TEGroupedMLP.forward, loss and every gradient."""

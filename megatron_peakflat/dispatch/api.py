@@ -40,8 +40,11 @@ def plan_layer(routing_map: torch.Tensor, bank: ExpertBank, group: dist.ProcessG
     """
     if num_chunks is not None and num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks}: must be at least 1")
+    if cfg.chunk_cap is None and num_chunks is None:
+        raise ValueError("chunk_cap 'auto' depends on the router's top-k: pass cfg.resolved(topk)")
     sched = build_schedule(routing_map, num_local_experts=bank.num_local_experts, group=group,
-                           chunk_cap=cfg.chunk_cap, max_chunks=cfg.max_chunks, alpha=cfg.alpha,
+                           chunk_cap=cfg.chunk_cap or 1,  # read only when num_chunks is None
+                           max_chunks=cfg.max_chunks, alpha=cfg.alpha,
                            min_spill=cfg.min_spill, imbalance_threshold=cfg.imbalance_threshold,
                            num_chunks=num_chunks, local_order=_layout_order(bank), membership=cfg.membership,
                            min_split_chunks=cfg.overlap_min_chunks)
@@ -65,7 +68,8 @@ def llep_moe(x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, ba
     ``need_output=False`` (with ``out_grad``): zeros are returned instead of the output, whose values
     the caller knows nothing reads; the gradients are the same.
 
-    Raises ValueError on mismatched shapes, or when ``E`` is not the group size times the bank's experts.
+    Raises ValueError on mismatched shapes, when ``E`` is not the group size times the bank's experts, or
+    when ``cfg.chunk_cap`` is still 'auto' (``cfg.resolved(topk)`` makes it a number).
     """
     if x.dim() != 2 or probs.shape != routing_map.shape or probs.shape[0] != x.shape[0]:
         raise ValueError(f"x {tuple(x.shape)}, probs {tuple(probs.shape)}, routing_map {tuple(routing_map.shape)}: "

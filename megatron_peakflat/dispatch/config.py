@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from ..config_base import ComponentConfig, PeakflatConfigError
+
+AUTO_CAP_TOKENS = 8192
+"""--peakflat-dispatch-chunk-cap auto: this many tokens' token-expert pairs per source rank and chunk."""
 
 MEMBERSHIPS = ("auto", "expert", "strided", "hybrid")
 """The values of --peakflat-dispatch-membership (``DispatchConfig.membership``)."""
@@ -26,12 +30,14 @@ class DispatchConfig(ComponentConfig):
     impl: Literal["megatron", "pipelined-llep"] = "megatron"
     """Expert dispatch. 'pipelined-llep' replaces Megatron's alltoall dispatcher with least-loaded
     expert parallelism and chunked dispatch, whose working set does not grow with routing skew."""
-    chunk_cap: int = 65536
+    chunk_cap: int | None = None
     """c: the most token-expert pairs that one source rank sends into one dispatch chunk (K is the
     smallest chunk count that respects it for the group's largest source, the same on every EP rank).
-    The expert working set of a chunk is at most EP * c rows, whatever the routing. With
-    --peakflat-dispatch-membership strided each chunk also reads every local expert's weights and adds
-    their gradients once, so smaller caps cost time in proportion to K."""
+    The expert working set of a chunk is at most EP * c rows, whatever the routing. 'auto': 8192 x
+    --moe-router-topk (65536 at top-8, 32768 at top-4, 16384 at top-2), so that a call of 32K tokens
+    per rank is cut into 4 chunks whatever the top-k (a cap fixed in pairs would leave a top-2 call of
+    32K tokens whole). With --peakflat-dispatch-membership strided each chunk also reads every local expert's
+    weights and adds their gradients once, so smaller caps cost time in proportion to K."""
     membership: Literal["auto", "expert", "strided", "hybrid"] = "auto"
     """Which chunk a token-expert pair joins. 'expert' (what 'auto' picks): each flow (the pairs one
     source rank sends one destination rank) sorted by expert and cut into K even slices, slice j of
@@ -96,8 +102,17 @@ class DispatchConfig(ComponentConfig):
     views of their weights, with no weight copy; --no-peakflat-dispatch-grouped-gemm runs one expert
     at a time (the same math, more kernel launches)."""
 
+    def cap(self, topk: int) -> int:
+        """The chunk cap in pairs for a router of ``topk``: ``chunk_cap``, or under 'auto'
+        ``AUTO_CAP_TOKENS`` tokens' pairs."""
+        return self.chunk_cap if self.chunk_cap is not None else AUTO_CAP_TOKENS * max(1, topk)
+
+    def resolved(self, topk: int) -> "DispatchConfig":
+        """This config with 'auto' knobs made numbers for a router of ``topk`` (what the algorithms take)."""
+        return self if self.chunk_cap is not None else dataclasses.replace(self, chunk_cap=self.cap(topk))
+
     def validate(self) -> None:
-        if self.chunk_cap < 1:
+        if self.chunk_cap is not None and self.chunk_cap < 1:
             raise PeakflatConfigError(self.flag("chunk_cap"), self.chunk_cap, "the chunk cap must be at least 1 token",
                                       "pass a positive token count, e.g. --peakflat-dispatch-chunk-cap 32768")
         if self.max_chunks < 1:

@@ -37,7 +37,7 @@ from .. import stats
 from ..dispatch.api import llep_moe
 from ..dispatch.bound import overlap_on
 from ..dispatch.grouped import GroupedExperts, grouped_supported, pack_expert_weights
-from ..dispatch.config import resolve_membership
+from ..dispatch.config import AUTO_CAP_TOKENS, DispatchConfig, resolve_membership
 from . import fused_recompute, state
 from .logs import info_once
 
@@ -330,9 +330,15 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
         self.routing_map = None
         return out
 
+    def _resolved(self, cfg: DispatchConfig) -> DispatchConfig:
+        """``cfg`` with 'auto' knobs set for this layer's router (cached while the config object lasts)."""
+        if getattr(self, "_cfg_from", None) is not cfg:
+            self._cfg_from, self._cfg = cfg, cfg.resolved(self.config.moe_router_topk)
+        return self._cfg
+
     def run(self, hidden_states: torch.Tensor, probs: torch.Tensor, experts: Any) -> torch.Tensor:
         """Dispatch, experts and combine for all chunks: [T, H] rows in, [T, H] MoE output out."""
-        cfg = state.current().dispatch
+        cfg = self._resolved(state.current().dispatch)
         bank = getattr(self, "_bank", None)
         if bank is None or bank.experts is not experts:
             bank = self._bank = make_bank(experts, plain=self.plain_experts, grouped=cfg.grouped_gemm)
@@ -475,10 +481,14 @@ def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., Non
             split = f"in calls the cap splits, cut into at least min({d.overlap_min_chunks}, 2K) chunks"
             overlap = "on" if d.overlap else (split if d.overlap_min_chunks else "off")
         info_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={ep}, "
-                  f"c={cfg.dispatch.chunk_cap}, max K={cfg.dispatch.max_chunks}, membership={resolve_membership(cfg.dispatch.membership)}, alpha={cfg.dispatch.alpha}, "
+                  f"c={_cap_text(d, self.config.moe_router_topk)}, max K={cfg.dispatch.max_chunks}, membership={resolve_membership(cfg.dispatch.membership)}, alpha={cfg.dispatch.alpha}, "
                   f"m={cfg.dispatch.min_spill}, lambda={cfg.dispatch.imbalance_threshold}, overlap={overlap})")
 
     return __init__
+
+
+def _cap_text(d: DispatchConfig, topk: int) -> str:
+    return str(d.chunk_cap) if d.chunk_cap is not None else f"auto ({d.cap(topk)} pairs: {AUTO_CAP_TOKENS} tokens x top-{topk})"
 
 
 def wrap_routed_experts_compute(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -301,7 +301,7 @@ def to_json(pl: Plan, rec: Recommendation) -> dict[str, Any]:
         "peakflat": {"fits": pl.fits("peakflat", guaranteed=True), "binding": pl.worst("peakflat").binding("peakflat"),
                      "total_gib": pl.worst("peakflat").total("peakflat") / GIB},
         "recommended": {"fits": rec.fits, "flags": rec.flags, "reasons": rec.reasons,
-                        "chunk_cap": rec.config.dispatch.chunk_cap, "vocab_block_size": rec.config.vocab.block_size,
+                        "chunk_cap": rec.config.dispatch.cap(pl.shape.topk), "vocab_block_size": rec.config.vocab.block_size,
                         "vocab_schedule": rec.plan.vocab_schedule, "sco_budget_gib": (rec.config.sco.budget or 0) / GIB,
                         "opt_bucket": rec.config.optimizer.bucket, "opt_slots": rec.config.optimizer.slots,
                         "total_gib": rec.plan.worst("peakflat").total("peakflat") / GIB,

@@ -407,7 +407,7 @@ def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int,
     r = int(math.ceil(run.layer_rows))
     k = max(1, s.topk)
     d = pf.dispatch
-    K = split_floor(chunk_count(r * k, d.chunk_cap, d.max_chunks), run.ep, d.overlap_min_chunks,
+    K = split_floor(chunk_count(r * k, d.cap(k), d.max_chunks), run.ep, d.overlap_min_chunks,
                     d.max_chunks)
     return K, int(math.ceil(r * k / K))
 
@@ -504,7 +504,7 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
     bound = run.ep * (c + s.topk)
     if resolve_membership(d.membership) == "expert":  # per-flow chunks
         bound = min(bound, flow_chunk_rows(pairs_per_rank=math.ceil(run.layer_rows) * max(1, s.topk), ep=run.ep,
-                                           chunk_cap=d.chunk_cap, max_chunks=d.max_chunks, alpha=d.alpha,
+                                           chunk_cap=d.cap(s.topk), max_chunks=d.max_chunks, alpha=d.alpha,
                                            imbalance_threshold=d.imbalance_threshold, min_spill=d.min_spill))
     load = run.routing_skew if run.routing_skew < pf.dispatch.imbalance_threshold else pf.dispatch.alpha
     expected = min(bound, load * routed_pairs(s, replace(run, routing_skew=1.0)) / K)

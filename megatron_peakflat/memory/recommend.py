@@ -28,7 +28,8 @@ __all__ = ["Recommendation", "recommend", "FLOORS"]
 FLOORS = {"chunk_cap": 1024, "block_size": 256, "bucket": 5_000_000}
 STARTS = {"chunk_cap": DispatchConfig().chunk_cap, "block_size": VocabConfig().block_size,
           "bucket": OptimizerConfig().bucket}
-"""The components' own defaults (block_size 0: Ring-DTP's automatic ~128 MiB block)."""
+"""The components' own defaults (chunk_cap None: 'auto', 8192 x top-k; block_size 0: Ring-DTP's automatic
+~128 MiB block)."""
 
 
 @dataclass
@@ -52,7 +53,7 @@ def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
     out: list[str] = []
     if cfg.dispatch.impl != "megatron":
         out += [flag_name(DispatchConfig, "impl"), cfg.dispatch.impl,
-                flag_name(DispatchConfig, "chunk_cap"), str(cfg.dispatch.chunk_cap)]
+                flag_name(DispatchConfig, "chunk_cap"), str(cfg.dispatch.chunk_cap or "auto")]
         if cfg.dispatch.max_chunks != DispatchConfig().max_chunks:
             out += [flag_name(DispatchConfig, "max_chunks"), str(cfg.dispatch.max_chunks)]
     out += [flag_name(VocabConfig, "impl"), cfg.vocab.impl,
@@ -118,7 +119,7 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
         return full
     for optimizer, sco in ((False, False), (False, True), (True, False)):
         rec = _fit(shape, run, base, optimizer=optimizer, sco=sco)
-        if rec.fits and all(a >= b for a, b in zip(_knobs(rec.config), _knobs(full.config))):
+        if rec.fits and all(a >= b for a, b in zip(_knobs(rec.config, shape.topk), _knobs(full.config, shape.topk))):
             if not optimizer and full.config.optimizer.impl != "megatron":
                 rec.reasons.append("optimizer offload left off: the run fits with Megatron's optimizer on the GPU "
                                    "(no --peakflat-optimizer offload-stream, no --optimizer-cpu-offload)")
@@ -128,9 +129,9 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
     return full
 
 
-def _knobs(cfg: PeakflatConfig) -> tuple[int, int]:
+def _knobs(cfg: PeakflatConfig, topk: int) -> tuple[int, int]:
     """The knobs that cost time as they shrink (dispatch chunk cap, vocabulary block; 0: automatic, largest)."""
-    return (cfg.dispatch.chunk_cap, cfg.vocab.block_size or 1 << 62)
+    return (cfg.dispatch.cap(topk), cfg.vocab.block_size or 1 << 62)
 
 
 def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, optimizer: bool, sco: bool
@@ -168,7 +169,8 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, opti
         st = max(p.stages, key=lambda x: x.total("peakflat", guaranteed=True))
         live = st.live_phases("peakflat", guaranteed=True)
         candidates = []
-        if "dispatch" in st.rows and cfg.dispatch.impl != "megatron" and cfg.dispatch.chunk_cap > FLOORS["chunk_cap"] \
+        if "dispatch" in st.rows and cfg.dispatch.impl != "megatron" \
+                and cfg.dispatch.cap(shape.topk) > FLOORS["chunk_cap"] \
                 and st.rows["dispatch"].phase in live:
             candidates.append((_guaranteed(st.rows["dispatch"]), "chunk_cap"))
         block = cfg.vocab.block_size or vocab_block(run.tp_tokens, run.w, 0)
@@ -180,7 +182,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, opti
             break
         _, knob = max(candidates)
         if knob == "chunk_cap":
-            cap = max(FLOORS["chunk_cap"], cfg.dispatch.chunk_cap // 2)
+            cap = max(FLOORS["chunk_cap"], cfg.dispatch.cap(shape.topk) // 2)
             cfg.dispatch = dataclasses.replace(cfg.dispatch, chunk_cap=cap,
                                                max_chunks=max(cfg.dispatch.max_chunks, _chunks_needed(shape, run, cap)))
         elif knob == "block_size":
