@@ -298,12 +298,19 @@ def test_bad_arguments():
 
 
 def test_auto_chunk_cap_scales_with_top_k():
-    """'auto' is 8192 tokens' pairs: 65536 at top-8, 32768 at top-4, so 32K tokens per rank make K=4 at both."""
-    from megatron_peakflat.dispatch.bound import chunk_count
+    """'auto' is 8192 tokens' pairs, at least 32768: 65536 at top-8, 32768 at top-4 and below, so 32K tokens
+    per rank make K=4 at top-4 and top-8, and no chunk of a larger call holds under 16K pairs."""
+    from megatron_peakflat.dispatch.bound import chunk_count, split_floor
 
     auto = DispatchConfig()
-    assert auto.chunk_cap is None and (auto.cap(8), auto.cap(4), auto.cap(1)) == (65536, 32768, 8192)
-    assert [chunk_count(32768 * k, auto.cap(k), auto.max_chunks) for k in (1, 2, 4, 8)] == [4, 4, 4, 4]
+    assert auto.chunk_cap is None and [auto.cap(k) for k in (8, 6, 4, 2, 1)] == [65536, 49152, 32768, 32768, 32768]
+    assert [chunk_count(32768 * k, auto.cap(k), auto.max_chunks) for k in (1, 2, 4, 8)] == [1, 2, 4, 4]
+    for k in (1, 2, 4, 8):
+        for tokens in (16384, 32768, 65536, 131072):
+            for ep in (1, 2, 8):
+                K = split_floor(chunk_count(tokens * k, auto.cap(k), auto.max_chunks), ep, auto.overlap_min_chunks,
+                                auto.max_chunks)
+                assert K == 1 or tokens * k / K >= 16384, (k, tokens, ep, K)
     assert auto.resolved(4).chunk_cap == 32768 and auto.resolved(4).max_chunks == auto.max_chunks
     explicit = DispatchConfig(chunk_cap=1000)
     assert explicit.cap(4) == 1000 and explicit.resolved(4) is explicit
