@@ -294,7 +294,8 @@ def flags_markdown() -> str:
         flag = " / ".join(f"`{o}`" for o in action.option_strings)
         choices = f" ({', '.join(map(str, action.choices))})" if action.choices else ""
         text = (action.help or "").replace("%%", "%").rsplit(" (default:", 1)[0]
-        rows.append(f"| {flag}{choices} | `{action.default}` | {text} |")
+        default = "auto" if action.default is None else action.default  # None: an 'auto' field's default
+        rows.append(f"| {flag}{choices} | `{default}` | {text} |")
     return "\n".join(rows)
 
 

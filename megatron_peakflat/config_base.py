@@ -173,7 +173,8 @@ class ComponentConfig:
                 raise TypeError(f"{cls.__name__}.{f.name}: unsupported flag type {tp}")
             if optional:
                 help_text += " ('auto' or omitted: chosen at start-up.)"
-            kw["help"] = f"{help_text} (default: {default})".replace("%", "%%")
+            shown = "auto" if optional and default is None else default
+            kw["help"] = f"{help_text} (default: {shown})".replace("%", "%%")
             group.add_argument(flag_name(cls, f.name), **kw)
 
     @classmethod

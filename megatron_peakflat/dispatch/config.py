@@ -12,8 +12,9 @@ AUTO_CAP_TOKENS = 8192
 """--peakflat-dispatch-chunk-cap auto: this many tokens' token-expert pairs per source rank and chunk..."""
 AUTO_CAP_MIN_PAIRS = 32768
 """...but no fewer pairs than this: smaller chunks cost more in per-chunk launches and synchronisation than
-they save (measured on 2 H200s at EP=2, 64 experts top-2, 32K tokens per rank: chunks of 8K pairs ran at
-0.69-0.77x one chunk's speed with the grouped experts, chunks of 16K pairs at 0.97-1.01x)."""
+they save. Measured on 2 H200s at EP=2, 64 experts top-2, 32K tokens per rank, both regimes, balanced and
+95% skewed: chunks of 8K pairs (cap 16384) ran at 0.67-1.00x one chunk's speed (0.67-0.77x on TE's grouped
+experts), chunks of 16K pairs (this floor) at 0.99-1.06x."""
 
 MEMBERSHIPS = ("auto", "expert", "strided", "hybrid")
 """The values of --peakflat-dispatch-membership (``DispatchConfig.membership``)."""
@@ -40,7 +41,8 @@ class DispatchConfig(ComponentConfig):
     The expert working set of a chunk is at most EP * c rows, whatever the routing. 'auto': 8192 x
     --moe-router-topk, at least 32768 (65536 at top-8, 32768 at top-4 and below), so that a call of 32K
     tokens per rank is cut into 4 chunks at top-4 as at top-8, and chunks never get so small that
-    per-chunk overheads dominate. With --peakflat-dispatch-membership strided each chunk also reads every local expert's
+    per-chunk overheads dominate (measured on 2 H200s, 128 experts top-4, 32K tokens per rank: 0.29-0.35x
+    one chunk's peak at EP=1 and 2, where a cap of 65536 gave 0.50-0.55x). With --peakflat-dispatch-membership strided each chunk also reads every local expert's
     weights and adds their gradients once, so smaller caps cost time in proportion to K."""
     membership: Literal["auto", "expert", "strided", "hybrid"] = "auto"
     """Which chunk a token-expert pair joins. 'expert' (what 'auto' picks): each flow (the pairs one
