@@ -12,7 +12,8 @@
 # layer tied to the embedding), GROUPED_GEMM [auto: 1 when Transformer Engine imports, adding --moe-grouped-gemm; 0],
 # PEAKFLAT [on], PEAKFLAT_COMPONENTS [dispatch,vocab,sco,optimizer; vocab-ep in place of vocab also shards the
 # output layer over the EP group; sco and optimizer cost PCIe time every step, so take only the components that
-# `python -m megatron_peakflat.plan --megatron-args "..."` recommends], CHUNK_CAP [4096], DATA_PATH,
+# `python -m megatron_peakflat.plan --megatron-args "..."` recommends], CHUNK_CAP [4096, so that this small model chunks;
+# auto: 8192 x TOPK pairs, at least 32768], DATA_PATH,
 # TOKENIZER_MODEL, PYTHON [python3],
 # MEGATRON_ARGS [none: more Megatron flags, split on spaces, e.g. "--optimizer-cpu-offload --use-precision-aware-optimizer"].
 #
