@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .config_base import ComponentConfig, PeakflatConfigError
+from .config_base import ComponentConfig, PeakflatConfigError, shown_default
 from .dispatch.config import DispatchConfig
 from .optimizer.config import OptimizerConfig
 from .recompute.config import SCOConfig
@@ -294,8 +294,7 @@ def flags_markdown() -> str:
         flag = " / ".join(f"`{o}`" for o in action.option_strings)
         choices = f" ({', '.join(map(str, action.choices))})" if action.choices else ""
         text = (action.help or "").replace("%%", "%").rsplit(" (default:", 1)[0]
-        default = "auto" if action.default is None else action.default  # None: an 'auto' field's default
-        rows.append(f"| {flag}{choices} | `{default}` | {text} |")
+        rows.append(f"| {flag}{choices} | `{shown_default(action.default)}` | {text} |")
     return "\n".join(rows)
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "format_bytes",
     "field_docs",
     "flag_name",
+    "shown_default",
     "ComponentConfig",
 ]
 
@@ -173,8 +174,7 @@ class ComponentConfig:
                 raise TypeError(f"{cls.__name__}.{f.name}: unsupported flag type {tp}")
             if optional:
                 help_text += " ('auto' or omitted: chosen at start-up.)"
-            shown = "auto" if optional and default is None else default
-            kw["help"] = f"{help_text} (default: {shown})".replace("%", "%%")
+            kw["help"] = f"{help_text} (default: {shown_default(default)})".replace("%", "%%")
             group.add_argument(flag_name(cls, f.name), **kw)
 
     @classmethod
@@ -190,6 +190,11 @@ class ComponentConfig:
             if hasattr(ns, d):
                 kw[f.name] = getattr(ns, d)
         return cls(**kw)
+
+
+def shown_default(default: Any) -> Any:
+    """A flag's default as help and the README show it: None is an optional field's 'auto'."""
+    return "auto" if default is None else default
 
 
 def _or_auto(parse: Callable[[str], Any], optional: bool) -> Callable[[str], Any]:

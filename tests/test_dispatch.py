@@ -314,6 +314,9 @@ def test_auto_chunk_cap_scales_with_top_k():
     assert auto.resolved(4).chunk_cap == 32768 and auto.resolved(4).max_chunks == auto.max_chunks
     explicit = DispatchConfig(chunk_cap=1000)
     assert explicit.cap(4) == 1000 and explicit.resolved(4) is explicit
+    # The start-up log states the number in force, the floor included where it binds.
+    assert auto.describe_cap(2).startswith("auto (32768 pairs") and "at least 32768" in auto.describe_cap(2)
+    assert explicit.describe_cap(2) == "1000"
 
 
 # ---------------------------------------------------------------- exactness on 1, 2, 4 ranks

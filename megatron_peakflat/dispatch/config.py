@@ -42,8 +42,9 @@ class DispatchConfig(ComponentConfig):
     --moe-router-topk, at least 32768 (65536 at top-8, 32768 at top-4 and below), so that a call of 32K
     tokens per rank is cut into 4 chunks at top-4 as at top-8, and chunks never get so small that
     per-chunk overheads dominate (measured on 2 H200s, 128 experts top-4, 32K tokens per rank: 0.29-0.35x
-    one chunk's peak at EP=1 and 2, where a cap of 65536 gave 0.50-0.55x). With --peakflat-dispatch-membership strided each chunk also reads every local expert's
-    weights and adds their gradients once, so smaller caps cost time in proportion to K."""
+    one chunk's peak at EP=1 and 2, where a cap of 65536 gave 0.50-0.55x). With
+    --peakflat-dispatch-membership strided each chunk also reads every local expert's weights and adds
+    their gradients once, so smaller caps cost time in proportion to K."""
     membership: Literal["auto", "expert", "strided", "hybrid"] = "auto"
     """Which chunk a token-expert pair joins. 'expert' (what 'auto' picks): each flow (the pairs one
     source rank sends one destination rank) sorted by expert and cut into K even slices, slice j of
@@ -114,6 +115,13 @@ class DispatchConfig(ComponentConfig):
         if self.chunk_cap is not None:
             return self.chunk_cap
         return max(AUTO_CAP_TOKENS * max(1, topk), AUTO_CAP_MIN_PAIRS)
+
+    def describe_cap(self, topk: int) -> str:
+        """The cap as the start-up log states it: the number given, or 'auto' with what it is at ``topk``."""
+        if self.chunk_cap is not None:
+            return str(self.chunk_cap)
+        return (f"auto ({self.cap(topk)} pairs: {AUTO_CAP_TOKENS} tokens x top-{topk}, "
+                f"at least {AUTO_CAP_MIN_PAIRS})")
 
     def resolved(self, topk: int) -> "DispatchConfig":
         """This config with 'auto' knobs made numbers for a router of ``topk`` (what the algorithms take)."""

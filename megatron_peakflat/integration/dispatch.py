@@ -37,7 +37,7 @@ from .. import stats
 from ..dispatch.api import llep_moe
 from ..dispatch.bound import overlap_on
 from ..dispatch.grouped import GroupedExperts, grouped_supported, pack_expert_weights
-from ..dispatch.config import AUTO_CAP_TOKENS, DispatchConfig, resolve_membership
+from ..dispatch.config import DispatchConfig, resolve_membership
 from . import fused_recompute, state
 from .logs import info_once
 
@@ -481,14 +481,10 @@ def wrap_moe_layer_init(original_init: Callable[..., None]) -> Callable[..., Non
             split = f"in calls the cap splits, cut into at least min({d.overlap_min_chunks}, 2K) chunks"
             overlap = "on" if d.overlap else (split if d.overlap_min_chunks else "off")
         info_once(f"peakflat dispatch: PipelinedLLEP on MoE layers (EP={ep}, "
-                  f"c={_cap_text(d, self.config.moe_router_topk)}, max K={cfg.dispatch.max_chunks}, membership={resolve_membership(cfg.dispatch.membership)}, alpha={cfg.dispatch.alpha}, "
+                  f"c={d.describe_cap(self.config.moe_router_topk)}, max K={cfg.dispatch.max_chunks}, membership={resolve_membership(cfg.dispatch.membership)}, alpha={cfg.dispatch.alpha}, "
                   f"m={cfg.dispatch.min_spill}, lambda={cfg.dispatch.imbalance_threshold}, overlap={overlap})")
 
     return __init__
-
-
-def _cap_text(d: DispatchConfig, topk: int) -> str:
-    return str(d.chunk_cap) if d.chunk_cap is not None else f"auto ({d.cap(topk)} pairs: {AUTO_CAP_TOKENS} tokens x top-{topk})"
 
 
 def wrap_routed_experts_compute(original: Callable[..., Any]) -> Callable[..., Any]:
