@@ -693,6 +693,40 @@ def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped, need_
             llep_moe(x, probs, rmap, bank, None, DispatchConfig(chunk_cap=8), need_output=False)
 
 
+def test_fused_recompute_check_reads_nothing_when_the_gradient_is_the_assumed_tensor(monkeypatch):
+    """The residual add hands the MoE the checkpoint's output gradient itself: backward then knows it is the
+    assumed one without comparing values (no host sync), and the result is exact. Another tensor of equal
+    values is compared, and one of other values corrected, as before."""
+    from megatron_peakflat import stats
+
+    E, T = 4, 29
+    g = torch.Generator().manual_seed(12)
+    fc1 = [torch.randn(2 * F, H, generator=g) * 0.3 for _ in range(E)]
+    fc2 = [torch.randn(H, F, generator=g) * 0.3 for _ in range(E)]
+    probs, rmap = make_routing(T, E, TOPK, "all", 3)
+    probs.requires_grad_(True)
+    x = torch.randn(T, H, generator=g, requires_grad=True)
+    gout = torch.randn(T, H, generator=g)
+    w1 = [w.clone().requires_grad_(True) for w in fc1]
+    w2 = [w.clone().requires_grad_(True) for w in fc2]
+    want = torch.autograd.grad(reference_moe(x, probs, rmap, w1, w2), [x, probs, *[w for p in zip(w1, w2) for w in p]], gout)
+    compared = []
+    real_equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(1) or real_equal(a, b))
+    for assumed, n_compared, unsynced, corrections in ((gout, 0, 1, 0), (gout.clone(), 1, 0, 0), (gout * 0.5, 1, 0, 1)):
+        bank = ReferenceExperts(fc1, fc2, grouped=True)
+        stats.reset()
+        compared.clear()
+        out = llep_moe(x, probs, rmap, bank, None, DispatchConfig(chunk_cap=8), out_grad=assumed)
+        got = torch.autograd.grad(out, [x, probs, *[p for i in range(E) for p in bank.expert_params(i)]], gout)
+        for a, b in zip(got, want):
+            assert max_rel_error(a, b) <= 1e-5
+        snap = stats.snapshot()["dispatch"]
+        assert len(compared) == n_compared
+        assert snap.get("fused_recompute_checks_unsynced", 0) == unsynced
+        assert snap.get("fused_recompute_corrections", 0) == corrections
+
+
 def test_working_set_bound_covers_top8_metadata():
     """At top-8 and small H the per-pair routing metadata (16 B per token-expert pair) matters: the bound covers it."""
     from megatron_peakflat.dispatch.api import working_set_bound
@@ -809,3 +843,51 @@ def fused_disagree_worker(rank: int, world: int) -> list[float]:
 def test_fused_recompute_ranks_agree_on_the_correction():
     for errs in run_distributed(fused_disagree_worker, 2, timeout=120):
         assert max(errs) <= 1e-5, errs
+
+
+def fused_confirmed_worker(rank: int, world: int) -> list[str]:
+    """Once every rank has confirmed a layer's assumed gradient, no rank all-reduces the check again: a rank
+    given the assumed tensor itself reads nothing, one given an equal copy compares alone, and one given other
+    values raises (naming the flag) instead of waiting for peers that have moved on."""
+    from megatron_peakflat import stats
+
+    E, T = 2 * world, 24
+    e_p = E // world
+    g = torch.Generator().manual_seed(7)
+    fc1 = [torch.randn(2 * F, H, generator=g) * 0.3 for _ in range(E)]
+    fc2 = [torch.randn(H, F, generator=g) * 0.3 for _ in range(E)]
+    bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p], grouped=True)
+    cfg = DispatchConfig(chunk_cap=8, imbalance_threshold=1e9)  # plain EP: no weight moves, so no collective after the check
+    probs, rmap = make_routing(T, E, TOPK, "balanced", 40 + rank)
+    probs.requires_grad_(True)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    gout = torch.randn(T, H, generator=torch.Generator().manual_seed(20 + rank))
+    seen = []
+    # call 1, unconfirmed: rank 0 the tensor itself, rank 1 a copy; all-reduced, confirmed on both
+    # call 2, confirmed: rank 0 the tensor itself, rank 1 a copy compared alone; exact
+    for call, assumed in enumerate((gout if rank == 0 else gout.clone(), gout if rank == 0 else gout.clone())):
+        stats.reset()
+        out = llep_moe(x, probs, rmap, bank, dist.group.WORLD, cfg, out_grad=assumed)
+        errs, _ = _errors_vs_reference(out, x, probs, rmap, bank, fc1, fc2, gout, rank)
+        x.grad = probs.grad = None
+        for i in range(e_p):
+            for p in bank.expert_params(i):
+                p.grad = None
+        assert max(errs) <= 1e-5, (call, errs)
+        assert bank.assumed_grad_confirmed
+        seen.append(f"call{call}:unsynced={stats.snapshot()['dispatch'].get('fused_recompute_checks_unsynced', 0)}")
+    # call 3, confirmed: rank 1 is handed other values
+    out = llep_moe(x, probs, rmap, bank, dist.group.WORLD, cfg, out_grad=gout if rank == 0 else gout * 0.5)
+    try:
+        out.backward(gout)
+        seen.append("call2:ok")
+    except RuntimeError as e:
+        assert "--no-peakflat-dispatch-fuse-recompute" in str(e), e
+        seen.append("call2:raised")
+    return seen
+
+
+def test_fused_recompute_after_confirmation_needs_no_collective():
+    assert run_distributed(fused_confirmed_worker, 2, timeout=120) == [
+        ["call0:unsynced=0", "call1:unsynced=1", "call2:ok"],
+        ["call0:unsynced=0", "call1:unsynced=0", "call2:raised"]]

@@ -101,14 +101,18 @@ def _both_steps(ref, model, skew: str, router_seed: int, batch_seed: int) -> lis
 def _steps(ref, model, skew: str, router_seed: int, batch_seed: int, extra: dict, num_layers: int  # noqa: ANN001
            ) -> list[torch.Tensor]:
     """``_both_steps``; under full recompute twice (gradients add up in both models): the first step's
-    recomputes confirm each layer's assumed output gradient, so the second's skip the MoE output."""
+    recomputes confirm each layer's assumed output gradient, so the second's skip the MoE output, and
+    check the gradient without reading it."""
     from megatron_peakflat import stats
 
     losses = _both_steps(ref, model, skew, router_seed, batch_seed)
     if extra.get("recompute_granularity") == "full":
         assert stats.snapshot()["dispatch"].get("fused_recompute_output_skipped") is None
         losses = _both_steps(ref, model, skew, router_seed, batch_seed + 100)
-        assert stats.snapshot()["dispatch"].get("fused_recompute_output_skipped") == num_layers
+        snap = stats.snapshot()["dispatch"]
+        assert snap.get("fused_recompute_output_skipped") == num_layers
+        # Megatron's residual add passes the checkpoint's output gradient on as it is: no layer's check syncs
+        assert snap.get("fused_recompute_checks_unsynced") == num_layers, snap
     return losses
 
 

@@ -10,7 +10,9 @@ Fused recompute (``out_grad``): when the caller already knows the gradient of th
 full recompute the layer's backward re-runs its forward, and the MoE output feeds only the
 residual add, so its gradient is the checkpoint's output gradient), forward runs each chunk's
 forward and backward back to back and keeps dX, dprobs; backward then checks that the gradient it
-receives is the one assumed (one comparison) and returns them. So the layer pays one expert
+receives is the one assumed and returns them. That check reads nothing when the gradient is the assumed
+tensor's own memory, as the residual add passes it on (``_assumed_grad_differs``): the host does not wait
+for the GPU there, and autograd's bookkeeping of the expert weights runs while the recompute's kernels do. So the layer pays one expert
 forward less than a recompute of its own. If the gradients differ, backward runs the chunks on
 the difference and adds it (the gradients are linear in the output gradient), so the result
 stays exact. A caller that knows the recomputed output is never read (``need_output=False``) is
@@ -394,6 +396,45 @@ class _Chunks:
         self.foreign, self.weights = {}, []
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` are the same elements of one allocation, so their values are equal unread."""
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
+
+
+def _assumed_grad_differs(grad_out: torch.Tensor, g0: torch.Tensor, group: dist.ProcessGroup | None,
+                          bank: ExpertBank) -> bool:
+    """Whether the gradient that reached the fused call differs from the one its forward assumed; the same
+    answer on every rank of ``group``, since a correction runs collectives.
+
+    The common case costs no host sync: the residual add passes the checkpoint's output gradient through
+    unchanged, so ``grad_out`` is ``g0``'s own memory (``g0`` is a saved tensor: autograd raises if anything
+    wrote it since). Otherwise the values are compared, which syncs. In a group of one that is all.
+
+    In a larger group, until the bank is confirmed (an all-reduced verdict, so the same on every rank), every
+    rank compares and the verdicts are all-reduced. Once it is, no rank all-reduces again (ranks that share
+    memory would not join): a rank whose gradient is another tensor compares alone, and if the values differ
+    it raises, since its peers have moved on and it cannot correct alone.
+    """
+    same = _same_memory(grad_out, g0)
+    multi = comm.group_size(group) > 1
+    confirmed = getattr(bank, "assumed_grad_confirmed", False)
+    if same and (confirmed or not multi):
+        stats.add("dispatch", "fused_recompute_checks_unsynced", 1)
+        return False
+    if not multi or confirmed:
+        differs = not torch.equal(grad_out, g0)
+        if differs and multi:
+            raise RuntimeError(
+                "peakflat dispatch: a MoE layer's output gradient differs from its checkpoint's on this rank, after it "
+                "had matched on every rank of the expert-parallel group; the fused recompute cannot correct one rank "
+                "alone. Something between the MoE output and the checkpoint's output changed during the run; pass "
+                "--no-peakflat-dispatch-fuse-recompute")
+        return differs
+    flag = torch.tensor([int(not same and not torch.equal(grad_out, g0))], device=grad_out.device)
+    return bool(comm.all_reduce_max(flag, group).item())
+
+
 class _PipelinedMoE(torch.autograd.Function):
     @staticmethod
     @region("dispatch")
@@ -427,11 +468,7 @@ class _PipelinedMoE(torch.autograd.Function):
             chunks: _Chunks = ctx.chunks
             ctx.chunks = None
             stats.add("dispatch", "fused_recompute_calls", 1)
-            differs = not torch.equal(grad_out, g0)
-            if comm.group_size(ctx.group) > 1:  # every rank must agree: the correction runs collectives
-                flag = torch.tensor([int(differs)], device=grad_out.device)
-                differs = bool(comm.all_reduce_max(flag, ctx.group).item())
-            if differs:
+            if _assumed_grad_differs(grad_out, g0, ctx.group, ctx.bank):
                 # Not the gradient assumed: add the chunks' backward of the difference (exact by linearity).
                 stats.add("dispatch", "fused_recompute_corrections", 1)
                 ctx.bank.assumed_grad_mismatch = True  # callers may stop assuming for this bank
