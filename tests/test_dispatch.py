@@ -623,7 +623,7 @@ def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch):
             p.grad_added_to_main_grad = False
     order = bank.layout_order()
     assert order == list(range(E))[::-1]
-    assert len(bank._runs(order, [None] * E)) == 1
+    assert len(bank.call_runs(order, [None] * E)) == 1
     into = []
     real_acc = grouped.accumulate_mm
     monkeypatch.setattr(grouped, "accumulate_mm", lambda acc, a, b: into.append(acc.data_ptr()) or real_acc(acc, a, b))
@@ -770,7 +770,7 @@ def test_chunk_runs_slice_the_bank_layout_and_follow_moved_weights():
 
     def spans(local, weights=None):
         weights = weights or [None] * len(local)
-        runs = bank._runs(local, weights)
+        runs = bank.call_runs(local, weights)
         pos = 0
         for r in runs:
             assert r.first == pos

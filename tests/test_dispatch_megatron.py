@@ -238,7 +238,7 @@ def _ddp_case(rank: int, world: int, E: int, experts: str = "sequential") -> tup
     for layer in inner.decoder.layers:
         bank = layer.mlp.token_dispatcher._bank
         order = bank.layout_order()
-        runs = bank._runs(order, [None] * len(order))
+        runs = bank.call_runs(order, [None] * len(order))
         assert bank._packed and len(runs) == 1, (order, [(r.first, r.n) for r in runs])
     megatron_peakflat.remove()
     return (f"{experts},ddp-overlap,overlap={world > 1},rank={rank}", worst, 0)

@@ -36,10 +36,11 @@ Needs CUDA, every rank of the group on this host, and ``torch.distributed._symme
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 from collections import deque
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,9 +76,22 @@ class _Pulled:
 
     def wait(self) -> torch.Tensor:
         if self._done is not None:
-            torch.cuda.current_stream().wait_event(self._done)
+            torch.cuda.current_stream(self._out.device).wait_event(self._done)
             self._done = None
         return self._out
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream, device: torch.device) -> Iterator[None]:
+    """``torch.cuda.stream(stream)`` for a stream of ``device``. That context manager looks the current
+    device up twice through ``torch.cuda``'s Python layers on every entry, which at a few exchanges per
+    chunk is host time the GPU waits for; the explicit device makes each lookup one call."""
+    prev = torch.cuda.current_stream(device)
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(prev)
 
 
 class CopyEngineTransport:
@@ -105,7 +119,7 @@ class CopyEngineTransport:
     def _grow(self, need: int) -> None:
         """Reallocate the slots with room for ``need`` bytes each: a collective of the group."""
         if self._handle is not None:
-            with torch.cuda.stream(self.stream):  # every peer is past its pulls from the old slots
+            with _on(self.stream, self.device):  # every peer is past its pulls from the old slots
                 self._handle.barrier()
             self.stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
@@ -150,7 +164,7 @@ class CopyEngineTransport:
         plan = pull_plan(matrix, self.rank)
         out = torch.empty((sum(n for *_, n in plan), width), dtype=dtype, device=self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        with _on(self.stream, self.device):
             self._handle.barrier()  # type: ignore[union-attr]
             ev = torch.cuda.Event()
             ev.record(self.stream)

@@ -19,6 +19,7 @@ chunk, inside the GEMM, not by a separate add.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -43,7 +44,13 @@ def grouped_supported(x: torch.Tensor) -> bool:
         return x.dtype in (torch.float32, torch.bfloat16, torch.float64)
     if x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 8 and x.shape[-1] % 8 == 0
+    return _cuda_major(x.device.index) >= 8 and x.shape[-1] % 8 == 0
+
+
+@functools.cache
+def _cuda_major(index: int | None) -> int:
+    """The compute capability's major number (asked once per device: every chunk asks)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _stackable(t: torch.Tensor, like: torch.Tensor) -> bool:
@@ -313,10 +320,11 @@ class GroupedExperts:
         self.__dict__["_layout_cache"] = (key, (order, where))
         return order, where
 
-    def _runs(self, local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]) -> list[Run]:
-        """The chunk's experts as runs (``local``: bank index, or None for received ``weights``). Own
+    def call_runs(self, local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None]) -> list[Run]:
+        """The call's compute experts as runs (``local``: bank index, or None for received ``weights``). Own
         experts consecutive in a run of the bank's layout take a slice of its stacked view; received
-        weights go through ``weight_runs``."""
+        weights go through ``weight_runs``. The same for every chunk of a layer call, whose weights do not
+        move: PipelinedLLEP computes it once per call and hands it to each chunk (``runs``)."""
         runs: list[Run] = []
         where = self._bank_layout()[1] if any(li is not None for li in local) else []
         i, n = 0, len(local)
@@ -338,18 +346,21 @@ class GroupedExperts:
 
     def grouped_compute(self, x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: Sequence[int],
                         local: Sequence[int | None], weights: Sequence[Sequence[torch.Tensor] | None],
-                        cum: torch.Tensor | None = None) -> torch.Tensor:
-        """ExpertBank.compute without autograd, in grouped GEMMs (``cum``: the rows' device ``Offsets.cum``)."""
+                        cum: torch.Tensor | None = None, runs: list[Run] | None = None) -> torch.Tensor:
+        """ExpertBank.compute without autograd, in grouped GEMMs (``cum``: the rows' device ``Offsets.cum``;
+        ``runs``: ``call_runs(local, weights)`` when the caller has it)."""
         with torch.no_grad():
-            return grouped_mlp_forward(x, probs, Offsets(tokens_per_expert, x.device, cum), self._runs(local, weights),
-                                       self.elementwise)
+            return grouped_mlp_forward(x, probs, Offsets(tokens_per_expert, x.device, cum),
+                                       runs if runs is not None else self.call_runs(local, weights), self.elementwise)
 
     def backward_chunk(self, x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor,
                        tokens_per_expert: Sequence[int], local: Sequence[int | None],
                        weights: Sequence[Sequence[torch.Tensor] | None], sink: Sink, want_out: bool = False,
-                       cum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+                       cum: torch.Tensor | None = None, runs: list[Run] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """(dx, dprobs, output or None) of one chunk, weight gradients into ``sink``; None: use autograd."""
         if not self.use_grouped(x):
             return None
-        return grouped_mlp_backward(x, probs, dy, Offsets(tokens_per_expert, x.device, cum), self._runs(local, weights),
-                                    self.elementwise, sink, want_out)
+        return grouped_mlp_backward(x, probs, dy, Offsets(tokens_per_expert, x.device, cum),
+                                    runs if runs is not None else self.call_runs(local, weights), self.elementwise,
+                                    sink, want_out)

@@ -80,11 +80,11 @@ def _segments(sched: Schedule, bank: ExpertBank, foreign: dict[int, torch.Tensor
 
 
 def _compute(bank: ExpertBank, x: torch.Tensor, probs: torch.Tensor, tpe: list[int], local: list[int | None],
-             weights: list[list[torch.Tensor] | None], cum: torch.Tensor | None) -> torch.Tensor:
+             weights: list[list[torch.Tensor] | None], cum: torch.Tensor | None, runs: list[Any] | None) -> torch.Tensor:
     """One chunk's expert outputs without autograd: grouped GEMMs when the bank offers and supports them."""
     use_grouped = getattr(bank, "use_grouped", None)
     if use_grouped is not None and use_grouped(x):
-        return bank.grouped_compute(x, probs, tpe, local, weights, cum)  # type: ignore[attr-defined]
+        return bank.grouped_compute(x, probs, tpe, local, weights, cum, runs)  # type: ignore[attr-defined]
     return bank.compute(x, probs, tpe, local, weights)
 
 
@@ -188,6 +188,7 @@ class _Chunks:
         self.transport = transport
         self.foreign = exchange_weights(sched, bank, group)
         self.local, self.weights = _segments(sched, bank, self.foreign)
+        self._runs: list[Any] | None = None  # a grouped bank's weight runs, the same for every chunk of the call
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum
         self._sinks: dict[tuple[int, int], torch.Tensor | None] = {}  # sink()'s answers, fixed for the call
         self._inflight: list[tuple[int, _InFlight]] = []  # combines sent, not yet added
@@ -201,7 +202,8 @@ class _Chunks:
             for j in range(sched.K):
                 xr, pr = _dispatch_finish(sched, j, nxt)
                 nxt = self._send(j + 1, x, probs) if self.overlap else None
-                y = _compute(self.bank, xr, pr, sched.tokens_per_expert[j], self.local, self.weights, self._cum(j))
+                y = _compute(self.bank, xr, pr, sched.tokens_per_expert[j], self.local, self.weights, self._cum(j),
+                             self._runs_for(xr))
                 del xr, pr
                 self._returned(j, [y], out=out)
                 del y
@@ -223,7 +225,7 @@ class _Chunks:
             res = None
             if backward_chunk is not None:
                 res = backward_chunk(xr, pr, gr, tpe, self.local, self.weights, self.sink, want_out=out is not None,
-                                     cum=self._cum(j))
+                                     cum=self._cum(j), runs=self._runs_for(xr))
             if res is None:
                 res = self._autograd_chunk(xr, pr, gr, tpe, want_out=out is not None)
             del xr, pr, gr
@@ -276,6 +278,16 @@ class _Chunks:
 
     def _add(self, dst: torch.Tensor, j: int, rows: torch.Tensor) -> None:
         add_rows(dst, rows, self.sched.combine, j)
+
+    def _runs_for(self, x: torch.Tensor) -> list[Any] | None:
+        """The bank's weight runs of this call (``GroupedExperts.call_runs``), looked up on the first chunk
+        that runs grouped GEMMs and kept: the weights do not move within a call. None for other banks."""
+        if self._runs is None:
+            use_grouped = getattr(self.bank, "use_grouped", None)
+            if use_grouped is None or not use_grouped(x):
+                return None
+            self._runs = self.bank.call_runs(self.local, self.weights)  # type: ignore[attr-defined]
+        return self._runs
 
     def _cum(self, j: int) -> torch.Tensor | None:
         return None if self.sched.rows_cum is None else self.sched.rows_cum[j]
@@ -393,7 +405,7 @@ class _Chunks:
         return out_grads
 
     def release(self) -> None:
-        self.foreign, self.weights = {}, []
+        self.foreign, self.weights, self._runs = {}, [], None
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -230,13 +230,14 @@ def test_fused_recompute_check_reads_nothing_in_a_gpt(megatron_gpu, monkeypatch)
     from megatron_peakflat.dispatch import pipelined
     from megatron_peakflat.testing import max_rel_error
     from megatron_peakflat.testing import megatron_cpu as mc
+    from megatron.core.transformer.module import Float16Module
 
     def two_steps() -> tuple[list[torch.Tensor], dict]:
         mc.init_megatron_parallel(ep=1, cpu=False, seed=5)
         config = mc.tiny_transformer_config(
             bf16=True, params_dtype=torch.bfloat16, bias_dropout_fusion=True, recompute_granularity="full",
             recompute_method="uniform", recompute_num_layers=1, num_moe_experts=8, hidden_size=128)
-        model = mc.build_tiny_gpt(config, vocab_size=64, seq_len=64).cuda()
+        model = Float16Module(config, mc.build_tiny_gpt(config, vocab_size=64, seq_len=64)).cuda()
         for step in range(2):
             batch = {k: v.cuda() for k, v in mc.gpt_batch(64, 4, 64, seed=step).items()}
             stats.reset()
