@@ -67,7 +67,9 @@ class DispatchConfig(ComponentConfig):
     fuse_recompute: bool = True
     """Under full recompute (or --recompute-modules moe), run each chunk's forward and backward
     together in the checkpoint's recompute, where the MoE output's gradient is already known: one
-    expert forward less per layer. Checked against the gradient that arrives; exact either way.
+    expert forward less per layer. Checked against the gradient that arrives, with no host sync when it
+    is the checkpoint's own tensor (as Megatron's residual add passes it); a different gradient is
+    corrected exactly, except at EP > 1 after the layer had matched on every rank, where it raises.
     Once a layer's gradient has matched, its later recomputes skip the MoE output too, which only the
     checkpoint's discarded output reads. Needs --hidden-dropout 0 (Megatron's default is 0.1);
     otherwise it turns itself off, logged."""
