@@ -161,7 +161,7 @@ def _transport_on_cpu(rank: int, world: int, folder: str) -> list[tuple[str, boo
     fake = _FileSymmetricMemory(folder, rank)
     symm_mem.empty, symm_mem.rendezvous = fake.empty, fake.rendezvous
     torch.cuda.Stream = torch.cuda.Event = _NoStream
-    torch.cuda.stream = lambda stream=None: _NoStream()
+    torch.cuda.set_stream = lambda stream: None
     torch.cuda.current_stream = lambda device=None: _NoStream()
     torch.cuda.memory_allocated = lambda device=None: 0
 
