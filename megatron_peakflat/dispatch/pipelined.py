@@ -10,9 +10,10 @@ Fused recompute (``out_grad``): when the caller already knows the gradient of th
 full recompute the layer's backward re-runs its forward, and the MoE output feeds only the
 residual add, so its gradient is the checkpoint's output gradient), forward runs each chunk's
 forward and backward back to back and keeps dX, dprobs; backward then checks that the gradient it
-receives is the one assumed and returns them. That check reads nothing when the gradient is the assumed
-tensor's own memory, as the residual add passes it on (``_assumed_grad_differs``): the host does not wait
-for the GPU there, and autograd's bookkeeping of the expert weights runs while the recompute's kernels do. So the layer pays one expert
+receives is the one assumed and returns them. That check reads nothing when the gradient is the
+assumed tensor's own memory, as the residual add passes it on (``_assumed_grad_differs``): the host
+does not wait for the GPU there, so what follows (autograd's bookkeeping of the expert weights) may
+overlap the recompute's kernels. So the layer pays one expert
 forward less than a recompute of its own. If the gradients differ, backward runs the chunks on
 the difference and adds it (the gradients are linear in the output gradient), so the result
 stays exact. A caller that knows the recomputed output is never read (``need_output=False``) is
@@ -80,7 +81,8 @@ def _segments(sched: Schedule, bank: ExpertBank, foreign: dict[int, torch.Tensor
 
 
 def _compute(bank: ExpertBank, x: torch.Tensor, probs: torch.Tensor, tpe: list[int], local: list[int | None],
-             weights: list[list[torch.Tensor] | None], cum: torch.Tensor | None, runs: list[Any] | None) -> torch.Tensor:
+             weights: list[list[torch.Tensor] | None], cum: torch.Tensor | None, runs: list[Any] | None
+             ) -> torch.Tensor:
     """One chunk's expert outputs without autograd: grouped GEMMs when the bank offers and supports them."""
     use_grouped = getattr(bank, "use_grouped", None)
     if use_grouped is not None and use_grouped(x):
