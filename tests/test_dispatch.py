@@ -653,7 +653,8 @@ def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch):
 def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped, need_output):
     """Given the output gradient up front, forward runs each chunk's backward too; backward returns the
     result when the gradient matches and corrects it (by linearity) when it does not: exact both ways.
-    need_output=False spares the output (zeros come back) and changes no gradient; it needs out_grad."""
+    need_output=False spares the output (zeros come back) and changes no gradient; it needs out_grad.
+    Probabilities that are not contiguous get their gradient as well."""
     from megatron_peakflat import stats
 
     E, T = 4, 31
@@ -663,6 +664,8 @@ def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped, need_
     for skew, wrong in (("all", False), ("hot95", True), ("balanced", False)):
         bank = ReferenceExperts(fc1, fc2, grouped=grouped)
         probs, rmap = make_routing(T, E, TOPK, skew, 2)
+        if skew == "balanced":  # column-major probs: the chunks read and add them through a contiguous copy
+            probs = probs.t().contiguous().t()
         probs.requires_grad_(True)
         x = torch.randn(T, H, generator=g, requires_grad=True)
         gout = torch.randn(T, H, generator=g)

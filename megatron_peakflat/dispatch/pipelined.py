@@ -243,11 +243,11 @@ class _Chunks:
         if j >= self.sched.K:
             return None
         sched = self.sched
-        tok, exp = self._pairs(j)
+        tok, entry = self._pairs(j)
         srcs = [x] if grad_out is None else [x, grad_out]
         pieces: list[tuple[int, RowSpec, Fill]] = [
             (0, (tuple(x.shape[1:]), x.dtype), _gather_into(x, tok)),
-            (1, ((), probs.dtype), lambda v: v.copy_(probs[tok, exp]))]
+            (1, ((), probs.dtype), _gather_into(probs.view(-1), entry))]
         pieces += [(2, (tuple(grad_out.shape[1:]), grad_out.dtype), _gather_into(grad_out, tok))] if grad_out is not None else []
         splits = (sched.send_splits[j], sched.recv_splits[j])
         if self.pack:
@@ -255,7 +255,7 @@ class _Chunks:
                                  self.transport)
             if sent is not None:
                 return sent
-        rows = [x.index_select(0, tok), probs[tok, exp]] + [t.index_select(0, tok) for t in srcs[1:]]
+        rows = [x.index_select(0, tok), probs.view(-1).index_select(0, entry)] + [t.index_select(0, tok) for t in srcs[1:]]
         return _InFlight([(comm.all_to_all_start(r, *splits, self.group), None, [i]) for i, r in enumerate(rows)],
                          len(rows))
 
@@ -274,7 +274,7 @@ class _Chunks:
                 continue
             dx, dp, y = got
             self._add(gx, jj, dx)
-            gp.index_put_(self._pairs(jj), dp, accumulate=True)
+            gp.view(-1).index_add_(0, self._pairs(jj)[1], dp)  # each pair once per pass: exact, in any order
             if out is not None:
                 self._add(out, jj, y)
 
@@ -295,8 +295,9 @@ class _Chunks:
         return None if self.sched.rows_cum is None else self.sched.rows_cum[j]
 
     def _pairs(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk j's pairs: (their tokens, their elements of a contiguous [T, E] tensor, ``Schedule.pair_entry``)."""
         a, b = self.sched.chunk_offsets[j], self.sched.chunk_offsets[j + 1]
-        return self.sched.pair_token[a:b], self.sched.pair_expert[a:b]
+        return self.sched.pair_token[a:b], self.sched.pair_entry[a:b]
 
     def sink(self, i: int, k: int) -> torch.Tensor | None:
         """The buffer that accumulates parameter k's gradient of compute expert i: the owner's main_grad
@@ -524,6 +525,7 @@ def pipelined_moe(x: torch.Tensor, probs: torch.Tensor, sched: Schedule, bank: E
         raise ValueError(f"out_grad {tuple(out_grad.shape)} must have the output's shape {tuple(x.shape)}")
     if not need_output and out_grad is None:
         raise ValueError("need_output=False needs out_grad: without it the forward must produce the output")
+    probs = probs.contiguous()  # chunks read and add its entries through a 1-D view (``Schedule.pair_entry``)
     overlap = overlap_on(overlap, overlap_min_chunks, sched.K, comm.group_size(group))
     stats.add("dispatch", "overlapped_calls", int(overlap))
     ce = transport() if transport is not None and overlap and pack else None

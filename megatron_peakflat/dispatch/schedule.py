@@ -95,6 +95,12 @@ class Schedule:
         """[K][P]: pairs this rank receives from each rank in chunk j."""
         return [[row[self.rank] for row in chunk] for chunk in self.flow_splits]
 
+    @functools.cached_property
+    def pair_entry(self) -> torch.Tensor:
+        """[n] long: each local pair's element in a contiguous [T, E] tensor (``token * E + expert``), so that a
+        chunk reads its probabilities, and adds their gradients, with one 1-D index instead of two."""
+        return self.pair_token * (self.ep * self.num_local_experts) + self.pair_expert
+
     @property
     def moves_weights(self) -> bool:
         """True when the plan spills any expert (the same answer on every rank)."""
