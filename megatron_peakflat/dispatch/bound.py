@@ -60,8 +60,8 @@ def working_set_bound(*, num_tokens: float, hidden: int, ffn: int, num_experts: 
 
     Terms: the output and the input gradient ([T, H] each), the probs gradient ([T, E] fp32), the
     routing metadata (64 bytes per token, plus what the schedule keeps per token-expert pair for the
-    backward: its token and expert (two int64) and the combine's map (three int32), 28 k bytes per
-    token), the local experts' weight gradients (2 x ``expert_param_bytes``, room for spilled experts'
+    backward: its token and its element of [T, E] (two int64) and the combine's map (three int32), 28 k
+    bytes per token), the local experts' weight gradients (2 x ``expert_param_bytes``, room for spilled experts'
     weights), and one chunk's working set: ``chunk_rows`` rows (at most P * (c + k) per chunk) times
     the dispatch, combine and expert activation rows. Only the first four grow with T. With ``ep`` > 1
     the next chunk's dispatch and the previous chunk's combine are in flight while a chunk computes

@@ -57,8 +57,9 @@ class Schedule:
     """Experts owned by each rank; rank r owns experts ``r * num_local_experts`` onwards."""
     pair_token: torch.Tensor
     """[n] long: token of each local pair, ordered by (chunk, destination rank, expert, token)."""
-    pair_expert: torch.Tensor
-    """[n] long: global expert of each local pair, same order."""
+    pair_entry: torch.Tensor
+    """[n] long: each local pair's element of a contiguous [T, E] tensor (``token * E + expert``), same order,
+    so that a chunk reads its probabilities, and adds their gradients, through one 1-D index."""
     chunk_offsets: list[int]
     """[K + 1]: the pairs of chunk j are ``pair_*[chunk_offsets[j]:chunk_offsets[j + 1]]``."""
     flow_splits: list[list[list[int]]]
@@ -95,11 +96,10 @@ class Schedule:
         """[K][P]: pairs this rank receives from each rank in chunk j."""
         return [[row[self.rank] for row in chunk] for chunk in self.flow_splits]
 
-    @functools.cached_property
-    def pair_entry(self) -> torch.Tensor:
-        """[n] long: each local pair's element in a contiguous [T, E] tensor (``token * E + expert``), so that a
-        chunk reads its probabilities, and adds their gradients, with one 1-D index instead of two."""
-        return self.pair_token * (self.ep * self.num_local_experts) + self.pair_expert
+    @property
+    def pair_expert(self) -> torch.Tensor:
+        """[n] long: global expert of each local pair, same order (computed from ``pair_entry``, not kept)."""
+        return self.pair_entry % (self.ep * self.num_local_experts)
 
     @property
     def moves_weights(self) -> bool:
@@ -358,7 +358,9 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
     cmap = combine_map(tok, chunk_offsets, T, up.get(s_offsets))
     rows_cum = up.get(s_cum).to(torch.int32)
-    return Schedule(K, plan, P, me, num_local_experts, tok, exp, chunk_offsets, flows.tolist(), regroup, ungroup,
+    entry = tok * E + exp
+    del exp
+    return Schedule(K, plan, P, me, num_local_experts, tok, entry, chunk_offsets, flows.tolist(), regroup, ungroup,
                     compute, tpe, rows_cum, cmap, sends, recvs)
 
 
