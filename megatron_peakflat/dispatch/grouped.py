@@ -197,8 +197,7 @@ def grouped_mlp_backward(x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor,
     gradient is one GEMM over its rows, accumulated in the sink's precision: what autograd gives a
     per-expert MLP, with gradient-accumulation fusion's rounding.
     """
-    dx = y = None
-    dp = torch.zeros_like(probs)
+    dx = y = dp = None
     for r in _with_rows(runs, offs):  # experts without rows: no gradient to give (callers take it as zero)
         a, b = offs.rows(r.first, r.first + r.n)
         ends = offs.ends(r.first, r.first + r.n)
@@ -216,13 +215,14 @@ def grouped_mlp_backward(x: torch.Tensor, probs: torch.Tensor, dy: torch.Tensor,
         dh = h.grad
         h.grad = None
         del h
-        if ps.grad is not None:
-            dp[a:b] = ps.grad
+        dp = _put(dp, probs, a, b, ps.grad if ps.grad is not None else torch.zeros_like(ps))
         dx = _put(dx, x, a, b, torch._grouped_mm(dh, r.fc1, offs=ends))
         _weight_grads(r, 0, offs, dh, xs, sink)
         del dh
     if dx is None:
         dx = torch.empty_like(x)
+    if dp is None:
+        dp = torch.zeros_like(probs)
     if want_out and y is None:
         y = torch.empty_like(x)
     return dx, dp, y
