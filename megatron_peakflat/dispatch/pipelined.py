@@ -255,7 +255,8 @@ class _Chunks:
                                  self.transport)
             if sent is not None:
                 return sent
-        rows = [x.index_select(0, tok), probs.view(-1).index_select(0, entry)] + [t.index_select(0, tok) for t in srcs[1:]]
+        rows = ([x.index_select(0, tok), probs.view(-1).index_select(0, entry)]
+                + [t.index_select(0, tok) for t in srcs[1:]])
         return _InFlight([(comm.all_to_all_start(r, *splits, self.group), None, [i]) for i, r in enumerate(rows)],
                          len(rows))
 

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import PeakflatConfig
-from ..config_base import flag_name, format_bytes
+from ..config_base import flag_name, format_bytes, shown_default
 from ..dispatch.config import DispatchConfig
 from ..optimizer.config import OptimizerConfig
 from ..recompute.config import SCOConfig
@@ -53,7 +53,7 @@ def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
     out: list[str] = []
     if cfg.dispatch.impl != "megatron":
         out += [flag_name(DispatchConfig, "impl"), cfg.dispatch.impl,
-                flag_name(DispatchConfig, "chunk_cap"), str(cfg.dispatch.chunk_cap or "auto")]
+                flag_name(DispatchConfig, "chunk_cap"), str(shown_default(cfg.dispatch.chunk_cap))]
         if cfg.dispatch.max_chunks != DispatchConfig().max_chunks:
             out += [flag_name(DispatchConfig, "max_chunks"), str(cfg.dispatch.max_chunks)]
     out += [flag_name(VocabConfig, "impl"), cfg.vocab.impl,

@@ -428,11 +428,12 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         moments there) into the buckets.
 
         The step count is not adopted: it comes from ``load_state_dict`` (from the parameter's saved param
-        group when that carries one, else per parameter) and from ``step``. Megatron's DistributedOptimizer writes into ``state[param]["step"]`` the
-        value its sharded-state template held before the load (``load_parameter_state_from_dp_reshardable``
-        hands ``_set_main_param_and_optimizer_states`` the template's 0), after it has loaded the real step
-        through ``load_state_dict``; adopting it would restart Adam's bias correction on every resume. A
-        ``step`` entry that disagrees with the count is replaced by it."""
+        group when that carries one, else per parameter) and from ``step``. Megatron's DistributedOptimizer
+        writes into ``state[param]["step"]`` the value its sharded-state template held before the load
+        (``load_parameter_state_from_dp_reshardable`` hands ``_set_main_param_and_optimizer_states`` the
+        template's 0), after it has loaded the real step through ``load_state_dict``; adopting it would
+        restart Adam's bias correction on every resume. A ``step`` entry that disagrees with the count is
+        replaced by it."""
         if not self._materialized:
             return
         flats = self._flat_state()
