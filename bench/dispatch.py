@@ -35,6 +35,7 @@ Usage (one H200, no TE):
     python -m bench.dispatch                      # H=4096 grid + H=7168 at 32K/64K, ~4-5 min
     python -m bench.dispatch --hidden 4096 --tokens 32768 --skews 0,95 --regimes full
     python -m bench.dispatch --dry-run            # tiny shapes on CPU (gloo, Megatron CPU shim): checks only
+    python -m bench.dispatch --rounds 3 ...       # every method of a case timed three times in turn (medians)
     torchrun --nproc-per-node 2 bench/dispatch.py --hidden 4096 --tokens 32768,65536 --skews 0,95   # EP=2
     python -m bench.dispatch --experts-impl te ...   # with TE: every method on TE's grouped experts
 """
@@ -237,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ffn", type=int, default=1536)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every method of a case this many times in turn; ms is the median of the rounds' "
+                         "medians (default: %(default)s)")
     ap.add_argument("--tol", type=float, default=2e-2, help="relative error for exact=True (bf16 level)")
     ap.add_argument("--no-check", action="store_true", help="skip the exactness step (exact=None)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, no timing: checks the setup")
@@ -342,6 +346,14 @@ def main(argv: list[str] | None = None) -> None:
                             print(f"{'':48s} {'max over ' + str(P) + ' ranks':28s} peak={row.peak_gib!s:>10} GiB  "
                                   f"ms={row.ms!s:>10}", flush=True)
                         rows.append(row)
+                    if not cpu:
+                        def again(row: harness.Row, ddp: Any = ddp, layer: Any = layer, regime: str = regime
+                                  ) -> Callable[[], torch.Tensor]:
+                            select(layer, row.method, cfgs, regime)
+                            return make_step(ddp, x, gout, regime)
+
+                        harness.more_rounds([r for r in rows if r.case == case], again, args.rounds,
+                                            warmup=args.warmup, reps=args.reps, label=52)
                     ref = None
                     if cpu:
                         assert all(r.exact in (True, None) for r in rows if r.case == case), case

@@ -141,6 +141,30 @@ def run_row(case: str, method: str, fn: Callable[[], Any], *, exact: bool | None
     return row
 
 
+def more_rounds(first: list[Row], step_of: Callable[[Row], Callable[[], Any]], rounds: int, *,
+                warmup: int, reps: int, label: int = 48) -> list[Row]:
+    """Rounds 2..``rounds`` of a case: every row of ``first`` that has a time is timed again, the methods in
+    turn (``step_of(row)`` gives its step), and its ``ms`` becomes the median of its rounds' medians, each
+    kept in ``extra.ms_rounds``. Methods timed in turn share any drift of the GPU's clocks, which between
+    separate runs of one method reaches several percent. Under torchrun every rank must call this with the
+    same rows (after ``across_ranks``), and each round's time is the slowest rank's."""
+    timed = [row for row in first if row.ms is not None]
+    if rounds <= 1 or not timed:
+        return first
+    for row in timed:
+        row.extra["ms_rounds"] = [row.ms]
+    for r in range(2, rounds + 1):
+        for row in timed:
+            ms = across_ranks([measure(step_of(row), warmup=warmup, reps=reps)[1]])[0]
+            torch.cuda.empty_cache()
+            row.extra["ms_rounds"].append(round(ms, 3))
+            print(f"{row.case:{label}s} {row.method:28s} round {r}: ms={ms:.3f}", flush=True)
+    for row in timed:
+        row.ms = round(statistics.median(row.extra["ms_rounds"]), 3)
+        print(f"{row.case:{label}s} {row.method:28s} median of {rounds} rounds: ms={row.ms}", flush=True)
+    return first
+
+
 def world() -> tuple[int, int]:
     """(ranks, this rank) from torchrun's environment; (1, 0) in a plain process."""
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))

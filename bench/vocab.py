@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -44,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, across_ranks, finish_distributed, measure, run_row, world, write  # noqa: E402
+from bench.harness import Row, across_ranks, finish_distributed, more_rounds, run_row, world, write  # noqa: E402
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 
 DEFAULT_CASES = "32768x7168x201088,16384x4096x201088,32768x7168x128256,16384x4096x128256"
@@ -340,30 +339,6 @@ def main_tp(args: argparse.Namespace) -> None:
         write("vocab", rows, merge=True)
 
 
-def _more_rounds(first: list[Row], meths: dict[str, Method], x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
-                 args: argparse.Namespace) -> list[Row]:
-    """Rounds 2..R of ``--rounds``: every method that ran in the first round, timed again in turn; each
-    row's ``ms`` becomes the median of its rounds' medians (``extra.ms_rounds``)."""
-    if args.rounds <= 1:
-        return first
-    for row in first:
-        if row.ms is not None:
-            row.extra["ms_rounds"] = [row.ms]
-    for r in range(2, args.rounds + 1):
-        for row in first:
-            if row.ms is None:
-                continue
-            ms = measure(_grad_step(meths[row.method], x, w, y), warmup=args.warmup, reps=args.reps)[1]
-            torch.cuda.empty_cache()
-            row.extra["ms_rounds"].append(round(ms, 3))
-            print(f"{row.case:48s} {row.method:28s} round {r}: ms={ms:.3f}", flush=True)
-    for row in first:
-        if row.ms is not None:
-            row.ms = round(statistics.median(row.extra["ms_rounds"]), 3)
-            print(f"{row.case:48s} {row.method:28s} median of {args.rounds} rounds: ms={row.ms}", flush=True)
-    return first
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=DEFAULT_CASES, help="comma list of NxHxV (default: %(default)s)")
@@ -405,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
             first.append(run_row(case, name, _grad_step(fn, x, w, y), exact=exact, warmup=args.warmup,
                                  reps=args.reps, **extra))
-        rows += _more_rounds(first, meths, x, w, y, args)
+        rows += more_rounds(first, lambda row, xwy=(x, w, y): _grad_step(meths[row.method], *xwy), args.rounds,
+                            warmup=args.warmup, reps=args.reps)
         del x, w, y, ref
         torch.cuda.empty_cache()
     write("vocab", rows, merge=True)  # keeps the TP rows (and other cases) of earlier runs

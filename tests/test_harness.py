@@ -214,3 +214,25 @@ def test_cuda_kernels_leave_out_annotations():
     kern, spans = cuda_kernels(prof)
     assert kern == {"gemm": [0.59, 2.0]}
     assert spans == [(10, 300, "gemm"), (400, 700, "gemm")]
+
+
+def test_more_rounds_times_methods_in_turn_and_keeps_the_median(monkeypatch):
+    import bench.harness as h
+
+    timed: list[str] = []
+    times = iter([9.0, 30.0, 11.0, 20.0])  # rounds 2 and 3 of a and b, in the order they are timed
+
+    def fake_measure(fn, *, warmup, reps):
+        fn()
+        return 0.0, next(times)
+
+    monkeypatch.setattr(h, "measure", fake_measure)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    rows = [h.Row("c", "a", 1.0, 10.0, True), h.Row("c", "oom", None, None, None, {"error": "OOM"}),
+            h.Row("c", "b", 1.0, 40.0, True)]
+    out = h.more_rounds(rows, lambda row: (lambda: timed.append(row.method)), 3, warmup=0, reps=1)
+    assert out is rows and timed == ["a", "b", "a", "b"]  # in turn; the row without a time is not run
+    assert rows[0].extra["ms_rounds"] == [10.0, 9.0, 11.0] and rows[0].ms == 10.0
+    assert rows[2].extra["ms_rounds"] == [40.0, 30.0, 20.0] and rows[2].ms == 30.0
+    assert rows[1].ms is None and "ms_rounds" not in rows[1].extra
+    assert h.more_rounds(rows, lambda row: None, 1, warmup=0, reps=1) is rows  # one round: nothing more
