@@ -9,15 +9,16 @@ PyTorch's own low-contention all-gather does for async tensor parallelism.
 Protocol (pull). Exchange n uses slot ``n mod S`` of this rank's symmetric buffer:
 1. the sender packs its rows into its slot on the compute stream (``send_buffer``: the packed
    buffer *is* the slot, so this costs no copy over the NCCL path);
-2. on a side stream (high priority, after the compute stream's work so far): one barrier over the
-   group, so every rank's slot n is filled; then each rank copies, from every peer's slot, the rows
-   meant for it, into an ordinary tensor laid out by source rank as ``all_to_all_single`` lays it;
+2. on a side stream (high priority, after the compute stream's work so far): the rows a rank sends
+   itself are copied from its own slot first, as they need no peer; then one barrier over the group,
+   so every rank's slot n is filled; then each rank copies, from every peer's slot, the rows meant
+   for it. The result is an ordinary tensor laid out by source rank as ``all_to_all_single`` lays it;
 3. the compute stream waits for those copies when it reads the rows (``wait``).
 A slot may be refilled once every peer has pulled from it. A rank reaches exchange n+1's barrier
 only after its own pulls of exchange n ran (one stream, in order), so once this rank's barrier of
 n+1 has completed, every peer is done with its slot of n: filling slot ``n mod S`` for exchange
 n+S waits for the barrier of exchange n+1 (S >= 2). One barrier per exchange, issued before the
-copies: the only kernel of the protocol is that barrier, which runs as the pack finishes, before
+peers' copies: the only kernel of the protocol is that barrier, which runs as the pack finishes, before
 the next GEMM holds every SM.
 
 With S = 2 (the default) and the pipeline's buffers split to one hidden row per pair
@@ -164,15 +165,25 @@ class CopyEngineTransport:
         plan = pull_plan(matrix, self.rank)
         out = torch.empty((sum(n for *_, n in plan), width), dtype=dtype, device=self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        handle = self._handle
+
+        def pull(s: int, src_row: int, dst_row: int, n: int) -> None:
+            src = handle.get_buffer(s, (n * row_bytes,), torch.uint8, start + src_row * row_bytes)  # type: ignore
+            out[dst_row:dst_row + n].view(torch.uint8).view(-1).copy_(src)
+
         with _on(self.stream, self.device):
-            self._handle.barrier()  # type: ignore[union-attr]
+            # The rows this rank sends itself are in its own slot already: copied before the barrier, while
+            # the peers are still on their way to it.
+            for piece in plan:
+                if piece[0] == self.rank:
+                    pull(*piece)
+            handle.barrier()  # type: ignore[union-attr]
             ev = torch.cuda.Event()
             ev.record(self.stream)
             self._barrier_done.append(ev)
-            for s, src_row, dst_row, n in plan:
-                src = self._handle.get_buffer(s, (n * row_bytes,), torch.uint8,  # type: ignore[union-attr]
-                                              start + src_row * row_bytes)
-                out[dst_row:dst_row + n].view(torch.uint8).view(-1).copy_(src)
+            for piece in plan:
+                if piece[0] != self.rank:
+                    pull(*piece)
             done = torch.cuda.Event()
             done.record(self.stream)
         self._n += 1

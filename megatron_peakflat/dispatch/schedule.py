@@ -299,7 +299,11 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         s_off = up.add((np.cumsum(cnt, axis=0) - cnt)[me].reshape(-1))  # [K*E], my offset among sources
         s_bounds = up.add(np.cumsum(routes.sum(1), axis=2).reshape(K * E, P))  # end of each rank's range
     if P > 1:
-        s_regroup = [up.add(a) for a in _regroup_runs(recv[:, :, compute], compute)]  # each [K, P * C]
+        # Every chunk's runs expand in one call (below), so each chunk's deltas count from its first received row.
+        received = flows[:, :, me].sum(1)  # [K]
+        first = np.cumsum(received) - received
+        reg_delta, reg_size, ung_delta, ung_size = _regroup_runs(recv[:, :, compute], compute)  # each [K, P * C]
+        s_regroup = [up.add(a) for a in (reg_delta - first[:, None], reg_size, ung_delta - first[:, None], ung_size)]
     s_offsets = up.add(chunk_offsets)
     s_cum = up.add(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1))
     up.send(dev)
@@ -347,12 +351,15 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     regroup: list[torch.Tensor | None] = [None] * K
     ungroup: list[torch.Tensor | None] = [None] * K
     if P > 1:
+        total = int(received.sum())
+        r = torch.arange(total, device=dev)
+        d_reg, n_reg, d_ung, n_ung = (up.get(slot).reshape(-1) for slot in s_regroup)
+        reg_all = torch.repeat_interleave(d_reg, n_reg, output_size=total).add_(r)
+        ung_all = torch.repeat_interleave(d_ung, n_ung, output_size=total).add_(r)
+        del r
         for jj in range(K):
-            total = int(flows[jj, :, me].sum())
-            reg_delta, reg_size, ung_delta, ung_size = (up.get(slot)[jj] for slot in s_regroup)
-            r = torch.arange(total, device=dev)
-            regroup[jj] = torch.repeat_interleave(reg_delta, reg_size, output_size=total) + r
-            ungroup[jj] = torch.repeat_interleave(ung_delta, ung_size, output_size=total) + r
+            a, b = int(first[jj]), int(first[jj] + received[jj])
+            regroup[jj], ungroup[jj] = reg_all[a:b], ung_all[a:b]
     helpers = plan.helpers(num_local_experts)
     sends = sorted((r, e) for e, r in helpers if owner[e] == me)
     recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
