@@ -10,7 +10,6 @@ events, median of 20). Results: ``bench/results/dispatch_overlap_probe.txt``.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -19,22 +18,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import measure  # noqa: E402
 from megatron_peakflat.dispatch.combine import combine_map, gather_sum  # noqa: E402
 
 
-def timed(fn: Callable[[], object], reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def timed(fn: Callable[[], object]) -> float:
+    """Median ms of 20 calls after 3 (``harness.measure``: CUDA events around each call)."""
+    return measure(fn, warmup=3, reps=20)[1]
 
 
 def main() -> None:
