@@ -1,6 +1,6 @@
-"""Print the README's results tables from bench/results/*.json (``python bench/summarize.py``).
+"""Print the results tables of docs/results.md from bench/results/*.json (``python bench/summarize.py``).
 
-Nothing here is measured: every figure comes from a committed results file, so the README's tables
+Nothing here is measured: every figure comes from a committed results file, so the tables in docs/results.md
 can be regenerated and checked against the JSON.
 """
 
