@@ -24,7 +24,8 @@ $(VENV)/.stamp: setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q "$(MCORE_SPEC)" numpy packaging pytest pybind11 ninja matplotlib psutil
+	@# pyyaml: megatron-core 0.18's megatron.training imports it without declaring it
+	$(PY) -m pip install -q "$(MCORE_SPEC)" numpy packaging pyyaml pytest pybind11 ninja matplotlib psutil
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	@touch $@
 

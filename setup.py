@@ -87,7 +87,7 @@ setup(
     packages=find_packages(include=["megatron_peakflat", "megatron_peakflat.*"]),
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.17,<0.20",
+        "megatron-core>=0.18.2,<0.20",
         "numpy",
         "packaging",
         "triton; platform_system == 'Linux'",

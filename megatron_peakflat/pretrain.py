@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -165,14 +165,36 @@ def train_valid_test_datasets_provider(num_samples: list[int], vp_stage: int | N
     return BlendedMegatronDatasetBuilder(dataset_type, num_samples, built_on_rank, config).build()
 
 
+def _config_builders() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Megatron's builders of the GPT config and of pretrain()'s config container (megatron-core >= 0.19).
+
+    An older megatron-core's pretrain() takes a model_provider from Megatron-LM's pretrain_gpt.py, which its
+    wheel does not ship; so this entry point stops here, before parsing or building anything, and says
+    what works instead.
+    """
+    try:
+        from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    except ImportError:
+        from megatron.core import __version__ as version
+
+        raise SystemExit(
+            f"megatron-peakflat: python -m megatron_peakflat.pretrain needs megatron-core >= 0.19 (its pretrain() "
+            f"builds the GPT from gpt_config_from_args), and this is megatron-core {version}. Fix: pip install "
+            f"'megatron-core>=0.19,<0.20', or keep Megatron-LM's pretrain_gpt.py and add megatron_peakflat.add_args "
+            f"and megatron_peakflat.apply(args) to it (README, 'Use it with Megatron'; the patches run on 0.18.2)"
+        ) from None
+    return gpt_config_from_args, pretrain_cfg_container_from_args
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse Megatron's and peakflat's flags, apply the patches, and run Megatron's pretrain loop."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.argv = [sys.argv[0], *_default_argv(list(sys.argv[1:] if argv is None else argv))]
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
+
+    gpt_config_from_args, pretrain_cfg_container_from_args = _config_builders()
 
     args = parse_and_validate_args(extra_args_provider=extra_args_provider,
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})

@@ -18,3 +18,22 @@ def _no_host_promise_outlives_its_test():
     from megatron_peakflat.memory import host
 
     host.reset()
+
+
+def _megatron_core_at_least(version: str) -> bool:
+    """From the installed distribution's metadata, without importing Megatron into the test process."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from packaging.version import Version
+
+    try:
+        return Version(installed("megatron-core")) >= Version(version)
+    except PackageNotFoundError:
+        return False
+
+
+needs_pretrain_entry = pytest.mark.skipif(
+    not _megatron_core_at_least("0.19"),
+    reason="python -m megatron_peakflat.pretrain needs megatron-core >= 0.19: older wheels' pretrain() takes "
+           "a model_provider from Megatron-LM's pretrain_gpt.py, which they do not ship")

@@ -1,14 +1,17 @@
 """``python -m megatron_peakflat.pretrain``: help lists both flag sets, bad peakflat input fails before
 the model is built, and a short run (CPU dry run through Megatron's own pretrain loop) trains with
-peakflat on to the same losses as with it off."""
+peakflat on to the same losses as with it off. The entry point needs megatron-core >= 0.19: on 0.18.2
+these tests skip, and the patches' own tests run there."""
 
 import re
 
 import pytest
 
 from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module, second_resumed_log
+from tests.conftest import needs_pretrain_entry
 
 TINY = [*TINY_GPT_ARGS, "--train-iters", "3"]
+pytestmark = needs_pretrain_entry
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
 run = run_module
 
@@ -19,6 +22,20 @@ def test_help_lists_megatron_and_peakflat_flags():
     for flag in ("--num-experts", "--recompute-granularity", "--peakflat-dispatch", "--peakflat-vocab",
                  "--peakflat-sco", "--peakflat-optimizer", "--peakflat-opt-bucket", "--peakflat-attention"):
         assert flag in out.stdout, flag
+
+
+def test_an_older_megatron_without_the_config_builders_stops_the_entry_point_naming_the_fix(monkeypatch):
+    # megatron-core 0.18.2's pretrain() takes a model_provider that only Megatron-LM's pretrain_gpt.py has.
+    import megatron.training.argument_utils as argument_utils
+
+    from megatron_peakflat import pretrain
+
+    assert pretrain._config_builders()[0] is argument_utils.gpt_config_from_args
+    monkeypatch.delattr(argument_utils, "gpt_config_from_args")
+    with pytest.raises(SystemExit) as e:
+        pretrain._config_builders()
+    msg = str(e.value)
+    assert "megatron-core >= 0.19" in msg and "megatron-core>=0.19,<0.20" in msg and "megatron_peakflat.apply(args)" in msg
 
 
 def test_bad_combination_fails_before_the_model_is_built():

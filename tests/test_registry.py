@@ -90,6 +90,34 @@ def test_a_moved_symbol_fails_naming_it_and_patches_nothing(monkeypatch):
     assert snapshot() == before
 
 
+def test_a_function_without_a_keyword_the_patch_passes_fails_naming_it_and_patches_nothing(monkeypatch):
+    # megatron-core 0.17.1's GPTModel.forward took no output_processor: the call would have raised at step 1.
+    vocab_forward = next(p for p in registry.PATCHES if p.symbol.endswith("GPTModel.forward"))
+    assert "output_processor" in vocab_forward.needs_params
+    bogus = registry.Patch("sco", "megatron.core.recompute", "checkpointed_forward",
+                           "megatron_peakflat.integration.recompute:wrap_checkpointed_forward", "test entry",
+                           needs_params=("no_such_keyword",))
+    before = snapshot()
+    monkeypatch.setattr(registry, "PATCHES", (bogus,))
+    with pytest.raises(registry.PeakflatIntegrationError) as e:
+        megatron_peakflat.apply(PeakflatConfig(sco=SCOConfig(enabled=True), general=GeneralConfig(attention="local")))
+    assert "no_such_keyword" in str(e.value) and "megatron.core.recompute.checkpointed_forward" in str(e.value)
+    assert registry.applied() == []
+    monkeypatch.undo()
+    assert snapshot() == before
+
+
+def test_keywords_taken_by_kwargs_or_unreadable_signatures_are_accepted():
+    def named(a, output_processor=None): ...
+    def catch_all(a, **kw): ...
+    def positional(a, b): ...
+    assert registry._accepts(named, "output_processor")
+    assert registry._accepts(catch_all, "output_processor")
+    assert registry._accepts(staticmethod(named), "output_processor")
+    assert not registry._accepts(positional, "output_processor")
+    assert registry._accepts(max, "output_processor")  # builtins without a signature: the call decides
+
+
 def test_a_missing_module_fails_naming_it(monkeypatch):
     bogus = registry.Patch("sco", "megatron.core.no_such_module", "f", "x:y", "test entry")
     monkeypatch.setattr(registry, "PATCHES", (bogus,))

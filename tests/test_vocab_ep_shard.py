@@ -21,6 +21,7 @@ import torch
 from megatron_peakflat import PeakflatConfig, PeakflatConfigError
 from megatron_peakflat.testing import max_rel_error, run_distributed
 from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module
+from tests.conftest import needs_pretrain_entry
 
 V, SEQ, MB, STEPS = 128, 16, 2, 3
 
@@ -224,6 +225,7 @@ def _pretrain(*argv: str) -> str:
 SHARD = ("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-shard-over-ep")
 
 
+@needs_pretrain_entry
 def test_pretrain_with_the_flag_trains_and_resumes_as_without_it(tmp_path):
     """``megatron_peakflat.pretrain`` (Megatron's own training loop, flags and checkpointing), EP=2 on two
     CPU ranks: the same losses (1e-5) and grad norms (1e-4) with the flag as without it, and a run saved at

@@ -6,13 +6,19 @@ original. Both are idempotent. Each replacement is built lazily by a factory
 before ``apply`` is called. Replacements read the live config through ``state.current()``, so a
 second ``apply`` with another config takes effect without re-patching.
 
-A Megatron that moved or renamed a symbol fails here, at start-up, with an error naming the
-symbol and the megatron-core versions the entry was checked on.
+A Megatron that moved or renamed a symbol, or whose function lacks a keyword a replacement
+passes (``Patch.needs_params``), fails here, at start-up, with an error naming the symbol and the
+megatron-core versions the entry was checked on: not with a TypeError at the first step.
+
+Checked on: the CPU suite (``make test``) passes on every version of ``CHECKED_ON``; the GPU tests
+and benchmarks ran on 0.19.2. megatron-core 0.17.1 lacks ``megatron.core.recompute`` and
+``GPTModel.forward(output_processor=...)``, which these entries catch.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,7 +29,7 @@ __all__ = ["Patch", "PATCHES", "apply_patches", "remove_patches", "applied", "Pe
 
 log = logging.getLogger("megatron_peakflat")
 
-CHECKED_ON = ("0.19.2",)
+CHECKED_ON = ("0.18.2", "0.19.2")
 
 
 class PeakflatIntegrationError(ImportError):
@@ -43,6 +49,8 @@ class Patch:
     what: str
     """One line for the log: what the replacement does."""
     checked_on: tuple[str, ...] = CHECKED_ON
+    needs_params: tuple[str, ...] = ()
+    """Keyword parameters the original must accept, because the replacement passes them."""
 
     @property
     def symbol(self) -> str:
@@ -69,7 +77,7 @@ PATCHES: tuple[Patch, ...] = (
           "under --peakflat-vocab-shard-over-ep, cuts the output layer to this expert-parallel rank's rows"),
     Patch("vocab", "megatron.core.models.gpt.gpt_model", "GPTModel.forward",
           "megatron_peakflat.integration.vocab:wrap_gpt_forward",
-          "passes a Ring-DTP output_processor so the logits are never built"),
+          "passes a Ring-DTP output_processor so the logits are never built", needs_params=("output_processor",)),
     Patch("sco", "megatron.core.recompute", "checkpointed_forward",
           "megatron_peakflat.integration.recompute:wrap_checkpointed_forward",
           "keeps full-recompute boundary inputs in pinned host memory"),
@@ -121,7 +129,25 @@ def _resolve(p: Patch) -> tuple[Any, str, Any]:
             f"the {p.component} component off."
         )
     raw = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
+    missing = [k for k in p.needs_params if not _accepts(raw, k)]
+    if missing:
+        raise PeakflatIntegrationError(
+            f"megatron-peakflat ({p.component}) calls {p.symbol} with {', '.join(missing)}, which this "
+            f"megatron-core's version of it does not take. It was checked on megatron-core {', '.join(p.checked_on)}; "
+            f"install one of those or turn the {p.component} component off."
+        )
     return owner, name, raw
+
+
+def _accepts(fn: Any, keyword: str) -> bool:
+    """Whether ``fn`` can be called with ``keyword=...``: named in its signature, or taken by its ``**kwargs``
+    (a signature that cannot be read is given the benefit of the doubt)."""
+    fn = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return keyword in params or any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values())
 
 
 def _load_factory(path: str) -> Callable[[Any], Any]:
