@@ -195,6 +195,19 @@ def across_ranks(values: list[float | None]) -> list[float | None]:
     return [None if m > 0 else float(v) for v, m in zip(both[0].tolist(), both[1].tolist())]
 
 
+def megatron_ce(fn: Callable[..., torch.Tensor], logits: torch.Tensor, target: torch.Tensor, group: Any
+                ) -> torch.Tensor:
+    """Megatron's cross-entropy ``fn`` (``vocab_parallel_cross_entropy`` or its fused twin) over ``group``,
+    passed as ``tp_group`` where the installed megatron-core takes it (0.19). megatron-core 0.18's
+    ``vocab_parallel_cross_entropy`` reads the group from parallel_state, so callers on 0.18 must have
+    made ``group`` Megatron's tensor-parallel group, as every benchmark here does."""
+    import inspect
+
+    if "tp_group" in inspect.signature(fn).parameters:
+        return fn(logits, target, tp_group=group)
+    return fn(logits, target)
+
+
 def environment() -> dict[str, Any]:
     try:
         from importlib.metadata import version

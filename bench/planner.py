@@ -48,7 +48,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, peak_once, write  # noqa: E402
+from bench.harness import Row, megatron_ce, peak_once, write  # noqa: E402
 from megatron_peakflat.config import PeakflatConfig  # noqa: E402
 from megatron_peakflat.memory import model as M  # noqa: E402
 from megatron_peakflat.memory.model import GIB, RunConfig, plan  # noqa: E402
@@ -194,7 +194,7 @@ def bench_vocab(N: int = 16384, H: int = 4096, V: int = 201088) -> list[Row]:
         for fused, fn in ((False, vocab_parallel_cross_entropy), (True, fused_vocab_parallel_cross_entropy)):
             def step() -> None:
                 # as in GPTModel, nothing but the loss function holds the [s, b, v] logits
-                loss = fn((hidden @ weight.t()).unsqueeze(1), labels.unsqueeze(1), tp_group=group)
+                loss = megatron_ce(fn, (hidden @ weight.t()).unsqueeze(1), labels.unsqueeze(1), group)
                 loss.sum().backward()
                 hidden.grad = weight.grad = None
 

@@ -43,7 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Row, across_ranks, finish_distributed, more_rounds, run_row, world, write  # noqa: E402
+from bench.harness import (Row, across_ranks, finish_distributed, megatron_ce, more_rounds, run_row, world,  # noqa: E402
+                           write)
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 
 DEFAULT_CASES = "32768x7168x201088,16384x4096x201088,32768x7168x128256,16384x4096x128256"
@@ -127,8 +128,8 @@ def methods(wanted: set[str]) -> dict[str, Method]:
 
         tp = parallel_state.get_tensor_model_parallel_group()
         if "megatron-native-ce" in wanted:
-            out["megatron-native-ce"] = lambda x, w, y: vocab_parallel_cross_entropy(
-                (x @ w.t()).unsqueeze(1), y.unsqueeze(1), tp_group=tp).mean()
+            out["megatron-native-ce"] = lambda x, w, y: megatron_ce(
+                vocab_parallel_cross_entropy, (x @ w.t()).unsqueeze(1), y.unsqueeze(1), tp).mean()
         if "megatron-fused-ce" in wanted:
             try:
                 from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
@@ -252,9 +253,9 @@ def tp_methods(wanted: set[str], cpu: bool) -> dict[str, TPMethod]:
     for name in sorted(m for m in wanted if m == "peakflat" or m.startswith("peakflat-")):
         out[name] = functools.partial(_ring_tp, tp=tp, mine=mine, kw=_peakflat_kwargs(name))
     if "megatron-native-ce" in wanted:
-        out["megatron-native-ce"] = lambda x, w, y: vocab_parallel_cross_entropy(
-            (gather_from_sequence_parallel_region(x, group=tp) @ w.t()).unsqueeze(1), y.unsqueeze(1),
-            tp_group=tp).mean()
+        out["megatron-native-ce"] = lambda x, w, y: megatron_ce(
+            vocab_parallel_cross_entropy, (gather_from_sequence_parallel_region(x, group=tp) @ w.t()).unsqueeze(1),
+            y.unsqueeze(1), tp).mean()
     if "megatron-fused-ce" in wanted and not cpu:
         try:
             from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy

@@ -83,6 +83,8 @@ def load() -> ModuleType | None:
     """The extension module, or None (the reason is logged once and kept in ``reason()``)."""
     if "module" in _state:
         return _state["module"]  # type: ignore[return-value]
+    import torch  # noqa: F401  # loads libc10 and libtorch, which the extension links against
+
     module: ModuleType | None = None
     why = ""
     try:

@@ -166,7 +166,8 @@ def test_megatron_offload_runs_in_half_precision_and_offload_stream_in_fp32(monk
         ns = parse(*argv)
         for k, v in vars(megatron_args(**megatron)).items():
             setattr(ns, k, v)
-        PeakflatConfig.from_args(ns)
+        cfg = PeakflatConfig.from_args(ns)  # no refusal, and the optimizer asked for
+        assert cfg.optimizer.impl == ("offload-stream" if argv else "megatron"), (argv, megatron)
 
 
 def test_the_fp32_refusal_stops_at_the_last_megatron_core_checked(monkeypatch):

@@ -22,12 +22,45 @@ def test_require_names_the_feature_and_the_build_command(monkeypatch):
     assert _ext.load() is None  # cached: no second attempt
 
 
-def test_load_is_lazy_and_cached():
+def test_importing_the_package_loads_no_extension():
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_peakflat, megatron_peakflat.optimizer, megatron_peakflat._ext as e; "
+            "print('megatron_peakflat._C' in sys.modules, repr(e.reason()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "''"], out.stdout
+
+
+@native
+def test_load_finds_the_built_extension_before_anything_imported_torch():
+    # The extension links against torch's shared libraries: loaded first, it was reported "not built".
+    import subprocess
+    import sys
+
+    code = "import megatron_peakflat._ext as e; m = e.load(); print(m is not None, e.reason())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("True prebuilt"), out.stdout
+
+
+def test_load_tries_once_and_caches_module_and_reason(monkeypatch):
     import importlib
 
-    importlib.import_module("megatron_peakflat.optimizer")  # importing the optimizer builds nothing
-    assert _ext.load() is _ext.load()
-    assert _ext.reason()
+    calls = []
+    real = importlib.import_module
+
+    def spy(name, *a, **k):
+        calls.append(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(_ext, "_state", {})
+    monkeypatch.setattr(_ext.importlib, "import_module", spy)
+    first = _ext.load()
+    assert _ext.load() is first and _ext.load() is first
+    assert calls == ["megatron_peakflat._C"]
+    assert _ext.reason().startswith("prebuilt" if first is not None else "megatron_peakflat._C is not built")
 
 
 @native

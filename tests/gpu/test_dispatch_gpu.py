@@ -83,10 +83,11 @@ def test_bf16_not_worse_than_megatron(megatron_gpu, skew, method, experts):
     assert snap["experts"] == "grouped", snap  # grouped GEMMs on the experts' weights, both expert modules
     for name, w in want.items():
         e_ours, e_theirs = _err(ours[name], w), _err(theirs[name], w)
-        assert e_ours <= e_theirs * 1.25 + 2e-3, (name, e_ours, e_theirs)
+        print(f"bf16-error {method},{experts},skew={skew},{name}: ours {e_ours:.3e} megatron {e_theirs:.3e}")
+        assert e_ours <= e_theirs * 1.05 + 2e-4, (name, e_ours, e_theirs)
 
 
-def test_peak_bounded_as_tokens_grow(megatron_gpu):
+def test_peak_bounded_as_tokens_grow(megatron_gpu, monkeypatch):
     from bench.dispatch import select
     from megatron_peakflat.dispatch.api import working_set_bound
 
@@ -101,7 +102,7 @@ def test_peak_bounded_as_tokens_grow(megatron_gpu):
         gout = torch.randn_like(x)
         for method in ("megatron-alltoall", "peakflat-c64"):
             select(layer, method, megatron_gpu, "none")
-            megatron_gpu["peakflat-c64"].dispatch.chunk_cap = 4096
+            monkeypatch.setattr(megatron_gpu["peakflat-c64"].dispatch, "chunk_cap", 4096)  # undone after the test
             for p in layer.parameters():
                 p.grad = None
             torch.cuda.synchronize()
@@ -207,11 +208,12 @@ def _nccl_dispatch(rank: int, world: int, dev: str = "cuda") -> list[tuple[str, 
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_nccl_ep_packed_exact_and_bf16_not_worse():
+def test_nccl_ep_packed_bit_for_bit_and_bf16_within_twice_an_unchunked_moe():
     """EP over NCCL (2-4 GPUs), bf16, balanced / 95% / all tokens on one expert, plain and fused backward:
     the packed all-to-alls give bit for bit what one all-to-all per piece gives and what the copy
-    engines' pulls give (their slots reused and grown across calls), and all are no worse
-    against fp64 than an unchunked bf16 MoE (2x its error + 1e-3)."""
+    engines' pulls give (their slots reused and grown across calls), and their error against fp64 is
+    within 2x an unchunked bf16 MoE's, + 1e-3 (a bound on accuracy, not the 'no worse than Megatron'
+    rule: ``test_bf16_not_worse_than_megatron`` checks that at EP=1)."""
     from megatron_peakflat.testing import run_distributed
 
     world = min(torch.cuda.device_count(), 4)
