@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -136,6 +137,13 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
                                       f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}",
                                       "choose an EP size that divides the number of experts")
         _check_dispatch_experts(cfg, args)
+        hosts_ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if cfg.dispatch.transport == "copy-engine" and hosts_ranks.isdigit() and ep > int(hosts_ranks):
+            raise PeakflatConfigError(cfg.dispatch.flag("transport"), cfg.dispatch.transport,
+                                      f"the copy engines need every rank of an expert-parallel group on one host, and "
+                                      f"--expert-model-parallel-size {ep} is more than the {hosts_ranks} ranks per host "
+                                      "(LOCAL_WORLD_SIZE)",
+                                      "pass --peakflat-dispatch-transport auto (NCCL where a group spans hosts) or nccl")
     if cfg.vocab.impl != "megatron":
         flag = cfg.vocab.flag("impl")
         if _get(args, "mtp_num_layers"):
@@ -158,6 +166,14 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
         if _get(args, "cpu_offloading"):
             raise PeakflatConfigError(flag, True, "legacy --cpu-offloading cannot run beside SCO",
                                       "drop --cpu-offloading")
+        if _get(args, "fp8") or _get(args, "fp4"):
+            raise PeakflatConfigError(flag, True,
+                                      "fp8/fp4 layers checkpoint through Transformer Engine's te_checkpoint, which SCO "
+                                      "does not wrap, so every boundary would stay on the GPU",
+                                      "drop --fp8-format / --fp4-format, or drop " + flag)
+        _check_sco_budget(cfg, args)
+    if cfg.general.attention == "sdpa":
+        _check_sdpa_attention(cfg, args)
     if cfg.optimizer.impl != "megatron":
         flag = cfg.optimizer.flag("impl")
         if _get(args, "optimizer", "adam") != "adam":
@@ -258,6 +274,37 @@ def _check_dispatch_experts(cfg: PeakflatConfig, args: Any) -> None:
                                   f"drop {' '.join(sorted(offloaded))} from --offload-modules, or drop {flag}")
 
 
+def _check_sco_budget(cfg: PeakflatConfig, args: Any) -> None:
+    """An explicit budget smaller than one checkpoint boundary would offload nothing, silently."""
+    budget = cfg.sco.budget
+    seq, hidden = _get(args, "seq_length"), _get(args, "hidden_size")
+    if budget is None or not seq or not hidden:
+        return
+    tp = (_get(args, "tensor_model_parallel_size", 1) or 1) if _get(args, "sequence_parallel", False) else 1
+    cp = _get(args, "context_parallel_size", 1) or 1
+    elem = 2 if (_get(args, "bf16") or _get(args, "fp16")) else 4
+    boundary = seq // (tp * cp) * (_get(args, "micro_batch_size", 1) or 1) * hidden * elem
+    if budget < boundary:
+        raise PeakflatConfigError(cfg.sco.flag("budget"), budget,
+                                  f"it is smaller than one checkpoint boundary ({boundary} bytes at --seq-length {seq}, "
+                                  f"--hidden-size {hidden}), so SCO would offload nothing (a bare number counts bytes)",
+                                  "give a size with its unit, e.g. --peakflat-sco-budget 64GiB, or 'auto'; or drop "
+                                  + cfg.sco.flag("enabled"))
+
+
+def _check_sdpa_attention(cfg: PeakflatConfig, args: Any) -> None:
+    """What the SDPA core attention hands back to Megatron's DotProductAttention, refused when it was asked for."""
+    flag = cfg.general.flag("attention")
+    if _get(args, "window_size"):
+        raise PeakflatConfigError(flag, "sdpa", f"it does not cover sliding-window attention (--window-size "
+                                  f"{_get(args, 'window_size')}), which would fall back to s x s scores",
+                                  f"drop --window-size, or pass {flag} local")
+    softmax = _get(args, "softmax_type", "vanilla") or "vanilla"
+    if softmax != "vanilla":
+        raise PeakflatConfigError(flag, "sdpa", f"it computes the vanilla softmax only, not --softmax-type {softmax}",
+                                  f"drop --softmax-type, or pass {flag} local")
+
+
 def _check_vocab_shard_over_ep(cfg: PeakflatConfig, args: Any) -> None:
     flag = cfg.vocab.flag("shard_over_ep")
     ep = _get(args, "expert_model_parallel_size", 1) or 1
@@ -268,9 +315,10 @@ def _check_vocab_shard_over_ep(cfg: PeakflatConfig, args: Any) -> None:
          "add --peakflat-vocab ring-dtp"),
         (ep > 1, f"there is no expert-parallel group to shard over (--expert-model-parallel-size {ep})",
          "use it with --expert-model-parallel-size > 1, or drop " + flag),
-        (tp == 1, f"at TP={tp} the output layer is already vocab-parallel over the tensor-parallel group",
-         "drop " + flag + " (Ring-DTP rings over the tensor-parallel group)"),
-        (pp == 1, "with pipeline parallelism it is not supported yet", "drop " + flag + " or use PP=1"),
+        (tp == 1, f"--tensor-model-parallel-size is {tp}: the output layer is already vocab-parallel over the "
+         "tensor-parallel group", "drop " + flag + " (Ring-DTP rings over the tensor-parallel group)"),
+        (pp == 1, f"--pipeline-model-parallel-size is {pp}: pipeline parallelism is not supported yet",
+         "pass --pipeline-model-parallel-size 1, or drop " + flag),
         (bool(_get(args, "untie_embeddings_and_output_weights", False)),
          "a tied output layer is the input embedding, which stays whole on every rank",
          "add --untie-embeddings-and-output-weights, or drop " + flag),

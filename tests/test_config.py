@@ -96,6 +96,11 @@ def test_unknown_choice_is_rejected_by_argparse(capsys):
         (["--peakflat-dispatch-alpha", "0.5"], "--peakflat-dispatch-alpha"),
         (["--peakflat-dispatch-max-chunks", "0"], "--peakflat-dispatch-max-chunks"),
         (["--peakflat-dispatch-imbalance-threshold", "0.9"], "--peakflat-dispatch-imbalance-threshold"),
+        (["--peakflat-dispatch-alpha", "nan"], "--peakflat-dispatch-alpha"),
+        (["--peakflat-dispatch-alpha", "inf"], "--peakflat-dispatch-alpha"),
+        (["--peakflat-dispatch-imbalance-threshold", "nan"], "--peakflat-dispatch-imbalance-threshold"),
+        (["--peakflat-dispatch-imbalance-threshold", "inf"], "--peakflat-dispatch-imbalance-threshold"),
+        (["--peakflat-vocab-chunk-tokens", "-5"], "--peakflat-vocab-chunk-tokens"),
         (["--peakflat-dispatch-min-spill", "-1"], "--peakflat-dispatch-min-spill"),
         (["--peakflat-dispatch-overlap-min-chunks", "-1"], "--peakflat-dispatch-overlap-min-chunks"),
         (["--peakflat-dispatch-transport", "copy-engine", "--no-peakflat-dispatch-pack-collectives"],
@@ -115,6 +120,29 @@ def test_bad_values_name_flag_value_and_fix(argv, flag):
     assert "Fix:" in msg and argv[1] in msg
 
 
+def test_copy_engine_transport_refuses_an_ep_group_wider_than_a_host(monkeypatch):
+    argv = ["--peakflat-dispatch", "pipelined-llep", "--peakflat-dispatch-transport", "copy-engine"]
+    for lws, refused in (("1", True), ("2", False), ("", False)):  # EP=2; no LOCAL_WORLD_SIZE: checked at the first call
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", lws)
+        ns = parse(*argv)
+        for k, v in vars(megatron_args(disable_bias_linear=True, add_bias_linear=False)).items():
+            setattr(ns, k, v)
+        if refused:
+            with pytest.raises(PeakflatConfigError) as e:
+                PeakflatConfig.from_args(ns)
+            assert e.value.flag == "--peakflat-dispatch-transport" and "--expert-model-parallel-size 2" in str(e.value)
+        else:
+            assert PeakflatConfig.from_args(ns).dispatch.transport == "copy-engine"
+
+
+def test_an_sco_budget_of_one_boundary_or_auto_passes():
+    for budget in ("8MiB", None):
+        ns = parse("--peakflat-sco", *(["--peakflat-sco-budget", budget] if budget else []))
+        for k, v in vars(megatron_args(seq_length=4096, hidden_size=1024)).items():
+            setattr(ns, k, v)
+        assert PeakflatConfig.from_args(ns).sco.enabled
+
+
 @pytest.mark.parametrize(
     "argv, megatron, flag, words",
     [
@@ -127,6 +155,18 @@ def test_bad_values_name_flag_value_and_fix(argv, flag):
         (["--peakflat-sco"], dict(recompute_granularity="selective"), "--peakflat-sco", "--recompute-granularity full"),
         (["--peakflat-sco"], dict(distribute_saved_activations=True), "--peakflat-sco", "distribute-saved-activations"),
         (["--peakflat-sco"], dict(cpu_offloading=True), "--peakflat-sco", "cpu-offloading"),
+        (["--peakflat-sco"], dict(fp8="hybrid"), "--peakflat-sco", "te_checkpoint"),
+        (["--peakflat-sco"], dict(fp4="nvfp4"), "--peakflat-sco", "te_checkpoint"),
+        (["--peakflat-sco", "--peakflat-sco-budget", "64"], dict(seq_length=4096, hidden_size=1024),
+         "--peakflat-sco-budget", "smaller than one checkpoint boundary (8388608 bytes"),
+        (["--peakflat-attention", "sdpa"], dict(window_size=(64, 0)), "--peakflat-attention", "sliding-window"),
+        (["--peakflat-attention", "sdpa"], dict(softmax_type="off-by-one"), "--peakflat-attention", "off-by-one"),
+        (["--peakflat-vocab", "ring-dtp", "--peakflat-vocab-shard-over-ep"],
+         dict(untie_embeddings_and_output_weights=True, pipeline_model_parallel_size=2), "--peakflat-vocab-shard-over-ep",
+         "--pipeline-model-parallel-size is 2"),
+        (["--peakflat-vocab", "ring-dtp", "--peakflat-vocab-shard-over-ep"],
+         dict(untie_embeddings_and_output_weights=True, tensor_model_parallel_size=2), "--peakflat-vocab-shard-over-ep",
+         "--tensor-model-parallel-size is 2"),
         (["--peakflat-optimizer", "offload-stream"], dict(optimizer="sgd"), "--peakflat-optimizer", "--optimizer adam"),
         (["--peakflat-optimizer", "offload-stream"], dict(use_distributed_optimizer=False), "--peakflat-optimizer", "--use-distributed-optimizer"),
         (["--peakflat-optimizer", "offload-stream"], dict(optimizer_cpu_offload=False), "--peakflat-optimizer", "--optimizer-cpu-offload"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -131,14 +132,17 @@ class DispatchConfig(ComponentConfig):
 
     def validate(self) -> None:
         if self.chunk_cap is not None and self.chunk_cap < 1:
-            raise PeakflatConfigError(self.flag("chunk_cap"), self.chunk_cap, "the chunk cap must be at least 1 token",
-                                      "pass a positive token count, e.g. --peakflat-dispatch-chunk-cap 32768")
+            raise PeakflatConfigError(self.flag("chunk_cap"), self.chunk_cap,
+                                      "the chunk cap must be at least 1 token-expert pair",
+                                      "pass a positive count of token-expert pairs, e.g. --peakflat-dispatch-chunk-cap "
+                                      "32768 (4096 tokens at top-8), or auto")
         if self.max_chunks < 1:
             raise PeakflatConfigError(self.flag("max_chunks"), self.max_chunks, "at least one chunk is needed",
                                       "pass a positive integer, e.g. --peakflat-dispatch-max-chunks 64")
-        if self.alpha < 1.0:
-            raise PeakflatConfigError(self.flag("alpha"), self.alpha, "a capacity below the mean load cannot hold every token",
-                                      "pass alpha >= 1.0, e.g. --peakflat-dispatch-alpha 1.0")
+        if not math.isfinite(self.alpha) or self.alpha < 1.0:
+            raise PeakflatConfigError(self.flag("alpha"), self.alpha,
+                                      "a capacity below the mean load cannot hold every token, and it must be finite",
+                                      "pass a finite alpha >= 1.0, e.g. --peakflat-dispatch-alpha 1.0")
         if self.min_spill < 0:
             raise PeakflatConfigError(self.flag("min_spill"), self.min_spill, "a spill size cannot be negative",
                                       "pass 0 or more, e.g. --peakflat-dispatch-min-spill 1024")
@@ -151,7 +155,8 @@ class DispatchConfig(ComponentConfig):
                                       "the copy engines carry packed exchanges only",
                                       "drop --no-peakflat-dispatch-pack-collectives, or pass "
                                       "--peakflat-dispatch-transport nccl")
-        if self.imbalance_threshold < 1.0:
+        if not math.isfinite(self.imbalance_threshold) or self.imbalance_threshold < 1.0:
             raise PeakflatConfigError(self.flag("imbalance_threshold"), self.imbalance_threshold,
-                                      "max/mean load is never below 1, so this would always rebalance",
-                                      "pass lambda >= 1.0, e.g. --peakflat-dispatch-imbalance-threshold 1.3")
+                                      "max/mean load is never below 1, so a threshold under 1 (or NaN) would always "
+                                      "rebalance, and an infinite one leaves the planner's bound undefined",
+                                      "pass a finite lambda >= 1.0, e.g. --peakflat-dispatch-imbalance-threshold 1.3")

@@ -46,8 +46,10 @@ class VocabConfig(ComponentConfig):
     main_grad (and its optimizer state follows the expert parameters') instead of all V."""
 
     def validate(self) -> None:
-        if 0 < self.chunk_tokens < 128:
-            raise PeakflatConfigError(self.flag("chunk_tokens"), self.chunk_tokens, "chunks under 128 tokens waste the GPU",
+        if self.chunk_tokens < 0 or 0 < self.chunk_tokens < 128:
+            raise PeakflatConfigError(self.flag("chunk_tokens"), self.chunk_tokens,
+                                      "a chunk size cannot be negative" if self.chunk_tokens < 0
+                                      else "chunks under 128 tokens waste the GPU",
                                       "pass 0 (automatic) or at least 128 tokens, e.g. --peakflat-vocab-chunk-tokens 4096")
         if self.block_size and self.block_size < 16:
             raise PeakflatConfigError(self.flag("block_size"), self.block_size, "blocks under 16 rows waste the GPU",
