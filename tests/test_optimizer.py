@@ -5,6 +5,7 @@ Megatron relies on; host-memory refusal before allocation."""
 from __future__ import annotations
 
 import io
+import logging
 
 import pytest
 import torch
@@ -455,3 +456,14 @@ def test_host_state_is_promised_until_the_first_step_allocates_it():
         assert host_memory.check_host_budget(900, what="x", available=1000, local_world_size=1, owner="another") == 1000
     finally:
         host.settle("another")
+
+
+def test_optimizer_region_falls_back_to_pageable_memory_when_pinning_fails(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_memory, "register_host_memory", lambda ptr, n: "cudaHostRegister returned 2")
+    with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
+        region = host_memory.HostRegion(4096, pin=True, ext=None)
+    assert not region.pinned and region.pin_error == "cudaHostRegister returned 2"
+    assert any("pageable" in r.getMessage() for r in caplog.records)
+    t = region.carve(100, torch.float32)
+    assert t.numel() == 100 and not t.any()

@@ -32,8 +32,8 @@ def _model(layers: int, seed: int = 0) -> torch.nn.ModuleList:
     return torch.nn.ModuleList(Chunk(H) for _ in range(layers))
 
 
-def _x(seed: int = 1) -> torch.Tensor:
-    return torch.randn(S, B, H, generator=torch.Generator().manual_seed(seed))
+def _x(seed: int = 1, seq: int = S) -> torch.Tensor:
+    return torch.randn(seq, B, H, generator=torch.Generator().manual_seed(seed))
 
 
 def _step(model, x, offloader):
@@ -132,10 +132,10 @@ def test_only_the_boundary_is_offloaded():
     assert torch.equal(x.grad, x2.grad)
 
 
-def _live_at_backward_start(layers: int, offloader: BoundaryOffloader | None) -> int:
-    model, x = _model(layers), _x().requires_grad_(True)
+def _live_at_backward_start(layers: int, offloader: BoundaryOffloader | None, seq: int = S) -> int:
+    model, x = _model(layers), _x(seq=seq).requires_grad_(True)
     if offloader is not None:
-        offloader.pool.reserve(BOUNDARY, layers)  # host slots exist before the meter: not device bytes
+        offloader.pool.reserve(seq * B * H * 4, layers)  # host slots exist before the meter: not device bytes
     with LiveBytesMeter() as meter:
         out = checkpoint_chunks(list(model), x, offloader)
         loss = (out ** 2).mean()
@@ -152,6 +152,17 @@ def test_live_bytes_do_not_grow_with_depth():
     # with SCO only the last boundary and the output stay, whatever the depth
     assert sco[2] == sco[4] == sco[8]
     assert sco[8] <= base[2]
+
+
+def test_live_bytes_stay_under_two_boundaries_as_tokens_grow():
+    """The bound in tokens: at backward's start SCO leaves the last boundary and the output on the device,
+    2 x S x B x H x 4 bytes (+ the loss), at any depth; 4x the tokens moves only that formula."""
+    for seq in (S, 4 * S):
+        boundary = seq * B * H * 4
+        sco = {n: _live_at_backward_start(n, _offloader(), seq) for n in (2, 8)}
+        base = {n: _live_at_backward_start(n, None, seq) for n in (2, 8)}
+        assert sco[2] == sco[8] <= 2 * boundary + 512, (seq, sco, boundary)
+        assert base[8] - base[2] == 6 * boundary, (seq, base)
 
 
 def test_live_bytes_respect_the_budget_rule():
@@ -294,6 +305,28 @@ def test_pool_degrades_when_pinning_fails(monkeypatch, caplog):
         slot = pool.acquire(100)
     assert slot is not None and not pool.pinned
     assert any("pageable" in r.getMessage() for r in caplog.records)
+
+
+def test_pool_shrinks_its_budget_to_what_is_pinned_when_pinning_more_fails(monkeypatch, caplog):
+    real_empty = torch.empty
+    pinned_calls = []
+
+    def pins_once(*a, **k):
+        if k.get("pin_memory"):
+            pinned_calls.append(a)
+            if len(pinned_calls) > 1:
+                raise RuntimeError("cudaHostAlloc failed: out of memory")
+            k = {**k, "pin_memory": False}  # no CUDA here: stand in for the one pinned block
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", pins_once)
+    pool = TorchHostPool(1000, pin=True)
+    first = pool.acquire(100)
+    with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
+        second = pool.acquire(100)
+    assert first is not None and second is None  # the second boundary stays on the device
+    assert pool.pinned and pool.budget == pool.reserved < 1000
+    assert any("budget shrunk" in r.getMessage() for r in caplog.records)
 
 
 def test_bad_arguments():

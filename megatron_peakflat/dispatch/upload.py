@@ -12,6 +12,7 @@ schedule gathers its arrays in an ``Uploads`` and sends them in one copy.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -19,13 +20,30 @@ import torch
 
 __all__ = ["to_device", "Uploads"]
 
+log = logging.getLogger("megatron_peakflat")
+
+
+_pinning_failed = False
+"""Set once pinning a staging buffer has failed: later uploads go from pageable memory (a stream sync each)."""
+
 
 def to_device(values: Any, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """``torch.as_tensor(values, dtype).to(device)``, queued on the current stream without a sync on CUDA."""
+    """``torch.as_tensor(values, dtype).to(device)``, queued on the current stream without a sync on CUDA.
+
+    If pinned host memory runs out, the copy goes from pageable memory instead (correct, but the stream
+    waits for its queued kernels), with one warning for the process."""
+    global _pinning_failed
     t = torch.as_tensor(np.ascontiguousarray(values), dtype=dtype)
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    if not _pinning_failed:
+        try:
+            return t.pin_memory().to(device, non_blocking=True)
+        except RuntimeError as e:
+            _pinning_failed = True
+            log.warning("peakflat dispatch: pinning a %s-byte schedule upload failed (%s); uploading from pageable "
+                        "memory from now on (each upload then waits for the stream)", t.nbytes, str(e).splitlines()[0])
+    return t.to(device)
 
 
 class Uploads:

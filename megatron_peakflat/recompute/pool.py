@@ -227,6 +227,9 @@ class NativeHostPool(_RecyclingPool):
     ``pin``, when the pool is built. Slots are recycled like ``TorchHostPool``'s; a carved slot is
     never returned to the region, so a request that fits no free slot and no remaining space gets
     ``None`` (the boundary stays on the device).
+
+    If pinning fails, the region keeps its budget, pageable (logged): copies then wait for the stream,
+    but a smaller budget would leave boundaries on the GPU, whose peak SCO is there to bound.
     """
 
     def __init__(self, budget: int, *, pin: bool, module: Any) -> None:

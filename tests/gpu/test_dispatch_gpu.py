@@ -256,3 +256,21 @@ def test_fused_recompute_check_reads_nothing_in_a_gpt(megatron_gpu, monkeypatch)
     assert "fused_recompute_corrections" not in snap, snap
     for a, b in zip(same, compared):
         assert max_rel_error(a.float(), b.float()) <= 1e-5
+
+
+def test_schedule_uploads_fall_back_to_pageable_memory_when_pinning_fails(monkeypatch, caplog):
+    """Pinned host memory running out turns the schedule's staged uploads into pageable ones, warned once."""
+    import logging
+
+    from megatron_peakflat.dispatch import upload
+
+    def no_pinning(self, *a, **k):
+        raise RuntimeError("CUDA error: out of memory (pinned)")
+
+    monkeypatch.setattr(upload, "_pinning_failed", False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", no_pinning)
+    with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
+        a = upload.to_device([3, 1, 2], torch.device("cuda"))
+        b = upload.to_device([[5, 6]], torch.device("cuda"))
+    assert a.is_cuda and a.tolist() == [3, 1, 2] and b.tolist() == [[5, 6]]
+    assert sum("pageable" in r.getMessage() for r in caplog.records) == 1
