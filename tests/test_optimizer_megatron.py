@@ -23,7 +23,7 @@ STEPS, SAVE_AT, VOCAB, SEQ = 10, 5, 128, 16
 ENGINES = ("gpu", "cpu", "auto")  # 'auto' has frozen its measured split by step 3; the split is saved
 
 
-def _build(peakflat: bool, seed: int = 7):
+def _build(peakflat: bool, seed: int = 7, **hyper: float):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -35,8 +35,9 @@ def _build(peakflat: bool, seed: int = 7):
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                                         grad_reduce_in_fp32=True), model)
     extra = dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, optimizer_offload_fraction=1.0) if peakflat else {}
-    opt_cfg = OptimizerConfig(optimizer="adam", lr=2e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-                              adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=True, bf16=False, **extra)
+    hyper = dict(dict(lr=2e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8), **hyper)
+    opt_cfg = OptimizerConfig(optimizer="adam", clip_grad=1.0, use_distributed_optimizer=True, bf16=False, **hyper,
+                              **extra)
     opt = get_megatron_optimizer(opt_cfg, [ddp])
     return ddp, opt
 
@@ -103,8 +104,9 @@ def _rank_main(rank: int, world: int, ckpt_dir: str):
             if s == SAVE_AT:
                 torch.save({"model": ddp.state_dict(), "optimizer": opt.state_dict()}, ckpt + ".pt")
                 opt.save_parameter_state(os.path.join(ckpt_dir, f"{engine}-param-state.pt"))
-        # resume from step 5 into a fresh model and optimizer (different init seed: all comes from the checkpoint)
-        ddp2, opt2 = _build(peakflat=True, seed=99)
+        # resume from step 5 into a fresh model and optimizer (different init seed and Adam betas and eps: what
+        # the resumed steps use must come from the checkpoint; Megatron matches groups by lr and weight decay)
+        ddp2, opt2 = _build(peakflat=True, seed=99, adam_beta1=0.5, adam_beta2=0.6, adam_eps=1e-3)
         sd = torch.load(ckpt + ".pt", weights_only=False)
         ddp2.load_state_dict(sd["model"])
         opt2.load_state_dict(sd["optimizer"])
