@@ -4,7 +4,7 @@ F.cross_entropy on the full logits: loss, dX and dW, fp32, gloo world 1/2/4.
 Covers chunks smaller than a rank's tokens and token counts that differ per rank (ranks run out of
 tokens at different chunks), uneven shards, ignore_index, label smoothing, an all-ignored batch, dW
 into main_grad or returned, a correct hint (no recompute) and a wrong one (the difference recomputed:
-still exact), reduction mean/sum, no-grad (loss only), and the bounded working set.
+still exact), reduction mean/sum, no-grad (loss only), and the bounded working set (one rank and a ring of two).
 """
 
 from __future__ import annotations
@@ -180,6 +180,35 @@ def test_in_forward_working_set_is_one_chunk() -> None:
         assert p <= bound + 64 * n, (n, p, bound)
         assert p < n * V * 4 // 4 or n <= chunk * 4, (n, p)
     assert peaks[2048] - peaks[128] <= 64 * (2048 - 128), peaks  # only O(n) per-token state grows
+
+
+def _ring_extra_peaks(rank: int, world: int, V: int, chunk: int, sizes: tuple[int, ...]) -> dict[int, int]:
+    group = dist.new_group(list(range(world)))
+    peaks = {}
+    for n in sizes:  # tokens on every rank
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(n, H, generator=g, requires_grad=True)
+        w = torch.randn(V // world, H, generator=g, requires_grad=True)
+        w.main_grad, w.grad_added_to_main_grad = torch.zeros(V // world, H), False
+        y = torch.randint(0, V, (n,), generator=g)
+        with LiveBytesMeter() as meter:
+            loss = ring_linear_cross_entropy(x, w, y, group, grad="in-forward", chunk_tokens=chunk, kernel="torch",
+                                             dw_into_main_grad=True)
+            loss.sum().backward()
+            peaks[n] = meter.peak - x.grad.nbytes  # dX itself is the floor; dW went into main_grad
+    return peaks
+
+
+def test_in_forward_ring_working_set_is_one_chunk_of_the_shard() -> None:
+    """On a ring of 2 gloo ranks, tokens growing 16x: each rank's working set is one [chunk, V/P] block and
+    the chunk's hidden rows (the same formula as one rank's, V/P for V), plus O(n) per-token state."""
+    world, chunk, V = 2, 64, 4096
+    for rank, peaks in enumerate(run_distributed(_ring_extra_peaks, world, V, chunk, (128, 512, 2048), timeout=180)):
+        bound = 4 * chunk * (V // world) * 4 + 2 * chunk * H * 4
+        for n, p in peaks.items():
+            assert p <= bound + 64 * n, (rank, n, p, bound)
+        assert peaks[2048] < 2048 * (V // world) * 4 // 8, (rank, peaks)  # far from this rank's [n, V/P] logits
+        assert peaks[2048] - peaks[128] <= 64 * (2048 - 128), (rank, peaks)
 
 
 def _ddp_like(p: torch.nn.Parameter) -> None:
