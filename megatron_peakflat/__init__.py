@@ -44,6 +44,16 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
         if note:
             log.warning(note)
     state.set_current(cfg)
+    if not isinstance(config, PeakflatConfig):
+        from .integration import peaks
+
+        try:
+            note = peaks.check_optimizer_host(config)  # raises, before anything is patched, on a clear miss
+        except Exception:
+            state.set_current(None)
+            raise
+        if note:
+            log.warning(note)
     registry.apply_patches(components)
     if not isinstance(config, PeakflatConfig):
         from .integration import peaks

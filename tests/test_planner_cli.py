@@ -588,3 +588,45 @@ def test_startup_advises_leaving_off_the_host_components_the_run_fits_without(mo
     peaks._cache.clear()
     assert peaks.advise(plain) is None
     state.set_current(None)
+
+
+def test_startup_checks_the_offloaded_optimizers_host_memory_before_anything_is_patched(monkeypatch):
+    """The 5.1B-parameter model with OffloadStreamAdamW: its predicted pinned state against this rank's share of
+    MemAvailable fits quietly, is warned about when slightly short, and refused at start-up (naming the flag,
+    before any patch) when clearly short, instead of at the optimizer's first step after the model is built."""
+    import megatron_peakflat
+    from megatron_peakflat import PeakflatConfig, PeakflatConfigError
+    from megatron_peakflat.integration import peaks, registry, state
+    from megatron_peakflat.memory import host
+    from megatron_peakflat.memory.megatron_args import megatron_parser
+
+    env = _h200_results("pretrain_recommended_16k.json")["env"]
+    argv = (_h200_model_flags(env) + " --optimizer-cpu-offload --use-precision-aware-optimizer "
+            "--peakflat-optimizer offload-stream --peakflat-attention local").split()
+    ns = megatron_parser().parse_known_args(argv)[0]
+    ns.world_size, ns.data_parallel_size = 1, 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(peaks, "_hbm_bytes", lambda: 139 * GIB)
+    state.set_current(PeakflatConfig.from_args(ns, validate=False))
+    peaks._cache.clear()
+    pl, _ = peaks.prediction(ns)
+    need = pl.stages[0].rows["optimizer"].host_peakflat
+    assert need > 12 * 5e9  # fp32 master and two moments of ~5.1B parameters
+    for avail, outcome in ((2 * need, None), (need / 1.05, "warn"), (need / 2, "refuse")):
+        monkeypatch.setattr(host, "mem_available", lambda avail=avail: int(avail))
+        peaks._cache.clear()
+        if outcome == "refuse":
+            with pytest.raises(PeakflatConfigError) as e:
+                peaks.check_optimizer_host(ns)
+            assert e.value.flag == "--peakflat-optimizer" and "host memory" in str(e.value) and "Fix:" in str(e.value)
+        else:
+            line = peaks.check_optimizer_host(ns)
+            assert (line is None) == (outcome is None), (avail, line)
+    state.set_current(None)
+    peaks._cache.clear()
+    megatron_peakflat.remove()
+    # what Megatron's full parser gives; the planner's own parser leaves these out
+    ns.optimizer, ns.optimizer_cpu_offload, ns.use_precision_aware_optimizer = "adam", True, True
+    with pytest.raises(PeakflatConfigError, match="predicted to pin"):
+        megatron_peakflat.apply(ns)
+    assert registry.applied() == [] and state.get() is None

@@ -139,6 +139,46 @@ def advise(args: Any) -> str | None:
             "--megatron-args '<these flags>' shows the figures")
 
 
+OPTIMIZER_HOST_MARGIN = 1.10
+"""The planner's optimizer host term has matched the optimizer's own figure to 0.5%; past this factor of
+this rank's share a start-up check refuses rather than warns."""
+
+
+def check_optimizer_host(args: Any) -> str | None:
+    """Before the model is built: the planner's pinned host bytes for OffloadStreamAdamW on this rank's stage
+    against this rank's share of the host's available memory (``memory.host.share``).
+
+    The optimizer checks the exact figure itself when it first allocates, after the model is built and a
+    step has run; this check moves a clear miss to start-up. Raises PeakflatConfigError when the prediction
+    exceeds the share by more than ``OPTIMIZER_HOST_MARGIN``; returns a warning line when it exceeds it by
+    less; None when it fits, when the optimizer is off, or when the planner or /proc/meminfo cannot say."""
+    from ..config import PeakflatConfigError
+    from ..memory import host
+
+    cfg = _config(args)
+    if not cfg.enabled["optimizer"]:
+        return None
+    try:
+        pl, stage = prediction(args)
+    except Exception as e:  # noqa: BLE001
+        log.debug("peakflat plan: no start-up host check (%s: %s)", type(e).__name__, e)
+        return None
+    mine = [st for st in pl.stages if st.stage == stage] or pl.stages
+    need = max(st.rows["optimizer"].host_peakflat for st in mine)
+    share = host.share()
+    if share is None or need <= share:
+        return None
+    ranks = host.local_ranks()
+    problem = (f"OffloadStreamAdamW is predicted to pin {need / GIB:.1f} GiB of host memory on this rank (fp32 master "
+               f"weights and Adam moments of its optimizer shard), and this rank's share of the host's available memory "
+               f"is {share / GIB:.1f} GiB (MemAvailable / LOCAL_WORLD_SIZE={ranks})")
+    fix = ("shard the state over more data-parallel ranks, run fewer ranks per node, or keep the optimizer on the GPU "
+           "(drop --peakflat-optimizer and --optimizer-cpu-offload)")
+    if need > share * OPTIMIZER_HOST_MARGIN:
+        raise PeakflatConfigError(cfg.optimizer.flag("impl"), cfg.optimizer.impl, problem, fix)
+    return f"peakflat plan: {problem}; the optimizer will refuse at its first step if it does not fit. Fix: {fix}"
+
+
 def _stage_name(run: RunConfig) -> str:
     if run.pp == 1:
         return "only"
