@@ -8,7 +8,7 @@
 #
 # Environment (defaults in brackets): GPUS_PER_NODE [all visible], NUM_LAYERS [4], HIDDEN [1024],
 # HEADS [8], FFN [2816], MOE_FFN [704], EXPERTS [8], TOPK [2], EP [GPUS_PER_NODE*NNODES, capped at EXPERTS],
-# TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8], TRAIN_ITERS [20], VOCAB [32768], UNTIE [1] (0: output
+# TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8, or MICRO_BATCH x data-parallel ranks when more], TRAIN_ITERS [20], VOCAB [32768], UNTIE [1] (0: output
 # layer tied to the embedding), GROUPED_GEMM [auto: 1 when Transformer Engine imports, adding --moe-grouped-gemm; 0],
 # PEAKFLAT [on], PEAKFLAT_COMPONENTS [dispatch,vocab,sco,optimizer; vocab-ep in place of vocab also shards the
 # output layer over the EP group; sco and optimizer cost PCIe time every step, so take only the components that
@@ -20,6 +20,7 @@
 #SBATCH --job-name=peakflat-moe
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --output=peakflat-moe-%j.out
 set -euo pipefail
@@ -47,7 +48,8 @@ TP=${TP:-1}
 EP=${EP:-$(( WORLD / TP < EXPERTS ? WORLD / TP : EXPERTS ))}
 SEQ_LEN=${SEQ_LEN:-4096}
 MICRO_BATCH=${MICRO_BATCH:-1}
-GLOBAL_BATCH=${GLOBAL_BATCH:-8}
+DP=$(( WORLD / TP ))
+GLOBAL_BATCH=${GLOBAL_BATCH:-$(( MICRO_BATCH * DP > 8 ? MICRO_BATCH * DP : 8 ))}  # at least one micro-batch per DP rank
 TRAIN_ITERS=${TRAIN_ITERS:-20}
 VOCAB=${VOCAB:-32768}
 PEAKFLAT=${PEAKFLAT:-on}
@@ -120,9 +122,15 @@ LAUNCH=(
 )
 echo "peakflat=$PEAKFLAT nodes=$NNODES gpus/node=$GPUS_PER_NODE tp=$TP ep=$EP seq=$SEQ_LEN layers=$NUM_LAYERS experts=$EXPERTS"
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && "$NNODES" -gt 1 ]]; then
-  # One task per node; each task runs torchrun with its own node rank.
+if [[ -n "${SLURM_JOB_ID:-}" && -z "${PEAKFLAT_IN_SRUN:-}" && "$NNODES" -gt 1 ]]; then
+  # One task per node; each task runs torchrun with its own node rank. sbatch runs a spool copy of this script
+  # that only the batch node has, so the tasks run the submitted one (sbatch from the repository root, or set
+  # PEAKFLAT_SCRIPT).
+  SELF=${PEAKFLAT_SCRIPT:-$0}
+  if [[ -z "${PEAKFLAT_SCRIPT:-}" && -f "${SLURM_SUBMIT_DIR:-}/examples/pretrain_moe.sh" ]]; then
+    SELF=$SLURM_SUBMIT_DIR/examples/pretrain_moe.sh
+  fi
   exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c \
-    "NODE_RANK=\$SLURM_NODEID SLURM_STEP_ID=\$SLURM_STEP_ID MASTER_ADDR=$MASTER_ADDR $(printf '%q ' "$0" "$@")"
+    "PEAKFLAT_IN_SRUN=1 NODE_RANK=\$SLURM_NODEID MASTER_ADDR=$MASTER_ADDR $(printf '%q ' "$SELF" "$@")"
 fi
 exec "${LAUNCH[@]}"

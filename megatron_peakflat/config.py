@@ -158,7 +158,10 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
             raise PeakflatConfigError(flag, True,
                                       "SCO offloads the boundaries of full-recompute checkpoints, but "
                                       f"--recompute-granularity is {_get(args, 'recompute_granularity')!r}",
-                                      "add --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+                                      ("pass --recompute-granularity full in place of "
+                                       f"{_get(args, 'recompute_granularity')!r}, with" if _get(args, "recompute_granularity")
+                                       else "add --recompute-granularity full")
+                                      + " --recompute-method uniform --recompute-num-layers 1")
         if _get(args, "distribute_saved_activations"):
             raise PeakflatConfigError(flag, True,
                                       "--distribute-saved-activations splits boundaries across TP ranks, which SCO does not handle",

@@ -1,7 +1,9 @@
 """``python -m megatron_peakflat.demo``: the main job on its built-in defaults (``make demo``).
 
 It trains a small Megatron-Core MoE GPT twice on the same data and the same initial weights:
-once as Megatron ships it, once with every peakflat component that is available. It prints both
+once as Megatron ships it (but for its core attention: both runs use peakflat's SDPA attention, as
+``--peakflat-attention auto`` does without Transformer Engine, so that only the four components differ),
+once with every peakflat component that is available. It prints both
 loss curves side by side (they must agree: the components change schedules, not math), a table of
 the four peaks with what each component did, and the planner's table for a real model.
 
@@ -161,7 +163,7 @@ def _print_report(res: dict[str, Any], opts: dict[str, Any], unavailable: dict[s
     print(f"largest relative difference {worst:.2e} -> {'AGREE' if agree else 'DISAGREE'} (tolerance {opts['rtol']:.0e})")
 
     print("\n== the four peaks ==")
-    print(f"{'peak':22s} {'Megatron part':44s} {'component':18s} {'status':14s} what it did")
+    print(f"{'peak':22s} {'Megatron part':46s} {'component':18s} {'status':14s} what it did")
     for peak, part, comp, name in PEAKS:
         if unavailable.get(comp):
             status, did = "not available", unavailable[comp][:60]
@@ -171,7 +173,7 @@ def _print_report(res: dict[str, Any], opts: dict[str, Any], unavailable: dict[s
             did = ", ".join(f"{k}={v}" for k, v in st.items()) or "(recorded nothing)"
         else:
             status, did = "off", ""
-        print(f"{peak:22s} {part:44s} {name:18s} {status:14s} {did}")
+        print(f"{peak:22s} {part:46s} {name:18s} {status:14s} {did}")
     where = "GPU max_memory_allocated" if opts["cuda"] else "live bytes of one step (CPU meter)"
     print(f"\nwhole-step peak ({where}): megatron {format_bytes(off['peak'])}, peakflat {format_bytes(on['peak'])}")
     print(f"time: megatron {off['seconds']:.1f} s, peakflat {on['seconds']:.1f} s "

@@ -87,3 +87,29 @@ def test_bad_environment_is_refused_with_its_value(bad, words):
     env.update(GPUS_PER_NODE="1", PYTHON="echo", **bad)
     out = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and words in out.stderr, out.stderr
+
+
+def test_multi_node_sbatch_starts_one_task_per_node_on_the_submitted_script(tmp_path):
+    """Under sbatch the script runs from Slurm's spool copy, which only the batch node has: the per-node tasks
+    run the submitted script (the repository's, found from SLURM_SUBMIT_DIR), once each, with their node rank;
+    the global batch holds at least one micro-batch per data-parallel rank."""
+    fake = tmp_path / "srun"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%q " "$@"; echo\n')
+    fake.chmod(0o755)
+    spool = tmp_path / "slurm_script"
+    spool.write_text(open(SCRIPT).read())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PEAKFLAT", "SLURM", "MEGATRON_ARGS"))}
+    env.update(PATH=f"{tmp_path}:{env['PATH']}", GPUS_PER_NODE="8", PYTHON="echo", SLURM_JOB_ID="7",
+               SLURM_NNODES="2", SLURM_SUBMIT_DIR=ROOT)
+    out = subprocess.run(["bash", str(spool), "--seed", "5"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    srun = shlex.split(out.stdout.splitlines()[-1])
+    assert srun[:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash"], srun
+    task = srun[-1]
+    assert task.startswith("PEAKFLAT_IN_SRUN=1 NODE_RANK=$SLURM_NODEID ") and f"{SCRIPT} --seed 5" in task, task
+    # what one task then runs: torchrun for its node, 16 ranks in all
+    env.update(PEAKFLAT_IN_SRUN="1", SLURM_NODEID="1")
+    inner = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    argv = shlex.split(inner.stdout.splitlines()[-1])
+    assert value(argv, "--nnodes") == "2" and value(argv, "--node-rank") == "1"
+    assert int(value(argv, "--global-batch-size")) >= 16

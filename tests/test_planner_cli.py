@@ -38,7 +38,15 @@ def test_demo_command_names_binding_peak(capsys):
     assert "TP1 PP1 CP8 DP2 EP16" in out
     assert "baseline: " in out and "binding peak 'vocab'" in out  # 131K tokens x 201K vocab x 6 B
     assert "does NOT fit" in out.split("baseline:")[1].splitlines()[0]
-    assert "--peakflat-sco-budget" in out
+    flags = out.split("recommended")[1].splitlines()[1].split()
+    assert "--peakflat-sco-budget" in flags
+    # what SCO needs to pass start-up comes with it, as the offloaded optimizer's Megatron flags do
+    i = flags.index("--recompute-granularity")
+    assert flags[i:i + 6] == ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                              "--recompute-num-layers", "1"]
+    # one verdict per line: the expected peak fits, the routing-independent bound does not
+    stage = next(line for line in out.splitlines() if line.strip().startswith("binding peak:"))
+    assert "(fits as expected;" in stage and "whatever the routing: OOM)" in stage
 
 
 def test_json_output_and_fit_logic(capsys):

@@ -88,14 +88,23 @@ def transport_for(choice: str, group: dist.ProcessGroup | None, device: torch.de
     Raises RuntimeError when ``choice`` is 'copy-engine' and the copy engines cannot serve ``group``.
     """
     if choice == "nccl":
-        stats.record("dispatch", "transport", "nccl")
+        stats.record("dispatch", "transport", _collectives(group))
         return None
     ce, why = copy_engine.for_group(group, device)
     if ce is None:
         if choice == "copy-engine":
             raise RuntimeError(f"--peakflat-dispatch-transport copy-engine: {why}; pass --peakflat-dispatch-transport "
                                "auto (NCCL where the copy engines cannot serve) or nccl")
-        stats.record("dispatch", "transport", f"nccl: {why}")
+        stats.record("dispatch", "transport", f"{_collectives(group)}: {why}")
         return None
     stats.record("dispatch", "transport", "copy-engine")
     return ce
+
+
+def _collectives(group: dist.ProcessGroup | None) -> str:
+    """What carries the all-to-alls when the copy engines do not: the group's backend (NCCL on GPUs, gloo in
+    the CPU tests and the CPU demo)."""
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return "nccl"

@@ -74,7 +74,7 @@ PATCHES: tuple[Patch, ...] = (
           "gives that layer its output gradient during the recompute (fused chunk forward + backward)"),
     Patch("vocab", "megatron.core.models.gpt.gpt_model", "GPTModel.__init__",
           "megatron_peakflat.integration.vocab_shard:wrap_gpt_init",
-          "under --peakflat-vocab-shard-over-ep, cuts the output layer to this expert-parallel rank's rows"),
+          "cuts the output layer to this expert-parallel rank's rows if --peakflat-vocab-shard-over-ep is on; else nothing"),
     Patch("vocab", "megatron.core.models.gpt.gpt_model", "GPTModel.forward",
           "megatron_peakflat.integration.vocab:wrap_gpt_forward",
           "passes a Ring-DTP output_processor so the logits are never built", needs_params=("output_processor",)),

@@ -254,8 +254,10 @@ def render(pl: Plan, rec: Recommendation) -> str:
         tb, tp_ = st.total("baseline"), st.total("peakflat")
         out.append(f"  {'total':18s} {_gib(tb)} {_gib(tp_)} {'':9s} {_gib(st.host('peakflat'))}"
                    f"  = max(persistent + max(layer + max(attention, moe), loss), step, build)")
+        tg = st.total("peakflat", guaranteed=True)
         out.append(f"  binding peak: baseline '{st.binding('baseline')}' ({'fits' if tb <= r.hbm_bytes else 'OOM'}), "
-                   f"peakflat '{st.binding('peakflat')}' ({'fits' if tp_ <= r.hbm_bytes else 'OOM'})")
+                   f"peakflat '{st.binding('peakflat')}' ({'fits' if tp_ <= r.hbm_bytes else 'OOM'} as expected; "
+                   f"{_gib(tg).strip()} GiB whatever the routing: {'fits' if tg <= r.hbm_bytes else 'OOM'})")
         for n in st.notes:
             out.append(f"  note: {n}")
     wb, wp = pl.worst("baseline"), pl.worst("peakflat")
@@ -263,8 +265,9 @@ def render(pl: Plan, rec: Recommendation) -> str:
     out.append(f"baseline: {wb.total('baseline') / GIB:.1f} GiB per GPU, binding peak '{wb.binding('baseline')}' -> "
                f"{'fits' if pl.fits('baseline') else 'does NOT fit'} in {r.hbm_bytes / GIB:.0f} GiB")
     guar = max(x.total("peakflat", guaranteed=True) for x in pl.stages)
-    out.append(f"peakflat (knobs as given): {wp.total('peakflat') / GIB:.1f} GiB expected, {guar / GIB:.1f} GiB whatever "
-               f"the routing, binding peak '{wp.binding('peakflat')}' -> "
+    out.append(f"peakflat (every component that applies, at the knobs given or their defaults): "
+               f"{wp.total('peakflat') / GIB:.1f} GiB expected, binding peak '{wp.binding('peakflat')}'; "
+               f"{guar / GIB:.1f} GiB whatever the routing -> "
                f"{'fits' if pl.fits('peakflat', guaranteed=True) else 'does NOT fit'}")
     rw = rec.plan.worst("peakflat")
     if rec.fits:

@@ -48,8 +48,8 @@ def _chunks_needed(shape: ModelShape, run: RunConfig, cap: int) -> int:
 
 
 def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
-    """The command line of ``cfg``: its --peakflat-* flags, plus the Megatron flags that
-    'offload-stream' needs to pass start-up's checks."""
+    """The command line of ``cfg``: its --peakflat-* flags, plus the Megatron flags that SCO (the full recompute
+    the plan counts boundaries for) and 'offload-stream' need to pass start-up's checks."""
     out: list[str] = []
     if cfg.dispatch.impl != "megatron":
         out += [flag_name(DispatchConfig, "impl"), cfg.dispatch.impl,
@@ -61,7 +61,9 @@ def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
             flag_name(VocabConfig, "block_size"),
             str(cfg.vocab.block_size or vocab_block(plan_.run.tp_tokens, plan_.run.w, 0))]
     if cfg.sco.enabled:
-        out += [flag_name(SCOConfig, "enabled"), flag_name(SCOConfig, "budget"), f"{cfg.sco.budget / GIB:.0f}GiB"]
+        out += [flag_name(SCOConfig, "enabled"), flag_name(SCOConfig, "budget"), f"{cfg.sco.budget / GIB:.0f}GiB",
+                "--recompute-granularity", "full", "--recompute-method", plan_.run.recompute_method,
+                "--recompute-num-layers", str(plan_.run.recompute_num_layers)]
     if cfg.optimizer.impl != "megatron":
         out += [flag_name(OptimizerConfig, "impl"), cfg.optimizer.impl,
                 flag_name(OptimizerConfig, "bucket"), f"{cfg.optimizer.bucket / 1_000_000:g}M",

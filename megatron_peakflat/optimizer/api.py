@@ -230,9 +230,12 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         stats.record("optimizer", "host_backend", self._region.backend)
         stats.record("optimizer", "buckets", len(self._layout.buckets))
         stats.record("optimizer", "params", n)
-        log.info("peakflat optimizer: OffloadStreamAdamW holds %s parameters in %d buckets of <= %s (%d staging slots), "
+        nb = len(self._layout.buckets)
+        log.info("peakflat optimizer: OffloadStreamAdamW holds %s parameters in %d bucket%s of <= %s (%d staging slot%s%s), "
                  "%s of %s host memory (%s), engine=%s, host kernel=%s, stream engine=%s", f"{n:,}",
-                 len(self._layout.buckets), f"{B:,}", self._n_slots, format_bytes(need),
+                 nb, "" if nb == 1 else "s", f"{B:,}", self._n_slots, "" if self._n_slots == 1 else "s",
+                 f" of --peakflat-opt-slots {self.slots}: no more than buckets" if self._n_slots < self.slots else "",
+                 format_bytes(need),
                  "pinned" if self._region.pinned else "pageable", self._region.backend, self.engine,
                  "native" if self._ext is not None else "torch", self.stream_impl)
 
