@@ -1,6 +1,6 @@
 """``python -m megatron_peakflat.plan``: per-rank memory of a Megatron MoE run, peakflat off and on.
 
-Examples::
+Examples:
 
     python -m megatron_peakflat.plan --preset gpt-oss-120b --seq-len 1048576 --gpus 16
     python -m megatron_peakflat.plan --megatron-args "--num-layers 24 --hidden-size 2880 ..." --gpus 8 --json
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m megatron_peakflat.plan",
         description="Analytic per-rank memory of a Megatron MoE run with peakflat off and on; names the binding "
                     "peak and recommends the knobs that fit.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=(__doc__ or "").replace("``", ""))
     g = p.add_argument_group("model")
     g.add_argument("--preset", help=f"a public model shape: {', '.join(PRESETS)}")
     g.add_argument("--megatron-args", default="", metavar='"FLAGS"',
@@ -65,18 +65,21 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--seq-len", type=int, help="sequence length (tokens); default: --seq-length or 4096")
     g.add_argument("--gpus", type=int, help="total GPUs; default: TPxPPxCPxDP, else 8")
-    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: the ranks that share a node's host RAM "
+                                                                 "(default: 8)")
     g.add_argument("--hbm-gib", type=float, help="GPU memory per device; default: the local GPU's, else 80")
     g.add_argument("--host-gib", type=float, help="host RAM per node; default: this machine's when it has a GPU, "
                                                   "else 2048 (a DGX H100/H200 node)")
     for name in ("tp", "pp", "ep", "cp", "etp"):
         g.add_argument(f"--{name}", type=int, help=f"{name.upper()} size (default: chosen from --gpus)")
-    g.add_argument("--micro-batch", type=int)
-    g.add_argument("--global-batch", type=int)
+    g.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: --micro-batch-size, else 1)")
+    g.add_argument("--global-batch", type=int, help="sequences per step; with PP it sets the micro-batches in "
+                                                    "flight (default: --global-batch-size, else 2 x PP micro-batches)")
     g.add_argument("--recompute", choices=["none", "selective", "full"],
                    help="recompute granularity (default: full for presets, Megatron's flags otherwise)")
-    g.add_argument("--recompute-num-layers", type=int)
-    g.add_argument("--precision", choices=["bf16", "fp16", "fp32"])
+    g.add_argument("--recompute-num-layers", type=int, help="layers per full-recompute checkpoint (default: 1)")
+    g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="training precision (default: bf16, or "
+                                                                         "what --megatron-args says)")
     g.add_argument("--routing-skew", type=float, default=None,
                    help="max/mean tokens received per EP rank for the baseline dispatch (1 = balanced)")
     g = p.add_argument_group("output")
