@@ -53,6 +53,10 @@ GLOBAL_BATCH=${GLOBAL_BATCH:-$(( MICRO_BATCH * DP > 8 ? MICRO_BATCH * DP : 8 ))}
 TRAIN_ITERS=${TRAIN_ITERS:-20}
 VOCAB=${VOCAB:-32768}
 PEAKFLAT=${PEAKFLAT:-on}
+if [[ -z "${CHUNK_CAP:-}" && -n "${HIDDEN:-}${SEQ_LEN:-}${EXPERTS:-}${TOPK:-}${MICRO_BATCH:-}" ]]; then
+  echo "note: CHUNK_CAP defaults to 4096 token-expert pairs, sized so that this script's small default model chunks;" \
+       "for another model pass CHUNK_CAP=auto (8192 x TOPK, at least 32768) or the planner's value" >&2
+fi
 CHUNK_CAP=${CHUNK_CAP:-4096}
 UNTIE=${UNTIE:-1}
 GROUPED_GEMM=${GROUPED_GEMM:-auto}
