@@ -19,8 +19,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("threads"), py::call_guard<py::gil_scoped_release>());
   m.def("adamw_isa", &peakflat::adamw_isa);
   py::class_<peakflat::HostPool, std::shared_ptr<peakflat::HostPool>>(m, "HostPool")
-      .def(py::init(&peakflat::HostPool::create), py::arg("bytes"), py::arg("pin"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(py::init([](int64_t bytes, bool pin) {
+             // The GIL is released around the mmap and cudaHostRegister only: pybind registers the new
+             // instance after the factory returns, in its shared instance map, which needs the GIL.
+             py::gil_scoped_release no_gil;
+             return peakflat::HostPool::create(bytes, pin);
+           }),
+           py::arg("bytes"), py::arg("pin"))
       .def("carve", &peakflat::HostPool::carve, py::arg("numel"), py::arg("dtype"))
       .def_property_readonly("capacity", &peakflat::HostPool::capacity)
       .def_property_readonly("used", &peakflat::HostPool::used)

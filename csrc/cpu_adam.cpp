@@ -218,11 +218,18 @@ void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
   const int64_t per = ((n + nt - 1) / nt + kAlign - 1) / kAlign * kAlign;
   std::vector<std::thread> pool;
   pool.reserve(nt - 1);
-  for (int64_t t = 1; t < nt; ++t) {
-    const int64_t b = std::min(n, t * per), e = std::min(n, (t + 1) * per);
-    pool.emplace_back(run, b, e);
+  int64_t t = 1;
+  try {
+    for (; t < nt; ++t) {
+      const int64_t b = std::min(n, t * per), e = std::min(n, (t + 1) * per);
+      pool.emplace_back(run, b, e);
+    }
+  } catch (const std::exception&) {
+    // no thread for ranges t.. (a thread limit or no memory for a stack): this thread runs them; the split
+    // stays the same, so the result is the same
   }
   run(0, std::min(n, per));
+  for (; t < nt; ++t) run(std::min(n, t * per), std::min(n, (t + 1) * per));
   for (auto& th : pool) th.join();
 }
 

@@ -9,8 +9,10 @@ namespace peakflat {
 //   param, exp_avg, exp_avg_sq: float32; grad: float32 or bfloat16;
 //   param_out (optional): float32 or bfloat16, receives the updated param (what is uploaded).
 // The arithmetic follows ATen's fused CPU AdamW (decoupled weight decay, lerp for exp_avg, amsgrad off)
-// operation for operation, including the multiply-adds that ATen's build fuses; exp_avg and exp_avg_sq
-// match torch._fused_adamw_ bitwise, the param within one ulp on a small fraction of elements.
+// operation for operation, including the multiply-adds that ATen's vector body fuses. The results equal
+// torch._fused_adamw_'s bitwise except on a few elements per call, by an ulp, where the two builds fuse a
+// multiply-add differently; which buffer and elements depends on the CPU's vector width (on an AVX-512 CPU:
+// exp_avg_sq in ATen's scalar tail, the last n mod 16 elements of a call).
 // `threads` <= 0 means std::thread::hardware_concurrency(). Releases no Python state: the binding
 // drops the GIL around it.
 void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,

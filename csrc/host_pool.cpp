@@ -59,14 +59,17 @@ int64_t HostPool::used() const {
 
 at::Tensor HostPool::carve(int64_t numel, at::ScalarType dtype) {
   TORCH_CHECK(numel >= 0, "peakflat HostPool.carve: numel must be >= 0, got ", numel);
-  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t elsize = static_cast<int64_t>(c10::elementSize(dtype));
   constexpr int64_t kAlign = 256;
   int64_t off;
+  int64_t bytes;
   {
     std::lock_guard<std::mutex> g(mu_);
     off = (used_ + kAlign - 1) / kAlign * kAlign;
-    TORCH_CHECK(off + bytes <= capacity_, "peakflat HostPool.carve: ", bytes, " bytes requested at offset ", off,
-                " exceed the pool's ", capacity_, " bytes");
+    // compared before multiplying: numel * elsize may not fit in 64 bits
+    TORCH_CHECK(off <= capacity_ && numel <= (capacity_ - off) / elsize, "peakflat HostPool.carve: ", numel,
+                " elements of ", elsize, " bytes requested at offset ", off, " exceed the pool's ", capacity_, " bytes");
+    bytes = numel * elsize;
     used_ = off + bytes;
   }
   auto keep = shared_from_this();

@@ -7,7 +7,7 @@
 
 // A failed argument check is returned as a message, not thrown: the Python wrapper raises it
 // (optimizer/streamer.py). An exception thrown out of this CUDA build crashed the process on the
-// H200 image, so nothing here throws on bad input.
+// H200 image, so bad input never throws here; a failing CUDA call still does (C10_CUDA_CHECK).
 #define PEAKFLAT_REQUIRE(cond, ...) \
   if (!(cond)) return c10::str(__VA_ARGS__)
 
@@ -76,7 +76,7 @@ std::string BucketStreamer::check(const char* what, int64_t slot, const at::Tens
     PEAKFLAT_REQUIRE(h.scalar_type() == at::kFloat, "peakflat BucketStreamer.", what, ": host[", k,
                 "] must be float32, got ", h.scalar_type());
     PEAKFLAT_REQUIRE(h.is_contiguous(), "peakflat BucketStreamer.", what, ": host[", k, "] must be contiguous");
-    PEAKFLAT_REQUIRE(start + numel <= h.numel(), "peakflat BucketStreamer.", what, ": host[", k, "] has ", h.numel(),
+    PEAKFLAT_REQUIRE(start <= h.numel() - numel, "peakflat BucketStreamer.", what, ": host[", k, "] has ", h.numel(),
                 " elements, the bucket needs [", start, ", ", start + numel, ")");
     PEAKFLAT_REQUIRE(h.is_pinned(), "peakflat BucketStreamer.", what, ": host[", k,
                 "] must be pinned (page-locked) memory; a pageable buffer would make every copy synchronous");

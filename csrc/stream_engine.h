@@ -21,8 +21,8 @@ namespace peakflat {
 //                  records slot s's 'free' event (the next upload into slot s waits for it).
 // Nothing blocks the host except synchronize(). The streams come from torch's pool on `device`; the
 // events are the streamer's own and persist across steps, so step t+1's uploads wait for step t's
-// write-backs. Every call checks its arguments (TORCH_CHECK names what is wrong) and is thread safe;
-// the bindings release the GIL around them; the Python wrapper raises a returned message.
+// write-backs. Every call checks its arguments and returns what is wrong as a message (the Python wrapper
+// raises it) and is thread safe; the bindings release the GIL around them. A failing CUDA call throws.
 class BucketStreamer {
  public:
   BucketStreamer(int64_t slots, int64_t device);
@@ -40,8 +40,8 @@ class BucketStreamer {
   // Block the host until slot `slot`'s last write-back has finished (slot -1: every upload and write-back).
   std::string synchronize(int64_t slot);
 
-  // The argument checks of upload/write_back (the bindings run them while holding the GIL, so that a
-  // failed check raises before any native work starts).
+  // The argument checks of upload/write_back, run first inside each (the GIL already released): a failed
+  // check returns its message before any copy is queued.
   std::string check(const char* what, int64_t slot, const at::Tensor& state, const std::vector<at::Tensor>& host,
              int64_t start, int64_t numel) const;
 

@@ -87,6 +87,74 @@ def test_host_pool_carves_aligned_zeroed_tensors():
 
 
 @native
+def test_host_pool_refuses_sizes_whose_byte_count_overflows():
+    # numel * element size past 2**63 wrapped around and carved a tensor far larger than the pool
+    pool = EXT.HostPool(1 << 16, False)
+    for numel in (2**62 + 1000, 2**62, 2**61 + 1):
+        with pytest.raises(RuntimeError, match="exceed"):
+            pool.carve(numel, torch.float32)
+    assert pool.used == 0
+    assert pool.carve(0, torch.float32).numel() == 0
+    with pytest.raises(RuntimeError, match="numel must be >= 0"):
+        pool.carve(-1, torch.float32)
+
+
+def test_torch_host_region_refuses_a_negative_size():
+    from megatron_peakflat.optimizer.host_memory import HostRegion
+
+    region = HostRegion(1024, pin=False, ext=None)
+    with pytest.raises(ValueError, match="numel must be >= 0"):
+        region.carve(-4, torch.float32)
+
+
+@native
+def test_host_pool_builds_while_other_threads_use_pybind_objects():
+    # The GIL used to be released around pybind's own registration of the new pool: another thread creating
+    # pybind objects meanwhile aborted the process ("Tried to deallocate unregistered instance!").
+    import subprocess
+    import sys
+
+    code = """
+import threading, torch, megatron_peakflat._C as C
+stop = False
+def churn():
+    while not stop:
+        fs = [torch.futures.Future() for _ in range(256)]
+        del fs
+t = threading.Thread(target=churn); t.start()
+for _ in range(60):  # the old binding aborted within this, three times out of three
+    ps = [C.HostPool(4096, False) for _ in range(64)]
+    del ps
+stop = True; t.join(); print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
+
+
+@native
+def test_kernel_runs_the_ranges_of_threads_it_cannot_start_itself():
+    # With the address space capped so that only one more 8 MiB thread stack fits, the kernel used to call
+    # std::terminate (a std::thread vector destroyed while joinable); now this thread runs the other ranges.
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch, megatron_peakflat._C as C
+n = 1 << 20
+g = torch.randn(n, generator=torch.Generator().manual_seed(0))
+ref = [torch.zeros(n) for _ in range(3)]
+C.adamw_step(*ref[:1], g, *ref[1:], None, 1e-3, 0.9, 0.999, 1e-8, 0.1, 1.0, 1)
+got = [torch.zeros(n) for _ in range(3)]
+vm = int(open("/proc/self/statm").read().split()[0]) * 4096
+resource.setrlimit(resource.RLIMIT_AS, (vm + (12 << 20), resource.RLIM_INFINITY))
+C.adamw_step(*got[:1], g, *got[1:], None, 1e-3, 0.9, 0.999, 1e-8, 0.1, 1.0, 8)
+print(all(torch.equal(a, b) for a, b in zip(ref, got)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", (out.returncode, out.stdout, out.stderr[-2000:])
+
+
+@native
 def test_kernel_is_invariant_to_thread_count_and_rounds_bf16_like_torch():
     g = torch.Generator().manual_seed(0)
     n = 3 * (1 << 16) + 5

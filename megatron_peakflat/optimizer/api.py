@@ -281,6 +281,10 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             B = max(1, self._layout.max_bucket)
             self._gpu_slots = [Slot(B, self.device) for _ in range(self._n_slots)]
             stats.record("optimizer", "gpu_staging_bytes", self._gpu_staging_bytes())
+            if self.device.type == "cuda":
+                # The allocator may hand the slots blocks that kernels queued on this stream still use; the
+                # uploads run on a side stream that waits for nothing of this one yet. Once, at the first step.
+                torch.cuda.current_stream(self.device).synchronize()
         return self._gpu_slots
 
     def _bucket_streamer(self):

@@ -1,8 +1,9 @@
 """The host engine's AdamW on flat fp32 buffers: the native kernel, or torch's fused CPU AdamW.
 
-Both compute ATen's fused AdamW arithmetic (decoupled weight decay, bias correction, amsgrad off);
-``exp_avg``/``exp_avg_sq`` agree bitwise, the parameter within one ulp on a small fraction of
-elements (ATen's build fuses one multiply-add that the native kernel keeps separate).
+Both compute ATen's fused AdamW arithmetic (decoupled weight decay, bias correction, amsgrad off) and
+agree bitwise except on a few elements per call, by an ulp, where the two builds fuse a multiply-add
+differently; which buffer and elements depends on the CPU's vector width (on an AVX-512 CPU:
+``exp_avg_sq`` in ATen's scalar tail, the last n mod 16 elements of a call).
 """
 
 from __future__ import annotations

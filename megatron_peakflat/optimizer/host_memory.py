@@ -87,6 +87,8 @@ class HostRegion:
 
     def carve(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled 1-D tensor of ``numel`` elements inside the region (256-byte aligned)."""
+        if numel < 0:
+            raise ValueError(f"HostRegion.carve: numel must be >= 0, got {numel}")
         if self._pool is not None:
             return self._pool.carve(int(numel), dtype)
         size = dtype.itemsize
