@@ -89,13 +89,15 @@ class HostRegion:
         """A zero-filled 1-D tensor of ``numel`` elements inside the region (256-byte aligned)."""
         if numel < 0:
             raise ValueError(f"HostRegion.carve: numel must be >= 0, got {numel}")
+        size = dtype.itemsize
+        used = int(self._pool.used) if self._pool is not None else self._used
+        capacity = int(self._pool.capacity) if self._pool is not None else self.nbytes
+        off = (used + 255) // 256 * 256
+        end = off + numel * size
+        if end > capacity:  # checked here: an exception thrown by the CUDA build of the pool killed the process
+            raise MemoryError(f"HostRegion: {end} bytes needed, {capacity} reserved")
         if self._pool is not None:
             return self._pool.carve(int(numel), dtype)
-        size = dtype.itemsize
-        off = (self._used + 255) // 256 * 256
-        end = off + numel * size
-        if end > self.nbytes:
-            raise MemoryError(f"HostRegion: {end} bytes needed, {self.nbytes} reserved")
         self._used = end
         assert self._bytes is not None
         return self._bytes[off:end].view(dtype)
