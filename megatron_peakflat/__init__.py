@@ -44,9 +44,11 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
         if note:
             log.warning(note)
     state.set_current(cfg)
-    if not isinstance(config, PeakflatConfig):
+    from_args = not isinstance(config, PeakflatConfig)
+    if from_args:
         from .integration import peaks
 
+        peaks.setup(config)  # clears the planner's cached plan: the host check and the advice below share one
         try:
             note = peaks.check_optimizer_host(config)  # raises, before anything is patched, on a clear miss
         except Exception:
@@ -55,10 +57,7 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
         if note:
             log.warning(note)
     registry.apply_patches(components)
-    if not isinstance(config, PeakflatConfig):
-        from .integration import peaks
-
-        peaks.setup(config)
+    if from_args:
         advice = peaks.advise(config)
         if advice:
             log.info(advice)

@@ -20,20 +20,15 @@ def _no_host_promise_outlives_its_test():
     host.reset()
 
 
-def _megatron_core_at_least(version: str) -> bool:
+def _megatron_core_at_least(version: tuple[int, ...]) -> bool:
     """From the installed distribution's metadata, without importing Megatron into the test process."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
+    from megatron_peakflat.config import _megatron_core_version
 
-    from packaging.version import Version
-
-    try:
-        return Version(installed("megatron-core")) >= Version(version)
-    except PackageNotFoundError:
-        return False
+    installed = _megatron_core_version()
+    return installed is not None and installed >= version
 
 
 needs_pretrain_entry = pytest.mark.skipif(
-    not _megatron_core_at_least("0.19"),
+    not _megatron_core_at_least((0, 19)),
     reason="python -m megatron_peakflat.pretrain needs megatron-core >= 0.19: older wheels' pretrain() takes "
            "a model_provider from Megatron-LM's pretrain_gpt.py, which they do not ship")

@@ -3,6 +3,9 @@ host pool's carving, and the host AdamW kernel's thread-count invariance and bf1
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -17,6 +20,11 @@ throws = pytest.mark.skipif(
            "image (docs/known-gaps.md); the Python wrappers check first")
 
 
+def _python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``code`` run by this interpreter in a fresh process (what it imports, how it ends, its own)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
 def test_require_names_the_feature_and_the_build_command(monkeypatch):
     monkeypatch.setattr(_ext, "_state", {"module": None, "reason": "megatron_peakflat._C is not built (test)"})
     with pytest.raises(_ext.ExtensionMissingError) as e:
@@ -27,12 +35,9 @@ def test_require_names_the_feature_and_the_build_command(monkeypatch):
 
 
 def test_importing_the_package_loads_no_extension():
-    import subprocess
-    import sys
-
     code = ("import sys, megatron_peakflat, megatron_peakflat.optimizer, megatron_peakflat._ext as e; "
             "print('megatron_peakflat._C' in sys.modules, repr(e.reason()))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _python(code)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "''"], out.stdout
 
@@ -40,11 +45,8 @@ def test_importing_the_package_loads_no_extension():
 @native
 def test_load_finds_the_built_extension_before_anything_imported_torch():
     # The extension links against torch's shared libraries: loaded first, it was reported "not built".
-    import subprocess
-    import sys
-
     code = "import megatron_peakflat._ext as e; m = e.load(); print(m is not None, e.reason())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _python(code)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("True prebuilt"), out.stdout
 
@@ -118,9 +120,6 @@ def test_host_region_refuses_bad_sizes_before_the_pool_sees_them(ext):
 def test_host_pool_builds_while_other_threads_use_pybind_objects():
     # The GIL used to be released around pybind's own registration of the new pool: another thread creating
     # pybind objects meanwhile aborted the process ("Tried to deallocate unregistered instance!").
-    import subprocess
-    import sys
-
     code = """
 import threading, torch, megatron_peakflat._C as C
 stop = False
@@ -134,7 +133,7 @@ for _ in range(60):  # the old binding aborted within this, three times out of t
     del ps
 stop = True; t.join(); print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = _python(code, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
 
 
@@ -142,9 +141,6 @@ stop = True; t.join(); print("ok")
 def test_kernel_runs_the_ranges_of_threads_it_cannot_start_itself():
     # With the address space capped so that only one more 8 MiB thread stack fits, the kernel used to call
     # std::terminate (a std::thread vector destroyed while joinable); now this thread runs the other ranges.
-    import subprocess
-    import sys
-
     code = """
 import resource, torch, megatron_peakflat._C as C
 n = 1 << 20
@@ -157,7 +153,7 @@ resource.setrlimit(resource.RLIMIT_AS, (vm + (12 << 20), resource.RLIM_INFINITY)
 C.adamw_step(*got[:1], g, *got[1:], None, 1e-3, 0.9, 0.999, 1e-8, 0.1, 1.0, 8)
 print(all(torch.equal(a, b) for a, b in zip(ref, got)))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _python(code)
     assert out.returncode == 0 and out.stdout.strip() == "True", (out.returncode, out.stdout, out.stderr[-2000:])
 
 
