@@ -83,9 +83,9 @@ def _segments(sched: Schedule, bank: ExpertBank, foreign: dict[int, torch.Tensor
 def _compute(bank: ExpertBank, x: torch.Tensor, probs: torch.Tensor, tpe: list[int], local: list[int | None],
              weights: list[list[torch.Tensor] | None], cum: torch.Tensor | None, runs: list[Any] | None
              ) -> torch.Tensor:
-    """One chunk's expert outputs without autograd: grouped GEMMs when the bank offers and supports them."""
-    use_grouped = getattr(bank, "use_grouped", None)
-    if use_grouped is not None and use_grouped(x):
+    """One chunk's expert outputs without autograd: grouped GEMMs when the call has the bank's weight
+    ``runs`` (``_Chunks._runs_for``), else the bank's own ``compute``."""
+    if runs is not None:
         return bank.grouped_compute(x, probs, tpe, local, weights, cum, runs)  # type: ignore[attr-defined]
     return bank.compute(x, probs, tpe, local, weights)
 
@@ -191,6 +191,7 @@ class _Chunks:
         self.foreign = exchange_weights(sched, bank, group)
         self.local, self.weights = _segments(sched, bank, self.foreign)
         self._runs: list[Any] | None = None  # a grouped bank's weight runs, the same for every chunk of the call
+        self._grouped: bool | None = None  # whether this call runs grouped GEMMs, asked of the bank once
         self.acc: dict[tuple[int, int], torch.Tensor] = {}  # (compute-expert position, param) -> fp32 sum
         self._sinks: dict[tuple[int, int], torch.Tensor | None] = {}  # sink()'s answers, fixed for the call
         self._inflight: list[tuple[int, _InFlight]] = []  # combines sent, not yet added
@@ -283,13 +284,14 @@ class _Chunks:
         add_rows(dst, rows, self.sched.combine, j)
 
     def _runs_for(self, x: torch.Tensor) -> list[Any] | None:
-        """The bank's weight runs of this call (``GroupedExperts.call_runs``), looked up on the first chunk
-        that runs grouped GEMMs and kept: the weights do not move within a call. None for other banks."""
-        if self._runs is None:
+        """The bank's weight runs of this call (``GroupedExperts.call_runs``), or None when the call does
+        not run grouped GEMMs. Both are decided on the first chunk and kept: within a call the weights do
+        not move, and every chunk's rows share x's dtype, device and width, all that ``use_grouped`` reads."""
+        if self._grouped is None:
             use_grouped = getattr(self.bank, "use_grouped", None)
-            if use_grouped is None or not use_grouped(x):
-                return None
-            self._runs = self.bank.call_runs(self.local, self.weights)  # type: ignore[attr-defined]
+            self._grouped = use_grouped is not None and bool(use_grouped(x))
+            if self._grouped:
+                self._runs = self.bank.call_runs(self.local, self.weights)  # type: ignore[attr-defined]
         return self._runs
 
     def _cum(self, j: int) -> torch.Tensor | None:
@@ -409,7 +411,7 @@ class _Chunks:
         return out_grads
 
     def release(self) -> None:
-        self.foreign, self.weights, self._runs = {}, [], None
+        self.foreign, self.weights, self._runs, self._grouped = {}, [], None, None
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
