@@ -136,9 +136,11 @@ def test_copy_engine_transport_refuses_an_ep_group_wider_than_a_host(monkeypatch
 
 
 def test_an_sco_budget_of_one_boundary_or_auto_passes():
-    for budget in ("8MiB", None):
+    """8 MiB is one boundary of 4096 x 1024 bf16; with sequence parallelism over TP=2 a boundary is half that."""
+    for budget, megatron in (("8MiB", {}), (None, {}),
+                             ("4MiB", dict(tensor_model_parallel_size=2, sequence_parallel=True))):
         ns = parse("--peakflat-sco", *(["--peakflat-sco-budget", budget] if budget else []))
-        for k, v in vars(megatron_args(seq_length=4096, hidden_size=1024)).items():
+        for k, v in vars(megatron_args(seq_length=4096, hidden_size=1024, **megatron)).items():
             setattr(ns, k, v)
         assert PeakflatConfig.from_args(ns).sco.enabled
 
@@ -159,6 +161,9 @@ def test_an_sco_budget_of_one_boundary_or_auto_passes():
         (["--peakflat-sco"], dict(fp4="nvfp4"), "--peakflat-sco", "te_checkpoint"),
         (["--peakflat-sco", "--peakflat-sco-budget", "64"], dict(seq_length=4096, hidden_size=1024),
          "--peakflat-sco-budget", "smaller than one checkpoint boundary (8388608 bytes"),
+        (["--peakflat-sco", "--peakflat-sco-budget", "4MiB"],  # TP without SP: each rank holds every token
+         dict(seq_length=4096, hidden_size=1024, tensor_model_parallel_size=2, sequence_parallel=False),
+         "--peakflat-sco-budget", "smaller than one checkpoint boundary (8388608 bytes"),
         (["--peakflat-attention", "sdpa"], dict(window_size=(64, 0)), "--peakflat-attention", "sliding-window"),
         (["--peakflat-attention", "sdpa"], dict(softmax_type="off-by-one"), "--peakflat-attention", "off-by-one"),
         (["--peakflat-vocab", "ring-dtp", "--peakflat-vocab-shard-over-ep"],
@@ -168,6 +173,8 @@ def test_an_sco_budget_of_one_boundary_or_auto_passes():
          dict(untie_embeddings_and_output_weights=True, tensor_model_parallel_size=2), "--peakflat-vocab-shard-over-ep",
          "--tensor-model-parallel-size is 2"),
         (["--peakflat-optimizer", "offload-stream"], dict(optimizer="sgd"), "--peakflat-optimizer", "--optimizer adam"),
+        (["--peakflat-optimizer", "offload-stream"], dict(decoupled_weight_decay=False), "--peakflat-optimizer",
+         "drop --no-decoupled-weight-decay"),
         (["--peakflat-optimizer", "offload-stream"], dict(use_distributed_optimizer=False), "--peakflat-optimizer", "--use-distributed-optimizer"),
         (["--peakflat-optimizer", "offload-stream"], dict(optimizer_cpu_offload=False), "--peakflat-optimizer", "--optimizer-cpu-offload"),
         (["--peakflat-optimizer", "offload-stream"], dict(use_precision_aware_optimizer=False), "--peakflat-optimizer", "--use-precision-aware-optimizer"),

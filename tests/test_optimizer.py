@@ -1,6 +1,6 @@
-"""OffloadStreamAdamW on CPU: equals torch.optim.AdamW over 20 steps (groups, weight decay, lr change,
-missing grads), for every engine and host kernel; checkpoints round-trip bitwise; the state contract
-Megatron relies on; host-memory refusal before allocation."""
+"""OffloadStreamAdamW on CPU: equals torch.optim.AdamW over 20 steps (groups with their own lr, betas,
+eps and weight decay, an lr change, missing grads), for every engine and host kernel; checkpoints
+round-trip bitwise; the state contract Megatron relies on; host-memory refusal before allocation."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _params(seed: int = 0, dtype=torch.float32) -> list[torch.nn.Parameter]:
 
 def _groups(ps):
     return [{"params": ps[:2], "weight_decay": 0.1},
-            {"params": ps[2:4], "lr": 3e-3, "weight_decay": 0.0},
+            {"params": ps[2:4], "lr": 3e-3, "weight_decay": 0.0, "eps": 1e-3},
             {"params": ps[4:], "weight_decay": 0.05, "betas": (0.8, 0.99)}]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 
@@ -130,6 +131,78 @@ def test_only_the_boundary_is_offloaded():
     y2 = torch.utils.checkpoint.checkpoint(fn, x2, mask, rope, use_reentrant=True)
     torch.utils.checkpoint.checkpoint(fn, y2, mask, rope, use_reentrant=True).sum().backward()
     assert torch.equal(x.grad, x2.grad)
+
+
+class _SavesTwice(torch.autograd.Function):
+    """y = 2 x, saving x twice (as some fused kernels save their input under two roles)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x, x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        assert torch.equal(a, b)
+        return g * 2
+
+
+def test_only_the_first_save_of_the_boundary_is_packed():
+    """A boundary saved twice inside its checkpoint takes one slot and is counted once; the second save is
+    left to autograd, and the gradients are those without the offloader."""
+    off = _offloader()
+    x = _x().requires_grad_(True)
+    with off.group():
+        with off.boundary(x):
+            y = _SavesTwice.apply(x)
+        with off.boundary(y):
+            z = _SavesTwice.apply(y)
+    assert off.packed == 2 and off.offloaded == 1
+    assert off.pool.peak_in_use == BOUNDARY
+    z.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 4.0))
+
+
+class _SavesBoth(torch.autograd.Function):
+    """y = other * x, saving ``other`` first; backward records whether each saved tensor is still the
+    caller's memory (not offloaded) or a copy brought back."""
+
+    seen: list[bool] = []
+
+    @staticmethod
+    def forward(ctx, other, x):
+        ctx.save_for_backward(other, x)
+        return other * x
+
+    @staticmethod
+    def backward(ctx, g):
+        other, x = ctx.saved_tensors
+        _SavesBoth.seen = [t.untyped_storage().data_ptr() == ctx.buffer for t in (other, x)]
+        return g * x, g * other
+
+
+def test_a_view_of_the_same_storage_at_another_offset_is_not_the_boundary():
+    """Two rows of one buffer share storage, shape, dtype and strides: the row that is the boundary is
+    offloaded and its sibling, saved first by the same op, stays where it is; the gradients are exact."""
+    buf = torch.randn(2, S, B, H)
+    grads = []
+    for use_offloader in (True, False):
+        b = buf.clone().requires_grad_(True)
+        x, other = b[0], b[1]
+        off = _offloader()
+        with off.group():
+            with off.boundary(x) if use_offloader else contextlib.nullcontext():
+                y = _SavesBoth.apply(other, x)
+                y.grad_fn.buffer = b.untyped_storage().data_ptr()
+            with off.boundary(y) if use_offloader else contextlib.nullcontext():
+                z = _SavesTwice.apply(y).sum()  # y, the group's last boundary, stays on the device: x goes to the host
+        if use_offloader:
+            assert off.packed == 2 and off.offloaded == 1 and off.pool.peak_in_use == BOUNDARY
+        z.backward()
+        assert _SavesBoth.seen == [True, not use_offloader], (use_offloader, _SavesBoth.seen)
+        grads.append(b.grad)
+    assert torch.equal(grads[0], grads[1])
 
 
 def _live_at_backward_start(layers: int, offloader: BoundaryOffloader | None, seq: int = S) -> int:
@@ -265,6 +338,19 @@ def test_pool_budget_and_resolve(caplog):
         assert resolve_budget(100 << 30, available=8 << 30, local_ranks=2) == int((8 << 30) * 0.9) // 2
     assert any("clamped" in r.getMessage() for r in caplog.records)
     assert resolve_budget(1 << 20, available=8 << 30, local_ranks=2) == 1 << 20
+
+
+def test_pool_reuses_a_free_slot_only_up_to_twice_the_request():
+    """A small request does not take a large free slot (best fit within 2x): the large slot stays free for
+    the next boundary of its size, and the small one gets a slot of its own."""
+    pool = TorchHostPool(1 << 20, pin=False)
+    big = pool.acquire(4096)
+    pool.release(big)
+    small = pool.acquire(100)
+    assert small is not big and small.nbytes == 100 and pool.allocations == 2
+    assert pool.acquire(4096) is big and pool.allocations == 2
+    pool.release(small)
+    assert pool.acquire(60) is small  # 100 <= 2 x 60: reused
 
 
 def test_pool_keeps_free_slots_it_cannot_trade_for_room():
