@@ -164,6 +164,23 @@ def test_only_the_first_save_of_the_boundary_is_packed():
     assert torch.equal(x.grad, torch.full_like(x, 4.0))
 
 
+@pytest.mark.parametrize("keep_first", [False, True])
+def test_keep_first_leaves_the_first_boundary_on_the_device(keep_first):
+    """group(keep_first=True) (a pipeline stage's received input, held by the schedule anyway): of three
+    boundaries only the middle one goes to the host; without it, all but the last."""
+    off = _offloader()
+    x = _x().requires_grad_(True)
+    with off.group(keep_first=keep_first):
+        t = x
+        for _ in range(3):
+            with off.boundary(t):
+                t = _SavesTwice.apply(t)
+    assert off.packed == 3 and off.offloaded == (1 if keep_first else 2)
+    assert off.pool.peak_in_use == off.offloaded * BOUNDARY
+    t.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 8.0))
+
+
 class _SavesBoth(torch.autograd.Function):
     """y = other * x, saving ``other`` first; backward records whether each saved tensor is still the
     caller's memory (not offloaded) or a copy brought back."""
