@@ -200,6 +200,7 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
         if not _get(args, "decoupled_weight_decay", True):
             raise PeakflatConfigError(flag, cfg.optimizer.impl, "it implements AdamW (decoupled weight decay)",
                                       "drop --no-decoupled-weight-decay")
+        _check_offload_stream_megatron_knobs(flag, cfg.optimizer.impl, args)
     elif _get(args, "optimizer_cpu_offload", False) and not (_get(args, "bf16") or _get(args, "fp16")):
         _check_megatron_offload_fp32()
 
@@ -275,6 +276,32 @@ def _check_dispatch_experts(cfg: PeakflatConfig, args: Any) -> None:
                                   f"--offload-modules {' '.join(sorted(offloaded))} offloads activations inside "
                                   "Megatron's expert modules, which PipelinedLLEP does not call",
                                   f"drop {' '.join(sorted(offloaded))} from --offload-modules, or drop {flag}")
+
+
+def _is_fp32(dtype: Any) -> bool:
+    """Megatron's dtype flags hold 'fp32' before its validation and torch.float32 after it."""
+    return dtype is None or str(dtype) in ("fp32", "torch.float32")
+
+
+def _check_offload_stream_megatron_knobs(flag: str, impl: str, args: Any) -> None:
+    """Megatron flags of the offloaded optimizer that OffloadStreamAdamW would otherwise ignore or fail on."""
+    fraction = _get(args, "optimizer_offload_fraction", 1.0)
+    if fraction is not None and fraction != 1.0:
+        raise PeakflatConfigError(flag, impl,
+                                  f"it keeps the whole optimizer shard on the host (--optimizer-offload-fraction is "
+                                  f"{fraction}); where Adam's math runs is --peakflat-opt-engine's choice",
+                                  "drop --optimizer-offload-fraction (or set it to 1.0)")
+    for dest in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if not _is_fp32(_get(args, dest, None)):
+            name = "--" + dest.replace("_", "-")
+            raise PeakflatConfigError(flag, impl,
+                                      f"it keeps fp32 master weights and moments ({name} is {_get(args, dest)})",
+                                      f"drop {name}, or drop {flag}")
+    if _get(args, "fp16") and not _get(args, "accumulate_allreduce_grads_in_fp32"):
+        raise PeakflatConfigError(flag, impl,
+                                  "with --fp16 Megatron keeps fp16 gradients, and its gradient clipping refuses fp16 "
+                                  "gradients of an offloaded optimizer at the first step",
+                                  "add --accumulate-allreduce-grads-in-fp32, or train with --bf16")
 
 
 def _check_sco_budget(cfg: PeakflatConfig, args: Any) -> None:

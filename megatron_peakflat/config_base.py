@@ -13,6 +13,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import re
 import textwrap
 import types
@@ -67,6 +68,8 @@ def _parse(text: str | int | float, units: dict[str, int], what: str) -> int:
         if not m:
             raise ValueError(f"{text!r} is not a {what} (examples: {', '.join(_EXAMPLES[what])})")
         value, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite {what}")
     if unit not in units:
         raise ValueError(f"{text!r}: unknown unit {unit!r} for a {what}; use one of {sorted(k for k in units if k)}")
     return int(round(value * units[unit]))
@@ -160,6 +163,9 @@ class ComponentConfig:
         for f in dataclasses.fields(cls):
             tp, optional = _unwrap_optional(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            if isinstance(default, (Bytes, Count)):
+                # Megatron saves args in its checkpoints and torch.load(weights_only=True) refuses our classes
+                default = int(default)
             kw: dict[str, Any] = {"dest": cls.dest(f.name), "default": default}
             help_text = docs.get(f.name, "")
             if tp is bool:

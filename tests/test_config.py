@@ -4,6 +4,7 @@ import argparse
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_peakflat import PeakflatConfig, PeakflatConfigError, add_args
 from megatron_peakflat.config_base import field_docs, parse_count, parse_size
@@ -75,6 +76,8 @@ def test_every_field_has_a_flag_with_its_docstring():
     (["--peakflat-sco-budget", "lots"], ["--peakflat-sco-budget", "'lots' is not a size", "16GiB"]),
     (["--peakflat-opt-bucket", "3 parsecs"], ["--peakflat-opt-bucket", "unknown unit"]),
     (["--peakflat-dispatch-chunk-cap", "big"], ["--peakflat-dispatch-chunk-cap", "'big' is not an integer"]),
+    (["--peakflat-sco-budget", "1e400"], ["--peakflat-sco-budget", "'1e400' is not a finite size"]),
+    (["--peakflat-opt-bucket", "1e400"], ["--peakflat-opt-bucket", "'1e400' is not a finite count"]),
 ])
 def test_unparsable_values_name_the_flag_and_the_expected_form(argv, words, capsys):
     with pytest.raises(SystemExit):
@@ -175,6 +178,16 @@ def test_an_sco_budget_of_one_boundary_or_auto_passes():
         (["--peakflat-optimizer", "offload-stream"], dict(optimizer="sgd"), "--peakflat-optimizer", "--optimizer adam"),
         (["--peakflat-optimizer", "offload-stream"], dict(decoupled_weight_decay=False), "--peakflat-optimizer",
          "drop --no-decoupled-weight-decay"),
+        (["--peakflat-optimizer", "offload-stream"], dict(optimizer_offload_fraction=0.5), "--peakflat-optimizer",
+         "--optimizer-offload-fraction is 0.5"),
+        (["--peakflat-optimizer", "offload-stream"], dict(exp_avg_dtype="bf16"), "--peakflat-optimizer",
+         "--exp-avg-dtype is bf16"),
+        (["--peakflat-optimizer", "offload-stream"], dict(exp_avg_sq_dtype=torch.bfloat16), "--peakflat-optimizer",
+         "--exp-avg-sq-dtype is torch.bfloat16"),
+        (["--peakflat-optimizer", "offload-stream"], dict(main_params_dtype=torch.float16), "--peakflat-optimizer",
+         "--main-params-dtype is torch.float16"),
+        (["--peakflat-optimizer", "offload-stream"], dict(bf16=False, fp16=True), "--peakflat-optimizer",
+         "add --accumulate-allreduce-grads-in-fp32"),
         (["--peakflat-optimizer", "offload-stream"], dict(use_distributed_optimizer=False), "--peakflat-optimizer", "--use-distributed-optimizer"),
         (["--peakflat-optimizer", "offload-stream"], dict(optimizer_cpu_offload=False), "--peakflat-optimizer", "--optimizer-cpu-offload"),
         (["--peakflat-optimizer", "offload-stream"], dict(use_precision_aware_optimizer=False), "--peakflat-optimizer", "--use-precision-aware-optimizer"),
@@ -188,6 +201,28 @@ def test_incompatible_combinations_fail_at_startup(argv, megatron, flag, words):
         PeakflatConfig.from_args(ns)
     assert e.value.flag == flag
     assert words in str(e.value)
+
+
+def test_offload_stream_takes_fp16_with_fp32_gradients_and_megatrons_fp32_defaults():
+    for megatron in (dict(bf16=False, fp16=True, accumulate_allreduce_grads_in_fp32=True),
+                     dict(optimizer_offload_fraction=1.0, exp_avg_dtype=torch.float32, exp_avg_sq_dtype="fp32",
+                          main_params_dtype=torch.float32)):
+        ns = parse("--peakflat-optimizer", "offload-stream")
+        for k, v in vars(megatron_args(**megatron)).items():
+            setattr(ns, k, v)
+        assert PeakflatConfig.from_args(ns).optimizer.impl == "offload-stream"
+
+
+def test_parsed_flags_hold_only_builtin_values():
+    """Megatron saves its args in every checkpoint, and --ckpt-format torch loads them with
+    torch.load(weights_only=True), which refuses any class of ours: defaults and parsed sizes and counts
+    are plain ints."""
+    for argv in ([], ["--peakflat-sco-budget", "2GiB", "--peakflat-opt-bucket", "20M"]):
+        ns = parse(*argv)
+        values = {k: v for k, v in vars(ns).items() if k.startswith("peakflat_")}
+        assert values["peakflat_opt_bucket"] in (50_000_000, 20_000_000)
+        for k, v in values.items():
+            assert type(v) in (int, float, str, bool, type(None)), (k, type(v))
 
 
 @pytest.mark.parametrize("dest, flag", [("use_distributed_optimizer", "--use-distributed-optimizer"),

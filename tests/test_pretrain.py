@@ -191,6 +191,20 @@ def test_checkpoint_resume_with_offloaded_optimizer_continues_as_megatron_does(t
     assert ours[1] == pytest.approx(second_resumed_log(full, 3), abs=2e-6)
 
 
+def test_checkpoint_resume_in_megatrons_legacy_torch_format(tmp_path):
+    """--ckpt-format torch loads with torch.load(weights_only=True), which refuses any class it does not know
+    in the saved args or optimizer state (Megatron then exits with status 0 and trains nothing). With every
+    component on, the run resumes and its first and last resumed iterations equal the uninterrupted run's."""
+    on = [*PEAKFLAT_ON, "--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+          "--peakflat-optimizer", "offload-stream", "--ckpt-format", "torch"]
+    straight = run("megatron_peakflat.testing.pretrain_dryrun", *RESUME, *on)
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-3000:]
+    full = _losses(straight.stdout + straight.stderr)
+    ours = _save_and_resume(str(tmp_path / "torch"), *on)
+    assert len(full) == 6 and len(ours) == 3, ours
+    assert ours[0] == pytest.approx(full[3], rel=1e-6) and ours[-1] == pytest.approx(full[-1], rel=1e-6)
+
+
 def test_checkpoint_resume_with_dropout_matches_megatrons_resume(tmp_path):
     """With dropout (0.1 hidden and attention), each resumed iteration draws its masks from the RNG state
     Megatron's checkpoint restored: with SCO, Ring-DTP and PipelinedLLEP on (the fused recompute turns

@@ -12,7 +12,8 @@ therefore a subclass of the original whose ``__new__`` picks, per instance, eith
 
 Megatron only reaches this class with ``--optimizer-cpu-offload --use-precision-aware-optimizer
 --use-distributed-optimizer``; the user passes those flags (``PeakflatConfig`` checks them at start-up).
-``--optimizer-offload-fraction`` is ignored: all of the shard's state is on the host.
+All of the shard's state is on the host: ``--optimizer-offload-fraction`` below 1 and non-fp32
+``--main-params-dtype`` / ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` are refused at start-up.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ def replace_hybrid_device_optimizer(original_cls: type) -> type:
             if "momentum" in kwargs:
                 raise ValueError("--peakflat-optimizer offload-stream implements Adam(W); Megatron asked for SGD")
             # HybridDeviceOptimizer's knobs, unused here, are kept in ``defaults`` so that DistributedOptimizer's
-            # rebuild (``cls(params=..., **defaults)``) and its checkpoints see them.
-            knobs = dict(offload_fraction=offload_fraction, cpu_optimizer_cls=cpu_optimizer_cls,
-                         gpu_optimizer_cls=gpu_optimizer_cls, param_update_in_fp32=param_update_in_fp32,
+            # rebuild (``cls(params=..., **defaults)``) and its checkpoints see them; the optimizer classes as
+            # None: a class in the param groups makes --ckpt-format torch checkpoints unloadable
+            # (torch.load with weights_only=True refuses it).
+            knobs = dict(offload_fraction=offload_fraction, cpu_optimizer_cls=None,
+                         gpu_optimizer_cls=None, param_update_in_fp32=param_update_in_fp32,
                          pin_cpu_grads=pin_cpu_grads, pin_cpu_params=pin_cpu_params,
                          overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d, bias_correction=True)
             hyper = {k: kwargs.pop(k) for k in ("lr", "betas", "eps", "weight_decay") if k in kwargs}

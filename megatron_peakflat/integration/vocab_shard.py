@@ -11,9 +11,12 @@ The shard is handed to Megatron as an expert-parallel parameter (``allreduce = F
 its gradient is: distinct on each expert-parallel rank, replicated over the expert data-parallel group,
 and already summed over the expert-parallel group's tokens. So DDP reduces it over the expert
 data-parallel group with the experts' scaling, the distributed optimizer shards its state there, and
-the gradient norm counts each shard once; none of that needs a change. The checkpoint describes the
-shard as rows of the global [V, H] tensor (``sharded_state_dict``), so a checkpoint saved with the flag
-loads into a model without it, and the other way round.
+the gradient norm counts each shard once; none of that needs a change. The distributed checkpoint
+describes the shard as rows of the global [V, H] tensor (``sharded_state_dict``), so the model's weights
+saved with the flag load into a model without it, and the other way round. The distributed optimizer's
+state follows only from a checkpoint saved with ``--dist-ckpt-optim-fully-reshardable``: its default
+layout fixes each gradient bucket's size, which the flag changes ("Global shape mismatch" at load; or load
+with ``--no-load-optim``). ``--ckpt-format torch`` keeps local shapes and cannot cross the flag at all.
 
 The model is built whole (the same initialisation as without the flag) and then cut: rank r keeps rows
 [r V/EP, (r + 1) V/EP). Only the loss path is sharded: a forward that would hand the logits to Megatron

@@ -23,7 +23,7 @@ class OptimizerConfig(ComponentConfig):
     host buckets and pipelines upload / GPU Adam / write-back, in place of HybridDeviceOptimizer.
     Pass it with Megatron's --use-distributed-optimizer --optimizer-cpu-offload
     --use-precision-aware-optimizer (the path on which Megatron builds HybridDeviceOptimizer)."""
-    bucket: Count = Count(50_000_000)
+    bucket: Count = 50_000_000
     """Parameters per bucket (e.g. 50M). The GPU holds slots x bucket x 16 bytes of staging."""
     engine: Literal["auto", "gpu", "cpu"] = "auto"
     """Where Adam runs: 'gpu' streams buckets through the GPU, 'cpu' runs the host kernel,
