@@ -458,6 +458,16 @@ def test_host_state_is_promised_until_the_first_step_allocates_it():
         host.settle("another")
 
 
+def test_a_new_promise_replaces_the_owners_earlier_one() -> None:
+    """An owner that promises again (an optimizer given another param group) states its whole need anew: the
+    new promise replaces the earlier one instead of adding to it."""
+    from megatron_peakflat.memory import host
+
+    host.promise("a", 100)
+    host.promise("a", 50)
+    assert host.promised_by("a") == 50 and host.promised() == 50
+
+
 def test_optimizer_region_falls_back_to_pageable_memory_when_pinning_fails(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(host_memory, "register_host_memory", lambda ptr, n: "cudaHostRegister returned 2")

@@ -335,6 +335,14 @@ def test_vocab_baseline_matches_h200_anchor():
     assert abs((201088 * 7168 * 2 + 32768 * 7168 * 2) / GIB - 3.12) < 0.02
 
 
+
+def test_vocab_baseline_splits_the_vocabulary_over_tp():
+    """Megatron's output layer gathers the whole sequence and writes [T, V/tp] logits: at TP=2 a rank holds all
+    T tokens' logits and fp32 softmax (w + 4 = 6 B per element in bf16) for half the vocabulary."""
+    shape = ModelShape(name="anchor", hidden=7168, layers=1, heads=56, kv_heads=8, head_dim=128, ffn=1,
+                       vocab=201088)
+    assert M.vocab_baseline(shape, RunConfig(seq_len=32768, tp=2)) == 32768 * 201088 // 2 * 6
+
 @pytest.mark.parametrize("seq", [32768, 131072])
 def test_attention_backward_against_the_h200_measurement(seq):
     """torch SDPA's causal backward on one H200 (bench/results/attention_backward_peak.txt, 32 heads of 128):
@@ -365,6 +373,17 @@ def test_layer_backward_meets_attention_or_moe_never_both():
     assert per["attention"] > 0 and per["moe"] > 0
 
 
+def test_layer_saved_tensors_count_beside_attention_backward():
+    """Where attention's backward alone is below the loss but the recomputed layer's saved tensors with it are
+    above, the training peak is persistent + layer + attention, not the loss and not attention alone."""
+    shape = ModelShape(name="dense", hidden=64, layers=2, heads=4, kv_heads=4, head_dim=16, ffn=128, vocab=256)
+    st = plan(shape, RunConfig(seq_len=1024, recompute="full")).stages[0]
+    per = st._phases("baseline")
+    assert per["attention"] < per["loss"] < per["layer"] + per["attention"]
+    assert st.live_phases("baseline") == {"persistent", "layer", "attention"}
+    assert st.training("baseline") == pytest.approx(per["persistent"] + per["layer"] + per["attention"])
+
+
 def test_total_is_persistent_plus_max_phase():
     pl = plan(PRESETS["gpt-oss-120b"], RunConfig(seq_len=1048576, ep=16, cp=8, dp=2))
     st = pl.stages[0]
@@ -385,6 +404,40 @@ def test_pipeline_stages_split_layers_and_inflight():
     assert first.layers == 16 and last.layers == 61 - 48
     assert first.moe_layers == 13 and first.inflight == 4 and last.inflight == 1
     assert "vocab" in last.rows and "vocab" not in first.rows
+
+
+def test_pipeline_inflight_is_capped_by_the_micro_batches():
+    """1F1B keeps at most the step's micro-batches in flight: PP=4 with a global batch of 2 (DP 1, micro-batch
+    1) holds 2 on the first stage, not PP=4, and its checkpoint boundaries count 2 micro-batches."""
+    run = RunConfig(seq_len=4096, pp=4, global_batch=2, dp=1, micro_batch=1, recompute="full")
+    first, last = plan(TINY, run).stages
+    assert run.num_micro == 2 and first.layers == 1
+    assert first.inflight == 2 and last.inflight == 1
+    assert first.rows["boundaries"].baseline == pytest.approx(2 * 4096 * 64 * 2)
+
+
+def test_last_stage_holds_its_copy_of_tied_embeddings():
+    """With PP > 1 and tied embeddings the last stage keeps its own copy of the word embeddings as the output
+    layer (V x H / tp, beside the final norm's H); the first stage holds the embedding."""
+    tied = ModelShape(name="tied", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=1000,
+                      tied_embeddings=True)
+    first, last = plan(tied, RunConfig(seq_len=128, tp=2, pp=2)).stages
+    attn = (64 * (4 + 2 * 2) * 16 + 4 * 16 * 64) / 2 + 2 * 64
+    mlp = 3 * 64 * 128 / 2
+    vocab = 1000 * 64 / 2
+    assert last.rows["parameters"].baseline == pytest.approx((attn + mlp + vocab + 64) * 2)
+    assert first.rows["parameters"].baseline == pytest.approx((vocab + attn + mlp) * 2)
+
+
+def test_attention_activations_by_hand():
+    """One attention block's saved tensors at TP=2 with SP, bf16, 128 tokens (r = 64 rows per rank): the norm's
+    input and output (r x H x 2w) and its fp32 rstd (r x 4), this rank's q, k, v and output, and the fp32
+    logsumexp of its heads."""
+    run = RunConfig(seq_len=128, tp=2)
+    norm = 64 * 64 * 2 * 2 + 64 * 4
+    qkvo = 128 / 2 * ((4 + 2 * 2) * 16 + 4 * 16) * 2
+    lse = 128 / 2 * 4 * 4
+    assert M.attention_activations(TINY, run) == norm + qkvo + lse == 42240
 
 
 # ---- LiveBytesMeter on CPU ------------------------------------------------------------------

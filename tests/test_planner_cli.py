@@ -11,9 +11,9 @@ import pytest
 
 from megatron_peakflat.memory import meter
 from megatron_peakflat.memory.cli import build, main
-from megatron_peakflat.memory.model import GIB, plan
+from megatron_peakflat.memory.model import GIB, RunConfig, plan
 from megatron_peakflat.memory.recommend import recommend
-from megatron_peakflat.memory.shapes import PRESETS
+from megatron_peakflat.memory.shapes import PRESETS, ModelShape
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -232,6 +232,25 @@ def test_runtime_args_keep_megatron_validated_gradient_dtype():
     assert run_fields_from_namespace(ns)["grads_fp32"] is True
 
 
+def test_integer_moe_layer_freq_makes_every_nth_layer_moe():
+    """Megatron's validated --moe-layer-freq is an int N at run time: every Nth layer is MoE, so 24 layers at
+    N=4 have 6 MoE and 18 dense layers."""
+    from megatron_peakflat.memory.megatron_args import _dense_layers
+
+    assert _dense_layers(4, 24) == 18
+    assert _dense_layers(1, 24) == 0
+
+
+def test_offload_fraction_without_cpu_offload_keeps_the_optimizer_on_the_gpu():
+    """Megatron reads --optimizer-offload-fraction only under --optimizer-cpu-offload: alone it offloads nothing."""
+    from megatron_peakflat.memory.megatron_args import parse_megatron_args, run_fields_from_namespace
+
+    ns, _ = parse_megatron_args("--optimizer-offload-fraction 0.5")
+    assert run_fields_from_namespace(ns)["optimizer_offload_fraction"] == 0.0
+    ns, _ = parse_megatron_args("--optimizer-offload-fraction 0.5 --optimizer-cpu-offload")
+    assert run_fields_from_namespace(ns)["optimizer_offload_fraction"] == 0.5
+
+
 @pytest.mark.parametrize("argv,flag,value", [
     (["--preset", "gpt-oss-120b", "--seq-len", "-5"], "--seq-len", "-5"),
     (["--preset", "gpt-oss-120b", "--gpus", "0"], "--gpus", "0"),
@@ -291,6 +310,65 @@ def test_recommendation_shrinks_knobs_until_fit():
     assert "--peakflat-dispatch-max-chunks" in rec.flags
     K, c = __import__("megatron_peakflat.memory.model", fromlist=["x"]).llep_chunks(shape, run, rec.config)
     assert c <= rec.config.dispatch.chunk_cap
+
+
+def _gpt_oss_20b_128k(hbm_gib: int, host_gib: int = 2048) -> RunConfig:
+    """gpt-oss-20b at 131072 tokens on 8 GPUs of one node (EP 8, DP 8), full recompute."""
+    return RunConfig(seq_len=131072, recompute="full", ep=8, dp=8, hbm_bytes=hbm_gib * GIB,
+                     host_bytes_per_node=host_gib * GIB)
+
+
+def test_sco_budget_is_the_boundaries_rounded_up_to_a_whole_gib():
+    """With host RAM to spare, SCO's budget is the boundaries' bytes rounded up to a whole GiB, so that the flag
+    (in whole GiB) holds every one: 24 boundaries of [131072, 2880] bf16 = 16.875 GiB -> 17 GiB."""
+    shape, run = PRESETS["gpt-oss-20b"], _gpt_oss_20b_128k(88)
+    need = 24 * 131072 * 2880 * 2
+    assert need / GIB == 16.875 and need < run.host_bytes_per_rank
+    rec = recommend(shape, run)
+    assert rec.config.sco.enabled and rec.config.sco.budget == 17 * GIB
+    assert "17GiB" in rec.flags
+    assert rec.plan.stages[0].rows["boundaries"].host_peakflat == need
+
+
+def test_sco_stays_on_where_the_run_fits_without_it_only_at_smaller_knobs():
+    """A host component is left off only where the run fits without it at knobs no smaller than with it: at
+    88 GiB the 128K-token gpt-oss-20b run fits without SCO only with the dispatch chunk halved, so SCO stays
+    on and the chunk keeps its default."""
+    shape, run = PRESETS["gpt-oss-20b"], _gpt_oss_20b_128k(88)
+    rec = recommend(shape, run)
+    assert rec.fits and rec.config.sco.enabled
+    cap = rec.config.dispatch.cap(shape.topk)
+    no_sco = dataclasses.replace(rec.config, sco=dataclasses.replace(rec.config.sco, enabled=False))
+    assert not plan(shape, run, no_sco).fits("peakflat", guaranteed=True)
+    halved = dataclasses.replace(no_sco, dispatch=dataclasses.replace(no_sco.dispatch, chunk_cap=cap // 2))
+    assert plan(shape, run, halved).fits("peakflat", guaranteed=True)
+    assert not any("SCO" in r for r in rec.reasons)
+
+
+def test_vocab_block_is_not_shrunk_where_the_loss_is_not_the_peak():
+    """Halving the vocabulary block only lowers the loss phase: a dense 128K-token run bound by the layer
+    backward, which fits in no configuration, keeps Ring-DTP's automatic block (block_size 0)."""
+    shape = ModelShape(name="dense", hidden=1024, layers=4, heads=8, kv_heads=8, head_dim=128, ffn=4096,
+                       vocab=32000)
+    rec = recommend(shape, RunConfig(seq_len=131072, recompute="full", hbm_bytes=10 * GIB))
+    assert not rec.fits and "loss" not in rec.plan.stages[0].live_phases("peakflat", guaranteed=True)
+    assert rec.config.vocab.block_size == 0
+
+
+def test_optimizer_offload_is_refused_past_this_ranks_share_of_the_host():
+    """The node's host RAM is shared by its 8 ranks: the offloaded optimizer's ~31 GiB per rank fit in a 128 GiB
+    node but not in a rank's 14.4 GiB share, so the optimizer stays Megatron's on the GPU, and the reasons say
+    why (nothing fits on a 40 GiB GPU, so the recommendation shown is the one with every component on)."""
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.optimizer.config import OptimizerConfig
+
+    shape, run = PRESETS["gpt-oss-20b"], _gpt_oss_20b_128k(40, host_gib=128)
+    offload = PeakflatConfig(optimizer=OptimizerConfig(impl="offload-stream"))
+    need = plan(shape, run, offload).stages[0].rows["optimizer"].host_peakflat
+    assert run.ranks_per_node == 8 and run.host_bytes_per_rank < need < run.host_bytes_per_node
+    rec = recommend(shape, run)
+    assert rec.config.optimizer.impl == "megatron"
+    assert any(r.startswith("optimizer offload needs") for r in rec.reasons)
 
 
 def _startup_namespace(flags: list[str]) -> argparse.Namespace:
@@ -522,6 +600,22 @@ def test_report_logs_measured_beside_predicted(fake, caplog):
     assert "build" in pl.stages[0].phase_totals("peakflat")
     assert "peakflat peaks iter 100" in caplog.text and "vocab 2.00/" in caplog.text
     assert meter.measured() == {}  # a new interval starts
+
+
+def test_report_total_leaves_out_the_model_build_when_it_is_the_largest_phase(fake):
+    """The measured total (allocated bytes over the interval) is compared with the larger of the training and
+    optimizer-step peaks less the reserve, also where the model build (parameters held twice while DDP fills its
+    buffers) is the largest phase: 128 tokens over 64 DP ranks."""
+    from megatron_peakflat.integration import peaks
+
+    args = _megatron_namespace(world_size=64, data_parallel_size=64, seq_length=128)
+    assert peaks.setup(args) is True
+    out = peaks.report(1, args)
+    st = peaks.prediction(args)[0].stages[0]
+    totals = st.phase_totals("peakflat")
+    steps = max(totals["training"], totals["step"])
+    assert totals["build"] > steps
+    assert out["total"]["predicted_gib"] == pytest.approx((steps - st.rows["reserve"].peakflat) / GIB)
 
 
 def test_report_says_when_the_optimizer_staging_went_unused(fake, caplog):

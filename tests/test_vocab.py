@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_peakflat.testing import LiveBytesMeter, loss_and_grad_errors, max_rel_error, run_distributed
 from megatron_peakflat.vocab import reference_linear_cross_entropy, resolve_schedule, ring_linear_cross_entropy
+from megatron_peakflat.vocab.api import auto_block_size
 
 H = 24
 
@@ -177,6 +178,12 @@ def test_auto_schedule_rule() -> None:
     assert resolve_schedule("auto", 100, 800, 8) == "activations"
     assert resolve_schedule("auto", 101, 800, 8) == "weights"
     assert resolve_schedule("weights", 1, 10**6, 8) == "weights"
+
+
+def test_auto_block_size_is_a_multiple_of_256_rows() -> None:
+    """The automatic block is 128 MiB of [tokens, rows] logits rounded down to a multiple of 256 rows:
+    2**27 // (10000 x 4) = 3355 rows -> 13 x 256 = 3328."""
+    assert auto_block_size(10000, 4) == 3328
 
 
 def _peak_fwd_bwd(n: int, V: int, block: int) -> tuple[int, int]:

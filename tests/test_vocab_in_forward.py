@@ -156,6 +156,21 @@ def test_auto_chunk_tokens() -> None:
     assert auto_chunk_tokens(10**9, 2, 4, 10**6) == 4 * 128  # at least 128 per rank
 
 
+def test_auto_chunk_tokens_takes_at_least_an_eighth_of_the_tokens() -> None:
+    """The 1/8 share of the tokens is rounded up: 2047 tokens give ceil(2047 / 8) = 256, a whole 128-token
+    multiple, where rounding down (255) would fall to 128."""
+    assert auto_chunk_tokens(1000, 2, 1, 2047) == 256
+
+
+def test_stats_peak_keeps_the_largest_value() -> None:
+    """``stats.peak`` (the vocabulary's largest block of logits over calls) keeps the maximum, not the last value."""
+    stats.reset()
+    stats.peak("x", "k", 5)
+    stats.peak("x", "k", 3)
+    assert stats.snapshot()["x"]["k"] == 5
+    stats.reset()
+
+
 def _extra_peak(n: int, V: int, chunk: int) -> int:
     torch.manual_seed(0)
     x = torch.randn(n, H, requires_grad=True)
