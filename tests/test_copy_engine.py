@@ -206,3 +206,44 @@ def test_copy_engine_protocol_moves_the_same_bytes_as_all_to_all(world, tmp_path
         for name, same, held in rows:
             assert same, name
             assert held > 0, name
+
+
+def _rows_sent(s: int, matrix: list[list[int]], width: int) -> torch.Tensor:
+    n = int(sum(matrix[s]))
+    return (torch.arange(n * width, dtype=torch.float64) % 4099 + 10000 * s).float().view(n, width)
+
+
+def _growth_on_cpu(rank: int, world: int, folder: str) -> list[tuple[int, bool]]:
+    """Three exchanges over the file-backed symmetric memory: only rank 0's rows of the second outgrow the
+    slots. Each exchange's slot size here and whether the rows received are the ones sent."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    fake = _FileSymmetricMemory(folder, rank)
+    symm_mem.empty, symm_mem.rendezvous = fake.empty, fake.rendezvous
+    torch.cuda.Stream = torch.cuda.Event = _NoStream
+    torch.cuda.set_stream = lambda stream: None
+    torch.cuda.current_stream = lambda device=None: _NoStream()
+    torch.cuda.memory_allocated = lambda device=None: 0
+
+    transport = copy_engine.CopyEngineTransport(dist.group.WORLD, torch.device("cpu"))
+    width, out = 1024, []
+    for n0 in (1, 300, 2):  # rows rank 0 sends each rank (4 KiB each); every other rank sends one
+        matrix = [[n0] * world if s == 0 else [1] * world for s in range(world)]
+        buf = transport.send_buffer(matrix, width, torch.float32)
+        buf.copy_(_rows_sent(rank, matrix, width))
+        got = transport.start(buf, matrix).wait()
+        want = torch.cat([_rows_sent(s, matrix, width)[sum(matrix[s][:rank]):sum(matrix[s][:rank + 1])]
+                          for s in range(world)])
+        out.append((transport.slot_bytes, torch.equal(got, want)))
+    return out
+
+
+def test_copy_engine_slots_grow_together_when_one_rank_needs_room(tmp_path):
+    """The slots are symmetric: when only rank 0's rows outgrow them, every rank grows them at that same
+    exchange (from the split matrix all ranks share), to the same size, and every row still arrives."""
+    per_rank = run_distributed(_growth_on_cpu, 2, str(tmp_path), timeout=60)
+    assert per_rank[0] == per_rank[1], per_rank
+    sizes = [size for size, _ in per_rank[0]]
+    assert sizes[0] < 300 * 2 * 4096 <= sizes[1] == sizes[2], sizes
+    assert all(same for rows in per_rank for _, same in rows), per_rank

@@ -880,6 +880,20 @@ def test_stacked_views_and_packing():
     assert pack_expert_weights([[w] for w in ws]) == 0  # views into a buffer someone else owns stay put
 
 
+def test_packing_aligns_weights_that_are_not_a_multiple_of_16_bytes():
+    """Packed weights whose size is not a multiple of 16 bytes (fp32 [3, 5]: 60 bytes) each start on a 16-byte
+    boundary, so the packed experts still form one grouped-GEMM run."""
+    from megatron_peakflat.dispatch.grouped import pack_expert_weights, weight_runs
+
+    experts = [[torch.randn(3, 5), torch.randn(5, 3)] for _ in range(4)]
+    values = [[t.clone() for t in e] for e in experts]
+    assert pack_expert_weights(experts) > 0
+    assert all(t.data_ptr() % 16 == 0 for e in experts for t in e), [t.data_ptr() % 16 for e in experts for t in e]
+    assert all(torch.equal(t, u) for e, f in zip(experts, values) for t, u in zip(e, f))
+    runs = weight_runs([e[0] for e in experts], [e[1] for e in experts])
+    assert [(r.first, r.n) for r in runs] == [(0, 4)]
+
+
 def fused_disagree_worker(rank: int, world: int) -> list[float]:
     """Rank 0 assumes a wrong output gradient, rank 1 the right one: both correct together (no deadlock)."""
     from megatron_peakflat import stats

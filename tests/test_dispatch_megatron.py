@@ -352,6 +352,65 @@ def test_te_grouped_experts_exact_against_megatron(world):
     _assert_exact(per_rank, world, lambda name: ",all," in name)
 
 
+def fused_recompute_worker(rank: int, world: int, extra: dict) -> tuple[list[dict], list[bool], float, list[str]]:
+    """Two steps of both models under full recompute with ``extra``: each step's dispatch stats, whether each
+    MoE layer stopped fusing, the largest loss/gradient error (nan with dropout, whose masks the two models
+    draw apart), and the log lines."""
+    import logging
+
+    import megatron_peakflat
+    from megatron_peakflat import stats
+    from megatron_peakflat.dispatch.config import DispatchConfig
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("megatron_peakflat").addHandler(handler)
+    logging.getLogger("megatron_peakflat").setLevel(logging.INFO)
+    mc.install_cpu_shim()
+    torch.manual_seed(1234)
+    mc.init_megatron_parallel(ep=world, seed=1234)
+    config = mc.tiny_transformer_config(num_moe_experts=4, recompute_granularity="full", recompute_method="uniform",
+                                        **extra)
+    ref, model = _ref_and_patched(config, DispatchConfig(
+        impl="pipelined-llep", chunk_cap=32, max_chunks=8, min_spill=0, imbalance_threshold=1.05))
+    swapped = _swapped(model, config.num_layers)
+    snaps = []
+    for step in range(2):
+        losses = _both_steps(ref, model, "hot95", 77 + rank, 5 + rank + 100 * step)
+        snaps.append(dict(stats.snapshot().get("dispatch", {})))
+    err = float("nan") if config.hidden_dropout else _check_grads(str(extra), ref, model, losses)
+    off = [bool(getattr(m.token_dispatcher, "peakflat_fuse_off", False)) for m in swapped]
+    megatron_peakflat.remove()
+    mc.destroy_megatron_parallel()
+    return snaps, off, err, lines
+
+
+def test_fused_recompute_with_two_moe_layers_in_one_checkpoint():
+    """With both MoE layers in one checkpoint (--recompute-num-layers 2) the last one gets the checkpoint's
+    output gradient: one fused recompute per checkpoint and step, never corrected, the output skipped from
+    the second step on, and the gradients exact."""
+    snaps, off, err, _ = run_distributed(fused_recompute_worker, 1, {"recompute_num_layers": 2}, timeout=300)[0]
+    assert err <= 1e-5, err
+    assert off == [False, False]
+    for step, snap in enumerate(snaps):
+        assert snap.get("fused_recompute_calls") == 1, (step, snap)
+        assert "fused_recompute_corrections" not in snap, (step, snap)
+    assert snaps[1].get("fused_recompute_output_skipped") == 1, snaps[1]
+
+
+def test_fused_recompute_is_off_under_hidden_dropout():
+    """Dropout after the MoE scales its output gradient: with hidden_dropout > 0 no layer fuses its recompute,
+    and the log says why."""
+    snaps, off, _, lines = run_distributed(fused_recompute_worker, 1,
+                                           {"recompute_num_layers": 1, "hidden_dropout": 0.1}, timeout=300)[0]
+    assert off == [True, True]
+    for step, snap in enumerate(snaps):
+        assert "fused_recompute_calls" not in snap, (step, snap)
+    assert any("fused recompute off" in line and "hidden_dropout=0.1" in line for line in lines), lines
+
+
 def handback_worker(rank: int, world: int) -> list[str]:
     import megatron_peakflat
     from megatron_peakflat import PeakflatConfig
@@ -381,6 +440,27 @@ def test_unsupported_configuration_hands_back_to_megatron():
     kinds = run_distributed(handback_worker, 1, timeout=120)[0]
     assert kinds[0] == ["PeakflatDispatcher"]
     assert kinds[1] == ["MoEAllGatherTokenDispatcher"]  # not alltoall: Megatron's own dispatcher stays
+
+
+def test_layer_with_pad_to_capacity_keeps_megatrons_dispatcher():
+    """A MoE layer built through the API (no start-up check) with moe_pad_expert_input_to_capacity keeps
+    Megatron's dispatcher, and the reason says why."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_peakflat.integration.dispatch import unsupported_reason
+
+    dispatcher = object.__new__(MoEAlltoAllTokenDispatcher)
+    dispatcher.tp_size = 1
+
+    def layer(**extra):
+        config = SimpleNamespace(moe_token_dispatcher_type="alltoall", gradient_accumulation_fusion=False, **extra)
+        return SimpleNamespace(config=config, token_dispatcher=dispatcher, experts=object.__new__(SequentialMLP))
+
+    assert unsupported_reason(layer()) is None
+    assert unsupported_reason(layer(moe_pad_expert_input_to_capacity=True)) == "pad-to-capacity"
 
 
 def test_startup_errors_name_the_flag():

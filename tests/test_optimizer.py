@@ -128,6 +128,37 @@ def test_state_dict_round_trip_continues_bitwise(engine):
     assert_same_params_and_state(opt, ps, resumed, qs)
 
 
+def test_load_state_dict_restores_the_saved_group_hyperparameters():
+    """Each param group's hyperparameters come from the checkpoint, not from the resumed optimizer's
+    constructor: an lr changed during training (halved at step 10) is the lr after the resume."""
+    ps = _params()
+    opt = OffloadStreamAdamW(_groups(ps), lr=1e-3, bucket=2500, engine="cpu", host_threads=2)
+    saved = _checkpoint_and_go_on(opt, ps, 11, 0)
+    lrs = [g["lr"] for g in saved["opt"]["param_groups"]]
+    assert lrs == [5e-4, 1.5e-3, 5e-4]
+    qs = [torch.nn.Parameter(t) for t in saved["params"]]
+    resumed = OffloadStreamAdamW(_groups(qs), lr=1e-3, bucket=2500, engine="cpu", host_threads=2)
+    resumed.load_state_dict(saved["opt"])
+    assert [g["lr"] for g in resumed.param_groups] == lrs
+
+
+def test_load_state_dict_restores_the_auto_engines_split():
+    """Under engine 'auto' the GPU/host split the saved run used is restored with the state, so the
+    resumed run does not measure a different split."""
+    ps = _params()
+    opt = OffloadStreamAdamW(_groups(ps), lr=1e-3, bucket=2500, engine="auto", host_threads=2)
+    _run(opt, ps, 1)
+    opt._gpu_fraction = 0.37
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    resumed = OffloadStreamAdamW(_groups([torch.nn.Parameter(p.detach().clone()) for p in ps]), lr=1e-3,
+                                 bucket=2500, engine="auto", host_threads=2)
+    assert resumed._gpu_fraction != 0.37
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    assert resumed._gpu_fraction == 0.37
+
+
 @pytest.mark.parametrize("saved_step", ["per-parameter", "group-only", "group-and-template"])
 def test_resume_keeps_the_step_through_megatrons_load_sequence(saved_step):
     """Megatron's DistributedOptimizer resumes in two moves: ``load_state_dict`` with the saved step, then its
@@ -477,3 +508,28 @@ def test_optimizer_region_falls_back_to_pageable_memory_when_pinning_fails(monke
     assert any("pageable" in r.getMessage() for r in caplog.records)
     t = region.carve(100, torch.float32)
     assert t.numel() == 100 and not t.any()
+
+
+def test_torch_region_carves_at_256_byte_offsets():
+    """Without the native pool each carve starts a multiple of 256 bytes from the region's start, whatever
+    the size of the carve before it."""
+    region = host_memory.HostRegion(4096, pin=False, ext=None)
+    assert region.backend == "torch"
+    first = region.carve(3, torch.float32)
+    second = region.carve(1, torch.float32)
+    assert first.data_ptr() == region._bytes.data_ptr()
+    assert second.data_ptr() - first.data_ptr() == 256
+    assert second.numel() == 1 and not second.any()
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not HAVE_NATIVE, reason="megatron_peakflat._C not built"))])
+def test_optimizer_region_does_not_pin_without_cuda(monkeypatch, caplog, native):
+    """Without CUDA a region asked to pin does not try: it is pageable, with no pin error and no warning."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(host_memory, "register_host_memory", lambda ptr, n: calls.append(n) or "")
+    with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
+        region = host_memory.HostRegion(4096, pin=True, ext=_ext.load() if native else None)
+    assert not region.pinned and region.pin_error == "" and calls == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
 import torch
 
 from megatron_peakflat.testing import max_rel_error, run_distributed
@@ -177,5 +178,28 @@ def test_replacement_class_keeps_isinstance_and_hands_back():
         state.set_current(PeakflatConfig())
         plain = cls.__new__(cls)
         assert isinstance(plain, HybridDeviceOptimizer) and not isinstance(plain, OffloadStreamAdamW)
+    finally:
+        state.set_current(before)
+
+
+def test_replacement_class_refuses_adam_without_bias_correction():
+    """OffloadStreamAdamW always applies Adam's bias correction, so the replacement class refuses
+    bias_correction=False instead of training with a different update than Megatron asked for."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.integration import state
+    from megatron_peakflat.integration.optimizer import replace_hybrid_device_optimizer
+    from megatron_peakflat.optimizer.config import OptimizerConfig as PfOpt
+
+    cls = replace_hybrid_device_optimizer(HybridDeviceOptimizer)
+    before = state.get()
+    try:
+        state.set_current(PeakflatConfig(optimizer=PfOpt(impl="offload-stream", bucket=7, engine="cpu", slots=2)))
+        p = torch.nn.Parameter(torch.randn(20))
+        with pytest.raises(ValueError, match="bias_correction=False"):
+            cls([{"params": [p]}], offload_fraction=1.0, cpu_optimizer_cls=torch.optim.AdamW,
+                gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True, lr=1e-3, weight_decay=0.1,
+                betas=(0.9, 0.95), eps=1e-8, bias_correction=False)
     finally:
         state.set_current(before)

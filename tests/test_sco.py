@@ -500,6 +500,23 @@ def test_integration_wrapper_mechanics(caplog):
         del sys.modules[mod.__name__]
 
 
+def test_integration_offloader_is_rebuilt_when_the_budget_changes():
+    """The process keeps one offloader (its pool lives across steps) while the settings stay the same;
+    another budget gets a new offloader over a pool of that budget."""
+    from megatron_peakflat.integration import recompute as sco_integration
+
+    cpu = torch.device("cpu")
+    sco_integration.reset()
+    try:
+        first = sco_integration.get_offloader(1 << 20, 1, cpu)
+        assert sco_integration.get_offloader(1 << 20, 1, cpu) is first and first.pool.budget == 1 << 20
+        second = sco_integration.get_offloader(2 << 20, 1, cpu)
+        assert second is not first and second.pool.budget == 2 << 20
+        assert sco_integration.offloader() is second
+    finally:
+        sco_integration.reset()
+
+
 def test_config_rejects_bad_values():
     from megatron_peakflat import PeakflatConfigError
     from megatron_peakflat.recompute.config import SCOConfig

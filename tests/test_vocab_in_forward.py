@@ -135,6 +135,25 @@ def test_reductions_take_their_hint(reduction: str, hint: float | None) -> None:
     assert max(errs) < 1e-5, errs
 
 
+def test_hint_is_checked_token_by_token() -> None:
+    """The hint is compared with the real gradient token by token: a small token's 10% miss is corrected
+    even beside a token whose gradient is a million times larger, and each token's dX is the real one."""
+    torch.manual_seed(3)
+    x = torch.randn(2, H, requires_grad=True)
+    w = torch.randn(29, H, requires_grad=True)
+    y = torch.tensor([4, 17])
+    real = torch.tensor([1000.0, 1.1e-3])
+    stats.reset()
+    loss = ring_linear_cross_entropy(x, w, y, grad="in-forward", grad_hint=torch.tensor([1000.0, 1e-3]),
+                                     kernel="torch")
+    loss.backward(real)
+    assert stats.snapshot()["vocab"].get("hint_corrections", 0) == 1
+    xr = x.detach().clone().requires_grad_(True)
+    reference_linear_cross_entropy(xr, w.detach(), y).backward(real)
+    for t in range(2):
+        assert max_rel_error(x.grad[t], xr.grad[t]) < 1e-5, (t, max_rel_error(x.grad[t], xr.grad[t]))
+
+
 def test_bad_hint_shape_and_chunk() -> None:
     x, w, y = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="grad_hint of shape"):

@@ -134,6 +134,10 @@ def test_wrapper_passes_processor_only_when_enabled_with_labels() -> None:
         assert seen[-1].func is ring_output_processor
         fwd(model(mtp_num_layers=1), 1, 2, 3, labels=labels)  # MTP: handed back to Megatron
         assert seen[-1] is None
+        biased = model()
+        biased.output_layer.bias = torch.zeros(V)
+        fwd(biased, 1, 2, 3, labels=labels)  # an output-layer bias: handed back to Megatron
+        assert seen[-1] is None
     finally:
         state.set_current(None)
 
@@ -161,3 +165,36 @@ def test_megatron_loss_gradient_follows_the_schedule() -> None:
         assert torch.equal(megatron_loss_gradient(mask, per_token), mask)
     finally:
         destroy_num_microbatches_calculator()
+
+
+def test_in_forward_falls_back_to_recompute_after_a_hint_correction() -> None:
+    """Under --peakflat-vocab-grad auto, once a hint missed the loss's real gradient (a correction in this
+    process's stats), later calls recompute instead of computing the gradients in the forward pass."""
+    from types import SimpleNamespace
+
+    from megatron_peakflat import stats
+    from megatron_peakflat.integration.vocab import _resolve_grad
+    from megatron_peakflat.vocab import VocabConfig
+
+    cfg = VocabConfig(impl="ring-dtp", grad="auto")
+    mask = torch.ones(2, 3)
+    config = SimpleNamespace(grad_scale_func=None, calculate_per_token_loss=True)
+    stats.reset()
+    try:
+        grad, hint = _resolve_grad(cfg, True, mask, config)
+        assert grad == "in-forward" and torch.equal(hint, mask)
+        stats.add("vocab", "hint_corrections", 1)
+        assert _resolve_grad(cfg, True, mask, config) == ("recompute", None)
+    finally:
+        stats.reset()
+
+
+def test_token_split_keeps_every_row() -> None:
+    """Without sequence parallelism each ring rank takes a near-even slice of the tokens: the slices
+    start at 0, end at the token count and never differ by more than one row."""
+    from megatron_peakflat.integration.vocab import _bounds
+
+    assert _bounds(45, 2) == [0, 22, 45]
+    assert _bounds(7, 3) == [0, 2, 4, 7]
+    assert _bounds(8, 4) == [0, 2, 4, 6, 8]
+    assert _bounds(2, 4) == [0, 0, 1, 1, 2]
