@@ -335,13 +335,13 @@ def test_vocab_baseline_matches_h200_anchor():
     assert abs((201088 * 7168 * 2 + 32768 * 7168 * 2) / GIB - 3.12) < 0.02
 
 
-
 def test_vocab_baseline_splits_the_vocabulary_over_tp():
     """Megatron's output layer gathers the whole sequence and writes [T, V/tp] logits: at TP=2 a rank holds all
     T tokens' logits and fp32 softmax (w + 4 = 6 B per element in bf16) for half the vocabulary."""
     shape = ModelShape(name="anchor", hidden=7168, layers=1, heads=56, kv_heads=8, head_dim=128, ffn=1,
                        vocab=201088)
     assert M.vocab_baseline(shape, RunConfig(seq_len=32768, tp=2)) == 32768 * 201088 // 2 * 6
+
 
 @pytest.mark.parametrize("seq", [32768, 131072])
 def test_attention_backward_against_the_h200_measurement(seq):

@@ -86,7 +86,8 @@ class HostRegion:
             self.pinned, self._registered_ptr = True, ptr
 
     def carve(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled 1-D tensor of ``numel`` elements inside the region (256-byte aligned)."""
+        """A zero-filled 1-D tensor of ``numel`` elements inside the region, at a multiple of 256 bytes from
+        its start (the native pool's region starts on a page; torch's allocation on at least 64 bytes)."""
         if numel < 0:
             raise ValueError(f"HostRegion.carve: numel must be >= 0, got {numel}")
         size = dtype.itemsize
