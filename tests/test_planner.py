@@ -427,6 +427,8 @@ def test_last_stage_holds_its_copy_of_tied_embeddings():
     vocab = 1000 * 64 / 2
     assert last.rows["parameters"].baseline == pytest.approx((attn + mlp + vocab + 64) * 2)
     assert first.rows["parameters"].baseline == pytest.approx((vocab + attn + mlp) * 2)
+    (whole,) = plan(tied, RunConfig(seq_len=128, tp=2)).stages  # one stage: one copy, and the final norm
+    assert whole.rows["parameters"].baseline == pytest.approx((vocab + 2 * (attn + mlp) + 64) * 2)
 
 
 def test_attention_activations_by_hand():

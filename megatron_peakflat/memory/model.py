@@ -296,8 +296,9 @@ def stage_params(s: ModelShape, run: RunConfig, n_dense: int, n_moe: int, embedd
     expert = n_moe * (s.experts / run.ep) * mlp_params(s.hidden, s.moe_ffn, s.gated, run.etp)
     if embedding:
         dense += s.vocab * s.hidden / run.tp
+    if output:
+        dense += s.hidden  # the final norm
     if output and not (s.tied_embeddings and embedding):
-        dense += s.hidden
         if output_shards > 1:
             expert += s.vocab * s.hidden / output_shards
         else:

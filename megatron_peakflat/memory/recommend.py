@@ -86,8 +86,12 @@ def _why(p: Plan) -> list[str]:
         "optimizer step": "install Transformer Engine or apex (Megatron's Adam is then their FusedAdam, which "
                           "needs no temporary), or shard the optimizer over more ranks",
         "boundaries": "the SCO budget cannot hold the boundaries: raise --host-gib or --context-parallel-size",
-        "dispatch": "raise --expert-model-parallel-size (the chunk is at its floor)",
-        "vocab": "raise --tensor-model-parallel-size or --context-parallel-size (the block is at its floor)",
+        "attention backward": "raise --context-parallel-size or --tensor-model-parallel-size (attention's backward "
+                              "holds this rank's sequence and heads at once)",
+        "dispatch": "raise --expert-model-parallel-size (a smaller --peakflat-dispatch-chunk-cap lowers only the MoE "
+                    "phase)",
+        "vocab": "raise --tensor-model-parallel-size or --context-parallel-size (a smaller --peakflat-vocab-block-size "
+                 "lowers only the loss phase)",
     }
     out = [f"the {st.stage} stage needs {format_bytes(st.total('peakflat', guaranteed=True))} per GPU with every "
            "knob at its floor (bounded peaks at their bounds), "
@@ -162,7 +166,8 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, opti
     if cfg.sco.enabled:
         need = max(s.rows["boundaries"].baseline for s in probe.stages)
         avail = max(0.0, run.host_bytes_per_rank - opt_host)
-        cfg.sco = dataclasses.replace(cfg.sco, budget=int(min(need, avail) // GIB + (1 if need < avail else 0)) * GIB)
+        whole_gib = -(-need // GIB) if need < avail else avail // GIB
+        cfg.sco = dataclasses.replace(cfg.sco, budget=int(whole_gib) * GIB)
 
     for _ in range(64):
         p = plan(shape, run, cfg)
