@@ -37,6 +37,10 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
         components.add("attention")
     if cfg.general.report_peaks:
         components.add("report")
+    if not isinstance(config, PeakflatConfig):
+        from .integration.resume import check_resume
+
+        check_resume(config, cfg)  # raises when the checkpoint in --load could not be loaded with these flags
     if components and not isinstance(config, PeakflatConfig):
         from .integration.attention import check_dataloader_mask
 
