@@ -38,8 +38,10 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
     if cfg.general.report_peaks:
         components.add("report")
     if not isinstance(config, PeakflatConfig):
+        from .config import check_devices
         from .integration.resume import check_resume
 
+        check_devices(cfg)
         check_resume(config, cfg)  # raises when the checkpoint in --load could not be loaded with these flags
     if components and not isinstance(config, PeakflatConfig):
         from .integration.attention import check_dataloader_mask

@@ -205,6 +205,21 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
         _check_megatron_offload_fp32()
 
 
+def check_devices(cfg: PeakflatConfig) -> None:
+    """Refuse choices that need a GPU in a process that sees none (a CPU dry run of a command line): they
+    would fail at the first forward otherwise. 'auto' picks what runs on either."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    if cfg.vocab.impl != "megatron" and cfg.vocab.kernel == "triton":
+        raise PeakflatConfigError(cfg.vocab.flag("kernel"), "triton", "the Triton block kernel runs on CUDA and this "
+                                  "process sees no GPU", "pass auto (Triton on CUDA, torch elsewhere) or torch")
+    if cfg.dispatch.impl != "megatron" and cfg.dispatch.transport == "copy-engine":
+        raise PeakflatConfigError(cfg.dispatch.flag("transport"), "copy-engine", "copy engines move CUDA tensors and "
+                                  "this process sees no GPU", "pass auto (copy engines where they apply) or nccl")
+
+
 def _check_megatron_offload_fp32() -> None:
     """Megatron's own offloaded optimizer, on fp32 parameters. Up to megatron-core 0.19.2 (the last
     release checked) DistributedOptimizer hands HybridDeviceOptimizer fp32 shards that are views of the

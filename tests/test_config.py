@@ -213,6 +213,28 @@ def test_offload_stream_takes_fp16_with_fp32_gradients_and_megatrons_fp32_defaul
         assert PeakflatConfig.from_args(ns).optimizer.impl == "offload-stream"
 
 
+def test_gpu_only_choices_are_refused_where_no_gpu_is_seen(monkeypatch):
+    from megatron_peakflat.config import check_devices
+
+    on = parse("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-kernel", "triton",
+               "--peakflat-dispatch", "pipelined-llep", "--peakflat-dispatch-transport", "copy-engine")
+    cfg = PeakflatConfig.from_args(on, validate=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_devices(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(PeakflatConfigError) as e:
+        check_devices(cfg)
+    assert e.value.flag == "--peakflat-vocab-kernel" and "pass auto" in e.value.fix
+    cfg.vocab.kernel = "auto"
+    with pytest.raises(PeakflatConfigError) as e:
+        check_devices(cfg)
+    assert e.value.flag == "--peakflat-dispatch-transport" and "nccl" in e.value.fix
+    cfg.dispatch.transport = "auto"
+    check_devices(cfg)
+    check_devices(PeakflatConfig.from_args(parse("--peakflat-vocab-kernel", "triton",
+                                                 "--peakflat-dispatch-transport", "copy-engine"), validate=False))
+
+
 def test_parsed_flags_hold_only_builtin_values():
     """Megatron saves its args in every checkpoint, and --ckpt-format torch loads them with
     torch.load(weights_only=True), which refuses any class of ours: defaults and parsed sizes and counts

@@ -47,6 +47,17 @@ def test_bad_combination_fails_before_the_model_is_built():
     assert not re.search(r"iteration +1/", text)
 
 
+def test_a_gpu_only_choice_in_a_cpu_dry_run_fails_before_the_model_is_built():
+    """A command line checked on a machine without a GPU: the Triton vocab kernel is refused at start-up,
+    naming the flag and 'auto', instead of at the first forward."""
+    out = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, "--peakflat-vocab", "ring-dtp",
+              "--peakflat-vocab-kernel", "triton")
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "--peakflat-vocab-kernel='triton'" in text and "pass auto" in text, text[-3000:]
+    assert "building GPT model" not in text and not re.search(r"iteration +1/", text)
+
+
 def test_dataloader_mask_at_long_context_fails_before_the_model_is_built():
     """At 64K tokens Megatron's default [s, s] dataloader mask (4 GiB per sample) is refused at start-up,
     naming the flag and the fix, instead of the loader's workers being killed for host memory minutes in."""
