@@ -145,11 +145,23 @@ class _FileSymmetricMemory:
         return Handle()
 
 
+def _install_file_symmetric_memory(folder: str, rank: int) -> None:
+    """In this worker process: symmetric memory backed by files in ``folder``, and CUDA streams and events
+    that do nothing, so the transport's own code runs on CPU tensors."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    fake = _FileSymmetricMemory(folder, rank)
+    symm_mem.empty, symm_mem.rendezvous = fake.empty, fake.rendezvous
+    torch.cuda.Stream = torch.cuda.Event = _NoStream
+    torch.cuda.set_stream = lambda stream: None
+    torch.cuda.current_stream = lambda device=None: _NoStream()
+    torch.cuda.memory_allocated = lambda device=None: 0
+
+
 def _transport_on_cpu(rank: int, world: int, folder: str) -> list[tuple[str, bool, int]]:
     """PipelinedLLEP's overlapped calls through the copy-engine transport (its pulls copy between shared
     files here) against the same calls over gloo's all-to-all, bit for bit."""
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
 
     from megatron_peakflat import stats
     from megatron_peakflat.dispatch.api import plan_layer
@@ -158,12 +170,7 @@ def _transport_on_cpu(rank: int, world: int, folder: str) -> list[tuple[str, boo
     from megatron_peakflat.dispatch.reference import ReferenceExperts
     from tests.test_dispatch import make_routing
 
-    fake = _FileSymmetricMemory(folder, rank)
-    symm_mem.empty, symm_mem.rendezvous = fake.empty, fake.rendezvous
-    torch.cuda.Stream = torch.cuda.Event = _NoStream
-    torch.cuda.set_stream = lambda stream: None
-    torch.cuda.current_stream = lambda device=None: _NoStream()
-    torch.cuda.memory_allocated = lambda device=None: 0
+    _install_file_symmetric_memory(folder, rank)
 
     group = dist.group.WORLD
     transport = copy_engine.CopyEngineTransport(group, torch.device("cpu"))
@@ -217,14 +224,8 @@ def _growth_on_cpu(rank: int, world: int, folder: str) -> list[tuple[int, bool]]
     """Three exchanges over the file-backed symmetric memory: only rank 0's rows of the second outgrow the
     slots. Each exchange's slot size here and whether the rows received are the ones sent."""
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
 
-    fake = _FileSymmetricMemory(folder, rank)
-    symm_mem.empty, symm_mem.rendezvous = fake.empty, fake.rendezvous
-    torch.cuda.Stream = torch.cuda.Event = _NoStream
-    torch.cuda.set_stream = lambda stream: None
-    torch.cuda.current_stream = lambda device=None: _NoStream()
-    torch.cuda.memory_allocated = lambda device=None: 0
+    _install_file_symmetric_memory(folder, rank)
 
     transport = copy_engine.CopyEngineTransport(dist.group.WORLD, torch.device("cpu"))
     width, out = 1024, []
