@@ -72,7 +72,10 @@ def _parse(text: str | int | float, units: dict[str, int], what: str) -> int:
         raise ValueError(f"{text!r} is not a finite {what}")
     if unit not in units:
         raise ValueError(f"{text!r}: unknown unit {unit!r} for a {what}; use one of {sorted(k for k in units if k)}")
-    return int(round(value * units[unit]))
+    n = int(round(value * units[unit]))
+    if n == 0 and value > 0:
+        raise ValueError(f"{text!r} rounds to 0 (examples: {', '.join(_EXAMPLES[what])})")
+    return n
 
 
 _EXAMPLES = {"size": ["16GiB", "512MiB", "2e9"], "count": ["100M", "2.5B", "50k"]}

@@ -78,6 +78,8 @@ def test_every_field_has_a_flag_with_its_docstring():
     (["--peakflat-dispatch-chunk-cap", "big"], ["--peakflat-dispatch-chunk-cap", "'big' is not an integer"]),
     (["--peakflat-sco-budget", "1e400"], ["--peakflat-sco-budget", "'1e400' is not a finite size"]),
     (["--peakflat-opt-bucket", "1e400"], ["--peakflat-opt-bucket", "'1e400' is not a finite count"]),
+    (["--peakflat-opt-bucket", "0.3"], ["--peakflat-opt-bucket", "'0.3' rounds to 0", "100M"]),
+    (["--peakflat-sco-budget", "0.5B"], ["--peakflat-sco-budget", "'0.5B' rounds to 0", "16GiB"]),
 ])
 def test_unparsable_values_name_the_flag_and_the_expected_form(argv, words, capsys):
     with pytest.raises(SystemExit):
