@@ -307,3 +307,17 @@ def test_deterministic_mode_pins_the_optimizer_engine():
     assert PeakflatConfig.from_args(ns).optimizer.engine == "cpu"
     ns.deterministic_mode, ns.peakflat_opt_engine = False, "auto"
     assert PeakflatConfig.from_args(ns).optimizer.engine == "auto"
+
+
+def test_readme_flag_table_is_the_generated_one():
+    """README's flag table is what ``python -m megatron_peakflat.config`` prints from the config dataclasses:
+    every row, word for word, so a default or help changed in code cannot leave the README behind."""
+    from pathlib import Path
+
+    from megatron_peakflat.config import flags_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line for line in flags_markdown().splitlines() if line.startswith("| `--")]
+    assert len(rows) >= 30
+    missing = [row[:100] for row in rows if row not in readme.splitlines()]
+    assert not missing, missing
