@@ -312,11 +312,12 @@ def _check_offload_stream_megatron_knobs(flag: str, impl: str, args: Any) -> Non
             raise PeakflatConfigError(flag, impl,
                                       f"it keeps fp32 master weights and moments ({name} is {_get(args, dest)})",
                                       f"drop {name}, or drop {flag}")
-    if _get(args, "fp16") and not _get(args, "accumulate_allreduce_grads_in_fp32"):
+    clip = _get(args, "clip_grad", 1.0)
+    if _get(args, "fp16") and not _get(args, "accumulate_allreduce_grads_in_fp32") and clip:
         raise PeakflatConfigError(flag, impl,
-                                  "with --fp16 Megatron keeps fp16 gradients, and its gradient clipping refuses fp16 "
-                                  "gradients of an offloaded optimizer at the first step",
-                                  "add --accumulate-allreduce-grads-in-fp32, or train with --bf16")
+                                  f"with --fp16 Megatron keeps fp16 gradients, and its gradient clipping (--clip-grad "
+                                  f"{clip}) refuses fp16 gradients of an offloaded optimizer at the first step",
+                                  "add --accumulate-allreduce-grads-in-fp32, or train with --bf16 (or --clip-grad 0)")
 
 
 def _check_sco_budget(cfg: PeakflatConfig, args: Any) -> None:

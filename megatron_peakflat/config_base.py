@@ -68,12 +68,12 @@ def _parse(text: str | int | float, units: dict[str, int], what: str) -> int:
         if not m:
             raise ValueError(f"{text!r} is not a {what} (examples: {', '.join(_EXAMPLES[what])})")
         value, unit = float(m.group(1)), m.group(2).lower()
-    if not math.isfinite(value):
-        raise ValueError(f"{text!r} is not a finite {what}")
     if unit not in units:
         raise ValueError(f"{text!r}: unknown unit {unit!r} for a {what}; use one of {sorted(k for k in units if k)}")
+    if not math.isfinite(value * units[unit]):
+        raise ValueError(f"{text!r} is not a finite {what}")
     n = int(round(value * units[unit]))
-    if n == 0 and value > 0:
+    if n == 0 and value != 0:
         raise ValueError(f"{text!r} rounds to 0 (examples: {', '.join(_EXAMPLES[what])})")
     return n
 

@@ -142,6 +142,26 @@ def test_load_state_dict_restores_the_saved_group_hyperparameters():
     assert [g["lr"] for g in resumed.param_groups] == lrs
 
 
+def test_load_state_dict_does_not_take_back_a_class_from_an_older_checkpoint():
+    """Checkpoints saved before the optimizer-class knobs were kept as None hold torch.optim.AdamW in each
+    param group: loading one keeps this optimizer's own value, so its next save loads with weights_only."""
+    ps = _params()
+    opt = OffloadStreamAdamW(_groups(ps), lr=1e-3, bucket=2500, engine="cpu", host_threads=2,
+                             cpu_optimizer_cls=None)
+    _run(opt, ps, 1)
+    old = opt.state_dict()
+    for g in old["param_groups"]:
+        g["cpu_optimizer_cls"] = torch.optim.AdamW
+    resumed = OffloadStreamAdamW(_groups([torch.nn.Parameter(p.detach().clone()) for p in ps]), lr=1e-3,
+                                 bucket=2500, engine="cpu", host_threads=2, cpu_optimizer_cls=None)
+    resumed.load_state_dict(old)
+    assert all(g["cpu_optimizer_cls"] is None for g in resumed.param_groups)
+    buf = io.BytesIO()
+    torch.save(resumed.state_dict(), buf)
+    buf.seek(0)
+    torch.load(buf, weights_only=True)
+
+
 def test_load_state_dict_restores_the_auto_engines_split():
     """Under engine 'auto' the GPU/host split the saved run used is restored with the state, so the
     resumed run does not measure a different split."""

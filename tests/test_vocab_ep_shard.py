@@ -249,32 +249,52 @@ def test_pretrain_with_the_flag_trains_and_resumes_as_without_it(tmp_path):
 
 
 def test_resume_check_refuses_only_a_toggle_the_optimizer_state_cannot_follow(monkeypatch):
-    """The start-up check against --load's saved args: turning the flag on or off refuses while the distributed
-    optimizer's state would load (saved not fully reshardable); the same flag, --no-load-optim, a fully
-    reshardable save, no distributed optimizer or no checkpoint to read pass."""
+    """The start-up check against --load's saved state: turning the flag on or off refuses where Megatron
+    would load distributed-optimizer state that cannot follow it; the same flag, --no-load-optim, a release
+    checkpoint, one saved with --no-save-optim, fully reshardable state (by the content metadata, or the
+    saved args of a checkpoint without one), no distributed optimizer or nothing to read pass."""
+    from megatron.core import dist_checkpointing
+
     from megatron_peakflat.integration import resume
 
-    def check(saved_on: bool | None, now_on: bool, **kw) -> None:
-        saved = None if saved_on is None else SimpleNamespace(
-            peakflat_vocab_impl="ring-dtp", peakflat_vocab_shard_over_ep=saved_on,
-            dist_ckpt_optim_fully_reshardable=kw.pop("reshardable", False))
-        monkeypatch.setattr(resume, "saved_args", lambda args: saved)
+    def check(saved_on: bool | None, now_on: bool, sharding: str | None = "dp_reshardable", release=False,
+              **kw) -> None:
+        saved = SimpleNamespace(peakflat_vocab_impl="ring-dtp", peakflat_vocab_shard_over_ep=saved_on,
+                                dist_ckpt_optim_fully_reshardable=kw.pop("reshardable", False),
+                                no_save_optim=kw.pop("no_save_optim", None))
+        found = None if saved_on is None else ({"args": saved}, release)
+        monkeypatch.setattr(resume, "saved_state", lambda args: found)
+        monkeypatch.setattr(dist_checkpointing, "load_content_metadata", lambda preloaded_state_dict=None: (
+            None if sharding is None else {"distrib_optim_sharding_type": sharding}))
         args = SimpleNamespace(load="/ckpt", use_distributed_optimizer=kw.pop("dist_opt", True), **kw)
         cfg = PeakflatConfig.from_args(SimpleNamespace(peakflat_vocab_impl="ring-dtp",
                                                        peakflat_vocab_shard_over_ep=now_on), validate=False)
         resume.check_resume(args, cfg)
 
-    for saved_on, now_on in ((True, False), (False, True)):
+    for saved_on, now_on, kw in ((True, False, {}), (False, True, {}), (True, False, dict(sharding=None))):
         with pytest.raises(PeakflatConfigError) as e:
-            check(saved_on, now_on)
+            check(saved_on, now_on, **kw)
         assert e.value.flag == "--peakflat-vocab-shard-over-ep" and e.value.value is now_on
         assert f"saved with it {'on' if saved_on else 'off'}" in str(e.value)
         assert f"{'add' if saved_on else 'drop'} --peakflat-vocab-shard-over-ep" in e.value.fix
         assert "--no-load-optim" in e.value.fix and "--dist-ckpt-optim-fully-reshardable" in e.value.fix
     for saved_on, now_on, kw in ((True, True, {}), (False, False, {}), (True, False, dict(no_load_optim=True)),
-                                 (True, False, dict(reshardable=True)), (False, True, dict(dist_opt=False)),
-                                 (None, True, {})):
+                                 (True, False, dict(release=True)), (True, False, dict(no_save_optim=True)),
+                                 (True, False, dict(sharding="fully_reshardable")),
+                                 (True, False, dict(sharding=None, reshardable=True)),
+                                 (False, True, dict(dist_opt=False)), (None, True, {})):
         check(saved_on, now_on, **kw)
+
+
+def test_resume_check_reads_nothing_it_cannot_mirror(tmp_path):
+    """No state is read where Megatron might load another checkpoint or format than --load's tracker names."""
+    from megatron_peakflat.integration.resume import saved_state
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    for kw in (dict(ckpt_format="torch"), dict(non_persistent_ckpt_type="global"), dict(load=None),
+               dict(load=str(tmp_path / "missing"))):
+        assert saved_state(SimpleNamespace(**{"load": str(tmp_path), "ckpt_format": "torch_dist", **kw})) is None
+    assert saved_state(SimpleNamespace(load=str(tmp_path), ckpt_format="torch_dist")) is None  # unreadable
 
 
 @needs_pretrain_entry

@@ -3,8 +3,9 @@
 Megatron saves its args in every checkpoint. A peakflat flag that changes the shapes Megatron's loader
 expects fails only inside ``load_checkpoint``, after the model and optimizer are built; reading the saved
 args first turns that into a start-up error naming the flag and the fix. Only the distributed
-checkpoint's common state (``common.pt`` or its ``common_state`` object, a few KB) is read; a legacy
-``--ckpt-format torch`` file holds the whole rank's model, so it is not read here.
+checkpoint's common state is read (``common.pt``, or its ``common_state`` object, which reads the
+checkpoint's ``.metadata`` too, as Megatron's own load does on every rank); a legacy ``--ckpt-format
+torch`` file holds the whole rank's model, so it is not read here.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from ..config import PeakflatConfig, PeakflatConfigError
 
 log = logging.getLogger("megatron_peakflat")
 
-__all__ = ["check_resume", "saved_args"]
+__all__ = ["check_resume", "saved_state"]
 
 
-def saved_args(args: Any) -> Any | None:
-    """The args stored in the distributed checkpoint that ``args.load`` resumes from; None when there is
-    none to read (no ``--load``, no tracker file, another format, or an unreadable checkpoint)."""
+def saved_state(args: Any) -> tuple[dict, bool] | None:
+    """(the common state, whether it is a release checkpoint) of the distributed checkpoint that Megatron
+    will load for ``args``; None when there is none to read: no ``--load``, no tracker file, another
+    format, non-persistent checkpoints configured (Megatron may load one of those instead), a path that
+    is not a local file system, or an unreadable checkpoint."""
     load = getattr(args, "load", None)
-    if not load or getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+    if not load or getattr(args, "ckpt_format", "torch_dist") != "torch_dist" \
+            or getattr(args, "non_persistent_ckpt_type", None):
         return None
     tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
     if not os.path.isfile(tracker):
@@ -39,11 +43,30 @@ def saved_args(args: Any) -> Any | None:
         iteration = getattr(args, "ckpt_step", None) or (0 if release else int(text))
         state = dist_checkpointing.load_common_state_dict(
             get_checkpoint_name(load, iteration, release, return_base_dir=True))
-        return state.get("args")
+        return state, release
     except Exception as e:  # the real load reports its own errors; this check only helps where it can read
         log.info("peakflat: the saved args in --load %s were not read at start-up (%s: %s)", load,
                  type(e).__name__, e)
         return None
+
+
+def _optimizer_state_reshardable(state: dict, saved: Any) -> bool:
+    """Whether the checkpoint's distributed-optimizer state follows a change of the model's local shapes,
+    decided as Megatron's load decides it: from the content metadata, or for checkpoints without one
+    (megatron-core < 0.13) from the saved args."""
+    try:
+        from megatron.core import dist_checkpointing
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        meta = dist_checkpointing.load_content_metadata(preloaded_state_dict=state)
+        formats = DistributedOptimizer.checkpoint_fully_reshardable_formats
+    except Exception:
+        meta, formats = None, {"fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor"}
+    if meta and meta.get("distrib_optim_sharding_type"):
+        return meta["distrib_optim_sharding_type"] in formats
+    if getattr(saved, "dist_ckpt_optim_fully_reshardable", False):
+        return True
+    return bool(getattr(saved, "ckpt_fully_parallel_save", False))  # 'fully_sharded_model_space'
 
 
 def check_resume(args: Any, cfg: PeakflatConfig) -> None:
@@ -52,18 +75,24 @@ def check_resume(args: Any, cfg: PeakflatConfig) -> None:
     ``--peakflat-vocab-shard-over-ep`` changes the output layer's local shape and so the distributed
     optimizer's gradient buckets: the model's weights load across it (the distributed checkpoint holds the
     shard as rows of the whole), the optimizer's state only from a checkpoint saved fully reshardable.
+    Refused only where Megatron would load that state: not for a release checkpoint, ``--finetune``,
+    ``--no-load-optim`` or a checkpoint saved with ``--no-save-optim``.
     """
     if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False) \
             or not getattr(args, "use_distributed_optimizer", False):
         return
-    saved = saved_args(args)
-    if saved is None:
+    found = saved_state(args)
+    if found is None:
+        return
+    state, release = found
+    saved = state.get("args")
+    if release or saved is None or getattr(saved, "no_save_optim", False):
         return
     flag = cfg.vocab.flag("shard_over_ep")
     before = bool(getattr(saved, "peakflat_vocab_shard_over_ep", False)) \
         and getattr(saved, "peakflat_vocab_impl", "megatron") != "megatron"
     now = bool(cfg.vocab.shard_over_ep) and cfg.vocab.impl != "megatron"
-    if before == now or getattr(saved, "dist_ckpt_optim_fully_reshardable", False):
+    if before == now or _optimizer_state_reshardable(state, saved):
         return
     raise PeakflatConfigError(
         flag, now,

@@ -166,7 +166,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, opti
     if cfg.sco.enabled:
         need = max(s.rows["boundaries"].baseline for s in probe.stages)
         avail = max(0.0, run.host_bytes_per_rank - opt_host)
-        whole_gib = -(-need // GIB) if need < avail else avail // GIB
+        whole_gib = min(-(-need // GIB), avail // GIB)
         cfg.sco = dataclasses.replace(cfg.sco, budget=int(whole_gib) * GIB)
 
     for _ in range(64):

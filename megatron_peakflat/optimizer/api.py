@@ -525,7 +525,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         group_step: set[int] = set()  # parameters whose step their saved group gives
         for saved, mine in zip(groups, self.param_groups):
             for k, v in saved.items():
-                if k not in ("params", "step", "peakflat_gpu_fraction"):
+                # a class (HybridDeviceOptimizer's optimizer-class knobs, in checkpoints saved before they were
+                # kept as None) is not taken back: torch.load(weights_only=True) could not load a later save
+                if k not in ("params", "step", "peakflat_gpu_fraction") and not isinstance(v, type):
                     mine[k] = v
             for idx, p in zip(saved["params"], mine["params"]):
                 id_map[idx] = p
