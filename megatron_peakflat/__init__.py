@@ -37,20 +37,20 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
         components.add("attention")
     if cfg.general.report_peaks:
         components.add("report")
-    if not isinstance(config, PeakflatConfig):
+    from_args = not isinstance(config, PeakflatConfig)
+    if from_args:
         from .config import check_devices
         from .integration.resume import check_resume
 
         check_devices(cfg)
         check_resume(config, cfg)  # raises when the checkpoint in --load could not be loaded with these flags
-    if components and not isinstance(config, PeakflatConfig):
+    if components and from_args:
         from .integration.attention import check_dataloader_mask
 
         note = check_dataloader_mask(config)  # raises, before anything is patched, when it cannot run
         if note:
             log.warning(note)
     state.set_current(cfg)
-    from_args = not isinstance(config, PeakflatConfig)
     if from_args:
         from .integration import peaks
 

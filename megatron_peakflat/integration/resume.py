@@ -30,13 +30,13 @@ def saved_state(args: Any) -> tuple[dict, bool] | None:
     if not load or getattr(args, "ckpt_format", "torch_dist") != "torch_dist" \
             or getattr(args, "non_persistent_ckpt_type", None):
         return None
-    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(tracker):
-        return None
     try:
         from megatron.core import dist_checkpointing
-        from megatron.training.checkpointing import get_checkpoint_name
+        from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
 
+        tracker = get_checkpoint_tracker_filename(load)
+        if not os.path.isfile(tracker):
+            return None
         with open(tracker) as f:
             text = f.read().strip()
         release = text == "release"
