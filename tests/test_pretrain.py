@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module, second_resumed_log
+from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged, run_module, second_resumed_log
 from tests.conftest import needs_pretrain_entry
 
 TINY = [*TINY_GPT_ARGS, "--train-iters", "3"]
@@ -43,7 +43,7 @@ def test_bad_combination_fails_before_the_model_is_built():
     assert out.returncode != 0
     text = out.stdout + out.stderr
     assert "--peakflat-sco=True" in text and "--recompute-granularity full" in text
-    assert "Number of parameters" not in text and "building GPT model" not in text
+    assert MODEL_BUILT not in text
     assert not re.search(r"iteration +1/", text)
 
 
@@ -55,7 +55,7 @@ def test_a_gpu_only_choice_in_a_cpu_dry_run_fails_before_the_model_is_built():
     assert out.returncode != 0
     text = out.stdout + out.stderr
     assert "--peakflat-vocab-kernel='triton'" in text and "pass auto" in text, text[-3000:]
-    assert "building GPT model" not in text and not re.search(r"iteration +1/", text)
+    assert MODEL_BUILT not in text and not re.search(r"iteration +1/", text)
 
 
 def test_dataloader_mask_at_long_context_fails_before_the_model_is_built():
@@ -66,7 +66,7 @@ def test_dataloader_mask_at_long_context_fails_before_the_model_is_built():
     text = out.stdout + out.stderr
     assert out.returncode != 0
     assert "--create-attention-mask-in-dataloader=True" in text and "--no-create-attention-mask-in-dataloader" in text
-    assert "building GPT model" not in text and not re.search(r"iteration +1/", text)
+    assert MODEL_BUILT not in text and not re.search(r"iteration +1/", text)
 
 
 def _losses(text: str) -> list[float]:
@@ -108,6 +108,7 @@ def test_short_run_same_loss_with_peakflat_on(untie):
     assert ("the tied embedding's gradient joins it there" in text) == (not untie)
     assert "computed with the loss (in-forward" in text
     assert "was not the loss's real gradient" not in text
+    assert MODEL_BUILT in off and MODEL_BUILT in text  # what the start-up refusals above assert is absent
     _same_training(off, text)
 
 

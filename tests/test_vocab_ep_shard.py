@@ -20,7 +20,7 @@ import torch
 
 from megatron_peakflat import PeakflatConfig, PeakflatConfigError
 from megatron_peakflat.testing import max_rel_error, run_distributed
-from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module
+from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged, run_module
 from tests.conftest import needs_pretrain_entry
 
 V, SEQ, MB, STEPS = 128, 16, 2, 3
@@ -258,11 +258,11 @@ def test_resume_check_refuses_only_a_toggle_the_optimizer_state_cannot_follow(mo
     from megatron_peakflat.integration import resume
 
     def check(saved_on: bool | None, now_on: bool, sharding: str | None = "dp_reshardable", release=False,
-              **kw) -> None:
+              fmt: str = "torch_dist", **kw) -> None:
         saved = SimpleNamespace(peakflat_vocab_impl="ring-dtp", peakflat_vocab_shard_over_ep=saved_on,
                                 dist_ckpt_optim_fully_reshardable=kw.pop("reshardable", False),
                                 no_save_optim=kw.pop("no_save_optim", None))
-        found = None if saved_on is None else ({"args": saved}, release)
+        found = None if saved_on is None else ({"args": saved}, release, fmt)
         monkeypatch.setattr(resume, "saved_state", lambda args: found)
         monkeypatch.setattr(dist_checkpointing, "load_content_metadata", lambda preloaded_state_dict=None: (
             None if sharding is None else {"distrib_optim_sharding_type": sharding}))
@@ -284,6 +284,19 @@ def test_resume_check_refuses_only_a_toggle_the_optimizer_state_cannot_follow(mo
                                  (True, False, dict(sharding=None, reshardable=True)),
                                  (False, True, dict(dist_opt=False)), (None, True, {})):
         check(saved_on, now_on, **kw)
+    # A --ckpt-format torch checkpoint keeps local shapes: no toggle loads, not even the weights alone.
+    for saved_on, now_on, kw in ((True, False, {}), (False, True, dict(no_load_optim=True)),
+                                 (True, False, dict(release=True, finetune=True)),
+                                 (True, False, dict(sharding="fully_reshardable", dist_opt=False))):
+        with pytest.raises(PeakflatConfigError) as e:
+            check(saved_on, now_on, fmt="torch", **kw)
+        assert e.value.flag == "--peakflat-vocab-shard-over-ep" and e.value.value is now_on
+        assert f"--ckpt-format torch checkpoint in --load /ckpt was saved with it {'on' if saved_on else 'off'}" \
+            in str(e.value)
+        assert f"{'add' if saved_on else 'drop'} --peakflat-vocab-shard-over-ep" in e.value.fix
+        assert "--ckpt-format torch_dist" in e.value.fix
+    for saved_on, now_on in ((True, True), (False, False)):
+        check(saved_on, now_on, fmt="torch")
 
 
 def test_resume_check_reads_nothing_it_cannot_mirror(tmp_path):
@@ -291,34 +304,65 @@ def test_resume_check_reads_nothing_it_cannot_mirror(tmp_path):
     from megatron_peakflat.integration.resume import saved_state
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
-    for kw in (dict(ckpt_format="torch"), dict(non_persistent_ckpt_type="global"), dict(load=None),
-               dict(load=str(tmp_path / "missing"))):
+    for kw in (dict(non_persistent_ckpt_type="global"), dict(load=None), dict(load=str(tmp_path / "missing"))):
         assert saved_state(SimpleNamespace(**{"load": str(tmp_path), "ckpt_format": "torch_dist", **kw})) is None
-    assert saved_state(SimpleNamespace(load=str(tmp_path), ckpt_format="torch_dist")) is None  # unreadable
+    assert saved_state(SimpleNamespace(load=str(tmp_path), ckpt_format="torch_dist")) is None  # no iteration 2
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "iter_0000002" / "mp_rank_00").mkdir()
+    (tmp_path / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"not a checkpoint")
+    assert saved_state(SimpleNamespace(load=str(tmp_path), ckpt_format="torch")) is None  # unreadable
+
+
+def test_resume_check_reads_a_torch_format_checkpoint_as_megatron_finds_it(tmp_path):
+    """A --ckpt-format torch checkpoint is told from what is on disk (whatever --ckpt-format says now, as
+    Megatron's load tells it), rank 0's file found under any of Megatron's names for it (here the one with
+    expert parallelism): the args come back with the format."""
+    from argparse import Namespace
+
+    from megatron_peakflat.integration.resume import saved_state
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    rank0 = tmp_path / "iter_0000003" / "mp_rank_00_000"
+    rank0.mkdir(parents=True)
+    args = Namespace(peakflat_vocab_impl="ring-dtp", peakflat_vocab_shard_over_ep=True)
+    torch.save({"args": args, "model": {"w": torch.arange(6.0)}}, rank0 / "model_optim_rng.pt")
+    for now in ("torch", "torch_dist"):
+        state, release, fmt = saved_state(SimpleNamespace(load=str(tmp_path), ckpt_format=now))
+        assert (fmt, release, state["args"]) == ("torch", False, args)
+        assert torch.equal(state["model"]["w"], torch.arange(6.0))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    (tmp_path / "iter_0000003").rename(tmp_path / "release")
+    assert saved_state(SimpleNamespace(load=str(tmp_path)))[1:] == (True, "torch")
 
 
 @needs_pretrain_entry
 def test_pretrain_refuses_at_startup_a_resume_that_turns_the_flag_off(tmp_path):
     """Saved with the flag and the distributed optimizer, resumed without the flag: start-up refuses it before
     the model is built (the load itself failed with a shape mismatch after building it), naming the fixes;
-    from a checkpoint saved with --dist-ckpt-optim-fully-reshardable the same resume trains. The optimizer is
-    OffloadStreamAdamW (on this CPU shim Megatron's own distributed Adam does not resume: ``len(steps) == 1``)."""
+    from a checkpoint saved with --dist-ckpt-optim-fully-reshardable the same resume trains. A --ckpt-format
+    torch checkpoint is refused even with --no-load-optim (its model weights failed to load: local shapes).
+    The optimizer is OffloadStreamAdamW (on this CPU shim Megatron's own distributed Adam does not resume:
+    ``len(steps) == 1``)."""
     dist_opt = ("--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
                 "--peakflat-optimizer", "offload-stream")
-    for name, extra in (("plain", ()), ("reshardable", ("--dist-ckpt-optim-fully-reshardable",))):
+    cases = (("plain", (), (), "--peakflat-vocab-shard-over-ep=False: the checkpoint in --load"),
+             ("reshardable", ("--dist-ckpt-optim-fully-reshardable",), (), None),
+             ("torch", ("--ckpt-format", "torch"), ("--no-load-optim",),
+              "--peakflat-vocab-shard-over-ep=False: the --ckpt-format torch checkpoint in --load"))
+    for name, extra, at_load, refusal in cases:
         ckpt = str(tmp_path / name)
         saved = _pretrain("--train-iters", "3", "--save", ckpt, "--save-interval", "2", "--exit-interval", "2",
                           *dist_opt, *extra, *SHARD)
         assert "successfully saved checkpoint" in saved
         out = run_module("megatron_peakflat.testing.pretrain_dryrun", *TINY_GPT_ARGS, "--expert-model-parallel-size",
                          "2", "--untie-embeddings-and-output-weights", "--distributed-backend", "gloo",
-                         "--train-iters", "3", "--load", ckpt, *dist_opt, *extra, "--peakflat-vocab", "ring-dtp",
-                         nproc=2, timeout=600)
+                         "--train-iters", "3", "--load", ckpt, *dist_opt, *extra, *at_load,
+                         "--peakflat-vocab", "ring-dtp", nproc=2, timeout=600)
         text = out.stdout + out.stderr
-        if name == "plain":
+        if refusal is not None:
             assert out.returncode != 0, text[-3000:]
-            assert "--peakflat-vocab-shard-over-ep=False: the checkpoint in --load" in text, text[-3000:]
-            assert "saved with it on" in text and "building GPT model" not in text, text[-3000:]
+            assert refusal in text, text[-3000:]
+            assert "saved with it on" in text and MODEL_BUILT not in text, text[-3000:]
         else:
             assert out.returncode == 0, text[-3000:]
             assert len(logged(text, "lm loss")) == 1, text[-3000:]

@@ -2,10 +2,11 @@
 
 Megatron saves its args in every checkpoint. A peakflat flag that changes the shapes Megatron's loader
 expects fails only inside ``load_checkpoint``, after the model and optimizer are built; reading the saved
-args first turns that into a start-up error naming the flag and the fix. Only the distributed
-checkpoint's common state is read (``common.pt``, or its ``common_state`` object, which reads the
-checkpoint's ``.metadata`` too, as Megatron's own load does on every rank); a legacy ``--ckpt-format
-torch`` file holds the whole rank's model, so it is not read here.
+args first turns that into a start-up error naming the flag and the fix. The checkpoint's format is
+told from what is on disk, as Megatron's load tells it. Of a distributed checkpoint only the common state
+is read (``common.pt``, or its ``common_state`` object, which reads the checkpoint's ``.metadata`` too, as
+Megatron's own load does on every rank); of a legacy ``--ckpt-format torch`` checkpoint, rank 0's file
+memory-mapped, so that its tensors are not read.
 """
 
 from __future__ import annotations
@@ -21,18 +22,19 @@ log = logging.getLogger("megatron_peakflat")
 __all__ = ["check_resume", "saved_state"]
 
 
-def saved_state(args: Any) -> tuple[dict, bool] | None:
-    """(the common state, whether it is a release checkpoint) of the distributed checkpoint that Megatron
-    will load for ``args``; None when there is none to read: no ``--load``, no tracker file, another
-    format, non-persistent checkpoints configured (Megatron may load one of those instead), a path that
-    is not a local file system, or an unreadable checkpoint."""
+def saved_state(args: Any) -> tuple[dict, bool, str] | None:
+    """(the saved state, whether it is a release checkpoint, its format: ``"torch_dist"`` or ``"torch"``) of
+    the checkpoint that Megatron will load for ``args``; None when there is none to read: no ``--load``, no
+    tracker file, another format, non-persistent checkpoints configured (Megatron may load one of those
+    instead), a path that is not a local file system, or an unreadable checkpoint."""
     load = getattr(args, "load", None)
-    if not load or getattr(args, "ckpt_format", "torch_dist") != "torch_dist" \
-            or getattr(args, "non_persistent_ckpt_type", None):
+    if not load or getattr(args, "non_persistent_ckpt_type", None):
         return None
     try:
+        import torch
         from megatron.core import dist_checkpointing
-        from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
+        from megatron.training.checkpointing import (find_checkpoint_rank_0, get_checkpoint_name,
+                                                     get_checkpoint_tracker_filename)
 
         tracker = get_checkpoint_tracker_filename(load)
         if not os.path.isfile(tracker):
@@ -41,9 +43,14 @@ def saved_state(args: Any) -> tuple[dict, bool] | None:
             text = f.read().strip()
         release = text == "release"
         iteration = getattr(args, "ckpt_step", None) or (0 if release else int(text))
-        state = dist_checkpointing.load_common_state_dict(
-            get_checkpoint_name(load, iteration, release, return_base_dir=True))
-        return state, release
+        base = get_checkpoint_name(load, iteration, release, return_base_dir=True)
+        if dist_checkpointing.check_is_distributed_checkpoint(base):
+            return dist_checkpointing.load_common_state_dict(base), release, "torch_dist"
+        rank0 = find_checkpoint_rank_0(load, iteration, release)
+        if rank0 is None or not os.path.isfile(rank0):
+            return None
+        # torch.load's default weights_only, as Megatron's own load of this file uses
+        return torch.load(rank0, map_location="cpu", mmap=True), release, "torch"
     except Exception as e:  # the real load reports its own errors; this check only helps where it can read
         log.info("peakflat: the saved args in --load %s were not read at start-up (%s: %s)", load,
                  type(e).__name__, e)
@@ -73,31 +80,43 @@ def check_resume(args: Any, cfg: PeakflatConfig) -> None:
     """Raise PeakflatConfigError when resuming ``args.load`` with ``cfg`` would fail inside Megatron's load.
 
     ``--peakflat-vocab-shard-over-ep`` changes the output layer's local shape and so the distributed
-    optimizer's gradient buckets: the model's weights load across it (the distributed checkpoint holds the
-    shard as rows of the whole), the optimizer's state only from a checkpoint saved fully reshardable.
-    Refused only where Megatron would load that state: not for a release checkpoint, ``--finetune``,
-    ``--no-load-optim`` or a checkpoint saved with ``--no-save-optim``.
+    optimizer's gradient buckets. A distributed checkpoint holds the shard as rows of the whole, so the
+    model's weights load across the flag, and the optimizer's state only from a checkpoint saved fully
+    reshardable; that is refused only where Megatron would load that state: not for a release checkpoint,
+    ``--finetune``, ``--no-load-optim``, no distributed optimizer, or a checkpoint saved with
+    ``--no-save-optim``. A ``--ckpt-format torch`` checkpoint holds each rank's local tensors, so not even
+    the weights load across it: every such toggle is refused.
     """
-    if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False) \
-            or not getattr(args, "use_distributed_optimizer", False):
-        return
     found = saved_state(args)
     if found is None:
         return
-    state, release = found
-    saved = state.get("args")
-    if release or saved is None or getattr(saved, "no_save_optim", False):
+    state, release, fmt = found
+    saved = state.get("args") if isinstance(state, dict) else None
+    if saved is None:
         return
     flag = cfg.vocab.flag("shard_over_ep")
     before = bool(getattr(saved, "peakflat_vocab_shard_over_ep", False)) \
         and getattr(saved, "peakflat_vocab_impl", "megatron") != "megatron"
     now = bool(cfg.vocab.shard_over_ep) and cfg.vocab.impl != "megatron"
-    if before == now or _optimizer_state_reshardable(state, saved):
+    if before == now:
+        return
+    as_saved = f"resume with the flag as it was saved ({'add' if before else 'drop'} {flag})"
+    if fmt == "torch":
+        raise PeakflatConfigError(
+            flag, now,
+            f"the --ckpt-format torch checkpoint in --load {args.load} was saved with it {'on' if before else 'off'}, "
+            "and that format keeps each rank's local tensors, whose shapes this flag changes: the model's weights "
+            "would not load, after the model is built",
+            f"{as_saved}; to turn it on or off at a resume, save in --ckpt-format torch_dist")
+    if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False) \
+            or not getattr(args, "use_distributed_optimizer", False):
+        return
+    if release or getattr(saved, "no_save_optim", False) or _optimizer_state_reshardable(state, saved):
         return
     raise PeakflatConfigError(
         flag, now,
         f"the checkpoint in --load {args.load} was saved with it {'on' if before else 'off'}, and its distributed "
         "optimizer state (saved without --dist-ckpt-optim-fully-reshardable) fixes each gradient bucket's size, "
         "which this flag changes: the load would fail after the model is built",
-        f"resume with the flag as it was saved ({'add' if before else 'drop'} {flag}), or with --no-load-optim; "
+        f"{as_saved}, or with --no-load-optim; "
         "to turn it on or off at a resume, save with --dist-ckpt-optim-fully-reshardable")

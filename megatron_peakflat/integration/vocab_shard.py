@@ -16,8 +16,8 @@ describes the shard as rows of the global [V, H] tensor (``sharded_state_dict``)
 saved with the flag load into a model without it, and the other way round. The distributed optimizer's
 state follows only from a checkpoint saved with ``--dist-ckpt-optim-fully-reshardable``: its default
 layout fixes each gradient bucket's size, which the flag changes ("Global shape mismatch" at load; or load
-with ``--no-load-optim``); ``resume.check_resume`` refuses such a resume at start-up. ``--ckpt-format
-torch`` keeps local shapes and cannot cross the flag at all.
+with ``--no-load-optim``). ``--ckpt-format torch`` keeps local shapes and cannot cross the flag at all.
+``resume.check_resume`` refuses both at start-up.
 
 The model is built whole (the same initialisation as without the flag) and then cut: rank r keeps rows
 [r V/EP, (r + 1) V/EP). Only the loss path is sharded: a forward that would hand the logits to Megatron

@@ -13,7 +13,10 @@ import sys
 
 from .distributed import free_port
 
-__all__ = ["ROOT", "TINY_GPT_ARGS", "run_module", "logged", "memory_report", "second_resumed_log"]
+__all__ = ["ROOT", "TINY_GPT_ARGS", "MODEL_BUILT", "run_module", "logged", "memory_report", "second_resumed_log"]
+
+MODEL_BUILT = "> number of parameters on"
+"""What Megatron's ``get_model`` prints once the model is built: a run refused at start-up must not print it."""
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The repository root (put on PYTHONPATH and used as the working directory)."""

@@ -44,7 +44,8 @@ class VocabConfig(ComponentConfig):
     """At TP=1 with expert parallelism, shard the (untied) output layer's rows over the expert-parallel
     group and run the Ring-DTP ring over that group: each rank holds V/EP rows of the weight and of its
     main_grad (and its optimizer state follows the expert parameters') instead of all V. To turn it on or off
-    across a resume, save with --dist-ckpt-optim-fully-reshardable (or resume with --no-load-optim)."""
+    across a resume, save in --ckpt-format torch_dist with --dist-ckpt-optim-fully-reshardable (or resume with
+    --no-load-optim)."""
 
     def validate(self) -> None:
         if self.chunk_tokens < 0 or 0 < self.chunk_tokens < 128:
