@@ -18,7 +18,8 @@ import shutil
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["load", "require", "reason", "ExtensionMissingError", "register_host_memory", "unregister_host_memory"]
+__all__ = ["load", "require", "reason", "ExtensionMissingError", "register_host_memory", "unregister_host_memory",
+           "CARVE_ALIGN", "carve_end"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -118,6 +119,17 @@ def require(feature: str) -> ModuleType:
         raise ExtensionMissingError(f"{feature} needs the native extension megatron_peakflat._C: {reason()}. "
                                     f"To get it, {_BUILD_HINT}.")
     return module
+
+
+CARVE_ALIGN = 256
+"""Bytes to which a host region aligns each carve's start: the native ``HostPool.carve``'s ``kAlign``."""
+
+
+def carve_end(used: int, nbytes: int) -> int:
+    """Where ``nbytes`` carved from a region of which ``used`` bytes are taken end: the carve starts at the next
+    multiple of ``CARVE_ALIGN``. A region checks this against its capacity before carving (the CUDA build
+    of the native pool ended the process on a carve past its end instead of raising)."""
+    return (used + CARVE_ALIGN - 1) // CARVE_ALIGN * CARVE_ALIGN + nbytes
 
 
 def register_host_memory(ptr: int, nbytes: int) -> str:

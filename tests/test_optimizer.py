@@ -381,6 +381,48 @@ def test_bf16_grads_travel_as_bf16_and_match(kernel):
         assert torch.equal(p.detach(), opt.state[p]["master_param"].bfloat16())
 
 
+def test_fp32_grads_beside_bf16_grads_in_one_bucket_are_not_rounded():
+    """The CPU engine sends a bucket's gradients as bf16 only when every one of them is bf16: an fp32 gradient
+    in the same bucket as bf16 ones reaches the host kernel unrounded (the moments match torch's AdamW)."""
+    ps = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params()]
+    rs = [torch.nn.Parameter(p.detach().float()) for p in ps]
+    opt = OffloadStreamAdamW([{"params": ps}], lr=1e-3, bucket=10**6, engine="cpu", host_threads=2)
+    ref = torch.optim.AdamW([{"params": rs}], lr=1e-3, foreach=False)
+    for it in range(3):
+        for i, (p, r, g) in enumerate(zip(ps, rs, _grads(it, ps))):
+            g = g if i % 2 == 0 else g.bfloat16()
+            p.decoupled_grad, r.grad = g, g.float()
+        opt.step()
+        ref.step()
+    assert len(opt._layout.buckets) == 1
+    for p, r in zip(ps, rs):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert max_rel_error(opt.state[p][key], ref.state[r][key]) <= 1e-6, key
+        assert max_rel_error(opt.state[p]["master_param"], r.detach()) <= 1e-6
+
+
+def test_a_parameter_without_a_gradient_between_two_with_gradients_is_left_alone():
+    """In one bucket and one param group, a parameter without a gradient this step, lying between two that have
+    one, keeps its value, moments and step (as torch's AdamW skips it) under the CPU engine."""
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.nn.Parameter(torch.randn(100, generator=g)) for _ in range(3)]
+    rs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt = OffloadStreamAdamW(ps, lr=1e-2, bucket=10**4, engine="cpu", host_threads=2, pin=False)
+    ref = torch.optim.AdamW(rs, lr=1e-2, foreach=False)
+    for it in range(3):
+        for i, (p, r) in enumerate(zip(ps, rs)):
+            grad = None if (it == 1 and i == 1) else torch.randn(100, generator=g)
+            p.grad, r.grad = grad, None if grad is None else grad.clone()
+        opt.step()
+        ref.step()
+    assert len(opt._layout.buckets) == 1
+    for p, r in zip(ps, rs):
+        assert max_rel_error(p, r) <= 1e-6
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert max_rel_error(opt.state[p][key], ref.state[r][key]) <= 1e-6, key
+        assert opt.state[p]["step"].item() == ref.state[r]["step"].item()
+
+
 def test_unsupported_adam_variants_are_refused_per_group_too():
     """amsgrad / maximize are not implemented: refused in defaults, in a param group and in a loaded state_dict,
     never silently ignored."""
@@ -436,6 +478,72 @@ def test_native_stream_engine_calls_are_the_torch_streams_copies(monkeypatch):
     _run(torch_opt, ps, 6, start=1)
     _run(native_opt, qs, 6, start=1)
     assert_same_params_and_state(torch_opt, ps, native_opt, qs)
+
+
+class _FakeBucketStreamer:
+    """The extension's BucketStreamer for the Python checks in front of it: 2 slots on device 0, a call log."""
+
+    slots, device = 2, 0
+
+    def __init__(self):
+        self.calls = []
+
+    def upload(self, slot, state, host, start, numel):
+        self.calls.append(("upload", slot, start, numel))
+        return ""
+
+    def write_back(self, slot, state, host, start, numel):
+        self.calls.append(("write_back", slot, start, numel))
+        return ""
+
+    def synchronize(self, slot):
+        self.calls.append(("synchronize", slot))
+        return ""
+
+
+class _OnCuda0(torch.Tensor):
+    """A CPU tensor that reports itself on cuda:0, to reach the checks past the device one."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+class _Pinned(torch.Tensor):
+    """A CPU tensor that reports itself pinned."""
+
+    def is_pinned(self, device=None) -> bool:
+        return True
+
+
+def test_native_streamer_checks_let_every_valid_bucket_through():
+    """The Python checks in front of the BucketStreamer (a bad argument crashed the native build) let through a
+    bucket that fills its slot and ends at the host buffers' last element, and synchronize(-1) (every slot);
+    one element more, or a slot out of range, is refused with a message before anything native runs."""
+    from megatron_peakflat.optimizer.streamer import NativeStreamer
+
+    streamer = NativeStreamer.__new__(NativeStreamer)  # __init__ needs a CUDA device
+    streamer._native = fake = _FakeBucketStreamer()
+    state = torch.zeros(3, 8).as_subclass(_OnCuda0)
+    host = [torch.zeros(20).as_subclass(_Pinned) for _ in range(3)]
+    streamer.upload(1, state, host, 12, 8)
+    streamer.write_back(1, state, host, 12, 8)
+    streamer.synchronize(-1)
+    streamer.synchronize(1)
+    assert fake.calls == [("upload", 1, 12, 8), ("write_back", 1, 12, 8), ("synchronize", -1), ("synchronize", 1)]
+    for args, message in (((1, state, host, 0, 9), r"numel must be in \[0, 8\]"),
+                          ((1, state, host, 13, 8), r"host\[0\] has 20 elements"),
+                          ((2, state, host, 0, 8), r"slot must be in \[0, 2\)"),
+                          ((0, state, [torch.zeros(20)] * 3, 0, 8), "pinned")):
+        with pytest.raises(RuntimeError, match=message):
+            streamer.upload(*args)
+    with pytest.raises(RuntimeError, match="slot must be -1"):
+        streamer.synchronize(2)
+    assert len(fake.calls) == 4
 
 
 def test_stream_engine_choice():
@@ -553,3 +661,15 @@ def test_optimizer_region_does_not_pin_without_cuda(monkeypatch, caplog, native)
         region = host_memory.HostRegion(4096, pin=True, ext=_ext.load() if native else None)
     assert not region.pinned and region.pin_error == "" and calls == []
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not HAVE_NATIVE, reason="megatron_peakflat._C not built"))])
+def test_region_can_be_carved_to_its_last_byte(native):
+    """A carve that ends exactly at the region's end fits; one byte more raises MemoryError."""
+    region = host_memory.HostRegion(1024, pin=False, ext=_ext.load() if native else None)
+    first = region.carve(3, torch.float32)
+    last = region.carve(192, torch.float32)  # [256, 1024): the rest of the region, exactly
+    assert last.numel() == 192 and last.data_ptr() - first.data_ptr() == 256
+    with pytest.raises(MemoryError):
+        region.carve(1, torch.uint8)

@@ -511,6 +511,18 @@ def test_resident_bytes_count_in_later_calls(fake):
     assert meter.measured()["optimizer"].delta == 104  # 96 held + 8 allocated, not 8
 
 
+def test_reset_inside_an_open_region_keeps_that_regions_peak(fake):
+    """``reset()`` while a region is open starts a new interval of recorded peaks but leaves the allocator's
+    running peak alone: the open region still needs it, so its transient from before the reset counts."""
+    meter.enable(True)
+    with meter.component_region("vocab"):
+        fake.alloc(100)
+        fake.free(100)
+        meter.reset()
+    got = meter.measured()["vocab"]
+    assert (got.delta, got.calls) == (100, 1)
+
+
 def test_process_peak_reads_the_allocator_before_any_region(fake):
     meter.enable(True)
     fake.alloc(700)

@@ -222,6 +222,25 @@ def test_a_view_of_the_same_storage_at_another_offset_is_not_the_boundary():
     assert torch.equal(grads[0], grads[1])
 
 
+def test_a_non_contiguous_boundary_stays_on_the_device():
+    """A boundary that is not contiguous (here a transposed input) is not offloaded: only the contiguous middle
+    boundary of three goes to the host, and the gradients are those without the offloader."""
+    off = _offloader()
+    x = torch.randn(B, S, H).transpose(0, 1).requires_grad_(True)
+    assert not x.is_contiguous()
+    with off.group():
+        with off.boundary(x):
+            y = _SavesTwice.apply(x).contiguous()
+        with off.boundary(y):
+            z = _SavesTwice.apply(y)
+        with off.boundary(z):
+            out = _SavesTwice.apply(z)
+    assert off.packed == 3 and off.offloaded == 1
+    assert off.pool.peak_in_use == BOUNDARY
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 8.0))
+
+
 def _live_at_backward_start(layers: int, offloader: BoundaryOffloader | None, seq: int = S) -> int:
     model, x = _model(layers), _x(seq=seq).requires_grad_(True)
     if offloader is not None:
@@ -335,6 +354,35 @@ def test_stats_and_log(caplog):
     assert snap["device_bytes_saved_peak"] == 2 * BOUNDARY
 
 
+def test_summary_waits_for_the_backward_of_every_group_in_flight(caplog):
+    """With two microbatches in flight (both groups packed before either backward), the one-time summary is
+    logged once the backward of both has reached its first boundary, not after the first group's alone."""
+    off = _offloader()
+    model = _model(3)
+
+    def summaries():
+        return [r.getMessage() for r in caplog.records if "SCO (first backward" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="megatron_peakflat"):
+        outs = [checkpoint_chunks(list(model), _x(seed).requires_grad_(True), off) for seed in (1, 2)]
+        outs[0].sum().backward()
+        assert summaries() == []
+        outs[1].sum().backward()
+    lines = summaries()
+    assert len(lines) == 1 and "6 boundaries packed, 4 offloaded" in lines[0]
+
+
+def test_summary_reports_the_peak_of_device_bytes_saved():
+    """``device_bytes_saved_peak`` is the most boundary bytes that were off the device at once, not those off
+    it at the latest offload: a step of 4 chunks then one of 2 still reports the 3 boundaries of the first."""
+    off = _offloader()
+    _step(_model(4), _x(), off)
+    _step(_model(2), _x(), off)
+    s = off.summary()
+    assert s["device_bytes_saved_peak"] == 3 * BOUNDARY
+    assert (s["boundaries_packed"], s["boundaries_offloaded"], s["boundaries_kept_on_device"]) == (6, 4, 2)
+
+
 def test_pool_budget_and_resolve(caplog):
     pool = TorchHostPool(100, pin=False)
     a = pool.acquire(60)
@@ -380,6 +428,54 @@ def test_pool_keeps_free_slots_it_cannot_trade_for_room():
     assert pool.acquire(30) is b and pool.allocations == 2 and pool.reserved == 90
     pool.release(a)
     assert pool.acquire(70) is not None and pool.reserved == 100  # the free 60 is dropped: that makes room
+
+
+def test_pool_serves_the_smallest_free_slot_up_to_exactly_twice_the_request():
+    """Among free slots of at least the request and at most twice it, the smallest is taken (best fit); a slot of
+    exactly twice the request still counts, so it is reused rather than a new one allocated."""
+    pool = TorchHostPool(1 << 20, pin=False)
+    s150, s100, s300 = pool.acquire(150), pool.acquire(100), pool.acquire(300)
+    for s in (s150, s100, s300):
+        pool.release(s)
+    assert pool.acquire(80) is s100  # 100 and 150 both within 2 x 80: the smaller
+    assert pool.acquire(150) is s150
+    assert pool.acquire(150) is s300  # 300 == 2 x 150
+    assert pool.allocations == 3
+
+
+def test_pinned_slot_cost_is_the_next_power_of_two_not_beyond():
+    """The budget counts a pinned slot at torch's rounded block size: a size that is already a power of two
+    costs itself, one byte more costs the next power."""
+    pool = TorchHostPool(1 << 20, pin=True)
+    assert [pool._cost(n) for n in (1, 2, 4096, 4097, 1 << 16)] == [1, 2, 4096, 8192, 1 << 16]
+
+
+def test_explicit_budget_is_kept_when_available_memory_is_unknown(monkeypatch, caplog):
+    """Without /proc/meminfo the default budget is 0 (logged) but an explicit --peakflat-sco-budget is used as
+    given: there is nothing to clamp it against."""
+    from megatron_peakflat.recompute import pool as pool_module
+
+    monkeypatch.setattr(pool_module.host, "mem_available", lambda *a, **k: None)
+    with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
+        assert resolve_budget(None, local_ranks=1) == 0
+    assert any("cannot read MemAvailable" in r.getMessage() for r in caplog.records)
+    assert resolve_budget(3 << 20, local_ranks=2) == 3 << 20
+
+
+@pytest.mark.skipif(not _native_available(), reason="megatron_peakflat._C not built")
+def test_native_pool_refuses_a_slot_that_would_not_fit_once_aligned():
+    """The native region carves slots at 256-byte offsets: a request that fits the bytes left but not the space
+    after the next aligned offset gets None (its boundary stays on the device), never an error."""
+    from megatron_peakflat import _ext
+    from megatron_peakflat.recompute import NativeHostPool
+
+    pool = NativeHostPool(1024, pin=False, module=_ext.load())
+    assert pool.acquire(100) is not None
+    assert pool.acquire(900) is None  # 100 + 900 <= 1024, but the next slot starts at 256
+    slot = pool.acquire(512)
+    assert slot is not None and slot.nbytes == 512 and pool.reserved <= pool.budget
+    assert pool.acquire(256) is not None and pool.reserved == 1024  # ends at the region's last byte: taken
+    assert pool.acquire(1) is None
 
 
 def test_native_pool_falls_back_when_missing(monkeypatch, caplog):

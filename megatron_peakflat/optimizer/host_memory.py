@@ -17,7 +17,7 @@ import torch
 
 from ..config_base import format_bytes
 from ..memory import host
-from .._ext import register_host_memory, unregister_host_memory
+from .._ext import carve_end, register_host_memory, unregister_host_memory
 
 __all__ = ["HostMemoryError", "HostRegion", "check_host_budget"]
 
@@ -93,7 +93,7 @@ class HostRegion:
         size = dtype.itemsize
         used = int(self._pool.used) if self._pool is not None else self._used
         capacity = int(self._pool.capacity) if self._pool is not None else self.nbytes
-        off = (used + 255) // 256 * 256
+        off = carve_end(used, 0)
         end = off + numel * size
         if end > capacity:  # checked here: an exception thrown by the CUDA build of the pool killed the process
             raise MemoryError(f"HostRegion: {end} bytes needed, {capacity} reserved")

@@ -23,7 +23,7 @@ import torch
 
 from ..config_base import format_bytes
 from ..memory import host
-from .._ext import register_host_memory, unregister_host_memory
+from .._ext import carve_end, register_host_memory, unregister_host_memory
 
 __all__ = ["HostSlot", "HostPool", "TorchHostPool", "NativeHostPool", "make_pool", "resolve_budget"]
 
@@ -254,7 +254,7 @@ class NativeHostPool(_RecyclingPool):
             unregister_host_memory(self._registered_ptr)
 
     def _new_slot(self, nbytes: int) -> HostSlot | None:
-        if self._region.used + nbytes + 256 > self._region.capacity:  # 256: the region's carve alignment
+        if carve_end(self._region.used, nbytes) > self._region.capacity:
             return None
         slot = HostSlot(self._region.carve(nbytes, torch.uint8), cost=nbytes)
         self.reserved = self._region.used
