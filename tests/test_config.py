@@ -325,3 +325,119 @@ def test_readme_flag_table_is_the_generated_one():
     assert len(rows) >= 30
     missing = [row[:100] for row in rows if row not in readme.splitlines()]
     assert not missing, missing
+
+
+def test_sizes_round_to_the_nearest_unit_and_each_suffix_means_its_documented_scale():
+    """2.01M is 2009999.9999999998 in floating point: it parses to 2010000, not one less. Decimal suffixes
+    (KB, MB, TB; counts k, M, G, T) are powers of ten, the binary ones (KiB, TiB) powers of two."""
+    assert parse_count("2.01M") == 2_010_000 and parse_size("2.01MB") == 2_010_000
+    assert parse_size("4KB") == 4000 and parse_size("4KiB") == 4096
+    assert parse_size("1TB") == 10**12 and parse_size("1TiB") == 2**40
+    assert parse_count("1T") == 10**12 and parse_count("3G") == 3 * 10**9
+
+
+def test_format_bytes_switches_unit_exactly_at_each_power_of_two():
+    """The size shown in messages (e.g. the dataloader mask's) uses the largest unit it reaches: 1 GiB is
+    '1.00 GiB', not '1024.00 MiB'."""
+    from megatron_peakflat.config_base import format_bytes
+
+    assert format_bytes(2**30) == "1.00 GiB" and format_bytes(2**30 - 2**20) == "1023.00 MiB"
+    assert format_bytes(1024) == "1.00 KiB" and format_bytes(1023) == "1023 B"
+
+
+def test_auto_is_taken_only_by_fields_chosen_at_start_up(capsys):
+    """'auto' or 'none' (any case) leaves an optional field to start-up; a field without an automatic choice
+    refuses the word as an argument error naming the flag."""
+    ns = parse("--peakflat-sco-budget", "auto", "--peakflat-dispatch-chunk-cap", "AUTO", "--peakflat-opt-host-threads",
+               "none")
+    assert ns.peakflat_sco_budget is None and ns.peakflat_dispatch_chunk_cap is None
+    assert ns.peakflat_opt_host_threads is None
+    for flag, words in (("--peakflat-opt-bucket", "'auto' is not a count"),
+                        ("--peakflat-dispatch-max-chunks", "'auto' is not an integer")):
+        with pytest.raises(SystemExit):
+            parse(flag, "auto")
+        err = capsys.readouterr().err
+        assert flag in err and words in err, err
+
+
+@pytest.mark.parametrize("granularity, fix", [
+    (None, "add --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"),
+    ("selective", "pass --recompute-granularity full in place of 'selective', with --recompute-method uniform "
+                  "--recompute-num-layers 1"),
+])
+def test_sco_without_full_recompute_gives_the_fix_for_what_was_passed(granularity, fix):
+    """No --recompute-granularity: the fix adds it; another granularity: the fix names the one to replace."""
+    ns = parse("--peakflat-sco")
+    for k, v in vars(megatron_args(recompute_granularity=granularity)).items():
+        setattr(ns, k, v)
+    with pytest.raises(PeakflatConfigError) as e:
+        PeakflatConfig.from_args(ns)
+    assert e.value.flag == "--peakflat-sco" and e.value.fix == fix
+
+
+def test_sdpa_refusals_apply_only_where_sdpa_was_asked_for():
+    """Sliding-window attention and other softmax types are refused with --peakflat-attention sdpa only: under
+    'auto' or 'local' the SDPA core attention hands such layers back to Megatron, so start-up accepts them."""
+    for extra in (dict(window_size=(64, 0)), dict(softmax_type="off-by-one")):
+        for mode in ("auto", "local", "sdpa"):
+            ns = parse("--peakflat-attention", mode)
+            for k, v in vars(megatron_args(**extra)).items():
+                setattr(ns, k, v)
+            if mode == "sdpa":
+                with pytest.raises(PeakflatConfigError) as e:
+                    PeakflatConfig.from_args(ns)
+                assert e.value.flag == "--peakflat-attention"
+            else:
+                assert PeakflatConfig.from_args(ns).general.attention == mode
+
+
+@pytest.mark.parametrize("megatron, fix", [
+    (dict(add_bias_linear=True), "pass --disable-bias-linear"),
+    (dict(fp8="hybrid"), "drop --fp8-format"),
+    (dict(fp4="nvfp4"), "drop --fp4-format"),
+    (dict(moe_router_padding_for_quantization=True), "drop --moe-router-padding-for-quantization"),
+    (dict(delay_wgrad_compute=True), "drop --delay-wgrad-compute"),
+    (dict(overlap_dispatch_backward_with_experts_wgrad=True), "drop --overlap-dispatch-backward-with-experts-wgrad"),
+    (dict(moe_latent_size=64), "drop --moe-latent-size"),
+    (dict(enable_cuda_graph=True), "drop --enable-cuda-graph"),
+    (dict(use_te_activation_func=True), "drop --use-te-activation-func"),
+    (dict(use_transformer_engine_op_fuser=True), "drop --use-transformer-engine-op-fuser"),
+    (dict(moe_single_grouped_weight=True), "drop --moe-single-grouped-weight"),
+    (dict(moe_single_grouped_bias=True), "drop --moe-single-grouped-bias"),
+    (dict(moe_mlp_glu_interleave_size=2), "drop --moe-mlp-glu-interleave-size"),
+    (dict(cuda_graph_impl="transformer_engine"), "drop --cuda-graph-impl"),
+    (dict(transformer_impl="inference_optimized"), "use --transformer-impl transformer_engine or local"),
+    (dict(fine_grained_activation_offloading=True, offload_modules=["expert_fc1"]),
+     "drop expert_fc1 from --offload-modules"),
+    (dict(fine_grained_activation_offloading=True, offload_modules=["moe_act"]), "drop moe_act from --offload-modules"),
+])
+def test_every_megatron_flag_pipelinedllep_would_hand_back_is_refused_naming_its_fix(megatron, fix):
+    """Each Megatron flag whose MoE layers PipelinedLLEP would silently leave to Megatron's dispatcher fails at
+    start-up; the fix names that Megatron flag, or dropping --peakflat-dispatch."""
+    ns = parse("--peakflat-dispatch", "pipelined-llep")
+    for k, v in vars(megatron_args(**megatron)).items():
+        setattr(ns, k, v)
+    with pytest.raises(PeakflatConfigError) as e:
+        PeakflatConfig.from_args(ns)
+    assert e.value.flag == "--peakflat-dispatch" and e.value.fix == f"{fix}, or drop --peakflat-dispatch"
+
+
+@pytest.mark.parametrize("megatron, boundary", [
+    (dict(context_parallel_size=2), 4 * 2**20),  # each CP rank holds half the sequence
+    (dict(micro_batch_size=2), 16 * 2**20),
+    (dict(bf16=False, fp16=True), 8 * 2**20),  # two bytes per element, as bf16
+    (dict(bf16=False, optimizer_cpu_offload=False), 16 * 2**20),  # fp32: four
+])
+def test_sco_budget_boundary_follows_context_parallelism_micro_batch_and_precision(megatron, boundary):
+    """One checkpoint boundary of 4096 x 1024 is 8 MiB in bf16; a budget of exactly one boundary passes and one
+    byte less is refused, naming the boundary's size."""
+    for budget, ok in ((boundary, True), (boundary - 1, False)):
+        ns = parse("--peakflat-sco", "--peakflat-sco-budget", str(budget))
+        for k, v in vars(megatron_args(seq_length=4096, hidden_size=1024, **megatron)).items():
+            setattr(ns, k, v)
+        if ok:
+            assert PeakflatConfig.from_args(ns).sco.budget == budget
+        else:
+            with pytest.raises(PeakflatConfigError) as e:
+                PeakflatConfig.from_args(ns)
+            assert e.value.flag == "--peakflat-sco-budget" and f"({boundary} bytes" in str(e.value)

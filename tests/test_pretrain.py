@@ -228,3 +228,16 @@ def test_checkpoint_resume_with_dropout_matches_megatrons_resume(tmp_path):
     theirs = _save_and_resume(str(tmp_path / "off"), base=dropout)
     assert len(ours) == 3
     assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+def test_defaults_added_without_transformer_engine_never_override_a_flag_the_user_passed(monkeypatch):
+    """Without Transformer Engine the entry point adds --transformer-impl local, --no-rope-fusion and
+    --no-persist-layer-norm; a flag the user passed, in either spelling (``--flag value`` or ``--flag=value``,
+    ``--rope-fusion`` or ``--no-rope-fusion``), is left as given and nothing is appended for it."""
+    from megatron_peakflat import pretrain
+
+    monkeypatch.setattr(pretrain, "transformer_engine_available", lambda: False)
+    assert pretrain._default_argv([])[:4] == ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm"]
+    given = ["--transformer-impl=transformer_engine", "--rope-fusion", "--no-persist-layer-norm",
+             "--no-gradient-accumulation-fusion"]
+    assert pretrain._default_argv(given) == given

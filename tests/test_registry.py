@@ -162,3 +162,67 @@ def test_a_large_dataloader_mask_is_warned_about_and_none_is_quiet(caplog):
         megatron_peakflat.remove()
         megatron_peakflat.apply(_megatron_args(8192, True))  # 64 MiB
     assert not [r for r in caplog.records if "attention mask" in r.getMessage()], caplog.text
+
+
+def test_static_methods_stay_static_and_remove_restores_the_very_descriptor():
+    """CheckpointFunction.forward/backward are staticmethods: patched, they stay staticmethods (a call through an
+    instance gets no self), and remove() puts back the original descriptor object, not the bare function."""
+    import inspect
+
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    names = ("forward", "backward")
+    before = {n: inspect.getattr_static(CheckpointFunction, n) for n in names}
+    assert all(isinstance(d, staticmethod) for d in before.values())
+    megatron_peakflat.apply(PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep"),
+                                           general=GeneralConfig(attention="local")))
+    for n in names:
+        patched = inspect.getattr_static(CheckpointFunction, n)
+        assert isinstance(patched, staticmethod) and patched is not before[n], n
+    megatron_peakflat.remove()
+    assert {n: inspect.getattr_static(CheckpointFunction, n) for n in names} == before
+
+
+def test_apply_validates_a_config_object_before_patching():
+    """``apply(PeakflatConfig(...))`` runs the field checks too: a bad value fails naming its flag, and nothing
+    is patched."""
+    before = snapshot()
+    with pytest.raises(megatron_peakflat.PeakflatConfigError) as e:
+        megatron_peakflat.apply(PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=0),
+                                               general=GeneralConfig(attention="local")))
+    assert e.value.flag == "--peakflat-dispatch-chunk-cap"
+    assert registry.applied() == [] and snapshot() == before
+
+
+def test_auto_attention_patches_sdpa_only_without_transformer_engine(monkeypatch):
+    """The default --peakflat-attention auto puts SDPA in Megatron's local spec when Transformer Engine is
+    absent, and leaves attention alone when it is present."""
+    from megatron_peakflat.integration import attention
+
+    for te, patched in ((False, ["megatron.core.models.backends.LocalSpecProvider.core_attention"]), (True, [])):
+        monkeypatch.setattr(attention, "transformer_engine_available", lambda te=te: te)
+        megatron_peakflat.apply(PeakflatConfig())
+        assert registry.applied() == patched, te
+        megatron_peakflat.remove()
+
+
+def test_a_dataloader_mask_is_left_alone_when_no_component_is_on():
+    """With every component off Megatron runs unchanged: its dataloader mask at 64K tokens is not refused."""
+    from tests.test_config import megatron_args, parse
+
+    ns = parse("--peakflat-attention", "local")
+    for k, v in vars(megatron_args(seq_length=65536, micro_batch_size=1, create_attention_mask_in_dataloader=True)).items():
+        setattr(ns, k, v)
+    cfg = megatron_peakflat.apply(ns)
+    assert not any(cfg.enabled.values()) and registry.applied() == []
+
+
+def test_a_moved_class_fails_naming_it_even_for_its_dunder_methods(monkeypatch):
+    """An entry like ``MoELayer.__init__`` whose class this megatron-core lacks fails at start-up naming the
+    symbol (``None`` has an ``__init__`` too, so the missing class must be caught, not the missing attribute)."""
+    bogus = registry.Patch("sco", "megatron.core.recompute", "NoSuchLayer.__init__",
+                           "megatron_peakflat.integration.recompute:wrap_checkpointed_forward", "test entry")
+    monkeypatch.setattr(registry, "PATCHES", (bogus,))
+    with pytest.raises(registry.PeakflatIntegrationError, match=r"megatron\.core\.recompute\.NoSuchLayer\.__init__"):
+        megatron_peakflat.apply(PeakflatConfig(sco=SCOConfig(enabled=True), general=GeneralConfig(attention="local")))
+    assert registry.applied() == []

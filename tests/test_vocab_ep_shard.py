@@ -366,3 +366,69 @@ def test_pretrain_refuses_at_startup_a_resume_that_turns_the_flag_off(tmp_path):
         else:
             assert out.returncode == 0, text[-3000:]
             assert len(logged(text, "lm loss")) == 1, text[-3000:]
+
+
+def test_resume_check_reads_the_checkpoint_megatron_will_load(tmp_path, monkeypatch):
+    """A distributed checkpoint's common state is read from the iteration the tracker names, from --ckpt-step's
+    iteration when one is given, and from release/ for a release checkpoint, which is reported as one."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_peakflat.integration.resume import saved_state
+
+    monkeypatch.setattr(dist_checkpointing, "check_is_distributed_checkpoint", lambda path: True)
+    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", lambda path: {"read": path})
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
+    args = SimpleNamespace(load=str(tmp_path), ckpt_format="torch_dist")
+    assert saved_state(args) == ({"read": str(tmp_path / "iter_0000007")}, False, "torch_dist")
+    args.ckpt_step = 5
+    assert saved_state(args) == ({"read": str(tmp_path / "iter_0000005")}, False, "torch_dist")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    del args.ckpt_step
+    assert saved_state(args) == ({"read": str(tmp_path / "release")}, True, "torch_dist")
+
+
+def test_resume_check_passes_a_finetune_and_state_saved_fully_parallel_or_with_no_effect(monkeypatch):
+    """Turning the flag off at a resume passes where Megatron loads no optimizer state (--finetune), where that
+    state follows the new shapes (saved with --ckpt-fully-parallel-save by a megatron-core without content
+    metadata: 'fully_sharded_model_space'), and where the saved flag had no effect (the vocab component off);
+    the same resume without any of these is refused."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_peakflat.integration import resume
+
+    monkeypatch.setattr(dist_checkpointing, "load_content_metadata", lambda preloaded_state_dict=None: None)
+    cfg = PeakflatConfig.from_args(SimpleNamespace(peakflat_vocab_impl="ring-dtp"), validate=False)
+
+    def check(args: dict, saved: dict) -> None:
+        saved = SimpleNamespace(**{"peakflat_vocab_impl": "ring-dtp", "peakflat_vocab_shard_over_ep": True, **saved})
+        monkeypatch.setattr(resume, "saved_state", lambda a: ({"args": saved}, False, "torch_dist"))
+        resume.check_resume(SimpleNamespace(load="/ckpt", use_distributed_optimizer=True, **args), cfg)
+
+    with pytest.raises(PeakflatConfigError):
+        check({}, {})
+    check(dict(finetune=True), {})
+    check({}, dict(ckpt_fully_parallel_save=True))
+    check({}, dict(peakflat_vocab_impl="megatron"))
+
+
+def test_apply_refuses_a_resume_the_optimizer_state_cannot_follow_before_patching(monkeypatch):
+    """``apply(args)`` runs the resume check at start-up: a checkpoint saved with the flag on, resumed with it
+    off, fails naming the flag, with nothing patched and no config made current."""
+    from megatron.core import dist_checkpointing
+
+    import megatron_peakflat
+    from megatron_peakflat.integration import registry, resume, state
+    from tests.test_config import megatron_args, parse
+
+    saved = SimpleNamespace(peakflat_vocab_impl="ring-dtp", peakflat_vocab_shard_over_ep=True)
+    monkeypatch.setattr(resume, "saved_state", lambda args: ({"args": saved}, False, "torch_dist"))
+    monkeypatch.setattr(dist_checkpointing, "load_content_metadata",
+                        lambda preloaded_state_dict=None: {"distrib_optim_sharding_type": "dp_reshardable"})
+    ns = parse("--peakflat-vocab", "ring-dtp", "--peakflat-attention", "local")
+    for k, v in vars(megatron_args(load="/ckpt")).items():
+        setattr(ns, k, v)
+    megatron_peakflat.remove()
+    with pytest.raises(PeakflatConfigError) as e:
+        megatron_peakflat.apply(ns)
+    assert e.value.flag == "--peakflat-vocab-shard-over-ep" and "saved with it on" in str(e.value)
+    assert registry.applied() == [] and state.get() is None

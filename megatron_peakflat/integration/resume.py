@@ -66,11 +66,10 @@ def _optimizer_state_reshardable(state: dict, saved: Any) -> bool:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         meta = dist_checkpointing.load_content_metadata(preloaded_state_dict=state)
-        formats = DistributedOptimizer.checkpoint_fully_reshardable_formats
-    except Exception:
-        meta, formats = None, {"fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor"}
-    if meta and meta.get("distrib_optim_sharding_type"):
-        return meta["distrib_optim_sharding_type"] in formats
+        if meta and meta.get("distrib_optim_sharding_type"):
+            return meta["distrib_optim_sharding_type"] in DistributedOptimizer.checkpoint_fully_reshardable_formats
+    except Exception:  # no content metadata to read: decided from the saved args below
+        pass
     if getattr(saved, "dist_ckpt_optim_fully_reshardable", False):
         return True
     return bool(getattr(saved, "ckpt_fully_parallel_save", False))  # 'fully_sharded_model_space'
