@@ -148,16 +148,21 @@ class _SavesTwice(torch.autograd.Function):
         return g * 2
 
 
+def _saves_twice_chain(off: BoundaryOffloader, x: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` boundaries in one group, each saving its (contiguous) input twice; the last one's output."""
+    with off.group():
+        for _ in range(n):
+            with off.boundary(x):
+                x = _SavesTwice.apply(x).contiguous()
+    return x
+
+
 def test_only_the_first_save_of_the_boundary_is_packed():
     """A boundary saved twice inside its checkpoint takes one slot and is counted once; the second save is
     left to autograd, and the gradients are those without the offloader."""
     off = _offloader()
     x = _x().requires_grad_(True)
-    with off.group():
-        with off.boundary(x):
-            y = _SavesTwice.apply(x)
-        with off.boundary(y):
-            z = _SavesTwice.apply(y)
+    z = _saves_twice_chain(off, x, 2)
     assert off.packed == 2 and off.offloaded == 1
     assert off.pool.peak_in_use == BOUNDARY
     z.sum().backward()
@@ -228,13 +233,7 @@ def test_a_non_contiguous_boundary_stays_on_the_device():
     off = _offloader()
     x = torch.randn(B, S, H).transpose(0, 1).requires_grad_(True)
     assert not x.is_contiguous()
-    with off.group():
-        with off.boundary(x):
-            y = _SavesTwice.apply(x).contiguous()
-        with off.boundary(y):
-            z = _SavesTwice.apply(y)
-        with off.boundary(z):
-            out = _SavesTwice.apply(z)
+    out = _saves_twice_chain(off, x, 3)
     assert off.packed == 3 and off.offloaded == 1
     assert off.pool.peak_in_use == BOUNDARY
     out.sum().backward()
