@@ -25,6 +25,15 @@ def megatron_args(**kw):
     return SimpleNamespace(**base)
 
 
+def parse_with_megatron(*argv: str, **megatron) -> argparse.Namespace:
+    """``parse(*argv)`` with ``megatron_args(**megatron)`` set on it: one namespace, as Megatron's parser
+    hands peakflat's flags and its own together."""
+    ns = parse(*argv)
+    for k, v in vars(megatron_args(**megatron)).items():
+        setattr(ns, k, v)
+    return ns
+
+
 def test_sizes_and_counts():
     assert parse_size("16GiB") == 16 * 2**30
     assert parse_size("512MiB") == 512 * 2**20
@@ -46,13 +55,11 @@ def test_defaults_change_nothing():
 
 
 def test_flags_round_trip_into_config():
-    ns = parse("--peakflat-dispatch", "pipelined-llep", "--peakflat-dispatch-chunk-cap", "4096",
-               "--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule", "weights",
-               "--peakflat-sco", "--peakflat-sco-budget", "32GiB",
-               "--peakflat-optimizer", "offload-stream", "--peakflat-opt-bucket", "100M",
-               "--peakflat-attention", "sdpa", "--peakflat-report-peaks")
-    for k, v in vars(megatron_args()).items():
-        setattr(ns, k, v)
+    ns = parse_with_megatron("--peakflat-dispatch", "pipelined-llep", "--peakflat-dispatch-chunk-cap", "4096",
+                             "--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule", "weights",
+                             "--peakflat-sco", "--peakflat-sco-budget", "32GiB",
+                             "--peakflat-optimizer", "offload-stream", "--peakflat-opt-bucket", "100M",
+                             "--peakflat-attention", "sdpa", "--peakflat-report-peaks")
     cfg = PeakflatConfig.from_args(ns)
     assert cfg.dispatch.impl == "pipelined-llep" and cfg.dispatch.chunk_cap == 4096
     assert cfg.vocab.impl == "ring-dtp" and cfg.vocab.schedule == "weights"
@@ -130,9 +137,7 @@ def test_copy_engine_transport_refuses_an_ep_group_wider_than_a_host(monkeypatch
     argv = ["--peakflat-dispatch", "pipelined-llep", "--peakflat-dispatch-transport", "copy-engine"]
     for lws, refused in (("1", True), ("2", False), ("", False)):  # EP=2; no LOCAL_WORLD_SIZE: checked at the first call
         monkeypatch.setenv("LOCAL_WORLD_SIZE", lws)
-        ns = parse(*argv)
-        for k, v in vars(megatron_args(disable_bias_linear=True, add_bias_linear=False)).items():
-            setattr(ns, k, v)
+        ns = parse_with_megatron(*argv, disable_bias_linear=True, add_bias_linear=False)
         if refused:
             with pytest.raises(PeakflatConfigError) as e:
                 PeakflatConfig.from_args(ns)
@@ -145,9 +150,8 @@ def test_an_sco_budget_of_one_boundary_or_auto_passes():
     """8 MiB is one boundary of 4096 x 1024 bf16; with sequence parallelism over TP=2 a boundary is half that."""
     for budget, megatron in (("8MiB", {}), (None, {}),
                              ("4MiB", dict(tensor_model_parallel_size=2, sequence_parallel=True))):
-        ns = parse("--peakflat-sco", *(["--peakflat-sco-budget", budget] if budget else []))
-        for k, v in vars(megatron_args(seq_length=4096, hidden_size=1024, **megatron)).items():
-            setattr(ns, k, v)
+        ns = parse_with_megatron("--peakflat-sco", *(["--peakflat-sco-budget", budget] if budget else []),
+                                 seq_length=4096, hidden_size=1024, **megatron)
         assert PeakflatConfig.from_args(ns).sco.enabled
 
 
@@ -197,9 +201,7 @@ def test_an_sco_budget_of_one_boundary_or_auto_passes():
     ],
 )
 def test_incompatible_combinations_fail_at_startup(argv, megatron, flag, words):
-    ns = parse(*argv)
-    for k, v in vars(megatron_args(**megatron)).items():
-        setattr(ns, k, v)
+    ns = parse_with_megatron(*argv, **megatron)
     with pytest.raises(PeakflatConfigError) as e:
         PeakflatConfig.from_args(ns)
     assert e.value.flag == flag
@@ -213,9 +215,7 @@ def test_offload_stream_takes_fp16_with_fp32_gradients_or_no_clipping_and_megatr
                      dict(bf16=False, fp16=True, clip_grad=0.0),
                      dict(optimizer_offload_fraction=1.0, exp_avg_dtype=torch.float32, exp_avg_sq_dtype="fp32",
                           main_params_dtype=torch.float32)):
-        ns = parse("--peakflat-optimizer", "offload-stream")
-        for k, v in vars(megatron_args(**megatron)).items():
-            setattr(ns, k, v)
+        ns = parse_with_megatron("--peakflat-optimizer", "offload-stream", **megatron)
         assert PeakflatConfig.from_args(ns).optimizer.impl == "offload-stream"
 
 
@@ -257,9 +257,7 @@ def test_parsed_flags_hold_only_builtin_values():
                                         ("optimizer_cpu_offload", "--optimizer-cpu-offload"),
                                         ("use_precision_aware_optimizer", "--use-precision-aware-optimizer")])
 def test_offload_stream_names_exactly_the_missing_megatron_flag(dest, flag):
-    ns = parse("--peakflat-optimizer", "offload-stream")
-    for k, v in vars(megatron_args(**{dest: False})).items():
-        setattr(ns, k, v)
+    ns = parse_with_megatron("--peakflat-optimizer", "offload-stream", **{dest: False})
     with pytest.raises(PeakflatConfigError) as e:
         PeakflatConfig.from_args(ns)
     assert e.value.fix == f"add {flag}"
@@ -273,9 +271,7 @@ def test_megatron_offload_runs_in_half_precision_and_offload_stream_in_fp32(monk
     monkeypatch.setattr(config, "_megatron_core_version", lambda: (0, 19, 2))
     for argv, megatron in [([], dict(bf16=True)), ([], dict(bf16=False, fp16=True)),
                            (["--peakflat-optimizer", "offload-stream"], dict(bf16=False))]:
-        ns = parse(*argv)
-        for k, v in vars(megatron_args(**megatron)).items():
-            setattr(ns, k, v)
+        ns = parse_with_megatron(*argv, **megatron)
         cfg = PeakflatConfig.from_args(ns)  # no refusal, and the optimizer asked for
         assert cfg.optimizer.impl == ("offload-stream" if argv else "megatron"), (argv, megatron)
 
@@ -285,9 +281,7 @@ def test_the_fp32_refusal_stops_at_the_last_megatron_core_checked(monkeypatch):
     Megatron-LM's fix (PR 6982) or their own error."""
     import megatron_peakflat.config as config
 
-    ns = parse()
-    for k, v in vars(megatron_args(bf16=False)).items():
-        setattr(ns, k, v)
+    ns = parse_with_megatron(bf16=False)
     for version, refused in [((0, 19, 2), True), ((0, 17, 0), True), ((0, 19, 3), False), ((0, 20, 0), False),
                              (None, False)]:
         monkeypatch.setattr(config, "_megatron_core_version", lambda v=version: v)
@@ -303,9 +297,7 @@ def test_the_fp32_refusal_stops_at_the_last_megatron_core_checked(monkeypatch):
 def test_deterministic_mode_pins_the_optimizer_engine():
     """engine='auto' splits buckets between two kernels by measured speed (not bit-for-bit repeatable);
     Megatron's --deterministic-mode resolves it to 'gpu' at start-up, and an explicit choice stays."""
-    ns = parse("--peakflat-optimizer", "offload-stream")
-    for k, v in vars(megatron_args(deterministic_mode=True)).items():
-        setattr(ns, k, v)
+    ns = parse_with_megatron("--peakflat-optimizer", "offload-stream", deterministic_mode=True)
     assert PeakflatConfig.from_args(ns).optimizer.engine == "gpu"
     ns.peakflat_opt_engine = "cpu"
     assert PeakflatConfig.from_args(ns).optimizer.engine == "cpu"
@@ -367,9 +359,7 @@ def test_auto_is_taken_only_by_fields_chosen_at_start_up(capsys):
 ])
 def test_sco_without_full_recompute_gives_the_fix_for_what_was_passed(granularity, fix):
     """No --recompute-granularity: the fix adds it; another granularity: the fix names the one to replace."""
-    ns = parse("--peakflat-sco")
-    for k, v in vars(megatron_args(recompute_granularity=granularity)).items():
-        setattr(ns, k, v)
+    ns = parse_with_megatron("--peakflat-sco", recompute_granularity=granularity)
     with pytest.raises(PeakflatConfigError) as e:
         PeakflatConfig.from_args(ns)
     assert e.value.flag == "--peakflat-sco" and e.value.fix == fix
@@ -380,9 +370,7 @@ def test_sdpa_refusals_apply_only_where_sdpa_was_asked_for():
     'auto' or 'local' the SDPA core attention hands such layers back to Megatron, so start-up accepts them."""
     for extra in (dict(window_size=(64, 0)), dict(softmax_type="off-by-one")):
         for mode in ("auto", "local", "sdpa"):
-            ns = parse("--peakflat-attention", mode)
-            for k, v in vars(megatron_args(**extra)).items():
-                setattr(ns, k, v)
+            ns = parse_with_megatron("--peakflat-attention", mode, **extra)
             if mode == "sdpa":
                 with pytest.raises(PeakflatConfigError) as e:
                     PeakflatConfig.from_args(ns)
@@ -414,9 +402,7 @@ def test_sdpa_refusals_apply_only_where_sdpa_was_asked_for():
 def test_every_megatron_flag_pipelinedllep_would_hand_back_is_refused_naming_its_fix(megatron, fix):
     """Each Megatron flag whose MoE layers PipelinedLLEP would silently leave to Megatron's dispatcher fails at
     start-up; the fix names that Megatron flag, or dropping --peakflat-dispatch."""
-    ns = parse("--peakflat-dispatch", "pipelined-llep")
-    for k, v in vars(megatron_args(**megatron)).items():
-        setattr(ns, k, v)
+    ns = parse_with_megatron("--peakflat-dispatch", "pipelined-llep", **megatron)
     with pytest.raises(PeakflatConfigError) as e:
         PeakflatConfig.from_args(ns)
     assert e.value.flag == "--peakflat-dispatch" and e.value.fix == f"{fix}, or drop --peakflat-dispatch"
@@ -432,9 +418,8 @@ def test_sco_budget_boundary_follows_context_parallelism_micro_batch_and_precisi
     """One checkpoint boundary of 4096 x 1024 is 8 MiB in bf16; a budget of exactly one boundary passes and one
     byte less is refused, naming the boundary's size."""
     for budget, ok in ((boundary, True), (boundary - 1, False)):
-        ns = parse("--peakflat-sco", "--peakflat-sco-budget", str(budget))
-        for k, v in vars(megatron_args(seq_length=4096, hidden_size=1024, **megatron)).items():
-            setattr(ns, k, v)
+        ns = parse_with_megatron("--peakflat-sco", "--peakflat-sco-budget", str(budget), seq_length=4096,
+                                 hidden_size=1024, **megatron)
         if ok:
             assert PeakflatConfig.from_args(ns).sco.budget == budget
         else:

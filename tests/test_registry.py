@@ -126,12 +126,10 @@ def test_a_missing_module_fails_naming_it(monkeypatch):
 
 
 def _megatron_args(seq: int, mask: bool, micro_batch: int = 1):
-    from tests.test_config import megatron_args, parse
+    from tests.test_config import parse_with_megatron
 
-    ns = parse("--peakflat-sco", "--peakflat-attention", "sdpa")
-    for k, v in vars(megatron_args(seq_length=seq, micro_batch_size=micro_batch,
-                                   create_attention_mask_in_dataloader=mask)).items():
-        setattr(ns, k, v)
+    ns = parse_with_megatron("--peakflat-sco", "--peakflat-attention", "sdpa", seq_length=seq,
+                             micro_batch_size=micro_batch, create_attention_mask_in_dataloader=mask)
     return ns
 
 
@@ -208,11 +206,10 @@ def test_auto_attention_patches_sdpa_only_without_transformer_engine(monkeypatch
 
 def test_a_dataloader_mask_is_left_alone_when_no_component_is_on():
     """With every component off Megatron runs unchanged: its dataloader mask at 64K tokens is not refused."""
-    from tests.test_config import megatron_args, parse
+    from tests.test_config import parse_with_megatron
 
-    ns = parse("--peakflat-attention", "local")
-    for k, v in vars(megatron_args(seq_length=65536, micro_batch_size=1, create_attention_mask_in_dataloader=True)).items():
-        setattr(ns, k, v)
+    ns = parse_with_megatron("--peakflat-attention", "local", seq_length=65536, micro_batch_size=1,
+                             create_attention_mask_in_dataloader=True)
     cfg = megatron_peakflat.apply(ns)
     assert not any(cfg.enabled.values()) and registry.applied() == []
 

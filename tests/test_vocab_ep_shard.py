@@ -418,15 +418,13 @@ def test_apply_refuses_a_resume_the_optimizer_state_cannot_follow_before_patchin
 
     import megatron_peakflat
     from megatron_peakflat.integration import registry, resume, state
-    from tests.test_config import megatron_args, parse
+    from tests.test_config import parse_with_megatron
 
     saved = SimpleNamespace(peakflat_vocab_impl="ring-dtp", peakflat_vocab_shard_over_ep=True)
     monkeypatch.setattr(resume, "saved_state", lambda args: ({"args": saved}, False, "torch_dist"))
     monkeypatch.setattr(dist_checkpointing, "load_content_metadata",
                         lambda preloaded_state_dict=None: {"distrib_optim_sharding_type": "dp_reshardable"})
-    ns = parse("--peakflat-vocab", "ring-dtp", "--peakflat-attention", "local")
-    for k, v in vars(megatron_args(load="/ckpt")).items():
-        setattr(ns, k, v)
+    ns = parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-attention", "local", load="/ckpt")
     megatron_peakflat.remove()
     with pytest.raises(PeakflatConfigError) as e:
         megatron_peakflat.apply(ns)
