@@ -4,7 +4,8 @@ Each configuration is a name and its environment for the example (``PEAKFLAT``, 
 model sizes); all share ``--env`` and the extra Megatron flags after ``--``. For each run the results file
 keeps every iteration's loss and grad norm, the median time per iteration after the first two, and
 Megatron's memory report after two iterations (rank 0: allocated, which holds the weights, gradient
-buffers and optimizer state, and max allocated). Separate processes, one after another on the same
+buffers and optimizer state, and max allocated), and, under ``--timing-log-level 1`` or higher, Megatron's
+timers at every logged iteration (``timers_ms``: the maximum across ranks). Separate processes, one after another on the same
 machine: the figures compare configurations, not peers inside one process (``bench/<component>.py`` do).
 A run that dies of CUDA OOM keeps the allocator's message and the innermost frames it died in (``oom``);
 ``--compare a:b`` records how far two runs' losses are apart (runs that differ only in peakflat being on).
@@ -21,6 +22,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -69,6 +71,20 @@ def oom_of(text: str, frames: int = 4) -> dict | None:
     return None
 
 
+_TIMER = re.compile(r"^(?:\[[^\]\s]+\]:? ?)?\s{4}(\S.*?) \.*: (?:\(([0-9.]+), ([0-9.]+)\)|([0-9.]+))\s*$")
+
+
+def timers_of(text: str) -> dict[str, list[float]]:
+    """Megatron's timer report lines (``--timing-log-level`` 1 or 2; both the "(min, max)" and the
+    "max" forms): every value of each timer, in log order, as the maximum across ranks in ms."""
+    out: dict[str, list[float]] = {}
+    for ln in text.splitlines():
+        m = _TIMER.match(ln)
+        if m:
+            out.setdefault(m.group(1), []).append(float(m.group(3) or m.group(4)))
+    return out
+
+
 def loss_gap(a: list[float], b: list[float]) -> dict:
     """How far two runs' per-iteration losses are apart: the largest relative difference, at which iteration."""
     n = min(len(a), len(b))
@@ -93,6 +109,7 @@ def parse_log(text: str) -> dict:
             ln.strip() for ln in text.splitlines()
             if ln.startswith(("peakflat dispatch:", "peakflat vocab:", "peakflat SCO", "peakflat optimizer:", "peakflat peaks"))))[:16],
         "oom": oom_of(text),
+        "timers_ms": timers_of(text),
     }
 
 
@@ -141,7 +158,7 @@ def main() -> None:
     for pair in pairs_to_compare:
         if len(pair) != 2 or not set(pair) <= set(names):
             raise SystemExit(f"--compare {':'.join(pair)}: expected two of the runs' names {names}, as a:b")
-    results = {"command": " ".join(sys.argv), "env": common, "extra": a.extra, "environment": _machine(), "runs": {}}
+    results = {"command": "python3 " + shlex.join(sys.argv), "env": common, "extra": a.extra, "environment": _machine(), "runs": {}}
     for spec in a.run:
         name, pairs = _run_spec(spec)
         env = {**os.environ, **common, **pairs, "MASTER_PORT": str(29600 + random.randrange(300))}  # a run's pairs win

@@ -59,6 +59,31 @@ def test_pretrain_compare_reads_megatron_log():
     assert got["ms_per_iter"] == 420.0
     assert (got["allocated_mib"], got["max_allocated_mib"]) == (1234.5, 2345.25)
     assert parse_log("no log")["ms_per_iter"] is None
+    assert got["timers_ms"] == {}
+
+
+def test_pretrain_compare_reads_megatron_timers():
+    """Megatron's timer report, written in the two formats of ``megatron.core.timers`` ("(min, max)" and
+    "max"), read back per timer as the maximum across ranks, in log order; the loss lines around it are not
+    timers, and a torchrun rank prefix is allowed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.pretrain_compare import timers_of
+
+    def report(times: dict[str, tuple[float, float]], max_only: bool = False, prefix: str = "") -> str:
+        out = "max time across ranks (ms):" if max_only else "(min, max) time across ranks (ms):"
+        for name, (lo, hi) in times.items():
+            label = (name + " ").ljust(48, ".")
+            out += f"\n{prefix}    {label}: {hi:.2f}" if max_only else f"\n{prefix}    {label}: ({lo:.2f}, {hi:.2f})"
+        return out
+
+    long_name = "a-timer-name-longer-than-the-forty-eight-columns-megatron-pads"
+    log = "\n".join([
+        " [2026-11-30] iteration 3/ 4 | elapsed time per iteration (ms): 410.0 | lm loss: 9.5E+00 |",
+        report({"forward-backward": (1189.25, 1201.5), "optimizer": (180.0, 197.25)}),
+        " [2026-11-30] iteration 4/ 4 | elapsed time per iteration (ms): 430.0 | lm loss: 9.1E+00 |",
+        report({"forward-backward": (0.0, 1218.0), long_name: (1.0, 2.0)}, max_only=True, prefix="[default0]:"),
+    ])
+    assert timers_of(log) == {"forward-backward": [1201.5, 1218.0], "optimizer": [197.25], long_name: [2.0]}
 
 
 def test_pretrain_compare_names_an_oom_and_compares_losses():

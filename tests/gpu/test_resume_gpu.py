@@ -42,6 +42,7 @@ def test_offloaded_optimizer_resumes_on_the_uninterrupted_run(tmp_path):
     straight = _losses()
     _losses("--save", str(tmp_path), "--save-interval", "3", "--exit-interval", "3")
     resumed = _losses("--load", str(tmp_path))
+    print(f"straight {straight}\nresumed {resumed}")  # shown by pytest -rP, the figures README cites
     assert len(straight) == 6 and len(resumed) == 3
     assert resumed[0] == straight[3] and resumed[-1] == straight[-1], (straight, resumed)
     assert resumed[1] == pytest.approx(second_resumed_log(straight, 3), abs=2e-6), (straight, resumed)
@@ -58,5 +59,6 @@ def test_every_component_with_dropout_resumes_on_the_uninterrupted_run(tmp_path)
     straight = _losses(*EVERY, *DROPOUT)
     _losses(*EVERY, *DROPOUT, "--save", str(tmp_path), "--save-interval", "3", "--exit-interval", "3")
     resumed = _losses(*EVERY, *DROPOUT, "--load", str(tmp_path))
+    print(f"straight {straight}\nresumed {resumed}")  # shown by pytest -rP, the figures README cites
     assert len(straight) == 6 and len(resumed) == 3
     assert resumed[0] == straight[3] and resumed[-1] == straight[-1], (straight, resumed)
