@@ -7,9 +7,8 @@ moment, master and the step count: both must equal the uninterrupted run's. Mega
 as the mean of the first two resumed iterations (``training_log`` does not reset its loss sums after a
 run's first report), which a run that trains exactly reproduces too.
 
-The same three commands ran on the H200 at 5468792 from a throwaway script (straight 5.553538 ..
-5.262894; resumed 5.401217, 5.343194 = (5.401217 + 5.285172) / 2, 5.262894); this file, written from
-it afterwards, passed on one H200 of the 2x H200 machine at c70afc2.
+On one H200 at c10de0a (``bench/results/resume_gpu.txt``, ``pytest -rP`` prints the losses): straight
+5.553538 .. 5.262894; resumed 5.401217, 5.343194 = (5.401217 + 5.285172) / 2, 5.262894.
 
 With Transformer Engine importable the model builds on TE's spec and Megatron's DistributedOptimizer keeps
 Adam's step only in its param groups; this test caught the resumed step restarting at 0 there (2x H200 with
