@@ -82,7 +82,9 @@ PARALLEL=(
   --tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP"
   --use-distributed-optimizer
 )
-[[ "$TP" -gt 1 ]] && PARALLEL+=(--sequence-parallel)
+# Megatron's expert TP defaults to --tensor-model-parallel-size, which PipelinedLLEP refuses at start-up; the experts
+# stay whole (expert parallelism shards them), off and on alike, so that the two runs keep one layout.
+[[ "$TP" -gt 1 ]] && PARALLEL+=(--sequence-parallel --expert-tensor-parallel-size 1)
 # A causal model needs no [s, s] mask from the dataloader; at 64K tokens Megatron's default one is 4 GiB per
 # sample in host memory (megatron_peakflat.apply rejects that at start-up).
 TRAIN=(

@@ -203,6 +203,9 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
         _check_offload_stream_megatron_knobs(flag, cfg.optimizer.impl, args)
     elif _get(args, "optimizer_cpu_offload", False) and not (_get(args, "bf16") or _get(args, "fp16")):
         _check_megatron_offload_fp32()
+    for name in _COMPONENTS:
+        for note in getattr(cfg, name).unused_flag_notes():
+            log.warning(note)
 
 
 def check_devices(cfg: PeakflatConfig) -> None:
@@ -352,9 +355,17 @@ def _check_sdpa_attention(cfg: PeakflatConfig, args: Any) -> None:
 
 
 def _check_vocab_shard_over_ep(cfg: PeakflatConfig, args: Any) -> None:
+    """Refuse the layouts in which the EP-sharded output layer would not train as the whole one.
+
+    The shard's gradient sums the tokens of the expert-parallel ring, then DDP reduces it, as an expert
+    parameter, over the expert data-parallel group only. Those two groups cover every data-parallel rank
+    only at --expert-tensor-parallel-size 1: at ETP > 1 (with TP=1) the expert-tensor-parallel ranks hold
+    other tokens and the same rows, their gradients are never summed, and the replicas drift apart.
+    """
     flag = cfg.vocab.flag("shard_over_ep")
     ep = _get(args, "expert_model_parallel_size", 1) or 1
     tp = _get(args, "tensor_model_parallel_size", 1) or 1
+    etp = _get(args, "expert_tensor_parallel_size", 1) or 1
     pp = _get(args, "pipeline_model_parallel_size", 1) or 1
     need = [
         (cfg.vocab.impl == "ring-dtp", "it shards the output layer for the Ring-DTP loss",
@@ -363,6 +374,10 @@ def _check_vocab_shard_over_ep(cfg: PeakflatConfig, args: Any) -> None:
          "use it with --expert-model-parallel-size > 1, or drop " + flag),
         (tp == 1, f"--tensor-model-parallel-size is {tp}: the output layer is already vocab-parallel over the "
          "tensor-parallel group", "drop " + flag + " (Ring-DTP rings over the tensor-parallel group)"),
+        (etp == 1, f"--expert-tensor-parallel-size is {etp}: the shard's gradient is summed over the expert-parallel "
+         "group and reduced over the expert data-parallel group, which leave out the tokens of the other "
+         f"{etp - 1} expert-tensor-parallel rank(s), so the shard would train on part of the batch and its "
+         "copies drift apart", "pass --expert-tensor-parallel-size 1, or drop " + flag),
         (pp == 1, f"--pipeline-model-parallel-size is {pp}: pipeline parallelism is not supported yet",
          "pass --pipeline-model-parallel-size 1, or drop " + flag),
         (bool(_get(args, "untie_embeddings_and_output_weights", False)),

@@ -186,6 +186,33 @@ class ComponentConfig:
             kw["help"] = f"{help_text} (default: {shown_default(default)})".replace("%", "%%")
             group.add_argument(flag_name(cls, f.name), **kw)
 
+    def unused_flag_notes(self) -> list[str]:
+        """One warning per sub-flag set away from its default while the component is off (the mode field at its
+        default): such a flag changes nothing, and a user who passed it most likely meant the component on."""
+        if self.MODE_FIELD is None:
+            return []
+        mode = next(f for f in dataclasses.fields(self) if f.name == self.MODE_FIELD)
+        if getattr(self, mode.name) != mode.default:
+            return []
+        hints = typing.get_type_hints(type(self))
+        tp, _ = _unwrap_optional(hints[mode.name])
+        if tp is bool:
+            turn_on, now = self.flag(mode.name), f"{self.flag(mode.name)} is not set"
+        else:
+            on = next(c for c in get_args(tp) if c != mode.default)
+            turn_on, now = f"{self.flag(mode.name)} {on}", f"{self.flag(mode.name)} is {mode.default!r}"
+        notes = []
+        for f in dataclasses.fields(self):
+            if f.name == mode.name:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            value = getattr(self, f.name)
+            if value != default:
+                shown = format_bytes(value) if _unwrap_optional(hints[f.name])[0] is Bytes else shown_default(value)
+                notes.append(f"peakflat: {self.flag(f.name)}={shown} has no effect: {now}, so the "
+                             f"component is off. Fix: add {turn_on}, or drop {self.flag(f.name)}")
+        return notes
+
     @classmethod
     def dest(cls, field: str) -> str:
         return "peakflat_" + ((cls.PREFIX + "_") if cls.PREFIX else "") + field

@@ -182,6 +182,9 @@ def test_an_sco_budget_of_one_boundary_or_auto_passes():
         (["--peakflat-vocab", "ring-dtp", "--peakflat-vocab-shard-over-ep"],
          dict(untie_embeddings_and_output_weights=True, tensor_model_parallel_size=2), "--peakflat-vocab-shard-over-ep",
          "--tensor-model-parallel-size is 2"),
+        (["--peakflat-vocab", "ring-dtp", "--peakflat-vocab-shard-over-ep"],
+         dict(untie_embeddings_and_output_weights=True, expert_tensor_parallel_size=2), "--peakflat-vocab-shard-over-ep",
+         "--expert-tensor-parallel-size is 2"),
         (["--peakflat-optimizer", "offload-stream"], dict(optimizer="sgd"), "--peakflat-optimizer", "--optimizer adam"),
         (["--peakflat-optimizer", "offload-stream"], dict(decoupled_weight_decay=False), "--peakflat-optimizer",
          "drop --no-decoupled-weight-decay"),
@@ -426,3 +429,25 @@ def test_sco_budget_boundary_follows_context_parallelism_micro_batch_and_precisi
             with pytest.raises(PeakflatConfigError) as e:
                 PeakflatConfig.from_args(ns)
             assert e.value.flag == "--peakflat-sco-budget" and f"({boundary} bytes" in str(e.value)
+
+
+def test_a_sub_flag_of_a_component_left_off_is_named_with_its_fix(caplog):
+    """A sub-flag away from its default while its component is off changes nothing: one warning each at start-up,
+    naming the flag, its value and the switch that turns the component on (Literal modes with their 'on'
+    value, SCO's boolean switch bare). Defaults, and the same sub-flags with their component on, say nothing."""
+    caplog.set_level("WARNING", logger="megatron_peakflat")
+    PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab-schedule", "weights", "--peakflat-sco-budget", "8GiB",
+                                                 "--peakflat-dispatch-chunk-cap", "4096"))
+    notes = [r.getMessage() for r in caplog.records]
+    assert notes == [
+        "peakflat: --peakflat-dispatch-chunk-cap=4096 has no effect: --peakflat-dispatch is 'megatron', so the "
+        "component is off. Fix: add --peakflat-dispatch pipelined-llep, or drop --peakflat-dispatch-chunk-cap",
+        "peakflat: --peakflat-vocab-schedule=weights has no effect: --peakflat-vocab is 'megatron', so the component "
+        "is off. Fix: add --peakflat-vocab ring-dtp, or drop --peakflat-vocab-schedule",
+        "peakflat: --peakflat-sco-budget=8.00 GiB has no effect: --peakflat-sco is not set, so the component is off. "
+        "Fix: add --peakflat-sco, or drop --peakflat-sco-budget",
+    ]
+    caplog.clear()
+    PeakflatConfig.from_args(parse_with_megatron())
+    PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule", "weights"))
+    assert not [r for r in caplog.records if "has no effect" in r.getMessage()]

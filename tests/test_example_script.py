@@ -55,6 +55,16 @@ def test_on_passes_each_component_and_the_flags_it_needs():
     assert "--peakflat-optimizer" not in only
 
 
+def test_tensor_parallelism_keeps_the_experts_whole_off_and_on():
+    """TP=2: Megatron would give the experts TP=2 too (its --expert-tensor-parallel-size default), which
+    PipelinedLLEP refuses at start-up; the script passes 1, with sequence parallelism, whether peakflat is on or off."""
+    for peakflat in ("on", "off"):
+        argv = command(PEAKFLAT=peakflat, TP="2", GPUS_PER_NODE="4")
+        assert value(argv, "--tensor-model-parallel-size") == "2" and "--sequence-parallel" in argv
+        assert value(argv, "--expert-tensor-parallel-size") == "1", argv
+    assert "--expert-tensor-parallel-size" not in command(PEAKFLAT="on")  # TP=1: Megatron's default is already 1
+
+
 def test_grouped_experts_follow_transformer_engine(tmp_path):
     """TE's grouped experts when TE imports (auto), Megatron's SequentialMLP otherwise; either can be forced."""
     assert "--moe-grouped-gemm" in command(PEAKFLAT="off", GROUPED_GEMM="1")

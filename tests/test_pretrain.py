@@ -206,11 +206,15 @@ def test_checkpoint_resume_with_offloaded_optimizer_continues_as_megatron_does(t
 def test_checkpoint_resume_in_megatrons_legacy_torch_format(tmp_path):
     """--ckpt-format torch loads with torch.load(weights_only=True), which refuses any class it does not know
     in the saved args or optimizer state (Megatron then exits with status 0 and trains nothing). With every
-    component on, the run resumes and its first and last resumed iterations equal the uninterrupted run's."""
+    component on, the run resumes and its first and last resumed iterations equal the uninterrupted run's.
+    The optimizer's replacement line is logged once per optimizer, not once per build."""
     on = [*PEAKFLAT_ON, "--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
           "--peakflat-optimizer", "offload-stream", "--ckpt-format", "torch"]
     straight = run("megatron_peakflat.testing.pretrain_dryrun", *RESUME, *on)
     assert straight.returncode == 0, (straight.stdout + straight.stderr)[-3000:]
+    # DistributedOptimizer builds each optimizer twice; each (dense, experts) is logged once
+    built = [line for line in (straight.stdout + straight.stderr).splitlines() if "replaces HybridDeviceOptimizer" in line]
+    assert built and len(built) == len(set(built)), built
     full = _losses(straight.stdout + straight.stderr)
     ours = _save_and_resume(str(tmp_path / "torch"), *on)
     assert len(full) == 6 and len(ours) == 3, ours
@@ -241,3 +245,19 @@ def test_defaults_added_without_transformer_engine_never_override_a_flag_the_use
     given = ["--transformer-impl=transformer_engine", "--rope-fusion", "--no-persist-layer-norm",
              "--no-gradient-accumulation-fusion"]
     assert pretrain._default_argv(given) == given
+
+
+def test_each_component_logs_what_it_chose_and_nothing_that_did_not_apply():
+    """Dispatch and vocab on, no recompute, Megatron's default hidden dropout: Ring-DTP says once what it chose for
+    its 'auto' and 0 flags and the largest block of logits it held (64 tokens x 256 rows x 4 bytes here, not a
+    chunk planned larger than the tokens), never 'block=0 rows'; and with no recompute to fuse, PipelinedLLEP
+    logs no 'fused recompute off' (the dropout is no reason for anything here)."""
+    out = run("megatron_peakflat.testing.pretrain_dryrun", *TINY, "--peakflat-dispatch", "pipelined-llep",
+              "--peakflat-vocab", "ring-dtp")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "Ring-DTP loss (schedule=auto, block=auto, kernel=auto)" in text and "block=0 rows" not in text
+    assert ("peakflat vocab: first loss call: 64 tokens here, one rank, schedule single, kernel torch, dX and dW "
+            "computed with the loss in 1 chunk(s); largest block of logits 64.00 KiB") in text, text[-3000:]
+    assert text.count("peakflat vocab: first loss call") == 1
+    assert "fused recompute off" not in text

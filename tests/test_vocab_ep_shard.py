@@ -152,6 +152,7 @@ def _megatron_args(**kw):
     (dict(pipeline_model_parallel_size=2), "ring-dtp", "pipeline"),
     (dict(untie_embeddings_and_output_weights=False), "ring-dtp", "--untie-embeddings-and-output-weights"),
     (dict(expert_model_parallel_size=3, num_experts=9), "ring-dtp", "--make-vocab-size-divisible-by"),
+    (dict(expert_tensor_parallel_size=2), "ring-dtp", "pass --expert-tensor-parallel-size 1"),
 ])
 def test_bad_combinations_fail_at_startup_naming_the_flag(over, impl, words):
     from megatron_peakflat.vocab import VocabConfig
@@ -223,6 +224,23 @@ def _pretrain(*argv: str) -> str:
 
 
 SHARD = ("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-shard-over-ep")
+
+
+@needs_pretrain_entry
+def test_pretrain_refuses_expert_tensor_parallelism_before_the_model_is_built():
+    """TP=1, EP=2, --expert-tensor-parallel-size 2 on four CPU ranks (Megatron's allgather dispatcher, which gloo
+    runs at ETP > 1): the shard's gradient would miss the other expert-tensor-parallel rank's tokens (it trained
+    to another grad norm than the whole layer, 1.083 against 1.143, with nothing logged). Refused at start-up,
+    naming the flag, the value and the fix."""
+    out = run_module("megatron_peakflat.testing.pretrain_dryrun", *TINY_GPT_ARGS, "--train-iters", "1",
+                     "--global-batch-size", "8", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+                     "2", "--moe-token-dispatcher-type", "allgather", "--untie-embeddings-and-output-weights",
+                     "--distributed-backend", "gloo", *SHARD, nproc=4, timeout=600)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert ("--peakflat-vocab-shard-over-ep=True: --expert-tensor-parallel-size is 2" in text
+            and "Fix: pass --expert-tensor-parallel-size 1" in text), text[-3000:]
+    assert MODEL_BUILT not in text
 
 
 @needs_pretrain_entry

@@ -360,7 +360,7 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
         group = self.ep_group if self.ep_size > 1 else None
         fused_recompute.record_call(self)
         out_grad = None
-        if cfg.fuse_recompute and torch.is_grad_enabled():
+        if cfg.fuse_recompute and torch.is_grad_enabled() and fused_recompute.in_recompute():
             if self.config.hidden_dropout > 0:
                 fused_recompute.disable(self, f"hidden_dropout={self.config.hidden_dropout} scales its output gradient")
             elif getattr(bank, "assumed_grad_mismatch", False):

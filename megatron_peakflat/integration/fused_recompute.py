@@ -33,7 +33,8 @@ import torch
 from . import state
 from .logs import info_once
 
-__all__ = ["wrap_checkpoint_forward", "wrap_checkpoint_backward", "record_call", "known_output_grad", "disable"]
+__all__ = ["wrap_checkpoint_forward", "wrap_checkpoint_backward", "record_call", "known_output_grad", "disable",
+           "in_recompute"]
 
 _recorders: list[list[Any]] = []
 _pending: list[list[Any]] = []  # [output gradient, dispatcher it is meant for (None once used)]
@@ -83,6 +84,12 @@ def record_call(dispatcher: Any) -> None:
     """Note that ``dispatcher`` ran inside the innermost checkpoint being run forward (if any)."""
     if _recorders:
         _recorders[-1].append(dispatcher)
+
+
+def in_recompute() -> bool:
+    """Whether a checkpoint's recompute that offers its output gradient to a MoE layer is running: the only
+    place a fused recompute can happen (without recompute there is none to turn off, or to log)."""
+    return bool(_pending)
 
 
 def known_output_grad(dispatcher: Any, out_like: torch.Tensor) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 from . import state
+from .logs import info_once
 
 __all__ = ["replace_hybrid_device_optimizer"]
 
@@ -78,8 +79,9 @@ def replace_hybrid_device_optimizer(original_cls: type) -> type:
                                         slots=opt.slots, host_threads=opt.host_threads,
                                         pin=pin_cpu_params, **knobs, **kwargs)
             n = sum(p.numel() for g in self.param_groups for p in g["params"])
-            log.info("peakflat optimizer: OffloadStreamAdamW replaces HybridDeviceOptimizer over %s parameters "
-                     "(bucket %s, engine %s, %d slots)", f"{n:,}", f"{int(opt.bucket):,}", opt.engine, opt.slots)
+            # DistributedOptimizer builds each of its optimizers twice (once more from ``defaults``): one line
+            info_once("peakflat optimizer: OffloadStreamAdamW replaces HybridDeviceOptimizer over %s parameters "
+                      "(bucket %s, engine %s, %d slots)", f"{n:,}", f"{int(opt.bucket):,}", opt.engine, opt.slots)
 
     for c in (PeakflatHybridDeviceOptimizer, MegatronHybridOptimizer, OffloadStreamHybridOptimizer):
         c.__module__ = __name__

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import stats
+from ..config_base import format_bytes
 from ..main_grad import main_grad_of
 from ..vocab.api import ring_linear_cross_entropy
 from . import state
@@ -156,6 +157,7 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
         loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, labels_sb.reshape(-1),
                                          group if ring > 1 else None, grad_hint=hint_mine,
                                          vocab_size=None if ep_shard is None else ep_shard.vocab, **common)
+        _log_first_call(s_local * b, ring, "expert-parallel" if ep_shard is not None else "tensor-parallel")
         return loss.view(s_local, b).transpose(0, 1).contiguous()
     rank = dist.get_rank(group)
     if output_layer.sequence_parallel:
@@ -164,6 +166,7 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
         hint_mine = None if hint_sb is None else hint_sb[lo:lo + s_local].reshape(-1)
         loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, lab, group, grad_hint=hint_mine,
                                          **common)
+        _log_first_call(lab.numel(), ring, "tensor-parallel")
         full = _GatherRowsKeepGrad.apply(loss.view(s_local, b), _bounds(labels_sb.shape[0], ring), rank, group)
         return full.transpose(0, 1).contiguous()
     tokens = hidden_states.reshape(-1, h)
@@ -172,8 +175,30 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
     lab = labels_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]]
     hint_mine = None if hint_sb is None else hint_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]]
     loss = ring_linear_cross_entropy(mine, weight, lab, group, grad_hint=hint_mine, **common)
+    _log_first_call(lab.numel(), ring, "tensor-parallel")
     full = _GatherRowsKeepGrad.apply(loss, bounds, rank, group)
     return full.view(s_local, b).transpose(0, 1).contiguous()
+
+
+_FIRST_CALL_LOGGED = False
+
+
+def _log_first_call(tokens: int, ring: int, over: str) -> None:
+    """One line after the first Ring-DTP loss of the process: what it chose for the flags' 'auto' and 0 (the
+    schedule, the kernel, where the gradients were computed, in how many chunks) and the largest block of
+    fp32 logits it held, from ``stats`` as ``ring_linear_cross_entropy`` recorded them."""
+    global _FIRST_CALL_LOGGED
+    if _FIRST_CALL_LOGGED:
+        return
+    _FIRST_CALL_LOGGED = True
+    s = stats.snapshot().get("vocab", {})
+    if s.get("grad") == "in-forward":
+        grads = f"dX and dW computed with the loss in {s.get('in_forward_chunks', 0)} chunk(s)"
+    else:
+        grads = "dX and dW computed in backward (logits recomputed block by block)"
+    where = f"a ring of {ring} over the {over} group" if ring > 1 else "one rank"
+    info_once(f"peakflat vocab: first loss call: {tokens} tokens here, {where}, schedule {s.get('schedule')}, "
+              f"kernel {s.get('kernel')}, {grads}; largest block of logits {format_bytes(s.get('block_logits_bytes', 0))}")
 
 
 def _hand_back_reason(model: Any, kwargs: dict[str, Any]) -> str | None:
@@ -209,8 +234,9 @@ def wrap_gpt_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]
         if reason is not None:
             info_once("peakflat vocab: Megatron's own output layer and loss used: %s", reason)
             return original_forward(self, *args, **kwargs)
-        info_once("peakflat vocab: Ring-DTP loss (schedule=%s, block=%s rows, kernel=%s); logits are not built",
-                  cfg.vocab.schedule, cfg.vocab.block_size, cfg.vocab.kernel)
+        info_once("peakflat vocab: Ring-DTP loss (schedule=%s, block=%s, kernel=%s); logits are not built",
+                  cfg.vocab.schedule, f"{cfg.vocab.block_size} rows" if cfg.vocab.block_size else "auto",
+                  cfg.vocab.kernel)
         kwargs["output_processor"] = functools.partial(ring_output_processor,
                                                        embedding_here=bool(getattr(self, "pre_process", True)))
         return original_forward(self, *args, **kwargs)

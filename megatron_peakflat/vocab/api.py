@@ -171,7 +171,8 @@ def ring_linear_cross_entropy(
     stats.record("vocab", "kernel", plan.ops.name)
     stats.record("vocab", "grad", "in-forward" if in_forward else "recompute")
     if in_forward:
-        stats.peak("vocab", "block_logits_bytes", plan.chunk_rows * size * shard_rows[rank] * 4)
+        # a chunk takes up to chunk_rows tokens of each ring rank, never more than the rank has
+        stats.peak("vocab", "block_logits_bytes", sum(min(plan.chunk_rows, t) for t in tokens) * shard_rows[rank] * 4)
     else:
         folded_tokens = max(tokens) if plan.schedule == "activations" else hidden.shape[0]  # visitors, or own
         stats.peak("vocab", "block_logits_bytes", folded_tokens * min(block_size, max(shard_rows)) * 4)
