@@ -112,12 +112,10 @@ def experts_have_own_optimizer(args: Any) -> bool:
 def optimizer_count(args: Any) -> int | None:
     """How many optimizers ``get_megatron_optimizer`` chains on every rank for ``args``: one for the dense
     parameters (two with ``--overlap-param-gather-with-optimizer-step``), and one more where the experts have
-    their own. None where ranks may differ (pipeline stages without MoE layers) or Megatron FSDP builds them."""
-    if getattr(args, "use_megatron_fsdp", False):
-        return None
-    freq = getattr(args, "moe_layer_freq", 1)
-    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1 and getattr(args, "num_experts", None) \
-            and freq != 1:
+    their own. None under pipeline parallelism, where a stage may hold no MoE layer (a layer frequency or
+    pattern, a custom pipeline layout, an embedding-only stage) and so build one optimizer fewer, and under
+    Megatron FSDP, which chains its own way."""
+    if getattr(args, "use_megatron_fsdp", False) or (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         return None
     dense = 2 if getattr(args, "overlap_param_gather_with_optimizer_step", False) else 1
     return dense + int(experts_have_own_optimizer(args))
