@@ -212,9 +212,12 @@ def test_checkpoint_resume_in_megatrons_legacy_torch_format(tmp_path):
           "--peakflat-optimizer", "offload-stream", "--ckpt-format", "torch"]
     straight = run("megatron_peakflat.testing.pretrain_dryrun", *RESUME, *on)
     assert straight.returncode == 0, (straight.stdout + straight.stderr)[-3000:]
-    # DistributedOptimizer builds each optimizer twice; each (dense, experts) is logged once
-    built = [line for line in (straight.stdout + straight.stderr).splitlines() if "replaces HybridDeviceOptimizer" in line]
+    # DistributedOptimizer builds each optimizer twice (dense and experts, over the group then the shard): one line
+    # per rank; what each optimizer keeps is logged at its first step
+    lines = (straight.stdout + straight.stderr).splitlines()
+    built = [line for line in lines if "replaces HybridDeviceOptimizer" in line]
     assert built and len(built) == len(set(built)), built
+    assert any("peakflat optimizer: OffloadStreamAdamW holds" in line for line in lines), lines[-40:]
     full = _losses(straight.stdout + straight.stderr)
     ours = _save_and_resume(str(tmp_path / "torch"), *on)
     assert len(full) == 6 and len(ours) == 3, ours

@@ -78,10 +78,11 @@ def replace_hybrid_device_optimizer(original_cls: type) -> type:
             OffloadStreamAdamW.__init__(self, params, **hyper, bucket=int(opt.bucket), engine=opt.engine,
                                         slots=opt.slots, host_threads=opt.host_threads,
                                         pin=pin_cpu_params, **knobs, **kwargs)
-            n = sum(p.numel() for g in self.param_groups for p in g["params"])
-            # DistributedOptimizer builds each of its optimizers twice (once more from ``defaults``): one line
-            info_once("peakflat optimizer: OffloadStreamAdamW replaces HybridDeviceOptimizer over %s parameters "
-                      "(bucket %s, engine %s, %d slots)", f"{n:,}", f"{int(opt.bucket):,}", opt.engine, opt.slots)
+            # DistributedOptimizer builds each of its optimizers twice, first over every parameter of its group and
+            # then over this rank's shard: one line, without a count; each optimizer's own line at its first step
+            # (``holds ... parameters``) gives what it keeps.
+            info_once("peakflat optimizer: OffloadStreamAdamW replaces HybridDeviceOptimizer (bucket %s, engine %s, "
+                      "%d slots)", f"{int(opt.bucket):,}", opt.engine, opt.slots)
 
     for c in (PeakflatHybridDeviceOptimizer, MegatronHybridOptimizer, OffloadStreamHybridOptimizer):
         c.__module__ = __name__
