@@ -1,8 +1,9 @@
 """``python -m megatron_peakflat.testing.pretrain_dryrun <flags>``: the pretrain entry on CPU, one gloo rank.
 
 A dry run of ``megatron_peakflat.pretrain`` for tests and for checking a command line without a
-GPU: the CPU shim is installed, ``initialize_megatron``'s CUDA assertion is satisfied for its
-duration only, torch.compile is off, and the data loader runs in-process. Test use only.
+GPU (on a machine with GPUs, they are hidden from it): the CPU shim is installed, ``initialize_megatron``'s
+CUDA assertion is satisfied for its duration only, torch.compile is off, and the data loader runs
+in-process. Test use only.
 
 ``PEAKFLAT_DRYRUN_FUSED_ADAM=1`` makes Megatron's DistributedOptimizer save and load its checkpoints as it
 does where Transformer Engine or apex provides FusedAdam (``distrib_optimizer.HAVE_APEX_OR_TE``): Adam's
@@ -16,6 +17,10 @@ import sys
 
 
 def main(argv: list[str]) -> None:
+    # A CPU run on a machine with GPUs too: the shim maps Megatron's CUDA calls to the CPU, and a visible GPU
+    # would let the code it does not cover (the optimizer's streams, the allocator's statistics) reach CUDA
+    # with CPU tensors ("invalid argument to memory_allocated" under --optimizer-cpu-offload).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
