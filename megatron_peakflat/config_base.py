@@ -130,6 +130,11 @@ def flag_name(cfg_cls: type["ComponentConfig"], field: str) -> str:
     return f"--peakflat-{cfg_cls.PREFIX}-{field.replace('_', '-')}" if cfg_cls.PREFIX else f"--peakflat-{field.replace('_', '-')}"
 
 
+def field_default(f: dataclasses.Field) -> Any:
+    """A dataclass field's default value, from ``default`` or a fresh one from ``default_factory``."""
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     """``(T, True)`` for ``T | None``, else ``(tp, False)``."""
     if get_origin(tp) in (typing.Union, types.UnionType):
@@ -165,7 +170,7 @@ class ComponentConfig:
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             tp, optional = _unwrap_optional(hints[f.name])
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = field_default(f)
             if isinstance(default, (Bytes, Count)):
                 # Megatron saves args in its checkpoints and torch.load(weights_only=True) refuses our classes
                 default = int(default)
@@ -205,7 +210,7 @@ class ComponentConfig:
         for f in dataclasses.fields(self):
             if f.name == mode.name:
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = field_default(f)
             value = getattr(self, f.name)
             if value != default:
                 shown = format_bytes(value) if _unwrap_optional(hints[f.name])[0] is Bytes else shown_default(value)

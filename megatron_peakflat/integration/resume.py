@@ -97,6 +97,12 @@ def saved_optimizer_count(state: dict) -> int | None:
     return None
 
 
+def _expert_layout(a: Any) -> tuple[int, int, int]:
+    """(EP, ETP, TP) of Megatron args, ETP defaulting to TP as Megatron's validation sets it."""
+    tp = getattr(a, "tensor_model_parallel_size", 1) or 1
+    return getattr(a, "expert_model_parallel_size", 1) or 1, getattr(a, "expert_tensor_parallel_size", None) or tp, tp
+
+
 def experts_have_own_optimizer(args: Any) -> bool:
     """Whether Megatron gives the expert parameters an optimizer of their own for ``args``: they are reduced
     over expert process groups (``allreduce = False``) when EP > 1 or ETP != TP (tensor_parallel/layers.py and
@@ -104,9 +110,8 @@ def experts_have_own_optimizer(args: Any) -> bool:
     freq = getattr(args, "moe_layer_freq", 1)
     if not getattr(args, "num_experts", None) or (isinstance(freq, list) and not any(freq)):
         return False
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
-    return (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 or etp != tp
+    ep, etp, tp = _expert_layout(args)
+    return ep > 1 or etp != tp
 
 
 def optimizer_count(args: Any) -> int | None:
@@ -122,10 +127,8 @@ def optimizer_count(args: Any) -> int | None:
 
 
 def _layout(a: Any) -> str:
-    tp = getattr(a, "tensor_model_parallel_size", 1) or 1
-    etp = getattr(a, "expert_tensor_parallel_size", None) or tp
-    return (f"--expert-model-parallel-size {getattr(a, 'expert_model_parallel_size', 1) or 1}, "
-            f"--expert-tensor-parallel-size {etp}, --tensor-model-parallel-size {tp}")
+    ep, etp, tp = _expert_layout(a)
+    return f"--expert-model-parallel-size {ep}, --expert-tensor-parallel-size {etp}, --tensor-model-parallel-size {tp}"
 
 
 def _whose(own: bool) -> str:
@@ -144,7 +147,7 @@ def check_optimizer_chain(args: Any, state: dict, saved: Any, release: bool) -> 
     before, now = saved_optimizer_count(state), optimizer_count(args)
     if before is None or now is None or before == now:
         return
-    flag, value = "--expert-model-parallel-size", getattr(args, "expert_model_parallel_size", 1) or 1
+    flag, value = "--expert-model-parallel-size", _expert_layout(args)[0]
     own_before, own_now = experts_have_own_optimizer(saved), experts_have_own_optimizer(args)
     if own_before == own_now:
         flag, value = "--overlap-param-gather-with-optimizer-step", \

@@ -23,7 +23,7 @@ from ..config_base import format_bytes
 from ..main_grad import main_grad_of
 from ..vocab.api import ring_linear_cross_entropy
 from . import state
-from .logs import info_once
+from .logs import info_once, log
 from .vocab_shard import FLAG as SHARD_FLAG
 from .vocab_shard import shard_of
 
@@ -197,8 +197,8 @@ def _log_first_call(tokens: int, ring: int, over: str) -> None:
     else:
         grads = "dX and dW computed in backward (logits recomputed block by block)"
     where = f"a ring of {ring} over the {over} group" if ring > 1 else "one rank"
-    info_once(f"peakflat vocab: first loss call: {tokens} tokens here, {where}, schedule {s.get('schedule')}, "
-              f"kernel {s.get('kernel')}, {grads}; largest block of logits {format_bytes(s.get('block_logits_bytes', 0))}")
+    log.info(f"peakflat vocab: first loss call: {tokens} tokens here, {where}, schedule {s.get('schedule')}, "
+             f"kernel {s.get('kernel')}, {grads}; largest block of logits {format_bytes(s.get('block_logits_bytes', 0))}")
 
 
 def _hand_back_reason(model: Any, kwargs: dict[str, Any]) -> str | None:
