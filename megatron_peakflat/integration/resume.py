@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from ..config import PeakflatConfig, PeakflatConfigError
+from ..memory.model import experts_have_own_optimizer as own_optimizer_rule
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -104,14 +105,12 @@ def _expert_layout(a: Any) -> tuple[int, int, int]:
 
 
 def experts_have_own_optimizer(args: Any) -> bool:
-    """Whether Megatron gives the expert parameters an optimizer of their own for ``args``: they are reduced
-    over expert process groups (``allreduce = False``) when EP > 1 or ETP != TP (tensor_parallel/layers.py and
-    TE's layers alike), and ``get_megatron_optimizer`` builds one optimizer per reduction group."""
+    """Whether Megatron gives the expert parameters of ``args`` an optimizer of their own (the model has MoE
+    layers, and ``memory.model.experts_have_own_optimizer`` holds for its layout)."""
     freq = getattr(args, "moe_layer_freq", 1)
     if not getattr(args, "num_experts", None) or (isinstance(freq, list) and not any(freq)):
         return False
-    ep, etp, tp = _expert_layout(args)
-    return ep > 1 or etp != tp
+    return own_optimizer_rule(*_expert_layout(args))
 
 
 def optimizer_count(args: Any) -> int | None:

@@ -37,9 +37,16 @@ from ..dispatch.config import resolve_membership
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
-__all__ = ["RunConfig", "Row", "StagePlan", "Plan", "plan", "GIB", "COMPONENTS"]
+__all__ = ["RunConfig", "Row", "StagePlan", "Plan", "plan", "GIB", "COMPONENTS", "experts_have_own_optimizer"]
 
 GIB = 2**30
+
+
+def experts_have_own_optimizer(ep: int, etp: int, tp: int) -> bool:
+    """Whether Megatron chains an optimizer for the expert parameters apart from the dense ones: only on expert
+    process groups, EP > 1 or ETP != TP (tensor_parallel/layers.py and TE's layers set ``allreduce = False``
+    there, and ``get_megatron_optimizer`` builds one optimizer per reduction group); otherwise one holds both."""
+    return ep > 1 or etp != tp
 RESERVE_FIXED = 2 * GIB
 """CUDA context, NCCL/gloo buffers and cuBLAS workspaces (measured ~1-2 GiB on H200 nodes)."""
 RESERVE_FRACTION = 0.05
@@ -701,10 +708,8 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
 
         def optimizer_terms(dense: float, expert: float) -> tuple[float, float, list[float]]:
             """(params in this rank's optimizer shard, Megatron's GPU state bytes, one count per chained optimizer)."""
-            # Experts get an optimizer of their own only on expert process groups: EP > 1 or ETP != TP
-            # (tensor_parallel/layers.py use_expert_pgs sets allreduce=False); otherwise one holds both.
             # Measured: one OffloadStreamAdamW over all 5.1B parameters at EP=1 on the H200 (2.24 GiB staging).
-            if run.distributed_optimizer and (run.ep > 1 or run.etp != run.tp):
+            if run.distributed_optimizer and experts_have_own_optimizer(run.ep, run.etp, run.tp):
                 instances = [n for n in (dense / (run.dp * run.cp), expert / run.expert_dp) if n > 0]
             elif run.distributed_optimizer:
                 instances = [(dense + expert) / (run.dp * run.cp)]
