@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 from megatron_peakflat.testing.distributed import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from megatron_peakflat.testing.subproc import ROOT, child_env
 
 
 def _torchrun(*args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # a dry run is a CPU run, GPUs or not
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            *args]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)

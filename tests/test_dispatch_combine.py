@@ -5,17 +5,12 @@ TRITON_INTERPRET=1 on CPU, in a subprocess: the interpreter must be on before tr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from megatron_peakflat.dispatch.combine import add_rows, combine_map, gather_sum
+from megatron_peakflat.testing.subproc import interpreter_gap, run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pairs(T: int, k: int, K: int, seed: int, membership: str) -> tuple[torch.Tensor, list[int]]:
@@ -114,6 +109,8 @@ print("ok")
 
 
 def test_gather_sum_triton_kernel_matches_torch_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    gap = interpreter_gap()
+    if gap:
+        pytest.skip(f"{gap} (an interpreter bug; the compiled kernels are tested in tests/gpu)")
+    res = run_interpreted(SCRIPT)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr

@@ -1,4 +1,5 @@
-"""The test harness itself: the gloo launcher at world 1/2/4 and the live-bytes meter."""
+"""The test harness itself: the gloo launcher at world 1/2/4, the CPU shim's guard, child processes' environment
+and the live-bytes meter."""
 
 import gc
 
@@ -43,6 +44,56 @@ def test_launcher_reports_the_failing_rank():
     with pytest.raises(DistributedTestError) as e:
         run_distributed(_fail_on_rank_one, 2, timeout=60)
     assert "rank 1" in str(e.value) and "boom on rank one" in str(e.value)
+
+
+def _visible_devices(rank, world_size):
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_gloo_ranks_see_no_gpu_unless_asked(monkeypatch):
+    """CPU ranks start with the GPUs hidden (on a GPU machine a visible one lets torch.compile's device checks
+    meet the CPU shim's device); ``cuda=True`` passes the caller's setting on; the caller's own is restored."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert run_distributed(_visible_devices, 2, timeout=60) == ["", ""]
+    assert run_distributed(_visible_devices, 1, timeout=60, cuda=True) == ["0,1"]
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def _sleep_in_a_named_function(rank, world_size):
+    import time
+
+    time.sleep(120)
+
+
+def test_a_timed_out_rank_prints_where_it_hung(capfd):
+    with pytest.raises(DistributedTestError, match="timed out"):
+        run_distributed(_sleep_in_a_named_function, 1, timeout=5)
+    assert "_sleep_in_a_named_function" in capfd.readouterr().err
+
+
+def test_cpu_shim_refuses_a_process_that_initialised_cuda(monkeypatch):
+    from megatron_peakflat.testing import megatron_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES"):
+        megatron_cpu.install_cpu_shim()
+    assert not megatron_cpu._INSTALLED
+
+
+def test_child_env_puts_the_repository_first_and_keeps_the_callers_path(monkeypatch):
+    import os
+
+    from megatron_peakflat.testing.subproc import ROOT, child_env
+
+    monkeypatch.setenv("PYTHONPATH", "/where/megatron/lives")
+    env = child_env(FOO="1")
+    assert env["PYTHONPATH"].split(os.pathsep) == [ROOT, "/where/megatron/lives"] and env["FOO"] == "1"
+    monkeypatch.delenv("PYTHONPATH")
+    assert child_env()["PYTHONPATH"] == ROOT
 
 
 def test_meter_counts_a_known_pattern_exactly():

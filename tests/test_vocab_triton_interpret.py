@@ -7,12 +7,9 @@ interpreter must be switched on before triton is imported.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from megatron_peakflat.testing.subproc import interpreter_gap, run_interpreted
 
 SCRIPT = r"""
 import torch
@@ -55,6 +52,8 @@ print("ok")
 
 
 def test_triton_kernels_match_torch_in_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    gap = interpreter_gap()
+    if gap:
+        pytest.skip(f"{gap} (an interpreter bug; the compiled kernels are tested in tests/gpu)")
+    res = run_interpreted(SCRIPT)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr

@@ -5,20 +5,26 @@ Guarantees:
   (gloo on CPU), with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set as torchrun would set them;
 - a failure on any rank is re-raised in the caller with that rank's traceback, and the other ranks
   are torn down instead of hanging in a collective;
-- the whole run is bounded by ``timeout`` seconds.
+- the whole run is bounded by ``timeout`` seconds; a rank still running then prints every thread's Python
+  stack to stderr before it is terminated, so a hang says where it hung;
+- ranks that are not meant to use CUDA (gloo, the default) start with ``CUDA_VISIBLE_DEVICES=""``: on a
+  machine with GPUs the CPU tests' ranks see none, as on a CPU machine (the CPU shim maps Megatron's CUDA
+  calls to the CPU, and a visible GPU lets what it does not cover, such as torch.compile's device checks,
+  reach CUDA with CPU devices).
 
 ``fn`` must be importable by name (a module-level function), since ranks are spawned processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
 import sys
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -56,6 +62,10 @@ def _worker(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     import torch
 
     torch.set_num_threads(1)
@@ -90,12 +100,30 @@ def _worker(
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set for the block (spawned processes inherit it), then as it was."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, backend: str = "gloo"
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, backend: str = "gloo",
+    cuda: bool | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
     ``backend`` is gloo (CPU, the default) or nccl (one GPU per rank, for the demo on GPU machines).
+    ``cuda``: whether the ranks may see the machine's GPUs; None: only with nccl. A gloo run that builds
+    its own NCCL groups passes True.
 
     Raises DistributedTestError naming every failed rank with its traceback. Results must be
     picklable; they are returned ordered by rank.
@@ -112,8 +140,10 @@ def run_distributed(
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    hide = {} if (backend == "nccl" if cuda is None else cuda) else {"CUDA_VISIBLE_DEVICES": ""}
+    with _environ(hide):
+        for p in procs:
+            p.start()
     import time
 
     deadline = time.monotonic() + timeout

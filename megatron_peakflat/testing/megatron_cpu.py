@@ -9,7 +9,11 @@ small GPT/MoE model needs to train on CPU (see MEGATRON_NOTES.md, "Megatron-Core
 - CUDA streams and events become no-op stand-ins;
 - the CUDA RNG state that Megatron's tracker forks is the CPU generator's state;
 - ``maybe_move_tensor_to_cpu(as_numpy=True)`` returns numpy for CPU tensors (EP>1 split sizes);
-- ``WrappedTorchNorm`` accepts sequence parallelism, its parameters tagged ``sequence_parallel``.
+- ``WrappedTorchNorm`` accepts sequence parallelism, its parameters tagged ``sequence_parallel``;
+- on a machine with GPUs the process sees none (``CUDA_VISIBLE_DEVICES=""``, ``is_available()`` False), as
+  on a CPU machine: code the shim does not cover (torch.compile's device checks, the allocator's
+  statistics) would otherwise reach CUDA with the CPU device. Hiding works only before the process first
+  asks CUDA for its devices, so ``run_distributed`` and the dry run start their CPU processes hidden.
 
 This module must never be imported on the training path: it changes process-wide torch state.
 Everything else here (``build_tiny_gpt`` etc.) is a convenience for tests.
@@ -104,9 +108,14 @@ def install_cpu_shim() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    if torch.cuda.is_initialized():
+        raise RuntimeError("install_cpu_shim: this process has already initialised CUDA, and the shim maps CUDA to the "
+                           "CPU; start it with CUDA_VISIBLE_DEVICES='' (run_distributed does for gloo ranks)")
     _INSTALLED = True
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     cuda = torch.cuda
+    cuda.is_available = lambda: False  # type: ignore[assignment]
     cuda.current_device = lambda: _CPU  # type: ignore[assignment]
     cuda.set_device = lambda *a, **k: None  # type: ignore[assignment]
     cuda.device_count = lambda: 1  # type: ignore[assignment]

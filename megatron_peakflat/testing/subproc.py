@@ -1,11 +1,14 @@
 """Run the package's entry points in a fresh interpreter, as a user would, and read Megatron's log.
 
 Tests of ``megatron_peakflat.pretrain`` (through ``testing.pretrain_dryrun`` on CPU) need a process of
-their own: Megatron's initialisation is global and one-shot. Test use only.
+their own: Megatron's initialisation is global and one-shot; so do the Triton kernels' tests under
+``TRITON_INTERPRET=1``, which must be set before triton is imported. Every child gets the repository
+root in front of the caller's PYTHONPATH (which may be where Megatron itself lives). Test use only.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -13,7 +16,8 @@ import sys
 
 from .distributed import free_port
 
-__all__ = ["ROOT", "TINY_GPT_ARGS", "MODEL_BUILT", "run_module", "logged", "memory_report", "second_resumed_log"]
+__all__ = ["ROOT", "TINY_GPT_ARGS", "MODEL_BUILT", "child_env", "run_module", "run_interpreted", "interpreter_gap",
+           "logged", "memory_report", "second_resumed_log"]
 
 MODEL_BUILT = "> number of parameters on"
 """What Megatron's ``get_model`` prints once the model is built: a run refused at start-up must not print it."""
@@ -33,12 +37,58 @@ def run_module(module: str, *argv: str, nproc: int = 1, timeout: int = 400,
                launcher: bool | None = None) -> subprocess.CompletedProcess:
     """``python -m module argv`` from the repository root (on PYTHONPATH, warnings off); with ``nproc`` > 1
     (or ``launcher=True``) under ``torch.distributed.run`` on that many local ranks, on a free port."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
+    env = child_env()
     if launcher is None:
         launcher = nproc > 1
     launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
     cmd = [sys.executable, *(launch if launcher else []), "-m", module, *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child: the repository root first on PYTHONPATH, warnings off, ``extra``."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, PYTHONWARNINGS="ignore", **extra)
+
+
+_PROBE = r"""
+import torch, triton, triton.language as tl
+
+@triton.jit
+def _loop(n_ptr, out_ptr):
+    acc = 0
+    for _ in range(tl.load(n_ptr + tl.program_id(0))):
+        acc += 1
+    tl.store(out_ptr + tl.program_id(0), acc)
+
+out = torch.zeros(2, dtype=torch.int32)
+try:
+    _loop[(2,)](torch.tensor([3, 0], dtype=torch.int32), out)
+except Exception as e:
+    print(f"triton {triton.__version__}'s interpreter: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    raise SystemExit(0)
+assert out.tolist() == [3, 0], out
+"""
+
+
+@functools.cache
+def interpreter_gap() -> str | None:
+    """Why the installed Triton's interpreter cannot run the package's kernels, or None when it can.
+
+    The kernels loop over a count loaded from memory (``for _ in range(tl.load(p))``). Triton 3.6's
+    interpreter converts that count with ``int()`` of a one-element array, which NumPy 2.x refuses (3.8
+    squeezes it first); the compiled kernels are unaffected (tests/gpu). A probe kernel finds out, once."""
+    res = subprocess.run([sys.executable, "-c", _PROBE], env=child_env(TRITON_INTERPRET="1"), capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    if res.returncode != 0:
+        raise RuntimeError(f"the Triton interpreter probe failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+    return res.stdout.strip() or None
+
+
+def run_interpreted(script: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``python -c script`` with ``TRITON_INTERPRET=1`` (the Triton kernels on CPU) from the repository root."""
+    return subprocess.run([sys.executable, "-c", script], env=child_env(TRITON_INTERPRET="1"), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
 
 
 def logged(text: str, key: str) -> list[float]:

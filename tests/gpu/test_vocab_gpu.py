@@ -201,7 +201,7 @@ def test_nccl_ring_two_gpus() -> None:
     from megatron_peakflat.testing import run_distributed
 
     world = min(torch.cuda.device_count(), 4)
-    for errs in run_distributed(_nccl_ring, world, timeout=240):
+    for errs in run_distributed(_nccl_ring, world, timeout=240, cuda=True):
         assert max(errs) < 1e-5, errs
 
 
