@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run GPU steps on a CUDA machine from a checkout of this repository (the commands behind the
-# committed GPU results). Steps: setup, tests, example, demo, bench-<component>[:args].
+# committed GPU results). Steps: setup, tests, suite (the whole suite, tools/gpu_full_suite.sh), example, demo,
+# bench-<component>[:args].
 #   bash tools/gpu_run.sh setup tests example bench-vocab bench-sco
 # Wheels missing on the machine (megatron-core, liger-kernel, cut-cross-entropy) are taken from .whl/
 # when present (../shared/tools/device-wheels.sh fetches them). Output goes to stdout and, when $OUT
@@ -34,6 +35,7 @@ for s in "$@"; do
       step env $PY -c "import torch, megatron.core, triton; import megatron_peakflat._C as C; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count(), 'ext', C.__file__)"
       ;;
     tests) step gpu-tests $PY -m pytest tests/gpu -q -ra -p no:cacheprovider ;;
+    suite) step suite env PYTHON=$PY bash tools/gpu_full_suite.sh ;;
     example)
       for pf in off on; do
         step "example-$pf" env PEAKFLAT=$pf TRAIN_ITERS=${TRAIN_ITERS:-20} MASTER_PORT=$((29600 + RANDOM % 100)) bash examples/pretrain_moe.sh
