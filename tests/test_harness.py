@@ -96,6 +96,18 @@ def test_child_env_puts_the_repository_first_and_keeps_the_callers_path(monkeypa
     assert child_env()["PYTHONPATH"] == ROOT
 
 
+def test_the_interpreter_probe_skips_only_for_the_known_gap():
+    """The Triton kernels' interpreter tests skip for Triton 3.6's interpreter bug and for nothing else."""
+    from megatron_peakflat.testing.subproc import INTERPRETER_PROBE, probe_interpreter
+
+    call = "_loop[(2,)](torch.tensor([3, 0], dtype=torch.int32), out)"
+    assert call in INTERPRETER_PROBE
+    known = 'raise TypeError("only 0-dimensional arrays can be converted to Python scalars")'
+    assert "0-dimensional arrays" in probe_interpreter(INTERPRETER_PROBE.replace(call, known))
+    with pytest.raises(RuntimeError, match="something else"):
+        probe_interpreter(INTERPRETER_PROBE.replace(call, 'raise ValueError("something else")'))
+
+
 def test_meter_counts_a_known_pattern_exactly():
     keep = torch.ones(1000)  # allocated before: never counted
     with LiveBytesMeter() as m:

@@ -17,6 +17,7 @@ import sys
 from .distributed import free_port
 
 __all__ = ["ROOT", "TINY_GPT_ARGS", "MODEL_BUILT", "child_env", "run_module", "run_interpreted", "interpreter_gap",
+           "probe_interpreter", "INTERPRETER_PROBE",
            "logged", "memory_report", "second_resumed_log"]
 
 MODEL_BUILT = "> number of parameters on"
@@ -51,7 +52,7 @@ def child_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, PYTHONWARNINGS="ignore", **extra)
 
 
-_PROBE = r"""
+INTERPRETER_PROBE = r"""
 import torch, triton, triton.language as tl
 
 @triton.jit
@@ -81,8 +82,13 @@ def interpreter_gap() -> str | None:
     interpreter converts that count with ``int()`` of a one-element array, which NumPy 2.x refuses (3.8
     squeezes it first); the compiled kernels are unaffected (tests/gpu). A probe kernel finds out, once; any
     other failure of the probe raises, so that the kernels' tests never skip for an unknown reason."""
-    res = subprocess.run([sys.executable, "-c", _PROBE], env=child_env(TRITON_INTERPRET="1"), capture_output=True,
-                         text=True, timeout=120, cwd=ROOT)
+    return probe_interpreter(INTERPRETER_PROBE)
+
+
+def probe_interpreter(probe: str) -> str | None:
+    """Run ``probe`` under ``TRITON_INTERPRET=1``: what it printed (the gap it found), or None when it printed
+    nothing. Raises RuntimeError when the probe itself failed."""
+    res = run_interpreted(probe)
     if res.returncode != 0:
         raise RuntimeError(f"the Triton interpreter probe failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
     return res.stdout.strip() or None
