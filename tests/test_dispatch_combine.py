@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from megatron_peakflat.dispatch.combine import add_rows, combine_map, gather_sum
-from megatron_peakflat.testing.subproc import interpreter_gap, run_interpreted
-
 
 
 def _pairs(T: int, k: int, K: int, seed: int, membership: str) -> tuple[torch.Tensor, list[int]]:
@@ -108,9 +106,6 @@ print("ok")
 """
 
 
-def test_gather_sum_triton_kernel_matches_torch_in_interpreter():
-    gap = interpreter_gap()
-    if gap:
-        pytest.skip(f"{gap} (an interpreter bug; the compiled kernels are tested in tests/gpu)")
-    res = run_interpreted(SCRIPT)
+def test_gather_sum_triton_kernel_matches_torch_in_interpreter(triton_interpreter):
+    res = triton_interpreter(SCRIPT)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr

@@ -7,10 +7,6 @@ interpreter must be switched on before triton is imported.
 
 from __future__ import annotations
 
-import pytest
-
-from megatron_peakflat.testing.subproc import interpreter_gap, run_interpreted
-
 SCRIPT = r"""
 import torch
 from megatron_peakflat.vocab.block_torch import fold_grad_logits_torch, fold_logits_torch, grad_logits_torch
@@ -51,9 +47,6 @@ print("ok")
 """
 
 
-def test_triton_kernels_match_torch_in_interpreter() -> None:
-    gap = interpreter_gap()
-    if gap:
-        pytest.skip(f"{gap} (an interpreter bug; the compiled kernels are tested in tests/gpu)")
-    res = run_interpreted(SCRIPT)
+def test_triton_kernels_match_torch_in_interpreter(triton_interpreter) -> None:
+    res = triton_interpreter(SCRIPT)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
