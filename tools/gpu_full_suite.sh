@@ -4,6 +4,8 @@
 # Run after `tools/gpu_run.sh setup` has put the wheels on PYTHONPATH and built the extension.
 #   bash tools/gpu_full_suite.sh                       # every test file
 #   bash tools/gpu_full_suite.sh tests/test_pretrain.py tests/test_vocab_ep_shard.py
+#   bash tools/gpu_full_suite.sh "tests/test_pretrain.py -k resume" "tests/test_x.py::test_y[2]"
+# Each argument is one pytest process: a file, a node id, or either with pytest options after it.
 # Environment: JOBS (default 8), LIMIT seconds per file (default 540), OUT (logs go to $OUT/suite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,8 +23,9 @@ else
   for f in tests/test_*.py; do [[ " ${slow[*]} " == *" $f "* ]] || files+=("$f"); done
 fi
 run_one() {  # file
-  local name; name=$(echo "$1" | tr '/.' '__')
-  timeout "${LIMIT:-540}" "$PY" -m pytest -q -ra -p no:cacheprovider --durations=5 "$1" > "$dest/$name.log" 2>&1
+  local name; name=$(printf '%s' "$1" | tr -c 'A-Za-z0-9_-' '_' | cut -c1-120)
+  local args; read -r -a args <<< "$1"  # a file or node id, then any pytest options
+  timeout "${LIMIT:-540}" "$PY" -m pytest -q -ra -p no:cacheprovider --durations=5 "${args[@]}" > "$dest/$name.log" 2>&1
   local rc=$?
   echo "=== rc=$rc $1: $(tail -n 1 "$dest/$name.log")"
   return $rc
