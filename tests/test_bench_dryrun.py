@@ -6,19 +6,16 @@ vocab-parallel CE exact against an fp64 reference)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from megatron_peakflat.testing.distributed import free_port
-from megatron_peakflat.testing.subproc import ROOT, child_env
+from megatron_peakflat.testing.subproc import child_env, run_on_free_port
 
 
 def _torchrun(*args: str) -> str:
     env = child_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # a dry run is a CPU run, GPUs or not
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           *args]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    res = run_on_free_port(lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                         "--master-port", str(port), *args], env, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout + res.stderr
 

@@ -96,6 +96,72 @@ def test_child_env_puts_the_repository_first_and_keeps_the_callers_path(monkeypa
     assert child_env()["PYTHONPATH"] == ROOT
 
 
+@pytest.fixture
+def busy_port():
+    """A port something listens on, as another test's store would."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _first_busy(monkeypatch, module, busy: int) -> list[int]:
+    """Make ``module.free_port`` answer ``busy`` first, then real ports; returns the answers given."""
+    real, given = module.free_port, []
+
+    def draw():
+        given.append(busy if not given else real())
+        return given[-1]
+
+    monkeypatch.setattr(module, "free_port", draw)
+    return given
+
+
+def test_free_port_draws_outside_the_ephemeral_range():
+    """Outgoing connections (gloo's, many per parallel test) take their local ports from that range."""
+    import socket
+
+    from megatron_peakflat.testing import distributed
+
+    eph = distributed._ephemeral_range()
+    if eph is None:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range on this system")
+    for _ in range(20):
+        port = distributed.free_port()
+        assert not eph[0] <= port <= eph[1] and 20000 <= port < 65536, (port, eph)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))
+
+
+def test_launcher_starts_again_when_its_port_was_taken(monkeypatch, busy_port):
+    from megatron_peakflat.testing import distributed
+
+    given = _first_busy(monkeypatch, distributed, busy_port)
+    assert run_distributed(_all_reduce_rank, 2, timeout=120) == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert given[0] == busy_port and len(given) == 2
+
+
+def test_launcher_does_not_start_again_for_other_failures(monkeypatch):
+    from megatron_peakflat.testing import distributed
+
+    given = _first_busy(monkeypatch, distributed, distributed.free_port())
+    with pytest.raises(DistributedTestError, match="boom on rank one"):
+        run_distributed(_fail_on_rank_one, 2, timeout=120)
+    assert len(given) == 1
+
+
+def test_a_child_run_starts_again_when_its_port_was_taken(monkeypatch, busy_port):
+    """torchrun's store finds the port in use (EADDRINUSE): the child runs again on another port."""
+    from megatron_peakflat.testing import subproc
+
+    given = _first_busy(monkeypatch, subproc, busy_port)
+    res = subproc.run_module("site", launcher=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert given[0] == busy_port and len(given) == 2
+
+
 def test_the_interpreter_probe_skips_only_for_the_known_gap():
     """The Triton kernels' interpreter tests skip for Triton 3.6's interpreter bug and for nothing else."""
     from megatron_peakflat.testing.subproc import INTERPRETER_PROBE, probe_interpreter

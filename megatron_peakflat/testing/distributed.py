@@ -7,6 +7,8 @@ Guarantees:
   are torn down instead of hanging in a collective;
 - the whole run is bounded by ``timeout`` seconds; a rank still running then prints every thread's Python
   stack to stderr before it is terminated, so a hang says where it hung;
+- the rendezvous port is drawn outside the kernel's ephemeral range (``free_port``), and a start that
+  still finds it taken is made again on another port (up to ``PORT_ATTEMPTS`` starts);
 - ranks that are not meant to use CUDA (gloo, the default) start with ``CUDA_VISIBLE_DEVICES=""``: on a
   machine with GPUs the CPU tests' ranks see none, as on a CPU machine (the CPU shim maps Megatron's CUDA
   calls to the CPU, and a visible GPU lets what it does not cover, such as torch.compile's device checks,
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import random
 import socket
 import sys
 import traceback
@@ -29,18 +32,61 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "DistributedTestError", "free_port"]
+__all__ = ["run_distributed", "DistributedTestError", "free_port", "port_taken", "PORT_ATTEMPTS"]
+
+PORT_ATTEMPTS = 3
+"""Starts a launcher makes when each one finds its rendezvous port taken (``port_taken``)."""
 
 
 class DistributedTestError(AssertionError):
     """Raised in the parent when one or more ranks failed; carries each rank's traceback."""
 
 
+_draw = random.Random()  # a stream of its own: tests seed the global one
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free when asked."""
+    """Return a TCP port that was free when asked, outside the kernel's ephemeral range where it can.
+
+    Between this answer and the bind of whoever uses it (a launcher's store, seconds later, once Megatron is
+    imported), no outgoing connection can take the port: those take their local ports from the ephemeral
+    range, and parallel tests make many (gloo connects every pair of ranks), so a port drawn from that range,
+    as ``bind(0)`` draws, can be taken in the meantime. Two callers may still draw the same port (about 1 in
+    10^4), which is why launchers here start again on a new port (``port_taken``). Falls back to ``bind(0)``
+    where the range is unknown or leaves no room.
+    """
+    eph = _ephemeral_range()
+    room = [*range(20000, eph[0]), *range(eph[1] + 1, 65536)] if eph else []
+    for _ in range(64 if len(room) >= 1000 else 0):
+        port = _draw.choice(room)
+        if _bindable(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_taken(text: str) -> bool:
+    """Whether a failed start's output says its rendezvous port was in use (then start again elsewhere)."""
+    return "EADDRINUSE" in text or "ddress already in use" in text
 
 
 def _worker(
@@ -128,10 +174,20 @@ def run_distributed(
     Raises DistributedTestError naming every failed rank with its traceback. Results must be
     picklable; they are returned ordered by rank.
     """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout, backend, cuda, free_port())
+        except DistributedTestError as e:
+            if attempt == PORT_ATTEMPTS or not port_taken(str(e)):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float, backend: str,
+              cuda: bool | None, port: int) -> list[Any]:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     results = ctx.SimpleQueue()
-    port = free_port()
     procs = [
         ctx.Process(
             target=_worker,

@@ -14,9 +14,11 @@ import re
 import subprocess
 import sys
 
-from .distributed import free_port
+from typing import Callable
 
-__all__ = ["ROOT", "TINY_GPT_ARGS", "MODEL_BUILT", "child_env", "run_module", "run_interpreted", "interpreter_gap",
+from .distributed import PORT_ATTEMPTS, free_port, port_taken
+
+__all__ = ["ROOT", "TINY_GPT_ARGS", "MODEL_BUILT", "child_env", "run_module", "run_on_free_port", "run_interpreted", "interpreter_gap",
            "probe_interpreter", "INTERPRETER_PROBE",
            "logged", "memory_report", "second_resumed_log"]
 
@@ -37,13 +39,30 @@ TINY_GPT_ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-
 def run_module(module: str, *argv: str, nproc: int = 1, timeout: int = 400,
                launcher: bool | None = None) -> subprocess.CompletedProcess:
     """``python -m module argv`` from the repository root (on PYTHONPATH, warnings off); with ``nproc`` > 1
-    (or ``launcher=True``) under ``torch.distributed.run`` on that many local ranks, on a free port."""
-    env = child_env()
+    (or ``launcher=True``) under ``torch.distributed.run`` on that many local ranks, on a free port
+    (``run_on_free_port``)."""
     if launcher is None:
         launcher = nproc > 1
-    launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
-    cmd = [sys.executable, *(launch if launcher else []), "-m", module, *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+    def command(port: int) -> list[str]:
+        launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port)]
+        return [sys.executable, *(launch if launcher else []), "-m", module, *argv]
+
+    return run_on_free_port(command, child_env(), timeout=timeout)
+
+
+def run_on_free_port(command: Callable[[int], list[str]], env: dict[str, str], *,
+                     timeout: int) -> subprocess.CompletedProcess:
+    """Run ``command(port)`` from the repository root with ``env`` and ``MASTER_PORT=port``, on a port from
+    ``free_port``; a run whose output says the port was taken by then runs again on another (up to
+    ``PORT_ATTEMPTS`` runs), so that parallel test processes do not fail each other."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        res = subprocess.run(command(port), capture_output=True, text=True, timeout=timeout,
+                             env={**env, "MASTER_PORT": str(port)}, cwd=ROOT)
+        if res.returncode == 0 or attempt == PORT_ATTEMPTS or not port_taken(res.stdout + res.stderr):
+            return res
+    raise AssertionError("unreachable")
 
 
 def child_env(**extra: str) -> dict[str, str]:
