@@ -38,7 +38,8 @@ run_one() {  # one process's arguments
   fi
   timeout "$limit" "$PY" -m pytest -q -ra -p no:cacheprovider --durations=5 "${args[@]}" > "$dest/$name.log" 2>&1
   local rc=$?
-  echo "=== rc=$rc $1: $(tail -n 1 "$dest/$name.log")"
+  local summary; summary=$(grep -E '[0-9]+ (passed|failed|skipped|error)|no tests ran' "$dest/$name.log" | tail -n 1)
+  echo "=== rc=$rc $1: ${summary:-$(tail -n 1 "$dest/$name.log")}"
   return $rc
 }
 export -f run_one
