@@ -13,13 +13,12 @@ import os
 import re
 import subprocess
 import sys
-
 from typing import Callable
 
 from .distributed import PORT_ATTEMPTS, free_port, port_taken
 
-__all__ = ["ROOT", "TINY_GPT_ARGS", "MODEL_BUILT", "child_env", "run_module", "run_on_free_port", "run_interpreted", "interpreter_gap",
-           "probe_interpreter", "INTERPRETER_PROBE",
+__all__ = ["ROOT", "TINY_GPT_ARGS", "MODEL_BUILT", "child_env", "run_module", "run_on_free_port", "run_interpreted",
+           "interpreter_gap", "probe_interpreter", "INTERPRETER_PROBE",
            "logged", "memory_report", "second_resumed_log"]
 
 MODEL_BUILT = "> number of parameters on"
