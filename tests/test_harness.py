@@ -22,6 +22,24 @@ def _fail_on_rank_one(rank, world_size):
     dist.barrier()
 
 
+def _start_a_manager(rank, world_size):
+    """As Megatron's checkpoint writer does: a spawned multiprocessing Manager kept for the process's life."""
+    import multiprocessing
+
+    global _manager
+    _manager = multiprocessing.get_context("spawn").Manager()
+    return _manager._process.pid
+
+
+def test_a_ranks_child_processes_end_with_it():
+    import os
+
+    pids = run_distributed(_start_a_manager, 2, timeout=120)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_launcher_runs_world(world):
     out = run_distributed(_all_reduce_rank, world)

@@ -5,6 +5,7 @@ Guarantees:
   (gloo on CPU), with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set as torchrun would set them;
 - a failure on any rank is re-raised in the caller with that rank's traceback, and the other ranks
   are torn down instead of hanging in a collective;
+- a rank's own child processes (a checkpoint writer's multiprocessing Manager, say) end with it;
 - the whole run is bounded by ``timeout`` seconds; a rank still running then prints every thread's Python
   stack to stderr before it is terminated, so a hang says where it hung;
 - the rendezvous port is drawn outside the kernel's ephemeral range (``free_port``), and a start that
@@ -132,6 +133,7 @@ def _worker(
         dist.barrier()  # no rank tears its connections down while a peer may still be using them
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         errors.put((rank, traceback.format_exc()))
+        _end_children()
         os._exit(1)
     if dist.is_initialized():
         try:
@@ -141,9 +143,23 @@ def _worker(
     # The result is delivered and every rank passed the barrier. Skipping interpreter finalization avoids
     # a known gloo teardown abort: a process group still referenced from Python (a captured group
     # handle) is destroyed during finalization, and its worker threads call std::terminate (SIGABRT).
+    _end_children()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _end_children(timeout_s: float = 10.0) -> None:
+    """Stop the processes this rank started and left running. ``os._exit`` skips the exit handlers that would
+    stop them (the multiprocessing Manager behind the results queue of Megatron's checkpoint writer lives as
+    long as its process), and they would outlive the test, holding their memory."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout_s)
 
 
 @contextlib.contextmanager
