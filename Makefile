@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1
 MCORE_SPEC ?= megatron-core==0.19.2
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: one per core, at most 8 (0 runs the tests in this process, one by one)
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8; echo $$n)
 
 .PHONY: setup demo test gpu-test bench plan clean help
 
@@ -18,14 +20,14 @@ help:
 	@echo "make bench     - run the benchmarks in bench/ (needs CUDA)"
 	@echo "make plan      - peak planner for gpt-oss-120b at 1M context on 16 GPUs"
 
-$(VENV)/.stamp: setup.py $(wildcard csrc/*)
+$(VENV)/.stamp: setup.py Makefile $(wildcard csrc/*)
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; pass PYTHON=/path/to/python3.12 (megatron-core 0.19 needs >= 3.12)"; exit 1; }
 	@echo "== setting up $(VENV) with $(PYTHON) ($$($(PYTHON) --version))"
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	@# pyyaml: megatron-core 0.18's megatron.training imports it without declaring it
-	$(PY) -m pip install -q "$(MCORE_SPEC)" numpy packaging pyyaml pytest pybind11 ninja matplotlib psutil
+	$(PY) -m pip install -q "$(MCORE_SPEC)" numpy packaging pyyaml pytest pytest-xdist pybind11 ninja matplotlib psutil
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	@touch $@
 
@@ -35,7 +37,7 @@ demo: setup
 	$(PY) -m megatron_peakflat.demo
 
 test: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_JOBS) $(PYTEST_ARGS)
 
 gpu-test: setup
 	$(PY) -m pytest tests/gpu -v $(PYTEST_ARGS)
