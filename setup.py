@@ -18,15 +18,15 @@ import shutil
 from setuptools import find_packages, setup
 
 
-def _cuda_toolkit(torch_cuda_home: str | None) -> str | None:
-    """The CUDA toolkit to build against: torch's CUDA_HOME when it holds nvcc and the runtime headers,
-    else /usr/local/cuda when that does (an nvcc on the PATH may be a wrapper script outside the toolkit,
-    e.g. /usr/local/bin/nvcc, from which torch guesses CUDA_HOME=/usr/local); None when neither does."""
-    for home in (torch_cuda_home, "/usr/local/cuda"):
-        if home and os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h")) \
-                and os.path.exists(os.path.join(home, "bin", "nvcc")):
-            return home
-    return None
+def _build_rules():
+    """megatron_peakflat/_build.py, loaded by its path: the package's imports are not available yet."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_peakflat", "_build.py")
+    spec = importlib.util.spec_from_file_location("_peakflat_build", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _extensions() -> tuple[list, dict]:
@@ -39,12 +39,13 @@ def _extensions() -> tuple[list, dict]:
     except ImportError:
         print("megatron-peakflat: torch not importable at build time; building without megatron_peakflat._C")
         return [], {}
+    rules = _build_rules()
     cpp = sorted(glob.glob("csrc/*.cpp"))
     cu = sorted(glob.glob("csrc/*.cu"))
     if not cpp:
         return [], {}
     want_cuda = os.environ.get("PEAKFLAT_CUDA")
-    toolkit = _cuda_toolkit(cpp_extension.CUDA_HOME) if torch.version.cuda is not None else None
+    toolkit = rules.cuda_toolkit(cpp_extension.CUDA_HOME) if torch.version.cuda is not None else None
     if want_cuda is None:
         use_cuda = toolkit is not None and torch.cuda.is_available()
     else:
@@ -55,6 +56,7 @@ def _extensions() -> tuple[list, dict]:
                 f"CUDA_HOME={cpp_extension.CUDA_HOME}, and no nvcc plus include/cuda_runtime_api.h there or under "
                 f"/usr/local/cuda). Set CUDA_HOME to the CUDA toolkit, or PEAKFLAT_CUDA=0 for the C++-only extension.")
     cxx = ["-O3", "-fopenmp"]  # the C++ standard is the one torch's headers ask for
+    link = ["-fopenmp", *rules.cxx_runtime_link_args()]
     if use_cuda:
         if toolkit != cpp_extension.CUDA_HOME:
             # CUDAExtension and BuildExtension read the module's CUDA_HOME when they run
@@ -66,12 +68,14 @@ def _extensions() -> tuple[list, dict]:
             include_dirs=[os.path.abspath("csrc")],
             define_macros=[("PEAKFLAT_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link,
         )
     else:
         ext = CppExtension("megatron_peakflat._C", cpp, include_dirs=[os.path.abspath("csrc")],
-                           extra_compile_args=cxx, extra_link_args=["-fopenmp"])
-    print(f"megatron-peakflat: building megatron_peakflat._C ({f'C++ and CUDA, toolkit {toolkit}' if use_cuda else 'C++ only'})")
+                           extra_compile_args=cxx, extra_link_args=link)
+    runtime = rules.cxx_runtime() or "the compiler's default"
+    print(f"megatron-peakflat: building megatron_peakflat._C ({f'C++ and CUDA, toolkit {toolkit}' if use_cuda else 'C++ only'}; "
+          f"C++ runtime {runtime})")
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=bool(shutil.which("ninja")))}
 
 

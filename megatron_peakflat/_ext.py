@@ -18,6 +18,8 @@ import shutil
 from pathlib import Path
 from types import ModuleType
 
+from ._build import cuda_toolkit, cxx_runtime_link_args
+
 __all__ = ["load", "require", "reason", "ExtensionMissingError", "register_host_memory", "unregister_host_memory",
            "CARVE_ALIGN", "carve_end"]
 
@@ -34,16 +36,6 @@ class ExtensionMissingError(RuntimeError):
     """A feature needs ``megatron_peakflat._C`` and it could not be loaded."""
 
 
-def _cuda_toolkit(torch_cuda_home: str | None) -> str | None:
-    """torch's CUDA_HOME when it holds nvcc and the runtime headers, else /usr/local/cuda when that does
-    (an nvcc on the PATH may be a wrapper script outside the toolkit, from which torch guesses its parent
-    folder); None when neither does. setup.py applies the same rule."""
-    for home in (torch_cuda_home, "/usr/local/cuda"):
-        if home and (Path(home) / "include" / "cuda_runtime_api.h").exists() and (Path(home) / "bin" / "nvcc").exists():
-            return home
-    return None
-
-
 def _jit_build() -> ModuleType:
     import torch
     from torch.utils import cpp_extension
@@ -54,7 +46,7 @@ def _jit_build() -> ModuleType:
     env = os.environ.get("PEAKFLAT_CUDA")
     want_cuda = env == "1" or (env is None and torch.cuda.is_available())
     with_cuda = want_cuda and torch.version.cuda is not None and shutil.which("nvcc") is not None
-    toolkit = _cuda_toolkit(cpp_extension.CUDA_HOME)
+    toolkit = cuda_toolkit(cpp_extension.CUDA_HOME)
     if with_cuda and toolkit is not None and toolkit != cpp_extension.CUDA_HOME:
         cpp_extension.CUDA_HOME = toolkit  # read by cpp_extension.load when it runs
     if with_cuda and toolkit is None:
@@ -75,6 +67,7 @@ def _jit_build() -> ModuleType:
         sources=sources,
         extra_cflags=flags + defines,
         extra_cuda_cflags=["-O3"] + defines,
+        extra_ldflags=cxx_runtime_link_args(),
         with_cuda=with_cuda,
         verbose=False,
     )
@@ -127,8 +120,8 @@ CARVE_ALIGN = 256
 
 def carve_end(used: int, nbytes: int) -> int:
     """Where ``nbytes`` carved from a region of which ``used`` bytes are taken end: the carve starts at the next
-    multiple of ``CARVE_ALIGN``. A region checks this against its capacity before carving (the CUDA build
-    of the native pool ended the process on a carve past its end instead of raising)."""
+    multiple of ``CARVE_ALIGN``. A region checks this against its capacity before carving, so that a carve
+    past the end is a MemoryError naming both sizes whichever pool it has."""
     return (used + CARVE_ALIGN - 1) // CARVE_ALIGN * CARVE_ALIGN + nbytes
 
 

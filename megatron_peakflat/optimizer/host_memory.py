@@ -95,7 +95,7 @@ class HostRegion:
         capacity = int(self._pool.capacity) if self._pool is not None else self.nbytes
         off = carve_end(used, 0)
         end = off + numel * size
-        if end > capacity:  # checked here: an exception thrown by the CUDA build of the pool killed the process
+        if end > capacity:  # checked before the native pool, whose own check raises a RuntimeError
             raise MemoryError(f"HostRegion: {end} bytes needed, {capacity} reserved")
         if self._pool is not None:
             return self._pool.carve(int(numel), dtype)

@@ -1,9 +1,9 @@
 """The extension's ``BucketStreamer`` (csrc/stream_engine.cpp) behind Python argument checks.
 
 Every argument is checked here, before anything native runs, and a bad one raises a RuntimeError
-naming what is wrong: on the H200 image, the native build crashed the interpreter when it met a
-bad argument (with the argument checks in C++, whether they threw or returned a message), so the
-native checks are only a last line. A message the native side returns is raised the same way.
+naming what is wrong; the native checks are a last line. (They once ended the process instead: on
+the H200 image the extension carried a C++ runtime of its own, see ``_build.cxx_runtime_link_args``.)
+A message the native side returns is raised the same way.
 """
 
 from __future__ import annotations
