@@ -9,9 +9,8 @@ PY=python3
 $PY -c "import sysconfig as s, setuptools; print('setuptools', setuptools.__version__); [print(k, '=', s.get_config_var(k)) for k in ('CC','CXX','LDSHARED','LDCXXSHARED','CFLAGS','LDFLAGS')]"
 echo "CC=${CC:-} CXX=${CXX:-} LDSHARED=${LDSHARED:-} LDFLAGS=${LDFLAGS:-} CFLAGS=${CFLAGS:-}"
 cat /opt/gcc/bin/g++ 2>/dev/null | head -20
-throw_probe() {  # label
-  timeout 60 $PY -X faulthandler -c "import torch, megatron_peakflat._C as C
-try:
+# Two throwing calls on the module C: a bad pool size, and a carve past the pool's end.
+THROWS="try:
     C.HostPool(-5, False)
 except RuntimeError as e:
     print('raised OK:', str(e)[:70])
@@ -19,7 +18,10 @@ p = C.HostPool(1 << 16, False)
 try:
     p.carve(1 << 20, torch.float32)
 except RuntimeError as e:
-    print('raised OK:', str(e)[:70])" > /tmp/t.out 2>&1
+    print('raised OK:', str(e)[:70])"
+throw_probe() {  # label
+  timeout 60 $PY -X faulthandler -c "import torch, megatron_peakflat._C as C
+$THROWS" > /tmp/t.out 2>&1
   echo "-- $1: rc=$?"; grep -E "raised|Fatal|Error" /tmp/t.out | head -4 | cut -c1-200
 }
 so() { ls megatron_peakflat/_C*.so; }
@@ -45,13 +47,5 @@ PEAKFLAT_JIT=1 timeout 300 $PY -X faulthandler -c "
 import torch
 from megatron_peakflat import _ext
 C = _ext.load(); print('jit', C, _ext.reason())
-try:
-    C.HostPool(-5, False)
-except RuntimeError as e:
-    print('raised OK:', str(e)[:70])
-p = C.HostPool(1 << 16, False)
-try:
-    p.carve(1 << 20, torch.float32)
-except RuntimeError as e:
-    print('raised OK:', str(e)[:70])" > /tmp/t4.out 2>&1
+$THROWS" > /tmp/t4.out 2>&1
 echo "-- jit: rc=$?"; grep -E "jit|raised|Fatal|Error" /tmp/t4.out | head -6 | cut -c1-250
