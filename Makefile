@@ -8,7 +8,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1
 MCORE_SPEC ?= megatron-core==0.19.2
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test`: one per core, at most 8 (0 runs the tests in this process, one by one)
+# pytest-xdist workers for `make test`: one per core, at most 8 (0 runs the tests in this process, one by one).
+# worksteal: a worker that runs dry takes queued tests from another, since a few tests take 1-2 minutes and most
+# under a second
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8; echo $$n)
 
 .PHONY: setup demo test gpu-test bench plan clean help
@@ -27,7 +29,7 @@ $(VENV)/.stamp: setup.py Makefile $(wildcard csrc/*)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	@# pyyaml: megatron-core 0.18's megatron.training imports it without declaring it
-	$(PY) -m pip install -q "$(MCORE_SPEC)" numpy packaging pyyaml pytest pytest-xdist pybind11 ninja matplotlib psutil
+	$(PY) -m pip install -q "$(MCORE_SPEC)" numpy packaging pyyaml pytest "pytest-xdist>=3.2" pybind11 ninja matplotlib psutil
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	@touch $@
 
@@ -37,7 +39,7 @@ demo: setup
 	$(PY) -m megatron_peakflat.demo
 
 test: setup
-	$(PY) -m pytest tests -n $(TEST_JOBS) $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 gpu-test: setup
 	$(PY) -m pytest tests/gpu -v $(PYTEST_ARGS)

@@ -17,6 +17,7 @@ from megatron_peakflat.optimizer.streamer import NativeStreamer
 EXT = _ext.load()
 native = pytest.mark.skipif(EXT is None, reason=f"megatron_peakflat._C not built: {_ext.reason()}")
 readelf = pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils) to read a library's links")
+linux = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
 
 
 def _python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -204,9 +205,10 @@ def _links(library: Path) -> tuple[list[str], set[str]]:
     syms = subprocess.run(["readelf", "--dyn-syms", "-W", str(library)], capture_output=True, text=True, check=True).stdout
     defined = {f[7] for f in (line.split() for line in syms.splitlines())
                if len(f) >= 8 and f[6] != "UND" and f[7] in ("__cxa_throw", "__gxx_personality_v0")}
-    return [w.strip("[]") for line in needed.splitlines() if "(NEEDED)" in line for w in line.split()[-1:]], defined
+    return [line.split()[-1].strip("[]") for line in needed.splitlines() if "(NEEDED)" in line], defined
 
 
+@linux
 def test_build_rules_name_the_cxx_runtime_torch_loaded():
     path = _build.cxx_runtime()
     assert path is not None and Path(path).name.startswith("libstdc++.so") and Path(path).exists()
@@ -214,7 +216,9 @@ def test_build_rules_name_the_cxx_runtime_torch_loaded():
     assert _build.cxx_runtime("/nonexistent/maps") is None
 
 
+@linux
 @readelf
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_a_compiler_with_only_the_static_cxx_runtime_links_torchs_shared_one(tmp_path):
     # The H200 image's CXX (/opt/gcc/bin/g++) searches a folder holding libstdc++.a and no libstdc++.so first:
     # the extension then carried its own C++ runtime, and any exception it threw ended the process there
@@ -239,6 +243,7 @@ def test_a_compiler_with_only_the_static_cxx_runtime_links_torchs_shared_one(tmp
     assert "libstdc++.so.6" in needed and not defined
 
 
+@linux
 def test_setup_and_the_jit_build_link_torchs_cxx_runtime(monkeypatch):
     import runpy
 
