@@ -56,7 +56,8 @@ def _extensions() -> tuple[list, dict]:
                 f"CUDA_HOME={cpp_extension.CUDA_HOME}, and no nvcc plus include/cuda_runtime_api.h there or under "
                 f"/usr/local/cuda). Set CUDA_HOME to the CUDA toolkit, or PEAKFLAT_CUDA=0 for the C++-only extension.")
     cxx = ["-O3", "-fopenmp"]  # the C++ standard is the one torch's headers ask for
-    link = ["-fopenmp", *rules.cxx_runtime_link_args()]
+    runtime = rules.cxx_runtime_link_args()
+    link = ["-fopenmp", *runtime]
     if use_cuda:
         if toolkit != cpp_extension.CUDA_HOME:
             # CUDAExtension and BuildExtension read the module's CUDA_HOME when they run
@@ -73,9 +74,9 @@ def _extensions() -> tuple[list, dict]:
     else:
         ext = CppExtension("megatron_peakflat._C", cpp, include_dirs=[os.path.abspath("csrc")],
                            extra_compile_args=cxx, extra_link_args=link)
-    runtime = rules.cxx_runtime() or "the compiler's default"
+    shown = runtime[0] if runtime else "the compiler's default"
     print(f"megatron-peakflat: building megatron_peakflat._C ({f'C++ and CUDA, toolkit {toolkit}' if use_cuda else 'C++ only'}; "
-          f"C++ runtime {runtime})")
+          f"C++ runtime {shown})")
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=bool(shutil.which("ninja")))}
 
 
