@@ -52,7 +52,7 @@ def table(name: str, methods: list[str], title: str) -> str:
 def main() -> None:
     sections = [
         ("vocab", ["peakflat-fwd-main-grad", "peakflat-main-grad", "peakflat", "peakflat-input", "megatron-native-ce",
-                   "megatron-fused-ce", "liger-flce", "cce"], "Vocabulary projection + loss, forward + backward, bf16"),
+                   "megatron-fused-ce", "liger-flce", "liger-flce-fp32", "cce"], "Vocabulary projection + loss, forward + backward, bf16"),
         ("vocab_parts", ["logits", "fold", "grad", "dx", "dw", "chunks x sum", "whole call"],
          "Ring-DTP in-forward, one GPU: each step of one chunk alone, and the whole call"),
         ("dispatch", ["peakflat", "peakflat-nooverlap", "peakflat-strided", "peakflat-c32768", "peakflat-c16384",

@@ -27,7 +27,9 @@ Ring-DTP: ``peakflat`` (defaults: dX and dW summed in fp32, dW returned in bf16)
 as Megatron's DDP buffer is in training; autograd gets main_grad's storage as its placeholder, as in
 training; Megatron's peers return a bf16 dW, which that DDP adds to the same buffer after the step),
 ``peakflat-fwd-main-grad`` (gradients computed with the loss, ``grad='in-forward'``: what training
-in Megatron, tied output layer or not, runs by default).
+in Megatron, tied output layer or not, runs by default). ``liger-flce`` is Liger's default, which sums
+dW chunk by chunk into a bf16 buffer; ``liger-flce-fp32`` sums it in fp32 (``accum_dtype``), as
+Ring-DTP does, and rounds it to bf16 once at the end.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from bench.harness import (Row, across_ranks, finish_distributed, megatron_ce, m
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 
 DEFAULT_CASES = "32768x7168x201088,16384x4096x201088,32768x7168x128256,16384x4096x128256"
-ALL_METHODS = "peakflat,peakflat-input,peakflat-b4096,megatron-native-ce,megatron-fused-ce,liger-flce,cce"
+ALL_METHODS = ("peakflat,peakflat-input,peakflat-b4096,megatron-native-ce,megatron-fused-ce,liger-flce,liger-flce-fp32,"
+               "cce")
 
 Method = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -118,6 +121,10 @@ def _with_main_grad(w: torch.Tensor, names: Any) -> None:
         w.main_grad, w.grad_added_to_main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device), False
 
 
+def _liger(loss: Callable, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return loss(w, x, y)
+
+
 def methods(wanted: set[str]) -> dict[str, Method]:
     out: dict[str, Method] = {}
     for name in sorted(m for m in wanted if m == "peakflat" or m.startswith("peakflat-")):
@@ -138,14 +145,14 @@ def methods(wanted: set[str]) -> dict[str, Method]:
                     (x @ w.t()).unsqueeze(1), y.unsqueeze(1), tp).mean()
             except ImportError as e:
                 print(f"megatron-fused-ce skipped: {e}")
-    if "liger-flce" in wanted:
-        try:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    for name, accum in (("liger-flce", None), ("liger-flce-fp32", torch.float32)):
+        if name in wanted:
+            try:
+                from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-            liger = LigerFusedLinearCrossEntropyLoss()
-            out["liger-flce"] = lambda x, w, y: liger(w, x, y)
-        except ImportError as e:
-            print(f"liger-flce skipped: {e}")
+                out[name] = functools.partial(_liger, LigerFusedLinearCrossEntropyLoss(accum_dtype=accum))
+            except ImportError as e:
+                print(f"{name} skipped: {e}")
     if "cce" in wanted:
         try:
             from cut_cross_entropy import linear_cross_entropy
