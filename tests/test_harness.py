@@ -81,6 +81,25 @@ def test_gloo_ranks_see_no_gpu_unless_asked(monkeypatch):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
+def _probe_and_loaded(rank, world_size):
+    import os
+    import sys
+
+    return os.environ.get("PEAKFLAT_PROBE"), "megatron.training" in sys.modules
+
+
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_ranks_see_the_callers_environment_as_it_is_at_the_call(monkeypatch, start):
+    """Forked ranks take the caller's environment at each call, not the fork server's from its start, and come
+    with Megatron imported; spawned ones import it themselves (this module does not)."""
+    pytest.importorskip("megatron.training")
+    monkeypatch.setenv("PEAKFLAT_TEST_RANKS", start)
+    monkeypatch.setenv("PEAKFLAT_PROBE", "first")
+    assert run_distributed(_probe_and_loaded, 1, timeout=120)[0][0] == "first"
+    monkeypatch.setenv("PEAKFLAT_PROBE", "second")
+    assert run_distributed(_probe_and_loaded, 2, timeout=120) == [("second", start == "forkserver")] * 2
+
+
 def _sleep_in_a_named_function(rank, world_size):
     import time
 

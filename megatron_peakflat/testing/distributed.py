@@ -13,7 +13,12 @@ Guarantees:
 - ranks that are not meant to use CUDA (gloo, the default) start with ``CUDA_VISIBLE_DEVICES=""``: on a
   machine with GPUs the CPU tests' ranks see none, as on a CPU machine (the CPU shim maps Megatron's CUDA
   calls to the CPU, and a visible GPU lets what it does not cover, such as torch.compile's device checks,
-  reach CUDA with CPU devices).
+  reach CUDA with CPU devices);
+- those hidden ranks are forked from a fork server that has imported torch and Megatron once
+  (``testing.rank_preload``), not spawned: each spawned rank spent 3-9 s of CPU importing them, most of the
+  CPU suite's time on a 2-core machine. A forked rank gets the caller's environment as it is at the call, as a
+  spawned one would; only what torch and Megatron read while being imported comes from the server's start.
+  ``PEAKFLAT_TEST_RANKS=spawn`` spawns every rank instead. Ranks that may use CUDA are always spawned.
 
 ``fn`` must be importable by name (a module-level function), since ranks are spawned processes.
 """
@@ -100,7 +105,16 @@ def _worker(
     results: Any,
     timeout_s: float,
     backend: str,
+    environ: dict[str, str] | None = None,
+    streams: tuple[int, int] | None = None,
 ) -> None:
+    if environ is not None:  # forked from the server: take on the caller's environment, as a spawn would
+        os.environ.clear()
+        os.environ.update(environ)
+    if streams is not None:  # and write where the caller's stdout and stderr go, not where the server's did
+        for fd, std in zip(streams, (1, 2)):
+            os.dup2(fd, std)
+            os.close(fd)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -199,21 +213,57 @@ def run_distributed(
     raise AssertionError("unreachable")
 
 
+_HIDDEN = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+class _CallerStreams:
+    """The caller's stdout and stderr (fds 1 and 2 as they are at the start), handed to a forked rank: its own
+    are the fork server's, which may be another test's captured output by then."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return _detach_fds, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _detach_fds(*dup_fds: Any) -> tuple[int, ...]:
+    return tuple(d.detach() for d in dup_fds)
+
+
+def _rank_context(hidden: bool) -> tuple[Any, dict[str, str] | None]:
+    """The multiprocessing context ranks start from, and the environment a forked rank must take on (None for
+    spawned ranks, which inherit the caller's at their start).
+
+    Hidden ranks fork from the fork server, started hidden (it must never see a GPU: a forked child cannot
+    use CUDA once its parent has initialised it, nor unhide a device) and preloading ``rank_preload``.
+    """
+    if not hidden or os.environ.get("PEAKFLAT_TEST_RANKS", "forkserver") == "spawn":
+        return mp.get_context("spawn"), None
+    import multiprocessing.forkserver as forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["megatron_peakflat.testing.rank_preload"])
+    with _environ(_HIDDEN):
+        forkserver.ensure_running()  # a no-op once it runs; it starts with os.environ as it is here
+    return ctx, {**os.environ, **_HIDDEN}
+
+
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float, backend: str,
               cuda: bool | None, port: int) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    hidden = not (backend == "nccl" if cuda is None else cuda)
+    ctx, environ = _rank_context(hidden)
     errors = ctx.SimpleQueue()
     results = ctx.SimpleQueue()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, fn, args, errors, results, timeout, backend),
+            args=(r, world_size, port, fn, args, errors, results, timeout, backend, environ,
+                  None if environ is None else _CallerStreams()),
             daemon=False,
         )
         for r in range(world_size)
     ]
-    hide = {} if (backend == "nccl" if cuda is None else cuda) else {"CUDA_VISIBLE_DEVICES": ""}
-    with _environ(hide):
+    with _environ(_HIDDEN if hidden else {}):
         for p in procs:
             p.start()
     import time

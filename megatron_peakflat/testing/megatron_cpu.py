@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Any
 
 import torch
@@ -143,7 +144,7 @@ def install_cpu_shim() -> None:
     mrandom._get_cuda_rng_state = lambda *a, clone=False, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
 
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # noqa: F401 - loaded for _rebind
 
     original_move = moe_utils.maybe_move_tensor_to_cpu
 
@@ -152,8 +153,7 @@ def install_cpu_shim() -> None:
             return tensor.numpy() if as_numpy else tensor
         return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _rebind(original_move, maybe_move_tensor_to_cpu)
 
     from megatron.core.transformer import torch_norm
 
@@ -167,10 +167,24 @@ def install_cpu_shim() -> None:
                 setattr(p, "sequence_parallel", bool(config.sequence_parallel))
             return norm
 
-    torch_norm.WrappedTorchNorm = _SPTorchNorm  # type: ignore[misc]
-    from megatron.core.models import backends
+    from megatron.core.models import backends  # noqa: F401 - loaded, so that _rebind reaches its LNImpl
 
-    backends.WrappedTorchNorm = _SPTorchNorm  # type: ignore[misc]
+    _rebind(torch_norm.WrappedTorchNorm, _SPTorchNorm)
+
+
+def _rebind(original: Any, replacement: Any) -> None:
+    """Point every loaded Megatron module's name for ``original`` at ``replacement``.
+
+    Modules bind what they import by name, and some resolve a choice at import (``gpt_layer_specs.LNImpl`` is
+    ``WrappedTorchNorm`` without Apex/TE): patching the defining module alone misses whatever was imported
+    before the shim, as in a rank forked from a process that had imported Megatron already.
+    """
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "megatron" or name.startswith("megatron.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, replacement)
 
 
 def init_megatron_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, seed: int = 1234,
