@@ -351,37 +351,40 @@ def test_resume_check_reads_a_torch_format_checkpoint_as_megatron_finds_it(tmp_p
     assert saved_state(SimpleNamespace(load=str(tmp_path)))[1:] == (True, "torch")
 
 
+_DIST_OPT = ("--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+             "--peakflat-optimizer", "offload-stream")
+
+
 @needs_pretrain_entry
-def test_pretrain_refuses_at_startup_a_resume_that_turns_the_flag_off(tmp_path):
+@pytest.mark.parametrize("extra, at_load, refusal", [
+    ((), (), "--peakflat-vocab-shard-over-ep=False: the checkpoint in --load"),
+    (("--dist-ckpt-optim-fully-reshardable",), (), None),
+    (("--ckpt-format", "torch"), ("--no-load-optim",),
+     "--peakflat-vocab-shard-over-ep=False: the --ckpt-format torch checkpoint in --load"),
+], ids=["plain", "reshardable", "torch"])
+def test_pretrain_refuses_at_startup_a_resume_that_turns_the_flag_off(tmp_path, extra, at_load, refusal):
     """Saved with the flag and the distributed optimizer, resumed without the flag: start-up refuses it before
     the model is built (the load itself failed with a shape mismatch after building it), naming the fixes;
     from a checkpoint saved with --dist-ckpt-optim-fully-reshardable the same resume trains. A --ckpt-format
     torch checkpoint is refused even with --no-load-optim (its model weights failed to load: local shapes).
     The optimizer is OffloadStreamAdamW (on this CPU shim Megatron's own distributed Adam does not resume:
     ``len(steps) == 1``)."""
-    dist_opt = ("--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
-                "--peakflat-optimizer", "offload-stream")
-    cases = (("plain", (), (), "--peakflat-vocab-shard-over-ep=False: the checkpoint in --load"),
-             ("reshardable", ("--dist-ckpt-optim-fully-reshardable",), (), None),
-             ("torch", ("--ckpt-format", "torch"), ("--no-load-optim",),
-              "--peakflat-vocab-shard-over-ep=False: the --ckpt-format torch checkpoint in --load"))
-    for name, extra, at_load, refusal in cases:
-        ckpt = str(tmp_path / name)
-        saved = _pretrain("--train-iters", "3", "--save", ckpt, "--save-interval", "2", "--exit-interval", "2",
-                          *dist_opt, *extra, *SHARD)
-        assert "successfully saved checkpoint" in saved
-        out = run_module("megatron_peakflat.testing.pretrain_dryrun", *TINY_GPT_ARGS, "--expert-model-parallel-size",
-                         "2", "--untie-embeddings-and-output-weights", "--distributed-backend", "gloo",
-                         "--train-iters", "3", "--load", ckpt, *dist_opt, *extra, *at_load,
-                         "--peakflat-vocab", "ring-dtp", nproc=2, timeout=600)
-        text = out.stdout + out.stderr
-        if refusal is not None:
-            assert out.returncode != 0, text[-3000:]
-            assert refusal in text, text[-3000:]
-            assert "saved with it on" in text and MODEL_BUILT not in text, text[-3000:]
-        else:
-            assert out.returncode == 0, text[-3000:]
-            assert len(logged(text, "lm loss")) == 1, text[-3000:]
+    ckpt = str(tmp_path / "ckpt")
+    saved = _pretrain("--train-iters", "3", "--save", ckpt, "--save-interval", "2", "--exit-interval", "2",
+                      *_DIST_OPT, *extra, *SHARD)
+    assert "successfully saved checkpoint" in saved
+    out = run_module("megatron_peakflat.testing.pretrain_dryrun", *TINY_GPT_ARGS, "--expert-model-parallel-size",
+                     "2", "--untie-embeddings-and-output-weights", "--distributed-backend", "gloo",
+                     "--train-iters", "3", "--load", ckpt, *_DIST_OPT, *extra, *at_load,
+                     "--peakflat-vocab", "ring-dtp", nproc=2, timeout=600)
+    text = out.stdout + out.stderr
+    if refusal is not None:
+        assert out.returncode != 0, text[-3000:]
+        assert refusal in text, text[-3000:]
+        assert "saved with it on" in text and MODEL_BUILT not in text, text[-3000:]
+    else:
+        assert out.returncode == 0, text[-3000:]
+        assert len(logged(text, "lm loss")) == 1, text[-3000:]
 
 
 def test_resume_check_reads_the_checkpoint_megatron_will_load(tmp_path, monkeypatch):
