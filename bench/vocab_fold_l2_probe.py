@@ -10,7 +10,8 @@ left the 50 MB L2 before its second pass. Variants, each timed against the kerne
   SMs x K rows in flight, 132 x 402 KB = 53 MB at K=1.
 
 Every variant's gradient and state must equal the committed kernel's bit for bit (same arithmetic, same
-order). Prints a line per variant; nothing is merged into bench/results.
+order). Prints a line per variant; nothing is merged into bench/results. Run at 2ab9fef
+(``vocab_fold_l2_probe.txt``); block_triton then took the reversed pass, so "committed" is now ``reverse``.
     python3 bench/vocab_fold_l2_probe.py [--rows 4096 --cols 201088 --reps 10]
 """
 

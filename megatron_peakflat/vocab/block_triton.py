@@ -2,7 +2,8 @@
 
 The logits block itself comes from a cuBLAS matmul (fp32 accumulation inside the GEMM); these
 kernels read it once (fold), read and overwrite it in place with its gradient (grad), or do both for
-a block whose row state is complete once it is folded (fold_grad: a single rank's whole vocabulary).
+a block whose row state is complete once it is folded (fold_grad: a single rank's whole vocabulary; its
+gradient pass walks the row back from where the fold ended).
 No fp32 copy of a block is made. Imported lazily: only on CUDA.
 
 The fold keeps one running max per row, raised once per column chunk, so each logit costs one
@@ -76,8 +77,11 @@ def _fold_kernel(z_ptr, stride_z, lab_ptr, state_ptr, n, ncols, COLS: tl.constex
 
 @triton.jit
 def _grad_row(zrow, lab, lse, a, b, c, ncols, COLS: tl.constexpr):
-    for c0 in range(0, ncols, COLS):
-        cols = c0 + tl.arange(0, COLS)
+    # Last columns first: after a fold of the same row (fold_grad) they are the likeliest still in L2, a
+    # 1.046x faster fold_grad on an H200, bit for bit the same (bench/results/vocab_fold_l2_probe.txt).
+    steps = tl.cdiv(ncols, COLS)
+    for i in range(0, steps):
+        cols = (steps - 1 - i) * COLS + tl.arange(0, COLS)
         msk = cols < ncols
         z = tl.load(zrow + cols, mask=msk, other=0.0).to(tl.float32)
         d = a * tl.exp(z - lse) - c - tl.where(cols == lab, b, 0.0)
