@@ -3,8 +3,8 @@ committed since 91b1dce) or forward (before), beside Liger's fused linear cross-
 
 ``vocab_fold_l2_probe.py`` timed the kernel alone (1.046x); this times the whole call, forward and backward,
 at one shape, the variants in turn within each round so that clock and power drift touch both alike. The
-forward walk is a copy of the kernel before 91b1dce, swapped in for ``block_triton.fold_grad_logits_triton``
-(``vocab.blocks.block_ops`` looks it up at every call). Both variants give the same bits; the script checks
+forward walk (``fold_grad_logits_triton(..., backward_walk=False)``, the kernel before 91b1dce) is swapped in
+for ``block_triton.fold_grad_logits_triton`` (``vocab.blocks.block_ops`` looks it up at every call). Both variants give the same bits; the script checks
 dX and dW of one call of each. Prints a line per round and the medians; nothing is merged into bench/results.
     python3 bench/vocab_fold_ab.py [--case 32768x7168x201088 --reps 5 --rounds 5]
 """
@@ -12,53 +12,17 @@ dX and dW of one call of each. Prints a line per round and the medians; nothing 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import measure  # noqa: E402
 from bench.vocab import _grad_step, methods  # noqa: E402
 from megatron_peakflat.vocab import block_triton as bt  # noqa: E402
-from megatron_peakflat.vocab.block_triton import _fold_row  # noqa: E402
-
-
-@triton.jit
-def _grad_row_forward(zrow, lab, lse, a, b, c, ncols, COLS: tl.constexpr):
-    for c0 in range(0, ncols, COLS):
-        cols = c0 + tl.arange(0, COLS)
-        msk = cols < ncols
-        z = tl.load(zrow + cols, mask=msk, other=0.0).to(tl.float32)
-        d = a * tl.exp(z - lse) - c - tl.where(cols == lab, b, 0.0)
-        tl.store(zrow + cols, d.to(zrow.dtype.element_ty), mask=msk)
-
-
-@triton.jit
-def _fold_grad_forward_kernel(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread,
-                              COLS: tl.constexpr):
-    row = tl.program_id(0)
-    zrow = z_ptr + row.to(tl.int64) * stride_z
-    lab = tl.load(lab_ptr + row)
-    m, s, t, zs = _fold_row(zrow, lab, ncols, COLS)
-    tl.store(state_ptr + row, m)
-    tl.store(state_ptr + n + row, s)
-    tl.store(state_ptr + 2 * n + row, t)
-    tl.store(state_ptr + 3 * n + row, zs)
-    g = tl.load(ws_ptr + row)
-    _grad_row_forward(zrow, lab, m + tl.log(s), g, g * keep, g * spread, ncols, COLS)
-
-
-def _fold_grad_forward(z: torch.Tensor, local_labels: torch.Tensor, state: torch.Tensor, ws: torch.Tensor,
-                       label_smoothing: float, vocab_size: int) -> torch.Tensor:
-    sh = bt.SHAPES["fold_grad"]
-    _fold_grad_forward_kernel[(z.shape[0],)](z, z.stride(0), local_labels.contiguous(), ws.contiguous(), state,
-                                             z.shape[0], z.shape[1], 1.0 - label_smoothing,
-                                             label_smoothing / vocab_size, COLS=sh.cols, num_warps=sh.warps)
-    return z
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
                 bt.fold_grad_logits_triton = reverse_kernel
         return step
 
-    variants = {"reverse (committed)": ours(reverse_kernel), "forward (before 91b1dce)": ours(_fold_grad_forward),
+    variants = {"reverse (committed)": ours(reverse_kernel), "forward (before 91b1dce)": ours(functools.partial(reverse_kernel, backward_walk=False)),
                 "liger-flce": _grad_step(fns["liger-flce"], x, w, y)}
     grads = {}
     for name in ("reverse (committed)", "forward (before 91b1dce)"):

@@ -9,9 +9,10 @@ left the 50 MB L2 before its second pass. Variants, each timed against the kerne
 - ``persistent xK``: K programs per SM, each taking rows in turn, with the reversed second pass: at most
   SMs x K rows in flight, 132 x 402 KB = 53 MB at K=1.
 
-Every variant's gradient and state must equal the committed kernel's bit for bit (same arithmetic, same
+Every variant's gradient and state must equal the forward walk's bit for bit (same arithmetic, same
 order). Prints a line per variant; nothing is merged into bench/results. Run at 2ab9fef
-(``vocab_fold_l2_probe.txt``); block_triton then took the reversed pass, so "committed" is now ``reverse``.
+(``vocab_fold_l2_probe.txt``), whose baseline was the committed forward walk; block_triton then took the
+reversed pass, and both walks are now its ``_fold_grad_kernel`` (``BACKWARD`` False or True).
     python3 bench/vocab_fold_l2_probe.py [--rows 4096 --cols 201088 --reps 10]
 """
 
@@ -28,42 +29,13 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import measure  # noqa: E402
 from megatron_peakflat.vocab import block_triton as bt  # noqa: E402
-from megatron_peakflat.vocab.block_triton import _fold_row  # noqa: E402
-
-
-@triton.jit
-def _grad_row_reversed(zrow, lab, lse, a, b, c, ncols, COLS: tl.constexpr):
-    steps = tl.cdiv(ncols, COLS)
-    for i in range(0, steps):
-        cols = (steps - 1 - i) * COLS + tl.arange(0, COLS)
-        msk = cols < ncols
-        z = tl.load(zrow + cols, mask=msk, other=0.0).to(tl.float32)
-        d = a * tl.exp(z - lse) - c - tl.where(cols == lab, b, 0.0)
-        tl.store(zrow + cols, d.to(zrow.dtype.element_ty), mask=msk)
-
-
-@triton.jit
-def _one_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, row, COLS: tl.constexpr):
-    zrow = z_ptr + row.to(tl.int64) * stride_z
-    lab = tl.load(lab_ptr + row)
-    m, s, t, zs = _fold_row(zrow, lab, ncols, COLS)
-    tl.store(state_ptr + row, m)
-    tl.store(state_ptr + n + row, s)
-    tl.store(state_ptr + 2 * n + row, t)
-    tl.store(state_ptr + 3 * n + row, zs)
-    g = tl.load(ws_ptr + row)
-    _grad_row_reversed(zrow, lab, m + tl.log(s), g, g * keep, g * spread, ncols, COLS)
-
-
-@triton.jit
-def _reverse_kernel(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, COLS: tl.constexpr):
-    _one_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, tl.program_id(0), COLS)
+from megatron_peakflat.vocab.block_triton import _fold_grad_kernel, _fold_grad_row  # noqa: E402
 
 
 @triton.jit
 def _persistent_kernel(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, COLS: tl.constexpr):
     for row in range(tl.program_id(0), n, tl.num_programs(0)):
-        _one_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, row, COLS)
+        _fold_grad_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, row, COLS, True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,29 +55,30 @@ def main(argv: list[str] | None = None) -> None:
     moved = 3 * n * V * 2
 
     z_ref, st_ref = z0.clone(), torch.empty(4, n, device="cuda")
-    bt.fold_grad_logits_triton(z_ref, lab, st_ref, ws, 0.0, V)
+    bt.fold_grad_logits_triton(z_ref, lab, st_ref, ws, 0.0, V, backward_walk=False)
     z = z0.clone()
     st = torch.empty(4, n, device="cuda")
-    base_ms = measure(lambda: bt.fold_grad_logits_triton(z, lab, st, ws, 0.0, V), warmup=2, reps=args.reps)[1]
+    base_ms = measure(lambda: bt.fold_grad_logits_triton(z, lab, st, ws, 0.0, V, backward_walk=False),
+                      warmup=2, reps=args.reps)[1]
     shape = bt.SHAPES["fold_grad"]
-    print(f"rows={n} V={V} sms={sms} committed fold_grad ({shape.cols} cols, {shape.warps} warps): "
+    print(f"rows={n} V={V} sms={sms} fold_grad, forward walk ({shape.cols} cols, {shape.warps} warps): "
           f"{base_ms:.4f} ms, {moved / base_ms / 1e6:.1f} GB/s", flush=True)
 
-    variants = [("reverse", _reverse_kernel, n, shape.cols, shape.warps)]
+    variants = [("reverse (committed)", _fold_grad_kernel, n, shape.cols, shape.warps, {"BACKWARD": True})]
     for per_sm in (1, 2, 4):
         for cols, warps in ((2048, 4), (4096, 8), (8192, 16)):
             variants.append((f"persistent x{per_sm} {cols} cols {warps} warps", _persistent_kernel,
-                             sms * per_sm, cols, warps))
-    for name, kernel, grid, cols, warps in variants:
+                             sms * per_sm, cols, warps, {}))
+    for name, kernel, grid, cols, warps, const in variants:
         def call() -> None:
-            kernel[(grid,)](z, z.stride(0), lab, ws, st, n, V, 1.0, 0.0, COLS=cols, num_warps=warps)
+            kernel[(grid,)](z, z.stride(0), lab, ws, st, n, V, 1.0, 0.0, COLS=cols, num_warps=warps, **const)
 
         z.copy_(z0)
         call()
         same = bool(torch.equal(z, z_ref)) and bool(torch.equal(st, st_ref)) if cols == shape.cols else None
         ms = measure(call, warmup=2, reps=args.reps)[1]
         print(f"  {name:36s} {ms:8.4f} ms  {moved / ms / 1e6:7.1f} GB/s (3 passes)  {base_ms / ms:5.3f}x  "
-              f"bitwise same as committed: {same}", flush=True)
+              f"bitwise same as the forward walk: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The Triton block kernels against their plain-PyTorch twins, on CPU through TRITON_INTERPRET=1.
 
 Tiny shapes, several column chunks per row, labels inside, on the edge of and outside the block,
-a prior state already holding a running max, fp32 and bf16. Runs in a subprocess because the
+a prior state already holding a running max, fp32 and bf16; fold_grad's gradient pass walked back and
+forward. Runs in a subprocess because the
 interpreter must be switched on before triton is imported.
 """
 
@@ -40,6 +41,9 @@ for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
         assert err < tol, ("fold_grad state", dt, eps, err)
         err = ((d3 - d4).abs() / d3.abs().clamp_min(1.0)).max().item()
         assert err <= ulp, ("fold_grad", dt, eps, err)
+        st5 = torch.empty(4, n)
+        d5 = bt.fold_grad_logits_triton(z.clone(), lab, st5, ws, eps, 1000, backward_walk=False).float()
+        assert torch.equal(d4, d5) and torch.equal(st4, st5), "the gradient pass's walk changes no bit"
         fresh = torch.zeros(4, n); fresh[0] = float("-inf")
         fold_logits_torch(z, lab, fresh)
         assert torch.allclose(fresh, st3), "fold_grad's state is the fold's"

@@ -76,12 +76,13 @@ def _fold_kernel(z_ptr, stride_z, lab_ptr, state_ptr, n, ncols, COLS: tl.constex
 
 
 @triton.jit
-def _grad_row(zrow, lab, lse, a, b, c, ncols, COLS: tl.constexpr):
-    # Last columns first: after a fold of the same row (fold_grad) they are the likeliest still in L2, a
-    # 1.046x faster fold_grad on an H200, bit for bit the same (bench/results/vocab_fold_l2_probe.txt).
+def _grad_row(zrow, lab, lse, a, b, c, ncols, COLS: tl.constexpr, BACKWARD: tl.constexpr):
     steps = tl.cdiv(ncols, COLS)
     for i in range(0, steps):
-        cols = (steps - 1 - i) * COLS + tl.arange(0, COLS)
+        if BACKWARD:
+            cols = (steps - 1 - i) * COLS + tl.arange(0, COLS)
+        else:
+            cols = i * COLS + tl.arange(0, COLS)
         msk = cols < ncols
         z = tl.load(zrow + cols, mask=msk, other=0.0).to(tl.float32)
         d = a * tl.exp(z - lse) - c - tl.where(cols == lab, b, 0.0)
@@ -93,12 +94,12 @@ def _grad_kernel(z_ptr, stride_z, lab_ptr, coef_ptr, n, ncols, COLS: tl.constexp
     row = tl.program_id(0)
     zrow = z_ptr + row.to(tl.int64) * stride_z
     _grad_row(zrow, tl.load(lab_ptr + row), tl.load(coef_ptr + row), tl.load(coef_ptr + n + row),
-              tl.load(coef_ptr + 2 * n + row), tl.load(coef_ptr + 3 * n + row), ncols, COLS)
+              tl.load(coef_ptr + 2 * n + row), tl.load(coef_ptr + 3 * n + row), ncols, COLS, False)
 
 
 @triton.jit
-def _fold_grad_kernel(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, COLS: tl.constexpr):
-    row = tl.program_id(0)
+def _fold_grad_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, row, COLS: tl.constexpr,
+                   BACKWARD: tl.constexpr):
     zrow = z_ptr + row.to(tl.int64) * stride_z
     lab = tl.load(lab_ptr + row)
     m, s, t, zs = _fold_row(zrow, lab, ncols, COLS)
@@ -107,7 +108,16 @@ def _fold_grad_kernel(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, kee
     tl.store(state_ptr + 2 * n + row, t)
     tl.store(state_ptr + 3 * n + row, zs)
     g = tl.load(ws_ptr + row)
-    _grad_row(zrow, lab, m + tl.log(s), g, g * keep, g * spread, ncols, COLS)
+    _grad_row(zrow, lab, m + tl.log(s), g, g * keep, g * spread, ncols, COLS, BACKWARD)
+
+
+@triton.jit
+def _fold_grad_kernel(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, COLS: tl.constexpr,
+                      BACKWARD: tl.constexpr):
+    # BACKWARD: the gradient pass walks the row from its last columns, which the fold has just left in
+    # L2: 1.046x the kernel's speed on an H200, the same bits (bench/results/vocab_fold_l2_probe.txt).
+    _fold_grad_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, tl.program_id(0), COLS,
+                   BACKWARD)
 
 
 def _check(z: torch.Tensor, local_labels: torch.Tensor, side: torch.Tensor) -> None:
@@ -140,9 +150,10 @@ def grad_logits_triton(z: torch.Tensor, local_labels: torch.Tensor, coef: torch.
 
 
 def fold_grad_logits_triton(z: torch.Tensor, local_labels: torch.Tensor, state: torch.Tensor, ws: torch.Tensor,
-                            label_smoothing: float, vocab_size: int) -> torch.Tensor:
+                            label_smoothing: float, vocab_size: int, *, backward_walk: bool = True) -> torch.Tensor:
     """Triton twin of ``fold_grad_logits_torch`` (same contract) in one kernel: each row is folded, then
-    overwritten by its gradient (one launch, and the row's state never leaves the program)."""
+    overwritten by its gradient (one launch, and the row's state never leaves the program).
+    ``backward_walk=False`` walks the gradient pass first column to last: the same bits, for A/B timing."""
     _check(z, local_labels, state)
     if ws.shape != local_labels.shape or ws.dtype != torch.float32:
         raise ValueError(f"ws must be fp32 [{z.shape[0]}], got {tuple(ws.shape)} {ws.dtype}")
@@ -151,5 +162,5 @@ def fold_grad_logits_triton(z: torch.Tensor, local_labels: torch.Tensor, state: 
     sh = SHAPES["fold_grad"]
     _fold_grad_kernel[(z.shape[0],)](z, z.stride(0), local_labels.contiguous(), ws.contiguous(), state, z.shape[0],
                                      z.shape[1], 1.0 - label_smoothing, label_smoothing / vocab_size,
-                                     COLS=sh.cols, num_warps=sh.warps)
+                                     COLS=sh.cols, BACKWARD=backward_walk, num_warps=sh.warps)
     return z
