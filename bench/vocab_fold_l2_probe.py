@@ -2,7 +2,8 @@
 
 ``fold_grad`` reads a row of logits twice (fold, then gradient) and writes it once: 3 x 1.65 GB per
 [4096, 201088] bf16 block. A row is 402 KB and about a thousand rows are in flight at once, so the row has
-left the 50 MB L2 before its second pass. Variants, each timed against the kernel in ``block_triton``:
+left the 50 MB L2 before its second pass. Variants, each timed against the forward walk (``--rounds``: all
+of them once per round, in turn):
 
 - ``reverse``: the gradient pass walks the row from its end, where the fold pass left off (the most recently
   read columns are the likeliest to still be in L2);
@@ -13,12 +14,13 @@ Every variant's gradient and state must equal the forward walk's bit for bit (sa
 order). Prints a line per variant; nothing is merged into bench/results. Run at 2ab9fef
 (``vocab_fold_l2_probe.txt``), whose baseline was the committed forward walk; block_triton then took the
 reversed pass, and both walks are now its ``_fold_grad_kernel`` (``BACKWARD`` False or True).
-    python3 bench/vocab_fold_l2_probe.py [--rows 4096 --cols 201088 --reps 10]
+    python3 bench/vocab_fold_l2_probe.py [--rows 4096 --cols 201088 --reps 10 --rounds 1 --walks-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=201088)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1, help="times every variant is timed, in turn (median kept)")
+    ap.add_argument("--walks-only", action="store_true", help="only the forward and the reversed walk")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/vocab_fold_l2_probe.py needs a CUDA device")
@@ -58,27 +62,36 @@ def main(argv: list[str] | None = None) -> None:
     bt.fold_grad_logits_triton(z_ref, lab, st_ref, ws, 0.0, V, backward_walk=False)
     z = z0.clone()
     st = torch.empty(4, n, device="cuda")
-    base_ms = measure(lambda: bt.fold_grad_logits_triton(z, lab, st, ws, 0.0, V, backward_walk=False),
-                      warmup=2, reps=args.reps)[1]
     shape = bt.SHAPES["fold_grad"]
-    print(f"rows={n} V={V} sms={sms} fold_grad, forward walk ({shape.cols} cols, {shape.warps} warps): "
-          f"{base_ms:.4f} ms, {moved / base_ms / 1e6:.1f} GB/s", flush=True)
+    print(f"rows={n} V={V} sms={sms}; fold_grad's launch shape {shape.cols} cols, {shape.warps} warps", flush=True)
 
-    variants = [("reverse (committed)", _fold_grad_kernel, n, shape.cols, shape.warps, {"BACKWARD": True})]
-    for per_sm in (1, 2, 4):
-        for cols, warps in ((2048, 4), (4096, 8), (8192, 16)):
-            variants.append((f"persistent x{per_sm} {cols} cols {warps} warps", _persistent_kernel,
-                             sms * per_sm, cols, warps, {}))
+    variants = [("forward walk", _fold_grad_kernel, n, shape.cols, shape.warps, {"BACKWARD": False}),
+                ("reverse (committed)", _fold_grad_kernel, n, shape.cols, shape.warps, {"BACKWARD": True})]
+    if not args.walks_only:
+        for per_sm in (1, 2, 4):
+            for cols, warps in ((2048, 4), (4096, 8), (8192, 16)):
+                variants.append((f"persistent x{per_sm} {cols} cols {warps} warps", _persistent_kernel,
+                                 sms * per_sm, cols, warps, {}))
+    calls, same = {}, {}
     for name, kernel, grid, cols, warps, const in variants:
-        def call() -> None:
+        def call(kernel=kernel, grid=grid, cols=cols, warps=warps, const=const) -> None:
             kernel[(grid,)](z, z.stride(0), lab, ws, st, n, V, 1.0, 0.0, COLS=cols, num_warps=warps, **const)
 
         z.copy_(z0)
         call()
-        same = bool(torch.equal(z, z_ref)) and bool(torch.equal(st, st_ref)) if cols == shape.cols else None
-        ms = measure(call, warmup=2, reps=args.reps)[1]
-        print(f"  {name:36s} {ms:8.4f} ms  {moved / ms / 1e6:7.1f} GB/s (3 passes)  {base_ms / ms:5.3f}x  "
-              f"bitwise same as the forward walk: {same}", flush=True)
+        same[name] = bool(torch.equal(z, z_ref)) and bool(torch.equal(st, st_ref)) if cols == shape.cols else None
+        calls[name] = call
+    ms: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(args.rounds):  # every variant once per round, in turn, so drift touches all alike
+        for name, call in calls.items():
+            ms[name].append(measure(call, warmup=2, reps=args.reps)[1])
+        print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:.4f}" for k, v in ms.items() if len(calls) <= 2 or k in
+                                             ("forward walk", "reverse (committed)")), flush=True)
+    base = statistics.median(ms["forward walk"])
+    for name in calls:
+        m = statistics.median(ms[name])
+        print(f"  {name:36s} {m:8.4f} ms  {moved / m / 1e6:7.1f} GB/s (3 passes)  {base / m:5.3f}x the forward walk  "
+              f"bitwise same as it: {same[name]}", flush=True)
 
 
 if __name__ == "__main__":

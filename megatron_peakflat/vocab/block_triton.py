@@ -2,8 +2,7 @@
 
 The logits block itself comes from a cuBLAS matmul (fp32 accumulation inside the GEMM); these
 kernels read it once (fold), read and overwrite it in place with its gradient (grad), or do both for
-a block whose row state is complete once it is folded (fold_grad: a single rank's whole vocabulary; its
-gradient pass walks the row back from where the fold ended).
+a block whose row state is complete once it is folded (fold_grad: a single rank's whole vocabulary).
 No fp32 copy of a block is made. Imported lazily: only on CUDA.
 
 The fold keeps one running max per row, raised once per column chunk, so each logit costs one
@@ -114,8 +113,9 @@ def _fold_grad_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, 
 @triton.jit
 def _fold_grad_kernel(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, COLS: tl.constexpr,
                       BACKWARD: tl.constexpr):
-    # BACKWARD: the gradient pass walks the row from its last columns, which the fold has just left in
-    # L2: 1.046x the kernel's speed on an H200, the same bits (bench/results/vocab_fold_l2_probe.txt).
+    # BACKWARD: the gradient pass starts at the columns the fold read last, the likeliest still in L2. The
+    # same bits either way; on an H200 the kernel ran 1.046x and then 1.004x the forward walk's speed
+    # (bench/results/vocab_fold_l2_probe.txt), the whole call 0.999x its time (vocab_fold_ab.txt).
     _fold_grad_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, tl.program_id(0), COLS,
                    BACKWARD)
 
