@@ -1,11 +1,11 @@
 """A/B in one process: Ring-DTP's in-forward call with fold_grad's gradient pass walking each row back (as
 committed since 91b1dce) or forward (before), beside Liger's fused linear cross-entropy.
 
-``vocab_fold_l2_probe.py`` timed the kernel alone (1.046x); this times the whole call, forward and backward,
-at one shape, the variants in turn within each round so that clock and power drift touch both alike. The
-forward walk (``fold_grad_logits_triton(..., backward_walk=False)``, the kernel before 91b1dce) is swapped in
-for ``block_triton.fold_grad_logits_triton`` (``vocab.blocks.block_ops`` looks it up at every call). Both variants give the same bits; the script checks
-dX and dW of one call of each. Prints a line per round and the medians; nothing is merged into bench/results.
+``vocab_fold_l2_probe.py`` timed the kernel alone (1.046x, then 1.004x); this times the whole call, forward
+and backward, at one shape, the variants in turn within each round so that clock and power drift touch both
+alike. The forward walk (``fold_grad_logits_triton(..., backward_walk=False)``, the kernel before 91b1dce) is
+swapped in for ``block_triton.fold_grad_logits_triton`` (``vocab.blocks.block_ops`` looks it up at every
+call). Both variants give the same bits; the script checks dX and dW of one call of each. Prints a line per round and the medians; nothing is merged into bench/results.
     python3 bench/vocab_fold_ab.py [--case 32768x7168x201088 --reps 5 --rounds 5]
 """
 
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
                 bt.fold_grad_logits_triton = reverse_kernel
         return step
 
-    variants = {"reverse (committed)": ours(reverse_kernel), "forward (before 91b1dce)": ours(functools.partial(reverse_kernel, backward_walk=False)),
+    variants = {"reverse (committed)": ours(reverse_kernel),
+                "forward (before 91b1dce)": ours(functools.partial(reverse_kernel, backward_walk=False)),
                 "liger-flce": _grad_step(fns["liger-flce"], x, w, y)}
     grads = {}
     for name in ("reverse (committed)", "forward (before 91b1dce)"):
