@@ -1,7 +1,7 @@
 """A/B in one process: Ring-DTP's in-forward call with fold_grad's gradient pass walking each row back (as
 committed since 91b1dce) or forward (before), beside Liger's fused linear cross-entropy.
 
-``vocab_fold_l2_probe.py`` timed the kernel alone (1.046x, then 1.004x); this times the whole call, forward
+``vocab_fold_l2_probe.py`` timed the kernel alone (1.046x, then 1.004x, then 0.997x over 7 rounds in turn); this times the whole call, forward
 and backward, at one shape, the variants in turn within each round so that clock and power drift touch both
 alike. The forward walk (``fold_grad_logits_triton(..., backward_walk=False)``, the kernel before 91b1dce) is
 swapped in for ``block_triton.fold_grad_logits_triton`` (``vocab.blocks.block_ops`` looks it up at every

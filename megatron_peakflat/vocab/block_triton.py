@@ -114,8 +114,9 @@ def _fold_grad_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, 
 def _fold_grad_kernel(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, COLS: tl.constexpr,
                       BACKWARD: tl.constexpr):
     # BACKWARD: the gradient pass starts at the columns the fold read last, the likeliest still in L2. The
-    # same bits either way; on an H200 the kernel ran 1.046x and then 1.004x the forward walk's speed
-    # (bench/results/vocab_fold_l2_probe.txt), the whole call 0.999x its time (vocab_fold_ab.txt).
+    # same bits either way, and no faster: on an H200 the kernel ran 0.997x the forward walk's speed over 7
+    # rounds in turn (1.046x in an earlier single round; bench/results/vocab_fold_l2_probe.txt), the whole
+    # call 0.999x its time (vocab_fold_ab.txt).
     _fold_grad_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, tl.program_id(0), COLS,
                    BACKWARD)
 
