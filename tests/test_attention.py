@@ -64,3 +64,36 @@ def test_sdpa_matches_dot_product_attention_world1():
 def test_sdpa_matches_dot_product_attention_tp2():
     res = run_distributed(_compare, 2)
     assert all(len(r) == 5 for r in res)
+
+
+def _handed_back(rank, world_size):
+    """A config SDPA does not reproduce (here off-by-one softmax, gpt-oss's) runs Megatron's own forward."""
+    from megatron_peakflat.testing.megatron_cpu import init_megatron_parallel, tiny_transformer_config
+
+    init_megatron_parallel(tp=1)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_peakflat.integration.attention import sdpa_core_attention_class
+
+    SDPAttention = sdpa_core_attention_class()
+    s, b, hn = 11, 2, 16
+    cfg = tiny_transformer_config(num_attention_heads=4, num_query_groups=4, kv_channels=hn, hidden_size=64,
+                                  num_moe_experts=None, softmax_type="off-by-one")
+    ref = DotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    ours = SDPAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    plain_cfg = tiny_transformer_config(num_attention_heads=4, num_query_groups=4, kv_channels=hn, hidden_size=64,
+                                        num_moe_experts=None)
+    plain = DotProductAttention(plain_cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, b, 4, hn, generator=g) for _ in range(3))
+    before = SDPAttention._handed_back
+    out_ref, out_ours, out_plain = (m(q, k, v, None, attn_mask_type=AttnMaskType.causal) for m in (ref, ours, plain))
+    return before, SDPAttention._handed_back, torch.equal(out_ours, out_ref), (out_ours - out_plain).abs().max().item()
+
+
+def test_sdpa_hands_a_softmax_it_does_not_reproduce_back_to_megatron():
+    (res,) = run_distributed(_handed_back, 1)
+    before, after, equal, off_by_one_effect = res
+    assert not before and after and equal
+    assert off_by_one_effect > 1e-4  # the off-by-one softmax differs from vanilla, so the equality says something

@@ -451,3 +451,16 @@ def test_a_sub_flag_of_a_component_left_off_is_named_with_its_fix(caplog):
     PeakflatConfig.from_args(parse_with_megatron())
     PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule", "weights"))
     assert not [r for r in caplog.records if "has no effect" in r.getMessage()]
+
+
+def test_readme_flags_table_is_the_one_the_flags_generate():
+    """The README's flags table is ``python -m megatron_peakflat.config``'s output: a flag, default or help
+    text changed in the dataclasses without regenerating the table fails here."""
+    from pathlib import Path
+
+    from megatron_peakflat.config import flags_markdown
+
+    table = flags_markdown()
+    assert table.count("\n| `--peakflat-") >= 20
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert table in readme, "README.md's flags table is stale: regenerate it with `python -m megatron_peakflat.config`"

@@ -442,25 +442,92 @@ def test_unsupported_configuration_hands_back_to_megatron():
     assert kinds[1] == ["MoEAllGatherTokenDispatcher"]  # not alltoall: Megatron's own dispatcher stays
 
 
-def test_layer_with_pad_to_capacity_keeps_megatrons_dispatcher():
-    """A MoE layer built through the API (no start-up check) with moe_pad_expert_input_to_capacity keeps
-    Megatron's dispatcher, and the reason says why."""
+def _api_built_layer(experts=None, tp_size: int = 1, dispatcher=None, **extra):
+    """A stand-in MoELayer as ``unsupported_reason`` reads it: config, token dispatcher and experts."""
     from types import SimpleNamespace
 
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+    if dispatcher is None:
+        dispatcher = object.__new__(MoEAlltoAllTokenDispatcher)
+        dispatcher.tp_size = tp_size
+    config = SimpleNamespace(**{"moe_token_dispatcher_type": "alltoall", "gradient_accumulation_fusion": False,
+                                "bias_activation_fusion": False, **extra})
+    return SimpleNamespace(config=config, token_dispatcher=dispatcher,
+                           experts=object.__new__(SequentialMLP) if experts is None else experts)
+
+
+def _sequential_experts(fc1_type: type | None = None, names=("linear_fc1.weight", "linear_fc2.weight"), **config):
+    """A SequentialMLP stand-in whose first expert has linear layers of ``fc1_type`` (default Megatron's own)."""
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    experts = object.__new__(SequentialMLP)
+    mlp = SimpleNamespace(linear_fc1=object.__new__(fc1_type or ColumnParallelLinear),
+                          linear_fc2=object.__new__(RowParallelLinear),
+                          named_parameters=lambda: [(n, None) for n in names])
+    experts.__dict__.update(local_experts=[mlp], config=_api_built_layer(**config).config)
+    return experts
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ({}, None),
+    (dict(moe_pad_expert_input_to_capacity=True), "pad-to-capacity"),
+    (dict(moe_router_padding_for_quantization=True), "router padding for quantization"),
+    (dict(fp8="hybrid"), "fp8"),
+    (dict(fp4="nvfp4"), "fp4"),
+    (dict(moe_latent_size=512), "latent MoE projections"),
+    (dict(overlap_dispatch_backward_with_experts_wgrad=True), "dispatch/wgrad overlap"),
+    (dict(delay_wgrad_compute=True), "delayed wgrad"),
+    (dict(add_bias_linear=True), "expert biases"),
+    (dict(cuda_graph_impl="transformer_engine"), "CUDA graphs"),
+    (dict(cuda_graph_impl="none"), None),
+    (dict(transformer_impl="inference_optimized"), "inference-optimized transformer"),
+    (dict(tp_size=2), "expert tensor parallelism > 1"),
+])
+def test_a_layer_built_through_the_api_keeps_megatrons_dispatcher_and_says_why(extra, reason):
+    """A MoE layer built through the API (no start-up check) that PipelinedLLEP cannot run keeps Megatron's
+    dispatcher, and the reason names what is in the way; a layer with none of them is taken."""
     from megatron_peakflat.integration.dispatch import unsupported_reason
 
-    dispatcher = object.__new__(MoEAlltoAllTokenDispatcher)
-    dispatcher.tp_size = 1
+    assert unsupported_reason(_api_built_layer(**extra)) == reason
 
-    def layer(**extra):
-        config = SimpleNamespace(moe_token_dispatcher_type="alltoall", gradient_accumulation_fusion=False, **extra)
-        return SimpleNamespace(config=config, token_dispatcher=dispatcher, experts=object.__new__(SequentialMLP))
 
-    assert unsupported_reason(layer()) is None
-    assert unsupported_reason(layer(moe_pad_expert_input_to_capacity=True)) == "pad-to-capacity"
+def test_the_reason_names_a_dispatcher_or_experts_it_does_not_run():
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from megatron_peakflat.integration.dispatch import unsupported_reason
+
+    allgather = _api_built_layer(dispatcher=object.__new__(MoEAllGatherTokenDispatcher),
+                                 moe_token_dispatcher_type="allgather")
+    assert unsupported_reason(allgather) == "moe_token_dispatcher_type is 'allgather', not 'alltoall'"
+    other = _api_built_layer(experts=torch.nn.Identity())
+    assert unsupported_reason(other) == "experts are Identity; SequentialMLP and TEGroupedMLP are supported"
+
+
+@pytest.mark.parametrize("experts_kwargs, why", [
+    (dict(), None),
+    (dict(fc1_type=torch.nn.Linear), "linear layers Linear/RowParallelLinear"),
+    (dict(names=("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight")), "expert parameters other than two weights"),
+    (dict(use_te_activation_func=True), "use_te_activation_func (Transformer Engine activation modules)"),
+    (dict(bias_activation_fusion=True, gated_linear_unit=False, activation_func=torch.nn.functional.gelu),
+     "bias_activation_fusion without swiglu/quick-geglu"),
+    (dict(expert_tensor_parallel_size=2), "expert tensor parallelism"),
+])
+def test_gradient_accumulation_fusion_is_refused_only_for_experts_run_through_their_modules(experts_kwargs, why):
+    """With gradient-accumulation fusion the experts' linear layers would write main_grad in their own
+    backward, so experts PipelinedLLEP cannot run as plain ops on their weights keep Megatron's dispatcher;
+    without the fusion they are run through their modules and taken."""
+    from megatron_peakflat.integration.dispatch import unsupported_reason
+
+    experts = _sequential_experts(**experts_kwargs)
+    fused = _api_built_layer(experts=experts, gradient_accumulation_fusion=True)
+    expected = None if why is None else f"gradient-accumulation fusion with experts run through their modules ({why})"
+    assert unsupported_reason(fused) == expected
+    assert unsupported_reason(_api_built_layer(experts=experts)) is None
 
 
 def test_startup_errors_name_the_flag():

@@ -327,14 +327,77 @@ def test_layout_covers_every_element_once():
     assert all(bool((s == 1).all()) for s in seen)
 
 
-def test_bad_arguments_name_the_argument():
-    p = [torch.nn.Parameter(torch.zeros(3))]
-    with pytest.raises(ValueError, match="engine"):
-        OffloadStreamAdamW(p, engine="tpu")
-    with pytest.raises(ValueError, match="slots"):
-        OffloadStreamAdamW(p, slots=5)
-    with pytest.raises(ValueError, match="amsgrad"):
-        OffloadStreamAdamW(p, amsgrad=True)
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(engine="tpu"), "engine must be 'auto', 'gpu' or 'cpu', got 'tpu'"),
+    (dict(slots=5), "slots must be 2 or 3, got 5"),
+    (dict(amsgrad=True), "amsgrad"),
+    (dict(lr=-1e-3), "lr must be >= 0, got -0.001"),
+    (dict(lr=float("nan")), "lr must be >= 0, got nan"),
+    (dict(eps=-1.0), "eps must be >= 0, got -1.0"),
+    (dict(betas=(0.9, 1.0)), r"betas must be in \[0, 1\), got \(0.9, 1.0\)"),
+    (dict(betas=(-0.1, 0.999)), "betas must be in"),
+    (dict(bucket=0), "bucket must be >= 1 parameter, got 0"),
+    (dict(host_kernel="gpu"), "host_kernel must be 'auto', 'native' or 'torch', got 'gpu'"),
+])
+def test_bad_arguments_name_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadStreamAdamW([torch.nn.Parameter(torch.zeros(3))], **kwargs)
+
+
+def test_bad_param_groups_are_refused_with_what_is_wrong():
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(TypeError, match="params must be tensors, got list"):
+        OffloadStreamAdamW([{"params": [[1.0, 2.0]]}])
+    with pytest.raises(ValueError, match="params must be floating point, got torch.int64"):
+        OffloadStreamAdamW([torch.zeros(3, dtype=torch.long)])
+    with pytest.raises(ValueError, match="appears in more than one param group"):
+        OffloadStreamAdamW([{"params": [p]}, {"params": [p]}])
+    with pytest.raises(ValueError, match="appears in more than one param group"):
+        OffloadStreamAdamW([p, p])
+    opt = OffloadStreamAdamW([p], pin=False)
+    p.grad = torch.ones(3)
+    opt.step()
+    with pytest.raises(RuntimeError, match="cannot be added after the host state exists"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def test_parameters_it_cannot_stream_are_refused_at_the_first_step():
+    strided = torch.zeros(4, 6)[:, ::2]
+    strided.grad = torch.ones_like(strided)
+    with pytest.raises(ValueError, match=r"must be contiguous, got one of shape \(4, 3\) with strides \(6, 2\)"):
+        OffloadStreamAdamW([strided], pin=False).step()
+    on_cpu, on_meta = torch.zeros(3), torch.zeros(3, device="meta")
+    with pytest.raises(ValueError, match=r"must be on one device, got \['cpu', 'meta'\]"):
+        OffloadStreamAdamW([on_cpu, on_meta], pin=False).step()
+
+
+def test_loading_a_state_saved_for_other_param_groups_is_refused():
+    ps = _params()
+    saved = OffloadStreamAdamW(_groups(ps), pin=False)
+    for p, g in zip(ps, _grads(0, ps)):
+        p.grad = g
+    saved.step()
+    state = saved.state_dict()
+    fewer = OffloadStreamAdamW(_groups(ps)[:2], pin=False)
+    with pytest.raises(ValueError, match="3 param groups saved, 2 here"):
+        fewer.load_state_dict(state)
+    regrouped = _groups(ps)
+    regrouped[0]["params"], regrouped[1]["params"] = ps[:1], ps[1:4]
+    with pytest.raises(ValueError, match="a param group's size differs from the saved one"):
+        OffloadStreamAdamW(regrouped, pin=False).load_state_dict(state)
+
+
+def test_set_engine_refuses_an_engine_it_cannot_switch_to():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = OffloadStreamAdamW([p], engine="gpu", pin=False)
+    with pytest.raises(ValueError, match="engine must be 'auto', 'gpu' or 'cpu', got 'tpu'"):
+        opt.set_engine("tpu")
+    p.grad = torch.ones(3)
+    opt.step()
+    with pytest.raises(ValueError, match="built with engine='gpu', it has no host staging"):
+        opt.set_engine("cpu")
+    opt.set_engine("gpu")
+    assert opt.engine == "gpu"
 
 
 @pytest.mark.parametrize("engine", ["gpu", "cpu"])

@@ -241,6 +241,22 @@ def test_integer_moe_layer_freq_makes_every_nth_layer_moe():
     assert _dense_layers(1, 24) == 0
 
 
+@pytest.mark.parametrize("freq, dense", [
+    ("'([0]*3+[1]*58)'", 3),  # DeepSeek-V3's three leading dense layers, as its launch scripts write it
+    ("'[1,0,1,1,0,1]'", 2),
+    ("4", 45),  # 61 layers, every 4th one MoE: 16 MoE layers
+    ("1", 0),
+])
+def test_moe_layer_freq_as_a_command_line_gives_the_dense_layers(freq, dense):
+    """The planner reads --moe-layer-freq as Megatron's command line carries it: an integer, or a Python list
+    expression, and counts the dense layers the model has."""
+    from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
+
+    ns, _ = parse_megatron_args("--num-layers 61 --hidden-size 64 --num-attention-heads 4 --num-experts 8 "
+                                f"--moe-layer-freq {freq}")
+    assert shape_from_namespace(ns, None).dense_layers == dense
+
+
 def test_offload_fraction_without_cpu_offload_keeps_the_optimizer_on_the_gpu():
     """Megatron reads --optimizer-offload-fraction only under --optimizer-cpu-offload: alone it offloads nothing."""
     from megatron_peakflat.memory.megatron_args import parse_megatron_args, run_fields_from_namespace
@@ -262,6 +278,17 @@ def test_offload_fraction_without_cpu_offload_keeps_the_optimizer_on_the_gpu():
     (["--preset", "gpt-oss-120b", "--gpus", "12", "--cp", "8"], "--gpus", "12"),
     (["--preset", "gpt-oss-120b", "--peakflat-dispatch-chunk-cap", "0"], "--peakflat-dispatch-chunk-cap", "0"),
     (["--megatron-args", "--num-layers 2 --hidden-size 64"], "--megatron-args", "--num-attention-heads"),
+    (["--preset", "gpt-oss-120b", "--host-gib", "-1"], "--host-gib", "-1"),
+    (["--preset", "gpt-oss-120b", "--tp", "16", "--gpus", "16"], "--tp", "8 query groups"),
+    (["--preset", "gpt-oss-120b", "--tp", "0"], "--tp", "0"),
+    (["--preset", "gpt-oss-120b", "--micro-batch", "0"], "--micro-batch", "0"),
+    (["--preset", "gpt-oss-120b", "--pp", "40", "--gpus", "40"], "--pp", "36 layers"),
+    (["--preset", "gpt-oss-120b", "--cp", "2", "--gpus", "2", "--seq-len", "4099"], "--seq-len", "multiple of 4"),
+    (["--preset", "gpt-oss-120b", "--gpus", "8", "--ep", "4", "--etp", "4"], "--ep", "EPxETP = 16"),
+    (["--preset", "gpt-oss-120b", "--routing-skew", "0.5"], "--routing-skew", "0.5"),
+    (["--seq-len", "4096"], "--preset", "no model given"),
+    (["--megatron-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 --vocab-size 1000 --ffn-hidden-size 128 --expert-model-parallel-size 2"], "--ep", "no experts"),
+    (["--megatron-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 --vocab-size 1000 --num-experts 4 --moe-router-topk 8"], "--moe-router-topk", "8"),
 ])
 def test_bad_flags_name_flag_value_and_fix(capsys, argv, flag, value):
     rc, _, err = run_cli(capsys, *argv)

@@ -527,6 +527,30 @@ def test_pool_shrinks_its_budget_to_what_is_pinned_when_pinning_more_fails(monke
     assert any("budget shrunk" in r.getMessage() for r in caplog.records)
 
 
+def test_pool_shrinks_its_budget_when_even_pageable_host_memory_runs_out(monkeypatch, caplog):
+    """Pinning failed and then a pageable block too: the pool keeps what it holds, refuses more (those
+    boundaries stay on the device) and says so, instead of raising in the middle of a forward."""
+    real_empty = torch.empty
+    calls = []
+
+    def host_runs_out(*a, **k):
+        calls.append(k.get("pin_memory", False))
+        if k.get("pin_memory") or len(calls) > 2:
+            raise RuntimeError("std::bad_alloc")
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", host_runs_out)
+    pool = TorchHostPool(1000, pin=True)
+    with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
+        first = pool.acquire(100)  # pinning fails, a pageable block is served
+        second = pool.acquire(100)  # the next pageable block fails
+    assert first is not None and second is None and not pool.pinned
+    assert pool.budget == pool.reserved == 100
+    assert pool.acquire(100) is None and len(calls) == 3  # past the shrunk budget nothing is tried again
+    assert any("host allocation of 100 B failed (std::bad_alloc); budget shrunk to 100 B" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="prefetch"):
         BoundaryOffloader(TorchHostPool(0, pin=False), prefetch=-1)
@@ -536,6 +560,14 @@ def test_bad_arguments():
     with pytest.raises(RuntimeError, match="inside group"):
         with off.boundary(_x()):
             pass
+    with off.group():
+        with pytest.raises(RuntimeError, match=r"group\(\) does not nest"):
+            with off.group():
+                pass
+        with off.boundary(_x()):
+            with pytest.raises(RuntimeError, match=r"boundary\(\) does not nest"):
+                with off.boundary(_x()):
+                    pass
 
 
 def test_integration_wrapper_mechanics(caplog):

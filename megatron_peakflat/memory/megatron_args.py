@@ -54,18 +54,19 @@ def parse_megatron_args(text: str) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _dense_layers(freq: Any, layers: int) -> int:
-    """Leading dense layers from --moe-layer-freq (an int N: every Nth layer is MoE; or a list)."""
+    """Dense layers from --moe-layer-freq: an int N makes layer i MoE where ``i % N == 0`` (Megatron's
+    ``get_gpt_decoder_block_spec``), so ``ceil(layers / N)`` are MoE; a list marks each layer (1: MoE)."""
     if freq is None:
         return 0
     if isinstance(freq, int):
-        return layers - layers // freq if freq > 1 else 0
+        return layers - -(-layers // freq)
     text = str(freq).strip()
     try:
         val = eval(text, {"__builtins__": {}}, {}) if text.startswith("(") or text.startswith("[") else int(text)  # noqa: S307
     except Exception:  # noqa: BLE001
         val = ast.literal_eval(text)
     if isinstance(val, int):
-        return layers - layers // val if val > 1 else 0
+        return _dense_layers(val, layers)
     return sum(1 for v in val if not v)
 
 

@@ -61,7 +61,8 @@ class ModelShape:
     shared_ffn: int = 0
     """--moe-shared-expert-intermediate-size (0: no shared expert)."""
     dense_layers: int = 0
-    """Leading dense layers (--moe-layer-freq "([0]*k+[1]*(L-k))"; DeepSeek's first_k_dense_replace)."""
+    """Dense layers (--moe-layer-freq "([0]*k+[1]*(L-k))": DeepSeek's first_k_dense_replace; an integer N
+    leaves L - ceil(L / N)). A pipeline stage's share counts them as the leading layers."""
     gated: bool = True
     """--swiglu: the first MLP linear is 2 x FFN wide."""
     tied_embeddings: bool = False
