@@ -502,6 +502,57 @@ def test_exact_against_reference(world):
         assert len(k1) == 3 and all(b for _, b in k1), k1
 
 
+def frozen_worker(rank: int, world: int) -> list[tuple[str, float]]:
+    """Some expert weights frozen (requires_grad=False, as a fine-tune that trains only some experts or only
+    fc2 does), all tokens on expert 1, so its weights also travel to helpers: the trainable weights'
+    gradients, dx and dprobs stay exact, and a frozen weight gets no gradient."""
+    E, e_p, T = 4 * world, 4, 29
+    g = torch.Generator().manual_seed(4321)
+    fc1 = [torch.randn(2 * F, H, generator=g) * 0.3 for _ in range(E)]
+    fc2 = [torch.randn(H, F, generator=g) * 0.3 for _ in range(E)]
+    out = []
+    for grouped in (False, True):
+        for frozen in ("every fc1", "expert 1"):
+            probs, rmap = make_routing(T, E, TOPK, "all", seed=rank)
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 5), requires_grad=True)
+            probs.requires_grad_(True)
+            bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p], grouped=grouped)
+            params = [(rank * e_p + i, k, p) for i in range(e_p) for k, p in enumerate(bank.expert_params(i))]
+            for e, k, p in params:
+                p.requires_grad_(not (k == 0 if frozen == "every fc1" else e == 1))
+            cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=16, max_chunks=8, min_spill=0, imbalance_threshold=1.1)
+            y = llep_moe(x, probs, rmap, bank, dist.group.WORLD, cfg)
+            gout = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 9))
+            y.backward(gout)
+            w1 = [w.clone().requires_grad_(True) for w in fc1]
+            w2 = [w.clone().requires_grad_(True) for w in fc2]
+            ref = reference_moe(x, probs, rmap, w1, w2)
+            want = torch.autograd.grad(ref, [x, probs, *w1, *w2], gout, allow_unused=True, materialize_grads=True)
+            wgrads = torch.stack([torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in zip(want[2:2 + E], want[2 + E:])])
+            dist.all_reduce(wgrads)
+            errs = [max_rel_error(y, ref), max_rel_error(x.grad, want[0]), max_rel_error(probs.grad, want[1])]
+            trainable = [p for _, _, p in params if p.requires_grad]
+            for e, k, p in params:
+                if not p.requires_grad:
+                    assert p.grad is None, (frozen, e, k)
+                    continue
+                ref_g = wgrads[e, :fc1[e].numel()] if k == 0 else wgrads[e, fc1[e].numel():]
+                errs.append(max_rel_error(p.grad.reshape(-1), ref_g))
+            moved = bool(plan_layer(rmap, bank, dist.group.WORLD, cfg).plan.rebalanced)
+            out.append((f"grouped={grouped},frozen={frozen},trainable={len(trainable)},moved={moved}", max(errs)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_frozen_expert_weights_get_no_gradient_and_the_rest_stay_exact(world):
+    for rank_results in run_distributed(frozen_worker, world, timeout=180):
+        assert len(rank_results) == 4
+        for name, err in rank_results:
+            assert err <= 1e-5, (name, err)
+            if world > 1:
+                assert name.endswith("moved=True"), name  # the hot expert's weights went to a helper
+
+
 # ---------------------------------------------------------------- the bounded working set
 
 
