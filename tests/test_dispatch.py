@@ -321,6 +321,16 @@ def test_bad_arguments():
                  DispatchConfig(chunk_cap=64))
     with pytest.raises(ValueError, match="resolved"):  # 'auto' needs the router's top-k
         llep_moe(torch.randn(3, 2), torch.rand(3, 2), torch.ones(3, 2, dtype=torch.bool), bank, None, DispatchConfig())
+    with pytest.raises(ValueError, match=r"x \(3, 2\), probs \(4, 2\), routing_map \(3, 2\)"):
+        llep_moe(torch.randn(3, 2), torch.rand(4, 2), torch.ones(3, 2, dtype=torch.bool), bank, None,
+                 DispatchConfig(chunk_cap=64))
+    schedule = dict(num_local_experts=2, group=None, chunk_cap=64, max_chunks=4, alpha=1.0, min_spill=0,
+                    imbalance_threshold=1.3)
+    rmap = torch.ones(3, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="membership 'tokens': expected one of"):
+        build_schedule(rmap, membership="tokens", **schedule)
+    with pytest.raises(ValueError, match=r"local_order \[0, 0\] is not a permutation of 2 local experts"):
+        build_schedule(rmap, local_order=[0, 0], **schedule)
 
 
 def test_auto_chunk_cap_scales_with_top_k():
