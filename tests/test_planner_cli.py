@@ -233,17 +233,18 @@ def test_runtime_args_keep_megatron_validated_gradient_dtype():
 
 
 def test_integer_moe_layer_freq_makes_every_nth_layer_moe():
-    """Megatron's validated --moe-layer-freq is an int N at run time: every Nth layer is MoE, so 24 layers at
-    N=4 have 6 MoE and 18 dense layers."""
-    from megatron_peakflat.memory.megatron_args import _dense_layers
+    """Megatron's validated --moe-layer-freq is an int N at run time: layer i is MoE where i % N == 0, so 24
+    layers at N=4 have 6 MoE and 18 dense layers, and 61 layers have 16 MoE layers (layer 60 is one)."""
+    from megatron_peakflat.memory.megatron_args import _moe_pattern
 
-    assert _dense_layers(4, 24) == 18
-    assert _dense_layers(1, 24) == 0
+    assert _moe_pattern(4, 24).count(True) == 6 and _moe_pattern(4, 24)[:5] == (True, False, False, False, True)
+    assert _moe_pattern(4, 61).count(True) == 16
+    assert _moe_pattern(1, 24) == (True,) * 24
 
 
 @pytest.mark.parametrize("freq, dense", [
     ("'([0]*3+[1]*58)'", 3),  # DeepSeek-V3's three leading dense layers, as its launch scripts write it
-    ("'[1,0,1,1,0,1]'", 2),
+    ("'[1,0,1,1,0,1]*10+[1]'", 20),
     ("4", 45),  # 61 layers, every 4th one MoE: 16 MoE layers
     ("1", 0),
 ])
@@ -254,7 +255,34 @@ def test_moe_layer_freq_as_a_command_line_gives_the_dense_layers(freq, dense):
 
     ns, _ = parse_megatron_args("--num-layers 61 --hidden-size 64 --num-attention-heads 4 --num-experts 8 "
                                 f"--moe-layer-freq {freq}")
-    assert shape_from_namespace(ns, None).dense_layers == dense
+    shape = shape_from_namespace(ns, None)
+    assert shape.dense_layers == dense and len(shape.moe_pattern) == 61
+
+
+def test_moe_layer_freq_list_of_another_length_names_the_flag():
+    from megatron_peakflat.config_base import PeakflatConfigError
+    from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
+
+    ns, _ = parse_megatron_args("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-experts 8 "
+                                "--moe-layer-freq '[1,0,1]'")
+    with pytest.raises(PeakflatConfigError, match=r"--moe-layer-freq.*lists 3 layers, the model has 4"):
+        shape_from_namespace(ns, None)
+
+
+@pytest.mark.parametrize("freq, stages", [
+    ("2", [(2, 2), (2, 2)]),  # alternating: each stage holds its own share of MoE layers
+    ("'[0,0,1,1,1,1,1,1]'", [(2, 2), (0, 4)]),  # leading dense layers stay in the first stage
+])
+def test_each_pipeline_stage_counts_its_own_moe_layers(freq, stages):
+    """Under pipeline parallelism each stage's (dense, MoE) layers follow the model's pattern: with every
+    other layer MoE both stages of 8 layers hold 2 of each, not 4 dense in the first and 4 MoE in the last."""
+    from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
+    from megatron_peakflat.memory.model import RunConfig, _stage_layers
+
+    ns, _ = parse_megatron_args("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --num-experts 8 "
+                                f"--moe-layer-freq {freq}")
+    shape, run = shape_from_namespace(ns, None), RunConfig(seq_len=4096, pp=2)
+    assert [_stage_layers(shape, run, st) for st in range(2)] == stages
 
 
 def test_offload_fraction_without_cpu_offload_keeps_the_optimizer_on_the_gpu():

@@ -53,21 +53,24 @@ def parse_megatron_args(text: str) -> tuple[argparse.Namespace, list[str]]:
     return ns, [u for u in unknown if u.startswith("--")]
 
 
-def _dense_layers(freq: Any, layers: int) -> int:
-    """Dense layers from --moe-layer-freq: an int N makes layer i MoE where ``i % N == 0`` (Megatron's
-    ``get_gpt_decoder_block_spec``), so ``ceil(layers / N)`` are MoE; a list marks each layer (1: MoE)."""
-    if freq is None:
-        return 0
+def _moe_pattern(freq: Any, layers: int) -> tuple[bool, ...]:
+    """Which layers --moe-layer-freq makes MoE: an int N makes layer i MoE where ``i % N == 0`` (Megatron's
+    ``get_gpt_decoder_block_spec``); a list (or the Python expression of one, as a command line carries it)
+    marks each layer, 1 for MoE. Raises PeakflatConfigError for a list of another length than ``layers``."""
+    if not isinstance(freq, (int, list, tuple)):
+        text = str(freq).strip()
+        try:
+            freq = eval(text, {"__builtins__": {}}, {}) if text.startswith(("(", "[")) else int(text)  # noqa: S307
+        except Exception:  # noqa: BLE001
+            freq = ast.literal_eval(text)
     if isinstance(freq, int):
-        return layers - -(-layers // freq)
-    text = str(freq).strip()
-    try:
-        val = eval(text, {"__builtins__": {}}, {}) if text.startswith("(") or text.startswith("[") else int(text)  # noqa: S307
-    except Exception:  # noqa: BLE001
-        val = ast.literal_eval(text)
-    if isinstance(val, int):
-        return _dense_layers(val, layers)
-    return sum(1 for v in val if not v)
+        return tuple(i % freq == 0 for i in range(layers))
+    if len(freq) != layers:
+        from ..config_base import PeakflatConfigError
+
+        raise PeakflatConfigError("--moe-layer-freq", list(freq), f"lists {len(freq)} layers, the model has {layers}",
+                                  "give one entry per layer of --num-layers (1: MoE, 0: dense)")
+    return tuple(bool(v) for v in freq)
 
 
 def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
@@ -101,7 +104,8 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
                   qk_head_dim=get("qk_head_dim", 128), qk_pos_emb_head_dim=get("qk_pos_emb_head_dim", 64),
                   v_head_dim=get("v_head_dim", 128))
     freq = getattr(ns, "moe_layer_freq", None)
-    dense = _dense_layers(freq, layers) if freq is not None else (b.dense_layers if b else 0)
+    pattern = _moe_pattern(freq, layers) if freq is not None else (b.moe_pattern if b else None)
+    dense = pattern.count(False) if pattern is not None else (b.dense_layers if b else 0)
     untie = getattr(ns, "untie_embeddings_and_output_weights", None)
     return ModelShape(
         name=(b.name if b else "custom") + ("+args" if b else ""),
@@ -111,7 +115,7 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
         ffn=ffn, vocab=vocab, experts=experts, topk=get("moe_router_topk", b.topk if b else 2),
         moe_ffn=get("moe_ffn_hidden_size", b.moe_ffn if b else ffn),
         shared_ffn=get("moe_shared_expert_intermediate_size", b.shared_ffn if b else 0),
-        dense_layers=dense, gated=bool(get("swiglu", b.gated if b else False)),
+        dense_layers=dense, moe_pattern=pattern, gated=bool(get("swiglu", b.gated if b else False)),
         tied_embeddings=(not untie) if untie is not None else (b.tied_embeddings if b else True),
         mla=mla, source=(b.source + " + " if b else "") + "Megatron flags")
 

@@ -62,7 +62,10 @@ class ModelShape:
     """--moe-shared-expert-intermediate-size (0: no shared expert)."""
     dense_layers: int = 0
     """Dense layers (--moe-layer-freq "([0]*k+[1]*(L-k))": DeepSeek's first_k_dense_replace; an integer N
-    leaves L - ceil(L / N)). A pipeline stage's share counts them as the leading layers."""
+    leaves L - ceil(L / N)). Without ``moe_pattern`` they are the leading layers."""
+    moe_pattern: tuple[bool, ...] | None = None
+    """Which layers are MoE, in order (from --moe-layer-freq), so that each pipeline stage counts its own;
+    None: the first ``dense_layers`` are dense and the rest MoE."""
     gated: bool = True
     """--swiglu: the first MLP linear is 2 x FFN wide."""
     tied_embeddings: bool = False
