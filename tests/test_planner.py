@@ -406,6 +406,23 @@ def test_pipeline_stages_split_layers_and_inflight():
     assert "vocab" in last.rows and "vocab" not in first.rows
 
 
+def test_a_middle_stage_with_more_moe_layers_than_either_end_is_planned():
+    """A MoE pattern that puts MoE layers in the middle of the model (dense at both ends) gives the middle
+    pipeline stages more expert parameters than the first or last: the plan holds the heaviest of them, and
+    a uniform pattern adds none."""
+    base = PRESETS["gpt-oss-20b"]
+    middle_heavy = tuple([False] * 6 + [True] * 12 + [False] * 6)
+    s = base.with_(layers=24, moe_pattern=middle_heavy, dense_layers=12)
+    pl = plan(s, RunConfig(seq_len=4096, pp=4, ep=1, dp=1))
+    assert [(st.stage, st.layers, st.moe_layers) for st in pl.stages] == [
+        ("first", 6, 0), ("middle 1", 6, 6), ("last", 6, 0)]
+    mid = pl.stages[1]
+    assert mid.inflight == 3 and "vocab" not in mid.rows
+    assert mid.total("baseline") > pl.stages[0].total("baseline")
+    uniform = plan(base.with_(layers=24, moe_pattern=(True,) * 24, dense_layers=0), RunConfig(seq_len=4096, pp=4))
+    assert [st.stage for st in uniform.stages] == ["first", "last"]
+
+
 def test_pipeline_inflight_is_capped_by_the_micro_batches():
     """1F1B keeps at most the step's micro-batches in flight: PP=4 with a global batch of 2 (DP 1, micro-batch
     1) holds 2 on the first stage, not PP=4, and its checkpoint boundaries count 2 micro-batches."""

@@ -799,3 +799,19 @@ def test_startup_checks_the_offloaded_optimizers_host_memory_before_anything_is_
     with pytest.raises(PeakflatConfigError, match="predicted to pin"):
         megatron_peakflat.apply(ns)
     assert registry.applied() == [] and state.get() is None
+
+
+@pytest.mark.parametrize("rank, planned, stage", [
+    (0, {"first", "last"}, "first"),
+    (1, {"first", "last"}, "first"),  # a middle stage the plan does not hold reads the first stage's
+    (1, {"first", "middle 1", "last"}, "middle 1"),
+    (2, {"first", "middle 1", "last"}, "first"),
+    (3, {"first", "middle 1", "last"}, "last"),
+])
+def test_each_pipeline_rank_reads_its_own_planned_stage(monkeypatch, rank, planned, stage):
+    from megatron.core import parallel_state
+
+    from megatron_peakflat.integration import peaks
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: rank)
+    assert peaks._stage_name(RunConfig(seq_len=4096, pp=4), planned) == stage

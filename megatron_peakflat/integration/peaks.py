@@ -78,7 +78,8 @@ def _sm_count() -> int:
 
 
 def prediction(args: Any) -> tuple[Plan, str]:
-    """The planner's plan for this run (cached) and this rank's stage name ('only', 'first', 'last')."""
+    """The planner's plan for this run (cached) and this rank's stage name ('only', 'first', 'last', or the
+    'middle N' stage the plan holds)."""
     if "plan" not in _cache:
         from ..memory.cli import local_host_gib
         from ..memory.megatron_args import run_fields_from_namespace, shape_from_namespace
@@ -96,7 +97,7 @@ def prediction(args: Any) -> tuple[Plan, str]:
         fields["sm_count"] = _sm_count()
         run = RunConfig(**fields)
         _cache["plan"] = plan(shape, run, _config(args))
-        _cache["stage"] = _stage_name(run)
+        _cache["stage"] = _stage_name(run, {st.stage for st in _cache["plan"].stages})
     return _cache["plan"], _cache["stage"]
 
 
@@ -179,15 +180,19 @@ def check_optimizer_host(args: Any) -> str | None:
     return f"peakflat plan: {problem}; the optimizer will refuse at its first step if it does not fit. Fix: {fix}"
 
 
-def _stage_name(run: RunConfig) -> str:
+def _stage_name(run: RunConfig, planned: set[str]) -> str:
+    """This rank's stage among ``planned``: a middle stage the plan does not hold reads the first stage's."""
     if run.pp == 1:
         return "only"
     try:
         from megatron.core import parallel_state
 
-        return "first" if parallel_state.get_pipeline_model_parallel_rank() < run.pp - 1 else "last"
+        rank = parallel_state.get_pipeline_model_parallel_rank()
     except Exception:  # noqa: BLE001
         return "last"
+    if rank == run.pp - 1:
+        return "last"
+    return f"middle {rank}" if f"middle {rank}" in planned else "first"
 
 
 def _note(component: str) -> str:

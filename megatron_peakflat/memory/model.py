@@ -664,7 +664,8 @@ def sco_budget(s: ModelShape, run: RunConfig, pf: PeakflatConfig, optimizer_host
 
 
 def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Plan:
-    """Per-rank bytes of every term, for the first and last pipeline stages (one stage at PP=1).
+    """Per-rank bytes of every term, for the first and last pipeline stages (one stage at PP=1), and the middle
+    stage with the most MoE layers where the model's MoE pattern gives one more than either end.
 
     The peakflat column counts the components that ``pf`` enables; the others keep their baseline
     (the CLI turns all four on)."""
@@ -673,6 +674,11 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
     r = run.layer_rows
     c_eff = llep_chunks(s, run, pf)[1] if s.experts else 0
     stages_idx = [0] if run.pp == 1 else [0, run.pp - 1]
+    if run.pp > 2 and s.moe_pattern is not None:
+        # A MoE pattern can give a middle stage more MoE layers than either end: plan the one with the most.
+        mid = max(range(1, run.pp - 1), key=lambda st: _stage_layers(s, run, st)[1])
+        if _stage_layers(s, run, mid)[1] > max(_stage_layers(s, run, st)[1] for st in stages_idx):
+            stages_idx.insert(1, mid)
     stages: list[StagePlan] = []
     budget_used = 0
     for st in stages_idx:
@@ -833,6 +839,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         reserve = RESERVE_FIXED + RESERVE_FRACTION * run.hbm_bytes
         rows["reserve"] = Row("reserve", reserve, reserve,
                               source="CUDA context, NCCL buffers, allocator fragmentation (2 GiB + 5% HBM)")
-        stages.append(StagePlan("first" if first and run.pp > 1 else ("last" if last and run.pp > 1 else "only"),
+        label = "only" if run.pp == 1 else ("first" if first else ("last" if last else f"middle {st}"))
+        stages.append(StagePlan(label,
                                 n_layers, n_moe, inflight, rows, notes))
     return Plan(s, run, pf, stages, c_eff, vocab_schedule(s, run, pf), budget_used)
