@@ -259,6 +259,43 @@ def test_moe_layer_freq_as_a_command_line_gives_the_dense_layers(freq, dense):
     assert shape.dense_layers == dense and len(shape.moe_pattern) == 61
 
 
+@pytest.mark.parametrize("extra, ffn, moe_ffn", [
+    ("", 16384, 16384),
+    ("--swiglu", 10880, 10880),  # int(4 * 4096 * 2 / 3 / 64) * 64, Megatron's default for a gated MLP
+    ("--swiglu --ffn-hidden-size 14336 --moe-ffn-hidden-size 1024", 14336, 1024),
+])
+def test_mlp_widths_default_as_megatron_sets_them(extra, ffn, moe_ffn):
+    from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
+
+    ns, _ = parse_megatron_args(f"--num-layers 2 --hidden-size 4096 --num-attention-heads 32 --num-experts 8 {extra}")
+    shape = shape_from_namespace(ns, None)
+    assert (shape.ffn, shape.moe_ffn) == (ffn, moe_ffn)
+
+
+@pytest.mark.parametrize("flags, kv", [
+    ("", 32),
+    ("--num-query-groups 8", 32),  # Megatron reads it only under --group-query-attention
+    ("--group-query-attention --num-query-groups 8", 8),
+    ("--group-query-attention", 1),  # Megatron's default group count
+])
+def test_query_groups_as_megatron_reads_them(flags, kv):
+    from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
+
+    ns, _ = parse_megatron_args(f"--num-layers 2 --hidden-size 4096 --num-attention-heads 32 {flags}")
+    assert shape_from_namespace(ns, None).kv_heads == kv
+
+
+def test_run_time_prediction_reads_megatrons_parsed_defaults_as_megatron_does():
+    """At run time the planner reads Megatron's own parsed args, where num_query_groups is 1 and
+    group_query_attention False unless given: that is multi-head attention, not one query group."""
+    from megatron_peakflat.memory.megatron_args import shape_from_namespace
+
+    ns = _megatron_namespace(group_query_attention=False, num_query_groups=1)
+    assert shape_from_namespace(ns, None).kv_heads == 4
+    ns = _megatron_namespace(group_query_attention=True, num_query_groups=2)
+    assert shape_from_namespace(ns, None).kv_heads == 2
+
+
 def test_moe_layer_freq_list_of_another_length_names_the_flag():
     from megatron_peakflat.config_base import PeakflatConfigError
     from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace

@@ -90,10 +90,14 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
 
         raise PeakflatConfigError("--megatron-args", " ".join(missing), "these model flags are missing and no "
                                   "--preset supplies them", "pass them in --megatron-args or add --preset NAME")
+    # Megatron reads --num-query-groups only under --group-query-attention (argument_utils.py); its parsed
+    # args carry num_query_groups=1 by default, which without the flag means nothing.
     gqa = getattr(ns, "group_query_attention", None)
-    kv = get("num_query_groups", None) if (gqa or getattr(ns, "num_query_groups", None)) else None
+    kv = get("num_query_groups", 1) if gqa else None
     kv = kv if kv is not None else (b.kv_heads if b and not getattr(ns, "num_attention_heads", None) else heads)
-    ffn = get("ffn_hidden_size", b.ffn if b else 4 * hidden)
+    gated = bool(get("swiglu", b.gated if b else False))
+    # Megatron's default width (arguments.py): 4h, or for swiglu 8h/3 rounded down to a multiple of 64
+    ffn = get("ffn_hidden_size", b.ffn if b else (int((4 * hidden * 2 / 3) / 64) * 64 if gated else 4 * hidden))
     experts = get("num_experts", b.experts if b else 0) or 0
     vocab = get("padded_vocab_size", get("vocab_size", b.vocab if b else None))
     if vocab is None:
@@ -115,7 +119,7 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
         ffn=ffn, vocab=vocab, experts=experts, topk=get("moe_router_topk", b.topk if b else 2),
         moe_ffn=get("moe_ffn_hidden_size", b.moe_ffn if b else ffn),
         shared_ffn=get("moe_shared_expert_intermediate_size", b.shared_ffn if b else 0),
-        dense_layers=dense, moe_pattern=pattern, gated=bool(get("swiglu", b.gated if b else False)),
+        dense_layers=dense, moe_pattern=pattern, gated=gated,
         tied_embeddings=(not untie) if untie is not None else (b.tied_embeddings if b else True),
         mla=mla, source=(b.source + " + " if b else "") + "Megatron flags")
 
