@@ -852,3 +852,23 @@ def test_each_pipeline_rank_reads_its_own_planned_stage(monkeypatch, rank, plann
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: rank)
     assert peaks._stage_name(RunConfig(seq_len=4096, pp=4), planned) == stage
+
+
+def test_etp_defaults_to_tp_and_pipelinedllep_is_left_off_where_it_cannot_run():
+    """ETP defaults to the TP size, as Megatron's validation sets it; PipelinedLLEP refuses ETP > 1 at
+    start-up, so the plan and the recommendation leave it off there and say why, and recommend it at ETP 1."""
+    from megatron_peakflat.memory.recommend import dispatch_blocker
+
+    shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "131072", "--gpus", "16", "--tp", "2"])
+    assert run.etp == 2 and dispatch_blocker(shape, run).endswith("needs --expert-tensor-parallel-size 1")
+    assert pf.dispatch.impl == "megatron"  # the 'every component that applies' column
+    rec = recommend(shape, run, pf)
+    assert rec.config.dispatch.impl == "megatron" and "--peakflat-dispatch" not in " ".join(rec.flags)
+    assert any(r.startswith("PipelinedLLEP left off: expert tensor parallelism 2") for r in rec.reasons), rec.reasons
+    shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "131072", "--gpus", "16", "--tp", "2",
+                                  "--etp", "1"])
+    assert run.etp == 1 and dispatch_blocker(shape, run) is None and pf.dispatch.impl == "pipelined-llep"
+    assert recommend(shape, run, pf).config.dispatch.impl == "pipelined-llep"
+    _, run, _, _, _ = build(["--megatron-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                             "--num-experts 8 --tensor-model-parallel-size 2", "--gpus", "2"])
+    assert run.etp == 2

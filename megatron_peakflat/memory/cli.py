@@ -23,7 +23,7 @@ from ..config import PeakflatConfig, add_args
 from ..config_base import PeakflatConfigError
 from .megatron_args import fused_adam_importable, parse_megatron_args, run_fields_from_namespace, shape_from_namespace
 from .model import COMPONENTS, GIB, Plan, RunConfig, plan
-from .recommend import Recommendation, recommend
+from .recommend import Recommendation, dispatch_blocker, recommend
 from .shapes import PRESETS, ModelShape, preset
 
 __all__ = ["main", "build", "default_parallel"]
@@ -70,8 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--hbm-gib", type=float, help="GPU memory per device; default: the local GPU's, else 80")
     g.add_argument("--host-gib", type=float, help="host RAM per node; default: this machine's when it has a GPU, "
                                                   "else 2048 (a DGX H100/H200 node)")
-    for name in ("tp", "pp", "ep", "cp", "etp"):
+    for name in ("tp", "pp", "ep", "cp"):
         g.add_argument(f"--{name}", type=int, help=f"{name.upper()} size (default: chosen from --gpus)")
+    g.add_argument("--etp", type=int, help="expert tensor parallel size (default: --expert-tensor-parallel-size, else "
+                                           "the TP size, as Megatron; PipelinedLLEP needs 1)")
     g.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: --micro-batch-size, else 1)")
     g.add_argument("--global-batch", type=int, help="sequences per step; with PP it sets the micro-batches in "
                                                     "flight (default: --global-batch-size, else 2 x PP micro-batches)")
@@ -96,8 +98,9 @@ def _err(flag: str, value: Any, problem: str, fix: str) -> PeakflatConfigError:
 def default_parallel(shape: ModelShape, gpus: int, seq_len: int, given: dict[str, int | None]) -> dict[str, int]:
     """Sensible sizes for ``gpus``: TP=1, PP=1, CP the smallest power of two that brings each rank's
     sequence to at most 128K tokens (capped by the GPUs), EP the largest power of two dividing the
-    experts and TP x CP x DP. Given sizes are kept."""
-    tp, pp, etp = given.get("tp") or 1, given.get("pp") or 1, given.get("etp") or 1
+    experts and TP x CP x DP, ETP the TP size (Megatron's default). Given sizes are kept."""
+    tp, pp = given.get("tp") or 1, given.get("pp") or 1
+    etp = given.get("etp") or tp
     cp = given.get("cp")
     if cp is None:
         cp = 1
@@ -221,7 +224,7 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
 def _all_on(pf: PeakflatConfig, shape: ModelShape, run: RunConfig) -> PeakflatConfig:
     """The 'peakflat' column turns every applicable component on with the knobs given."""
     return PeakflatConfig(
-        dispatch=dataclasses.replace(pf.dispatch, impl="pipelined-llep") if shape.experts else pf.dispatch,
+        dispatch=pf.dispatch if dispatch_blocker(shape, run) else dataclasses.replace(pf.dispatch, impl="pipelined-llep"),
         vocab=dataclasses.replace(pf.vocab, impl="ring-dtp"),
         sco=dataclasses.replace(pf.sco, enabled=run.recompute == "full"),
         optimizer=dataclasses.replace(pf.optimizer, impl="offload-stream"),

@@ -112,6 +112,16 @@ def _guaranteed(r: Row) -> float:
     return max(r.peakflat, r.bound or 0.0)
 
 
+def dispatch_blocker(shape: ModelShape, run: RunConfig) -> str | None:
+    """Why PipelinedLLEP cannot run this model and layout (its start-up check would refuse it), or None."""
+    if not shape.experts:
+        return "the model has no experts"
+    if run.etp > 1:
+        return (f"expert tensor parallelism {run.etp} (Megatron's default is the TP size): PipelinedLLEP needs "
+                "--expert-tensor-parallel-size 1")
+    return None
+
+
 def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None) -> Recommendation:
     """Knobs that make the worst stage fit ``run.hbm_bytes`` and the host share, with the fewest host components.
 
@@ -145,7 +155,8 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, opti
     """Component defaults (``optimizer``: offload-stream, ``sco``: on under full recompute), then the largest
     shrinkable row of the binding stage halved until the total fits whatever the routing, or all are at floor."""
     base = base or PeakflatConfig()
-    disp = dataclasses.replace(base.dispatch, impl="pipelined-llep" if shape.experts else "megatron",
+    blocker = dispatch_blocker(shape, run)
+    disp = dataclasses.replace(base.dispatch, impl="megatron" if blocker else "pipelined-llep",
                                chunk_cap=STARTS["chunk_cap"])
     voc = dataclasses.replace(base.vocab, impl="ring-dtp", block_size=STARTS["block_size"])
     opt = dataclasses.replace(base.optimizer, impl="offload-stream" if optimizer else "megatron",
@@ -156,6 +167,8 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, opti
     probe = plan(shape, run, cfg)
     opt_host = max(s.rows["optimizer"].host_peakflat for s in probe.stages) if optimizer else 0.0
     reasons: list[str] = []
+    if blocker and shape.experts:
+        reasons.append(f"PipelinedLLEP left off: {blocker}")
     if opt_host > run.host_bytes_per_rank:
         cfg.optimizer = dataclasses.replace(cfg.optimizer, impl="megatron")
         reasons.append(f"optimizer offload needs {format_bytes(opt_host)} host per rank, more than the "
