@@ -296,6 +296,21 @@ def test_run_time_prediction_reads_megatrons_parsed_defaults_as_megatron_does():
     assert shape_from_namespace(ns, None).kv_heads == 2
 
 
+def test_a_command_line_without_the_distributed_optimizer_flag_plans_megatrons_replicated_state():
+    from megatron_peakflat.memory.megatron_args import parse_megatron_args, run_fields_from_namespace
+
+    line = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --bf16"
+    assert run_fields_from_namespace(parse_megatron_args(line)[0])["distributed_optimizer"] is False
+    assert run_fields_from_namespace(parse_megatron_args(line + " --use-distributed-optimizer")[0])[
+        "distributed_optimizer"] is True
+    assert "distributed_optimizer" not in run_fields_from_namespace(parse_megatron_args("--bf16")[0])  # no model: preset's
+    replicated = plan(*build(["--megatron-args", line, "--gpus", "2"])[:2])
+    sharded = plan(*build(["--megatron-args", line + " --use-distributed-optimizer", "--gpus", "2"])[:2])
+    assert not replicated.run.distributed_optimizer and sharded.run.distributed_optimizer
+    # two data-parallel ranks: each holds all of the optimizer state, or half of it
+    assert replicated.stages[0].rows["optimizer"].baseline == pytest.approx(2 * sharded.stages[0].rows["optimizer"].baseline)
+
+
 def test_moe_layer_freq_list_of_another_length_names_the_flag():
     from megatron_peakflat.config_base import PeakflatConfigError
     from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace

@@ -137,9 +137,11 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
          "recompute_method": "recompute_method", "recompute_num_layers": "recompute_num_layers",
          "optimizer_offload_fraction": "optimizer_offload_fraction"}
     out: dict[str, Any] = {dst: getattr(ns, src) for src, dst in m.items() if getattr(ns, src, None) is not None}
+    # A Megatron command line (it names the model) means Megatron's defaults for the flags it leaves out.
+    command_line = any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size"))
     if getattr(ns, "recompute_granularity", None) is not None:
         out["recompute"] = ns.recompute_granularity
-    elif any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size")):
+    elif command_line:
         out["recompute"] = "none"  # a Megatron command line without --recompute-granularity recomputes nothing
     if getattr(ns, "sequence_parallel", None):
         out["sequence_parallel"] = True
@@ -147,7 +149,7 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
         out["precision"] = "fp16"
     elif getattr(ns, "bf16", None):
         out["precision"] = "bf16"
-    elif any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size")):
+    elif command_line:
         out["precision"] = "fp32"  # Megatron trains in fp32 unless --bf16 or --fp16
     for src, dst in (("use_distributed_optimizer", "distributed_optimizer"),
                      ("accumulate_allreduce_grads_in_fp32", "grads_fp32"),
@@ -155,6 +157,8 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
                      ("deterministic_mode", "deterministic")):
         if getattr(ns, src, None) is not None:
             out[dst] = bool(getattr(ns, src))
+    if command_line and getattr(ns, "use_distributed_optimizer", None) is None:
+        out["distributed_optimizer"] = False  # Megatron replicates the optimizer state without the flag
     # Megatron's rule for bf16 (megatron/training/arguments.py): fp32 grads unless one of these says bf16.
     main_grads = str(getattr(ns, "main_grads_dtype", None) or "")  # 'bf16' on a command line, a torch dtype once validated
     if getattr(ns, "grad_reduce_in_bf16", None) or main_grads in ("bf16", "torch.bfloat16"):
