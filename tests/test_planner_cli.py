@@ -245,6 +245,7 @@ def test_integer_moe_layer_freq_makes_every_nth_layer_moe():
 @pytest.mark.parametrize("freq, dense", [
     ("'([0]*3+[1]*58)'", 3),  # DeepSeek-V3's three leading dense layers, as its launch scripts write it
     ("'[1,0,1,1,0,1]*10+[1]'", 20),
+    ("'30*[1,0]+[1]'", 30),  # a list expression need not start with a bracket (Megatron looks for one anywhere)
     ("4", 45),  # 61 layers, every 4th one MoE: 16 MoE layers
     ("1", 0),
 ])
@@ -311,13 +312,19 @@ def test_a_command_line_without_the_distributed_optimizer_flag_plans_megatrons_r
     assert replicated.stages[0].rows["optimizer"].baseline == pytest.approx(2 * sharded.stages[0].rows["optimizer"].baseline)
 
 
-def test_moe_layer_freq_list_of_another_length_names_the_flag():
+@pytest.mark.parametrize("freq, message", [
+    ("'[1,0,1]'", r"--moe-layer-freq=\[1, 0, 1\]: lists 3 layers, the model has 4"),
+    ("0", "--moe-layer-freq=0: must be at least 1"),
+    ("every-other", "--moe-layer-freq='every-other': is neither an integer nor a list expression"),
+    ("'[1,0'", r"--moe-layer-freq='\[1,0': is neither an integer nor a list expression \('\[' was never closed"),
+])
+def test_a_bad_moe_layer_freq_names_the_flag(freq, message):
     from megatron_peakflat.config_base import PeakflatConfigError
     from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
 
     ns, _ = parse_megatron_args("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-experts 8 "
-                                "--moe-layer-freq '[1,0,1]'")
-    with pytest.raises(PeakflatConfigError, match=r"--moe-layer-freq.*lists 3 layers, the model has 4"):
+                                f"--moe-layer-freq {freq}")
+    with pytest.raises(PeakflatConfigError, match=message):
         shape_from_namespace(ns, None)
 
 

@@ -9,12 +9,12 @@ namespace at run time (used by integration/peaks.py).
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.util
 import shlex
 from typing import Any
 
 from ..config import add_args
+from ..config_base import PeakflatConfigError
 from .shapes import MLA, ModelShape
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
@@ -59,15 +59,16 @@ def _moe_pattern(freq: Any, layers: int) -> tuple[bool, ...]:
     marks each layer, 1 for MoE. Raises PeakflatConfigError for a list of another length than ``layers``."""
     if not isinstance(freq, (int, list, tuple)):
         text = str(freq).strip()
-        try:
-            freq = eval(text, {"__builtins__": {}}, {}) if text.startswith(("(", "[")) else int(text)  # noqa: S307
-        except Exception:  # noqa: BLE001
-            freq = ast.literal_eval(text)
+        try:  # Megatron evaluates it the same way (arguments.py moe_freq_type)
+            freq = eval(text, {"__builtins__": {}}, {}) if "[" in text else int(text)  # noqa: S307
+        except Exception as e:  # noqa: BLE001
+            raise PeakflatConfigError("--moe-layer-freq", text, f"is neither an integer nor a list expression ({e})",
+                                      "pass an integer N (every Nth layer MoE) or a list such as '([0]*3+[1]*58)'") from e
     if isinstance(freq, int):
+        if freq < 1:
+            raise PeakflatConfigError("--moe-layer-freq", freq, "must be at least 1", "pass 1 (every layer MoE) or more")
         return tuple(i % freq == 0 for i in range(layers))
     if len(freq) != layers:
-        from ..config_base import PeakflatConfigError
-
         raise PeakflatConfigError("--moe-layer-freq", list(freq), f"lists {len(freq)} layers, the model has {layers}",
                                   "give one entry per layer of --num-layers (1: MoE, 0: dense)")
     return tuple(bool(v) for v in freq)
@@ -86,8 +87,6 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
     missing = [f for f, v in (("--hidden-size", hidden), ("--num-layers", layers), ("--num-attention-heads", heads))
                if v is None]
     if missing:
-        from ..config_base import PeakflatConfigError
-
         raise PeakflatConfigError("--megatron-args", " ".join(missing), "these model flags are missing and no "
                                   "--preset supplies them", "pass them in --megatron-args or add --preset NAME")
     # Megatron reads --num-query-groups only under --group-query-attention (argument_utils.py); its parsed
