@@ -108,7 +108,6 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
                   v_head_dim=get("v_head_dim", 128))
     freq = getattr(ns, "moe_layer_freq", None)
     pattern = _moe_pattern(freq, layers) if freq is not None else (b.moe_pattern if b else None)
-    dense = pattern.count(False) if pattern is not None else (b.dense_layers if b else 0)
     untie = getattr(ns, "untie_embeddings_and_output_weights", None)
     return ModelShape(
         name=(b.name if b else "custom") + ("+args" if b else ""),
@@ -118,7 +117,7 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
         ffn=ffn, vocab=vocab, experts=experts, topk=get("moe_router_topk", b.topk if b else 2),
         moe_ffn=get("moe_ffn_hidden_size", b.moe_ffn if b else ffn),
         shared_ffn=get("moe_shared_expert_intermediate_size", b.shared_ffn if b else 0),
-        dense_layers=dense, moe_pattern=pattern, gated=gated,
+        dense_layers=b.dense_layers if b else 0, moe_pattern=pattern, gated=gated,
         tied_embeddings=(not untie) if untie is not None else (b.tied_embeddings if b else True),
         mla=mla, source=(b.source + " + " if b else "") + "Megatron flags")
 

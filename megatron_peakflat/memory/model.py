@@ -643,17 +643,11 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_grad:
 # ----------------------------------------------------------------------------------------------
 
 def _stage_layers(s: ModelShape, run: RunConfig, stage: int) -> tuple[int, int]:
-    """(dense, moe) layers of pipeline stage ``stage`` (even split; the shape's MoE pattern, else dense layers
-    first)."""
+    """(dense, moe) layers of pipeline stage ``stage`` (even split, each layer as ``ModelShape.layer_is_moe``)."""
     per = math.ceil(s.layers / run.pp)
     start, stop = stage * per, min(s.layers, (stage + 1) * per)
-    if not s.experts:
-        return stop - start, 0
-    if s.moe_pattern is not None:
-        moe = sum(s.moe_pattern[start:stop])
-        return (stop - start) - moe, moe
-    dense = max(0, min(stop, s.dense_layers) - start)
-    return dense, (stop - start) - dense
+    moe = sum(s.layer_is_moe[start:stop])
+    return (stop - start) - moe, moe
 
 
 def sco_budget(s: ModelShape, run: RunConfig, pf: PeakflatConfig, optimizer_host: float) -> int:

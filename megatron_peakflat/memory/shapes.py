@@ -62,10 +62,11 @@ class ModelShape:
     """--moe-shared-expert-intermediate-size (0: no shared expert)."""
     dense_layers: int = 0
     """Dense layers (--moe-layer-freq "([0]*k+[1]*(L-k))": DeepSeek's first_k_dense_replace; an integer N
-    leaves L - ceil(L / N)). Without ``moe_pattern`` they are the leading layers."""
+    leaves L - ceil(L / N)). Without ``moe_pattern`` they are the leading layers; with it, its count of dense
+    layers (set from it)."""
     moe_pattern: tuple[bool, ...] | None = None
     """Which layers are MoE, in order (from --moe-layer-freq), so that each pipeline stage counts its own;
-    None: the first ``dense_layers`` are dense and the rest MoE."""
+    None: the first ``dense_layers`` are dense and the rest MoE (``layer_is_moe``)."""
     gated: bool = True
     """--swiglu: the first MLP linear is 2 x FFN wide."""
     tied_embeddings: bool = False
@@ -73,9 +74,23 @@ class ModelShape:
     mla: MLA | None = None
     source: str = ""
 
+    def __post_init__(self) -> None:
+        if self.moe_pattern is not None:
+            object.__setattr__(self, "dense_layers", self.moe_pattern.count(False))
+
     @property
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def layer_is_moe(self) -> tuple[bool, ...]:
+        """Each layer, in order: True where it is a MoE layer (none in a dense model)."""
+        if not self.experts:
+            return (False,) * self.layers
+        if self.moe_pattern is not None:
+            return self.moe_pattern
+        dense = min(self.dense_layers, self.layers)
+        return (False,) * dense + (True,) * (self.layers - dense)
 
     def with_(self, **kw: object) -> "ModelShape":
         return replace(self, **kw)
