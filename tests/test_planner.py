@@ -45,7 +45,7 @@ def test_parameter_count_matches_published(name, published, tol):
 
 # ---- hand-computed formulas -----------------------------------------------------------------
 
-TINY = ModelShape(name="tiny", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=1000,
+TINY = ModelShape(name="tiny", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=1024,
                   experts=8, topk=2, moe_ffn=32, dense_layers=1)
 
 
@@ -55,8 +55,8 @@ def test_params_by_hand():
     attn = (64 * (4 + 2 * 2) * 16 + 4 * 16 * 64) / 2 + 2 * 64
     mlp = 3 * 64 * 128 / 2
     router = 64 * 8
-    emb = 1000 * 64 / 2
-    out = 1000 * 64 / 2 + 64
+    emb = 1024 * 64 / 2
+    out = 1024 * 64 / 2 + 64
     assert dense == pytest.approx(4 * attn + mlp + 3 * router + emb + out)
     assert expert == pytest.approx(3 * (8 / 4) * 3 * 64 * 32)
 
@@ -69,7 +69,7 @@ def test_output_layer_sharded_over_ep_by_hand():
     run = RunConfig(seq_len=4096, tp=1, ep=4, dp=4)
     dense, expert = M.stage_params(TINY, run, 1, 3, True, True)
     d4, e4 = M.stage_params(TINY, run, 1, 3, True, True, output_shards=4)
-    assert d4 == pytest.approx(dense - 1000 * 64) and e4 == pytest.approx(expert + 1000 * 64 / 4)
+    assert d4 == pytest.approx(dense - 1024 * 64) and e4 == pytest.approx(expert + 1024 * 64 / 4)
     pf = PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", shard_over_ep=True))
     assert M.vocab_ring_size(run, pf) == 4 and M.vocab_ring_size(run, PeakflatConfig(vocab=VocabConfig(impl="ring-dtp"))) == 1
     assert M.vocab_ring_size(RunConfig(seq_len=4096, tp=2, ep=4, dp=2), pf) == 2  # TP > 1: the TP ring
@@ -77,7 +77,7 @@ def test_output_layer_sharded_over_ep_by_hand():
     got = plan(TINY, run, pf).stages[0].rows
     for name, per_param in (("parameters", run.w), ("gradients", run.grad_bytes)):
         assert got[name].baseline == base[name].baseline
-        assert base[name].baseline - got[name].peakflat == pytest.approx(1000 * 64 * 3 / 4 * per_param)
+        assert base[name].baseline - got[name].peakflat == pytest.approx(1024 * 64 * 3 / 4 * per_param)
     # Megatron's optimizer state follows the shard: the same per rank under the distributed optimizer (dense
     # over DP=4 before, V/4 rows over expert-DP=1 after), V/EP rows instead of V without it
     state = 4 + 8 if run.w < 4 else 8
@@ -86,7 +86,7 @@ def test_output_layer_sharded_over_ep_by_hand():
     base = plan(TINY, plain, PeakflatConfig(vocab=VocabConfig(impl="ring-dtp"))).stages[0].rows["optimizer"]
     got = plan(TINY, plain, pf).stages[0].rows["optimizer"]
     assert got.baseline == base.baseline == base.peakflat
-    assert base.baseline - got.peakflat == pytest.approx(1000 * 64 * 3 / 4 * state)
+    assert base.baseline - got.peakflat == pytest.approx(1024 * 64 * 3 / 4 * state)
 
 
 def test_boundaries_sco_and_optimizer_by_hand():
@@ -168,7 +168,7 @@ def test_llep_working_set_matches_component_bound():
 def test_llep_expected_working_set_by_hand():
     """The peakflat column: per token 2Hw + E w + 28k; per chunk row the larger moment of the grouped
     backward (or the per-expert path's), no expert-gradient term (DDP's buffer holds those)."""
-    s = ModelShape(name="h200", hidden=4096, layers=1, heads=32, kv_heads=32, head_dim=128, ffn=16384, vocab=1000,
+    s = ModelShape(name="h200", hidden=4096, layers=1, heads=32, kv_heads=32, head_dim=128, ffn=16384, vocab=1024,
                    experts=64, topk=8, moe_ffn=1536)
     pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=32768))
     H, F, f1, E, k, w, R = 4096, 1536, 3072, 64, 8, 2, 32768
@@ -273,7 +273,7 @@ def test_llep_expected_working_set_against_a_megatron_moe_layer():
     H, E, k, F, cap = 256, 16, 4, 96, 8192
     tokens = (2048, 8192)
     measured = run_distributed(_moe_layer_working_set, 1, H, E, k, F, tokens, cap)[0]
-    s = ModelShape(name="moe", hidden=H, layers=1, heads=2, kv_heads=2, head_dim=128, ffn=4 * H, vocab=1000,
+    s = ModelShape(name="moe", hidden=H, layers=1, heads=2, kv_heads=2, head_dim=128, ffn=4 * H, vocab=1024,
                    experts=E, topk=k, moe_ffn=F)
     pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=cap))
     for T in tokens:
@@ -293,7 +293,7 @@ def test_dispatch_baseline_matches_h200_anchor():
     the MoE layer alone under Megatron's alltoall, EP=1, H=4096, 64 experts top-8, F=1536 -> 5.1 / 10.3 / 20.6 GiB.
     (bench/dispatch.py's megatron-alltoall rows, 6.1 / 12.3 / 24.6 GiB, are the whole transformer layer.)"""
     shape = ModelShape(name="anchor", hidden=4096, layers=1, heads=32, kv_heads=32, head_dim=128, ffn=1536,
-                       vocab=1000, experts=64, topk=8, moe_ffn=1536)
+                       vocab=1024, experts=64, topk=8, moe_ffn=1536)
     for tokens, gib in ((16384, 5.1), (32768, 10.3), (65536, 20.6)):
         got = M.dispatch_working_set(shape, RunConfig(seq_len=tokens), M.routed_pairs(shape, RunConfig(seq_len=tokens)))
         assert abs(got / GIB - gib) / gib < 0.05, (tokens, got / GIB)
@@ -349,7 +349,7 @@ def test_attention_backward_against_the_h200_measurement(seq):
     dq, dk, dv and flash's fp32 dQ accumulator came to 5.02 units of [s, hidden] bf16 beside the inputs, and
     13.02 under deterministic algorithms (ceil(132 SMs / 32 heads) = 5 accumulators). The planner's transient
     adds dO and the rotated q and k (3 units) to those, so it is 8 and 16 units."""
-    shape = ModelShape(name="h200", hidden=4096, layers=1, heads=32, kv_heads=32, head_dim=128, ffn=16384, vocab=1000)
+    shape = ModelShape(name="h200", hidden=4096, layers=1, heads=32, kv_heads=32, head_dim=128, ffn=16384, vocab=1024)
     unit = seq * 4096 * 2
     run = RunConfig(seq_len=seq)
     assert M.flash_dq_splits(shape, run) == 1
@@ -397,13 +397,80 @@ def test_total_is_persistent_plus_max_phase():
 
 
 def test_pipeline_stages_split_layers_and_inflight():
+    """DeepSeek-V3's 61 layers over PP=4 with 16 on the last stage (--decoder-last-pipeline-num-layers): the first
+    stage's 3 leading dense layers leave it 12 MoE layers, so the second stage (15 MoE, 3 micro-batches in
+    flight) is planned too; the third (15 MoE, 2 in flight) is bounded by it."""
     s = PRESETS["deepseek-v3"]
-    pl = plan(s, RunConfig(seq_len=4096, pp=4, ep=8, dp=8))
-    first, last = pl.stages
-    assert (first.stage, last.stage) == ("first", "last")
-    assert first.layers == 16 and last.layers == 61 - 48
-    assert first.moe_layers == 13 and first.inflight == 4 and last.inflight == 1
-    assert "vocab" in last.rows and "vocab" not in first.rows
+    pl = plan(s, RunConfig(seq_len=4096, pp=4, ep=8, dp=8, last_stage_layers=16))
+    assert [(st.stage, st.layers, st.moe_layers, st.inflight) for st in pl.stages] == [
+        ("first", 15, 12, 4), ("middle 1", 15, 15, 3), ("last", 16, 16, 1)]
+    assert pl.stage_of == ("first", "middle 1", "middle 1", "last")
+    first, mid, last = pl.stages
+    assert "vocab" in last.rows and "vocab" not in first.rows and "vocab" not in mid.rows
+    assert mid.rows["parameters"].baseline > first.rows["parameters"].baseline - s.vocab * s.hidden * 2
+
+
+@pytest.mark.parametrize("kw, split", [
+    ({}, (6, 6, 6, 6)),
+    ({"first_stage_layers": 3}, (3, 7, 7, 7)),
+    ({"last_stage_layers": 0, "first_stage_layers": 6}, (6, 9, 9, 0)),
+    ({"embedding_in_split": True, "loss_in_split": True, "layers": 22}, (5, 6, 6, 5)),
+    ({"embedding_in_split": True, "layers": 23}, (5, 6, 6, 6)),
+    ({"stage_layout": (5, 7, 7, 5)}, (5, 7, 7, 5)),
+    ({"stage_layout": (2, 3, 3, 3, 4, 3, 3, 3)}, (6, 6, 6, 6)),  # two virtual stages per rank, summed
+])
+def test_pipeline_split_follows_megatron(kw, split):
+    """Each pipeline rank builds the layers Megatron's get_num_layers_to_build gives it: an even split, the uneven
+    first/last stages with the rest even, the embedding and loss counted as layers, or the layout's stages."""
+    kw = dict(kw)
+    layers = kw.pop("layers", 24)
+    assert M.pipeline_split(layers, RunConfig(seq_len=4096, pp=4, **kw)) == split
+
+
+@pytest.mark.parametrize("layers, kw, flag", [
+    (25, {}, "--pipeline-model-parallel-size"),
+    (24, {"embedding_in_split": True}, "--pipeline-model-parallel-size"),
+    (24, {"first_stage_layers": 5}, "--decoder-first-pipeline-num-layers"),
+    (24, {"last_stage_layers": 30}, "--decoder-last-pipeline-num-layers"),
+    (24, {"first_stage_layers": 6, "loss_in_split": True}, "--decoder-first-pipeline-num-layers"),
+    (24, {"stage_layout": (6, 6, 6)}, "--pipeline-model-parallel-layout"),
+    (24, {"stage_layout": (6, 6, 6, 5)}, "--pipeline-model-parallel-layout"),
+])
+def test_a_pipeline_split_megatron_refuses_is_refused_naming_the_flag(layers, kw, flag):
+    from megatron_peakflat.config_base import PeakflatConfigError
+
+    with pytest.raises(PeakflatConfigError, match=flag):
+        M.pipeline_split(layers, RunConfig(seq_len=4096, pp=4, **kw))
+
+
+def test_layout_string_is_read_as_megatron_reads_it():
+    from megatron_peakflat.memory.megatron_args import layout_stage_layers, parse_megatron_args, run_fields_from_namespace
+
+    assert layout_stage_layers("Ettt|(tt|)*3,m|L") == (3, 2, 2, 2, 0, 0)
+    assert layout_stage_layers("Et*3|t*4|tttL") == (3, 4, 3)
+    ns, ignored = parse_megatron_args("--pipeline-model-parallel-layout 'E(t|)*4L' --decoder-last-pipeline-num-layers 3 "
+                                      "--account-for-loss-in-pipeline-split --make-vocab-size-divisible-by 64")
+    fields = run_fields_from_namespace(ns)
+    assert not ignored
+    assert fields["stage_layout"] == (1, 1, 1, 1, 0) and fields["last_stage_layers"] == 3
+    assert fields["loss_in_split"] is True and fields["vocab_divisible_by"] == 64
+
+
+@pytest.mark.parametrize("vocab, tp, divisible_by, padded", [
+    (201088, 1, 128, 201088), (201088, 8, 128, 201728), (50257, 1, 128, 50304), (50257, 2, 64, 50304),
+    (1000, 4, 1, 1000),
+])
+def test_the_vocabulary_is_padded_as_megatron_pads_it(vocab, tp, divisible_by, padded):
+    """Megatron builds the output layer with the vocabulary padded to a multiple of --make-vocab-size-divisible-by
+    x TP; the plan's vocabulary rows count that size, and a note on the last stage says so."""
+    run = RunConfig(seq_len=4096, tp=tp, vocab_divisible_by=divisible_by)
+    assert M.padded_vocab(vocab, run) == padded
+    assert M.padded_vocab(padded, run) == padded
+    shape = TINY.with_(vocab=vocab, heads=8, kv_heads=8)
+    pl = plan(shape, run)
+    assert pl.shape.vocab == padded
+    noted = any("vocabulary padded" in n for n in pl.stages[-1].notes)
+    assert noted == (padded != vocab)
 
 
 def test_a_middle_stage_with_more_moe_layers_than_either_end_is_planned():
@@ -427,7 +494,7 @@ def test_pipeline_inflight_is_capped_by_the_micro_batches():
     """1F1B keeps at most the step's micro-batches in flight: PP=4 with a global batch of 2 (DP 1, micro-batch
     1) holds 2 on the first stage, not PP=4, and its checkpoint boundaries count 2 micro-batches."""
     run = RunConfig(seq_len=4096, pp=4, global_batch=2, dp=1, micro_batch=1, recompute="full")
-    first, last = plan(TINY, run).stages
+    first, last = plan(TINY, run).stages[0], plan(TINY, run).stages[-1]
     assert run.num_micro == 2 and first.layers == 1
     assert first.inflight == 2 and last.inflight == 1
     assert first.rows["boundaries"].baseline == pytest.approx(2 * 4096 * 64 * 2)
@@ -436,12 +503,12 @@ def test_pipeline_inflight_is_capped_by_the_micro_batches():
 def test_last_stage_holds_its_copy_of_tied_embeddings():
     """With PP > 1 and tied embeddings the last stage keeps its own copy of the word embeddings as the output
     layer (V x H / tp, beside the final norm's H); the first stage holds the embedding."""
-    tied = ModelShape(name="tied", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=1000,
+    tied = ModelShape(name="tied", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=1024,
                       tied_embeddings=True)
     first, last = plan(tied, RunConfig(seq_len=128, tp=2, pp=2)).stages
     attn = (64 * (4 + 2 * 2) * 16 + 4 * 16 * 64) / 2 + 2 * 64
     mlp = 3 * 64 * 128 / 2
-    vocab = 1000 * 64 / 2
+    vocab = 1024 * 64 / 2
     assert last.rows["parameters"].baseline == pytest.approx((attn + mlp + vocab + 64) * 2)
     assert first.rows["parameters"].baseline == pytest.approx((vocab + attn + mlp) * 2)
     (whole,) = plan(tied, RunConfig(seq_len=128, tp=2)).stages  # one stage: one copy, and the final norm

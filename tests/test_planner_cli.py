@@ -336,12 +336,12 @@ def test_each_pipeline_stage_counts_its_own_moe_layers(freq, stages):
     """Under pipeline parallelism each stage's (dense, MoE) layers follow the model's pattern: with every
     other layer MoE both stages of 8 layers hold 2 of each, not 4 dense in the first and 4 MoE in the last."""
     from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
-    from megatron_peakflat.memory.model import RunConfig, _stage_layers
+    from megatron_peakflat.memory.model import RunConfig, _stage_counts
 
     ns, _ = parse_megatron_args("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --num-experts 8 "
                                 f"--moe-layer-freq {freq}")
     shape, run = shape_from_namespace(ns, None), RunConfig(seq_len=4096, pp=2)
-    assert [_stage_layers(shape, run, st) for st in range(2)] == stages
+    assert _stage_counts(shape, run) == stages
 
 
 def test_offload_fraction_without_cpu_offload_keeps_the_optimizer_on_the_gpu():
@@ -370,6 +370,14 @@ def test_offload_fraction_without_cpu_offload_keeps_the_optimizer_on_the_gpu():
     (["--preset", "gpt-oss-120b", "--tp", "0"], "--tp", "0"),
     (["--preset", "gpt-oss-120b", "--micro-batch", "0"], "--micro-batch", "0"),
     (["--preset", "gpt-oss-120b", "--pp", "40", "--gpus", "40"], "--pp", "36 layers"),
+    (["--preset", "deepseek-v3", "--pp", "4", "--gpus", "32"], "--pipeline-model-parallel-size",
+     "--decoder-last-pipeline-num-layers 16"),
+    (["--preset", "deepseek-v3", "--pp", "4", "--gpus", "32", "--megatron-args",
+      "--decoder-first-pipeline-num-layers 14"], "--decoder-first-pipeline-num-layers", "47 of the 61 layers"),
+    (["--preset", "gpt-oss-120b", "--pp", "4", "--gpus", "4", "--megatron-args",
+      "--pipeline-model-parallel-layout 'Et*9|t*9|t*9|t*8L'"], "--pipeline-model-parallel-layout", "35 decoder layers"),
+    (["--preset", "gpt-oss-120b", "--pp", "2", "--gpus", "2", "--megatron-args",
+      "--pipeline-model-parallel-layout 'Ex*18|t*18L'"], "--pipeline-model-parallel-layout", "'x'"),
     (["--preset", "gpt-oss-120b", "--cp", "2", "--gpus", "2", "--seq-len", "4099"], "--seq-len", "multiple of 4"),
     (["--preset", "gpt-oss-120b", "--gpus", "8", "--ep", "4", "--etp", "4"], "--ep", "EPxETP = 16"),
     (["--preset", "gpt-oss-120b", "--routing-skew", "0.5"], "--routing-skew", "0.5"),
@@ -860,20 +868,23 @@ def test_startup_checks_the_offloaded_optimizers_host_memory_before_anything_is_
     assert registry.applied() == [] and state.get() is None
 
 
-@pytest.mark.parametrize("rank, planned, stage", [
-    (0, {"first", "last"}, "first"),
-    (1, {"first", "last"}, "first"),  # a middle stage the plan does not hold reads the first stage's
-    (1, {"first", "middle 1", "last"}, "middle 1"),
-    (2, {"first", "middle 1", "last"}, "first"),
-    (3, {"first", "middle 1", "last"}, "last"),
+@pytest.mark.parametrize("pattern, rank, stage", [
+    ((True,) * 24, 0, "first"),
+    ((True,) * 24, 1, "first"),  # a middle stage like the first reads the first stage's plan
+    ((True,) * 24, 3, "last"),
+    ((False,) * 6 + (True,) * 12 + (False,) * 6, 1, "middle 1"),
+    ((False,) * 6 + (True,) * 12 + (False,) * 6, 2, "middle 1"),  # bounded by middle 1, not by the first
+    ((False,) * 6 + (True,) * 12 + (False,) * 6, 3, "last"),
 ])
-def test_each_pipeline_rank_reads_its_own_planned_stage(monkeypatch, rank, planned, stage):
+def test_each_pipeline_rank_reads_its_own_planned_stage(monkeypatch, pattern, rank, stage):
     from megatron.core import parallel_state
 
     from megatron_peakflat.integration import peaks
+    from megatron_peakflat.memory.model import plan
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: rank)
-    assert peaks._stage_name(RunConfig(seq_len=4096, pp=4), planned) == stage
+    shape = PRESETS["gpt-oss-20b"].with_(moe_pattern=pattern)
+    assert peaks._stage_name(plan(shape, RunConfig(seq_len=4096, pp=4))) == stage
 
 
 def test_etp_defaults_to_tp_and_pipelinedllep_is_left_off_where_it_cannot_run():

@@ -97,7 +97,7 @@ def prediction(args: Any) -> tuple[Plan, str]:
         fields["sm_count"] = _sm_count()
         run = RunConfig(**fields)
         _cache["plan"] = plan(shape, run, _config(args))
-        _cache["stage"] = _stage_name(run, {st.stage for st in _cache["plan"].stages})
+        _cache["stage"] = _stage_name(_cache["plan"])
     return _cache["plan"], _cache["stage"]
 
 
@@ -180,9 +180,9 @@ def check_optimizer_host(args: Any) -> str | None:
     return f"peakflat plan: {problem}; the optimizer will refuse at its first step if it does not fit. Fix: {fix}"
 
 
-def _stage_name(run: RunConfig, planned: set[str]) -> str:
-    """This rank's stage among ``planned``: a middle stage the plan does not hold reads the first stage's."""
-    if run.pp == 1:
+def _stage_name(pl: Plan) -> str:
+    """This rank's stage among those the plan holds: its own, or the planned one that bounds it (``Plan.stage_of``)."""
+    if pl.run.pp == 1:
         return "only"
     try:
         from megatron.core import parallel_state
@@ -190,9 +190,7 @@ def _stage_name(run: RunConfig, planned: set[str]) -> str:
         rank = parallel_state.get_pipeline_model_parallel_rank()
     except Exception:  # noqa: BLE001
         return "last"
-    if rank == run.pp - 1:
-        return "last"
-    return f"middle {rank}" if f"middle {rank}" in planned else "first"
+    return pl.stage_of[rank]
 
 
 def _note(component: str) -> str:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from ..config import PeakflatConfig, add_args
 from ..config_base import PeakflatConfigError
 from .megatron_args import fused_adam_importable, parse_megatron_args, run_fields_from_namespace, shape_from_namespace
-from .model import COMPONENTS, GIB, Plan, RunConfig, plan
+from .model import COMPONENTS, GIB, Plan, RunConfig, pipeline_split, plan
 from .recommend import Recommendation, dispatch_blocker, recommend
 from .shapes import PRESETS, ModelShape, preset
 
@@ -148,6 +148,7 @@ def validate(shape: ModelShape, run: RunConfig, gpus: int) -> None:
                    "choose EP so that EPxETP divides the GPUs of one pipeline stage")
     if run.pp > shape.layers:
         raise _err("--pp", run.pp, f"more stages than the {shape.layers} layers", "pass --pp <= --num-layers")
+    pipeline_split(shape.layers, run)
     if run.cp > 1 and run.seq_len % (2 * run.cp):
         raise _err("--seq-len", run.seq_len, f"context parallelism {run.cp} needs a multiple of 2xCP",
                    f"pass a multiple of {2 * run.cp}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import shlex
 from typing import Any
 
@@ -18,7 +19,7 @@ from ..config_base import PeakflatConfigError
 from .shapes import MLA, ModelShape
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
-           "fused_adam_importable"]
+           "fused_adam_importable", "layout_stage_layers"]
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -29,12 +30,14 @@ def megatron_parser() -> argparse.ArgumentParser:
             "tensor-model-parallel-size", "pipeline-model-parallel-size", "expert-model-parallel-size",
             "expert-tensor-parallel-size", "context-parallel-size", "num-experts", "moe-router-topk",
             "moe-ffn-hidden-size", "moe-shared-expert-intermediate-size", "recompute-num-layers",
-            "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim", "mtp-num-layers"]
+            "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim", "mtp-num-layers",
+            "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers", "make-vocab-size-divisible-by"]
     for name in ints:
         p.add_argument("--" + name, type=int, default=None)
     for name in ["group-query-attention", "sequence-parallel", "bf16", "fp16", "use-distributed-optimizer",
                  "optimizer-cpu-offload", "accumulate-allreduce-grads-in-fp32", "untie-embeddings-and-output-weights",
-                 "swiglu", "cross-entropy-loss-fusion", "multi-latent-attention", "deterministic-mode"]:
+                 "swiglu", "cross-entropy-loss-fusion", "multi-latent-attention", "deterministic-mode",
+                 "account-for-embedding-in-pipeline-split", "account-for-loss-in-pipeline-split"]:
         p.add_argument("--" + name, action="store_true", default=None)
     p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None)
     p.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default=None)
@@ -42,6 +45,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     p.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     p.add_argument("--moe-layer-freq", default=None)
+    p.add_argument("--pipeline-model-parallel-layout", default=None)
     p.add_argument("--optimizer", default=None)
     add_args(p)
     return p
@@ -72,6 +76,22 @@ def _moe_pattern(freq: Any, layers: int) -> tuple[bool, ...]:
         raise PeakflatConfigError("--moe-layer-freq", list(freq), f"lists {len(freq)} layers, the model has {layers}",
                                   "give one entry per layer of --num-layers (1: MoE, 0: dense)")
     return tuple(bool(v) for v in freq)
+
+
+def layout_stage_layers(layout: str) -> tuple[int, ...]:
+    """Decoder layers ('t') of each stage of a --pipeline-model-parallel-layout string, in its order (virtual
+    stages included), read as Megatron reads it: commas are cosmetic, ``(...)*n`` and ``x*n`` repeat, '|'
+    separates stages, E / L / m are the embedding, the loss and MTP layers. Raises PeakflatConfigError for
+    any other character."""
+    text = str(layout).replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    bad = sorted(set(text) - set("ELtm|"))
+    if bad:
+        raise PeakflatConfigError("--pipeline-model-parallel-layout", layout, f"holds {''.join(bad)!r}, which is not a "
+                                  "layer", "write stages of E (embedding), t (decoder layer), m (MTP) and L (loss), "
+                                  "separated by '|', e.g. 'Ettt|(tttt|)*2,ttL'")
+    return tuple(stage.count("t") for stage in text.split("|"))
 
 
 def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
@@ -133,8 +153,14 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
          "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
          "expert_model_parallel_size": "ep", "context_parallel_size": "cp", "expert_tensor_parallel_size": "etp",
          "recompute_method": "recompute_method", "recompute_num_layers": "recompute_num_layers",
-         "optimizer_offload_fraction": "optimizer_offload_fraction"}
+         "optimizer_offload_fraction": "optimizer_offload_fraction",
+         "decoder_first_pipeline_num_layers": "first_stage_layers", "decoder_last_pipeline_num_layers": "last_stage_layers",
+         "account_for_embedding_in_pipeline_split": "embedding_in_split",
+         "account_for_loss_in_pipeline_split": "loss_in_split", "make_vocab_size_divisible_by": "vocab_divisible_by"}
     out: dict[str, Any] = {dst: getattr(ns, src) for src, dst in m.items() if getattr(ns, src, None) is not None}
+    layout = getattr(ns, "pipeline_model_parallel_layout", None)
+    if isinstance(layout, str):
+        out["stage_layout"] = layout_stage_layers(layout)
     # A Megatron command line (it names the model) means Megatron's defaults for the flags it leaves out.
     command_line = any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size"))
     if getattr(ns, "recompute_granularity", None) is not None:

@@ -32,12 +32,14 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..config import PeakflatConfig
+from ..config_base import PeakflatConfigError
 from ..dispatch.bound import chunk_count, flow_chunk_rows, overlap_on, split_floor, working_set_bound
 from ..dispatch.config import resolve_membership
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
-__all__ = ["RunConfig", "Row", "StagePlan", "Plan", "plan", "GIB", "COMPONENTS", "experts_have_own_optimizer"]
+__all__ = ["RunConfig", "Row", "StagePlan", "Plan", "plan", "pipeline_split", "padded_vocab", "GIB", "COMPONENTS",
+           "experts_have_own_optimizer"]
 
 GIB = 2**30
 
@@ -103,6 +105,19 @@ class RunConfig:
     hbm_bytes: int = 80 * GIB
     host_bytes_per_node: int = 1024 * GIB
     gpus_per_node: int = 8
+    first_stage_layers: int | None = None
+    """--decoder-first-pipeline-num-layers."""
+    last_stage_layers: int | None = None
+    """--decoder-last-pipeline-num-layers."""
+    embedding_in_split: bool = False
+    """--account-for-embedding-in-pipeline-split: the embedding takes one layer's place on the first stage."""
+    loss_in_split: bool = False
+    """--account-for-loss-in-pipeline-split: the loss takes one layer's place on the last stage."""
+    stage_layout: tuple[int, ...] | None = None
+    """Decoder layers of each stage of --pipeline-model-parallel-layout, in its order: PP stages, or PP x VPP
+    virtual ones (stage i on pipeline rank i mod PP)."""
+    vocab_divisible_by: int = 128
+    """--make-vocab-size-divisible-by: Megatron pads the vocabulary to a multiple of this x TP."""
 
     @property
     def world(self) -> int:
@@ -256,6 +271,8 @@ class Plan:
     chunk_cap_effective: int
     vocab_schedule: str
     sco_budget: int
+    stage_of: tuple[str, ...] = ()
+    """For each pipeline rank, the planned stage whose memory bounds its own (its own label when planned)."""
 
     def worst(self, which: Literal["baseline", "peakflat"]) -> StagePlan:
         return max(self.stages, key=lambda s: s.total(which))
@@ -642,12 +659,96 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_grad:
 # The plan
 # ----------------------------------------------------------------------------------------------
 
-def _stage_layers(s: ModelShape, run: RunConfig, stage: int) -> tuple[int, int]:
-    """(dense, moe) layers of pipeline stage ``stage`` (even split, each layer as ``ModelShape.layer_is_moe``)."""
-    per = math.ceil(s.layers / run.pp)
-    start, stop = stage * per, min(s.layers, (stage + 1) * per)
-    moe = sum(s.layer_is_moe[start:stop])
-    return (stop - start) - moe, moe
+def padded_vocab(vocab: int, run: RunConfig) -> int:
+    """The vocabulary Megatron builds: padded to a multiple of --make-vocab-size-divisible-by x TP
+    (``vocab_size_with_padding``). Idempotent, so an already padded ``--padded-vocab-size`` stays as it is."""
+    multiple = run.vocab_divisible_by * run.tp
+    return -(-vocab // multiple) * multiple
+
+
+def pipeline_split(layers: int, run: RunConfig) -> tuple[int, ...]:
+    """Decoder layers of each pipeline rank, as Megatron builds them (transformer_block.py
+    ``get_num_layers_to_build``): the layout's counts; else the uneven first and last stages with the rest
+    split evenly over the middle ones; else an even split, where the embedding and the loss count as a layer
+    each when the account-for flags say so.
+
+    Raises PeakflatConfigError, naming the flag and a split that works, wherever Megatron would refuse it
+    (an even split of layers that do not divide, or counts that do not add up to ``layers``)."""
+    pp = run.pp
+    if run.stage_layout is not None:
+        lay = run.stage_layout
+        if len(lay) % pp or sum(lay) != layers:
+            raise PeakflatConfigError(
+                "--pipeline-model-parallel-layout", "|".join("t" * n for n in lay),
+                f"has {len(lay)} stages and {sum(lay)} decoder layers; the run has {pp} pipeline ranks and {layers} "
+                "layers", "write PP (or a multiple of PP) '|'-separated stages holding --num-layers 't' layers")
+        return tuple(sum(lay[st::pp]) for st in range(pp))
+    if pp == 1:
+        return (layers,)
+    q = layers // pp
+    works = (f"--decoder-last-pipeline-num-layers {layers - (pp - 1) * q} (the planner reads it in --megatron-args; "
+             "the last stage holds one micro-batch in flight, so extra layers cost it the least)")
+    first, last = run.first_stage_layers, run.last_stage_layers
+    if first is not None or last is not None:
+        if run.embedding_in_split or run.loss_in_split:
+            raise PeakflatConfigError(
+                "--decoder-first-pipeline-num-layers" if first is not None else "--decoder-last-pipeline-num-layers",
+                first if first is not None else last, "cannot be combined with --account-for-embedding-in-pipeline-"
+                "split or --account-for-loss-in-pipeline-split (Megatron refuses it)", "drop one of the two")
+        given = [n for n in (first, last) if n is not None]
+        rest, stages = layers - sum(given), pp - len(given)
+        if min(given) < 0 or rest < 0 or (stages and rest % stages) or (not stages and rest):
+            flag = "--decoder-first-pipeline-num-layers" if first is not None else "--decoder-last-pipeline-num-layers"
+            raise PeakflatConfigError(flag, first if first is not None else last,
+                                      f"leaves {rest} of the {layers} layers for {stages} other pipeline stages, which "
+                                      "must take an equal whole number each", f"pass {works}")
+        mid = rest // stages if stages else 0
+        return tuple(first if st == 0 and first is not None else last if st == pp - 1 and last is not None else mid
+                     for st in range(pp))
+    total = layers + run.embedding_in_split + run.loss_in_split
+    if total % pp:
+        if total != layers:
+            raise PeakflatConfigError("--pipeline-model-parallel-size", pp,
+                                      f"does not divide the {layers} layers with the embedding or loss counted as "
+                                      f"{total - layers} more", f"choose a PP size that divides {total}, or drop "
+                                      "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split")
+        raise PeakflatConfigError("--pipeline-model-parallel-size", pp,
+                                  f"does not divide the {layers} layers: Megatron splits them evenly unless told "
+                                  "otherwise", f"pass {works}, or a PP size that divides them")
+    per = total // pp
+    return tuple(per - (run.embedding_in_split and st == 0) - (run.loss_in_split and st == pp - 1)
+                 for st in range(pp))
+
+
+def _stage_counts(s: ModelShape, run: RunConfig) -> list[tuple[int, int]]:
+    """(dense, moe) layers of each pipeline rank (``pipeline_split``, each layer as ``ModelShape.layer_is_moe``)."""
+    out, start = [], 0
+    for n in pipeline_split(s.layers, run):
+        moe = sum(s.layer_is_moe[start:start + n])
+        out.append((n - moe, moe))
+        start += n
+    return out
+
+
+def _stages_to_plan(counts: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """(the pipeline ranks to plan, and for each rank the planned one that bounds it).
+
+    The first and last are always planned (embedding; output layer and loss). A middle rank is bounded by an
+    earlier planned rank other than the last with at least as many dense and as many MoE layers: that one holds
+    at least as many micro-batches in flight (1F1B: PP - rank) and everything else the middle one holds."""
+    pp = len(counts)
+    planned, cover = [0], [0] * pp
+    for st in range(1, pp):
+        if st == pp - 1:
+            planned.append(st)
+            cover[st] = st
+            continue
+        by = next((p for p in planned if counts[p][0] >= counts[st][0] and counts[p][1] >= counts[st][1]), None)
+        if by is None:
+            planned.append(st)
+            by = st
+        cover[st] = by
+    return planned, cover
 
 
 def sco_budget(s: ModelShape, run: RunConfig, pf: PeakflatConfig, optimizer_host: float) -> int:
@@ -664,19 +765,17 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
     The peakflat column counts the components that ``pf`` enables; the others keep their baseline
     (the CLI turns all four on)."""
     pf = pf or PeakflatConfig()
+    unpadded = s.vocab
+    s = s.with_(vocab=padded_vocab(s.vocab, run))
     w = run.w
     r = run.layer_rows
     c_eff = llep_chunks(s, run, pf)[1] if s.experts else 0
-    stages_idx = [0] if run.pp == 1 else [0, run.pp - 1]
-    if run.pp > 2 and s.moe_pattern is not None:
-        # A MoE pattern can give a middle stage more MoE layers than either end: plan the one with the most.
-        mid = max(range(1, run.pp - 1), key=lambda st: _stage_layers(s, run, st)[1])
-        if _stage_layers(s, run, mid)[1] > max(_stage_layers(s, run, st)[1] for st in stages_idx):
-            stages_idx.insert(1, mid)
+    counts = _stage_counts(s, run)
+    stages_idx, cover = _stages_to_plan(counts)
     stages: list[StagePlan] = []
     budget_used = 0
     for st in stages_idx:
-        n_dense, n_moe = _stage_layers(s, run, st)
+        n_dense, n_moe = counts[st]
         n_layers = n_dense + n_moe
         first, last = st == 0, st == run.pp - 1
         inflight = min(run.pp - st, run.num_micro)
@@ -833,7 +932,13 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         reserve = RESERVE_FIXED + RESERVE_FRACTION * run.hbm_bytes
         rows["reserve"] = Row("reserve", reserve, reserve,
                               source="CUDA context, NCCL buffers, allocator fragmentation (2 GiB + 5% HBM)")
-        label = "only" if run.pp == 1 else ("first" if first else ("last" if last else f"middle {st}"))
-        stages.append(StagePlan(label,
-                                n_layers, n_moe, inflight, rows, notes))
-    return Plan(s, run, pf, stages, c_eff, vocab_schedule(s, run, pf), budget_used)
+        if last and s.vocab != unpadded:
+            notes.append(f"vocabulary padded from {unpadded} to {s.vocab} rows, as Megatron pads it to a multiple of "
+                         f"--make-vocab-size-divisible-by x TP = {run.vocab_divisible_by * run.tp}")
+        stages.append(StagePlan(_stage_label(st, run.pp), n_layers, n_moe, inflight, rows, notes))
+    return Plan(s, run, pf, stages, c_eff, vocab_schedule(s, run, pf), budget_used,
+                stage_of=tuple(_stage_label(c, run.pp) for c in cover))
+
+
+def _stage_label(st: int, pp: int) -> str:
+    return "only" if pp == 1 else ("first" if st == 0 else ("last" if st == pp - 1 else f"middle {st}"))
