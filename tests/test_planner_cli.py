@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from megatron_peakflat.config_base import PeakflatConfigError
 from megatron_peakflat.memory import meter
 from megatron_peakflat.memory.cli import build, main
 from megatron_peakflat.memory.model import GIB, RunConfig, plan
@@ -905,3 +906,51 @@ def test_etp_defaults_to_tp_and_pipelinedllep_is_left_off_where_it_cannot_run():
     _, run, _, _, _ = build(["--megatron-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
                              "--num-experts 8 --tensor-model-parallel-size 2", "--gpus", "2"])
     assert run.etp == 2
+
+
+@pytest.mark.parametrize("pp, vpp, num_micro, group", [
+    (4, 1, 8, None), (4, 1, 2, None), (8, 1, 16, None), (4, 2, 8, None), (4, 2, 4, None), (8, 4, 16, None),
+    (4, 3, 8, 2), (6, 2, 3, None), (4, 2, 1, None),
+])
+def test_micro_batches_in_flight_follow_megatrons_schedule(pp, vpp, num_micro, group):
+    """Each pipeline rank's forward model chunks in flight at its peak are Megatron's own warm-up count plus the
+    steady state's one (schedules.py get_pp_rank_microbatches, called here with each rank's sizes), with and
+    without interleaving; the plan's stages count them in whole stages' worth."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    from megatron_peakflat.memory.model import chunks_in_flight
+
+    run = RunConfig(seq_len=4096, pp=pp, dp=1, global_batch=num_micro, vpp=vpp, vp_group=group)
+    for rank in range(pp):
+        comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda r=rank: r),
+                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+        total, all_warmup, warmup, _ = get_pp_rank_microbatches(num_micro, vpp, group or pp, p2p_communicator=comm)
+        assert chunks_in_flight(run, rank, vpp) == (warmup if all_warmup else warmup + 1)
+    shape = PRESETS["gpt-oss-20b"]
+    pl = plan(shape, run)
+    assert pl.stages[0].inflight == pytest.approx(chunks_in_flight(run, 0, vpp) / vpp)
+
+
+def test_interleaving_holds_more_in_flight_and_its_flags_are_read():
+    """VPP=2 at PP=4 with 8 micro-batches: the first rank holds 11 chunks of half a stage (5.5 stages' worth)
+    instead of 4 stages, so its saved boundaries grow by 5.5/4; each of Megatron's three ways to ask for it
+    is read."""
+    from megatron_peakflat.memory.megatron_args import parse_megatron_args, run_fields_from_namespace
+    from megatron_peakflat.memory.model import virtual_stages
+
+    shape = PRESETS["gpt-oss-20b"]
+    flat = plan(shape, RunConfig(seq_len=4096, pp=4, dp=1, global_batch=8))
+    inter = plan(shape, RunConfig(seq_len=4096, pp=4, dp=1, global_batch=8, vpp=2))
+    assert (flat.stages[0].inflight, inter.stages[0].inflight) == (4, 5.5)
+    assert inter.stages[0].rows["boundaries"].baseline == pytest.approx(flat.stages[0].rows["boundaries"].baseline * 5.5 / 4)
+    assert any("VPP=2" in n for n in inter.stages[0].notes)
+    for flags, vpp in (("--num-virtual-stages-per-pipeline-rank 3", 3), ("--num-layers-per-virtual-pipeline-stage 2", 3),
+                       ("--pipeline-model-parallel-layout 'E(t|)*23,tL'", 6)):
+        ns, ignored = parse_megatron_args(flags)
+        assert not ignored
+        assert virtual_stages(24, RunConfig(seq_len=4096, pp=4, **run_fields_from_namespace(ns))) == vpp
+    ns, _ = parse_megatron_args("--num-layers-per-virtual-pipeline-stage 4")
+    with pytest.raises(PeakflatConfigError, match="--num-layers-per-virtual-pipeline-stage"):
+        virtual_stages(24, RunConfig(seq_len=4096, pp=4, **run_fields_from_namespace(ns)))

@@ -246,7 +246,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                f"({r.host_bytes_per_rank / GIB:.0f} GiB/rank)")
     for st in pl.stages:
         out.append("")
-        out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight} micro-batch(es) in flight;"
+        out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight:g} micro-batch(es) in flight;"
                    "  GiB per rank")
         out.append(f"  {'term':18s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
         order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "attention backward",

@@ -31,7 +31,9 @@ def megatron_parser() -> argparse.ArgumentParser:
             "expert-tensor-parallel-size", "context-parallel-size", "num-experts", "moe-router-topk",
             "moe-ffn-hidden-size", "moe-shared-expert-intermediate-size", "recompute-num-layers",
             "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim", "mtp-num-layers",
-            "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers", "make-vocab-size-divisible-by"]
+            "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers", "make-vocab-size-divisible-by",
+            "num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank",
+            "microbatch-group-size-per-virtual-pipeline-stage"]
     for name in ints:
         p.add_argument("--" + name, type=int, default=None)
     for name in ["group-query-attention", "sequence-parallel", "bf16", "fp16", "use-distributed-optimizer",
@@ -156,8 +158,13 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
          "optimizer_offload_fraction": "optimizer_offload_fraction",
          "decoder_first_pipeline_num_layers": "first_stage_layers", "decoder_last_pipeline_num_layers": "last_stage_layers",
          "account_for_embedding_in_pipeline_split": "embedding_in_split",
-         "account_for_loss_in_pipeline_split": "loss_in_split", "make_vocab_size_divisible_by": "vocab_divisible_by"}
+         "account_for_loss_in_pipeline_split": "loss_in_split", "make_vocab_size_divisible_by": "vocab_divisible_by",
+         "num_virtual_stages_per_pipeline_rank": "vpp", "num_layers_per_virtual_pipeline_stage": "layers_per_virtual_stage",
+         "microbatch_group_size_per_vp_stage": "vp_group",
+         "microbatch_group_size_per_virtual_pipeline_stage": "vp_group"}
     out: dict[str, Any] = {dst: getattr(ns, src) for src, dst in m.items() if getattr(ns, src, None) is not None}
+    if "virtual_pipeline_model_parallel_size" in vars(ns):  # Megatron's validated args: what it derived, None for 1
+        out["vpp"] = getattr(ns, "virtual_pipeline_model_parallel_size") or 1
     layout = getattr(ns, "pipeline_model_parallel_layout", None)
     if isinstance(layout, str):
         out["stage_layout"] = layout_stage_layers(layout)

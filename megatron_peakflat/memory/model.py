@@ -38,8 +38,8 @@ from ..dispatch.config import resolve_membership
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
-__all__ = ["RunConfig", "Row", "StagePlan", "Plan", "plan", "pipeline_split", "padded_vocab", "GIB", "COMPONENTS",
-           "experts_have_own_optimizer"]
+__all__ = ["RunConfig", "Row", "StagePlan", "Plan", "plan", "pipeline_split", "padded_vocab", "virtual_stages",
+           "chunks_in_flight", "GIB", "COMPONENTS", "experts_have_own_optimizer"]
 
 GIB = 2**30
 
@@ -118,6 +118,14 @@ class RunConfig:
     virtual ones (stage i on pipeline rank i mod PP)."""
     vocab_divisible_by: int = 128
     """--make-vocab-size-divisible-by: Megatron pads the vocabulary to a multiple of this x TP."""
+    vpp: int | None = None
+    """Virtual pipeline stages (model chunks) per rank, the interleaved 1F1B schedule: Megatron's
+    virtual_pipeline_model_parallel_size or --num-virtual-stages-per-pipeline-rank; None: from the layout or
+    ``layers_per_virtual_stage``, else 1."""
+    layers_per_virtual_stage: int | None = None
+    """--num-layers-per-virtual-pipeline-stage."""
+    vp_group: int | None = None
+    """--microbatch-group-size-per-virtual-pipeline-stage; None: PP (Megatron's default)."""
 
     @property
     def world(self) -> int:
@@ -192,7 +200,8 @@ class StagePlan:
     stage: str
     layers: int
     moe_layers: int
-    inflight: int
+    inflight: float
+    """Micro-batches in flight at the stage's peak, in whole stages' worth (fractional when interleaved)."""
     rows: dict[str, Row]
     notes: list[str] = field(default_factory=list)
 
@@ -720,6 +729,40 @@ def pipeline_split(layers: int, run: RunConfig) -> tuple[int, ...]:
                  for st in range(pp))
 
 
+def virtual_stages(layers: int, run: RunConfig) -> int:
+    """Model chunks per pipeline rank (1: no interleaving), derived as Megatron's arguments.py derives
+    virtual_pipeline_model_parallel_size. Raises PeakflatConfigError where the layers per virtual stage do not
+    divide a rank's layers."""
+    if run.pp == 1:
+        return 1
+    if run.vpp is not None:
+        return max(1, run.vpp)
+    if run.stage_layout is not None:
+        return max(1, len(run.stage_layout) // run.pp)
+    if run.layers_per_virtual_stage is not None:
+        per = (layers + run.embedding_in_split + run.loss_in_split) // run.pp
+        n = run.layers_per_virtual_stage
+        if n < 1 or per % n:
+            raise PeakflatConfigError("--num-layers-per-virtual-pipeline-stage", n,
+                                      f"does not divide the {per} layers of a pipeline stage",
+                                      "pass a divisor of --num-layers / --pipeline-model-parallel-size")
+        return per // n
+    return 1
+
+
+def chunks_in_flight(run: RunConfig, rank: int, vpp: int) -> int:
+    """Forward model chunks whose activations pipeline rank ``rank`` holds at once at its peak: Megatron's
+    warm-up forwards plus the one the steady state adds (schedules.py ``get_pp_rank_microbatches``). Without
+    interleaving that is PP - rank micro-batches; interleaved, (PP - rank - 1) x 2 + (VPP - 1) x group + 1
+    chunks of 1/VPP of the stage. Capped by the step's micro-batches x VPP."""
+    total = run.num_micro * vpp
+    if vpp == 1:
+        warmup = run.pp - rank - 1
+    else:
+        warmup = (run.pp - rank - 1) * 2 + (vpp - 1) * (run.vp_group or run.pp)
+    return total if warmup >= total else warmup + 1
+
+
 def _stage_counts(s: ModelShape, run: RunConfig) -> list[tuple[int, int]]:
     """(dense, moe) layers of each pipeline rank (``pipeline_split``, each layer as ``ModelShape.layer_is_moe``)."""
     out, start = [], 0
@@ -771,6 +814,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
     r = run.layer_rows
     c_eff = llep_chunks(s, run, pf)[1] if s.experts else 0
     counts = _stage_counts(s, run)
+    vpp = virtual_stages(s.layers, run)
     stages_idx, cover = _stages_to_plan(counts)
     stages: list[StagePlan] = []
     budget_used = 0
@@ -778,7 +822,9 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         n_dense, n_moe = counts[st]
         n_layers = n_dense + n_moe
         first, last = st == 0, st == run.pp - 1
-        inflight = min(run.pp - st, run.num_micro)
+        chunks = chunks_in_flight(run, st, vpp)
+        # In whole stages' worth: each of the rank's VPP model chunks holds about 1/VPP of its layers.
+        inflight: float = chunks if vpp == 1 else chunks / vpp
         dense_p, expert_p = stage_params(s, run, n_dense, n_moe, first, last)
         params = dense_p + expert_p
         # --peakflat-vocab-shard-over-ep: the output layer's rows over the EP group (the peakflat column only)
@@ -932,6 +978,9 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         reserve = RESERVE_FIXED + RESERVE_FRACTION * run.hbm_bytes
         rows["reserve"] = Row("reserve", reserve, reserve,
                               source="CUDA context, NCCL buffers, allocator fragmentation (2 GiB + 5% HBM)")
+        if vpp > 1:
+            notes.append(f"interleaved 1F1B (VPP={vpp}): {chunks} forward model chunks of about 1/{vpp} of the "
+                         f"stage's layers in flight at its peak, {inflight:g} stages' worth")
         if last and s.vocab != unpadded:
             notes.append(f"vocabulary padded from {unpadded} to {s.vocab} rows, as Megatron pads it to a multiple of "
                          f"--make-vocab-size-divisible-by x TP = {run.vocab_divisible_by * run.tp}")
