@@ -954,3 +954,16 @@ def test_interleaving_holds_more_in_flight_and_its_flags_are_read():
     ns, _ = parse_megatron_args("--num-layers-per-virtual-pipeline-stage 4")
     with pytest.raises(PeakflatConfigError, match="--num-layers-per-virtual-pipeline-stage"):
         virtual_stages(24, RunConfig(seq_len=4096, pp=4, **run_fields_from_namespace(ns)))
+
+
+def test_a_megatron_command_line_without_a_global_batch_runs_one_micro_batch():
+    """Megatron sets --global-batch-size to micro-batch x DP when it is not given, so a pipeline holds one
+    micro-batch in flight; a preset alone assumes 2 x PP micro-batches, and --global-batch-size counts."""
+    model = ("--num-layers 8 --hidden-size 256 --num-attention-heads 4 --num-experts 8 --seq-length 4096 "
+             "--pipeline-model-parallel-size 4 --bf16")
+    _, run, *_ = build(["--megatron-args", model, "--gpus", "8"])
+    assert run.num_micro == 1 and plan(*build(["--megatron-args", model, "--gpus", "8"])[:2]).stages[0].inflight == 1
+    _, run, *_ = build(["--megatron-args", model + " --global-batch-size 16", "--gpus", "8"])
+    assert run.num_micro == 8
+    _, run, *_ = build(["--preset", "gpt-oss-20b", "--pp", "4", "--gpus", "8"])
+    assert run.num_micro == 8

@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                                            "the TP size, as Megatron; PipelinedLLEP needs 1)")
     g.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: --micro-batch-size, else 1)")
     g.add_argument("--global-batch", type=int, help="sequences per step; with PP it sets the micro-batches in "
-                                                    "flight (default: --global-batch-size, else 2 x PP micro-batches)")
+                                                    "flight (default: --global-batch-size, else Megatron's micro-batch x DP for "
+                                                    "--megatron-args, else 2 x PP micro-batches for a preset)")
     g.add_argument("--recompute", choices=["none", "selective", "full"],
                    help="recompute granularity (default: full for presets, Megatron's flags otherwise)")
     g.add_argument("--recompute-num-layers", type=int, help="layers per full-recompute checkpoint (default: 1)")

@@ -188,6 +188,8 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
                      ("deterministic_mode", "deterministic")):
         if getattr(ns, src, None) is not None:
             out[dst] = bool(getattr(ns, src))
+    if command_line and getattr(ns, "global_batch_size", None) is None:
+        out["default_micro_batches"] = 1  # Megatron's global batch defaults to micro-batch x DP: one per step
     if command_line and getattr(ns, "use_distributed_optimizer", None) is None:
         out["distributed_optimizer"] = False  # Megatron replicates the optimizer state without the flag
     # Megatron's rule for bf16 (megatron/training/arguments.py): fp32 grads unless one of these says bf16.

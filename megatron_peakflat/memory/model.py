@@ -66,7 +66,11 @@ class RunConfig:
     micro_batch: int = 1
     """--micro-batch-size."""
     global_batch: int | None = None
-    """--global-batch-size; None: 2 x PP micro-batches per DP rank (1 without PP)."""
+    """--global-batch-size; None: ``default_micro_batches`` per DP rank."""
+    default_micro_batches: int | None = None
+    """Micro-batches per step and DP rank without a global batch: 1 for a Megatron command line (its default
+    global batch is micro-batch x DP, arguments.py); None: 2 x PP (1 without PP), what a preset assumes, so
+    that 1F1B fills the pipeline."""
     tp: int = 1
     pp: int = 1
     ep: int = 1
@@ -168,6 +172,8 @@ class RunConfig:
     @property
     def num_micro(self) -> int:
         if self.global_batch is None:
+            if self.default_micro_batches is not None:
+                return self.default_micro_batches
             return 2 * self.pp if self.pp > 1 else 1
         return max(1, self.global_batch // (self.micro_batch * self.dp))
 
