@@ -713,3 +713,27 @@ def test_ring_dtp_tp2_prediction_against_the_committed_h200_rows():
     s = ModelShape(name="v", hidden=4096, layers=1, heads=32, kv_heads=8, head_dim=128, ffn=1024, vocab=201088)
     got = M.vocab_ring_dtp(s, RunConfig(seq_len=16384, tp=2, sequence_parallel=True), PeakflatConfig())
     assert abs(got / 2**30 - small["peakflat-fwd-main-grad"]["peak_gib"]) / small["peakflat-fwd-main-grad"]["peak_gib"] < 0.05
+
+
+def test_mtp_layers_sit_on_the_last_stage_with_their_losses():
+    """--mtp-num-layers D: the last stage holds D more layers of the last decoder layer's kind, their eh_proj
+    [H, 2H] and norms, and (untied, PP > 1) the word embeddings they read; the vocab row holds each MTP loss's
+    saved fp32 softmax beside the main loss, in both columns (Ring-DTP does not cover MTP heads)."""
+    s = TINY.with_(tied_embeddings=False)
+    run = RunConfig(seq_len=4096, pp=2, tp=1)
+    base, mtp = plan(s, run), plan(s.with_(mtp_layers=2), run)
+    assert [(st.layers, st.moe_layers) for st in base.stages] == [(2, 1), (2, 2)]
+    assert [(st.layers, st.moe_layers) for st in mtp.stages] == [(2, 1), (4, 4)]
+    assert mtp.stages[0].rows["parameters"].baseline == base.stages[0].rows["parameters"].baseline
+    dense, expert = M.stage_params(s, run, 0, 2, False, True)
+    dense2, expert2 = M.stage_params(s, run, 0, 4, True, True, mtp=2)
+    assert expert2 == pytest.approx(2 * expert)
+    assert dense2 - dense == pytest.approx(2 * (dense - s.hidden - s.vocab * s.hidden) / 2
+                                           + 2 * (2 * s.hidden * s.hidden + 3 * s.hidden) + s.vocab * s.hidden)
+    saved = 4096 * s.vocab * 4
+    for col in ("baseline", "peakflat"):
+        assert getattr(mtp.stages[1].rows["vocab"], col) == pytest.approx(getattr(base.stages[1].rows["vocab"], col)
+                                                                          + 2 * saved)
+    assert any("2 MTP layer(s)" in n for n in mtp.stages[1].notes)
+    lay = RunConfig(seq_len=4096, pp=2, stage_layout=(2, 2), stage_layout_mtp=(1, 0))
+    assert M.mtp_split(s.with_(mtp_layers=1), lay) == (1, 0)

@@ -67,7 +67,8 @@ def test_megatron_args_match_preset(capsys):
              "--moe-ffn-hidden-size 2880 --padded-vocab-size 201088 --swiglu --untie-embeddings-and-output-weights "
              "--seq-length 32768 --micro-batch-size 1 --bf16 --use-distributed-optimizer "
              "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-             "--expert-model-parallel-size 8 --lr 1e-4 --peakflat-dispatch-chunk-cap 4096")
+             "--expert-model-parallel-size 8 --lr 1e-4 --peakflat-dispatch-chunk-cap 4096 "
+                 "--moe-token-dispatcher-type alltoall --disable-bias-linear")
     shape, run, pf, _, ignored = build(["--megatron-args", flags, "--gpus", "8", "--hbm-gib", "80", "--host-gib", "512"])
     ref = PRESETS["gpt-oss-20b"]
     for f in ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab", "experts", "topk", "moe_ffn",
@@ -891,17 +892,17 @@ def test_each_pipeline_rank_reads_its_own_planned_stage(monkeypatch, pattern, ra
 def test_etp_defaults_to_tp_and_pipelinedllep_is_left_off_where_it_cannot_run():
     """ETP defaults to the TP size, as Megatron's validation sets it; PipelinedLLEP refuses ETP > 1 at
     start-up, so the plan and the recommendation leave it off there and say why, and recommend it at ETP 1."""
-    from megatron_peakflat.memory.recommend import dispatch_blocker
+    from megatron_peakflat.memory.recommend import blockers
 
     shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "131072", "--gpus", "16", "--tp", "2"])
-    assert run.etp == 2 and dispatch_blocker(shape, run).endswith("needs --expert-tensor-parallel-size 1")
+    assert run.etp == 2 and "pass --expert-tensor-parallel-size 1" in blockers(shape, run)["dispatch"]
     assert pf.dispatch.impl == "megatron"  # the 'every component that applies' column
     rec = recommend(shape, run, pf)
     assert rec.config.dispatch.impl == "megatron" and "--peakflat-dispatch" not in " ".join(rec.flags)
-    assert any(r.startswith("PipelinedLLEP left off: expert tensor parallelism 2") for r in rec.reasons), rec.reasons
+    assert any(r.startswith("PipelinedLLEP left off: expert tensor parallelism (2)") for r in rec.reasons), rec.reasons
     shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "131072", "--gpus", "16", "--tp", "2",
                                   "--etp", "1"])
-    assert run.etp == 1 and dispatch_blocker(shape, run) is None and pf.dispatch.impl == "pipelined-llep"
+    assert run.etp == 1 and "dispatch" not in blockers(shape, run) and pf.dispatch.impl == "pipelined-llep"
     assert recommend(shape, run, pf).config.dispatch.impl == "pipelined-llep"
     _, run, _, _, _ = build(["--megatron-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
                              "--num-experts 8 --tensor-model-parallel-size 2", "--gpus", "2"])
@@ -967,3 +968,52 @@ def test_a_megatron_command_line_without_a_global_batch_runs_one_micro_batch():
     assert run.num_micro == 8
     _, run, *_ = build(["--preset", "gpt-oss-20b", "--pp", "4", "--gpus", "8"])
     assert run.num_micro == 8
+
+
+_RUN = ("--num-layers 8 --hidden-size 512 --num-attention-heads 8 --num-experts 8 --moe-router-topk 2 --seq-length 8192 "
+        "--bf16 --use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
+        "--recompute-num-layers 1 --moe-token-dispatcher-type alltoall --disable-bias-linear")
+
+
+@pytest.mark.parametrize("extra, component, why", [
+    (" --mtp-num-layers 1", "vocab", "multi-token prediction"),
+    (" --moe-token-dispatcher-type allgather", "dispatch", "--moe-token-dispatcher-type alltoall"),
+    (" --fp8-format hybrid", "dispatch", "fp8 experts"),
+    (" --fp8-format hybrid", "sco", "fp8"),
+    (" --recompute-granularity selective", "sco", "full"),
+    (" --moe-pad-expert-input-to-capacity", "dispatch", "pads the dispatcher's buffers"),
+    (" --offload-modules moe_act --fine-grained-activation-offloading", "dispatch", "moe_act"),
+])
+def test_a_component_the_start_up_check_refuses_is_left_off_with_its_reason(extra, component, why):
+    """The plan's all-on column and the recommendation leave off a component whose own start-up check
+    (PeakflatConfig.validate) would refuse this command line, and the why line carries that check's words;
+    so the recommended flags start. Without those flags every component is on."""
+    from megatron_peakflat.memory.recommend import blockers
+
+    name = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO"}[component]
+    impl = {"dispatch": "pipelined-llep", "vocab": "ring-dtp", "sco": True}[component]
+    field = {"dispatch": "impl", "vocab": "impl", "sco": "enabled"}[component]
+    for flags, on in ((_RUN, True), (_RUN + extra, False)):
+        shape, run, pf, ns, _ = build(["--megatron-args", flags, "--gpus", "8", "--hbm-gib", "80"])
+        assert (getattr(getattr(pf, component), field) == impl) == on
+        assert (component in blockers(shape, run, ns.megatron_namespace)) != on
+        if component == "sco":  # the recommendation adds SCO only where the run needs it (not here)
+            continue
+        rec = recommend(shape, run, pf, ns.megatron_namespace)
+        reason = [r for r in rec.reasons if r.startswith(f"{name} left off:")]
+        assert bool(reason) != on and (on or why in reason[0]), rec.reasons
+        assert (f"--peakflat-{component}" in " ".join(rec.flags)) == on, rec.flags
+
+
+def test_a_megatron_command_line_takes_megatrons_defaults_for_the_checked_flags():
+    """Without --moe-token-dispatcher-type and --disable-bias-linear, Megatron runs the allgather dispatcher and
+    experts with biases, which PipelinedLLEP refuses; a preset with a few flags beside it is no command line."""
+    from megatron_peakflat.memory.recommend import blockers
+
+    bare = _RUN.replace(" --moe-token-dispatcher-type alltoall --disable-bias-linear", "")
+    shape, run, _, ns, _ = build(["--megatron-args", bare, "--gpus", "8"])
+    assert "alltoall" in blockers(shape, run, ns.megatron_namespace)["dispatch"]
+    shape, run, _, ns, _ = build(["--megatron-args", bare + " --moe-token-dispatcher-type alltoall", "--gpus", "8"])
+    assert "--disable-bias-linear" in blockers(shape, run, ns.megatron_namespace)["dispatch"]
+    shape, run, _, ns, _ = build(["--preset", "gpt-oss-20b", "--megatron-args", "--seq-length 8192", "--gpus", "8"])
+    assert blockers(shape, run, ns.megatron_namespace) == {}

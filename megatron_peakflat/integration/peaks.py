@@ -125,7 +125,7 @@ def advise(args: Any) -> str | None:
         return None
     try:
         pl, _ = prediction(args)
-        rec = recommend(pl.shape, pl.run, cfg)
+        rec = recommend(pl.shape, pl.run, cfg, args)
     except Exception as e:  # noqa: BLE001
         log.debug("peakflat plan: no start-up advice (%s: %s)", type(e).__name__, e)
         return None

@@ -23,7 +23,7 @@ from ..config import PeakflatConfig, add_args
 from ..config_base import PeakflatConfigError
 from .megatron_args import fused_adam_importable, parse_megatron_args, run_fields_from_namespace, shape_from_namespace
 from .model import COMPONENTS, GIB, Plan, RunConfig, pipeline_split, plan
-from .recommend import Recommendation, dispatch_blocker, recommend
+from .recommend import Recommendation, blockers, recommend
 from .shapes import PRESETS, ModelShape, preset
 
 __all__ = ["main", "build", "default_parallel"]
@@ -219,16 +219,19 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
         if k.startswith("peakflat_") and (v != defaults.get(k) or not hasattr(merged, k)):
             setattr(merged, k, v)
     pf = PeakflatConfig.from_args(merged, validate=False).validate()
-    pf = _all_on(pf, shape, run)
+    ns.megatron_namespace = mns if ns.megatron_args else None
+    pf = _all_on(pf, shape, run, ns.megatron_namespace)
     return shape, run, pf, ns, ignored
 
 
-def _all_on(pf: PeakflatConfig, shape: ModelShape, run: RunConfig) -> PeakflatConfig:
-    """The 'peakflat' column turns every applicable component on with the knobs given."""
+def _all_on(pf: PeakflatConfig, shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> PeakflatConfig:
+    """The 'peakflat' column turns every component on with the knobs given, except those whose start-up check
+    would refuse this run (``recommend.blockers``)."""
+    off = blockers(shape, run, megatron_args)
     return PeakflatConfig(
-        dispatch=pf.dispatch if dispatch_blocker(shape, run) else dataclasses.replace(pf.dispatch, impl="pipelined-llep"),
-        vocab=dataclasses.replace(pf.vocab, impl="ring-dtp"),
-        sco=dataclasses.replace(pf.sco, enabled=run.recompute == "full"),
+        dispatch=pf.dispatch if "dispatch" in off else dataclasses.replace(pf.dispatch, impl="pipelined-llep"),
+        vocab=pf.vocab if "vocab" in off else dataclasses.replace(pf.vocab, impl="ring-dtp"),
+        sco=dataclasses.replace(pf.sco, enabled="sco" not in off),
         optimizer=dataclasses.replace(pf.optimizer, impl="offload-stream"),
         general=pf.general)
 
@@ -361,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({s.source})")
         return 0
     pl = plan(shape, run, pf)
-    rec = recommend(shape, run, pf)
+    rec = recommend(shape, run, pf, ns.megatron_namespace)
     if ns.json:
         doc = to_json(pl, rec)
         doc["ignored_megatron_flags"] = ignored

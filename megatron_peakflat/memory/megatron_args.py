@@ -19,7 +19,7 @@ from ..config_base import PeakflatConfigError
 from .shapes import MLA, ModelShape
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
-           "fused_adam_importable", "layout_stage_layers"]
+           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS"]
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -49,8 +49,39 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-layer-freq", default=None)
     p.add_argument("--pipeline-model-parallel-layout", default=None)
     p.add_argument("--optimizer", default=None)
+    # Flags that peakflat's start-up checks read (config.py), absent unless given: ``startup_namespace`` adds
+    # Megatron's defaults for a command line, so the plan leaves off what such a run would refuse.
+    for flag, kw in _CHECKED_FLAGS:
+        p.add_argument(flag, default=argparse.SUPPRESS, **kw)
     add_args(p)
     return p
+
+
+_CHECKED_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--moe-token-dispatcher-type", {}),
+    ("--disable-bias-linear", {"dest": "add_bias_linear", "action": "store_false"}),
+    ("--fp8-format", {"dest": "fp8"}),
+    ("--fp4-format", {"dest": "fp4"}),
+    ("--moe-latent-size", {"type": int}),
+    ("--moe-mlp-glu-interleave-size", {"type": int}),
+    ("--cuda-graph-impl", {}),
+    ("--transformer-impl", {}),
+    ("--offload-modules", {"nargs": "+"}),
+) + tuple((flag, {"action": "store_true"}) for flag in (
+    "--moe-pad-expert-input-to-capacity", "--moe-router-padding-for-quantization", "--delay-wgrad-compute",
+    "--overlap-dispatch-backward-with-experts-wgrad", "--enable-cuda-graph", "--use-te-activation-func",
+    "--use-transformer-engine-op-fuser", "--moe-single-grouped-weight", "--moe-single-grouped-bias",
+    "--fine-grained-activation-offloading", "--distribute-saved-activations"))
+
+MEGATRON_DEFAULTS: dict[str, Any] = {"moe_token_dispatcher_type": "allgather", "add_bias_linear": True}
+"""Megatron's defaults (arguments.py) among the checked flags that a start-up check refuses: a command line
+that leaves them out runs the allgather dispatcher and experts with biases."""
+
+
+def is_command_line(ns: Any) -> bool:
+    """Whether ``ns`` holds a Megatron command line (it names the model), whose omitted flags take Megatron's
+    defaults, rather than a few flags beside a preset."""
+    return any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size"))
 
 
 def parse_megatron_args(text: str) -> tuple[argparse.Namespace, list[str]]:
@@ -80,11 +111,11 @@ def _moe_pattern(freq: Any, layers: int) -> tuple[bool, ...]:
     return tuple(bool(v) for v in freq)
 
 
-def layout_stage_layers(layout: str) -> tuple[int, ...]:
-    """Decoder layers ('t') of each stage of a --pipeline-model-parallel-layout string, in its order (virtual
-    stages included), read as Megatron reads it: commas are cosmetic, ``(...)*n`` and ``x*n`` repeat, '|'
-    separates stages, E / L / m are the embedding, the loss and MTP layers. Raises PeakflatConfigError for
-    any other character."""
+def layout_stage_layers(layout: str, kind: str = "t") -> tuple[int, ...]:
+    """Layers of ``kind`` ('t' decoder, 'm' MTP) in each stage of a --pipeline-model-parallel-layout string,
+    in its order (virtual stages included), read as Megatron reads it: commas are cosmetic, ``(...)*n`` and
+    ``x*n`` repeat, '|' separates stages, E / L are the embedding and the loss. Raises PeakflatConfigError
+    for any other character."""
     text = str(layout).replace(",", "")
     text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
     text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
@@ -93,7 +124,7 @@ def layout_stage_layers(layout: str) -> tuple[int, ...]:
         raise PeakflatConfigError("--pipeline-model-parallel-layout", layout, f"holds {''.join(bad)!r}, which is not a "
                                   "layer", "write stages of E (embedding), t (decoder layer), m (MTP) and L (loss), "
                                   "separated by '|', e.g. 'Ettt|(tttt|)*2,ttL'")
-    return tuple(stage.count("t") for stage in text.split("|"))
+    return tuple(stage.count(kind) for stage in text.split("|"))
 
 
 def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
@@ -140,6 +171,7 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
         moe_ffn=get("moe_ffn_hidden_size", b.moe_ffn if b else ffn),
         shared_ffn=get("moe_shared_expert_intermediate_size", b.shared_ffn if b else 0),
         dense_layers=b.dense_layers if b else 0, moe_pattern=pattern, gated=gated,
+        mtp_layers=get("mtp_num_layers", b.mtp_layers if b else 0) or 0,
         tied_embeddings=(not untie) if untie is not None else (b.tied_embeddings if b else True),
         mla=mla, source=(b.source + " + " if b else "") + "Megatron flags")
 
@@ -168,8 +200,9 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
     layout = getattr(ns, "pipeline_model_parallel_layout", None)
     if isinstance(layout, str):
         out["stage_layout"] = layout_stage_layers(layout)
+        out["stage_layout_mtp"] = layout_stage_layers(layout, "m")
     # A Megatron command line (it names the model) means Megatron's defaults for the flags it leaves out.
-    command_line = any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size"))
+    command_line = is_command_line(ns)
     if getattr(ns, "recompute_granularity", None) is not None:
         out["recompute"] = ns.recompute_granularity
     elif command_line:

@@ -120,6 +120,9 @@ class RunConfig:
     stage_layout: tuple[int, ...] | None = None
     """Decoder layers of each stage of --pipeline-model-parallel-layout, in its order: PP stages, or PP x VPP
     virtual ones (stage i on pipeline rank i mod PP)."""
+    stage_layout_mtp: tuple[int, ...] | None = None
+    """MTP layers ('m') of each stage of the same layout; None: every MTP layer on the last rank (Megatron's
+    rule without a layout)."""
     vocab_divisible_by: int = 128
     """--make-vocab-size-divisible-by: Megatron pads the vocabulary to a multiple of this x TP."""
     vpp: int | None = None
@@ -326,11 +329,13 @@ def mlp_params(h: int, ffn: int, gated: bool, tp: int) -> float:
 
 
 def stage_params(s: ModelShape, run: RunConfig, n_dense: int, n_moe: int, embedding: bool, output: bool,
-                 output_shards: int = 1) -> tuple[float, float]:
+                 output_shards: int = 1, mtp: int = 0) -> tuple[float, float]:
     """(dense params, expert params) held by one rank of a stage. ``output_shards`` > 1: the output layer's
     rows are split over the expert-parallel group (``--peakflat-vocab-shard-over-ep``), an expert-parallel
-    parameter (integration/vocab_shard.py)."""
+    parameter (integration/vocab_shard.py). ``mtp``: of the layers, how many are MTP layers, each with its
+    eh_proj [H, 2H] / TP and three norms (enorm, hnorm, final) beside its transformer layer."""
     dense = (n_dense + n_moe) * attention_params(s, run.tp) + n_dense * mlp_params(s.hidden, s.ffn, s.gated, run.tp)
+    dense += mtp * (2 * s.hidden * s.hidden / run.tp + 3 * s.hidden)
     dense += n_moe * (s.hidden * s.experts + mlp_params(s.hidden, s.shared_ffn, s.gated, run.tp))
     expert = n_moe * (s.experts / run.ep) * mlp_params(s.hidden, s.moe_ffn, s.gated, run.etp)
     if embedding:
@@ -579,6 +584,13 @@ def vocab_baseline(s: ModelShape, run: RunConfig) -> float:
     return T * s.vocab / run.tp * per_elem
 
 
+def vocab_saved(s: ModelShape, run: RunConfig) -> float:
+    """What one of Megatron's vocab-parallel cross-entropies keeps for its backward once its logits are freed:
+    the fp32 softmax (and, fused, its fp32 gradient), T x V/tp x (4 or 8) B. An MTP loss, computed before the
+    main one, holds this through the main loss."""
+    return run.tokens * s.vocab / run.tp * (4 + (4 if run.cross_entropy_fusion else 0))
+
+
 def vocab_ep_shards(run: RunConfig, pf: PeakflatConfig) -> int:
     """EP when ``--peakflat-vocab-shard-over-ep`` splits the output layer's rows over the expert-parallel
     group (Ring-DTP at TP=1, EP > 1: integration/vocab_shard.py), else 1."""
@@ -769,12 +781,22 @@ def chunks_in_flight(run: RunConfig, rank: int, vpp: int) -> int:
     return total if warmup >= total else warmup + 1
 
 
+def mtp_split(s: ModelShape, run: RunConfig) -> tuple[int, ...]:
+    """MTP layers of each pipeline rank: the layout's 'm' stages summed per rank, else all on the last rank."""
+    if run.stage_layout_mtp is not None and sum(run.stage_layout_mtp):
+        lay = run.stage_layout_mtp
+        return tuple(sum(lay[st::run.pp]) for st in range(run.pp))
+    return (0,) * (run.pp - 1) + (s.mtp_layers,)
+
+
 def _stage_counts(s: ModelShape, run: RunConfig) -> list[tuple[int, int]]:
-    """(dense, moe) layers of each pipeline rank (``pipeline_split``, each layer as ``ModelShape.layer_is_moe``)."""
+    """(dense, moe) layers of each pipeline rank (``pipeline_split``, each layer as ``ModelShape.layer_is_moe``),
+    its MTP layers included as layers of the last decoder layer's kind (Megatron builds them from its spec)."""
     out, start = [], 0
-    for n in pipeline_split(s.layers, run):
-        moe = sum(s.layer_is_moe[start:start + n])
-        out.append((n - moe, moe))
+    mtp_moe = bool(s.layers) and s.layer_is_moe[-1]
+    for n, m in zip(pipeline_split(s.layers, run), mtp_split(s, run)):
+        moe = sum(s.layer_is_moe[start:start + n]) + (m if mtp_moe else 0)
+        out.append((n + m - moe, moe))
         start += n
     return out
 
@@ -820,6 +842,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
     r = run.layer_rows
     c_eff = llep_chunks(s, run, pf)[1] if s.experts else 0
     counts = _stage_counts(s, run)
+    mtps = mtp_split(s, run)
     vpp = virtual_stages(s.layers, run)
     stages_idx, cover = _stages_to_plan(counts)
     stages: list[StagePlan] = []
@@ -831,10 +854,12 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         chunks = chunks_in_flight(run, st, vpp)
         # In whole stages' worth: each of the rank's VPP model chunks holds about 1/VPP of its layers.
         inflight: float = chunks if vpp == 1 else chunks / vpp
-        dense_p, expert_p = stage_params(s, run, n_dense, n_moe, first, last)
+        # A rank with MTP layers holds the word embeddings too (gpt_model.py builds them where mtp_process).
+        embedding = first or mtps[st] > 0
+        dense_p, expert_p = stage_params(s, run, n_dense, n_moe, embedding, last, mtp=mtps[st])
         params = dense_p + expert_p
         # --peakflat-vocab-shard-over-ep: the output layer's rows over the EP group (the peakflat column only)
-        params_pf = sum(stage_params(s, run, n_dense, n_moe, first, last, vocab_ep_shards(run, pf)))
+        params_pf = sum(stage_params(s, run, n_dense, n_moe, embedding, last, vocab_ep_shards(run, pf), mtp=mtps[st]))
         rows: dict[str, Row] = {}
         notes: list[str] = []
 
@@ -970,17 +995,23 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                        f"bound dispatch/bound.py working_set_bound at {rows_bound:.3g} rows")
         if last:
             ring = vocab_ring_dtp(s, run, pf)
+            mtp_saved = s.mtp_layers * vocab_saved(s, run)
             rows["vocab"] = Row(
-                "vocab", vocab_baseline(s, run), ring, bound=ring, phase="loss",
+                "vocab", vocab_baseline(s, run) + mtp_saved, ring + mtp_saved, bound=ring + mtp_saved, phase="loss",
                 source=("fused" if run.cross_entropy_fusion else "native") + " vocab_parallel_cross_entropy: "
                        f"T x V/tp x {w + 4 + (4 if run.cross_entropy_fusion else 0)} B; Ring-DTP: "
-                       "T/P x block x 4 + dW shard + dX + ring buffers")
+                       "T/P x block x 4 + dW shard + dX + ring buffers"
+                       + (f"; + {s.mtp_layers} MTP loss(es) through Megatron's cross-entropy, each holding its saved "
+                          "T x V/tp for backward" if s.mtp_layers else ""))
+        if mtps[st]:
+            notes.append(f"{mtps[st]} MTP layer(s) counted as layers of the last decoder layer's kind, plus their "
+                         "eh_proj, norms and the word embeddings they read")
         # A component that is off leaves Megatron's path: its peakflat value is the baseline.
         # (The optimizer row decided this itself above: the output layer's shard changes Megatron's optimizer too.)
         for row_name, comp in (("dispatch", "dispatch"), ("vocab", "vocab"), ("boundaries", "sco")):
             if row_name in rows and not pf.enabled[comp]:
                 row = rows[row_name]
-                row.peakflat, row.host_peakflat = row.baseline, row.host_baseline
+                row.peakflat, row.host_peakflat, row.bound = row.baseline, row.host_baseline, None
         reserve = RESERVE_FIXED + RESERVE_FRACTION * run.hbm_bytes
         rows["reserve"] = Row("reserve", reserve, reserve,
                               source="CUDA context, NCCL buffers, allocator fragmentation (2 GiB + 5% HBM)")

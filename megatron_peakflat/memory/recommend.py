@@ -10,20 +10,23 @@ Smaller knobs only cost time (more chunks, blocks, buckets), never exactness.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import PeakflatConfig
-from ..config_base import flag_name, format_bytes, shown_default
+from ..config_base import PeakflatConfigError, flag_name, format_bytes, shown_default
 from ..dispatch.config import DispatchConfig
 from ..optimizer.config import OptimizerConfig
 from ..recompute.config import SCOConfig
 from ..vocab.config import VocabConfig
+from .megatron_args import MEGATRON_DEFAULTS, is_command_line
 from .model import GIB, Plan, Row, RunConfig, plan, vocab_block
 from .shapes import ModelShape
 
-__all__ = ["Recommendation", "recommend", "FLOORS"]
+__all__ = ["Recommendation", "recommend", "blockers", "startup_namespace", "FLOORS"]
 
 FLOORS = {"chunk_cap": 1024, "block_size": 256, "bucket": 5_000_000}
 STARTS = {"chunk_cap": DispatchConfig().chunk_cap, "block_size": VocabConfig().block_size,
@@ -56,10 +59,11 @@ def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
                 flag_name(DispatchConfig, "chunk_cap"), str(shown_default(cfg.dispatch.chunk_cap))]
         if cfg.dispatch.max_chunks != DispatchConfig().max_chunks:
             out += [flag_name(DispatchConfig, "max_chunks"), str(cfg.dispatch.max_chunks)]
-    out += [flag_name(VocabConfig, "impl"), cfg.vocab.impl,
-            flag_name(VocabConfig, "schedule"), plan_.vocab_schedule,
-            flag_name(VocabConfig, "block_size"),
-            str(cfg.vocab.block_size or vocab_block(plan_.run.tp_tokens, plan_.run.w, 0))]
+    if cfg.vocab.impl != "megatron":
+        out += [flag_name(VocabConfig, "impl"), cfg.vocab.impl,
+                flag_name(VocabConfig, "schedule"), plan_.vocab_schedule,
+                flag_name(VocabConfig, "block_size"),
+                str(cfg.vocab.block_size or vocab_block(plan_.run.tp_tokens, plan_.run.w, 0))]
     if cfg.sco.enabled:
         out += [flag_name(SCOConfig, "enabled"), flag_name(SCOConfig, "budget"), f"{cfg.sco.budget / GIB:.0f}GiB",
                 "--recompute-granularity", "full", "--recompute-method", plan_.run.recompute_method,
@@ -112,17 +116,40 @@ def _guaranteed(r: Row) -> float:
     return max(r.peakflat, r.bound or 0.0)
 
 
-def dispatch_blocker(shape: ModelShape, run: RunConfig) -> str | None:
-    """Why PipelinedLLEP cannot run this model and layout (its start-up check would refuse it), or None."""
-    if not shape.experts:
-        return "the model has no experts"
-    if run.etp > 1:
-        return (f"expert tensor parallelism {run.etp} (Megatron's default is the TP size): PipelinedLLEP needs "
-                "--expert-tensor-parallel-size 1")
-    return None
+_NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO"}
 
 
-def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None) -> Recommendation:
+def startup_namespace(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> argparse.Namespace:
+    """The Megatron flags that peakflat's start-up checks read, for this run: Megatron's defaults where a
+    command line leaves them out (``MEGATRON_DEFAULTS``), the flags given, and the model's and run's sizes."""
+    given = dict(vars(megatron_args)) if megatron_args is not None else {}
+    ns = {**(MEGATRON_DEFAULTS if megatron_args is not None and is_command_line(megatron_args) else {}), **given}
+    ns.update(num_experts=shape.experts or None, expert_model_parallel_size=run.ep,
+              expert_tensor_parallel_size=run.etp, mtp_num_layers=shape.mtp_layers or None,
+              recompute_granularity=None if run.recompute == "none" else run.recompute)
+    return argparse.Namespace(**ns)
+
+
+def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> dict[str, str]:
+    """Why each of PipelinedLLEP, Ring-DTP and SCO cannot run here ('dispatch', 'vocab', 'sco'): the refusal
+    that its own start-up check (``PeakflatConfig.validate``) gives on ``startup_namespace``, so that the
+    plan never turns on, nor a recommendation names, a component that start-up would refuse. Without
+    ``megatron_args`` (a preset) only the model and run decide."""
+    ns = startup_namespace(shape, run, megatron_args)
+    alone = {"dispatch": PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep")),
+             "vocab": PeakflatConfig(vocab=VocabConfig(impl="ring-dtp")),
+             "sco": PeakflatConfig(sco=SCOConfig(enabled=True))}
+    out: dict[str, str] = {}
+    for name, cfg in alone.items():
+        try:
+            cfg.validate(ns)
+        except PeakflatConfigError as e:
+            out[name] = f"{e.problem} (fix: {e.fix})"
+    return out
+
+
+def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None,
+              megatron_args: Any = None) -> Recommendation:
     """Knobs that make the worst stage fit ``run.hbm_bytes`` and the host share, with the fewest host components.
 
     Dispatch and vocabulary run whenever they apply. SCO and OffloadStreamAdamW move bytes over PCIe at
@@ -130,11 +157,12 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
     parameters on one H200, ``bench/results/pretrain_components_16k.json``), so each is left off when the run fits
     without it at knobs no smaller than with every component on; the reasons say which were left off.
     """
-    full = _fit(shape, run, base, optimizer=True, sco=True)
+    blocked = blockers(shape, run, megatron_args)
+    full = _fit(shape, run, base, blocked, optimizer=True, sco=True)
     if not full.fits:
         return full
     for optimizer, sco in ((False, False), (False, True), (True, False)):
-        rec = _fit(shape, run, base, optimizer=optimizer, sco=sco)
+        rec = _fit(shape, run, base, blocked, optimizer=optimizer, sco=sco)
         if rec.fits and all(a >= b for a, b in zip(_knobs(rec.config, shape.topk), _knobs(full.config, shape.topk))):
             if not optimizer and full.config.optimizer.impl != "megatron":
                 rec.reasons.append("optimizer offload left off: the run fits with Megatron's optimizer on the GPU "
@@ -150,25 +178,29 @@ def _knobs(cfg: PeakflatConfig, topk: int) -> tuple[int, int]:
     return (cfg.dispatch.cap(topk), cfg.vocab.block_size or 1 << 62)
 
 
-def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, *, optimizer: bool, sco: bool
-         ) -> Recommendation:
+def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked: dict[str, str], *,
+         optimizer: bool, sco: bool) -> Recommendation:
     """Component defaults (``optimizer``: offload-stream, ``sco``: on under full recompute), then the largest
-    shrinkable row of the binding stage halved until the total fits whatever the routing, or all are at floor."""
+    shrinkable row of the binding stage halved until the total fits whatever the routing, or all are at floor.
+    A component in ``blocked`` stays off."""
     base = base or PeakflatConfig()
-    blocker = dispatch_blocker(shape, run)
-    disp = dataclasses.replace(base.dispatch, impl="megatron" if blocker else "pipelined-llep",
+    disp = dataclasses.replace(base.dispatch, impl="megatron" if "dispatch" in blocked else "pipelined-llep",
                                chunk_cap=STARTS["chunk_cap"])
-    voc = dataclasses.replace(base.vocab, impl="ring-dtp", block_size=STARTS["block_size"])
+    voc = dataclasses.replace(base.vocab, impl="megatron" if "vocab" in blocked else "ring-dtp",
+                              block_size=STARTS["block_size"])
     opt = dataclasses.replace(base.optimizer, impl="offload-stream" if optimizer else "megatron",
                               bucket=STARTS["bucket"], slots=3)
-    sco_cfg = dataclasses.replace(base.sco, enabled=sco and run.recompute == "full", budget=None)
+    sco_cfg = dataclasses.replace(base.sco, enabled=sco and "sco" not in blocked, budget=None)
     cfg = PeakflatConfig(dispatch=disp, vocab=voc, sco=sco_cfg, optimizer=opt, general=base.general)
 
     probe = plan(shape, run, cfg)
     opt_host = max(s.rows["optimizer"].host_peakflat for s in probe.stages) if optimizer else 0.0
     reasons: list[str] = []
-    if blocker and shape.experts:
-        reasons.append(f"PipelinedLLEP left off: {blocker}")
+    # Without experts there is nothing to dispatch, and without full recompute SCO has nothing to keep: no news.
+    for name, why in blocked.items():
+        if (name == "dispatch" and not shape.experts) or (name == "sco" and (not sco or run.recompute != "full")):
+            continue
+        reasons.append(f"{_NAMES[name]} left off: {why}")
     if opt_host > run.host_bytes_per_rank:
         cfg.optimizer = dataclasses.replace(cfg.optimizer, impl="megatron")
         reasons.append(f"optimizer offload needs {format_bytes(opt_host)} host per rank, more than the "

@@ -69,6 +69,9 @@ class ModelShape:
     None: the first ``dense_layers`` are dense and the rest MoE (``layer_is_moe``)."""
     gated: bool = True
     """--swiglu: the first MLP linear is 2 x FFN wide."""
+    mtp_layers: int = 0
+    """--mtp-num-layers: multi-token prediction layers, each a copy of the last decoder layer's kind with its
+    own eh_proj [H, 2H] and norms, and a loss of its own through the output layer."""
     tied_embeddings: bool = False
     """True unless --untie-embeddings-and-output-weights."""
     mla: MLA | None = None
@@ -110,7 +113,8 @@ PRESETS: dict[str, ModelShape] = {
         name="deepseek-v3", hidden=7168, layers=61, heads=128, kv_heads=128, head_dim=128, ffn=18432,
         vocab=129280, experts=256, topk=8, moe_ffn=2048, shared_ffn=2048, dense_layers=3,
         mla=MLA(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128),
-        source="deepseek-ai/DeepSeek-V3 config.json (671B; MTP head not modelled)"),
+        source="deepseek-ai/DeepSeek-V3 config.json (671B, without its MTP layer: add --megatron-args "
+               "'--mtp-num-layers 1')"),
 }
 _ALIASES = {"deepseek-v3-671b": "deepseek-v3", "qwen3-235b": "qwen3-235b-a22b"}
 
