@@ -144,12 +144,6 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
                                       f"--expert-model-parallel-size {ep} is more than the {hosts_ranks} ranks per host "
                                       "(LOCAL_WORLD_SIZE)",
                                       "pass --peakflat-dispatch-transport auto (NCCL where a group spans hosts) or nccl")
-    if cfg.vocab.impl != "megatron":
-        flag = cfg.vocab.flag("impl")
-        if _get(args, "mtp_num_layers"):
-            raise PeakflatConfigError(flag, cfg.vocab.impl,
-                                      "multi-token prediction heads build their own logits, which Ring-DTP does not cover yet",
-                                      "drop --mtp-num-layers, or drop " + flag)
     if cfg.vocab.shard_over_ep:
         _check_vocab_shard_over_ep(cfg, args)
     if cfg.sco.enabled:

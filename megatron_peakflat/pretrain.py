@@ -87,9 +87,10 @@ def get_batch(data_iterator: Iterator, vp_stage: int | None) -> dict[str, Any] |
     from megatron.training import get_args
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
-    if not is_first_or_last_pipeline_stage(vp_stage):
-        return None
     args = get_args()
+    mtp_here = _mtp_on_this_rank(args, vp_stage)
+    if not (is_first_or_last_pipeline_stage(vp_stage) or mtp_here):
+        return None
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch: dict[str, Any] = {}
     if tp_rank == 0:
@@ -107,13 +108,27 @@ def get_batch(data_iterator: Iterator, vp_stage: int | None) -> dict[str, Any] |
         tp_rank=tp_rank,
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
-        mtp_on_this_rank=False,
+        mtp_on_this_rank=mtp_here,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
     return get_batch_on_this_cp_rank(batch, is_hybrid_cp=args.hybrid_context_parallel,
                                      cp_group=mpu.get_context_parallel_group())
+
+
+def _mtp_on_this_rank(args: Any, vp_stage: int | None) -> bool:
+    """Whether this pipeline rank holds MTP layers, which look up the tokens (Megatron's ``mtp_on_this_rank``:
+    the last stage, or where --pipeline-model-parallel-layout puts them)."""
+    if not getattr(args, "mtp_num_layers", None):
+        return False
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    layout = args.pipeline_model_parallel_layout
+    if isinstance(layout, str):
+        layout = PipelineParallelLayerLayout.from_str(layout, args.pipeline_model_parallel_size)
+    return mtp_on_this_rank(layout, args.mtp_num_layers, ignore_virtual=False, vp_stage=vp_stage)
 
 
 def forward_step(data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Any]:

@@ -162,7 +162,6 @@ def test_an_sco_budget_of_one_boundary_or_auto_passes():
         (["--peakflat-dispatch", "pipelined-llep"], dict(moe_token_dispatcher_type="allgather"), "--peakflat-dispatch", "alltoall"),
         (["--peakflat-dispatch", "pipelined-llep"], dict(expert_tensor_parallel_size=2), "--peakflat-dispatch", "expert tensor"),
         (["--peakflat-dispatch", "pipelined-llep"], dict(num_experts=6, expert_model_parallel_size=4), "--peakflat-dispatch", "divisible"),
-        (["--peakflat-vocab", "ring-dtp"], dict(mtp_num_layers=1), "--peakflat-vocab", "multi-token"),
         (["--peakflat-sco"], dict(recompute_granularity=None), "--peakflat-sco", "--recompute-granularity full"),
         (["--peakflat-sco"], dict(recompute_granularity="selective"), "--peakflat-sco", "--recompute-granularity full"),
         (["--peakflat-sco"], dict(distribute_saved_activations=True), "--peakflat-sco", "distribute-saved-activations"),

@@ -717,8 +717,9 @@ def test_ring_dtp_tp2_prediction_against_the_committed_h200_rows():
 
 def test_mtp_layers_sit_on_the_last_stage_with_their_losses():
     """--mtp-num-layers D: the last stage holds D more layers of the last decoder layer's kind, their eh_proj
-    [H, 2H] and norms, and (untied, PP > 1) the word embeddings they read; the vocab row holds each MTP loss's
-    saved fp32 softmax beside the main loss, in both columns (Ring-DTP does not cover MTP heads)."""
+    [H, 2H] and norms, and (untied, PP > 1) the word embeddings they read; Megatron's vocab row holds each MTP
+    loss's saved fp32 softmax beside the main loss, while Ring-DTP's MTP losses keep O(T) state (its row is the
+    larger of its two schedules' working sets)."""
     s = TINY.with_(tied_embeddings=False)
     run = RunConfig(seq_len=4096, pp=2, tp=1)
     base, mtp = plan(s, run), plan(s.with_(mtp_layers=2), run)
@@ -731,9 +732,14 @@ def test_mtp_layers_sit_on_the_last_stage_with_their_losses():
     assert dense2 - dense == pytest.approx(2 * (dense - s.hidden - s.vocab * s.hidden) / 2
                                            + 2 * (2 * s.hidden * s.hidden + 3 * s.hidden) + s.vocab * s.hidden)
     saved = 4096 * s.vocab * 4
-    for col in ("baseline", "peakflat"):
-        assert getattr(mtp.stages[1].rows["vocab"], col) == pytest.approx(getattr(base.stages[1].rows["vocab"], col)
-                                                                          + 2 * saved)
+    assert mtp.stages[1].rows["vocab"].baseline == pytest.approx(base.stages[1].rows["vocab"].baseline + 2 * saved)
+    from megatron_peakflat.vocab.config import VocabConfig
+
+    for grad in ("in-forward", "recompute"):
+        pf = PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", grad=grad))
+        rings = [M.vocab_ring_dtp(s, run, replace(pf, vocab=replace(pf.vocab, grad=g))) for g in ("in-forward", "recompute")]
+        assert plan(s.with_(mtp_layers=2), run, pf).stages[1].rows["vocab"].peakflat == pytest.approx(max(rings))
+        assert plan(s, run, pf).stages[1].rows["vocab"].peakflat == pytest.approx(M.vocab_ring_dtp(s, run, pf))
     assert any("2 MTP layer(s)" in n for n in mtp.stages[1].notes)
     lay = RunConfig(seq_len=4096, pp=2, stage_layout=(2, 2), stage_layout_mtp=(1, 0))
     assert M.mtp_split(s.with_(mtp_layers=1), lay) == (1, 0)

@@ -976,7 +976,6 @@ _RUN = ("--num-layers 8 --hidden-size 512 --num-attention-heads 8 --num-experts 
 
 
 @pytest.mark.parametrize("extra, component, why", [
-    (" --mtp-num-layers 1", "vocab", "multi-token prediction"),
     (" --moe-token-dispatcher-type allgather", "dispatch", "--moe-token-dispatcher-type alltoall"),
     (" --fp8-format hybrid", "dispatch", "fp8 experts"),
     (" --fp8-format hybrid", "sco", "fp8"),

@@ -173,6 +173,21 @@ def test_pipeline_parallel_same_loss_with_vocab_and_sco_on(untie):
     _same_training(off, text)
 
 
+def test_mtp_layer_on_the_last_pipeline_stage_same_loss_with_vocab_on():
+    """An MTP layer on the last of two pipeline stages (it looks up the tokens there: the batch reaches it),
+    tied embeddings: Ring-DTP computes the main and the MTP loss without logits, and Megatron's losses, grad
+    norms and logged MTP loss equal peakflat off (the acceptance counts go to TensorBoard only; their unit test
+    is test_vocab_megatron.py's)."""
+    args = [*TINY, "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--mtp-num-layers", "1",
+            "--mtp-loss-scaling-factor", "0.3"]
+    off, text = _off_then_on(args, ["--peakflat-vocab", "ring-dtp"], nproc=2)
+    assert "peakflat vocab: the 1 MTP layer loss(es) through Ring-DTP too" in text, text[-3000:]
+    _same_training(off, text)
+    theirs = logged(off, "mtp_1 loss")
+    assert len(theirs) == 3, off[-3000:]
+    assert logged(text, "mtp_1 loss") == pytest.approx(theirs, rel=1e-5)
+
+
 @pytest.mark.parametrize("fused_adam", [False, True], ids=["torch-adam", "te-or-apex-installed"])
 def test_checkpoint_resume_with_offloaded_optimizer_continues_as_megatron_does(tmp_path, monkeypatch, fused_adam):
     """OffloadStreamAdamW inside Megatron's DistributedOptimizer (CPU offload, precision-aware), saved at

@@ -102,6 +102,18 @@ def _ring_checks(rank: int, world: int) -> list[str]:
             assert wm.grad.untyped_storage().data_ptr() == wm.main_grad.untyped_storage().data_ptr(), what
             assert max_rel_error(wm.main_grad - held, ref_dw) < 1e-5, (what, "main_grad", max_rel_error(wm.main_grad - held, ref_dw))
             assert max_rel_error(xm.grad, xr[rank].grad) < 1e-5, (what, "dX with main_grad")
+        # the argmax kept while folding: the full logits row's, ties to the lowest id; the loss unchanged
+        xa = xs[rank].clone().requires_grad_(True)
+        la, pred = ring_linear_cross_entropy(xa, w[start:start + shards[rank]].clone(), ys[rank], group,
+                                             schedule=sched, label_smoothing=eps, block_size=8, kernel="torch",
+                                             return_argmax=True)
+        assert pred.dtype == torch.long and not pred.requires_grad, what
+        assert torch.equal(pred, (xs[rank] @ w.t()).argmax(dim=1)), (what, "argmax")
+        assert torch.equal(la.detach(), loss.detach()), (what, "loss with argmax")
+        tied = torch.zeros(tokens[rank], H)  # every logit 0: the lowest id, 0, wins wherever shard 0 visits
+        _, pred0 = ring_linear_cross_entropy(tied, w[start:start + shards[rank]].clone(), ys[rank], group,
+                                             schedule=sched, block_size=8, kernel="torch", return_argmax=True)
+        assert torch.all(pred0 == 0), (what, "ties")
         done.append(what)
 
     # bad input: a label out of range on one rank is reported on every rank (no hang)
@@ -180,6 +192,7 @@ def test_bad_arguments() -> None:
         (dict(accumulate="bf16"), "accumulate='bf16'"), (dict(grad="later"), "grad='later'"),
         (dict(chunk_tokens=-1), "chunk_tokens=-1"), (dict(grad_hint=torch.ones(3)), "grad_hint of shape"),
         (dict(vocab_size=11), "vocab_size=11"),
+        (dict(return_argmax=True, grad="in-forward"), "return_argmax=True needs grad='recompute'"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             ring_linear_cross_entropy(x, w, y, **kwargs)

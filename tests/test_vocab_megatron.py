@@ -96,6 +96,87 @@ def test_gpt_model_loss_and_grads_match_megatron(world: int) -> None:
     assert all(len(o) == len(out[0]) > 0 for o in out)
 
 
+def _mtp_tracker() -> dict[str, torch.Tensor]:
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    out = {k: v.detach().clone() for k, v in MTPLossLoggingHelper.tracker.items() if isinstance(v, torch.Tensor)}
+    MTPLossLoggingHelper.tracker.clear()  # sized by the model's MTP depth; the next model may differ
+    return out
+
+
+def _mtp_checks(rank: int, world: int) -> list[str]:
+    """GPTModel with MTP layers: the main loss, every parameter's gradient (the MTP layers', the shared
+    output weight's through both heads) and the MTP metrics Megatron logs (each layer's loss, its
+    acceptance counts) equal the unpatched model's, and the output layer is never called."""
+    import megatron_peakflat
+    from megatron_peakflat import stats
+    from megatron_peakflat.config import GeneralConfig, PeakflatConfig
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
+                                                        gpt_layer_spec, gpt_loss, init_megatron_parallel,
+                                                        install_cpu_shim, tiny_transformer_config)
+    from megatron_peakflat.vocab import VocabConfig
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                           init_num_microbatches_calculator)
+
+    install_cpu_shim()
+    init_megatron_parallel(tp=world)
+    init_num_microbatches_calculator(rank, None, 3, 3, 1)
+    done = []
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    dense = dict(num_moe_experts=None, sequence_parallel=False)  # TP=2 without SP: tokens sliced per ring rank
+    variants = [(1, False, "recompute", {}), (2, True, "in-forward", {}), (1, True, "recompute", dense)]
+    for vi, (depth, tied, grad, over) in enumerate(variants):
+        destroy_moe_metrics_tracker()  # Megatron's MoE metrics are sized by the first model's layer count
+        torch.manual_seed(4321 + vi)
+        config = tiny_transformer_config(mtp_num_layers=depth, mtp_loss_scaling_factor=0.3, **over)
+        mtp_spec = get_gpt_mtp_block_spec(config, gpt_layer_spec(config.num_moe_experts), use_transformer_engine=False)
+        model = build_tiny_gpt(config, vocab_size=V, seq_len=16, share_embeddings=tied, mtp_block_spec=mtp_spec,
+                               moe=config.num_moe_experts is not None)
+        model.train()
+        batch = gpt_batch(seq_len=16, micro_batch=3, vocab_size=V, seed=50 + vi)
+        _mtp_tracker()
+        ref_loss = gpt_loss(model, batch)
+        ref_loss.backward()
+        ref, ref_metrics = _grads(model), _mtp_tracker()
+
+        calls = stats.snapshot().get("vocab", {}).get("calls", 0)
+        megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", block_size=16, grad=grad,
+                                                                   chunk_tokens=128),
+                                               general=GeneralConfig(attention="local")))
+        try:
+            model.output_layer.forward = _no_logits
+            loss = gpt_loss(model, batch)
+            loss.backward()
+            ours, metrics = _grads(model), _mtp_tracker()
+        finally:
+            del model.output_layer.forward
+            megatron_peakflat.remove()
+        what = f"mtp={depth} tied={tied} tp={world} grad={grad} {'dense, no SP' if over else 'MoE'}"
+        assert stats.snapshot()["vocab"]["calls"] == calls + 1 + depth, what
+        assert max_rel_error(loss.detach(), ref_loss.detach()) < 1e-5, (what, float(loss), float(ref_loss))
+        assert set(ours) == set(ref) and any(".mtp." in k or k.startswith("mtp.") for k in ref), (what, set(ours) ^ set(ref))
+        for k in ref:
+            assert max_rel_error(ours[k], ref[k]) < 1e-5, (what, k, max_rel_error(ours[k], ref[k]))
+        assert set(metrics) == set(ref_metrics) and "loss_values" in ref_metrics, (what, set(metrics), set(ref_metrics))
+        for k in ref_metrics:
+            assert max_rel_error(metrics[k], ref_metrics[k]) < 1e-5, (what, k, metrics[k], ref_metrics[k])
+        if "correct_values" in ref_metrics:
+            assert float(ref_metrics["total_values"].sum()) > 0, what
+        done.append(what)
+    destroy_num_microbatches_calculator()
+    destroy_megatron_parallel()
+    return done
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_mtp_heads_loss_grads_and_metrics_match_megatron(world: int) -> None:
+    out = run_distributed(_mtp_checks, world, timeout=240)
+    assert all(len(o) == 3 for o in out)
+
+
 def test_wrapper_passes_processor_only_when_enabled_with_labels() -> None:
     from types import SimpleNamespace
 
@@ -132,8 +213,8 @@ def test_wrapper_passes_processor_only_when_enabled_with_labels() -> None:
         assert seen[-1].func is ring_output_processor
         fwd(model(), 1, 2, 3, labels=labels)
         assert seen[-1].func is ring_output_processor
-        fwd(model(mtp_num_layers=1), 1, 2, 3, labels=labels)  # MTP: handed back to Megatron
-        assert seen[-1] is None
+        fwd(model(mtp_num_layers=1), 1, 2, 3, labels=labels)  # MTP: Ring-DTP too (MTPHead in process_mtp_loss)
+        assert seen[-1].func is ring_output_processor
         biased = model()
         biased.output_layer.bias = torch.zeros(V)
         fwd(biased, 1, 2, 3, labels=labels)  # an output-layer bias: handed back to Megatron

@@ -51,6 +51,8 @@ class Patch:
     checked_on: tuple[str, ...] = CHECKED_ON
     needs_params: tuple[str, ...] = ()
     """Keyword parameters the original must accept, because the replacement passes them."""
+    optional: bool = False
+    """Absent from some megatron-core versions, where nothing needs it: skipped there with a debug line."""
 
     @property
     def symbol(self) -> str:
@@ -78,6 +80,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vocab", "megatron.core.models.gpt.gpt_model", "GPTModel.forward",
           "megatron_peakflat.integration.vocab:wrap_gpt_forward",
           "passes a Ring-DTP output_processor so the logits are never built", needs_params=("output_processor",)),
+    Patch("vocab", "megatron.core.models.gpt.gpt_model", "process_mtp_loss",
+          "megatron_peakflat.integration.vocab:wrap_process_mtp_loss",
+          "computes the MTP layers' losses with Ring-DTP inside Megatron's own process_mtp_loss (no logits)",
+          needs_params=("output_layer", "compute_language_model_loss", "config")),
+    Patch("vocab", "megatron.core.transformer.multi_token_prediction", "_compute_mtp_acceptance_counts",
+          "megatron_peakflat.integration.vocab:wrap_mtp_acceptance_counts",
+          "counts the MTP acceptance from the argmaxes Ring-DTP kept (0.18.2 has no such counts)",
+          checked_on=("0.19.2",), optional=True),
     Patch("sco", "megatron.core.recompute", "checkpointed_forward",
           "megatron_peakflat.integration.recompute:wrap_checkpointed_forward",
           "keeps full-recompute boundary inputs in pinned host memory"),
@@ -166,7 +176,14 @@ def apply_patches(components: set[str]) -> list[str]:
     All symbols are resolved before anything is patched, so a missing symbol leaves Megatron intact.
     """
     todo = [p for p in PATCHES if p.component in components and p.symbol not in _applied]
-    resolved = [(p, *_resolve(p)) for p in todo]
+    resolved = []
+    for p in todo:
+        try:
+            resolved.append((p, *_resolve(p)))
+        except PeakflatIntegrationError as e:
+            if not p.optional:
+                raise
+            log.debug("peakflat: %s is absent here and nothing needs it: %s", p.symbol, e)
     done = []
     for p, owner, name, original in resolved:
         key = (p.factory, repr(original))

@@ -11,7 +11,9 @@ over the vocabulary). TP=1 runs the single-device fused path.
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import inspect
 import logging
 from typing import Any, Callable
 
@@ -27,7 +29,8 @@ from .logs import info_once, log
 from .vocab_shard import FLAG as SHARD_FLAG
 from .vocab_shard import shard_of
 
-__all__ = ["wrap_gpt_forward", "ring_output_processor", "logit_multiplier"]
+__all__ = ["wrap_gpt_forward", "ring_output_processor", "ring_loss", "logit_multiplier", "MTPHead", "MTPHeadLogits",
+           "wrap_process_mtp_loss", "wrap_mtp_acceptance_counts"]
 
 
 
@@ -126,7 +129,18 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
                           labels: torch.Tensor, loss_mask: torch.Tensor | None = None, config: Any = None,
                           embedding_here: bool = True, **_: Any) -> torch.Tensor:
     """Megatron ``output_processor``: per-token loss [b, s] with Ring-DTP; never builds the logits.
-    ``embedding_here``: this pipeline stage also holds the input embedding (``GPTModel.pre_process``)."""
+    ``embedding_here``: this pipeline stage also holds the input embedding (``GPTModel.pre_process``, or
+    its MTP layers look tokens up)."""
+    loss, _ = ring_loss(hidden_states, output_layer, output_weight, labels, loss_mask, config, embedding_here)
+    return loss
+
+
+def ring_loss(hidden_states: torch.Tensor, output_layer: Any, output_weight: torch.Tensor | None,
+              labels: torch.Tensor, loss_mask: torch.Tensor | None, config: Any, embedding_here: bool, *,
+              argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(per-token loss [b, s], each token's argmax vocabulary id [b, s] with ``argmax`` else None) of the
+    output layer on ``hidden_states`` [s, b, h] (s/TP rows under sequence parallelism), on every rank of the
+    ring whole. ``argmax`` computes the gradients in backward (the recompute schedule keeps the argmax)."""
     cfg = state.current().vocab
     weight = output_weight if output_weight is not None else output_layer.weight
     ep_shard = shard_of(output_layer)
@@ -145,39 +159,47 @@ def ring_output_processor(*, hidden_states: torch.Tensor, output_layer: Any, out
     if into_main_grad:
         info_once("peakflat vocab: the output layer's weight gradient goes straight into DDP's main_grad "
                   "(no fp32 dW accumulator)%s", "; the tied embedding's gradient joins it there" if shared else "")
-    grad, hint = (_resolve_grad(cfg, into_main_grad, loss_mask, config) if torch.is_grad_enabled()
+    grad, hint = (_resolve_grad(cfg, into_main_grad, loss_mask, config) if torch.is_grad_enabled() and not argmax
                   else ("recompute", None))
     hint_sb = None if hint is None else hint.transpose(0, 1)  # [s, b], as labels_sb
     common = dict(schedule=cfg.schedule, block_size=cfg.block_size, kernel=cfg.kernel, accumulate=cfg.accumulate,
                   check_labels=cfg.check_labels, dw_into_main_grad=True, weight_shared=shared, grad=grad,
-                  chunk_tokens=cfg.chunk_tokens)
+                  chunk_tokens=cfg.chunk_tokens, return_argmax=argmax)
+
+    def call(x: torch.Tensor, lab: torch.Tensor, hint_mine: torch.Tensor | None, ring_group: Any, **kw: Any
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = ring_linear_cross_entropy(x, weight, lab, ring_group, grad_hint=hint_mine, **common, **kw)
+        return out if argmax else (out, None)
+
     if ring == 1 or ep_shard is not None:
         # One ring rank, or the expert-parallel ring: each rank's own tokens, whole (TP=1), meet every shard.
-        hint_mine = None if hint_sb is None else hint_sb.reshape(-1)
-        loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, labels_sb.reshape(-1),
-                                         group if ring > 1 else None, grad_hint=hint_mine,
-                                         vocab_size=None if ep_shard is None else ep_shard.vocab, **common)
+        loss, pred = call(hidden_states.reshape(-1, h), labels_sb.reshape(-1),
+                          None if hint_sb is None else hint_sb.reshape(-1), group if ring > 1 else None,
+                          vocab_size=None if ep_shard is None else ep_shard.vocab)
         _log_first_call(s_local * b, ring, "expert-parallel" if ep_shard is not None else "tensor-parallel")
-        return loss.view(s_local, b).transpose(0, 1).contiguous()
+        return (loss.view(s_local, b).transpose(0, 1).contiguous(),
+                None if pred is None else pred.view(s_local, b).transpose(0, 1).contiguous())
     rank = dist.get_rank(group)
     if output_layer.sequence_parallel:
         lo = rank * s_local
         lab = labels_sb[lo:lo + s_local].reshape(-1)
-        hint_mine = None if hint_sb is None else hint_sb[lo:lo + s_local].reshape(-1)
-        loss = ring_linear_cross_entropy(hidden_states.reshape(-1, h), weight, lab, group, grad_hint=hint_mine,
-                                         **common)
+        loss, pred = call(hidden_states.reshape(-1, h), lab,
+                          None if hint_sb is None else hint_sb[lo:lo + s_local].reshape(-1), group)
         _log_first_call(lab.numel(), ring, "tensor-parallel")
-        full = _GatherRowsKeepGrad.apply(loss.view(s_local, b), _bounds(labels_sb.shape[0], ring), rank, group)
-        return full.transpose(0, 1).contiguous()
+        bounds = _bounds(labels_sb.shape[0], ring)
+        full = _GatherRowsKeepGrad.apply(loss.view(s_local, b), bounds, rank, group)
+        preds = None if pred is None else _gather_rows(pred.view(s_local, b), bounds, group)
+        return full.transpose(0, 1).contiguous(), None if preds is None else preds.transpose(0, 1).contiguous()
     tokens = hidden_states.reshape(-1, h)
     bounds = _bounds(tokens.shape[0], ring)
     mine = _SliceRowsGatherGrad.apply(tokens, bounds, rank, group)
     lab = labels_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]]
-    hint_mine = None if hint_sb is None else hint_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]]
-    loss = ring_linear_cross_entropy(mine, weight, lab, group, grad_hint=hint_mine, **common)
+    loss, pred = call(mine, lab, None if hint_sb is None else hint_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]], group)
     _log_first_call(lab.numel(), ring, "tensor-parallel")
     full = _GatherRowsKeepGrad.apply(loss, bounds, rank, group)
-    return full.view(s_local, b).transpose(0, 1).contiguous()
+    preds = None if pred is None else _gather_rows(pred, bounds, group)
+    return (full.view(s_local, b).transpose(0, 1).contiguous(),
+            None if preds is None else preds.view(s_local, b).transpose(0, 1).contiguous())
 
 
 _FIRST_CALL_LOGGED = False
@@ -201,12 +223,88 @@ def _log_first_call(tokens: int, ring: int, over: str) -> None:
              f"kernel {s.get('kernel')}, {grads}; largest block of logits {format_bytes(s.get('block_logits_bytes', 0))}")
 
 
+_MTP_HEAD: contextvars.ContextVar[bool | None] = contextvars.ContextVar("peakflat_mtp_head", default=None)
+"""While a Ring-DTP forward runs: whether its stage looks tokens up (``embedding_here``); None otherwise."""
+
+
+class MTPHeadLogits:
+    """What ``MTPHead`` hands Megatron's ``process_mtp_loss`` in place of one MTP layer's logits: the layer's
+    hidden states and the output weight, from which ``MTPHead.loss`` computes the loss with Ring-DTP
+    (nothing of tokens x vocabulary is built) and keeps each token's argmax in ``preds`` for the acceptance
+    counts."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor | None) -> None:
+        self.hidden, self.weight = hidden, weight
+        self.preds: torch.Tensor | None = None
+
+    def __mul__(self, factor: float) -> "MTPHeadLogits":
+        # MuP's _scale_logits: ring_loss scales the hidden states by the same logit_multiplier itself.
+        return self
+
+    __rmul__ = __mul__
+
+
+class MTPHead:
+    """Stands in ``process_mtp_loss`` for the output layer (called per MTP layer) and for
+    ``compute_language_model_loss`` (``loss``); every other attribute is the output layer's."""
+
+    def __init__(self, output_layer: Any, config: Any, embedding_here: bool) -> None:
+        self.output_layer, self.config, self.embedding_here = output_layer, config, embedding_here
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.output_layer, name)
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, **_: Any) -> tuple[MTPHeadLogits, None]:
+        return MTPHeadLogits(hidden, weight), None
+
+    def loss(self, labels: torch.Tensor, logits: MTPHeadLogits) -> torch.Tensor:
+        """Per-token loss [b, s] of one MTP layer, gradients in backward (their scale is MTPLossAutoScaler's)."""
+        loss, logits.preds = ring_loss(logits.hidden, self.output_layer, logits.weight, labels, None, self.config,
+                                       self.embedding_here, argmax=True)
+        return loss
+
+
+def wrap_process_mtp_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return a ``process_mtp_loss`` that, inside a Ring-DTP forward, hands Megatron's own function an
+    ``MTPHead`` as its output layer and loss, so each MTP layer's loss is Ring-DTP's and Megatron keeps the
+    label rolling, masking, logging and loss scaling."""
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def process_mtp_loss(*args: Any, **kwargs: Any) -> Any:
+        embedding_here = _MTP_HEAD.get()
+        if embedding_here is None:
+            return original(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        head = MTPHead(bound.arguments["output_layer"], bound.arguments["config"], embedding_here)
+        bound.arguments["output_layer"] = head
+        bound.arguments["compute_language_model_loss"] = head.loss
+        info_once("peakflat vocab: the %s MTP layer loss(es) through Ring-DTP too (gradients in backward)",
+                  getattr(bound.arguments["config"], "mtp_num_layers", "?"))
+        return original(*bound.args, **bound.kwargs)
+
+    return process_mtp_loss
+
+
+def wrap_mtp_acceptance_counts(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return a ``_compute_mtp_acceptance_counts`` that counts an ``MTPHeadLogits``' kept argmaxes the way
+    Megatron counts its logits' argmaxes (predictions equal to the rolled labels where the mask is set)."""
+
+    @functools.wraps(original)
+    def counts(mtp_logits: Any, mtp_labels: torch.Tensor, loss_mask: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(mtp_logits, MTPHeadLogits):
+            return original(mtp_logits, mtp_labels, loss_mask, *args, **kwargs)
+        with torch.no_grad():
+            valid = loss_mask.bool()
+            return ((mtp_logits.preds == mtp_labels) & valid).sum().float(), valid.sum().float()
+
+    return counts
+
+
 def _hand_back_reason(model: Any, kwargs: dict[str, Any]) -> str | None:
-    cfg = model.config
     if kwargs.get("output_processor") is not None:
         return "the caller passed its own output_processor"
-    if getattr(cfg, "mtp_num_layers", None):
-        return "multi-token prediction heads build their own logits"
     if not getattr(model, "post_process", True):
         return "this pipeline stage has no output layer"
     if getattr(model.output_layer, "bias", None) is not None:
@@ -237,8 +335,13 @@ def wrap_gpt_forward(original_forward: Callable[..., Any]) -> Callable[..., Any]
         info_once("peakflat vocab: Ring-DTP loss (schedule=%s, block=%s, kernel=%s); logits are not built",
                   cfg.vocab.schedule, f"{cfg.vocab.block_size} rows" if cfg.vocab.block_size else "auto",
                   cfg.vocab.kernel)
-        kwargs["output_processor"] = functools.partial(ring_output_processor,
-                                                       embedding_here=bool(getattr(self, "pre_process", True)))
-        return original_forward(self, *args, **kwargs)
+        # MTP layers look tokens up on their stage too (GPTModel builds the embedding where mtp_process).
+        embedding_here = bool(getattr(self, "pre_process", True) or getattr(self, "mtp_process", False))
+        kwargs["output_processor"] = functools.partial(ring_output_processor, embedding_here=embedding_here)
+        token = _MTP_HEAD.set(embedding_here)
+        try:
+            return original_forward(self, *args, **kwargs)
+        finally:
+            _MTP_HEAD.reset(token)
 
     return forward

@@ -995,14 +995,16 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                        f"bound dispatch/bound.py working_set_bound at {rows_bound:.3g} rows")
         if last:
             ring = vocab_ring_dtp(s, run, pf)
+            if s.mtp_layers:  # the MTP layers' losses run the recompute schedule (integration/vocab.py MTPHead)
+                ring = max(ring, vocab_ring_dtp(s, run, replace(pf, vocab=replace(pf.vocab, grad="recompute"))))
             mtp_saved = s.mtp_layers * vocab_saved(s, run)
             rows["vocab"] = Row(
-                "vocab", vocab_baseline(s, run) + mtp_saved, ring + mtp_saved, bound=ring + mtp_saved, phase="loss",
+                "vocab", vocab_baseline(s, run) + mtp_saved, ring, bound=ring, phase="loss",
                 source=("fused" if run.cross_entropy_fusion else "native") + " vocab_parallel_cross_entropy: "
-                       f"T x V/tp x {w + 4 + (4 if run.cross_entropy_fusion else 0)} B; Ring-DTP: "
-                       "T/P x block x 4 + dW shard + dX + ring buffers"
-                       + (f"; + {s.mtp_layers} MTP loss(es) through Megatron's cross-entropy, each holding its saved "
-                          "T x V/tp for backward" if s.mtp_layers else ""))
+                       f"T x V/tp x {w + 4 + (4 if run.cross_entropy_fusion else 0)} B"
+                       + (f", + {s.mtp_layers} MTP loss(es) each holding its saved T x V/tp for backward"
+                          if s.mtp_layers else "")
+                       + "; Ring-DTP: T/P x block x 4 + dW shard + dX + ring buffers (MTP losses: O(T) state)")
         if mtps[st]:
             notes.append(f"{mtps[st]} MTP layer(s) counted as layers of the last decoder layer's kind, plus their "
                          "eh_proj, norms and the word embeddings they read")

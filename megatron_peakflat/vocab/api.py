@@ -51,7 +51,8 @@ def ring_linear_cross_entropy(
     grad: str = "recompute",
     grad_hint: float | torch.Tensor | None = None,
     chunk_tokens: int = 0,
-) -> torch.Tensor:
+    return_argmax: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``hidden @ W.T`` where W's rows are sharded over ``group``; the logits never exist.
 
     - ``hidden`` [n, h]: this rank's tokens (n may differ between ranks).
@@ -89,6 +90,10 @@ def ring_linear_cross_entropy(
     nothing requiring grad) only the loss is computed. dW goes into ``main_grad`` with
     ``dw_into_main_grad``, else into an accumulator in ``accumulate``'s dtype, held from forward to backward.
 
+    ``return_argmax``: also return each token's argmax vocabulary id [n] (int64; ties to the lowest id, as
+    ``torch.argmax`` of the whole logits row), kept while the recompute schedule folds the blocks, at the
+    cost of one more read of each block; returns ``(loss, argmax)``. Needs ``grad='recompute'``.
+
     ``vocab_size`` (optional) is checked against the sum of the shards, to catch a ``group`` that does
     not match the weight sharding. ``check_labels`` checks every label (one host sync, collective).
     Labels outside [0, V) are otherwise not detected: they behave as if their target logit were 0.
@@ -115,6 +120,8 @@ def ring_linear_cross_entropy(
         raise ValueError(f"grad={grad!r}: use 'recompute' or 'in-forward'")
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens={chunk_tokens}: must be positive (or 0 for automatic)")
+    if return_argmax and grad != "recompute":
+        raise ValueError("return_argmax=True needs grad='recompute' (the in-forward schedule does not keep argmaxes)")
     if isinstance(grad_hint, torch.Tensor) and grad_hint.numel() != 1 and (
             reduction != "none" or grad_hint.shape != labels.shape):
         raise ValueError(f"grad_hint of shape {tuple(grad_hint.shape)}: give a number, or one value per token "
@@ -166,6 +173,7 @@ def ring_linear_cross_entropy(
         block_size=block_size, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         ops=block_ops(kernel, hidden.device), acc_dtype_fp32=accumulate == "fp32",
         dw_into_main_grad=dw_into_main_grad, weight_shared=weight_shared, chunk_rows=chunk_rows(chunk_tokens, size) if in_forward else 0,
+        argmax=return_argmax,
     )
     stats.record("vocab", "schedule", plan.schedule)
     stats.record("vocab", "kernel", plan.ops.name)
@@ -185,11 +193,14 @@ def ring_linear_cross_entropy(
                                                  hint, plan)
     else:
         loss = RingLinearCrossEntropy.apply(hidden.contiguous(), weight_shard.contiguous(), eff_labels, valid, plan)
+    pred = None
+    if return_argmax:
+        loss, pred = loss
     if reduction == "sum":
-        return loss.sum()
-    if reduction == "mean":
-        return loss.sum() / valid.sum()
-    return loss
+        loss = loss.sum()
+    elif reduction == "mean":
+        loss = loss.sum() / valid.sum()
+    return loss if pred is None else (loss, pred)
 
 
 def _per_token_hint(grad_hint: float | torch.Tensor | None, reduction: str, valid: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from ..matmul import accumulate_mm
 from .block_torch import fold_grad_logits_torch, fold_logits_torch, grad_logits_torch
 
-__all__ = ["BlockOps", "block_ops", "fold_shard", "grad_shard"]
+__all__ = ["BlockOps", "block_ops", "fold_shard", "fold_argmax", "grad_shard"]
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,28 @@ def block_ops(kernel: str, device: torch.device) -> BlockOps:
 
 def fold_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, state: torch.Tensor,
                block_size: int, ops: BlockOps) -> None:
-    """Fold the logits ``x @ w.T`` of shard rows [vocab_start, vocab_start + len(w)) into ``state``."""
+    """Fold the logits ``x @ w.T`` of shard rows [vocab_start, vocab_start + len(w)) into ``state``; a
+    [6, n] state (``ring.new_state(argmax=True)``) also keeps each token's argmax (``fold_argmax``)."""
     for b0 in range(0, w.shape[0], block_size):
         wb = w[b0:b0 + block_size]
         z = x @ wb.t()
         ops.fold(z, labels - (vocab_start + b0), state)
+        if state.shape[0] > 4:
+            fold_argmax(z, vocab_start + b0, state)
         del z
+
+
+def fold_argmax(z: torch.Tensor, start: int, state: torch.Tensor) -> None:
+    """Merge block ``z`` [n, b] (vocabulary ids from ``start``) into the (largest logit, its id) rows 4-5 of
+    ``state``. Ties go to the lowest id, whatever order the blocks come in, which is what ``torch.argmax``
+    over the whole row (the first maximal value) and Megatron's vocab-parallel argmax (lowest rank) give."""
+    idx = z.argmax(dim=1)
+    val = z.gather(1, idx[:, None]).squeeze(1).float()
+    ids = (idx + start).float()  # exact below 2**24 ids
+    best, best_id = state[4], state[5]
+    take = (val > best) | ((val == best) & (ids < best_id))
+    best.copy_(torch.where(take, val, best))
+    best_id.copy_(torch.where(take, ids, best_id))
 
 
 def grad_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, coef: torch.Tensor,

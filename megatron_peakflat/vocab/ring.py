@@ -62,6 +62,8 @@ class RingPlan:
     backward returns no weight gradient and leaves DDP's hook to add the others (``main_grad.release``)."""
     chunk_rows: int = 0
     """Own tokens per chunk of the in-forward schedule (``in_forward.py``); 0: the recompute schedules."""
+    argmax: bool = False
+    """Also track each token's largest logit and its vocabulary id (the recompute schedules' forward only)."""
 
     def acc_dtype(self, t: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.acc_dtype_fp32 else t.dtype
@@ -128,23 +130,28 @@ def _wait(works: list | None) -> None:
         w.wait()
 
 
-def new_state(n: int, device: torch.device) -> torch.Tensor:
-    """An empty [4, n] fp32 online log-sum-exp state: max -inf, sum-exp, target and logit sum 0."""
-    st = torch.zeros(4, n, dtype=torch.float32, device=device)
+def new_state(n: int, device: torch.device, argmax: bool = False) -> torch.Tensor:
+    """An empty [4, n] fp32 online log-sum-exp state: max -inf, sum-exp, target and logit sum 0. With
+    ``argmax``, [6, n]: two more rows, the largest logit seen (-inf) and its vocabulary id (-1), which
+    ``blocks.fold_shard`` keeps and the kernels, reading rows 0-3 only, leave alone."""
+    st = torch.zeros(6 if argmax else 4, n, dtype=torch.float32, device=device)
     st[0].fill_(float("-inf"))
+    if argmax:
+        st[4].fill_(float("-inf"))
+        st[5].fill_(-1.0)
     return st
 
 
 def _forward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     P, r = plan.size, plan.rank
     own_start = plan.start(r)
-    cur_x, cur_l, cur_s = x, labels, new_state(x.shape[0], x.device)
+    cur_x, cur_l, cur_s = x, labels, new_state(x.shape[0], x.device, plan.argmax)
     for k in range(P):
         nsrc = (r - k - 1) % P
         n = plan.tokens[nsrc]
         nxt, pending = _post_next(plan, k, [cur_x, cur_l], [(n, x.shape[1]), (n,)])
         fold_shard(cur_x, w, own_start, cur_l, cur_s, plan.block_size, plan.ops)
-        ns = torch.empty(4, n, dtype=torch.float32, device=x.device)
+        ns = torch.empty(cur_s.shape[0], n, dtype=torch.float32, device=x.device)
         _wait(_shift(plan, [cur_s], [ns], _TAG_STATE))
         cur_s = ns
         _wait(pending)
@@ -155,7 +162,7 @@ def _forward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, label
 
 def _forward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     P, r = plan.size, plan.rank
-    state = new_state(x.shape[0], x.device)
+    state = new_state(x.shape[0], x.device, plan.argmax)
     cur_w = w
     for k in range(P):
         src, nsrc = (r - k) % P, (r - k - 1) % P
@@ -245,7 +252,8 @@ def finish_loss(plan: RingPlan, state: torch.Tensor, valid: torch.Tensor) -> tup
 
 
 class RingLinearCrossEntropy(torch.autograd.Function):
-    """Per-token loss [n] (fp32) of ``hidden @ W.T`` against ``labels``, W sharded over ``plan``'s ring.
+    """Per-token loss [n] (fp32) of ``hidden @ W.T`` against ``labels``, W sharded over ``plan``'s ring;
+    with ``plan.argmax`` also each token's argmax vocabulary id [n] (int64, no gradient).
 
     ``labels`` must already have ``ignore_index`` replaced by -1 (``valid`` marks the others).
     """
@@ -253,9 +261,9 @@ class RingLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @region("vocab")
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
-                plan: RingPlan) -> torch.Tensor:
+                plan: RingPlan) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if plan.size == 1:
-            state = new_state(hidden.shape[0], hidden.device)
+            state = new_state(hidden.shape[0], hidden.device, plan.argmax)
             fold_shard(hidden, weight, 0, labels, state, plan.block_size, plan.ops)
         elif plan.schedule == "activations":
             state = _forward_activations(plan, hidden, weight, labels)
@@ -264,11 +272,15 @@ class RingLinearCrossEntropy(torch.autograd.Function):
         loss, lse = finish_loss(plan, state, valid)
         ctx.save_for_backward(hidden, weight, labels, valid, lse)
         ctx.plan = plan
-        return loss
+        if not plan.argmax:
+            return loss
+        pred = state[5].long()
+        ctx.mark_non_differentiable(pred)
+        return loss, pred
 
     @staticmethod
     @region("vocab")
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, *_: torch.Tensor):
         hidden, weight, labels, valid, lse = ctx.saved_tensors
         plan: RingPlan = ctx.plan
         g = torch.where(valid, grad_loss.float(), torch.zeros((), device=grad_loss.device))
