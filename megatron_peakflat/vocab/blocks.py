@@ -46,10 +46,11 @@ def fold_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch
                block_size: int, ops: BlockOps) -> None:
     """Fold the logits ``x @ w.T`` of shard rows [vocab_start, vocab_start + len(w)) into ``state``; a
     [6, n] state (``ring.new_state(argmax=True)``) also keeps each token's argmax (``fold_argmax``)."""
+    lse_state = state[:4]  # the kernels' [4, n] rows (a contiguous view: the argmax rows follow them)
     for b0 in range(0, w.shape[0], block_size):
         wb = w[b0:b0 + block_size]
         z = x @ wb.t()
-        ops.fold(z, labels - (vocab_start + b0), state)
+        ops.fold(z, labels - (vocab_start + b0), lse_state)
         if state.shape[0] > 4:
             fold_argmax(z, vocab_start + b0, state)
         del z

@@ -330,9 +330,12 @@ def test_mtp_heads_in_a_bf16_gpt_not_worse_than_megatron() -> None:
     from megatron_peakflat.testing import megatron_cpu as mc
     from megatron_peakflat.vocab import VocabConfig
 
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1, init_method="tcp://127.0.0.1:29547")
     mc.init_megatron_parallel(cpu=False, seed=11)
+    destroy_moe_metrics_tracker()  # sized by an earlier test's model
 
     def build(bf16: bool):
         config = mc.tiny_transformer_config(mtp_num_layers=1, mtp_loss_scaling_factor=0.3, hidden_size=256,
