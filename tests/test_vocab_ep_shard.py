@@ -153,6 +153,7 @@ def _megatron_args(**kw):
     (dict(untie_embeddings_and_output_weights=False), "ring-dtp", "--untie-embeddings-and-output-weights"),
     (dict(expert_model_parallel_size=3, num_experts=9), "ring-dtp", "--make-vocab-size-divisible-by"),
     (dict(expert_tensor_parallel_size=2), "ring-dtp", "pass --expert-tensor-parallel-size 1"),
+    (dict(mtp_num_layers=1), "ring-dtp", "drop --mtp-num-layers"),
 ])
 def test_bad_combinations_fail_at_startup_naming_the_flag(over, impl, words):
     from megatron_peakflat.vocab import VocabConfig
