@@ -173,15 +173,21 @@ def test_pipeline_parallel_same_loss_with_vocab_and_sco_on(untie):
     _same_training(off, text)
 
 
-def test_mtp_layer_on_the_last_pipeline_stage_same_loss_with_vocab_on():
-    """An MTP layer on the last of two pipeline stages (it looks up the tokens there: the batch reaches it),
-    tied embeddings: Ring-DTP computes the main and the MTP loss without logits, and Megatron's losses, grad
-    norms and logged MTP loss equal peakflat off (the acceptance counts go to TensorBoard only; their unit test
-    is test_vocab_megatron.py's)."""
-    args = [*TINY, "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--mtp-num-layers", "1",
-            "--mtp-loss-scaling-factor", "0.3"]
-    off, text = _off_then_on(args, ["--peakflat-vocab", "ring-dtp"], nproc=2)
+def test_mtp_layer_on_the_last_pipeline_stage_same_loss_with_every_component_on():
+    """An MTP layer (a MoE layer, as the model's last) on the last of two pipeline stages, EP=2 in each stage,
+    full recompute, tied embeddings, 4 gloo ranks: the batch reaches the MTP layer's stage, Ring-DTP computes
+    the main and the MTP loss without logits, PipelinedLLEP dispatches the MTP layer's experts too, and SCO
+    keeps the boundaries. Megatron's losses, grad norms and logged MTP loss equal peakflat off (the
+    acceptance counts go to TensorBoard only; their unit test is test_vocab_megatron.py's). The MTP layer's
+    checkpoint ends after its final norm, so the fused recompute's check finds the assumed gradient wrong
+    there, corrects it exactly and turns fusion off for that layer, and says so."""
+    args = [*TINY, *RECOMPUTE, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+            "--global-batch-size", "8", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3",
+            "--hidden-dropout", "0", "--attention-dropout", "0"]
+    off, text = _off_then_on(args, ["--peakflat-vocab", "ring-dtp", "--peakflat-dispatch", "pipelined-llep",
+                                    "--peakflat-dispatch-chunk-cap", "16", "--peakflat-sco"], nproc=4)
     assert "peakflat vocab: the 1 MTP layer loss(es) through Ring-DTP too" in text, text[-3000:]
+    assert "fused recompute off for a MoE layer: its output gradient differed from the checkpoint's (corrected exactly)" in text
     _same_training(off, text)
     theirs = logged(off, "mtp_1 loss")
     assert len(theirs) == 3, off[-3000:]
