@@ -7,6 +7,11 @@ each rank takes a 1/TP slice of the tokens, and the per-token losses are all-gat
 gradient is replicated, so backward keeps the local slice), while dX slices are all-gathered in
 backward (Megatron all-reduces the replicated input's gradient; the slices here are already complete
 over the vocabulary). TP=1 runs the single-device fused path.
+
+MTP layers (``--mtp-num-layers``): Megatron's own ``process_mtp_loss`` still rolls the labels, masks, logs
+and scales each MTP loss; within a Ring-DTP forward it is handed an ``MTPHead`` for the output layer and
+the loss, so each MTP loss is Ring-DTP's too (gradients in backward), and the acceptance counts read the
+argmax kept while folding.
 """
 
 from __future__ import annotations
