@@ -176,14 +176,17 @@ def ring_loss(hidden_states: torch.Tensor, output_layer: Any, output_weight: tor
         out = ring_linear_cross_entropy(x, weight, lab, ring_group, grad_hint=hint_mine, **common, **kw)
         return out if argmax else (out, None)
 
+    def to_bs(t: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-token values in [s, b] order (any shape of s x b elements) as Megatron's [b, s]."""
+        return None if t is None else t.view(s_local, b).transpose(0, 1).contiguous()
+
     if ring == 1 or ep_shard is not None:
         # One ring rank, or the expert-parallel ring: each rank's own tokens, whole (TP=1), meet every shard.
         loss, pred = call(hidden_states.reshape(-1, h), labels_sb.reshape(-1),
                           None if hint_sb is None else hint_sb.reshape(-1), group if ring > 1 else None,
                           vocab_size=None if ep_shard is None else ep_shard.vocab)
         _log_first_call(s_local * b, ring, "expert-parallel" if ep_shard is not None else "tensor-parallel")
-        return (loss.view(s_local, b).transpose(0, 1).contiguous(),
-                None if pred is None else pred.view(s_local, b).transpose(0, 1).contiguous())
+        return to_bs(loss), to_bs(pred)
     rank = dist.get_rank(group)
     if output_layer.sequence_parallel:
         lo = rank * s_local
@@ -202,9 +205,7 @@ def ring_loss(hidden_states: torch.Tensor, output_layer: Any, output_weight: tor
     loss, pred = call(mine, lab, None if hint_sb is None else hint_sb.reshape(-1)[bounds[rank]:bounds[rank + 1]], group)
     _log_first_call(lab.numel(), ring, "tensor-parallel")
     full = _GatherRowsKeepGrad.apply(loss, bounds, rank, group)
-    preds = None if pred is None else _gather_rows(pred, bounds, group)
-    return (full.view(s_local, b).transpose(0, 1).contiguous(),
-            None if preds is None else preds.view(s_local, b).transpose(0, 1).contiguous())
+    return to_bs(full), to_bs(None if pred is None else _gather_rows(pred, bounds, group))
 
 
 _FIRST_CALL_LOGGED = False

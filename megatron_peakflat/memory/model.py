@@ -1,6 +1,7 @@
 """Analytic per-rank memory model of a Megatron MoE run, with peakflat off and on.
 
-``plan(shape, run, peakflat)`` returns, for the first and the last pipeline stage, one ``Row`` per
+``plan(shape, run, peakflat)`` returns, for the first and the last pipeline stage (and each middle stage
+that no earlier one bounds), one ``Row`` per
 memory term: parameters, gradients, optimizer state, saved activations, the four peaks (expert
 dispatch, vocabulary projection, checkpoint boundaries, optimizer staging) and a runtime reserve.
 Each row holds the baseline bytes (Megatron as flagged), the peakflat bytes (all four components
@@ -709,7 +710,7 @@ def pipeline_split(layers: int, run: RunConfig) -> tuple[int, ...]:
                 "--pipeline-model-parallel-layout", "|".join("t" * n for n in lay),
                 f"has {len(lay)} stages and {sum(lay)} decoder layers; the run has {pp} pipeline ranks and {layers} "
                 "layers", "write PP (or a multiple of PP) '|'-separated stages holding --num-layers 't' layers")
-        return tuple(sum(lay[st::pp]) for st in range(pp))
+        return _per_rank(lay, pp)
     if pp == 1:
         return (layers,)
     q = layers // pp
@@ -717,18 +718,17 @@ def pipeline_split(layers: int, run: RunConfig) -> tuple[int, ...]:
              "the last stage holds one micro-batch in flight, so extra layers cost it the least)")
     first, last = run.first_stage_layers, run.last_stage_layers
     if first is not None or last is not None:
+        flag, value = (("--decoder-first-pipeline-num-layers", first) if first is not None
+                       else ("--decoder-last-pipeline-num-layers", last))
         if run.embedding_in_split or run.loss_in_split:
-            raise PeakflatConfigError(
-                "--decoder-first-pipeline-num-layers" if first is not None else "--decoder-last-pipeline-num-layers",
-                first if first is not None else last, "cannot be combined with --account-for-embedding-in-pipeline-"
-                "split or --account-for-loss-in-pipeline-split (Megatron refuses it)", "drop one of the two")
+            raise PeakflatConfigError(flag, value, "cannot be combined with --account-for-embedding-in-pipeline-"
+                                      "split or --account-for-loss-in-pipeline-split (Megatron refuses it)",
+                                      "drop one of the two")
         given = [n for n in (first, last) if n is not None]
         rest, stages = layers - sum(given), pp - len(given)
         if min(given) < 0 or rest < 0 or (stages and rest % stages) or (not stages and rest):
-            flag = "--decoder-first-pipeline-num-layers" if first is not None else "--decoder-last-pipeline-num-layers"
-            raise PeakflatConfigError(flag, first if first is not None else last,
-                                      f"leaves {rest} of the {layers} layers for {stages} other pipeline stages, which "
-                                      "must take an equal whole number each", f"pass {works}")
+            raise PeakflatConfigError(flag, value, f"leaves {rest} of the {layers} layers for {stages} other pipeline "
+                                      "stages, which must take an equal whole number each", f"pass {works}")
         mid = rest // stages if stages else 0
         return tuple(first if st == 0 and first is not None else last if st == pp - 1 and last is not None else mid
                      for st in range(pp))
@@ -784,9 +784,13 @@ def chunks_in_flight(run: RunConfig, rank: int, vpp: int) -> int:
 def mtp_split(s: ModelShape, run: RunConfig) -> tuple[int, ...]:
     """MTP layers of each pipeline rank: the layout's 'm' stages summed per rank, else all on the last rank."""
     if run.stage_layout_mtp is not None and sum(run.stage_layout_mtp):
-        lay = run.stage_layout_mtp
-        return tuple(sum(lay[st::run.pp]) for st in range(run.pp))
+        return _per_rank(run.stage_layout_mtp, run.pp)
     return (0,) * (run.pp - 1) + (s.mtp_layers,)
+
+
+def _per_rank(stages: tuple[int, ...], pp: int) -> tuple[int, ...]:
+    """A layout's per-stage counts summed per pipeline rank (virtual stage i sits on rank i mod PP)."""
+    return tuple(sum(stages[st::pp]) for st in range(pp))
 
 
 def _stage_counts(s: ModelShape, run: RunConfig) -> list[tuple[int, int]]:
@@ -830,8 +834,8 @@ def sco_budget(s: ModelShape, run: RunConfig, pf: PeakflatConfig, optimizer_host
 
 
 def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Plan:
-    """Per-rank bytes of every term, for the first and last pipeline stages (one stage at PP=1), and the middle
-    stage with the most MoE layers where the model's MoE pattern gives one more than either end.
+    """Per-rank bytes of every term, for the first and last pipeline stages (one stage at PP=1), and every
+    middle stage that no earlier stage bounds (``_stages_to_plan``).
 
     The peakflat column counts the components that ``pf`` enables; the others keep their baseline
     (the CLI turns all four on)."""
