@@ -2,23 +2,50 @@
 with and without its MTP layer, Megatron's loss against Ring-DTP's: compared with that file's measured max allocated.
 CPU only: python3 bench/planner_mtp.py"""
 
+from __future__ import annotations
+
+import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from megatron_peakflat.memory.cli import build
-from megatron_peakflat.memory.model import plan, GIB
-from megatron_peakflat.config import PeakflatConfig
-from megatron_peakflat.vocab.config import VocabConfig
-args = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632 --num-experts 8 --moe-router-topk 2 "
-        "--moe-ffn-hidden-size 1408 --moe-token-dispatcher-type alltoall --disable-bias-linear --swiglu --seq-length 32768 "
-        "--untie-embeddings-and-output-weights --use-distributed-optimizer --micro-batch-size 1 --global-batch-size 1 --bf16 "
-        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --vocab-size 201088 --deterministic-mode")
-for mtp in ("", " --mtp-num-layers 1"):
-    shape, run, pf, ns, _ = build(["--megatron-args", args + mtp, "--gpus", "1", "--hbm-gib", "139", "--ep", "1"])
-    for name, cfg in (("off", PeakflatConfig()), ("vocab", PeakflatConfig(vocab=VocabConfig(impl="ring-dtp")))):
-        st = plan(shape, run, cfg).stages[-1]
-        col = "baseline" if name == "off" else "peakflat"
-        tot = st.total(col) - st.rows["reserve"].baseline
-        print(f"mtp={bool(mtp)} {name}: predicted {tot/GIB:.2f} GiB (binding {st.binding(col)}), vocab row {getattr(st.rows['vocab'], col)/GIB:.2f}")
+from megatron_peakflat.config import PeakflatConfig  # noqa: E402
+from megatron_peakflat.memory.cli import build  # noqa: E402
+from megatron_peakflat.memory.model import GIB, StagePlan, plan  # noqa: E402
+from megatron_peakflat.vocab.config import VocabConfig  # noqa: E402
+
+FLAGS = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632 --num-experts 8 "
+         "--moe-router-topk 2 --moe-ffn-hidden-size 1408 --moe-token-dispatcher-type alltoall --disable-bias-linear "
+         "--swiglu --seq-length 32768 --untie-embeddings-and-output-weights --use-distributed-optimizer "
+         "--micro-batch-size 1 --global-batch-size 1 --bf16 --recompute-granularity full --recompute-method uniform "
+         "--recompute-num-layers 1 --vocab-size 201088 --deterministic-mode")
+"""examples/pretrain_moe.sh's flags for the env of pretrain_mtp_32k.json."""
+RUNS = {"off": ("baseline", PeakflatConfig()), "vocab": ("peakflat", PeakflatConfig(vocab=VocabConfig(impl="ring-dtp")))}
+"""pretrain_mtp_32k.json's runs: the planner's column and configuration for each."""
+
+
+def predicted(mtp: bool, run_name: str) -> tuple[StagePlan, float]:
+    """The last stage's plan and its predicted allocation in GiB (the total less the reserve)."""
+    shape, run, _, _, _ = build(["--megatron-args", FLAGS + (" --mtp-num-layers 1" if mtp else ""), "--gpus", "1",
+                                 "--hbm-gib", "139", "--ep", "1"])
+    col, cfg = RUNS[run_name]
+    st = plan(shape, run, cfg).stages[-1]
+    return st, (st.total(col) - getattr(st.rows["reserve"], col)) / GIB
+
+
+def measured(run_name: str) -> float:
+    """Max allocated of that run in pretrain_mtp_32k.json, GiB."""
+    doc = json.loads((ROOT / "bench/results/pretrain_mtp_32k.json").read_text())
+    return doc["runs"][run_name]["max_allocated_mib"] / 1024
+
+
+if __name__ == "__main__":
+    for mtp in (False, True):
+        for name, (col, _) in RUNS.items():
+            st, tot = predicted(mtp, name)
+            print(f"mtp={mtp} {name}: predicted {tot:.2f} GiB (binding {st.binding(col)}), "
+                  f"vocab row {getattr(st.rows['vocab'], col) / GIB:.2f}")
+    print("# measured with the MTP layer: " + ", ".join(f"{n} {measured(n):.2f} GiB" for n in RUNS))
+    print("# predicted/measured - 1: " + ", ".join(f"{n} {predicted(True, n)[1] / measured(n) - 1:+.1%}" for n in RUNS))

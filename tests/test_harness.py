@@ -252,6 +252,22 @@ def test_meter_tracks_autograd_saved_tensors():
     assert m.peak >= 2 * 64 * 16 * 4
 
 
+def test_meter_live_since_counts_by_order_not_by_key():
+    with LiveBytesMeter() as m:
+        a = torch.empty(10)  # 40 B
+        mark = m.allocations
+        assert m.live_since(mark) == {}
+        b = torch.empty(20)  # 80 B
+        assert list(m.live_since(mark).values()) == [80]
+        assert sorted(m.live_since(0).values()) == [40, 80]
+        del b
+        gc.collect()
+        assert m.live_since(mark) == {}
+        c = torch.empty(30)  # 120 B: new, even if it reuses b's key
+        assert list(m.live_since(mark).values()) == [120]
+    del a, c
+
+
 # ---- bench/harness.py: results merging and the largest-fitting search ---------------------------
 
 def _oracle(threshold):

@@ -743,3 +743,29 @@ def test_mtp_layers_sit_on_the_last_stage_with_their_losses():
     assert any("2 MTP layer(s)" in n for n in mtp.stages[1].notes)
     lay = RunConfig(seq_len=4096, pp=2, stage_layout=(2, 2), stage_layout_mtp=(1, 0))
     assert M.mtp_split(s.with_(mtp_layers=1), lay) == (1, 0)
+
+
+def test_embedding_gradient_row_follows_the_uses():
+    """The word embeddings' gradient that autograd holds through the layers' backward (``embedding_grad_held``,
+    checked against Megatron in test_planner_megatron.py): V/tp x H x w bytes, in the 'layer' phase, where the
+    stage uses the embeddings twice with layers between; Ring-DTP's output layer returns no gradient for them."""
+    from megatron_peakflat.vocab.config import VocabConfig
+
+    ring = PeakflatConfig(vocab=VocabConfig(impl="ring-dtp"))
+    run = RunConfig(seq_len=4096, tp=2)
+    size = M.padded_vocab(TINY.vocab, run) / 2 * TINY.hidden * run.w
+
+    def row(s: ModelShape, r: RunConfig, stage: int = 0) -> tuple[float, float] | None:
+        got = plan(s, r, ring).stages[stage].rows.get("embedding gradient")
+        assert got is None or got.phase == "layer"
+        return None if got is None else (got.baseline, got.peakflat)
+
+    assert row(TINY.with_(tied_embeddings=False), run) is None
+    assert row(TINY.with_(tied_embeddings=True), run) == (size, 0.0)  # Megatron's tied output layer
+    assert row(TINY.with_(tied_embeddings=False, mtp_layers=1), run) == (size, size)
+    pp2 = RunConfig(seq_len=4096, tp=2, pp=2)
+    assert row(TINY.with_(tied_embeddings=False, mtp_layers=1), pp2, -1) is None  # the last stage's copy: one use
+    assert row(TINY.with_(tied_embeddings=True, mtp_layers=1), pp2, -1) == (size, 0.0)  # held through the MTP layer
+    base = plan(TINY.with_(tied_embeddings=False, mtp_layers=1), run, ring).stages[0]
+    layer = base._phases("baseline")["layer"]
+    assert layer == pytest.approx(base.rows["layer working set"].baseline + size)

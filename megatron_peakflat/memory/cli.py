@@ -254,7 +254,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                    "  GiB per rank")
         out.append(f"  {'term':18s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
         order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "attention backward",
-                 "boundaries", "dispatch", "vocab", "reserve", "optimizer step", "model build"]
+                 "embedding gradient", "boundaries", "dispatch", "vocab", "reserve", "optimizer step", "model build"]
         for name in order:
             if name not in st.rows:
                 continue

@@ -788,6 +788,20 @@ def mtp_split(s: ModelShape, run: RunConfig) -> tuple[int, ...]:
     return (0,) * (run.pp - 1) + (s.mtp_layers,)
 
 
+def embedding_grad_held(first: bool, decoder_layers: int, mtp: int, output_grad: bool) -> bool:
+    """Whether autograd holds a [V/tp, H] gradient of the stage's word embeddings through a layer's backward.
+
+    A leaf used several times gets one gradient buffer (autograd's InputBuffer): the first gradient to
+    arrive in backward, from the last use in forward, stays alive until the first use's gradient is added,
+    and so through every layer in between. The uses that return a gradient, in forward order: the
+    decoder's lookup (``first``), each MTP layer's lookup (before its layer), and the tied output layer
+    (``output_grad``: Megatron's returns dW, or a full-size placeholder under gradient-accumulation fusion;
+    Ring-DTP returns none). Measured: the 0.77 GiB = 201088 x 2048 x 2 B block of ``memory_peak_mtp_32k.txt``."""
+    seq = ("E",) * first + ("L",) * decoder_layers + ("E", "L") * mtp + ("E",) * output_grad
+    uses = [i for i, x in enumerate(seq) if x == "E"]
+    return len(uses) >= 2 and "L" in seq[uses[0]:uses[-1]]
+
+
 def _per_rank(stages: tuple[int, ...], pp: int) -> tuple[int, ...]:
     """A layout's per-stage counts summed per pipeline rank (virtual stage i sits on rank i mod PP)."""
     return tuple(sum(stages[st::pp]) for st in range(pp))
@@ -954,6 +968,15 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
             "layer working set", work_layers * one_layer, work_layers * one_layer, phase="layer",
             source="one recompute chunk re-materialised in backward (recompute.py checkpointed_forward)"
             if run.recompute == "full" else "the layer in backward")
+        emb_grad = s.vocab / run.tp * s.hidden * w
+        tied_out = last and s.tied_embeddings
+        held = [emb_grad * embedding_grad_held(first, n_layers - mtps[st], mtps[st], out)
+                for out in (tied_out, tied_out and not pf.enabled["vocab"])]
+        if held[0] or held[1]:
+            rows["embedding gradient"] = Row(
+                "embedding gradient", held[0], held[1], phase="layer",
+                source="autograd's buffer for the word embeddings' gradient, from their last use in forward (MTP "
+                       "lookup, tied output layer) until the decoder's lookup adds its own (embedding_grad_held)")
         attn_bwd = attention_backward_transient(s, run) if layer_act else 0.0
         rows["attention backward"] = Row(
             "attention backward", attn_bwd, attn_bwd, phase="attention",

@@ -92,6 +92,8 @@ def _why(p: Plan) -> list[str]:
         "boundaries": "the SCO budget cannot hold the boundaries: raise --host-gib or --context-parallel-size",
         "attention backward": "raise --context-parallel-size or --tensor-model-parallel-size (attention's backward "
                               "holds this rank's sequence and heads at once)",
+        "embedding gradient": "raise --tensor-model-parallel-size, or --pipeline-model-parallel-size so that the "
+                              "MTP layers and a tied output layer sit on another stage than the embedding lookup",
         "dispatch": "raise --expert-model-parallel-size (a smaller --peakflat-dispatch-chunk-cap lowers only the MoE "
                     "phase)",
         "vocab": "raise --tensor-model-parallel-size or --context-parallel-size (a smaller --peakflat-vocab-block-size "

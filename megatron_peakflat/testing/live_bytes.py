@@ -47,13 +47,21 @@ class LiveBytesMeter(TorchDispatchMode):
         self.peak = 0
         self.allocations = 0
         self._tracked: dict[int, int] = {}
+        self._born: dict[int, int] = {}
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes."""
         self.peak = self.live
 
+    def live_since(self, allocations: int) -> dict[int, int]:
+        """The live storages counted after the first ``allocations`` (a past value of ``allocations``), as
+        storage key (``UntypedStorage._cdata``) -> bytes. By count, not by key: a freed storage's key can
+        come back on a new one."""
+        return {k: self._tracked[k] for k, n in self._born.items() if n > allocations}
+
     def _release(self, key: int) -> None:
         nbytes = self._tracked.pop(key, 0)
+        self._born.pop(key, None)
         self.live -= nbytes
 
     def _track(self, st: torch.UntypedStorage) -> None:
@@ -65,6 +73,7 @@ class LiveBytesMeter(TorchDispatchMode):
         self._tracked[key] = st.nbytes()
         self.live += st.nbytes()
         self.allocations += 1
+        self._born[key] = self.allocations
         self.peak = max(self.peak, self.live)
         weakref.finalize(st, self._release, key)
 
