@@ -377,8 +377,6 @@ def _check_vocab_shard_over_ep(cfg: PeakflatConfig, args: Any) -> None:
         (bool(_get(args, "untie_embeddings_and_output_weights", False)),
          "a tied output layer is the input embedding, which stays whole on every rank",
          "add --untie-embeddings-and-output-weights, or drop " + flag),
-        (not _get(args, "mtp_num_layers"), "MTP layers' losses have not been tested on the EP-sharded output layer "
-         "(they run Ring-DTP on the whole tensor-parallel one)", "drop --mtp-num-layers, or drop " + flag),
         ((_get(args, "make_vocab_size_divisible_by", 128) or 1) * tp % ep == 0,
          f"the padded vocabulary must split evenly over EP={ep} (--make-vocab-size-divisible-by "
          f"{_get(args, 'make_vocab_size_divisible_by', 128)})",

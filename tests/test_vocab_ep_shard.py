@@ -35,7 +35,16 @@ def _grads(ddp) -> dict[str, torch.Tensor]:
     return {n.removeprefix("module."): p.main_grad.detach().clone() for n, p in ddp.named_parameters()}
 
 
-def _train(rank: int, peakflat_on: bool, grad: str, dist_opt: bool):
+def _mtp_metrics() -> dict[str, torch.Tensor]:
+    """Megatron's MTP metrics since the last call (each layer's loss, its acceptance counts), then cleared."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    out = {k: v.detach().clone() for k, v in MTPLossLoggingHelper.tracker.items() if isinstance(v, torch.Tensor)}
+    MTPLossLoggingHelper.tracker.clear()
+    return out
+
+
+def _train(rank: int, peakflat_on: bool, grad: str, dist_opt: bool, mtp: bool = False):
     import megatron_peakflat
     from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, tiny_transformer_config
@@ -51,8 +60,20 @@ def _train(rank: int, peakflat_on: bool, grad: str, dist_opt: bool):
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(7)
-        config = tiny_transformer_config()
-        model = build_tiny_gpt(config, vocab_size=V, seq_len=SEQ)
+        if mtp:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+            from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+            from megatron_peakflat.testing.megatron_cpu import gpt_layer_spec
+
+            destroy_moe_metrics_tracker()  # sized by the first model's MoE layer count; this one has one more
+            config = tiny_transformer_config(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
+            spec = get_gpt_mtp_block_spec(config, gpt_layer_spec(config.num_moe_experts), use_transformer_engine=False)
+            model = build_tiny_gpt(config, vocab_size=V, seq_len=SEQ, mtp_block_spec=spec)
+            _mtp_metrics()
+        else:
+            config = tiny_transformer_config()
+            model = build_tiny_gpt(config, vocab_size=V, seq_len=SEQ)
         # adam_eps well above the float noise of a near-zero gradient: with the default 1e-8, Adam turns the
         # summation-order noise of such an element into a sizeable step, and the parameters stop being comparable.
         setup = build_training(model, config, seq_len=SEQ, micro_batch=MB, use_distributed_optimizer=dist_opt,
@@ -61,7 +82,8 @@ def _train(rank: int, peakflat_on: bool, grad: str, dist_opt: bool):
         train_steps(setup, batches[:1])
         first_grads = _grads(setup.model[0])
         losses = train_steps(setup, batches[1:])
-        return losses, first_grads, _params(setup.model[0]), model.output_layer
+        metrics = _mtp_metrics() if mtp else {}
+        return losses, first_grads, _params(setup.model[0]), model.output_layer, metrics
     finally:
         megatron_peakflat.remove()
 
@@ -77,14 +99,19 @@ def _shard_checks(rank: int, world: int) -> list[str]:
     init_megatron_parallel(tp=1, ep=2)
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     done = []
-    for grad, dist_opt in (("in-forward", True), ("in-forward", False), ("recompute", False)):
-        ref_losses, ref_grads, ref, _ = _train(rank, False, grad, dist_opt)
+    for grad, dist_opt, mtp in (("in-forward", True, False), ("in-forward", False, False), ("recompute", False, False),
+                                ("in-forward", False, True)):
+        ref_losses, ref_grads, ref, _, ref_metrics = _train(rank, False, grad, dist_opt, mtp)
         calls = stats.snapshot().get("vocab", {}).get("calls", 0)
-        losses, grads, ours, layer = _train(rank, True, grad, dist_opt)
-        what = f"world={world} grad={grad} distributed_optimizer={dist_opt}"
+        losses, grads, ours, layer, metrics = _train(rank, True, grad, dist_opt, mtp)
+        what = f"world={world} grad={grad} distributed_optimizer={dist_opt} mtp={mtp}"
         shard = shard_of(layer)
         assert shard is not None and shard.size == 2 and shard.rank == ep_rank, what
-        assert stats.snapshot()["vocab"]["calls"] == calls + STEPS, what
+        assert stats.snapshot()["vocab"]["calls"] == calls + STEPS * (1 + mtp), what  # the MTP layer's loss too
+        # the MTP layer's loss and acceptance counts as Megatron logs them (0.18.2: its loss only)
+        assert set(metrics) == set(ref_metrics) and (not mtp or {"loss_values", "values"} & set(ref_metrics)), what
+        for k in ref_metrics:
+            assert max_rel_error(metrics[k], ref_metrics[k]) < 1e-5, (what, k, metrics[k], ref_metrics[k])
         assert stats.snapshot()["vocab"]["schedule"] in ("activations", "weights"), what  # a ring, not one rank
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) <= 1e-5 * abs(b), (what, losses, ref_losses)
@@ -134,7 +161,7 @@ def _shard_checks(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_output_layer_trains_like_the_whole_one(world):
     results = run_distributed(_shard_checks, world, timeout=900)
-    assert all(len(r) == 4 for r in results), results
+    assert all(len(r) == 5 for r in results), results
 
 
 def _megatron_args(**kw):
@@ -153,7 +180,6 @@ def _megatron_args(**kw):
     (dict(untie_embeddings_and_output_weights=False), "ring-dtp", "--untie-embeddings-and-output-weights"),
     (dict(expert_model_parallel_size=3, num_experts=9), "ring-dtp", "--make-vocab-size-divisible-by"),
     (dict(expert_tensor_parallel_size=2), "ring-dtp", "pass --expert-tensor-parallel-size 1"),
-    (dict(mtp_num_layers=1), "ring-dtp", "drop --mtp-num-layers"),
 ])
 def test_bad_combinations_fail_at_startup_naming_the_flag(over, impl, words):
     from megatron_peakflat.vocab import VocabConfig
@@ -163,6 +189,7 @@ def test_bad_combinations_fail_at_startup_naming_the_flag(over, impl, words):
         cfg.validate(_megatron_args(**over))
     assert "--peakflat-vocab-shard-over-ep" in str(e.value) and words in str(e.value), str(e.value)
     PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", shard_over_ep=True)).validate(_megatron_args())
+    PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", shard_over_ep=True)).validate(_megatron_args(mtp_num_layers=1))
 
 
 def _checkpoint_round_trip(rank: int, world: int, path: str) -> bool:
@@ -247,19 +274,22 @@ def test_pretrain_refuses_expert_tensor_parallelism_before_the_model_is_built():
 @needs_pretrain_entry
 def test_pretrain_with_the_flag_trains_and_resumes_as_without_it(tmp_path):
     """``megatron_peakflat.pretrain`` (Megatron's own training loop, flags and checkpointing), EP=2 on two
-    CPU ranks: the same losses (1e-5) and grad norms (1e-4) with the flag as without it, and a run saved at
-    iteration 2 and resumed continues as Megatron's own resumed run does (its distributed checkpoint holds
-    the shard as rows of the whole layer). Iterations 1-2 come from the runs that save, 3-4 from the resumes."""
+    CPU ranks, with an MTP layer (its loss on the same shard): the same losses, MTP losses (1e-5) and grad norms
+    (1e-4) with the flag as without it, and a run saved at iteration 2 and resumed continues as Megatron's own
+    resumed run does (its distributed checkpoint holds the shard as rows of the whole layer). Iterations 1-2 come
+    from the runs that save, 3-4 from the resumes."""
     saved, resumed = {}, {}
+    mtp = ("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3")
     for name, extra in (("on", SHARD), ("off", ())):
         ckpt = str(tmp_path / name)
         saved[name] = _pretrain("--train-iters", "4", "--save", ckpt, "--save-interval", "2", "--exit-interval", "2",
-                                *extra)
+                                *mtp, *extra)
         assert "successfully saved checkpoint" in saved[name]
-        resumed[name] = _pretrain("--train-iters", "4", "--load", ckpt, *extra)
+        resumed[name] = _pretrain("--train-iters", "4", "--load", ckpt, *mtp, *extra)
     assert "output layer sharded over the expert-parallel group (EP=2): 128 of 256 rows" in saved["on"]
+    assert "the 1 MTP layer loss(es) through Ring-DTP too" in saved["on"]
     assert "output layer sharded" not in saved["off"]
-    for key, rel in (("lm loss", 1e-5), ("grad norm", 1e-4)):
+    for key, rel in (("lm loss", 1e-5), ("mtp_1 loss", 1e-5), ("grad norm", 1e-4)):
         for run in (saved, resumed):
             assert len(logged(run["off"], key)) == 2
             assert logged(run["on"], key) == pytest.approx(logged(run["off"], key), rel=rel)
