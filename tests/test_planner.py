@@ -769,3 +769,19 @@ def test_embedding_gradient_row_follows_the_uses():
     base = plan(TINY.with_(tied_embeddings=False, mtp_layers=1), run, ring).stages[0]
     layer = base._phases("baseline")["layer"]
     assert layer == pytest.approx(base.rows["layer working set"].baseline + size)
+
+
+@pytest.mark.parametrize("heads, units", [(8, 37), (16, 21), (32, 13), (64, 9)])
+def test_flash_dq_accumulators_follow_the_head_count(heads, units):
+    """Under deterministic algorithms flash's backward keeps ceil(132 SMs / heads) fp32 dQ accumulators: measured
+    on one H200 at 32K tokens, 37.02 / 21.02 / 13.02 / 9.02 units of [s, hidden] bf16 for 8 / 16 / 32 / 64 heads of
+    128 (bench/results/attention_backward_heads.txt and attention_backward_peak.txt), which is dq, dk, dv (3)
+    plus 2 units per accumulator; without them, 5.02 at every head count. The planner adds dO and the rotated
+    q and k (3 units)."""
+    shape = ModelShape(name="h", hidden=heads * 128, layers=1, heads=heads, kv_heads=heads, head_dim=128, ffn=1,
+                       vocab=1024)
+    run = RunConfig(seq_len=32768, deterministic=True)
+    assert 3 + 2 * M.flash_dq_splits(shape, run) == units
+    unit = 32768 * heads * 128 * 2
+    assert M.attention_backward_transient(shape, run) == pytest.approx((units + 3) * unit)
+    assert M.attention_backward_transient(shape, replace(run, deterministic=False)) == pytest.approx((5 + 3) * unit)
