@@ -97,13 +97,25 @@ def by_site(live: dict[int, tuple[int, list[dict]]]) -> list[tuple[str, int, int
     return sorted(((k, v[0], v[1]) for k, v in sums.items()), key=lambda r: -r[1])
 
 
-def report(snapshot: dict, top: int = 25, device: int = 0) -> Iterable[str]:
+def largest_blocks(live: dict[int, tuple[int, list[dict]]], n: int, depth: int = 8) -> Iterable[str]:
+    """The ``n`` largest blocks, each with the first ``depth`` frames of its stack (where ``by_site`` names one
+    frame, this shows what called it: a site such as an autograd backward holds many kinds of tensors)."""
+    for size, frames in sorted(live.values(), key=lambda v: -v[0])[:n]:
+        yield f"  block {size / GIB:8.3f} GiB ({size} B)"
+        for f in frames[:depth]:
+            yield f"      {short_path(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
+
+
+def report(snapshot: dict, top: int = 25, device: int = 0, blocks: int = 0) -> Iterable[str]:
     peak = find_peak(snapshot, device)
     events = len(snapshot.get("device_traces", [[]])[device]) if snapshot.get("device_traces") else 0
     yield (f"peak in the recorded window: {peak.bytes / GIB:.2f} GiB allocated, after the first {peak.event} of "
            f"{events} events; {len(peak.live)} blocks; at the snapshot: {sum(s for s, _ in live_blocks(snapshot).values()) / GIB:.2f} GiB")
     for site, size, n in by_site(peak.live)[:top]:
         yield f"  {size / GIB:8.3f} GiB  {n:5d}  {site}"
+    if blocks:
+        yield f"the {blocks} largest blocks at the peak, with their stacks:"
+        yield from largest_blocks(peak.live, blocks)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,10 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("snapshot", help="pickle written by torch.cuda.memory._snapshot()")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--blocks", type=int, default=0, help="also list the N largest blocks at the peak with their stacks")
     a = ap.parse_args(argv)
     with open(a.snapshot, "rb") as f:
         snap: Any = pickle.load(f)
-    for line in report(snap, a.top, a.device):
+    for line in report(snap, a.top, a.device, a.blocks):
         print(line)
 
 

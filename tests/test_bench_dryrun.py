@@ -156,4 +156,7 @@ def test_memory_peak_replays_a_snapshot_to_its_highest_point():
                                   ("megatron_peakflat/vocab/b.py:2 f", 50, 1)]
     lines = list(report(snap))
     assert "at the snapshot" in lines[0] and len(lines) == 4
+    listed = list(report(snap, blocks=2))[4:]
+    assert listed[0] == "the 2 largest blocks at the peak, with their stacks:"
+    assert "(200 B)" in listed[1] and listed[3].strip() == "megatron/core/c.py:3 f" and "(100 B)" in listed[4]
     assert find_peak({"segments": snap["segments"]}).bytes == 110  # no history: the live state is all there is
