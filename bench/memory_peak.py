@@ -65,7 +65,8 @@ def find_peak(snapshot: dict, device: int = 0) -> Peak:
     """Replay ``device``'s recorded events backwards from the live state and return the highest point.
 
     Exact inside the recorded window: an ``alloc`` after a point was not alive there, a ``free_completed``
-    after it was. Blocks allocated before the window keep the frames the live state gives them."""
+    after it was. Each block gets the stack of its ``alloc`` event; blocks allocated before the window keep the
+    frames the live state or their free event gives them."""
     live = live_blocks(snapshot)
     trace: list[dict] = snapshot.get("device_traces", [[]])[device] if snapshot.get("device_traces") else []
     total = sum(size for size, _ in live.values())
@@ -84,6 +85,11 @@ def find_peak(snapshot: dict, device: int = 0) -> Peak:
             continue
         if total > best.bytes:  # the state before event i, i.e. right after event i - 1
             best = Peak(total, i, dict(cur))
+    # A free_completed event carries the stack of whatever allocation completed it (the allocator finishes
+    # deferred frees inside a later malloc), not the block's own: take the block's alloc event where the
+    # window has it.
+    allocated = {ev.get("addr"): ev.get("frames", []) for ev in trace[:best.event] if ev.get("action") == "alloc"}
+    best.live = {a: (size, allocated.get(a, frames)) for a, (size, frames) in best.live.items()}
     return best
 
 

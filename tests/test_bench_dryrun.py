@@ -160,3 +160,6 @@ def test_memory_peak_replays_a_snapshot_to_its_highest_point():
     assert listed[0] == "the 2 largest blocks at the peak, with their stacks:"
     assert "(200 B)" in listed[1] and listed[3].strip() == "megatron/core/c.py:3 f" and "(100 B)" in listed[4]
     assert find_peak({"segments": snap["segments"]}).bytes == 110  # no history: the live state is all there is
+    # a deferred free completes inside a later malloc and carries that malloc's stack: the block keeps its own
+    snap["device_traces"][0][3]["frames"] = d
+    assert find_peak(snap).live[3] == (200, c)
