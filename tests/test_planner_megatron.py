@@ -20,11 +20,10 @@ def _held_in_layer_backward(rank: int, world: int) -> list[tuple[str, bool, bool
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
     from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
-                                                        gpt_layer_spec, gpt_loss, init_megatron_parallel,
-                                                        install_cpu_shim, tiny_transformer_config)
+                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+                                                        tiny_transformer_config)
     from megatron_peakflat.vocab import VocabConfig
 
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
                                                            init_num_microbatches_calculator)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
@@ -40,9 +39,7 @@ def _held_in_layer_backward(rank: int, world: int) -> list[tuple[str, bool, bool
                 torch.manual_seed(7)
                 over = dict(mtp_num_layers=mtp, mtp_loss_scaling_factor=0.3) if mtp else {}
                 config = tiny_transformer_config(num_moe_experts=None, **over)
-                extra = dict(mtp_block_spec=get_gpt_mtp_block_spec(config, gpt_layer_spec(None),
-                                                                   use_transformer_engine=False)) if mtp else {}
-                model = build_tiny_gpt(config, vocab_size=V, seq_len=16, moe=False, share_embeddings=tied, **extra)
+                model = build_tiny_gpt(config, vocab_size=V, seq_len=16, moe=False, share_embeddings=tied)
                 model.train()
                 emb = model.embedding.word_embeddings.weight
                 # what DDP gives a parameter: Ring-DTP adds the output layer's dW here (main_grad.py)

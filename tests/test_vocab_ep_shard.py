@@ -35,19 +35,10 @@ def _grads(ddp) -> dict[str, torch.Tensor]:
     return {n.removeprefix("module."): p.main_grad.detach().clone() for n, p in ddp.named_parameters()}
 
 
-def _mtp_metrics() -> dict[str, torch.Tensor]:
-    """Megatron's MTP metrics since the last call (each layer's loss, its acceptance counts), then cleared."""
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    out = {k: v.detach().clone() for k, v in MTPLossLoggingHelper.tracker.items() if isinstance(v, torch.Tensor)}
-    MTPLossLoggingHelper.tracker.clear()
-    return out
-
-
 def _train(rank: int, peakflat_on: bool, grad: str, dist_opt: bool, mtp: bool = False):
     import megatron_peakflat
     from megatron_peakflat.config import GeneralConfig
-    from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, tiny_transformer_config
+    from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, mtp_metrics, tiny_transformer_config
     from megatron_peakflat.testing.train_loop import build_training, make_batches, train_steps
     from megatron_peakflat.vocab import VocabConfig
 
@@ -61,19 +52,12 @@ def _train(rank: int, peakflat_on: bool, grad: str, dist_opt: bool, mtp: bool = 
 
         model_parallel_cuda_manual_seed(7)
         if mtp:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
             from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-            from megatron_peakflat.testing.megatron_cpu import gpt_layer_spec
-
             destroy_moe_metrics_tracker()  # sized by the first model's MoE layer count; this one has one more
-            config = tiny_transformer_config(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
-            spec = get_gpt_mtp_block_spec(config, gpt_layer_spec(config.num_moe_experts), use_transformer_engine=False)
-            model = build_tiny_gpt(config, vocab_size=V, seq_len=SEQ, mtp_block_spec=spec)
-            _mtp_metrics()
-        else:
-            config = tiny_transformer_config()
-            model = build_tiny_gpt(config, vocab_size=V, seq_len=SEQ)
+            mtp_metrics()
+        config = tiny_transformer_config(**(dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.3) if mtp else {}))
+        model = build_tiny_gpt(config, vocab_size=V, seq_len=SEQ)
         # adam_eps well above the float noise of a near-zero gradient: with the default 1e-8, Adam turns the
         # summation-order noise of such an element into a sizeable step, and the parameters stop being comparable.
         setup = build_training(model, config, seq_len=SEQ, micro_batch=MB, use_distributed_optimizer=dist_opt,
@@ -82,7 +66,7 @@ def _train(rank: int, peakflat_on: bool, grad: str, dist_opt: bool, mtp: bool = 
         train_steps(setup, batches[:1])
         first_grads = _grads(setup.model[0])
         losses = train_steps(setup, batches[1:])
-        metrics = _mtp_metrics() if mtp else {}
+        metrics = mtp_metrics() if mtp else {}
         return losses, first_grads, _params(setup.model[0]), model.output_layer, metrics
     finally:
         megatron_peakflat.remove()

@@ -101,14 +101,6 @@ def test_gpt_model_loss_and_grads_match_megatron(world: int) -> None:
     assert all(len(o) == len(out[0]) > 0 for o in out)
 
 
-def _mtp_tracker() -> dict[str, torch.Tensor]:
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    out = {k: v.detach().clone() for k, v in MTPLossLoggingHelper.tracker.items() if isinstance(v, torch.Tensor)}
-    MTPLossLoggingHelper.tracker.clear()  # sized by the model's MTP depth; the next model may differ
-    return out
-
-
 def _mtp_checks(rank: int, world: int) -> list[str]:
     """GPTModel with MTP layers: the main loss, every parameter's gradient (the MTP layers', the shared
     output weight's through both heads) and the MTP metrics Megatron logs (each layer's loss, its
@@ -117,11 +109,10 @@ def _mtp_checks(rank: int, world: int) -> list[str]:
     from megatron_peakflat import stats
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
     from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
-                                                        gpt_layer_spec, gpt_loss, init_megatron_parallel,
-                                                        install_cpu_shim, tiny_transformer_config)
+                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+                                                        mtp_metrics, tiny_transformer_config)
     from megatron_peakflat.vocab import VocabConfig
 
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
                                                            init_num_microbatches_calculator)
 
@@ -137,15 +128,14 @@ def _mtp_checks(rank: int, world: int) -> list[str]:
         destroy_moe_metrics_tracker()  # Megatron's MoE metrics are sized by the first model's layer count
         torch.manual_seed(4321 + vi)
         config = tiny_transformer_config(mtp_num_layers=depth, mtp_loss_scaling_factor=0.3, **over)
-        mtp_spec = get_gpt_mtp_block_spec(config, gpt_layer_spec(config.num_moe_experts), use_transformer_engine=False)
-        model = build_tiny_gpt(config, vocab_size=V, seq_len=16, share_embeddings=tied, mtp_block_spec=mtp_spec,
+        model = build_tiny_gpt(config, vocab_size=V, seq_len=16, share_embeddings=tied,
                                moe=config.num_moe_experts is not None)
         model.train()
         batch = gpt_batch(seq_len=16, micro_batch=3, vocab_size=V, seed=50 + vi)
-        _mtp_tracker()
+        mtp_metrics()
         ref_loss = gpt_loss(model, batch)
         ref_loss.backward()
-        ref, ref_metrics = _grads(model), _mtp_tracker()
+        ref, ref_metrics = _grads(model), mtp_metrics()
 
         calls = stats.snapshot().get("vocab", {}).get("calls", 0)
         megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", block_size=16, grad=grad,
@@ -155,7 +145,7 @@ def _mtp_checks(rank: int, world: int) -> list[str]:
             model.output_layer.forward = _no_logits
             loss = gpt_loss(model, batch)
             loss.backward()
-            ours, metrics = _grads(model), _mtp_tracker()
+            ours, metrics = _grads(model), mtp_metrics()
         finally:
             del model.output_layer.forward
             megatron_peakflat.remove()

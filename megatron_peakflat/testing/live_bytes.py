@@ -46,8 +46,8 @@ class LiveBytesMeter(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.allocations = 0
-        self._tracked: dict[int, int] = {}
-        self._born: dict[int, int] = {}
+        self._tracked: dict[int, tuple[int, int]] = {}
+        """storage key -> (bytes, its count in ``allocations``)"""
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes."""
@@ -57,11 +57,10 @@ class LiveBytesMeter(TorchDispatchMode):
         """The live storages counted after the first ``allocations`` (a past value of ``allocations``), as
         storage key (``UntypedStorage._cdata``) -> bytes. By count, not by key: a freed storage's key can
         come back on a new one."""
-        return {k: self._tracked[k] for k, n in self._born.items() if n > allocations}
+        return {k: nbytes for k, (nbytes, born) in self._tracked.items() if born > allocations}
 
     def _release(self, key: int) -> None:
-        nbytes = self._tracked.pop(key, 0)
-        self._born.pop(key, None)
+        nbytes, _ = self._tracked.pop(key, (0, 0))
         self.live -= nbytes
 
     def _track(self, st: torch.UntypedStorage) -> None:
@@ -70,10 +69,9 @@ class LiveBytesMeter(TorchDispatchMode):
         key = st._cdata
         if key in self._tracked or st.nbytes() == 0:
             return
-        self._tracked[key] = st.nbytes()
         self.live += st.nbytes()
         self.allocations += 1
-        self._born[key] = self.allocations
+        self._tracked[key] = (st.nbytes(), self.allocations)
         self.peak = max(self.peak, self.live)
         weakref.finalize(st, self._release, key)
 

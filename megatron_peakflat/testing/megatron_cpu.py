@@ -285,11 +285,16 @@ def gpt_layer_spec(num_experts: int | None, experts: str = "sequential") -> Any:
 
 def build_tiny_gpt(config: Any, vocab_size: int = 128, seq_len: int = 16, moe: bool = True,
                    share_embeddings: bool = False, experts: str = "sequential", **kwargs: Any) -> Any:
-    """A GPTModel on Megatron's local spec (``gpt_layer_spec``; ``experts`` as there)."""
+    """A GPTModel on Megatron's local spec (``gpt_layer_spec``; ``experts`` as there). With
+    ``config.mtp_num_layers`` its MTP layers are built from the same layer spec."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     spec = gpt_layer_spec(config.num_moe_experts if moe else None, experts)
+    if getattr(config, "mtp_num_layers", None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        kwargs.setdefault("mtp_block_spec", get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -302,6 +307,16 @@ def build_tiny_gpt(config: Any, vocab_size: int = 128, seq_len: int = 16, moe: b
         **kwargs,
     )
     return model
+
+
+def mtp_metrics() -> dict[str, torch.Tensor]:
+    """Megatron's MTP metrics since the last call (each MTP layer's loss; in 0.19 its acceptance counts too),
+    then cleared: the tracker is sized by a model's MTP depth, and the next model may differ."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    out = {k: v.detach().clone() for k, v in MTPLossLoggingHelper.tracker.items() if isinstance(v, torch.Tensor)}
+    MTPLossLoggingHelper.tracker.clear()
+    return out
 
 
 def gpt_batch(seq_len: int, micro_batch: int, vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:

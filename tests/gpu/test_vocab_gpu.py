@@ -321,7 +321,6 @@ def test_mtp_heads_in_a_bf16_gpt_not_worse_than_megatron() -> None:
     run than Megatron's own bf16 run is (x1.5 + 1e-3), its acceptance counts are Megatron's within 1% of the
     tokens, and the output layer builds no logits."""
     import torch.distributed as dist
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -341,8 +340,7 @@ def test_mtp_heads_in_a_bf16_gpt_not_worse_than_megatron() -> None:
         config = mc.tiny_transformer_config(mtp_num_layers=1, mtp_loss_scaling_factor=0.3, hidden_size=256,
                                             num_moe_experts=4, bf16=bf16,
                                             params_dtype=torch.bfloat16 if bf16 else torch.float32)
-        spec = get_gpt_mtp_block_spec(config, mc.gpt_layer_spec(4), use_transformer_engine=False)
-        model = mc.build_tiny_gpt(config, vocab_size=4096, seq_len=128, mtp_block_spec=spec)
+        model = mc.build_tiny_gpt(config, vocab_size=4096, seq_len=128)
         return (Float16Module(config, model) if bf16 else model).cuda().train()
 
     def step(model) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
