@@ -51,6 +51,10 @@ def _site(frames: list[dict]) -> str:
     return fmt(frames[0]) if frames else "(no stack recorded)"
 
 
+def _trace(snapshot: dict, device: int) -> list[dict]:
+    return snapshot.get("device_traces", [[]])[device] if snapshot.get("device_traces") else []
+
+
 def live_blocks(snapshot: dict) -> dict[int, tuple[int, list[dict]]]:
     """Blocks allocated when the snapshot was taken: address -> (size, frames)."""
     out: dict[int, tuple[int, list[dict]]] = {}
@@ -64,11 +68,13 @@ def live_blocks(snapshot: dict) -> dict[int, tuple[int, list[dict]]]:
 def find_peak(snapshot: dict, device: int = 0) -> Peak:
     """Replay ``device``'s recorded events backwards from the live state and return the highest point.
 
-    Exact inside the recorded window: an ``alloc`` after a point was not alive there, a ``free_completed``
-    after it was. Each block gets the stack of its ``alloc`` event; blocks allocated before the window keep the
-    frames the live state or their free event gives them."""
+    Counts what ``torch.cuda.max_memory_allocated`` counts: a block from its ``alloc`` event to its
+    ``free_requested`` event. A block freed while another stream still used it (``record_stream``) stays the
+    allocator's until its ``free_completed``, but no longer counts as allocated in between. Exact inside the
+    recorded window. Each block gets the stack of its ``alloc`` event; blocks allocated before the window keep
+    the frames the live state or their free event gives them."""
     live = live_blocks(snapshot)
-    trace: list[dict] = snapshot.get("device_traces", [[]])[device] if snapshot.get("device_traces") else []
+    trace = _trace(snapshot, device)
     total = sum(size for size, _ in live.values())
     cur = dict(live)
     best = Peak(total, len(trace), dict(cur))
@@ -78,19 +84,31 @@ def find_peak(snapshot: dict, device: int = 0) -> Peak:
         if action == "alloc":
             cur.pop(addr, None)
             total -= size
-        elif action == "free_completed":
+        elif action == "free_requested":
             cur[addr] = (size, ev.get("frames", []))
             total += size
         else:
             continue
         if total > best.bytes:  # the state before event i, i.e. right after event i - 1
             best = Peak(total, i, dict(cur))
-    # A free_completed event carries the stack of whatever allocation completed it (the allocator finishes
-    # deferred frees inside a later malloc), not the block's own: take the block's alloc event where the
-    # window has it.
+    # A free event may carry the stack of whatever freed the block, not the block's own: take the block's
+    # alloc event where the window has it.
     allocated = {ev.get("addr"): ev.get("frames", []) for ev in trace[:best.event] if ev.get("action") == "alloc"}
     best.live = {a: (size, allocated.get(a, frames)) for a, (size, frames) in best.live.items()}
     return best
+
+
+def pending_at(snapshot: dict, event: int, device: int = 0) -> int:
+    """Bytes freed before ``event`` whose memory the allocator still held for another stream's use (their
+    ``free_completed`` comes after): not allocated, and not free for reuse either."""
+    trace = _trace(snapshot, device)
+    requested: dict[int, int] = {}
+    for ev in trace[:event]:
+        if ev.get("action") == "free_requested":
+            requested[ev.get("addr")] = ev.get("size", 0)
+        elif ev.get("action") == "free_completed":
+            requested.pop(ev.get("addr"), None)
+    return sum(requested.values())
 
 
 def by_site(live: dict[int, tuple[int, list[dict]]]) -> list[tuple[str, int, int]]:
@@ -112,11 +130,19 @@ def largest_blocks(live: dict[int, tuple[int, list[dict]]], n: int, depth: int =
             yield f"      {short_path(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
 
 
-def report(snapshot: dict, top: int = 25, device: int = 0, blocks: int = 0) -> Iterable[str]:
+def report(snapshot: dict, top: int = 25, device: int = 0, blocks: int = 0, depth: int = 0) -> Iterable[str]:
+    """The peak, the event that reached it (with ``depth`` frames of its stack), the sites alive there largest
+    first, and with ``blocks`` the largest blocks with their stacks."""
     peak = find_peak(snapshot, device)
-    events = len(snapshot.get("device_traces", [[]])[device]) if snapshot.get("device_traces") else 0
+    trace = _trace(snapshot, device)
     yield (f"peak in the recorded window: {peak.bytes / GIB:.2f} GiB allocated, after the first {peak.event} of "
-           f"{events} events; {len(peak.live)} blocks; at the snapshot: {sum(s for s, _ in live_blocks(snapshot).values()) / GIB:.2f} GiB")
+           f"{len(trace)} events; {len(peak.live)} blocks; at the snapshot: {sum(s for s, _ in live_blocks(snapshot).values()) / GIB:.2f} GiB")
+    if 0 < peak.event <= len(trace):
+        last = trace[peak.event - 1]
+        yield (f"  reached by event {peak.event - 1}, {last.get('action')} of {last.get('size', 0) / GIB:.3f} GiB; "
+               f"freed but held for another stream there: {pending_at(snapshot, peak.event, device) / GIB:.3f} GiB")
+        for f in last.get("frames", [])[:depth]:
+            yield f"      {short_path(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
     for site, size, n in by_site(peak.live)[:top]:
         yield f"  {size / GIB:8.3f} GiB  {n:5d}  {site}"
     if blocks:
@@ -130,10 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--blocks", type=int, default=0, help="also list the N largest blocks at the peak with their stacks")
+    ap.add_argument("--depth", type=int, default=0, help="print N frames of the stack of the event that reached the peak")
     a = ap.parse_args(argv)
     with open(a.snapshot, "rb") as f:
         snap: Any = pickle.load(f)
-    for line in report(snap, a.top, a.device, a.blocks):
+    for line in report(snap, a.top, a.device, a.blocks, a.depth):
         print(line)
 
 

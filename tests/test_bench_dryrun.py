@@ -134,7 +134,7 @@ def test_memory_peak_replays_a_snapshot_to_its_highest_point():
     and the blocks alive there (a block freed before the snapshot included), charged to their first frame in
     this package or Megatron."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.memory_peak import by_site, find_peak, report
+    from bench.memory_peak import by_site, find_peak, pending_at, report
 
     def fr(path: str, line: int) -> list[dict]:
         return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
@@ -149,17 +149,31 @@ def test_memory_peak_replays_a_snapshot_to_its_highest_point():
                                {"action": "free_requested", "addr": 3, "size": 200, "frames": c},
                                {"action": "free_completed", "addr": 3, "size": 200, "frames": c},
                                {"action": "alloc", "addr": 4, "size": 10, "frames": d},
+                               {"action": "free_requested", "addr": 2, "size": 50, "frames": b},
                                {"action": "free_completed", "addr": 2, "size": 50, "frames": b}]]}
     peak = find_peak(snap)
-    assert peak.bytes == 350 and sorted(peak.live) == [1, 2, 3] and peak.event == 3
+    assert peak.bytes == 350 and sorted(peak.live) == [1, 2, 3] and peak.event == 2
     assert by_site(peak.live) == [("megatron/core/c.py:3 f", 200, 1), ("megatron/core/a.py:1 f", 100, 1),
                                   ("megatron_peakflat/vocab/b.py:2 f", 50, 1)]
     lines = list(report(snap))
-    assert "at the snapshot" in lines[0] and len(lines) == 4
-    listed = list(report(snap, blocks=2))[4:]
+    assert "at the snapshot" in lines[0] and "reached by event 1, alloc" in lines[1] and len(lines) == 5
+    assert len(list(report(snap, depth=2))) == 7  # the stack of the alloc that reached the peak
+    listed = list(report(snap, blocks=2))[5:]
     assert listed[0] == "the 2 largest blocks at the peak, with their stacks:"
     assert "(200 B)" in listed[1] and listed[3].strip() == "megatron/core/c.py:3 f" and "(100 B)" in listed[4]
     assert find_peak({"segments": snap["segments"]}).bytes == 110  # no history: the live state is all there is
-    # a deferred free completes inside a later malloc and carries that malloc's stack: the block keeps its own
-    snap["device_traces"][0][3]["frames"] = d
+    # a free event may carry another stack than the block's alloc: the block keeps its own
+    snap["device_traces"][0][2]["frames"] = d
     assert find_peak(snap).live[3] == (200, c)
+    # a block freed while another stream still used it (record_stream) stops counting as allocated at its
+    # free_requested, as the allocator's own statistics do, though its free_completed comes later
+    deferred = {"segments": [{"blocks": []}],
+                "device_traces": [[{"action": "alloc", "addr": 5, "size": 300, "frames": a},
+                                   {"action": "free_requested", "addr": 5, "size": 300, "frames": a},
+                                   {"action": "alloc", "addr": 6, "size": 100, "frames": b},
+                                   {"action": "free_completed", "addr": 5, "size": 300, "frames": a},
+                                   {"action": "free_requested", "addr": 6, "size": 100, "frames": b},
+                                   {"action": "free_completed", "addr": 6, "size": 100, "frames": b}]]}
+    peak = find_peak(deferred)
+    assert peak.bytes == 300 and list(peak.live) == [5]
+    assert pending_at(deferred, 3) == 300 and pending_at(deferred, 4) == 0 and pending_at(deferred, 6) == 0

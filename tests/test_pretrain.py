@@ -89,7 +89,7 @@ def _off_then_on(args: list[str], on: list[str], nproc: int = 1) -> tuple[str, s
 def _same_training(off: str, on: str) -> None:
     """The three logged losses equal to 1e-5 and the grad norms to 1e-4."""
     base = _losses(off)
-    assert len(base) == 3
+    assert len(base) == 3 and len(_grad_norms(off)) == 3
     assert _losses(on) == pytest.approx(base, rel=1e-5)
     assert _grad_norms(on) == pytest.approx(_grad_norms(off), rel=1e-4)
 

@@ -87,9 +87,13 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
             assert max_rel_error(loss.detach(), ref_loss.detach()) < 1e-5, (what, float(loss), float(ref_loss))
             _same_grads(what, ours, ref)
             done.append(what)
-            # unpatched again: the original forward runs and builds logits
-            out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-            assert out.shape == batch["labels"].shape
+            # unpatched again: the original forward runs, builds logits and gives the reference's loss
+            logits_built = []
+            hook = model.output_layer.register_forward_hook(lambda _m, _a, out: logits_built.append(out[0].shape))
+            again = gpt_loss(model, batch)
+            hook.remove()
+            assert logits_built and logits_built[0][-1] * world == V, (what, logits_built)
+            assert max_rel_error(again.detach(), ref_loss.detach()) < 1e-5, (what, float(again), float(ref_loss))
     destroy_num_microbatches_calculator()
     destroy_megatron_parallel()
     return done
