@@ -116,6 +116,11 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
         if not num_experts:
             raise PeakflatConfigError(flag, cfg.dispatch.impl, "the model has no MoE layers to dispatch for",
                                       "add --num-experts N, or drop " + flag)
+        freq = _get(args, "moe_layer_freq", 1)
+        if isinstance(freq, (list, tuple)) and not any(freq):
+            raise PeakflatConfigError(flag, cfg.dispatch.impl,
+                                      f"--moe-layer-freq {list(freq)} makes every layer dense, so the model has no "
+                                      "MoE layers to dispatch for", "put a 1 in --moe-layer-freq, or drop " + flag)
         if _get(args, "moe_token_dispatcher_type", "alltoall") != "alltoall":
             raise PeakflatConfigError(flag, cfg.dispatch.impl,
                                       f"it replaces the alltoall dispatcher, but --moe-token-dispatcher-type is "
@@ -168,6 +173,12 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
                                       "fp8/fp4 layers checkpoint through Transformer Engine's te_checkpoint, which SCO "
                                       "does not wrap, so every boundary would stay on the GPU",
                                       "drop --fp8-format / --fp4-format, or drop " + flag)
+        graphs = _cuda_graphs(args)
+        if graphs:
+            raise PeakflatConfigError(flag, True,
+                                      f"{graphs} captures the layers, and a captured layer records no checkpoint "
+                                      "boundary for SCO to offload (SCO would hand every captured layer back to "
+                                      "Megatron's recompute)", f"drop {graphs.split()[0]}, or drop {flag}")
         _check_sco_budget(cfg, args)
     if cfg.general.attention == "sdpa":
         _check_sdpa_attention(cfg, args)
@@ -200,6 +211,8 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
     for name in _COMPONENTS:
         for note in getattr(cfg, name).unused_flag_notes():
             log.warning(note)
+    for note in _sub_flag_notes(cfg):
+        log.warning(note)
 
 
 def check_devices(cfg: PeakflatConfig) -> None:
@@ -255,8 +268,6 @@ _DISPATCH_CONFLICTS: tuple[tuple[str, str, str], ...] = (
     ("overlap_dispatch_backward_with_experts_wgrad", "Megatron's own dispatch/wgrad overlap",
      "drop --overlap-dispatch-backward-with-experts-wgrad"),
     ("moe_latent_size", "latent MoE projections", "drop --moe-latent-size"),
-    ("enable_cuda_graph", "CUDA graphs of the layers (PipelinedLLEP's chunk sizes follow the routing)",
-     "drop --enable-cuda-graph"),
     ("use_te_activation_func", "Transformer Engine activation modules in the experts",
      "drop --use-te-activation-func"),
     ("use_transformer_engine_op_fuser", "TE's fused grouped MLP", "drop --use-transformer-engine-op-fuser"),
@@ -267,6 +278,28 @@ _DISPATCH_CONFLICTS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def _cuda_graphs(args: Any) -> str:
+    """The Megatron flag that captures the layers in CUDA graphs, as the user wrote it, or ''."""
+    impl = _get(args, "cuda_graph_impl", "none") or "none"
+    if impl != "none":
+        return f"--cuda-graph-impl {impl}"
+    return "--enable-cuda-graph" if _get(args, "enable_cuda_graph") else ""
+
+
+def _sub_flag_notes(cfg: PeakflatConfig) -> list[str]:
+    """Sub-flags of an enabled component that another of its sub-flags makes useless (each changes nothing)."""
+    notes = []
+    v, o = cfg.vocab, cfg.optimizer
+    if v.impl != "megatron" and v.grad == "recompute" and v.chunk_tokens:
+        notes.append(f"peakflat: {v.flag('chunk_tokens')}={v.chunk_tokens} has no effect: {v.flag('grad')} recompute "
+                     f"computes dX and dW in backward, block by block. Fix: drop {v.flag('chunk_tokens')}, or pass "
+                     f"{v.flag('grad')} in-forward")
+    if o.impl != "megatron" and o.engine == "gpu" and o.host_threads is not None:
+        notes.append(f"peakflat: {o.flag('host_threads')}={o.host_threads} has no effect: {o.flag('engine')} gpu runs "
+                     f"every bucket on the GPU. Fix: drop {o.flag('host_threads')}, or pass {o.flag('engine')} auto")
+    return notes
+
+
 def _check_dispatch_experts(cfg: PeakflatConfig, args: Any) -> None:
     """Reject the Megatron flags whose MoE layers PipelinedLLEP would hand back to Megatron's dispatcher
     (``integration.dispatch.unsupported_reason``), so that the choice fails at start-up, not silently."""
@@ -275,10 +308,10 @@ def _check_dispatch_experts(cfg: PeakflatConfig, args: Any) -> None:
         if _get(args, dest):
             raise PeakflatConfigError(flag, cfg.dispatch.impl, f"it does not support {what}",
                                       f"{fix}, or drop {flag}")
-    if (_get(args, "cuda_graph_impl", "none") or "none") != "none":
-        raise PeakflatConfigError(flag, cfg.dispatch.impl,
-                                  f"--cuda-graph-impl {_get(args, 'cuda_graph_impl')} captures the layers, and "
-                                  "PipelinedLLEP's chunk sizes follow the routing", f"drop --cuda-graph-impl, or drop {flag}")
+    graphs = _cuda_graphs(args)
+    if graphs:
+        raise PeakflatConfigError(flag, cfg.dispatch.impl, f"{graphs} captures the layers, and PipelinedLLEP's chunk "
+                                  "sizes follow the routing", f"drop {graphs.split()[0]}, or drop {flag}")
     if _get(args, "transformer_impl") == "inference_optimized":
         raise PeakflatConfigError(flag, cfg.dispatch.impl, "--transformer-impl inference_optimized builds inference "
                                   "experts", f"use --transformer-impl transformer_engine or local, or drop {flag}")
@@ -297,6 +330,11 @@ def _is_fp32(dtype: Any) -> bool:
 
 def _check_offload_stream_megatron_knobs(flag: str, impl: str, args: Any) -> None:
     """Megatron flags of the offloaded optimizer that OffloadStreamAdamW would otherwise ignore or fail on."""
+    if _get(args, "optimizer_cuda_graph", False):
+        raise PeakflatConfigError(flag, impl,
+                                  "--optimizer-cuda-graph records the optimizer step as a CUDA graph, and "
+                                  "OffloadStreamAdamW's step streams buckets through the host (host work and "
+                                  "host-to-device copies a graph cannot replay)", f"drop --optimizer-cuda-graph, or drop {flag}")
     fraction = _get(args, "optimizer_offload_fraction", 1.0)
     if fraction is not None and fraction != 1.0:
         raise PeakflatConfigError(flag, impl,
@@ -338,6 +376,11 @@ def _check_sco_budget(cfg: PeakflatConfig, args: Any) -> None:
 def _check_sdpa_attention(cfg: PeakflatConfig, args: Any) -> None:
     """What the SDPA core attention hands back to Megatron's DotProductAttention, refused when it was asked for."""
     flag = cfg.general.flag("attention")
+    if _get(args, "transformer_impl") == "transformer_engine":
+        raise PeakflatConfigError(flag, "sdpa", "it replaces the core attention of Megatron's local layer spec, and "
+                                  "--transformer-impl transformer_engine builds Transformer Engine's layers, whose "
+                                  "attention it never touches", f"pass --transformer-impl local, or drop {flag} "
+                                  "(its default, auto, leaves TE's attention alone)")
     if _get(args, "window_size"):
         raise PeakflatConfigError(flag, "sdpa", f"it does not cover sliding-window attention (--window-size "
                                   f"{_get(args, 'window_size')}), which would fall back to s x s scores",

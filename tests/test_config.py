@@ -463,3 +463,46 @@ def test_readme_flags_table_is_the_one_the_flags_generate():
     assert table.count("\n| `--peakflat-") >= 20
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert table in readme, "README.md's flags table is stale: regenerate it with `python -m megatron_peakflat.config`"
+
+
+@pytest.mark.parametrize("argv, megatron, flag, problem, fix", [
+    (["--peakflat-sco"], dict(enable_cuda_graph=True), "--peakflat-sco", "--enable-cuda-graph captures",
+     "drop --enable-cuda-graph, or drop --peakflat-sco"),
+    (["--peakflat-sco"], dict(cuda_graph_impl="local"), "--peakflat-sco", "--cuda-graph-impl local captures",
+     "drop --cuda-graph-impl, or drop --peakflat-sco"),
+    (["--peakflat-optimizer", "offload-stream"], dict(optimizer_cuda_graph=True), "--peakflat-optimizer",
+     "--optimizer-cuda-graph records the optimizer step", "drop --optimizer-cuda-graph, or drop --peakflat-optimizer"),
+    (["--peakflat-attention", "sdpa"], dict(transformer_impl="transformer_engine"), "--peakflat-attention",
+     "--transformer-impl transformer_engine builds Transformer Engine's layers", "pass --transformer-impl local"),
+    (["--peakflat-dispatch", "pipelined-llep"], dict(moe_layer_freq=[0, 0]), "--peakflat-dispatch",
+     "--moe-layer-freq [0, 0] makes every layer dense", "put a 1 in --moe-layer-freq"),
+])
+def test_combinations_that_would_only_fail_or_do_nothing_later_are_refused(argv, megatron, flag, problem, fix):
+    """Each is refused at start-up naming its flag and fix; the same flags without the Megatron one pass."""
+    with pytest.raises(PeakflatConfigError) as e:
+        PeakflatConfig.from_args(parse_with_megatron(*argv, **megatron))
+    assert e.value.flag == flag and problem in e.value.problem and e.value.fix.startswith(fix), str(e.value)
+    PeakflatConfig.from_args(parse_with_megatron(*argv))
+
+
+def test_a_sub_flag_another_sub_flag_makes_useless_is_named_with_its_fix(caplog):
+    """With the component on, --peakflat-vocab-chunk-tokens under --peakflat-vocab-grad recompute and
+    --peakflat-opt-host-threads under --peakflat-opt-engine gpu change nothing: one warning each, naming the
+    flag, its value and the fix. With the sub-flags that use them, nothing is said."""
+    caplog.set_level("WARNING", logger="megatron_peakflat")
+    PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-grad", "recompute",
+                                                 "--peakflat-vocab-chunk-tokens", "4096",
+                                                 "--peakflat-optimizer", "offload-stream", "--peakflat-opt-engine",
+                                                 "gpu", "--peakflat-opt-host-threads", "8"))
+    notes = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("peakflat: --peakflat-vocab-chunk-tokens=4096 has no effect: --peakflat-vocab-grad "
+                               "recompute") and "Fix: drop --peakflat-vocab-chunk-tokens" in notes[0]
+    assert notes[1].startswith("peakflat: --peakflat-opt-host-threads=8 has no effect: --peakflat-opt-engine gpu") \
+        and "Fix: drop --peakflat-opt-host-threads" in notes[1]
+    caplog.clear()
+    PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-grad", "in-forward",
+                                                 "--peakflat-vocab-chunk-tokens", "4096",
+                                                 "--peakflat-optimizer", "offload-stream", "--peakflat-opt-engine",
+                                                 "cpu", "--peakflat-opt-host-threads", "8"))
+    assert not [r for r in caplog.records if "has no effect" in r.getMessage()]

@@ -1032,3 +1032,34 @@ def test_a_megatron_command_line_takes_megatrons_defaults_for_the_checked_flags(
     assert "--disable-bias-linear" in blockers(shape, run, ns.megatron_namespace)["dispatch"]
     shape, run, _, ns, _ = build(["--preset", "gpt-oss-20b", "--megatron-args", "--seq-length 8192", "--gpus", "8"])
     assert blockers(shape, run, ns.megatron_namespace) == {}
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--hbm-gib", "nan"], "--hbm-gib"),
+    (["--host-gib", "inf"], "--host-gib"),
+    (["--hbm-gib", "0"], "--hbm-gib"),
+    (["--routing-skew", "nan"], "--routing-skew"),
+    (["--routing-skew", "inf"], "--routing-skew"),
+    (["--recompute-num-layers", "0"], "--recompute-num-layers"),
+    (["--global-batch", "0"], "--global-batch"),
+    (["--gpus-per-node", "0"], "--gpus-per-node"),
+    (["--megatron-args", "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --peakflat-dispatch-chunkcap 4096"],
+     "--peakflat-dispatch-chunkcap"),
+])
+def test_the_planner_refuses_what_would_give_a_traceback_or_a_meaningless_table(argv, flag, capsys):
+    """Each is exit status 2 with the flag named on stderr, never a traceback or a table of nan; a mistyped peakflat
+    flag inside --megatron-args is refused as pretraining refuses it, not listed among ignored Megatron flags."""
+    base = [] if "--megatron-args" in argv else ["--preset", "deepseek-v3"]
+    assert main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and flag in err, err
+
+
+def test_the_planner_runs_as_a_module_of_its_own():
+    """``python -m megatron_peakflat.memory.cli`` is the planner too (as ``python -m megatron_peakflat.plan``)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "megatron_peakflat.memory.cli", "--list-presets"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "deepseek-v3" in out.stdout, out.stderr[-2000:]

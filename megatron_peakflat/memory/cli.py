@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from typing import Any, Sequence
@@ -125,10 +126,10 @@ def validate(shape: ModelShape, run: RunConfig, gpus: int) -> None:
                         ("--num-attention-heads", shape.heads), ("--vocab-size", shape.vocab)):
         if value is None or value < 1:
             raise _err(flag, value, "must be a positive integer", f"pass {flag} 1 or more")
-    if run.hbm_bytes <= 0:
-        raise _err("--hbm-gib", run.hbm_bytes / GIB, "must be positive", "pass the GPU memory, e.g. --hbm-gib 141")
-    if run.host_bytes_per_node <= 0:
-        raise _err("--host-gib", run.host_bytes_per_node / GIB, "must be positive", "pass the node's RAM, e.g. --host-gib 2048")
+    for flag, value in (("--recompute-num-layers", run.recompute_num_layers), ("--global-batch", run.global_batch),
+                        ("--gpus-per-node", run.gpus_per_node)):
+        if value is not None and value < 1:
+            raise _err(flag, value, "must be a positive integer", f"pass {flag} 1 or more, or leave it out")
     if shape.heads % run.tp:
         raise _err("--tp", run.tp, f"does not divide the {shape.heads} attention heads",
                    "choose a TP size that divides --num-attention-heads, e.g. " +
@@ -156,7 +157,7 @@ def validate(shape: ModelShape, run: RunConfig, gpus: int) -> None:
     if shape.experts and not 1 <= shape.topk <= shape.experts:
         raise _err("--moe-router-topk", shape.topk, f"must be between 1 and the {shape.experts} experts",
                    "pass a top-k no larger than --num-experts")
-    if run.routing_skew < 1.0:
+    if not (1.0 <= run.routing_skew < math.inf):
         raise _err("--routing-skew", run.routing_skew, "max/mean load is never below 1", "pass 1.0 or more")
 
 
@@ -173,6 +174,10 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
         except KeyError:
             raise _err("--preset", ns.preset, "unknown preset", f"use one of {', '.join(PRESETS)}") from None
     mns, ignored = parse_megatron_args(ns.megatron_args) if ns.megatron_args else (argparse.Namespace(), [])
+    unknown = [u.split("=")[0] for u in ignored if u.startswith("--peakflat")]
+    if unknown:
+        raise _err(unknown[0], None, "is not a peakflat flag (pretraining would refuse it too)",
+                   "check its spelling against the flags in README.md or --help")
     if base is None and not ns.megatron_args:
         raise _err("--preset", None, "no model given", f"pass --preset ({', '.join(PRESETS)}) or --megatron-args")
     shape = shape_from_namespace(mns, base) if ns.megatron_args else base
@@ -198,6 +203,10 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     host = ns.host_gib
     if host is None:
         host = (local_host_gib() if local_hbm_gib() else None) or 2048.0
+    for flag, value, example in (("--hbm-gib", hbm, "the GPU memory, e.g. --hbm-gib 141"),
+                                 ("--host-gib", host, "the node's RAM, e.g. --host-gib 2048")):
+        if not 0 < value < math.inf:
+            raise _err(flag, value, "must be a positive number of GiB", f"pass {example}")
     kw: dict[str, Any] = dict(fields)
     kw.update(par)
     kw["seq_len"] = seq
@@ -378,3 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not ns.json:
             print(f"wrote {ns.plot}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
