@@ -18,30 +18,9 @@ import pytest
 import torch
 
 from megatron_peakflat.testing import max_rel_error, run_distributed
+from megatron_peakflat.testing.megatron_cpu import skew_router
 
 SEQ, MB, VOCAB = 16, 2, 64  # 32 tokens per rank, top-2: 64 token-expert pairs per rank
-
-
-def _skew_router(model, skew: str, seed: int) -> None:
-    """Add a fixed offset to the router logits so that a share of tokens prefers expert 1."""
-    share = {"balanced": 0.0, "hot95": 0.95, "all": 1.0}[skew]
-    if share == 0.0:
-        return
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    for i, m in enumerate(mod for mod in model.modules() if isinstance(mod, TopKRouter)):
-        gating = m.gating
-
-        def skewed(x, gating=gating, layer=i):
-            logits = gating(x)
-            T = logits.reshape(-1, logits.shape[-1]).shape[0]
-            g = torch.Generator().manual_seed(seed + layer)
-            hot = (torch.rand(T, generator=g) < share).to(logits.dtype).view(*logits.shape[:-1], 1)
-            bump = torch.zeros(logits.shape[-1], dtype=logits.dtype)
-            bump[1] = 8.0
-            return logits + hot * bump
-
-        m.gating = skewed
 
 
 def _ref_and_patched(config, dispatch, experts: str = "sequential") -> tuple:  # noqa: ANN001
@@ -85,8 +64,8 @@ def _both_steps(ref, model, skew: str, router_seed: int, batch_seed: int) -> lis
     from megatron_peakflat import stats
     from megatron_peakflat.testing import megatron_cpu as mc
 
-    _skew_router(ref, skew, router_seed)
-    _skew_router(model, skew, router_seed)
+    skew_router(ref, skew, router_seed)
+    skew_router(model, skew, router_seed)
     batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=batch_seed)
     stats.reset()
     losses = []
@@ -217,8 +196,8 @@ def _ddp_case(rank: int, world: int, E: int, experts: str = "sequential") -> tup
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True)
     ref_inner, inner = _ref_and_patched(config, DispatchConfig(impl="pipelined-llep", chunk_cap=10, min_spill=0,
                                                                imbalance_threshold=1.05, overlap=world > 1), experts)
-    _skew_router(ref_inner, "hot95", 5 + rank)
-    _skew_router(inner, "hot95", 5 + rank)
+    skew_router(ref_inner, "hot95", 5 + rank)
+    skew_router(inner, "hot95", 5 + rank)
     models = [DistributedDataParallel(config, ddp_cfg, m) for m in (ref_inner, inner)]
     worst = 0.0
     for it in range(2):

@@ -1,4 +1,4 @@
-"""OffloadStreamAdamW inside Megatron's DistributedOptimizer, on CPU with gloo (world 2, DP 2).
+"""OffloadStreamAdamW inside Megatron's DistributedOptimizer, on CPU with gloo (worlds 1, 2 and 4: DP 1, 2, 4).
 
 - Training with ``--peakflat-optimizer offload-stream`` (Megatron's HybridDeviceOptimizer path:
   optimizer_cpu_offload + precision-aware optimizer) equals the unpatched Megatron distributed
@@ -63,7 +63,7 @@ def _params(ddp) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in ddp.named_parameters()}
 
 
-def _rank_main(rank: int, world: int, ckpt_dir: str):
+def _rank_main(rank: int, world: int, ckpt_dir: str, engines: tuple[str, ...] = ENGINES):
     import megatron_peakflat
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
@@ -80,7 +80,7 @@ def _rank_main(rank: int, world: int, ckpt_dir: str):
     ddp, opt = _build(peakflat=False)
     ref = [(*_train_step(ddp, opt, s, rank), _params(ddp)) for s in range(1, STEPS + 1)]
 
-    for engine in ENGINES:
+    for engine in engines:
         # attention 'local': only the optimizer differs from the reference run
         cfg = PeakflatConfig(optimizer=PfOpt(impl="offload-stream", bucket=3000, engine=engine, slots=2),
                              general=GeneralConfig(attention="local"))
@@ -130,13 +130,18 @@ def _rank_main(rank: int, world: int, ckpt_dir: str):
 
 
 
-def test_offload_stream_in_distributed_optimizer_world2():
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_offload_stream_in_distributed_optimizer(world):
+    engines = ENGINES
     with tempfile.TemporaryDirectory() as d:
-        results = run_distributed(_rank_main, 2, d, timeout=280)
+        results = run_distributed(_rank_main, world, d, engines, timeout=280 * max(1, world // 2))
+    assert len(results) == world
     for rank, res in enumerate(results):
-        for engine in ENGINES:
+        assert set(res) == set(engines)
+        for engine in engines:
             r = res[engine]
-            assert r["shard"] < r["total"], r  # each DP rank streams only its shard
+            # each DP rank streams only its shard (at world 1 the shard is the whole model)
+            assert r["shard"] < r["total"] if world > 1 else r["shard"] == r["total"], r
             assert r["same_names"]
             assert r["worst_loss"] <= 1e-5 and r["worst_norm"] <= 1e-5, (rank, engine, r)
             assert r["worst_param"] <= 1e-5, (rank, engine, r["worst_param"], r["worst_where"])

@@ -1,6 +1,7 @@
 """SCO inside Megatron-Core on CPU: GPTModel (MoE, local spec) under full recompute, through
-Megatron's pipeline schedule, SCO on versus the unpatched path: loss and every gradient bitwise
-equal; boundaries packed = layers per stage / recompute_num_layers x microbatches; budget held."""
+Megatron's pipeline schedule (worlds 1, 2 and 4: PP 1, 2 and 4), SCO on versus the unpatched path: loss and
+every gradient bitwise equal, with balanced routing and with every token sent to one expert; boundaries packed =
+layers per stage / recompute_num_layers x microbatches; budget held."""
 
 from __future__ import annotations
 
@@ -40,15 +41,17 @@ def _one_run(config, model, batches, pp: int):
     return losses, grads
 
 
-def _case(rank, pp, *, layers, method, rnl, microbatches, budget=None, moe=True):
+def _case(rank, pp, *, layers, method, rnl, microbatches, budget=None, moe=True, skew="balanced"):
     import megatron_peakflat
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.integration import recompute as sco_integration
     from megatron_peakflat.recompute.config import SCOConfig
     from megatron_peakflat.config import GeneralConfig
-    from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, gpt_batch, tiny_transformer_config
+    from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, gpt_batch, skew_router, tiny_transformer_config
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
+    destroy_moe_metrics_tracker()  # sized by the previous case's layer count
     over = dict(num_layers=layers, recompute_granularity="full", recompute_method=method,
                 recompute_num_layers=rnl, pipeline_dtype=torch.float32)
     if not moe:
@@ -57,6 +60,8 @@ def _case(rank, pp, *, layers, method, rnl, microbatches, budget=None, moe=True)
     torch.manual_seed(7)
     model = build_tiny_gpt(config, vocab_size=V, seq_len=S, moe=moe)
     model.train()
+    skew_router(model, skew, seed=11 + rank)  # both runs below use this model, so the same routing
+    routed = _count_routing(model)
     batches = [gpt_batch(S, MB, V, seed=100 + i) for i in range(microbatches)]
 
     ref = _one_run(config, model, batches, pp)  # unpatched Megatron
@@ -86,7 +91,26 @@ def _case(rank, pp, *, layers, method, rnl, microbatches, budget=None, moe=True)
     else:
         assert off.pool.peak_in_use <= budget and off.offloaded >= 1
     return {"rank": rank, "packed": off.packed, "offloaded": off.offloaded, "params": len(ref[1]),
-            "peak_boundaries": off.pool.peak_in_use / boundary}
+            "peak_boundaries": off.pool.peak_in_use / boundary, "routed": [int(x) for x in routed]}
+
+
+def _count_routing(model) -> list[int]:
+    """A list that every router forward of ``model`` from now on adds its tokens per expert to."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    counts: list[int] = []
+
+    def count(_m, _args, out):
+        per_expert = out[1].sum(0).tolist()
+        if not counts:
+            counts.extend([0] * len(per_expert))
+        for e, n in enumerate(per_expert):
+            counts[e] += int(n)
+
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            m.register_forward_hook(count)
+    return counts
 
 
 def _case_interleaved(rank, *, layers, microbatches):
@@ -177,7 +201,11 @@ def _rank_main(rank, world_size, pp):
             out.append(_case(rank, pp, layers=4, method="uniform", rnl=2, microbatches=2, moe=False))
             out.append(_case(rank, pp, layers=4, method="block", rnl=3, microbatches=2))
             out.append(_case(rank, pp, layers=4, method="uniform", rnl=1, microbatches=2, budget=S * MB * 64 * 4 + 100))
+            out.append(_case(rank, pp, layers=4, method="uniform", rnl=1, microbatches=2, skew="all"))
             out.append({n: (_live_after_forward(n, False), _live_after_forward(n, True)) for n in (2, 6)})
+        elif pp == 4:
+            out.append(_case(rank, pp, layers=8, method="uniform", rnl=1, microbatches=4))
+            out.append(_case(rank, pp, layers=8, method="uniform", rnl=1, microbatches=4, skew="all"))
         else:
             out.append(_case(rank, pp, layers=6, method="uniform", rnl=1, microbatches=4))
             out.append(_case(rank, pp, layers=6, method="uniform", rnl=1, microbatches=3, budget=2 * S * MB * 64 * 4))
@@ -199,9 +227,25 @@ def test_sco_megatron_world1():
     # varied by 128 in one CI run of many (so: within an eighth of one boundary, not to the byte)
     assert abs(grow_off - grow_on - 4 * boundary) < boundary // 8, live
     assert grow_on < 4 * boundary // 4, live
-    assert [r["packed"] for r in res] == [8, 4, 6, 8]
-    assert [r["offloaded"] for r in res] == [6, 2, 4, 2]
+    assert [r["packed"] for r in res] == [8, 4, 6, 8, 8]
+    assert [r["offloaded"] for r in res] == [6, 2, 4, 2, 6]
     assert res[3]["peak_boundaries"] == 1  # budget of one boundary (plus change)
+    _every_token_to_expert_1(res[4]["routed"])
+    assert 0 < res[0]["routed"][1] * 2 < sum(res[0]["routed"])  # unskewed: not every token on expert 1
+
+
+def _every_token_to_expert_1(routed: list[int], topk: int = 2) -> None:
+    assert routed and routed[1] * topk == sum(routed), routed
+
+
+def test_sco_megatron_world4_pp4():
+    """Four pipeline stages of two layers each, 1F1B over 4 microbatches, balanced and every token on expert 1."""
+    res = run_distributed(_rank_main, 4, 4, timeout=360)
+    for rank, cases in enumerate(res):
+        assert [r["packed"] for r in cases] == [8, 8], (rank, cases)
+        # two boundaries per microbatch: the first stage offloads one, later stages keep their received input
+        assert [r["offloaded"] for r in cases] == [4 if rank == 0 else 0] * 2, (rank, cases)
+        _every_token_to_expert_1(cases[1]["routed"])
 
 
 def test_sco_megatron_world2_pp2():

@@ -309,6 +309,30 @@ def build_tiny_gpt(config: Any, vocab_size: int = 128, seq_len: int = 16, moe: b
     return model
 
 
+def skew_router(model: Any, skew: str, seed: int) -> None:
+    """Add a fixed offset to the router logits of every ``TopKRouter`` in ``model`` so that a share of the
+    tokens prefers expert 1: ``"balanced"`` none, ``"hot95"`` 95%, ``"all"`` every token. The same ``seed``
+    picks the same tokens, so a reference model and a patched one see the same routing."""
+    share = {"balanced": 0.0, "hot95": 0.95, "all": 1.0}[skew]
+    if share == 0.0:
+        return
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for i, m in enumerate(mod for mod in model.modules() if isinstance(mod, TopKRouter)):
+        gating = m.gating
+
+        def skewed(x: torch.Tensor, gating: Any = gating, layer: int = i) -> torch.Tensor:
+            logits = gating(x)
+            T = logits.reshape(-1, logits.shape[-1]).shape[0]
+            g = torch.Generator().manual_seed(seed + layer)
+            hot = (torch.rand(T, generator=g) < share).to(logits.dtype).view(*logits.shape[:-1], 1)
+            bump = torch.zeros(logits.shape[-1], dtype=logits.dtype)
+            bump[1] = 8.0
+            return logits + hot * bump
+
+        m.gating = skewed
+
+
 def mtp_metrics() -> dict[str, torch.Tensor]:
     """Megatron's MTP metrics since the last call (each MTP layer's loss; in 0.19 its acceptance counts too),
     then cleared: the tracker is sized by a model's MTP depth, and the next model may differ."""
