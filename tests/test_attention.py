@@ -1,5 +1,6 @@
 """SDPAttention equals Megatron's DotProductAttention (outputs and input gradients), causal and padded."""
 
+import pytest
 import torch
 
 from megatron_peakflat.testing import run_distributed
@@ -18,17 +19,17 @@ def _compare(rank, world_size):
     results = []
     s, b, hn = 37, 2, 16
     for groups, mask_type, mask_kind in [
+        (8, AttnMaskType.causal, None),
+        (8, AttnMaskType.causal, "causal"),
         (4, AttnMaskType.causal, None),
-        (4, AttnMaskType.causal, "causal"),
-        (2, AttnMaskType.causal, None),
+        (8, AttnMaskType.padding, "padding"),
         (4, AttnMaskType.padding, "padding"),
-        (2, AttnMaskType.padding, "padding"),
     ]:
-        cfg = tiny_transformer_config(num_attention_heads=4, num_query_groups=groups, kv_channels=hn,
+        cfg = tiny_transformer_config(num_attention_heads=8, num_query_groups=groups, kv_channels=hn,
                                       hidden_size=64, num_moe_experts=None)
         ref = DotProductAttention(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self")
         ours = SDPAttention(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self")
-        np_ = 4 // world_size
+        np_ = 8 // world_size
         ng = groups // world_size
         g = torch.Generator().manual_seed(7)
         q = torch.randn(s, b, np_, hn, generator=g)
@@ -56,14 +57,11 @@ def _compare(rank, world_size):
     return results
 
 
-def test_sdpa_matches_dot_product_attention_world1():
-    (res,) = run_distributed(_compare, 1)
-    assert len(res) == 5
-
-
-def test_sdpa_matches_dot_product_attention_tp2():
-    res = run_distributed(_compare, 2)
-    assert all(len(r) == 5 for r in res)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sdpa_matches_dot_product_attention(world):
+    """At TP = world: 8 heads, 8 or 4 query groups, so each rank holds 8/TP heads and at least one group."""
+    res = run_distributed(_compare, world)
+    assert len(res) == world and all(len(r) == 5 for r in res)
 
 
 def _handed_back(rank, world_size):
