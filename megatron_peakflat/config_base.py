@@ -177,7 +177,7 @@ class ComponentConfig:
             kw: dict[str, Any] = {"dest": cls.dest(f.name), "default": default}
             help_text = docs.get(f.name, "")
             if tp is bool:
-                kw["action"] = argparse.BooleanOptionalAction
+                kw["action"] = Switch
             elif get_origin(tp) is Literal:
                 kw["choices"] = list(get_args(tp))
                 kw["type"] = type(get_args(tp)[0])
@@ -231,6 +231,35 @@ class ComponentConfig:
             if hasattr(ns, d):
                 kw[f.name] = getattr(ns, d)
         return cls(**kw)
+
+
+class Switch(argparse.BooleanOptionalAction):
+    """``--x`` turns it on and ``--no-x`` off, as ``BooleanOptionalAction``; a value given to it (``--x=false``,
+    ``--x yes``) is read when it says on or off and refused by name otherwise. Plain argparse would answer
+    "ignored explicit argument" or "unrecognized arguments", naming neither the value's meaning nor the fix."""
+
+    ON, OFF = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, **kw)
+        self.nargs = "?"
+        self.metavar = "on|off"
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        negative = bool(option_string) and option_string.startswith("--no-")
+        if values is None:
+            setattr(namespace, self.dest, not negative)
+            return
+        text = str(values).strip().lower()
+        on, off = self.option_strings[0], self.option_strings[-1]
+        if negative:
+            raise argparse.ArgumentError(self, f"{off} takes no value ({values!r}). Fix: pass {off} alone to turn it "
+                                               f"off, or {on} alone to turn it on")
+        if text not in self.ON + self.OFF:
+            raise argparse.ArgumentError(self, f"{values!r} is not on or off. Fix: pass {on} alone to turn it on, "
+                                               f"or {off} to turn it off")
+        setattr(namespace, self.dest, text in self.ON)
 
 
 def shown_default(default: Any) -> Any:

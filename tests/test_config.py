@@ -506,3 +506,23 @@ def test_a_sub_flag_another_sub_flag_makes_useless_is_named_with_its_fix(caplog)
                                                  "--peakflat-optimizer", "offload-stream", "--peakflat-opt-engine",
                                                  "cpu", "--peakflat-opt-host-threads", "8"))
     assert not [r for r in caplog.records if "has no effect" in r.getMessage()]
+
+
+@pytest.mark.parametrize("argv, value", [
+    (["--peakflat-sco"], True), (["--no-peakflat-sco"], False), (["--peakflat-sco=false"], False),
+    (["--peakflat-sco", "yes"], True), (["--peakflat-sco=0"], False), (["--peakflat-sco", "--peakflat-sco-budget", "8GiB"], True),
+])
+def test_an_on_off_flag_reads_a_value_that_says_on_or_off(argv, value):
+    assert parse(*argv).peakflat_sco_enabled is value
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--peakflat-report-peaks", "maybe"], "'maybe' is not on or off. Fix: pass --peakflat-report-peaks alone to turn "
+                                           "it on, or --no-peakflat-report-peaks to turn it off"),
+    (["--no-peakflat-sco=true"], "--no-peakflat-sco takes no value ('true'). Fix: pass --no-peakflat-sco alone"),
+])
+def test_an_on_off_flag_refuses_any_other_value_by_name(argv, message, capsys):
+    """argparse alone would say "unrecognized arguments" or "ignored explicit argument", without the fix."""
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert message in capsys.readouterr().err
