@@ -102,7 +102,9 @@ def test_apply_is_idempotent_and_remove_restores_everything():
 
 def test_only_enabled_components_are_patched():
     megatron_peakflat.apply(PeakflatConfig(sco=SCOConfig(enabled=True), general=GeneralConfig(attention="local")))
-    assert {s.split(".")[-1] for s in registry.applied()} == {"checkpointed_forward"}
+    # SCO's entries, and the fix to Megatron's dispatcher that comes with any component (moe_release.py)
+    assert {s.split(".")[-1] for s in registry.applied()} == {"checkpointed_forward", "forward"}
+    assert "megatron.core.transformer.moe.moe_layer.MoELayer.forward" in registry.applied()
 
 
 def test_a_moved_symbol_fails_naming_it_and_patches_nothing(monkeypatch):

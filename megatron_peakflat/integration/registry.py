@@ -39,7 +39,8 @@ class PeakflatIntegrationError(ImportError):
 @dataclass(frozen=True)
 class Patch:
     component: str
-    """Which part owns it: dispatch, vocab, sco, optimizer, attention, report (peak log) or wheel-fixes."""
+    """Which part owns it: dispatch, vocab, sco, optimizer, attention, report (peak log), moe-release (with any
+    component on) or wheel-fixes."""
     module: str
     """Module in which the name is bound, e.g. ``megatron.core.transformer.moe.moe_layer``."""
     attr: str
@@ -109,6 +110,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("report", "megatron.training.training", "training_log",
           "megatron_peakflat.integration.peaks:wrap_training_log",
           "logs each component's measured peak beside the planner's every log interval"),
+    Patch("moe-release", "megatron.core.transformer.moe.moe_layer", "MoELayer.forward",
+          "megatron_peakflat.integration.moe_release:release_dispatcher_probs",
+          "drops the router probabilities the alltoall dispatcher kept after the layer's forward (they held the "
+          "recomputed checkpoint's input and its gradient alive until the next iteration)"),
     Patch("wheel-fixes", "megatron.core.datasets.utils", "compile_helpers",
           "megatron_peakflat.integration.wheel_fixes:skip_compile_when_prebuilt",
           "keeps the wheel's prebuilt dataset helpers (the wheel has no Makefile to rebuild them)"),
