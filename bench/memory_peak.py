@@ -130,6 +130,16 @@ def largest_blocks(live: dict[int, tuple[int, list[dict]]], n: int, depth: int =
             yield f"      {short_path(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
 
 
+def events(snapshot: dict, min_bytes: int, device: int = 0, depth: int = 6) -> Iterable[str]:
+    """Every recorded alloc and free of at least ``min_bytes``, in order: index, action, GiB, address, and the
+    first ``depth`` frames in this package or Megatron (where a block lived, and what freed it when)."""
+    for i, ev in enumerate(_trace(snapshot, device)):
+        if ev.get("size", 0) >= min_bytes and ev.get("action") in ("alloc", "free_requested", "free_completed"):
+            frames = [f"{short_path(f.get('filename', '?'))}:{f.get('line', '?')}" for f in ev.get("frames", [])
+                      if any(p in f.get("filename", "") for p in OURS)][:depth]
+            yield f"{i} {ev['action']} {ev['size'] / GIB:.3f} {ev.get('addr')} {' < '.join(frames)}"
+
+
 def report(snapshot: dict, top: int = 25, device: int = 0, blocks: int = 0, depth: int = 0) -> Iterable[str]:
     """The peak, the event that reached it (with ``depth`` frames of its stack), the sites alive there largest
     first, and with ``blocks`` the largest blocks with their stacks."""
@@ -157,10 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--blocks", type=int, default=0, help="also list the N largest blocks at the peak with their stacks")
     ap.add_argument("--depth", type=int, default=0, help="print N frames of the stack of the event that reached the peak")
+    ap.add_argument("--events", type=float, default=0.0, metavar="GIB",
+                    help="instead, list every alloc and free of at least GIB, in order, with their frames")
     a = ap.parse_args(argv)
     with open(a.snapshot, "rb") as f:
         snap: Any = pickle.load(f)
-    for line in report(snap, a.top, a.device, a.blocks, a.depth):
+    lines = events(snap, int(a.events * GIB), a.device) if a.events else report(snap, a.top, a.device, a.blocks, a.depth)
+    for line in lines:
         print(line)
 
 

@@ -134,7 +134,7 @@ def test_memory_peak_replays_a_snapshot_to_its_highest_point():
     and the blocks alive there (a block freed before the snapshot included), charged to their first frame in
     this package or Megatron."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.memory_peak import by_site, find_peak, pending_at, report
+    from bench.memory_peak import by_site, events, find_peak, pending_at, report
 
     def fr(path: str, line: int) -> list[dict]:
         return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
@@ -177,3 +177,7 @@ def test_memory_peak_replays_a_snapshot_to_its_highest_point():
     peak = find_peak(deferred)
     assert peak.bytes == 300 and list(peak.live) == [5]
     assert pending_at(deferred, 3) == 300 and pending_at(deferred, 4) == 0 and pending_at(deferred, 6) == 0
+    listed = list(events(deferred, 200))  # the 300-byte block's three events, not the 100-byte one's
+    assert [line.split()[:3] for line in listed] == [["0", "alloc", "0.000"], ["1", "free_requested", "0.000"],
+                                                     ["3", "free_completed", "0.000"]]
+    assert listed[0].endswith("megatron/core/a.py:1")
