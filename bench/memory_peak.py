@@ -40,15 +40,22 @@ def short_path(path: str) -> str:
     return path
 
 
+def _frame(f: dict) -> str:
+    """One stack frame as ``path:line function``."""
+    return f"{short_path(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
+
+
+def _ours(f: dict) -> bool:
+    """Whether a frame is in this package or in Megatron."""
+    return any(p in f.get("filename", "") for p in OURS)
+
+
 def _site(frames: list[dict]) -> str:
     """The first frame in this package or Megatron (else the first frame) as ``path:line function``."""
-    def fmt(f: dict) -> str:
-        return f"{short_path(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
-
     for f in frames:
-        if any(p in f.get("filename", "") for p in OURS):
-            return fmt(f)
-    return fmt(frames[0]) if frames else "(no stack recorded)"
+        if _ours(f):
+            return _frame(f)
+    return _frame(frames[0]) if frames else "(no stack recorded)"
 
 
 def _trace(snapshot: dict, device: int) -> list[dict]:
@@ -127,7 +134,7 @@ def largest_blocks(live: dict[int, tuple[int, list[dict]]], n: int, depth: int =
     for size, frames in sorted(live.values(), key=lambda v: -v[0])[:n]:
         yield f"  block {size / GIB:8.3f} GiB ({size} B)"
         for f in frames[:depth]:
-            yield f"      {short_path(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
+            yield f"      {_frame(f)}"
 
 
 def events(snapshot: dict, min_bytes: int, device: int = 0, depth: int = 6) -> Iterable[str]:
@@ -136,7 +143,7 @@ def events(snapshot: dict, min_bytes: int, device: int = 0, depth: int = 6) -> I
     for i, ev in enumerate(_trace(snapshot, device)):
         if ev.get("size", 0) >= min_bytes and ev.get("action") in ("alloc", "free_requested", "free_completed"):
             frames = [f"{short_path(f.get('filename', '?'))}:{f.get('line', '?')}" for f in ev.get("frames", [])
-                      if any(p in f.get("filename", "") for p in OURS)][:depth]
+                      if _ours(f)][:depth]
             yield f"{i} {ev['action']} {ev['size'] / GIB:.3f} {ev.get('addr')} {' < '.join(frames)}"
 
 
@@ -152,7 +159,7 @@ def report(snapshot: dict, top: int = 25, device: int = 0, blocks: int = 0, dept
         yield (f"  reached by event {peak.event - 1}, {last.get('action')} of {last.get('size', 0) / GIB:.3f} GiB; "
                f"freed but held for another stream there: {pending_at(snapshot, peak.event, device) / GIB:.3f} GiB")
         for f in last.get("frames", [])[:depth]:
-            yield f"      {short_path(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
+            yield f"      {_frame(f)}"
     for site, size, n in by_site(peak.live)[:top]:
         yield f"  {size / GIB:8.3f} GiB  {n:5d}  {site}"
     if blocks:

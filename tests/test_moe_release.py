@@ -62,10 +62,11 @@ def _run(rank: int, world: int, layers: int) -> list[dict]:
     finally:
         destroy_num_microbatches_calculator()
         destroy_megatron_parallel()
-    return [dict(r, grads=None, same=None) | _compare(r, out) for r in out]
+    return [{"skew": r["skew"], "fix": r["fix"], "held": r["held"], **_compare(r, out)} for r in out]
 
 
 def _compare(r: dict, runs: list[dict]) -> dict:
+    """Loss and every gradient against the same routing's run without the fix (the results carry only these)."""
     import torch
 
     ref = next(x for x in runs if x["skew"] == r["skew"] and not x["fix"])
