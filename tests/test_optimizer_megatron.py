@@ -63,7 +63,7 @@ def _params(ddp) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in ddp.named_parameters()}
 
 
-def _rank_main(rank: int, world: int, ckpt_dir: str, engines: tuple[str, ...] = ENGINES):
+def _rank_main(rank: int, world: int, ckpt_dir: str):
     import megatron_peakflat
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
@@ -80,7 +80,7 @@ def _rank_main(rank: int, world: int, ckpt_dir: str, engines: tuple[str, ...] = 
     ddp, opt = _build(peakflat=False)
     ref = [(*_train_step(ddp, opt, s, rank), _params(ddp)) for s in range(1, STEPS + 1)]
 
-    for engine in engines:
+    for engine in ENGINES:
         # attention 'local': only the optimizer differs from the reference run
         cfg = PeakflatConfig(optimizer=PfOpt(impl="offload-stream", bucket=3000, engine=engine, slots=2),
                              general=GeneralConfig(attention="local"))
@@ -132,13 +132,12 @@ def _rank_main(rank: int, world: int, ckpt_dir: str, engines: tuple[str, ...] = 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_offload_stream_in_distributed_optimizer(world):
-    engines = ENGINES
     with tempfile.TemporaryDirectory() as d:
-        results = run_distributed(_rank_main, world, d, engines, timeout=280 * max(1, world // 2))
+        results = run_distributed(_rank_main, world, d, timeout=280 * max(1, world // 2))
     assert len(results) == world
     for rank, res in enumerate(results):
-        assert set(res) == set(engines)
-        for engine in engines:
+        assert set(res) == set(ENGINES)
+        for engine in ENGINES:
             r = res[engine]
             # each DP rank streams only its shard (at world 1 the shard is the whole model)
             assert r["shard"] < r["total"] if world > 1 else r["shard"] == r["total"], r

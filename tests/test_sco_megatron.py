@@ -91,7 +91,7 @@ def _case(rank, pp, *, layers, method, rnl, microbatches, budget=None, moe=True,
     else:
         assert off.pool.peak_in_use <= budget and off.offloaded >= 1
     return {"rank": rank, "packed": off.packed, "offloaded": off.offloaded, "params": len(ref[1]),
-            "peak_boundaries": off.pool.peak_in_use / boundary, "routed": [int(x) for x in routed]}
+            "peak_boundaries": off.pool.peak_in_use / boundary, "routed": list(routed)}
 
 
 def _count_routing(model) -> list[int]:
