@@ -1,6 +1,7 @@
 """The planner's predicted peak (total less reserve, last stage) for the MoE GPT of bench/results/pretrain_mtp_32k.json,
 with and without its MTP layer, Megatron's loss against Ring-DTP's: compared with that file's measured max allocated.
-CPU only: python3 bench/planner_mtp.py"""
+Both runs were measured before moe-release (integration/moe_release.py), so the dispatcher's held tensors are
+counted in both columns here. CPU only: python3 bench/planner_mtp.py"""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def predicted(mtp: bool, run_name: str) -> tuple[StagePlan, float]:
                                  "--hbm-gib", "139", "--ep", "1"])
     col, cfg = RUNS[run_name]
     st = plan(shape, run, cfg).stages[-1]
+    for row in st.rows.values():  # the measured runs predate moe-release: Megatron's dispatcher kept its probs
+        if row.name in ("dispatcher probs", "probs at step"):
+            row.peakflat = row.baseline
     return st, (st.total(col) - getattr(st.rows["reserve"], col)) / GIB
 
 

@@ -767,7 +767,8 @@ def test_embedding_gradient_row_follows_the_uses():
     assert row(TINY.with_(tied_embeddings=True, mtp_layers=1), pp2, -1) == (size, 0.0)  # held through the MTP layer
     base = plan(TINY.with_(tied_embeddings=False, mtp_layers=1), run, ring).stages[0]
     layer = base._phases("baseline")["layer"]
-    assert layer == pytest.approx(base.rows["layer working set"].baseline + size)
+    held = base.rows["dispatcher probs"].baseline
+    assert layer == pytest.approx(base.rows["layer working set"].baseline + size + held)
 
 
 @pytest.mark.parametrize("heads, units", [(8, 37), (16, 21), (32, 13), (64, 9)])
@@ -784,3 +785,26 @@ def test_flash_dq_accumulators_follow_the_head_count(heads, units):
     unit = 32768 * heads * 128 * 2
     assert M.attention_backward_transient(shape, run) == pytest.approx((units + 3) * unit)
     assert M.attention_backward_transient(shape, replace(run, deterministic=False)) == pytest.approx((5 + 3) * unit)
+
+
+def test_dispatcher_probs_rows_count_what_megatron_keeps_and_peakflat_drops():
+    """TINY's layers are dense, MoE, MoE, MoE; under full recompute Megatron's dispatcher keeps the three MoE
+    checkpoints' inputs (counted by the boundaries row already) and two of their gradients at layer 0's backward,
+    and all six through the step (``dispatcher_held``, checked against Megatron in test_planner_megatron.py).
+    Any peakflat component brings moe-release, which drops them; with none on, the column stays Megatron's."""
+    from megatron_peakflat.vocab.config import VocabConfig
+
+    run = RunConfig(seq_len=4096)
+    boundary = run.layer_rows * TINY.hidden * run.w
+    assert M.dispatcher_held(TINY.layer_is_moe, (), run) == (3, 2, 6)
+    on = plan(TINY, run, PeakflatConfig(vocab=VocabConfig(impl="ring-dtp"))).stages[0].rows
+    off = plan(TINY, run, PeakflatConfig()).stages[0].rows
+    for name, count, phase in (("dispatcher probs", 2, "layer"), ("probs at step", 6, "step")):
+        assert (on[name].baseline, on[name].peakflat, on[name].phase) == (count * boundary, 0.0, phase)
+        assert off[name].peakflat == off[name].baseline == count * boundary
+    # an MTP layer's second input is beyond the boundaries row's one per checkpoint
+    mtp = plan(TINY.with_(mtp_layers=1), run, PeakflatConfig()).stages[0].rows["dispatcher probs"]
+    assert M.dispatcher_held(TINY.layer_is_moe, (True,), run) == (5, 4, 10)
+    assert mtp.baseline == (4 + 1) * boundary
+    for other in (replace(run, recompute="selective"), replace(run, recompute="none")):
+        assert "dispatcher probs" not in plan(TINY, other, PeakflatConfig()).stages[0].rows

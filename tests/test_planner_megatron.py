@@ -97,3 +97,110 @@ def test_embedding_gradient_hold_matches_megatron() -> None:
 ])
 def test_embedding_grad_held_rule(first: bool, decoder: int, mtp: int, out: bool, held: bool) -> None:
     assert embedding_grad_held(first, decoder, mtp, out) is held
+
+
+S, B, H = 16, 2, 72
+TH = S * B * H * 4  # one [tokens, hidden] fp32 tensor: no other storage of the tiny model has this size
+HELD_CASES = [  # (layers, MoE where 1, --recompute-method, --recompute-num-layers, MTP layers)
+    ((1, 1, 1, 1), "uniform", 1, 0),
+    ((0, 1, 0, 1), "uniform", 1, 0),
+    ((1, 0, 1, 0), "uniform", 1, 0),
+    ((1, 1, 1, 1), "uniform", 2, 0),
+    ((1, 1, 1, 1), "block", 2, 0),
+    ((1, 1), "uniform", 1, 1),
+    ((1, 0), "uniform", 1, 1),
+    ((1, 1, 1, 1), "uniform", 1, 2),
+]
+
+
+def _dispatcher_held(rank: int, world: int) -> list[tuple[tuple, tuple[int, int, int]]]:
+    """For each case of HELD_CASES, what Megatron's alltoall dispatcher keeps alive, as the [tokens, hidden]
+    storages alive without moe-release less those alive with it: (born in forward, born in backward) when layer
+    0's output gradient arrives in its recompute, and all of them once the backward is done."""
+    import gc
+
+    import torch
+
+    from megatron_peakflat.integration import registry
+    from megatron_peakflat.testing.live_bytes import LiveBytesMeter
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
+                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+                                                        tiny_transformer_config)
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                           init_num_microbatches_calculator)
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    install_cpu_shim()
+    init_megatron_parallel(ep=world)
+    init_num_microbatches_calculator(rank, None, 1, 1, 1)
+    out = []
+    for freq, method, n, mtp in HELD_CASES:
+        counts = {}
+        for fix in (False, True):
+            destroy_moe_metrics_tracker()
+            MTPLossLoggingHelper.tracker.clear()  # sized by the first model's MTP layers
+            torch.manual_seed(7)
+            over = dict(mtp_num_layers=mtp, mtp_loss_scaling_factor=0.3) if mtp else {}
+            config = tiny_transformer_config(hidden_size=H, num_layers=len(freq), moe_layer_freq=list(freq),
+                                             recompute_granularity="full", recompute_method=method,
+                                             recompute_num_layers=n, **over)
+            model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
+            if fix:
+                registry.apply_patches({"moe-release"})
+            at_layer0: list[tuple[int, int]] = []
+            try:
+                with LiveBytesMeter() as meter:
+                    def alive(after: int, before: int) -> int:
+                        return sum(1 for size, born in meter._tracked.values() if size == TH and after < born <= before)
+
+                    def watch(_m, _args, output):
+                        h = output[0] if isinstance(output, tuple) else output
+                        if torch.is_grad_enabled() and h.requires_grad:  # the recompute, in backward
+                            h.register_hook(lambda g: at_layer0.append(
+                                (alive(0, forward_end), alive(forward_end, meter.allocations))))
+
+                    handle = model.decoder.layers[0].register_forward_hook(watch)
+                    loss = gpt_loss(model, gpt_batch(S, B, V, seed=5 + rank))
+                    forward_end = meter.allocations
+                    loss.backward()
+                    handle.remove()
+                    del loss
+                    gc.collect()
+                    after_backward = alive(0, meter.allocations)
+            finally:
+                if fix:
+                    registry.remove_patches()
+            assert len(at_layer0) == 1, at_layer0
+            counts[fix] = (*at_layer0[0], after_backward)
+        out.append(((freq, method, n, mtp), tuple(a - b for a, b in zip(counts[False], counts[True]))))
+    destroy_num_microbatches_calculator()
+    destroy_megatron_parallel()
+    return out
+
+
+def test_dispatcher_held_matches_megatron() -> None:
+    """``dispatcher_held`` against what moe-release frees in Megatron's GPTModel on CPU (full recompute, alltoall
+    dispatcher): dense and MoE layers in either order, uniform and block recompute of 1 or 2 layers, 0 to 2 MTP
+    layers, dense and MoE."""
+    from megatron_peakflat.memory.model import RunConfig, dispatcher_held
+
+    (cases,) = run_distributed(_dispatcher_held, 1, timeout=400)
+    assert len(cases) == len(HELD_CASES)
+    wrong = []
+    for (freq, method, n, mtp), measured in cases:
+        run = RunConfig(seq_len=S, recompute="full", recompute_method=method, recompute_num_layers=n)
+        moe = tuple(bool(x) for x in freq)
+        rule = dispatcher_held(moe, (moe[-1],) * mtp, run)
+        if rule != measured:
+            wrong.append((freq, method, n, mtp, "measured", measured, "rule", rule))
+    assert not wrong, "\n".join(map(str, wrong))
+    # the cases differ, so the comparison can fail: all-MoE with four layers keeps 3 inputs, 2 gradients, 8 in all
+    assert dict(cases)[((1, 1, 1, 1), "uniform", 1, 0)] == (3, 2, 8)
+
+
+def test_dispatcher_held_rule_without_full_recompute_is_empty() -> None:
+    from megatron_peakflat.memory.model import RunConfig, dispatcher_held
+
+    assert dispatcher_held((True,) * 4, (True,), RunConfig(seq_len=S, recompute="selective")) == (0, 0, 0)
+    assert dispatcher_held((True,) * 4, (True,), RunConfig(seq_len=S, recompute="none")) == (0, 0, 0)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Sequence
 
 from ..config import PeakflatConfig
 from ..config_base import PeakflatConfigError
@@ -808,16 +808,54 @@ def _per_rank(stages: tuple[int, ...], pp: int) -> tuple[int, ...]:
     return tuple(sum(stages[st::pp]) for st in range(pp))
 
 
-def _stage_counts(s: ModelShape, run: RunConfig) -> list[tuple[int, int]]:
-    """(dense, moe) layers of each pipeline rank (``pipeline_split``, each layer as ``ModelShape.layer_is_moe``),
-    its MTP layers included as layers of the last decoder layer's kind (Megatron builds them from its spec)."""
+def _stage_kinds(s: ModelShape, run: RunConfig) -> list[tuple[tuple[bool, ...], tuple[bool, ...]]]:
+    """For each pipeline rank, its decoder layers and then its MTP layers, in forward order, True where MoE
+    (``pipeline_split``, each decoder layer as ``ModelShape.layer_is_moe``; an MTP layer is of the last decoder
+    layer's kind, as Megatron builds it from that spec). A rank's layers are taken as contiguous, also under VPP."""
     out, start = [], 0
     mtp_moe = bool(s.layers) and s.layer_is_moe[-1]
     for n, m in zip(pipeline_split(s.layers, run), mtp_split(s, run)):
-        moe = sum(s.layer_is_moe[start:start + n]) + (m if mtp_moe else 0)
-        out.append((n + m - moe, moe))
+        out.append((s.layer_is_moe[start:start + n], (mtp_moe,) * m))
         start += n
     return out
+
+
+def _stage_counts(s: ModelShape, run: RunConfig) -> list[tuple[int, int]]:
+    """(dense, moe) layers of each pipeline rank, its MTP layers included (``_stage_kinds``)."""
+    out = []
+    for decoder, mtp in _stage_kinds(s, run):
+        moe = sum(decoder) + sum(mtp)
+        out.append((len(decoder) + len(mtp) - moe, moe))
+    return out
+
+
+def dispatcher_held(decoder: Sequence[bool], mtp: Sequence[bool], run: RunConfig) -> tuple[int, int, int]:
+    """[tokens, hidden] tensors that Megatron's alltoall dispatcher keeps alive under full recompute, as
+    (checkpoint inputs, their gradients) when the stage's lowest checkpoint begins its backward, and the total
+    through the optimizer step. ``decoder`` and ``mtp``: the stage's layers in forward order, True where MoE.
+
+    ``MoEAlltoAllTokenDispatcher`` keeps the router's probabilities as ``self.probs`` until the layer's next
+    forward (integration/moe_release.py drops them). Their graph is the checkpoint's recompute, which ends in the
+    checkpoint's detached inputs, and those hold their gradients once its backward ran. So each checkpoint with a
+    MoE layer keeps its input and that input's gradient after its backward: one of each for a decoder chunk, two
+    (the hidden states and the MTP embedding) for an MTP layer. At the lowest checkpoint's backward the chunk just
+    above it is not counted as a gradient: its input's gradient is the one flowing into the lowest chunk.
+    Checked against Megatron's GPTModel on CPU (tests/test_planner_megatron.py)."""
+    if run.recompute != "full":
+        return 0, 0, 0
+    n = max(1, run.recompute_num_layers)
+    if run.recompute_method == "uniform":
+        chunks = [any(decoder[i:i + n]) for i in range(0, len(decoder), n)]
+    else:  # block: the first n layers are checkpointed one by one, the others keep their activations
+        chunks = list(decoder[:n])
+    # (has a MoE layer, inputs) per checkpoint, lowest first; Megatron checkpoints each MTP layer whole
+    ckpts = [(moe, 1) for moe in chunks] + [(moe, 2) for moe in mtp]
+    if not ckpts:
+        return 0, 0, 0
+    above = ckpts[1:]
+    inputs = sum(k for moe, k in above if moe)
+    grads = inputs - (1 if len(chunks) >= 2 and chunks[1] else 0)
+    return inputs, grads, 2 * sum(k for moe, k in ckpts if moe)
 
 
 def _stages_to_plan(counts: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -861,6 +899,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
     r = run.layer_rows
     c_eff = llep_chunks(s, run, pf)[1] if s.experts else 0
     counts = _stage_counts(s, run)
+    kinds = _stage_kinds(s, run)
     mtps = mtp_split(s, run)
     vpp = virtual_stages(s.layers, run)
     stages_idx, cover = _stages_to_plan(counts)
@@ -1003,6 +1042,19 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
             rows["boundaries"] = Row("boundaries", 0.0, 0.0, bound=None,
                                      source="no full recompute: layers keep their activations (row 'activations')")
             notes.append("SCO needs --recompute-granularity full; without it the boundary peak is the activations row")
+
+        inputs, grads, at_step = dispatcher_held(*kinds[st], run)
+        if at_step:
+            # the boundaries row holds every checkpoint input through the backward: count those beyond it
+            extra = grads + max(0, 1 + inputs - n_ckpt)
+            fixed = any(pf.enabled.values())  # moe-release is applied with any component on
+            rows["dispatcher probs"] = Row(
+                "dispatcher probs", extra * boundary, 0.0 if fixed else extra * boundary, phase="layer",
+                source=f"MoEAlltoAllTokenDispatcher.probs keeps {inputs} checkpoint inputs and {grads} of their "
+                       "gradients alive at the lowest checkpoint's backward (dispatcher_held); moe-release drops them")
+            rows["probs at step"] = Row(
+                "probs at step", at_step * boundary, 0.0 if fixed else at_step * boundary, phase="step",
+                source=f"the same through the optimizer step: {at_step} [tokens, hidden] tensors")
 
         if n_moe:
             pairs = routed_pairs(s, run)

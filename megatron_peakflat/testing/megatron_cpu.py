@@ -285,12 +285,20 @@ def gpt_layer_spec(num_experts: int | None, experts: str = "sequential") -> Any:
 
 def build_tiny_gpt(config: Any, vocab_size: int = 128, seq_len: int = 16, moe: bool = True,
                    share_embeddings: bool = False, experts: str = "sequential", **kwargs: Any) -> Any:
-    """A GPTModel on Megatron's local spec (``gpt_layer_spec``; ``experts`` as there). With
-    ``config.mtp_num_layers`` its MTP layers are built from the same layer spec."""
+    """A GPTModel on Megatron's local spec (``gpt_layer_spec``; ``experts`` as there). A list
+    ``config.moe_layer_freq`` makes the layers it marks 0 dense (Megatron's decoder block spec, sequential experts).
+    With ``config.mtp_num_layers`` its MTP layers are built from the last layer's spec."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    spec = gpt_layer_spec(config.num_moe_experts if moe else None, experts)
+    if moe and isinstance(getattr(config, "moe_layer_freq", 1), list):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        if experts != "sequential":
+            raise ValueError(f"experts={experts!r} with a per-layer moe_layer_freq: only 'sequential'")
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    else:
+        spec = gpt_layer_spec(config.num_moe_experts if moe else None, experts)
     if getattr(config, "mtp_num_layers", None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
