@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .config_base import ComponentConfig, PeakflatConfigError, shown_default
+from .config_base import ComponentConfig, PeakflatConfigError, read_dash_values, shown_default
 from .dispatch.config import DispatchConfig
 from .optimizer.config import OptimizerConfig
 from .recompute.config import SCOConfig
@@ -101,6 +101,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     }
     for name, comp in _COMPONENTS.items():
         comp.add_flags(parser.add_argument_group(titles[name]))
+    read_dash_values(parser)
     return parser
 
 

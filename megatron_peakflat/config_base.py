@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import math
 import re
+import sys
 import textwrap
 import types
 import typing
@@ -260,6 +261,39 @@ class Switch(argparse.BooleanOptionalAction):
             raise argparse.ArgumentError(self, f"{values!r} is not on or off. Fix: pass {on} alone to turn it on, "
                                                f"or {off} to turn it off")
         setattr(namespace, self.dest, text in self.ON)
+
+
+_DASH_VALUE = re.compile(r"-[\d.]")
+
+
+def read_dash_values(parser: argparse.ArgumentParser, prefix: str = "--peakflat-") -> None:
+    """Let ``parser``'s value-taking flags that start with ``prefix`` take a value that starts with '-' and a digit
+    or '.' (``--peakflat-sco-budget -1GiB``), as they take it written with '='.
+
+    argparse reads such a word as a flag unless it is a plain negative number, and answers "expected one
+    argument", naming neither the value nor the fix. Joined to its flag, the value meets the flag's own checks,
+    which name both. Words after a bare ``--`` are left as they are."""
+    options = {o for a in parser._actions if a.nargs is None for o in a.option_strings if o.startswith(prefix)}
+    original = parser.parse_known_args
+
+    def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        out: list[str] = []
+        i = 0
+        while i < len(argv):
+            word = argv[i]
+            if word == "--":
+                out += argv[i:]
+                break
+            if word in options and i + 1 < len(argv) and _DASH_VALUE.match(argv[i + 1]):
+                out.append(f"{word}={argv[i + 1]}")
+                i += 2
+                continue
+            out.append(word)
+            i += 1
+        return original(out, namespace)
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def shown_default(default: Any) -> Any:

@@ -526,3 +526,38 @@ def test_an_on_off_flag_refuses_any_other_value_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse(*argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--peakflat-sco-budget", "-1GiB"], "argument --peakflat-sco-budget: '-1GiB' is not a size"),
+    (["--peakflat-opt-bucket", "-5M"], "argument --peakflat-opt-bucket: "),
+])
+def test_a_value_starting_with_a_dash_meets_the_flags_own_check(argv, message, capsys, monkeypatch):
+    """Through Megatron's own parse_args: argparse alone reads '-1GiB' as a flag and says only "expected one
+    argument"; peakflat's flags take it as they take '--peakflat-sco-budget=-1GiB', and their check names it."""
+    from megatron.training.arguments import parse_args
+
+    from megatron_peakflat.pretrain import extra_args_provider
+
+    monkeypatch.setattr("sys.argv", ["pretrain", *argv])
+    with pytest.raises(SystemExit):
+        parse_args(extra_args_provider)
+    err = capsys.readouterr().err
+    assert message in err and argv[1] in err and "expected one argument" not in err, err
+
+
+def test_a_negative_number_reaches_the_config_check_and_other_flags_keep_argparses_rules(capsys, monkeypatch):
+    from megatron.training.arguments import parse_args
+
+    from megatron_peakflat.pretrain import extra_args_provider
+
+    monkeypatch.setattr("sys.argv", ["pretrain", "--peakflat-dispatch-alpha", "-1e3", "--lr", "1e-4"])
+    args = parse_args(extra_args_provider)
+    assert args.peakflat_dispatch_alpha == -1000.0 and args.lr == 1e-4
+    with pytest.raises(PeakflatConfigError, match=r"--peakflat-dispatch-alpha=-1000.0: .* Fix: "):
+        PeakflatConfig.from_args(args)
+    # a flag's missing value is still missing: the next word names a flag
+    monkeypatch.setattr("sys.argv", ["pretrain", "--peakflat-sco-budget", "--bf16"])
+    with pytest.raises(SystemExit):
+        parse_args(extra_args_provider)
+    assert "argument --peakflat-sco-budget: expected one argument" in capsys.readouterr().err
