@@ -103,8 +103,9 @@ def test_apply_is_idempotent_and_remove_restores_everything():
 def test_only_enabled_components_are_patched():
     megatron_peakflat.apply(PeakflatConfig(sco=SCOConfig(enabled=True), general=GeneralConfig(attention="local")))
     # SCO's entries, and the fix to Megatron's dispatcher that comes with any component (moe_release.py)
-    assert {s.split(".")[-1] for s in registry.applied()} == {"checkpointed_forward", "forward"}
-    assert "megatron.core.transformer.moe.moe_layer.MoELayer.forward" in registry.applied()
+    assert {s.split(".")[-1] for s in registry.applied()} == {"checkpointed_forward", "combine_postprocess"}
+    for dispatcher in ("MoEAlltoAllTokenDispatcher", "MoEAllGatherTokenDispatcher"):
+        assert f"megatron.core.transformer.moe.token_dispatcher.{dispatcher}.combine_postprocess" in registry.applied()
 
 
 def test_a_moved_symbol_fails_naming_it_and_patches_nothing(monkeypatch):

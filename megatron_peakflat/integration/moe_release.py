@@ -1,16 +1,19 @@
-"""Drop the router probabilities that Megatron's alltoall token dispatcher keeps after its MoE layer's forward.
+"""Drop the per-forward state that Megatron's token dispatchers keep after they combine a MoE layer's tokens.
 
-``MoEAlltoAllTokenDispatcher.dispatch_preprocess`` stores the router's probabilities as ``self.probs`` and
-nothing clears them: the reference lives until the layer's next forward. The tensor carries its autograd graph.
-Under full recompute that graph is the checkpoint's recomputed one, and it ends in the checkpoint's detached
-inputs, which hold their gradients once backward has run. So after each MoE layer's backward, its checkpoint
-input and that input's gradient ([tokens, hidden] each) stay alive through the backward of every layer below
-it, and into the next iteration (measured on CPU with Megatron's GPTModel, and in the allocator trace of an
-H200 run with an MTP layer: docs/known-gaps.md, "MTP layers").
+``MoEAlltoAllTokenDispatcher`` stores the router's probabilities (``self.probs``), and ``MoEAllGatherTokenDispatcher``
+their local slice (``self.local_probs``); both store the routing map and the permutation map. Nothing clears them:
+they live until the layer's next forward. The probabilities carry their autograd graph. Under recompute (full, or
+``--recompute-modules moe``) that graph is the checkpoint's recomputed one, and it ends in the checkpoint's
+detached inputs, which hold their gradients once backward has run. So after each MoE layer's backward, its
+checkpoint input and that input's gradient ([tokens, hidden] each) stay alive through the backward of every layer
+below it, through the optimizer step and into the next iteration (measured on CPU with Megatron's GPTModel, and in
+the allocator trace of an H200 run with an MTP layer: docs/known-gaps.md, "MTP layers"). The maps ([tokens,
+experts] and [tokens x top-k]) add up over the layers too, in every regime.
 
-The replacement drops the reference when the layer's forward returns. The probabilities are read only inside
-that forward (the permutation, and the combine's dtype at TP > 1), and autograd keeps its own references, so the
-loss and every gradient are unchanged.
+The replacement of ``combine_postprocess``, the last step of a dispatch that reads them, drops these references
+when it returns. Autograd keeps its own references to what backward needs, so the loss and every gradient are
+unchanged. Under CUDA graphs Megatron carries these attributes in and out of its graphs (``cudagraph_attrs``), and
+they are left as they are.
 """
 
 from __future__ import annotations
@@ -18,18 +21,28 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-__all__ = ["release_dispatcher_probs"]
+__all__ = ["PER_FORWARD", "release_after_combine"]
+
+PER_FORWARD = ("probs", "local_probs", "routing_map", "local_map", "reversed_local_input_permutation_mapping")
+"""The dispatcher attributes set by each dispatch and read no later than its ``combine_postprocess``."""
 
 
-def release_dispatcher_probs(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Replacement for ``MoELayer.forward``: the original, then ``token_dispatcher.probs = None``."""
+def _graphed(config: Any) -> bool:
+    return getattr(config, "cuda_graph_impl", "none") not in (None, "none") or bool(
+        getattr(config, "enable_cuda_graph", False))
+
+
+def release_after_combine(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Replacement for a dispatcher's ``combine_postprocess``: the original, then each attribute of
+    ``PER_FORWARD`` that is set becomes None (not under CUDA graphs)."""
 
     @functools.wraps(original)
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def combine_postprocess(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
-        dispatcher = getattr(self, "token_dispatcher", None)
-        if getattr(dispatcher, "probs", None) is not None:
-            dispatcher.probs = None
+        if not _graphed(getattr(self, "config", None)):
+            for name in PER_FORWARD:
+                if getattr(self, name, None) is not None:
+                    setattr(self, name, None)
         return out
 
-    return forward
+    return combine_postprocess

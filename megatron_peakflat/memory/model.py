@@ -830,17 +830,19 @@ def _stage_counts(s: ModelShape, run: RunConfig) -> list[tuple[int, int]]:
 
 
 def dispatcher_held(decoder: Sequence[bool], mtp: Sequence[bool], run: RunConfig) -> tuple[int, int, int]:
-    """[tokens, hidden] tensors that Megatron's alltoall dispatcher keeps alive under full recompute, as
+    """[tokens, hidden] tensors that Megatron's alltoall or allgather dispatcher keeps alive under full recompute, as
     (checkpoint inputs, their gradients) when the stage's lowest checkpoint begins its backward, and the total
     through the optimizer step. ``decoder`` and ``mtp``: the stage's layers in forward order, True where MoE.
 
-    ``MoEAlltoAllTokenDispatcher`` keeps the router's probabilities as ``self.probs`` until the layer's next
-    forward (integration/moe_release.py drops them). Their graph is the checkpoint's recompute, which ends in the
+    ``MoEAlltoAllTokenDispatcher`` keeps the router's probabilities as ``self.probs`` (the allgather one their
+    local slice) until the layer's next forward (integration/moe_release.py drops them). Their graph is the checkpoint's recompute, which ends in the
     checkpoint's detached inputs, and those hold their gradients once its backward ran. So each checkpoint with a
     MoE layer keeps its input and that input's gradient after its backward: one of each for a decoder chunk, two
     (the hidden states and the MTP embedding) for an MTP layer. At the lowest checkpoint's backward the chunk just
     above it is not counted as a gradient: its input's gradient is the one flowing into the lowest chunk.
-    Checked against Megatron's GPTModel on CPU (tests/test_planner_megatron.py)."""
+    Checked against Megatron's GPTModel on CPU (tests/test_planner_megatron.py). ``--recompute-modules moe`` keeps
+    an input and its gradient per MoE layer the same way (tests/test_moe_release.py); the planner does not model
+    that flag."""
     if run.recompute != "full":
         return 0, 0, 0
     n = max(1, run.recompute_num_layers)
@@ -1050,7 +1052,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
             fixed = any(pf.enabled.values())  # moe-release is applied with any component on
             rows["dispatcher probs"] = Row(
                 "dispatcher probs", extra * boundary, 0.0 if fixed else extra * boundary, phase="layer",
-                source=f"MoEAlltoAllTokenDispatcher.probs keeps {inputs} checkpoint inputs and {grads} of their "
+                source=f"the dispatcher's probs keep {inputs} checkpoint inputs and {grads} of their "
                        "gradients alive at the lowest checkpoint's backward (dispatcher_held); moe-release drops them")
             rows["probs at step"] = Row(
                 "probs at step", at_step * boundary, 0.0 if fixed else at_step * boundary, phase="step",
