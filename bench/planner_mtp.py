@@ -34,7 +34,7 @@ def predicted(mtp: bool, run_name: str) -> tuple[StagePlan, float]:
     col, cfg = RUNS[run_name]
     st = plan(shape, run, cfg).stages[-1]
     for row in st.rows.values():  # the measured runs predate moe-release: Megatron's dispatcher kept its probs
-        if row.name in ("dispatcher probs", "probs at step"):
+        if row.name in ("dispatcher probs", "probs at step", "dispatcher state"):
             row.peakflat = row.baseline
     return st, (st.total(col) - getattr(st.rows["reserve"], col)) / GIB
 

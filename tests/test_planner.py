@@ -802,6 +802,9 @@ def test_dispatcher_probs_rows_count_what_megatron_keeps_and_peakflat_drops():
     for name, count, phase in (("dispatcher probs", 2, "layer"), ("probs at step", 6, "step")):
         assert (on[name].baseline, on[name].peakflat, on[name].phase) == (count * boundary, 0.0, phase)
         assert off[name].peakflat == off[name].baseline == count * boundary
+    state = on["dispatcher state"]
+    assert (state.baseline, state.peakflat, state.phase) == (3 * M.dispatcher_state(TINY, run), 0.0, "persistent")
+    assert off["dispatcher state"].peakflat == state.baseline > 0
     # an MTP layer's second input is beyond the boundaries row's one per checkpoint
     mtp = plan(TINY.with_(mtp_layers=1), run, PeakflatConfig()).stages[0].rows["dispatcher probs"]
     assert M.dispatcher_held(TINY.layer_is_moe, (True,), run) == (5, 4, 10)

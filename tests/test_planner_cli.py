@@ -215,7 +215,7 @@ def test_fused_adam_needs_no_step_temporary():
     assert torch_adam.rows["optimizer step"].baseline == pytest.approx(4 * torch_adam.rows["parameters"].baseline / 2)
     assert fused.rows["optimizer step"].baseline == 0 and "step" not in fused.phase_totals("peakflat")
     # Megatron's own step phase is what its alltoall dispatcher keeps (dispatcher_held) beside the state
-    alive = ("parameters", "gradients", "optimizer", "reserve", "probs at step")
+    alive = ("parameters", "gradients", "optimizer", "reserve", "probs at step", "dispatcher state")
     assert fused.rows["probs at step"].baseline > 0
     assert fused.phase_totals("baseline")["step"] == pytest.approx(sum(fused.rows[n].baseline for n in alive))
     assert torch_adam.rows["optimizer step"].peakflat == 0  # OffloadStreamAdamW steps in its staging slots

@@ -204,3 +204,58 @@ def test_dispatcher_held_rule_without_full_recompute_is_empty() -> None:
 
     assert dispatcher_held((True,) * 4, (True,), RunConfig(seq_len=S, recompute="selective")) == (0, 0, 0)
     assert dispatcher_held((True,) * 4, (True,), RunConfig(seq_len=S, recompute="none")) == (0, 0, 0)
+
+
+def _dispatcher_state(rank: int, world: int) -> list[tuple[str, int, int]]:
+    """(dispatcher, bytes its MoE layers keep after the forward, layers) with Megatron's GPTModel, fp32."""
+    import torch
+
+    from megatron_peakflat.integration.moe_release import PER_FORWARD
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
+                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+                                                        tiny_transformer_config)
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                           init_num_microbatches_calculator)
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    install_cpu_shim()
+    init_megatron_parallel(ep=world)
+    init_num_microbatches_calculator(rank, None, 1, 1, 1)
+    out = []
+    for dispatcher in ("alltoall", "allgather"):
+        destroy_moe_metrics_tracker()
+        torch.manual_seed(7)
+        config = tiny_transformer_config(hidden_size=H, num_layers=3, moe_layer_freq=[0, 1, 1],
+                                         moe_token_dispatcher_type=dispatcher, recompute_granularity="full",
+                                         recompute_method="uniform", recompute_num_layers=1)
+        model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
+        gpt_loss(model, gpt_batch(S, B, V, seed=5))
+        kept, layers = 0, 0
+        for layer in model.decoder.layers:
+            d = getattr(layer.mlp, "token_dispatcher", None)
+            if d is not None:
+                layers += 1
+                kept += sum(t.untyped_storage().nbytes() for t in (getattr(d, n, None) for n in PER_FORWARD)
+                            if isinstance(t, torch.Tensor))
+        out.append((dispatcher, kept, layers))
+    destroy_num_microbatches_calculator()
+    destroy_megatron_parallel()
+    return out
+
+
+def test_dispatcher_state_matches_megatron() -> None:
+    """``dispatcher_state`` against the bytes Megatron's alltoall dispatcher holds after a full-recompute forward of
+    a dense layer and two MoE layers (4 experts, top-2, fp32): probabilities, routing and permutation maps. The
+    allgather dispatcher keeps less (only the routed pairs' probabilities): the row, like the dispatch row, is
+    the alltoall dispatcher's."""
+    from megatron_peakflat.memory.model import RunConfig, dispatcher_state
+    from megatron_peakflat.memory.shapes import ModelShape
+
+    (cases,) = run_distributed(_dispatcher_state, 1, timeout=200)
+    shape = ModelShape(name="tiny", hidden=H, layers=3, heads=4, kv_heads=4, head_dim=H // 4, ffn=128, vocab=V,
+                       experts=4, topk=2, moe_ffn=96)
+    per_layer = dispatcher_state(shape, RunConfig(seq_len=S, micro_batch=B, precision="fp32"))
+    assert per_layer == S * B * (4 * 5 + 2 * 8)
+    assert cases[0] == ("alltoall", 2 * per_layer, 2), (cases, per_layer)
+    # allgather: [rows x top-k] probabilities, the local map and the permutation map
+    assert cases[1] == ("allgather", 2 * S * B * (2 * 4 + 4 + 2 * 8), 2), cases

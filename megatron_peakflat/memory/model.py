@@ -276,9 +276,10 @@ PHASES = ("persistent", "layer", "attention", "moe", "loss", "build", "step")
 the MoE's backward (the dispatch); in the loss; while the model is built; in the optimizer step."""
 
 ALIVE = {"build": ("parameters", "gradients", "reserve"),
-         "step": ("parameters", "gradients", "optimizer", "reserve")}
+         "step": ("parameters", "gradients", "optimizer", "reserve", "dispatcher state")}
 """The persistent rows allocated during the model build (the optimizer's state and every activation come
-later) and during the optimizer step (activations and boundaries are gone by then)."""
+later) and during the optimizer step (activations and boundaries are gone by then; Megatron's dispatchers keep
+their state until the next forward)."""
 
 
 @dataclass
@@ -419,6 +420,16 @@ def moe_nondispatch_activations(s: ModelShape, run: RunConfig) -> float:
     T, r = run.tokens, run.layer_rows
     shared = T / t * ((2 if s.gated else 1) + 1) * s.shared_ffn * w if s.shared_ffn else 0.0
     return r * s.hidden * 2 * w + r * 4 + r * s.experts * 9 + shared
+
+
+def dispatcher_state(s: ModelShape, run: RunConfig) -> float:
+    """Bytes one MoE layer's alltoall dispatcher keeps from its forward until its next one (the allgather one
+    keeps only the routed pairs' probabilities, so less): the
+    router's probabilities ([rows, E] in the router's dtype, the activations' by default), the routing map
+    ([rows, E] bool) and the permutation map ([rows x top-k] int64) (token_dispatcher.py ``dispatch_preprocess``;
+    integration/moe_release.py drops them)."""
+    r = run.layer_rows
+    return r * s.experts * (run.w + 1) + r * s.topk * 8
 
 
 def routed_pairs(s: ModelShape, run: RunConfig) -> float:
@@ -1059,6 +1070,11 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                 source=f"the same through the optimizer step: {at_step} [tokens, hidden] tensors")
 
         if n_moe:
+            state = n_moe * dispatcher_state(s, run)
+            rows["dispatcher state"] = Row(
+                "dispatcher state", state, 0.0 if any(pf.enabled.values()) else state,
+                source=f"{n_moe} MoE layers' dispatchers keep their probabilities, routing and permutation maps until "
+                       "their next forward (dispatcher_state); moe-release drops them, PipelinedLLEP keeps none")
             pairs = routed_pairs(s, run)
             if run.recompute == "full":
                 base = dispatch_working_set(s, run, pairs)
