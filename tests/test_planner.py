@@ -811,3 +811,25 @@ def test_dispatcher_probs_rows_count_what_megatron_keeps_and_peakflat_drops():
     assert mtp.baseline == (4 + 1) * boundary
     for other in (replace(run, recompute="selective"), replace(run, recompute="none")):
         assert "dispatcher probs" not in plan(TINY, other, PeakflatConfig()).stages[0].rows
+
+
+def test_selective_moe_recompute_moves_the_dispatch_into_the_moe_phase():
+    """``--recompute-granularity selective --recompute-modules moe``: Megatron's MoE layers keep only their input, so
+    the dispatch row is one layer's working set in the MoE's backward (as under full recompute), not every layer's
+    saved tensors; its dispatcher keeps one input and its gradient per MoE layer through the step. ``moe_act``
+    saves each expert's activation output no more. A module the planner does not model is named in a note."""
+    none = replace(RunConfig(seq_len=4096), recompute="selective")
+    moe = replace(none, recompute_modules=("moe",))
+    act = replace(none, recompute_modules=("moe_act",))
+    boundary = none.layer_rows * TINY.hidden * none.w
+    p_none, p_moe, p_act = (plan(TINY, r, PeakflatConfig()).stages[0].rows for r in (none, moe, act))
+    pairs = M.routed_pairs(TINY, none)
+    assert p_moe["dispatch"].phase == "moe" and p_none["dispatch"].phase == "persistent"
+    assert p_moe["dispatch"].baseline == M.dispatch_working_set(TINY, moe, pairs) < p_none["dispatch"].baseline
+    assert p_none["dispatch"].baseline - p_act["dispatch"].baseline == pytest.approx(
+        (TINY.moe_layers - 1) * pairs * TINY.moe_ffn * none.w)
+    assert p_moe["activations"].baseline < p_none["activations"].baseline
+    assert p_moe["probs at step"].baseline == 2 * TINY.moe_layers * boundary
+    assert "probs at step" not in p_none and "dispatcher probs" not in p_moe
+    noted = plan(TINY, replace(none, recompute_modules=("moe", "layernorm")), PeakflatConfig()).stages[0].notes
+    assert any("--recompute-modules layernorm: not modelled" in n for n in noted), noted

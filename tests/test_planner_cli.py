@@ -89,6 +89,14 @@ def test_megatron_args_without_recompute_or_bf16_mean_none_and_fp32():
     assert run.recompute == "none" and run.precision == "fp32"
 
 
+def test_megatron_args_read_the_recompute_modules():
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --recompute-granularity selective"
+    for extra, modules in (("", ("core_attn",)), (" --recompute-modules moe moe_act", ("moe", "moe_act"))):
+        _, run, _, _, ignored = build(["--megatron-args", base + extra, "--gpus", "1", "--hbm-gib", "80",
+                                       "--host-gib", "64"])
+        assert run.recompute == "selective" and run.recompute_modules == modules and not ignored
+
+
 @pytest.mark.parametrize("extra, grad_bytes", [
     ("--bf16", 4),  # Megatron turns --accumulate-allreduce-grads-in-fp32 on for bf16 by default
     ("--bf16 --grad-reduce-in-bf16", 2),

@@ -101,7 +101,7 @@ def test_embedding_grad_held_rule(first: bool, decoder: int, mtp: int, out: bool
 
 S, B, H = 16, 2, 72
 TH = S * B * H * 4  # one [tokens, hidden] fp32 tensor: no other storage of the tiny model has this size
-HELD_CASES = [  # (layers, MoE where 1, --recompute-method, --recompute-num-layers, MTP layers)
+HELD_CASES = [  # (layers, MoE where 1, --recompute-method or "moe" (--recompute-modules moe), --recompute-num-layers, MTP)
     ((1, 1, 1, 1), "uniform", 1, 0),
     ((0, 1, 0, 1), "uniform", 1, 0),
     ((1, 0, 1, 0), "uniform", 1, 0),
@@ -110,6 +110,8 @@ HELD_CASES = [  # (layers, MoE where 1, --recompute-method, --recompute-num-laye
     ((1, 1), "uniform", 1, 1),
     ((1, 0), "uniform", 1, 1),
     ((1, 1, 1, 1), "uniform", 1, 2),
+    ((1, 1, 1, 1), "moe", 0, 0),  # --recompute-granularity selective --recompute-modules moe
+    ((0, 1, 0, 1), "moe", 0, 1),
 ]
 
 
@@ -142,9 +144,10 @@ def _dispatcher_held(rank: int, world: int) -> list[tuple[tuple, tuple[int, int,
             MTPLossLoggingHelper.tracker.clear()  # sized by the first model's MTP layers
             torch.manual_seed(7)
             over = dict(mtp_num_layers=mtp, mtp_loss_scaling_factor=0.3) if mtp else {}
-            config = tiny_transformer_config(hidden_size=H, num_layers=len(freq), moe_layer_freq=list(freq),
-                                             recompute_granularity="full", recompute_method=method,
-                                             recompute_num_layers=n, **over)
+            rc = (dict(recompute_granularity="selective", recompute_modules=["moe"]) if method == "moe" else
+                  dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=n))
+            config = tiny_transformer_config(hidden_size=H, num_layers=len(freq), moe_layer_freq=list(freq), **rc,
+                                             **over)
             model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
             if fix:
                 registry.apply_patches({"moe-release"})
@@ -156,10 +159,12 @@ def _dispatcher_held(rank: int, world: int) -> list[tuple[tuple, tuple[int, int,
 
                     def watch(_m, _args, output):
                         h = output[0] if isinstance(output, tuple) else output
-                        if torch.is_grad_enabled() and h.requires_grad:  # the recompute, in backward
+                        # full recompute: layer 0's recompute, in backward; selective: its forward
+                        if torch.is_grad_enabled() and h.requires_grad and (method != "moe" or not forward_end):
                             h.register_hook(lambda g: at_layer0.append(
                                 (alive(0, forward_end), alive(forward_end, meter.allocations))))
 
+                    forward_end = 0
                     handle = model.decoder.layers[0].register_forward_hook(watch)
                     loss = gpt_loss(model, gpt_batch(S, B, V, seed=5 + rank))
                     forward_end = meter.allocations
@@ -180,16 +185,17 @@ def _dispatcher_held(rank: int, world: int) -> list[tuple[tuple, tuple[int, int,
 
 
 def test_dispatcher_held_matches_megatron() -> None:
-    """``dispatcher_held`` against what moe-release frees in Megatron's GPTModel on CPU (full recompute, alltoall
-    dispatcher): dense and MoE layers in either order, uniform and block recompute of 1 or 2 layers, 0 to 2 MTP
-    layers, dense and MoE."""
+    """``dispatcher_held`` against what moe-release frees in Megatron's GPTModel on CPU (alltoall dispatcher): dense
+    and MoE layers in either order, full recompute (uniform and block, of 1 or 2 layers) and
+    ``--recompute-modules moe``, 0 to 2 MTP layers, dense and MoE."""
     from megatron_peakflat.memory.model import RunConfig, dispatcher_held
 
     (cases,) = run_distributed(_dispatcher_held, 1, timeout=400)
     assert len(cases) == len(HELD_CASES)
     wrong = []
     for (freq, method, n, mtp), measured in cases:
-        run = RunConfig(seq_len=S, recompute="full", recompute_method=method, recompute_num_layers=n)
+        run = (RunConfig(seq_len=S, recompute="selective", recompute_modules=("moe",)) if method == "moe" else
+               RunConfig(seq_len=S, recompute="full", recompute_method=method, recompute_num_layers=n))
         moe = tuple(bool(x) for x in freq)
         rule = dispatcher_held(moe, (moe[-1],) * mtp, run)
         if rule != measured:
@@ -259,3 +265,65 @@ def test_dispatcher_state_matches_megatron() -> None:
     assert cases[0] == ("alltoall", 2 * per_layer, 2), (cases, per_layer)
     # allgather: [rows x top-k] probabilities, the local map and the permutation map
     assert cases[1] == ("allgather", 2 * S * B * (2 * 4 + 4 + 2 * 8), 2), cases
+
+
+def _saved_by_mlp(rank: int, world: int) -> list[tuple[bool, str, int]]:
+    """(MoE, --recompute-modules, bytes the layers' MLP or MoE saved for backward in the forward), fp32, 2 layers."""
+    import torch
+
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
+                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+                                                        tiny_transformer_config)
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                           init_num_microbatches_calculator)
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    install_cpu_shim()
+    init_megatron_parallel(ep=world)
+    init_num_microbatches_calculator(rank, None, 1, 1, 1)
+    out = []
+    for moe, module in ((False, "core_attn"), (False, "mlp"), (True, "core_attn"), (True, "moe")):
+        destroy_moe_metrics_tracker()
+        torch.manual_seed(7)
+        config = tiny_transformer_config(hidden_size=H, num_layers=2, recompute_granularity="selective",
+                                         recompute_modules=[module], **({} if moe else dict(num_moe_experts=None)))
+        model = build_tiny_gpt(config, vocab_size=V, seq_len=S, moe=moe).train()
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        for layer in model.decoder.layers:
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            layer.mlp.register_forward_pre_hook(lambda _m, _a, h=hooks: h.__enter__())
+            layer.mlp.register_forward_hook(lambda _m, _a, _o, h=hooks: h.__exit__(None, None, None))
+        gpt_loss(model, gpt_batch(S, B, V, seed=5))
+        out.append((moe, module, sum(saved.values())))
+    destroy_num_microbatches_calculator()
+    destroy_megatron_parallel()
+    return out
+
+
+def test_selective_recompute_saves_only_the_modules_input() -> None:
+    """What the planner assumes of ``--recompute-modules mlp`` and ``moe`` (``mlp_activations``,
+    ``moe_nondispatch_activations``, and the dispatch row in the MoE phase), against Megatron's GPTModel on CPU:
+    a recomputed dense MLP saves nothing inside itself (its checkpoint, outside it, keeps the norm's output, which
+    the planner counts with the norm), and a recomputed MoE layer only its input, the norm's output
+    ([tokens, hidden] per layer); without them both save far more."""
+    from megatron_peakflat.memory.model import RunConfig, mlp_activations, moe_nondispatch_activations
+    from megatron_peakflat.memory.shapes import ModelShape
+
+    (cases,) = run_distributed(_saved_by_mlp, 1, timeout=200)
+    got = {(moe, module): n for moe, module, n in cases}
+    tokens_hidden = S * B * H * 4
+    assert got[(False, "mlp")] == 0 and got[(True, "moe")] == 2 * tokens_hidden, got
+    assert got[(False, "core_attn")] > 4 * tokens_hidden and got[(True, "core_attn")] > 10 * tokens_hidden, got
+    shape = ModelShape(name="tiny", hidden=H, layers=2, heads=4, kv_heads=4, head_dim=H // 4, ffn=128, vocab=V,
+                       experts=4, topk=2, moe_ffn=96, gated=False)
+    norm = S * B * H * 2 * 4 + S * B * 4  # the pre-MLP norm's input and output, and its statistics
+    for module, fn in (("mlp", lambda r: mlp_activations(shape, r, shape.ffn)),
+                       ("moe", lambda r: moe_nondispatch_activations(shape, r))):
+        plain, recomputed = (RunConfig(seq_len=S, micro_batch=B, precision="fp32", recompute="selective",
+                                       recompute_modules=m) for m in (("core_attn",), (module,)))
+        assert fn(recomputed) == norm < fn(plain), module

@@ -382,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(render(pl, rec))
         if ignored:
-            print(f"(ignored Megatron flags that do not change memory: {' '.join(ignored)})")
+            print(f"(Megatron flags the planner does not read, taken as not changing memory: {' '.join(ignored)})")
     if ns.plot:
         plot(pl, ns.plot)
         if not ns.json:

@@ -46,6 +46,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-offload-fraction", type=float, default=None)
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     p.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    p.add_argument("--recompute-modules", nargs="*", default=None)
     p.add_argument("--moe-layer-freq", default=None)
     p.add_argument("--pipeline-model-parallel-layout", default=None)
     p.add_argument("--optimizer", default=None)
@@ -207,6 +208,8 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
         out["recompute"] = ns.recompute_granularity
     elif command_line:
         out["recompute"] = "none"  # a Megatron command line without --recompute-granularity recomputes nothing
+    if getattr(ns, "recompute_modules", None) is not None:
+        out["recompute_modules"] = tuple(ns.recompute_modules)
     if getattr(ns, "sequence_parallel", None):
         out["sequence_parallel"] = True
     if getattr(ns, "fp16", None):

@@ -85,6 +85,9 @@ class RunConfig:
     """--recompute-granularity."""
     recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: int = 1
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """--recompute-modules, read under selective recompute (Megatron's default: core_attn, which with flash
+    attention saves nothing the planner counts). Modelled: moe, moe_act, mlp, shared_experts (``recomputes``)."""
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     distributed_optimizer: bool = True
     """--use-distributed-optimizer."""
@@ -407,19 +410,36 @@ def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
     return (q + k + v) * w + q * 4 * flash_dq_splits(s, run) + d_out * w + rotated
 
 
+MODELLED_RECOMPUTE_MODULES = ("core_attn", "moe", "moe_act", "mlp", "shared_experts")
+"""--recompute-modules the planner models; core_attn saves no s x s scores with flash attention, so it changes nothing."""
+
+
+def recomputes(run: RunConfig, module: str) -> bool:
+    """Whether the layers' forward leaves ``module`` to be recomputed in backward under selective recompute
+    (``--recompute-granularity selective --recompute-modules ...``): its checkpoint saves only its input."""
+    return run.recompute == "selective" and module in run.recompute_modules
+
+
 def mlp_activations(s: ModelShape, run: RunConfig, ffn: int) -> float:
-    """Dense MLP: pre-MLP norm (input, output) + fc1 output + activation output."""
+    """Dense MLP: pre-MLP norm (input, output) + fc1 output + activation output (the last two recomputed
+    under ``--recompute-modules mlp``, whose checkpoint saves the norm's output)."""
     t, w = run.tp, run.w
     T, r = run.tokens, run.layer_rows
-    return r * s.hidden * 2 * w + r * 4 + T / t * ((2 if s.gated else 1) * ffn + ffn) * w
+    inner = 0.0 if recomputes(run, "mlp") else T / t * ((2 if s.gated else 1) * ffn + ffn) * w
+    return r * s.hidden * 2 * w + r * 4 + inner
 
 
 def moe_nondispatch_activations(s: ModelShape, run: RunConfig) -> float:
-    """MoE layer minus the dispatched part: norm, router (fp32 logits + probs, bool map), shared expert."""
+    """MoE layer minus the dispatched part: norm, router (fp32 logits + probs, bool map), shared expert. Under
+    ``--recompute-modules moe`` the layer's checkpoint saves the norm's output and recomputes the router and
+    the shared expert; under ``shared_experts`` the shared expert alone."""
     t, w = run.tp, run.w
     T, r = run.tokens, run.layer_rows
+    norm = r * s.hidden * 2 * w + r * 4
+    if recomputes(run, "moe"):
+        return norm
     shared = T / t * ((2 if s.gated else 1) + 1) * s.shared_ffn * w if s.shared_ffn else 0.0
-    return r * s.hidden * 2 * w + r * 4 + r * s.experts * 9 + shared
+    return norm + r * s.experts * 9 + (0.0 if recomputes(run, "shared_experts") else shared)
 
 
 def dispatcher_state(s: ModelShape, run: RunConfig) -> float:
@@ -444,8 +464,9 @@ def routed_pairs_worst(s: ModelShape, run: RunConfig) -> float:
 
 def dispatch_saved_per_layer(s: ModelShape, run: RunConfig, pairs: float) -> float:
     """Saved by Megatron's alltoall path per layer: expert input (fc1 input), fc1 output (2F),
-    activation output (F), prob-weighted expert output kept by unpermute (moe/moe_utils.py)."""
-    return pairs * (2 * s.hidden + 3 * s.moe_ffn) * run.w
+    activation output (F; recomputed under ``--recompute-modules moe_act``), prob-weighted expert output kept
+    by unpermute (moe/moe_utils.py)."""
+    return pairs * (2 * s.hidden + (2 if recomputes(run, "moe_act") else 3) * s.moe_ffn) * run.w
 
 
 def dispatch_working_set(s: ModelShape, run: RunConfig, pairs: float) -> float:
@@ -851,9 +872,13 @@ def dispatcher_held(decoder: Sequence[bool], mtp: Sequence[bool], run: RunConfig
     MoE layer keeps its input and that input's gradient after its backward: one of each for a decoder chunk, two
     (the hidden states and the MTP embedding) for an MTP layer. At the lowest checkpoint's backward the chunk just
     above it is not counted as a gradient: its input's gradient is the one flowing into the lowest chunk.
-    Checked against Megatron's GPTModel on CPU (tests/test_planner_megatron.py). ``--recompute-modules moe`` keeps
-    an input and its gradient per MoE layer the same way (tests/test_moe_release.py); the planner does not model
-    that flag."""
+    Under ``--recompute-modules moe`` each MoE layer's own checkpoint keeps its input (the pre-MLP norm's output)
+    and that input's gradient, MTP layers' too: at layer 0's backward those of the MoE layers above it (none
+    is flowing into layer 0: the layer's residual sits between). Checked against Megatron's GPTModel on CPU
+    (tests/test_planner_megatron.py)."""
+    if recomputes(run, "moe"):  # each MoE layer's own checkpoint, in decoder and MTP layers alike: one input each
+        above = sum(decoder[1:]) + sum(mtp)
+        return above, above, 2 * (sum(decoder) + sum(mtp))
     if run.recompute != "full":
         return 0, 0, 0
     n = max(1, run.recompute_num_layers)
@@ -1057,14 +1082,16 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
             notes.append("SCO needs --recompute-granularity full; without it the boundary peak is the activations row")
 
         inputs, grads, at_step = dispatcher_held(*kinds[st], run)
-        if at_step:
-            # the boundaries row holds every checkpoint input through the backward: count those beyond it
+        fixed = any(pf.enabled.values())  # moe-release is applied with any component on
+        if at_step and run.recompute == "full":
+            # the boundaries row holds every checkpoint input through the backward: count those beyond it. (Under
+            # selective recompute the activations row holds every layer's saved tensors, more than 2 [T, H] each.)
             extra = grads + max(0, 1 + inputs - n_ckpt)
-            fixed = any(pf.enabled.values())  # moe-release is applied with any component on
             rows["dispatcher probs"] = Row(
                 "dispatcher probs", extra * boundary, 0.0 if fixed else extra * boundary, phase="layer",
                 source=f"the dispatcher's probs keep {inputs} checkpoint inputs and {grads} of their "
                        "gradients alive at the lowest checkpoint's backward (dispatcher_held); moe-release drops them")
+        if at_step:
             rows["probs at step"] = Row(
                 "probs at step", at_step * boundary, 0.0 if fixed else at_step * boundary, phase="step",
                 source=f"the same through the optimizer step: {at_step} [tokens, hidden] tensors")
@@ -1076,7 +1103,9 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                 source=f"{n_moe} MoE layers' dispatchers keep their probabilities, routing and permutation maps until "
                        "their next forward (dispatcher_state); moe-release drops them, PipelinedLLEP keeps none")
             pairs = routed_pairs(s, run)
-            if run.recompute == "full":
+            # the MoE forward runs again in its layer's backward: one layer's dispatch is alive at a time
+            moe_recomputed = run.recompute == "full" or recomputes(run, "moe")
+            if moe_recomputed:
                 base = dispatch_working_set(s, run, pairs)
             else:
                 base = inflight * stored_layers / n_layers * n_moe * dispatch_saved_per_layer(s, run, pairs) \
@@ -1085,7 +1114,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
             bound = llep_working_set(s, run, rows_bound, llep_overlaps(s, run, pf, worst=True))
             rows["dispatch"] = Row(
                 "dispatch", base, llep_expected_working_set(s, run, pf, rows_expected), bound=bound,
-                phase="moe" if run.recompute == "full" else "persistent",
+                phase="moe" if moe_recomputed else "persistent",
                 source=f"alltoall dispatcher: R x (4H + 3F) x w per layer, R = {pairs:.3g} pairs (skew "
                        f"{run.routing_skew:g}, worst {routed_pairs_worst(s, run):.3g}); PipelinedLLEP: "
                        f"K={llep_chunks(s, run, pf)[0]} chunks of c={c_eff} pairs per source, {rows_expected:.3g} "
@@ -1103,6 +1132,9 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                        + (f", + {s.mtp_layers} MTP loss(es) each holding its saved T x V/tp for backward"
                           if s.mtp_layers else "")
                        + "; Ring-DTP: T/P x block x 4 + dW shard + dX + ring buffers (MTP losses: O(T) state)")
+        unmodelled = [m for m in run.recompute_modules if m not in MODELLED_RECOMPUTE_MODULES]
+        if run.recompute == "selective" and unmodelled:
+            notes.append(f"--recompute-modules {' '.join(unmodelled)}: not modelled, counted as saved (an upper bound)")
         if mtps[st]:
             notes.append(f"{mtps[st]} MTP layer(s) counted as layers of the last decoder layer's kind, plus their "
                          "eh_proj, norms and the word embeddings they read")
