@@ -553,7 +553,7 @@ def frozen_worker(rank: int, world: int) -> list[tuple[str, float]]:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_frozen_expert_weights_get_no_gradient_and_the_rest_stay_exact(world):
     for rank_results in run_distributed(frozen_worker, world, timeout=180):
         assert len(rank_results) == 4

@@ -270,7 +270,7 @@ def auto_cap_worker(rank: int, world: int) -> list[tuple[str, float, int, int]]:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_auto_chunk_cap_follows_the_router_top_k(world):
     per_rank = run_distributed(auto_cap_worker, world, timeout=300)
     for rows in per_rank:

@@ -11,7 +11,12 @@ import torch
 
 from megatron_peakflat.testing import max_rel_error, run_distributed
 
-V = 130  # V / TP = 65 rows per shard: odd, not a multiple of the block size
+V = 130  # V / TP = 65 rows per shard at TP=2: odd, not a multiple of the block size
+
+
+def _vocab(world: int) -> int:
+    """65 rows per shard at TP = world (and 130 at TP=1): odd, not a multiple of the block size."""
+    return 65 * max(2, world)
 
 
 
@@ -50,6 +55,7 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
     install_cpu_shim()
     init_megatron_parallel(tp=world)
     init_num_microbatches_calculator(rank, None, 3, 3, 1)  # one microbatch of 3 sequences
+    V = _vocab(world)
     variants = [("moe", dict(), dict(moe=True), ["auto"] if world == 1 else ["activations"]),
                 ("shared-emb", dict(), dict(moe=True, share_embeddings=True), ["auto"] if world == 1 else ["weights"])]
     # MuP (width x2): Megatron scales the logits by mup_output_mult = 0.5; Ring-DTP scales the hidden states.
@@ -99,7 +105,7 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_gpt_model_loss_and_grads_match_megatron(world: int) -> None:
     out = run_distributed(_megatron_checks, world, timeout=180)
     assert all(len(o) == len(out[0]) > 0 for o in out)
@@ -123,6 +129,7 @@ def _mtp_checks(rank: int, world: int) -> list[str]:
     install_cpu_shim()
     init_megatron_parallel(tp=world)
     init_num_microbatches_calculator(rank, None, 3, 3, 1)
+    V = _vocab(world)
     done = []
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
@@ -170,7 +177,7 @@ def _mtp_checks(rank: int, world: int) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_mtp_heads_loss_grads_and_metrics_match_megatron(world: int) -> None:
     out = run_distributed(_mtp_checks, world, timeout=240)
     assert all(len(o) == 3 for o in out)
