@@ -23,17 +23,11 @@ def _run(rank: int, world: int) -> list[dict]:
     from megatron_peakflat.integration import registry
     from megatron_peakflat.integration.moe_release import PER_FORWARD
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
-    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
-                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
                                                         skew_router, tiny_transformer_config)
-    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
-                                                           init_num_microbatches_calculator)
 
-    install_cpu_shim()
-    init_megatron_parallel(ep=world)
-    init_num_microbatches_calculator(rank, None, 1, 1, 1)
     out = []
-    try:
+    with megatron_on_cpu(rank, ep=world):
         for dispatcher, recompute in REGIMES:
             runs = []
             for skew in ("balanced", "all"):
@@ -81,9 +75,6 @@ def _run(rank: int, world: int) -> list[dict]:
                                      loss=value))
             out += [{"regime": (dispatcher, recompute), "skew": r["skew"], "fix": r["fix"], "held": r["held"],
                      "after": r["after"], "state": r["state"], **_compare(r, runs)} for r in runs]
-    finally:
-        destroy_num_microbatches_calculator()
-        destroy_megatron_parallel()
     return out
 
 

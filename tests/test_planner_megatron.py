@@ -19,61 +19,54 @@ def _held_in_layer_backward(rank: int, world: int) -> list[tuple[str, bool, bool
     import megatron_peakflat
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
-    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
-                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
                                                         tiny_transformer_config)
     from megatron_peakflat.vocab import VocabConfig
 
-    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
-                                                           init_num_microbatches_calculator)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    install_cpu_shim()
-    init_megatron_parallel(tp=1)
-    init_num_microbatches_calculator(rank, None, 1, 1, 1)
-    out = []
-    for mtp in (0, 1):
-        for tied in (False, True):
-            for ring in (False, True):
-                destroy_moe_metrics_tracker()
-                torch.manual_seed(7)
-                over = dict(mtp_num_layers=mtp, mtp_loss_scaling_factor=0.3) if mtp else {}
-                config = tiny_transformer_config(num_moe_experts=None, **over)
-                model = build_tiny_gpt(config, vocab_size=V, seq_len=16, moe=False, share_embeddings=tied)
-                model.train()
-                emb = model.embedding.word_embeddings.weight
-                # what DDP gives a parameter: Ring-DTP adds the output layer's dW here (main_grad.py)
-                emb.main_grad, emb.grad_added_to_main_grad = torch.zeros_like(emb), False
-                if ring:
-                    megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", grad="recompute"),
-                                                           general=GeneralConfig(attention="local")))
-                seen: list[bool] = []
-
-                def held_now(meter: LiveBytesMeter, start: int) -> bool:
-                    """A V x H storage allocated in backward that no parameter holds as its .grad."""
-                    grads = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
-                    return any(k not in grads and n == V * config.hidden_size * 4
-                               for k, n in meter.live_since(start).items())
-
-                try:
-                    with LiveBytesMeter() as meter:
-                        def watch(_m, _args, output):
-                            h = output[0] if isinstance(output, tuple) else output
-                            h.register_hook(lambda g: seen.append(held_now(meter, start)))
-
-                        handle = model.decoder.layers[0].register_forward_hook(watch)
-                        loss = gpt_loss(model, gpt_batch(seq_len=16, micro_batch=2, vocab_size=V, seed=3))
-                        handle.remove()
-                        start = meter.allocations
-                        loss.backward()
-                finally:
+    with megatron_on_cpu(rank, tp=1):
+        out = []
+        for mtp in (0, 1):
+            for tied in (False, True):
+                for ring in (False, True):
+                    destroy_moe_metrics_tracker()
+                    torch.manual_seed(7)
+                    over = dict(mtp_num_layers=mtp, mtp_loss_scaling_factor=0.3) if mtp else {}
+                    config = tiny_transformer_config(num_moe_experts=None, **over)
+                    model = build_tiny_gpt(config, vocab_size=V, seq_len=16, moe=False, share_embeddings=tied)
+                    model.train()
+                    emb = model.embedding.word_embeddings.weight
+                    # what DDP gives a parameter: Ring-DTP adds the output layer's dW here (main_grad.py)
+                    emb.main_grad, emb.grad_added_to_main_grad = torch.zeros_like(emb), False
                     if ring:
-                        megatron_peakflat.remove()
-                assert len(seen) == 1, seen
-                rule = embedding_grad_held(True, config.num_layers, mtp, tied and not ring)
-                out.append((f"mtp={mtp} tied={tied} ring_dtp={ring}", seen[0], rule))
-    destroy_num_microbatches_calculator()
-    destroy_megatron_parallel()
+                        megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", grad="recompute"),
+                                                               general=GeneralConfig(attention="local")))
+                    seen: list[bool] = []
+
+                    def held_now(meter: LiveBytesMeter, start: int) -> bool:
+                        """A V x H storage allocated in backward that no parameter holds as its .grad."""
+                        grads = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
+                        return any(k not in grads and n == V * config.hidden_size * 4
+                                   for k, n in meter.live_since(start).items())
+
+                    try:
+                        with LiveBytesMeter() as meter:
+                            def watch(_m, _args, output):
+                                h = output[0] if isinstance(output, tuple) else output
+                                h.register_hook(lambda g: seen.append(held_now(meter, start)))
+
+                            handle = model.decoder.layers[0].register_forward_hook(watch)
+                            loss = gpt_loss(model, gpt_batch(seq_len=16, micro_batch=2, vocab_size=V, seed=3))
+                            handle.remove()
+                            start = meter.allocations
+                            loss.backward()
+                    finally:
+                        if ring:
+                            megatron_peakflat.remove()
+                    assert len(seen) == 1, seen
+                    rule = embedding_grad_held(True, config.num_layers, mtp, tied and not ring)
+                    out.append((f"mtp={mtp} tied={tied} ring_dtp={ring}", seen[0], rule))
     return out
 
 
@@ -125,62 +118,55 @@ def _dispatcher_held(rank: int, world: int) -> list[tuple[tuple, tuple[int, int,
 
     from megatron_peakflat.integration import registry
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
-    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
-                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
                                                         tiny_transformer_config)
-    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
-                                                           init_num_microbatches_calculator)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    install_cpu_shim()
-    init_megatron_parallel(ep=world)
-    init_num_microbatches_calculator(rank, None, 1, 1, 1)
-    out = []
-    for freq, method, n, mtp in HELD_CASES:
-        counts = {}
-        for fix in (False, True):
-            destroy_moe_metrics_tracker()
-            MTPLossLoggingHelper.tracker.clear()  # sized by the first model's MTP layers
-            torch.manual_seed(7)
-            over = dict(mtp_num_layers=mtp, mtp_loss_scaling_factor=0.3) if mtp else {}
-            rc = (dict(recompute_granularity="selective", recompute_modules=["moe"]) if method == "moe" else
-                  dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=n))
-            config = tiny_transformer_config(hidden_size=H, num_layers=len(freq), moe_layer_freq=list(freq), **rc,
-                                             **over)
-            model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
-            if fix:
-                registry.apply_patches({"moe-release"})
-            at_layer0: list[tuple[int, int]] = []
-            try:
-                with LiveBytesMeter() as meter:
-                    def alive(after: int, before: int) -> int:
-                        return sum(1 for size, born in meter._tracked.values() if size == TH and after < born <= before)
-
-                    def watch(_m, _args, output):
-                        h = output[0] if isinstance(output, tuple) else output
-                        # full recompute: layer 0's recompute, in backward; selective: its forward
-                        if torch.is_grad_enabled() and h.requires_grad and (method != "moe" or not forward_end):
-                            h.register_hook(lambda g: at_layer0.append(
-                                (alive(0, forward_end), alive(forward_end, meter.allocations))))
-
-                    forward_end = 0
-                    handle = model.decoder.layers[0].register_forward_hook(watch)
-                    loss = gpt_loss(model, gpt_batch(S, B, V, seed=5 + rank))
-                    forward_end = meter.allocations
-                    loss.backward()
-                    handle.remove()
-                    del loss
-                    gc.collect()
-                    after_backward = alive(0, meter.allocations)
-            finally:
+    with megatron_on_cpu(rank, ep=world):
+        out = []
+        for freq, method, n, mtp in HELD_CASES:
+            counts = {}
+            for fix in (False, True):
+                destroy_moe_metrics_tracker()
+                MTPLossLoggingHelper.tracker.clear()  # sized by the first model's MTP layers
+                torch.manual_seed(7)
+                over = dict(mtp_num_layers=mtp, mtp_loss_scaling_factor=0.3) if mtp else {}
+                rc = (dict(recompute_granularity="selective", recompute_modules=["moe"]) if method == "moe" else
+                      dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=n))
+                config = tiny_transformer_config(hidden_size=H, num_layers=len(freq), moe_layer_freq=list(freq), **rc,
+                                                 **over)
+                model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
                 if fix:
-                    registry.remove_patches()
-            assert len(at_layer0) == 1, at_layer0
-            counts[fix] = (*at_layer0[0], after_backward)
-        out.append(((freq, method, n, mtp), tuple(a - b for a, b in zip(counts[False], counts[True]))))
-    destroy_num_microbatches_calculator()
-    destroy_megatron_parallel()
+                    registry.apply_patches({"moe-release"})
+                at_layer0: list[tuple[int, int]] = []
+                try:
+                    with LiveBytesMeter() as meter:
+                        def alive(after: int, before: int) -> int:
+                            return sum(1 for size, born in meter._tracked.values() if size == TH and after < born <= before)
+
+                        def watch(_m, _args, output):
+                            h = output[0] if isinstance(output, tuple) else output
+                            # full recompute: layer 0's recompute, in backward; selective: its forward
+                            if torch.is_grad_enabled() and h.requires_grad and (method != "moe" or not forward_end):
+                                h.register_hook(lambda g: at_layer0.append(
+                                    (alive(0, forward_end), alive(forward_end, meter.allocations))))
+
+                        forward_end = 0
+                        handle = model.decoder.layers[0].register_forward_hook(watch)
+                        loss = gpt_loss(model, gpt_batch(S, B, V, seed=5 + rank))
+                        forward_end = meter.allocations
+                        loss.backward()
+                        handle.remove()
+                        del loss
+                        gc.collect()
+                        after_backward = alive(0, meter.allocations)
+                finally:
+                    if fix:
+                        registry.remove_patches()
+                assert len(at_layer0) == 1, at_layer0
+                counts[fix] = (*at_layer0[0], after_backward)
+            out.append(((freq, method, n, mtp), tuple(a - b for a, b in zip(counts[False], counts[True]))))
     return out
 
 
@@ -217,35 +203,28 @@ def _dispatcher_state(rank: int, world: int) -> list[tuple[str, int, int]]:
     import torch
 
     from megatron_peakflat.integration.moe_release import PER_FORWARD
-    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
-                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
                                                         tiny_transformer_config)
-    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
-                                                           init_num_microbatches_calculator)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    install_cpu_shim()
-    init_megatron_parallel(ep=world)
-    init_num_microbatches_calculator(rank, None, 1, 1, 1)
-    out = []
-    for dispatcher in ("alltoall", "allgather"):
-        destroy_moe_metrics_tracker()
-        torch.manual_seed(7)
-        config = tiny_transformer_config(hidden_size=H, num_layers=3, moe_layer_freq=[0, 1, 1],
-                                         moe_token_dispatcher_type=dispatcher, recompute_granularity="full",
-                                         recompute_method="uniform", recompute_num_layers=1)
-        model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
-        gpt_loss(model, gpt_batch(S, B, V, seed=5))
-        kept, layers = 0, 0
-        for layer in model.decoder.layers:
-            d = getattr(layer.mlp, "token_dispatcher", None)
-            if d is not None:
-                layers += 1
-                kept += sum(t.untyped_storage().nbytes() for t in (getattr(d, n, None) for n in PER_FORWARD)
-                            if isinstance(t, torch.Tensor))
-        out.append((dispatcher, kept, layers))
-    destroy_num_microbatches_calculator()
-    destroy_megatron_parallel()
+    with megatron_on_cpu(rank, ep=world):
+        out = []
+        for dispatcher in ("alltoall", "allgather"):
+            destroy_moe_metrics_tracker()
+            torch.manual_seed(7)
+            config = tiny_transformer_config(hidden_size=H, num_layers=3, moe_layer_freq=[0, 1, 1],
+                                             moe_token_dispatcher_type=dispatcher, recompute_granularity="full",
+                                             recompute_method="uniform", recompute_num_layers=1)
+            model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
+            gpt_loss(model, gpt_batch(S, B, V, seed=5))
+            kept, layers = 0, 0
+            for layer in model.decoder.layers:
+                d = getattr(layer.mlp, "token_dispatcher", None)
+                if d is not None:
+                    layers += 1
+                    kept += sum(t.untyped_storage().nbytes() for t in (getattr(d, n, None) for n in PER_FORWARD)
+                                if isinstance(t, torch.Tensor))
+            out.append((dispatcher, kept, layers))
     return out
 
 
@@ -271,37 +250,30 @@ def _saved_by_mlp(rank: int, world: int) -> list[tuple[bool, str, int]]:
     """(MoE, --recompute-modules, bytes the layers' MLP or MoE saved for backward in the forward), fp32, 2 layers."""
     import torch
 
-    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
-                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
                                                         tiny_transformer_config)
-    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
-                                                           init_num_microbatches_calculator)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    install_cpu_shim()
-    init_megatron_parallel(ep=world)
-    init_num_microbatches_calculator(rank, None, 1, 1, 1)
-    out = []
-    for moe, module in ((False, "core_attn"), (False, "mlp"), (True, "core_attn"), (True, "moe")):
-        destroy_moe_metrics_tracker()
-        torch.manual_seed(7)
-        config = tiny_transformer_config(hidden_size=H, num_layers=2, recompute_granularity="selective",
-                                         recompute_modules=[module], **({} if moe else dict(num_moe_experts=None)))
-        model = build_tiny_gpt(config, vocab_size=V, seq_len=S, moe=moe).train()
-        saved: dict[int, int] = {}
+    with megatron_on_cpu(rank, ep=world):
+        out = []
+        for moe, module in ((False, "core_attn"), (False, "mlp"), (True, "core_attn"), (True, "moe")):
+            destroy_moe_metrics_tracker()
+            torch.manual_seed(7)
+            config = tiny_transformer_config(hidden_size=H, num_layers=2, recompute_granularity="selective",
+                                             recompute_modules=[module], **({} if moe else dict(num_moe_experts=None)))
+            model = build_tiny_gpt(config, vocab_size=V, seq_len=S, moe=moe).train()
+            saved: dict[int, int] = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
 
-        for layer in model.decoder.layers:
-            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            layer.mlp.register_forward_pre_hook(lambda _m, _a, h=hooks: h.__enter__())
-            layer.mlp.register_forward_hook(lambda _m, _a, _o, h=hooks: h.__exit__(None, None, None))
-        gpt_loss(model, gpt_batch(S, B, V, seed=5))
-        out.append((moe, module, sum(saved.values())))
-    destroy_num_microbatches_calculator()
-    destroy_megatron_parallel()
+            for layer in model.decoder.layers:
+                hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+                layer.mlp.register_forward_pre_hook(lambda _m, _a, h=hooks: h.__enter__())
+                layer.mlp.register_forward_hook(lambda _m, _a, _o, h=hooks: h.__exit__(None, None, None))
+            gpt_loss(model, gpt_batch(S, B, V, seed=5))
+            out.append((moe, module, sum(saved.values())))
     return out
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,6 +33,7 @@ __all__ = [
     "install_cpu_shim",
     "init_megatron_parallel",
     "destroy_megatron_parallel",
+    "megatron_on_cpu",
     "tiny_transformer_config",
     "build_tiny_gpt",
     "gpt_batch",
@@ -214,6 +215,24 @@ def destroy_megatron_parallel() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def megatron_on_cpu(rank: int, global_batch: int = 1, micro_batch: int = 1, **parallel: Any) -> Iterator[None]:
+    """Inside a ``run_distributed`` rank: the CPU shim, Megatron's parallel state (``init_megatron_parallel(**parallel)``)
+    and a constant micro-batch calculator (``global_batch`` sequences in micro-batches of ``micro_batch``, DP 1),
+    both torn down on exit, so that the next case of the same process starts clean."""
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                           init_num_microbatches_calculator)
+
+    install_cpu_shim()
+    init_megatron_parallel(**parallel)
+    init_num_microbatches_calculator(rank, None, global_batch, micro_batch, 1)
+    try:
+        yield
+    finally:
+        destroy_num_microbatches_calculator()
+        destroy_megatron_parallel()
 
 
 def tiny_transformer_config(**overrides: Any) -> Any:
