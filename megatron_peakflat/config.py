@@ -111,6 +111,8 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
     """Reject combinations with Megatron's flags that cannot work, before any model is built."""
+    if _get(args, "mtp_num_layers") and _get(args, "recompute_granularity") == "full":
+        _check_megatron_mtp_full_recompute(_get(args, "mtp_num_layers"))
     num_experts = _get(args, "num_experts")
     if cfg.dispatch.impl != "megatron":
         flag = cfg.dispatch.flag("impl")
@@ -245,6 +247,21 @@ def _check_megatron_offload_fp32() -> None:
                               "parameters (without --bf16 or --fp16) once the model is built (\"can't optimize "
                               "a non-leaf Tensor\"; fixed on Megatron-LM's main by PR 6982)",
                               "add --bf16, or add --peakflat-optimizer offload-stream (which runs fp32 parameters)")
+
+
+def _check_megatron_mtp_full_recompute(layers: int) -> None:
+    """megatron-core 0.18's MTP layer under full recompute: ``MultiTokenPredictionLayer.forward`` passes
+    ``padding_mask`` to its ``_checkpointed_forward``, which takes no such argument, so the first training step
+    raises a TypeError (seen on CPU with 0.18.2; 0.19 takes it)."""
+    version = _megatron_core_version()
+    if version is None or version >= (0, 19):
+        return
+    raise PeakflatConfigError("--mtp-num-layers", layers,
+                              f"megatron-core {'.'.join(map(str, version))}'s MTP layer fails under "
+                              "--recompute-granularity full at the first training step (\"_checkpointed_forward() "
+                              "got an unexpected keyword argument 'padding_mask'\"; megatron-core 0.19 runs it)",
+                              "install megatron-core 0.19, or recompute selectively (SCO needs full recompute), "
+                              "or drop --mtp-num-layers")
 
 
 def _megatron_core_version() -> tuple[int, ...] | None:

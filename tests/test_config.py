@@ -296,6 +296,25 @@ def test_the_fp32_refusal_stops_at_the_last_megatron_core_checked(monkeypatch):
             PeakflatConfig.from_args(ns)
 
 
+def test_mtp_under_full_recompute_is_refused_where_megatron_core_cannot_run_it(monkeypatch):
+    """megatron-core 0.18.2's MTP layer raises a TypeError at the first step under full recompute (its forward
+    passes padding_mask to _checkpointed_forward); 0.19 runs it. Refused at start-up, naming the fix."""
+    import megatron_peakflat.config as config
+
+    ns = parse_with_megatron(mtp_num_layers=1, recompute_granularity="full")
+    for version, refused in [((0, 18, 2), True), ((0, 19, 0), False), ((0, 19, 2), False), (None, False)]:
+        monkeypatch.setattr(config, "_megatron_core_version", lambda v=version: v)
+        if refused:
+            with pytest.raises(PeakflatConfigError) as e:
+                PeakflatConfig.from_args(ns)
+            assert e.value.flag == "--mtp-num-layers" and "padding_mask" in e.value.problem
+            assert e.value.fix.startswith("install megatron-core 0.19"), e.value.fix
+        else:
+            PeakflatConfig.from_args(ns)
+    monkeypatch.setattr(config, "_megatron_core_version", lambda: (0, 18, 2))
+    PeakflatConfig.from_args(parse_with_megatron(mtp_num_layers=1, recompute_granularity="selective"))
+
+
 def test_deterministic_mode_pins_the_optimizer_engine():
     """engine='auto' splits buckets between two kernels by measured speed (not bit-for-bit repeatable);
     Megatron's --deterministic-mode resolves it to 'gpu' at start-up, and an explicit choice stays."""
