@@ -15,6 +15,8 @@ S, B, H, V = 16, 2, 72, 1009
 TH = S * B * H * 4  # one [tokens, hidden] fp32 tensor: no other storage of the tiny model has this size
 LAYERS = 4
 REGIMES = [("alltoall", "full"), ("allgather", "full"), ("alltoall", "moe"), ("allgather", "moe")]
+RECOMPUTE = {"full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+             "moe": dict(recompute_granularity="selective", recompute_modules=["moe"])}
 
 
 def _run(rank: int, world: int) -> list[dict]:
@@ -33,10 +35,8 @@ def _run(rank: int, world: int) -> list[dict]:
             for skew in ("balanced", "all"):
                 for fix in (False, True):
                     torch.manual_seed(7)
-                    rc = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-                          if recompute == "full" else dict(recompute_granularity="selective", recompute_modules=["moe"]))
-                    config = tiny_transformer_config(hidden_size=H, num_layers=LAYERS, moe_token_dispatcher_type=dispatcher,
-                                                     **rc)
+                    config = tiny_transformer_config(hidden_size=H, num_layers=LAYERS,
+                                                     moe_token_dispatcher_type=dispatcher, **RECOMPUTE[recompute])
                     model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
                     skew_router(model, skew, seed=3 + rank)
                     if fix:
@@ -55,7 +55,8 @@ def _run(rank: int, world: int) -> list[dict]:
                                     h.register_hook(lambda g: held.append(alive(forward_end)))
 
                             forward_end = 0
-                            handle = model.decoder.layers[0].register_forward_hook(watch) if recompute == "full" else None
+                            layer0 = model.decoder.layers[0]
+                            handle = layer0.register_forward_hook(watch) if recompute == "full" else None
                             loss = gpt_loss(model, gpt_batch(S, B, V, seed=5 + rank))
                             forward_end = meter.allocations
                             value = loss.detach().clone()
@@ -83,8 +84,8 @@ def _compare(r: dict, runs: list[dict]) -> dict:
     import torch
 
     ref = next(x for x in runs if x["skew"] == r["skew"] and not x["fix"])
-    same = torch.equal(r["loss"], ref["loss"]) and r["grads"].keys() == ref["grads"].keys() and all(torch.equal(r["grads"][k], ref["grads"][k])
-                                                            for k in ref["grads"])
+    same = torch.equal(r["loss"], ref["loss"]) and r["grads"].keys() == ref["grads"].keys() and all(
+        torch.equal(r["grads"][k], ref["grads"][k]) for k in ref["grads"])
     return {"same": same, "n_grads": len(r["grads"])}
 
 

@@ -95,7 +95,8 @@ def test_embedding_grad_held_rule(first: bool, decoder: int, mtp: int, out: bool
 
 S, B, H = 16, 2, 72
 TH = S * B * H * 4  # one [tokens, hidden] fp32 tensor: no other storage of the tiny model has this size
-HELD_CASES = [  # (layers, MoE where 1, --recompute-method or "moe" (--recompute-modules moe), --recompute-num-layers, MTP)
+# (layers, MoE where 1; --recompute-method, or "moe" for --recompute-modules moe; --recompute-num-layers; MTP layers)
+HELD_CASES = [
     ((1, 1, 1, 1), "uniform", 1, 0),
     ((0, 1, 0, 1), "uniform", 1, 0),
     ((1, 0, 1, 0), "uniform", 1, 0),
@@ -148,7 +149,8 @@ def _dispatcher_held(rank: int, world: int, cases: list[tuple]) -> list[tuple[tu
                 try:
                     with LiveBytesMeter() as meter:
                         def alive(after: int, before: int) -> int:
-                            return sum(1 for size, born in meter._tracked.values() if size == TH and after < born <= before)
+                            return sum(1 for size, born in meter._tracked.values()
+                                       if size == TH and after < born <= before)
 
                         def watch(_m, _args, output):
                             h = output[0] if isinstance(output, tuple) else output

@@ -263,8 +263,8 @@ def render(pl: Plan, rec: Recommendation) -> str:
                    "  GiB per rank")
         out.append(f"  {'term':18s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
         order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "attention backward",
-                 "embedding gradient", "dispatcher probs", "dispatcher state", "boundaries", "dispatch", "vocab", "reserve",
-                 "optimizer step", "probs at step", "model build"]
+                 "embedding gradient", "dispatcher probs", "dispatcher state", "boundaries", "dispatch", "vocab",
+                 "reserve", "optimizer step", "probs at step", "model build"]
         for name in order + [n for n in st.rows if n not in order]:
             if name not in st.rows:
                 continue

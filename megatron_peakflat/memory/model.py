@@ -411,7 +411,8 @@ def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
 
 
 MODELLED_RECOMPUTE_MODULES = ("core_attn", "moe", "moe_act", "mlp", "shared_experts")
-"""--recompute-modules the planner models; core_attn saves no s x s scores with flash attention, so it changes nothing."""
+"""--recompute-modules the planner models; core_attn saves no s x s scores with flash attention, so it changes
+nothing."""
 
 
 def recomputes(run: RunConfig, module: str) -> bool:
@@ -443,11 +444,11 @@ def moe_nondispatch_activations(s: ModelShape, run: RunConfig) -> float:
 
 
 def dispatcher_state(s: ModelShape, run: RunConfig) -> float:
-    """Bytes one MoE layer's alltoall dispatcher keeps from its forward until its next one (the allgather one
-    keeps only the routed pairs' probabilities, so less): the
-    router's probabilities ([rows, E] in the router's dtype, the activations' by default), the routing map
-    ([rows, E] bool) and the permutation map ([rows x top-k] int64) (token_dispatcher.py ``dispatch_preprocess``;
-    integration/moe_release.py drops them)."""
+    """Bytes one MoE layer's alltoall dispatcher keeps from its forward until its next one: the router's
+    probabilities ([rows, E] in the router's dtype, the activations' by default), the routing map ([rows, E] bool)
+    and the permutation map ([rows x top-k] int64) (token_dispatcher.py ``dispatch_preprocess``;
+    integration/moe_release.py drops them). The allgather dispatcher keeps only the routed pairs' probabilities,
+    so less."""
     r = run.layer_rows
     return r * s.experts * (run.w + 1) + r * s.topk * 8
 
@@ -862,20 +863,20 @@ def _stage_counts(s: ModelShape, run: RunConfig) -> list[tuple[int, int]]:
 
 
 def dispatcher_held(decoder: Sequence[bool], mtp: Sequence[bool], run: RunConfig) -> tuple[int, int, int]:
-    """[tokens, hidden] tensors that Megatron's alltoall or allgather dispatcher keeps alive under full recompute, as
+    """[tokens, hidden] tensors that Megatron's alltoall or allgather dispatcher keeps alive under recompute, as
     (checkpoint inputs, their gradients) when the stage's lowest checkpoint begins its backward, and the total
     through the optimizer step. ``decoder`` and ``mtp``: the stage's layers in forward order, True where MoE.
 
     ``MoEAlltoAllTokenDispatcher`` keeps the router's probabilities as ``self.probs`` (the allgather one their
-    local slice) until the layer's next forward (integration/moe_release.py drops them). Their graph is the checkpoint's recompute, which ends in the
-    checkpoint's detached inputs, and those hold their gradients once its backward ran. So each checkpoint with a
-    MoE layer keeps its input and that input's gradient after its backward: one of each for a decoder chunk, two
-    (the hidden states and the MTP embedding) for an MTP layer. At the lowest checkpoint's backward the chunk just
-    above it is not counted as a gradient: its input's gradient is the one flowing into the lowest chunk.
-    Under ``--recompute-modules moe`` each MoE layer's own checkpoint keeps its input (the pre-MLP norm's output)
-    and that input's gradient, MTP layers' too: at layer 0's backward those of the MoE layers above it (none
-    is flowing into layer 0: the layer's residual sits between). Checked against Megatron's GPTModel on CPU
-    (tests/test_planner_megatron.py)."""
+    local slice) until the layer's next forward (integration/moe_release.py drops them). Their graph is the
+    checkpoint's recompute, which ends in the checkpoint's detached inputs, and those hold their gradients once
+    its backward ran. So under full recompute each checkpoint with a MoE layer keeps its input and that input's
+    gradient after its backward: one of each for a decoder chunk, two (the hidden states and the MTP embedding)
+    for an MTP layer. At the lowest checkpoint's backward the chunk just above it is not counted as a gradient:
+    its input's gradient is the one flowing into the lowest chunk. Under ``--recompute-modules moe`` each MoE
+    layer's own checkpoint keeps its input (the pre-MLP norm's output) and that input's gradient, MTP layers' too:
+    at layer 0's backward those of the MoE layers above it (none is flowing into layer 0: the layer's residual
+    sits between). Checked against Megatron's GPTModel on CPU (tests/test_planner_megatron.py)."""
     if recomputes(run, "moe"):  # each MoE layer's own checkpoint, in decoder and MTP layers alike: one input each
         above = sum(decoder[1:]) + sum(mtp)
         return above, above, 2 * (sum(decoder) + sum(mtp))
@@ -1099,7 +1100,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         if n_moe:
             state = n_moe * dispatcher_state(s, run)
             rows["dispatcher state"] = Row(
-                "dispatcher state", state, 0.0 if any(pf.enabled.values()) else state,
+                "dispatcher state", state, 0.0 if fixed else state,
                 source=f"{n_moe} MoE layers' dispatchers keep their probabilities, routing and permutation maps until "
                        "their next forward (dispatcher_state); moe-release drops them, PipelinedLLEP keeps none")
             pairs = routed_pairs(s, run)

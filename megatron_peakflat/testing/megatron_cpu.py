@@ -219,9 +219,10 @@ def destroy_megatron_parallel() -> None:
 
 @contextlib.contextmanager
 def megatron_on_cpu(rank: int, global_batch: int = 1, micro_batch: int = 1, **parallel: Any) -> Iterator[None]:
-    """Inside a ``run_distributed`` rank: the CPU shim, Megatron's parallel state (``init_megatron_parallel(**parallel)``)
-    and a constant micro-batch calculator (``global_batch`` sequences in micro-batches of ``micro_batch``, DP 1),
-    both torn down on exit, so that the next case of the same process starts clean."""
+    """Inside a ``run_distributed`` rank: the CPU shim, Megatron's parallel state
+    (``init_megatron_parallel(**parallel)``) and a constant micro-batch calculator (``global_batch`` sequences in
+    micro-batches of ``micro_batch``, DP 1), both torn down on exit, so that the next case of the same process
+    starts clean."""
     from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
                                                            init_num_microbatches_calculator)
 
