@@ -298,6 +298,28 @@ def test_dispatch_baseline_matches_h200_anchor():
         assert abs(got / GIB - gib) / gib < 0.05, (tokens, got / GIB)
 
 
+def test_dispatch_baseline_grows_by_the_receive_buffer_at_ep2():
+    """bench/results/dispatch.json (H200s, the whole transformer layer under full recompute, balanced routing,
+    64 experts top-8, F=1536): Megatron's alltoall peak at EP=2 less its peak at EP=1, against the planner's
+    dispatch row at EP=2 less at EP=1 (the all-to-all's receive buffer), within 5%."""
+    import json
+
+    rows = json.loads((Path(__file__).resolve().parent.parent / "bench/results/dispatch.json").read_text())["rows"]
+    peak = {r["case"]: r["peak_gib"] for r in rows if r["method"] == "megatron-alltoall"}
+    checked = 0
+    for tokens, hidden in ((16384, 4096), (32768, 4096), (32768, 7168), (65536, 4096), (65536, 7168)):
+        case = f"recompute=full,N={tokens},H={hidden},ep={{}},skew=0%@4"
+        measured = peak[case.format(2)] - peak[case.format(1)]
+        shape = ModelShape(name="bench", hidden=hidden, layers=1, heads=hidden // 128, kv_heads=hidden // 128,
+                           head_dim=128, ffn=4 * hidden, vocab=1024, experts=64, topk=8, moe_ffn=1536)
+        ep1, ep2 = RunConfig(seq_len=tokens), RunConfig(seq_len=tokens, ep=2)
+        predicted = (M.dispatch_working_set(shape, ep2, M.routed_pairs(shape, ep2))
+                     - M.dispatch_working_set(shape, ep1, M.routed_pairs(shape, ep1))) / GIB
+        assert abs(predicted - measured) / measured < 0.05, (tokens, hidden, predicted, measured)
+        checked += 1
+    assert checked == 5
+
+
 def test_vocab_baseline_matches_h200_anchor():
     """DESIGN.md: N=32768, V=201088, H=7168: native 36.8 GiB, fused 61.4 GiB."""
     shape = ModelShape(name="anchor", hidden=7168, layers=1, heads=56, kv_heads=8, head_dim=128, ffn=1,

@@ -473,8 +473,11 @@ def dispatch_saved_per_layer(s: ModelShape, run: RunConfig, pairs: float) -> flo
 def dispatch_working_set(s: ModelShape, run: RunConfig, pairs: float) -> float:
     """One MoE layer's dispatch-to-combine bytes: the saved tensors plus the permute/sort copy and
     the combine receive buffer (token_dispatcher.py MoEAlltoAllTokenDispatcher + moe_utils.permute,
-    sort_chunks_by_idxs, unpermute): pairs x (4H + 3F) x w. Calibrated on the H200 anchor."""
-    return pairs * (4 * s.hidden + 3 * s.moe_ffn) * run.w
+    sort_chunks_by_idxs, unpermute): pairs x (4H + 3F) x w, calibrated on the H200 anchor (EP=1). At EP > 1
+    the all-to-all receives into a buffer of its own, one [pairs, H] more: bench/results/dispatch.json's
+    Megatron rows at EP=2 exceed EP=1's by 2.06 GiB at 32K tokens and H=4096, 3.53 GiB at H=7168 and 4.11 GiB at
+    64K (64 experts top-8: 2.0, 3.5 and 4.0 GiB of [pairs, H] bf16)."""
+    return pairs * (4 * s.hidden + 3 * s.moe_ffn + (s.hidden if run.ep > 1 else 0)) * run.w
 
 
 def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int, int]:
