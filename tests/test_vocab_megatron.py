@@ -44,64 +44,56 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
     import megatron_peakflat
     from megatron_peakflat import stats
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
-    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
-                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
                                                         tiny_transformer_config)
     from megatron_peakflat.vocab import VocabConfig
 
-    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
-                                                           init_num_microbatches_calculator)
+    with megatron_on_cpu(rank, global_batch=3, micro_batch=3, tp=world):  # one micro-batch of 3 sequences
+        V = _vocab(world)
+        variants = [("moe", dict(), dict(moe=True), ["auto"] if world == 1 else ["activations"]),
+                    ("shared-emb", dict(), dict(moe=True, share_embeddings=True),
+                     ["auto"] if world == 1 else ["weights"])]
+        # MuP (width x2): Megatron scales the logits by mup_output_mult = 0.5; Ring-DTP scales the hidden states.
+        mup = dict(use_mup=True, mup_base_hidden_size=32)
+        variants.append(("mup", mup, dict(moe=True), ["auto"] if world == 1 else ["activations"]))
+        if world > 1:
+            variants.append(("dense-no-sp", dict(num_moe_experts=None, sequence_parallel=False), dict(moe=False),
+                             ["activations", "weights"]))
+        done = []
+        for vi, (name, cfg_over, build_kw, schedules) in enumerate(variants):
+            for schedule, grad in [(s, "recompute") for s in schedules] + [("auto", "in-forward")]:
+                torch.manual_seed(1234 + vi)
+                model = build_tiny_gpt(tiny_transformer_config(**cfg_over), vocab_size=V, seq_len=16, **build_kw)
+                batch = gpt_batch(seq_len=16, micro_batch=3, vocab_size=V, seed=vi)
+                ref_loss = gpt_loss(model, batch)
+                ref_loss.backward()
+                ref = _grads(model)
 
-    install_cpu_shim()
-    init_megatron_parallel(tp=world)
-    init_num_microbatches_calculator(rank, None, 3, 3, 1)  # one microbatch of 3 sequences
-    V = _vocab(world)
-    variants = [("moe", dict(), dict(moe=True), ["auto"] if world == 1 else ["activations"]),
-                ("shared-emb", dict(), dict(moe=True, share_embeddings=True), ["auto"] if world == 1 else ["weights"])]
-    # MuP (width x2): Megatron scales the logits by mup_output_mult = 0.5; Ring-DTP scales the hidden states.
-    mup = dict(use_mup=True, mup_base_hidden_size=32)
-    variants.append(("mup", mup, dict(moe=True), ["auto"] if world == 1 else ["activations"]))
-    if world > 1:
-        variants.append(("dense-no-sp", dict(num_moe_experts=None, sequence_parallel=False), dict(moe=False),
-                         ["activations", "weights"]))
-    done = []
-    for vi, (name, cfg_over, build_kw, schedules) in enumerate(variants):
-        for schedule, grad in [(s, "recompute") for s in schedules] + [("auto", "in-forward")]:
-            torch.manual_seed(1234 + vi)
-            model = build_tiny_gpt(tiny_transformer_config(**cfg_over), vocab_size=V, seq_len=16, **build_kw)
-            batch = gpt_batch(seq_len=16, micro_batch=3, vocab_size=V, seed=vi)
-            ref_loss = gpt_loss(model, batch)
-            ref_loss.backward()
-            ref = _grads(model)
-
-            calls = stats.snapshot().get("vocab", {}).get("calls", 0)
-            megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", schedule=schedule, block_size=16,
-                                                                       grad=grad, chunk_tokens=128),
-                                                   general=GeneralConfig(attention="local")))
-            try:
-                model.output_layer.forward = _no_logits
-                loss = gpt_loss(model, batch)
-                loss.backward()
-                ours = _grads(model)
-            finally:
-                del model.output_layer.forward
-                megatron_peakflat.remove()
-            what = f"{name} tp={world} schedule={schedule} grad={grad}"
-            assert stats.snapshot()["vocab"]["calls"] == calls + 1, what
-            assert stats.snapshot()["vocab"]["grad"] == grad, what
-            assert not stats.snapshot()["vocab"].get("hint_corrections"), what
-            assert max_rel_error(loss.detach(), ref_loss.detach()) < 1e-5, (what, float(loss), float(ref_loss))
-            _same_grads(what, ours, ref)
-            done.append(what)
-            # unpatched again: the original forward runs, builds logits and gives the reference's loss
-            logits_built = []
-            hook = model.output_layer.register_forward_hook(lambda _m, _a, out: logits_built.append(out[0].shape))
-            again = gpt_loss(model, batch)
-            hook.remove()
-            assert logits_built and logits_built[0][-1] * world == V, (what, logits_built)
-            assert max_rel_error(again.detach(), ref_loss.detach()) < 1e-5, (what, float(again), float(ref_loss))
-    destroy_num_microbatches_calculator()
-    destroy_megatron_parallel()
+                calls = stats.snapshot().get("vocab", {}).get("calls", 0)
+                vocab = VocabConfig(impl="ring-dtp", schedule=schedule, block_size=16, grad=grad, chunk_tokens=128)
+                megatron_peakflat.apply(PeakflatConfig(vocab=vocab, general=GeneralConfig(attention="local")))
+                try:
+                    model.output_layer.forward = _no_logits
+                    loss = gpt_loss(model, batch)
+                    loss.backward()
+                    ours = _grads(model)
+                finally:
+                    del model.output_layer.forward
+                    megatron_peakflat.remove()
+                what = f"{name} tp={world} schedule={schedule} grad={grad}"
+                assert stats.snapshot()["vocab"]["calls"] == calls + 1, what
+                assert stats.snapshot()["vocab"]["grad"] == grad, what
+                assert not stats.snapshot()["vocab"].get("hint_corrections"), what
+                assert max_rel_error(loss.detach(), ref_loss.detach()) < 1e-5, (what, float(loss), float(ref_loss))
+                _same_grads(what, ours, ref)
+                done.append(what)
+                # unpatched again: the original forward runs, builds logits and gives the reference's loss
+                logits_built = []
+                hook = model.output_layer.register_forward_hook(lambda _m, _a, out: logits_built.append(out[0].shape))
+                again = gpt_loss(model, batch)
+                hook.remove()
+                assert logits_built and logits_built[0][-1] * world == V, (what, logits_built)
+                assert max_rel_error(again.detach(), ref_loss.detach()) < 1e-5, (what, float(again), float(ref_loss))
     return done
 
 
@@ -118,62 +110,55 @@ def _mtp_checks(rank: int, world: int) -> list[str]:
     import megatron_peakflat
     from megatron_peakflat import stats
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
-    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, destroy_megatron_parallel, gpt_batch,
-                                                        gpt_loss, init_megatron_parallel, install_cpu_shim,
+    from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
                                                         mtp_metrics, tiny_transformer_config)
     from megatron_peakflat.vocab import VocabConfig
 
-    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
-                                                           init_num_microbatches_calculator)
+    with megatron_on_cpu(rank, global_batch=3, micro_batch=3, tp=world):  # one micro-batch of 3 sequences
+        V = _vocab(world)
+        done = []
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    install_cpu_shim()
-    init_megatron_parallel(tp=world)
-    init_num_microbatches_calculator(rank, None, 3, 3, 1)
-    V = _vocab(world)
-    done = []
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+        dense = dict(num_moe_experts=None, sequence_parallel=False)  # TP=2 without SP: tokens sliced per ring rank
+        variants = [(1, False, "recompute", {}), (2, True, "in-forward", {}), (1, True, "recompute", dense)]
+        for vi, (depth, tied, grad, over) in enumerate(variants):
+            destroy_moe_metrics_tracker()  # Megatron's MoE metrics are sized by the first model's layer count
+            torch.manual_seed(4321 + vi)
+            config = tiny_transformer_config(mtp_num_layers=depth, mtp_loss_scaling_factor=0.3, **over)
+            model = build_tiny_gpt(config, vocab_size=V, seq_len=16, share_embeddings=tied,
+                                   moe=config.num_moe_experts is not None)
+            model.train()
+            batch = gpt_batch(seq_len=16, micro_batch=3, vocab_size=V, seed=50 + vi)
+            mtp_metrics()
+            ref_loss = gpt_loss(model, batch)
+            ref_loss.backward()
+            ref, ref_metrics = _grads(model), mtp_metrics()
 
-    dense = dict(num_moe_experts=None, sequence_parallel=False)  # TP=2 without SP: tokens sliced per ring rank
-    variants = [(1, False, "recompute", {}), (2, True, "in-forward", {}), (1, True, "recompute", dense)]
-    for vi, (depth, tied, grad, over) in enumerate(variants):
-        destroy_moe_metrics_tracker()  # Megatron's MoE metrics are sized by the first model's layer count
-        torch.manual_seed(4321 + vi)
-        config = tiny_transformer_config(mtp_num_layers=depth, mtp_loss_scaling_factor=0.3, **over)
-        model = build_tiny_gpt(config, vocab_size=V, seq_len=16, share_embeddings=tied,
-                               moe=config.num_moe_experts is not None)
-        model.train()
-        batch = gpt_batch(seq_len=16, micro_batch=3, vocab_size=V, seed=50 + vi)
-        mtp_metrics()
-        ref_loss = gpt_loss(model, batch)
-        ref_loss.backward()
-        ref, ref_metrics = _grads(model), mtp_metrics()
-
-        calls = stats.snapshot().get("vocab", {}).get("calls", 0)
-        megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", block_size=16, grad=grad,
-                                                                   chunk_tokens=128),
-                                               general=GeneralConfig(attention="local")))
-        try:
-            model.output_layer.forward = _no_logits
-            loss = gpt_loss(model, batch)
-            loss.backward()
-            ours, metrics = _grads(model), mtp_metrics()
-        finally:
-            del model.output_layer.forward
-            megatron_peakflat.remove()
-        what = f"mtp={depth} tied={tied} tp={world} grad={grad} {'dense, no SP' if over else 'MoE'}"
-        assert stats.snapshot()["vocab"]["calls"] == calls + 1 + depth, what
-        assert max_rel_error(loss.detach(), ref_loss.detach()) < 1e-5, (what, float(loss), float(ref_loss))
-        assert any(".mtp." in k or k.startswith("mtp.") for k in ref), (what, sorted(ref))
-        _same_grads(what, ours, ref)
-        # 0.19 logs each MTP layer's loss ("loss_values") and acceptance counts; 0.18.2 its loss ("values")
-        assert set(metrics) == set(ref_metrics) and {"loss_values", "values"} & set(ref_metrics), (what, set(ref_metrics))
-        for k in ref_metrics:
-            assert max_rel_error(metrics[k], ref_metrics[k]) < 1e-5, (what, k, metrics[k], ref_metrics[k])
-        if "correct_values" in ref_metrics:
-            assert float(ref_metrics["total_values"].sum()) > 0, what
-        done.append(what)
-    destroy_num_microbatches_calculator()
-    destroy_megatron_parallel()
+            calls = stats.snapshot().get("vocab", {}).get("calls", 0)
+            megatron_peakflat.apply(PeakflatConfig(vocab=VocabConfig(impl="ring-dtp", block_size=16, grad=grad,
+                                                                       chunk_tokens=128),
+                                                   general=GeneralConfig(attention="local")))
+            try:
+                model.output_layer.forward = _no_logits
+                loss = gpt_loss(model, batch)
+                loss.backward()
+                ours, metrics = _grads(model), mtp_metrics()
+            finally:
+                del model.output_layer.forward
+                megatron_peakflat.remove()
+            what = f"mtp={depth} tied={tied} tp={world} grad={grad} {'dense, no SP' if over else 'MoE'}"
+            assert stats.snapshot()["vocab"]["calls"] == calls + 1 + depth, what
+            assert max_rel_error(loss.detach(), ref_loss.detach()) < 1e-5, (what, float(loss), float(ref_loss))
+            assert any(".mtp." in k or k.startswith("mtp.") for k in ref), (what, sorted(ref))
+            _same_grads(what, ours, ref)
+            # 0.19 logs each MTP layer's loss ("loss_values") and acceptance counts; 0.18.2 its loss ("values")
+            assert set(metrics) == set(ref_metrics) and {"loss_values", "values"} & set(ref_metrics), (
+                what, set(ref_metrics))
+            for k in ref_metrics:
+                assert max_rel_error(metrics[k], ref_metrics[k]) < 1e-5, (what, k, metrics[k], ref_metrics[k])
+            if "correct_values" in ref_metrics:
+                assert float(ref_metrics["total_values"].sum()) > 0, what
+            done.append(what)
     return done
 
 
