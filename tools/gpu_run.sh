@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run GPU steps on a CUDA machine from a checkout of this repository (the commands behind the
 # committed GPU results). Steps: setup, tests, suite (the whole suite, tools/gpu_full_suite.sh), example, demo,
+# mtp-release (the MTP run of pretrain_mtp_32k.json again, with moe-release, against the planner),
 # bench-<component>[:args].
 #   bash tools/gpu_run.sh setup tests example bench-vocab bench-sco
 # Wheels missing on the machine (megatron-core, liger-kernel, cut-cross-entropy) are taken from .whl/
@@ -41,6 +42,11 @@ for s in "$@"; do
         step "example-$pf" env PEAKFLAT=$pf TRAIN_ITERS=${TRAIN_ITERS:-20} MASTER_PORT=$((29600 + RANDOM % 100)) bash examples/pretrain_moe.sh
       done ;;
     demo) step demo $PY -m megatron_peakflat.demo ;;
+    mtp-release)
+      step mtp-release $PY bench/pretrain_compare.py --timeout 150 --out pretrain_mtp_32k_release.json \
+        --env "NUM_LAYERS=2,HIDDEN=2048,HEADS=16,FFN=5632,MOE_FFN=1408,EXPERTS=8,TOPK=2,VOCAB=201088,SEQ_LEN=32768,GLOBAL_BATCH=1,TRAIN_ITERS=4,CHUNK_CAP=auto" \
+        --run "vocab:PEAKFLAT=on;PEAKFLAT_COMPONENTS=vocab" -- --deterministic-mode --mtp-num-layers 1
+      step planner-mtp $PY bench/planner_mtp.py ;;
     bench-*)
       spec=${s#bench-}; name=${spec%%:*}; args=""
       [[ "$spec" == *:* ]] && args=${spec#*:}
