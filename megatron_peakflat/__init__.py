@@ -37,8 +37,8 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
         components.add("attention")
     if cfg.general.report_peaks:
         components.add("report")
-    if any(cfg.enabled.values()):
-        components.add("moe-release")  # a memory fix to Megatron's own dispatcher, with any component on
+    if cfg.releases_dispatcher_state:
+        components.add("moe-release")  # a memory fix to Megatron's own dispatchers
     from_args = not isinstance(config, PeakflatConfig)
     if from_args:
         from .config import check_devices

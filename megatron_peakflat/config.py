@@ -61,6 +61,12 @@ class PeakflatConfig:
     general: GeneralConfig = field(default_factory=GeneralConfig)
 
     @property
+    def releases_dispatcher_state(self) -> bool:
+        """Whether ``apply`` adds moe-release (integration/moe_release.py), the fix to Megatron's own dispatchers:
+        with any component on. The planner's peakflat column follows it."""
+        return any(self.enabled.values())
+
+    @property
     def enabled(self) -> dict[str, bool]:
         """Which components replace a Megatron part."""
         return {
@@ -176,7 +182,7 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
                                       "fp8/fp4 layers checkpoint through Transformer Engine's te_checkpoint, which SCO "
                                       "does not wrap, so every boundary would stay on the GPU",
                                       "drop --fp8-format / --fp4-format, or drop " + flag)
-        graphs = _cuda_graphs(args)
+        graphs = cuda_graph_flag(args)
         if graphs:
             raise PeakflatConfigError(flag, True,
                                       f"{graphs} captures the layers, and a captured layer records no checkpoint "
@@ -296,8 +302,9 @@ _DISPATCH_CONFLICTS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _cuda_graphs(args: Any) -> str:
-    """The Megatron flag that captures the layers in CUDA graphs, as the user wrote it, or ''."""
+def cuda_graph_flag(args: Any) -> str:
+    """The Megatron flag that captures the layers in CUDA graphs, as the user wrote it, or ''. ``args``: Megatron's
+    parsed args or its TransformerConfig (the same two fields)."""
     impl = _get(args, "cuda_graph_impl", "none") or "none"
     if impl != "none":
         return f"--cuda-graph-impl {impl}"
@@ -326,7 +333,7 @@ def _check_dispatch_experts(cfg: PeakflatConfig, args: Any) -> None:
         if _get(args, dest):
             raise PeakflatConfigError(flag, cfg.dispatch.impl, f"it does not support {what}",
                                       f"{fix}, or drop {flag}")
-    graphs = _cuda_graphs(args)
+    graphs = cuda_graph_flag(args)
     if graphs:
         raise PeakflatConfigError(flag, cfg.dispatch.impl, f"{graphs} captures the layers, and PipelinedLLEP's chunk "
                                   "sizes follow the routing", f"drop {graphs.split()[0]}, or drop {flag}")

@@ -21,15 +21,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from ..config import cuda_graph_flag
+
 __all__ = ["PER_FORWARD", "release_after_combine"]
 
 PER_FORWARD = ("probs", "local_probs", "routing_map", "local_map", "reversed_local_input_permutation_mapping")
 """The dispatcher attributes set by each dispatch and read no later than its ``combine_postprocess``."""
-
-
-def _graphed(config: Any) -> bool:
-    return getattr(config, "cuda_graph_impl", "none") not in (None, "none") or bool(
-        getattr(config, "enable_cuda_graph", False))
 
 
 def release_after_combine(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -39,7 +36,7 @@ def release_after_combine(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def combine_postprocess(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
-        if not _graphed(getattr(self, "config", None)):
+        if not cuda_graph_flag(getattr(self, "config", None)):
             for name in PER_FORWARD:
                 if getattr(self, name, None) is not None:
                     setattr(self, name, None)

@@ -856,10 +856,12 @@ def _stage_kinds(s: ModelShape, run: RunConfig) -> list[tuple[tuple[bool, ...], 
     return out
 
 
-def _stage_counts(s: ModelShape, run: RunConfig) -> list[tuple[int, int]]:
-    """(dense, moe) layers of each pipeline rank, its MTP layers included (``_stage_kinds``)."""
+def _stage_counts(s: ModelShape, run: RunConfig,
+                  kinds: list[tuple[tuple[bool, ...], tuple[bool, ...]]] | None = None) -> list[tuple[int, int]]:
+    """(dense, moe) layers of each pipeline rank, its MTP layers included (``kinds``: ``_stage_kinds``, when
+    already at hand)."""
     out = []
-    for decoder, mtp in _stage_kinds(s, run):
+    for decoder, mtp in kinds if kinds is not None else _stage_kinds(s, run):
         moe = sum(decoder) + sum(mtp)
         out.append((len(decoder) + len(mtp) - moe, moe))
     return out
@@ -940,8 +942,8 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
     w = run.w
     r = run.layer_rows
     c_eff = llep_chunks(s, run, pf)[1] if s.experts else 0
-    counts = _stage_counts(s, run)
     kinds = _stage_kinds(s, run)
+    counts = _stage_counts(s, run, kinds)
     mtps = mtp_split(s, run)
     vpp = virtual_stages(s.layers, run)
     stages_idx, cover = _stages_to_plan(counts)
@@ -1086,7 +1088,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
             notes.append("SCO needs --recompute-granularity full; without it the boundary peak is the activations row")
 
         inputs, grads, at_step = dispatcher_held(*kinds[st], run)
-        fixed = any(pf.enabled.values())  # moe-release is applied with any component on
+        fixed = pf.releases_dispatcher_state  # moe-release drops what the dispatchers keep
         if at_step and run.recompute == "full":
             # the boundaries row holds every checkpoint input through the backward: count those beyond it. (Under
             # selective recompute the activations row holds every layer's saved tensors, more than 2 [T, H] each.)
