@@ -15,8 +15,6 @@ S, B, H, V = 16, 2, 72, 1009
 TH = S * B * H * 4  # one [tokens, hidden] fp32 tensor: no other storage of the tiny model has this size
 LAYERS = 4
 REGIMES = [("alltoall", "full"), ("allgather", "full"), ("alltoall", "moe"), ("allgather", "moe")]
-RECOMPUTE = {"full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-             "moe": dict(recompute_granularity="selective", recompute_modules=["moe"])}
 
 
 def _run(rank: int, world: int) -> list[dict]:
@@ -26,7 +24,7 @@ def _run(rank: int, world: int) -> list[dict]:
     from megatron_peakflat.integration.moe_release import PER_FORWARD
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
     from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
-                                                        skew_router, tiny_transformer_config)
+                                                        recompute_config, skew_router, tiny_transformer_config)
 
     out = []
     with megatron_on_cpu(rank, ep=world):
@@ -36,7 +34,7 @@ def _run(rank: int, world: int) -> list[dict]:
                 for fix in (False, True):
                     torch.manual_seed(7)
                     config = tiny_transformer_config(hidden_size=H, num_layers=LAYERS,
-                                                     moe_token_dispatcher_type=dispatcher, **RECOMPUTE[recompute])
+                                                     moe_token_dispatcher_type=dispatcher, **recompute_config(recompute))
                     model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
                     skew_router(model, skew, seed=3 + rank)
                     if fix:

@@ -125,7 +125,7 @@ def _dispatcher_held(rank: int, world: int, cases: list[tuple]) -> list[tuple[tu
     from megatron_peakflat.integration import registry
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
     from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
-                                                        tiny_transformer_config)
+                                                        recompute_config, tiny_transformer_config)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -138,8 +138,7 @@ def _dispatcher_held(rank: int, world: int, cases: list[tuple]) -> list[tuple[tu
                 MTPLossLoggingHelper.tracker.clear()  # sized by the first model's MTP layers
                 torch.manual_seed(7)
                 over = dict(mtp_num_layers=mtp, mtp_loss_scaling_factor=0.3) if mtp else {}
-                rc = (dict(recompute_granularity="selective", recompute_modules=["moe"]) if method == "moe" else
-                      dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=n))
+                rc = recompute_config("moe") if method == "moe" else recompute_config("full", method, n)
                 config = tiny_transformer_config(hidden_size=H, num_layers=len(freq), moe_layer_freq=list(freq), **rc,
                                                  **over)
                 model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
@@ -223,7 +222,7 @@ def _dispatcher_state(rank: int, world: int) -> list[tuple[str, int, int]]:
 
     from megatron_peakflat.integration.moe_release import PER_FORWARD
     from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
-                                                        tiny_transformer_config)
+                                                        recompute_config, tiny_transformer_config)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     with megatron_on_cpu(rank, ep=world):
@@ -232,8 +231,7 @@ def _dispatcher_state(rank: int, world: int) -> list[tuple[str, int, int]]:
             destroy_moe_metrics_tracker()
             torch.manual_seed(7)
             config = tiny_transformer_config(hidden_size=H, num_layers=3, moe_layer_freq=[0, 1, 1],
-                                             moe_token_dispatcher_type=dispatcher, recompute_granularity="full",
-                                             recompute_method="uniform", recompute_num_layers=1)
+                                             moe_token_dispatcher_type=dispatcher, **recompute_config("full"))
             model = build_tiny_gpt(config, vocab_size=V, seq_len=S).train()
             gpt_loss(model, gpt_batch(S, B, V, seed=5))
             kept, layers = 0, 0
@@ -270,7 +268,7 @@ def _saved_by_mlp(rank: int, world: int) -> list[tuple[bool, str, int]]:
     import torch
 
     from megatron_peakflat.testing.megatron_cpu import (build_tiny_gpt, gpt_batch, gpt_loss, megatron_on_cpu,
-                                                        tiny_transformer_config)
+                                                        recompute_config, tiny_transformer_config)
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     with megatron_on_cpu(rank, ep=world):
@@ -278,8 +276,8 @@ def _saved_by_mlp(rank: int, world: int) -> list[tuple[bool, str, int]]:
         for moe, module in ((False, "core_attn"), (False, "mlp"), (True, "core_attn"), (True, "moe")):
             destroy_moe_metrics_tracker()
             torch.manual_seed(7)
-            config = tiny_transformer_config(hidden_size=H, num_layers=2, recompute_granularity="selective",
-                                             recompute_modules=[module], **({} if moe else dict(num_moe_experts=None)))
+            config = tiny_transformer_config(hidden_size=H, num_layers=2, **recompute_config(module),
+                                             **({} if moe else dict(num_moe_experts=None)))
             model = build_tiny_gpt(config, vocab_size=V, seq_len=S, moe=moe).train()
             saved: dict[int, int] = {}
 

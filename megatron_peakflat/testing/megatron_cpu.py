@@ -34,6 +34,7 @@ __all__ = [
     "init_megatron_parallel",
     "destroy_megatron_parallel",
     "megatron_on_cpu",
+    "recompute_config",
     "tiny_transformer_config",
     "build_tiny_gpt",
     "gpt_batch",
@@ -234,6 +235,14 @@ def megatron_on_cpu(rank: int, global_batch: int = 1, micro_batch: int = 1, **pa
     finally:
         destroy_num_microbatches_calculator()
         destroy_megatron_parallel()
+
+
+def recompute_config(regime: str, method: str = "uniform", num_layers: int = 1) -> dict[str, Any]:
+    """TransformerConfig fields of a recompute regime: ``"full"`` (Megatron's full recompute, ``method`` over
+    ``num_layers`` layers per checkpoint), or a module name, recomputed selectively (``--recompute-modules``)."""
+    if regime == "full":
+        return dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=num_layers)
+    return dict(recompute_granularity="selective", recompute_modules=[regime])
 
 
 def tiny_transformer_config(**overrides: Any) -> Any:

@@ -30,11 +30,9 @@ def _after_backward(dispatcher: str, recompute: str, fix: bool) -> tuple[int, li
     gc.collect()  # the previous call's model, and whatever it kept, is gone before the count starts
     destroy_moe_metrics_tracker()
     mc.init_megatron_parallel(ep=1, cpu=False, seed=5)
-    rc = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-          if recompute == "full" else dict(recompute_granularity="selective", recompute_modules=["moe"]))
     config = mc.tiny_transformer_config(bf16=True, params_dtype=torch.bfloat16, hidden_size=H, num_layers=LAYERS,
                                         num_moe_experts=E, moe_router_topk=TOPK, moe_token_dispatcher_type=dispatcher,
-                                        **rc)
+                                        **mc.recompute_config(recompute))
     model = Float16Module(config, mc.build_tiny_gpt(config, vocab_size=64, seq_len=SEQ)).cuda()
     batch = {k: v.cuda() for k, v in mc.gpt_batch(SEQ, MB, 64, seed=3).items()}
     if fix:
