@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run GPU steps on a CUDA machine from a checkout of this repository (the commands behind the
-# committed GPU results). Steps: setup, tests, suite (the whole suite, tools/gpu_full_suite.sh), example, demo,
+# committed GPU results). Steps: setup, tests (or tests:<pytest args>), suite (the whole suite, tools/gpu_full_suite.sh), example, demo,
 # mtp-release (the MTP run of pretrain_mtp_32k.json again, with moe-release, against the planner),
 # bench-<component>[:args].
 #   bash tools/gpu_run.sh setup tests example bench-vocab bench-sco
@@ -36,6 +36,7 @@ for s in "$@"; do
       step env $PY -c "import torch, megatron.core, triton; import megatron_peakflat._C as C; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count(), 'ext', C.__file__)"
       ;;
     tests) step gpu-tests $PY -m pytest tests/gpu -q -ra -p no:cacheprovider ;;
+    tests:*) step gpu-tests $PY -m pytest ${s#tests:} -q -ra -p no:cacheprovider ;;
     suite) step suite env PYTHON=$PY bash tools/gpu_full_suite.sh ;;
     example)
       for pf in off on; do
