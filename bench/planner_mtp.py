@@ -61,8 +61,13 @@ if __name__ == "__main__":
     after = ROOT / "bench/results/pretrain_mtp_32k_release.json"  # tools/gpu_run.sh mtp-release
     released = predicted(True, "vocab", True)[1]
     if after.exists():
-        got = json.loads(after.read_text())["runs"]["vocab"]["max_allocated_mib"] / 1024
+        run = json.loads(after.read_text())["runs"]["vocab"]
+        got = run["max_allocated_mib"] / 1024
         print(f"# with moe-release ({after.name}): measured {got:.2f} GiB, predicted {released:.2f} GiB, "
               f"{released / got - 1:+.1%}")
+        before = json.loads((ROOT / "bench/results/pretrain_mtp_32k.json").read_text())["runs"]["vocab"]["lm_loss"]
+        gap = max(abs(a - b) / abs(b) for a, b in zip(run["lm_loss"], before))
+        print(f"# its lm loss against the run without moe-release (--deterministic-mode, {len(run['lm_loss'])} "
+              f"logged values): largest relative difference {gap:.1e}")
     else:
         print(f"# not measured yet: the vocab run with moe-release, predicted {released:.2f} GiB")
