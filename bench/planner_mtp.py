@@ -1,7 +1,7 @@
 """The planner's predicted peak (total less reserve, last stage) for the MoE GPT of bench/results/pretrain_mtp_32k.json,
 with and without its MTP layer, Megatron's loss against Ring-DTP's: compared with that file's measured max allocated.
 Both runs were measured before moe-release (integration/moe_release.py), so the dispatcher's held tensors are
-counted in both columns here. CPU only: python3 bench/planner_mtp.py"""
+counted in both columns here; pretrain_mtp_32k_release.json is the Ring-DTP run again with it. CPU only: python3 bench/planner_mtp.py"""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def predicted(mtp: bool, run_name: str, released: bool = False) -> tuple[StagePl
     return st, (st.total(col) - getattr(st.rows["reserve"], col)) / GIB
 
 
-def measured(run_name: str) -> float:
-    """Max allocated of that run in pretrain_mtp_32k.json, GiB."""
-    doc = json.loads((ROOT / "bench/results/pretrain_mtp_32k.json").read_text())
+def measured(run_name: str, results: str = "pretrain_mtp_32k.json") -> float:
+    """Max allocated of that run in ``bench/results/<results>``, GiB."""
+    doc = json.loads((ROOT / "bench/results" / results).read_text())
     return doc["runs"][run_name]["max_allocated_mib"] / 1024
 
 
@@ -62,7 +62,7 @@ if __name__ == "__main__":
     released = predicted(True, "vocab", True)[1]
     if after.exists():
         run = json.loads(after.read_text())["runs"]["vocab"]
-        got = run["max_allocated_mib"] / 1024
+        got = measured("vocab", after.name)
         print(f"# with moe-release ({after.name}): measured {got:.2f} GiB, predicted {released:.2f} GiB, "
               f"{released / got - 1:+.1%}")
         before = json.loads((ROOT / "bench/results/pretrain_mtp_32k.json").read_text())["runs"]["vocab"]["lm_loss"]

@@ -54,9 +54,13 @@ def _after_backward(dispatcher: str, recompute: str, fix: bool) -> tuple[int, li
     return after - before, [value, *[p.grad.clone() for p in model.parameters() if p.grad is not None]]
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-@pytest.mark.parametrize("recompute", ["full", "moe"])
-def test_moe_release_frees_what_the_dispatcher_kept(dispatcher: str, recompute: str) -> None:
+@pytest.fixture(scope="module")
+def warm_process() -> None:
+    """One discarded step first: the process's first forward and backward allocate what every later step reuses.
+    On the H200 (2026-12-05, ninth session) the first case, run without this, measured 69,288,448 bytes between the
+    two calls: the 8 [tokens, hidden] tensors (2,097,152), 82,432 bytes within the dispatcher-state bound, and
+    67,108,864, exactly two 32 MiB blocks (the size of a cuBLAS workspace on sm90; read as the forward's and
+    autograd's). The three cases after it passed."""
     import os
 
     import torch.distributed as dist
@@ -65,6 +69,12 @@ def test_moe_release_frees_what_the_dispatcher_kept(dispatcher: str, recompute: 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29547")
         dist.init_process_group("nccl", rank=0, world_size=1)
+    _after_backward("alltoall", "full", fix=True)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("recompute", ["full", "moe"])
+def test_moe_release_frees_what_the_dispatcher_kept(dispatcher: str, recompute: str, warm_process: None) -> None:
     kept, ref = _after_backward(dispatcher, recompute, fix=False)
     freed, got = _after_backward(dispatcher, recompute, fix=True)
     tokens_hidden = TOKENS * H * 2  # bf16, a multiple of the allocator's 512-byte rounding
