@@ -40,10 +40,18 @@ def predicted(mtp: bool, run_name: str, released: bool = False) -> tuple[StagePl
     return st, (st.total(col) - getattr(st.rows["reserve"], col)) / GIB
 
 
+RELEASED = "pretrain_mtp_32k_release.json"
+"""The Ring-DTP run again with moe-release (tools/gpu_run.sh mtp-release)."""
+
+
+def run_of(run_name: str, results: str = "pretrain_mtp_32k.json") -> dict:
+    """That run's record in ``bench/results/<results>``."""
+    return json.loads((ROOT / "bench/results" / results).read_text())["runs"][run_name]
+
+
 def measured(run_name: str, results: str = "pretrain_mtp_32k.json") -> float:
     """Max allocated of that run in ``bench/results/<results>``, GiB."""
-    doc = json.loads((ROOT / "bench/results" / results).read_text())
-    return doc["runs"][run_name]["max_allocated_mib"] / 1024
+    return run_of(run_name, results)["max_allocated_mib"] / 1024
 
 
 if __name__ == "__main__":
@@ -58,15 +66,13 @@ if __name__ == "__main__":
     got = {n: measured(n) for n in RUNS}
     print("# measured with the MTP layer: " + ", ".join(f"{n} {v:.2f} GiB" for n, v in got.items()))
     print("# predicted/measured - 1: " + ", ".join(f"{n} {with_mtp[n] / v - 1:+.1%}" for n, v in got.items()))
-    after = ROOT / "bench/results/pretrain_mtp_32k_release.json"  # tools/gpu_run.sh mtp-release
     released = predicted(True, "vocab", True)[1]
-    if after.exists():
-        run = json.loads(after.read_text())["runs"]["vocab"]
-        got = measured("vocab", after.name)
-        print(f"# with moe-release ({after.name}): measured {got:.2f} GiB, predicted {released:.2f} GiB, "
+    if (ROOT / "bench/results" / RELEASED).exists():
+        run = run_of("vocab", RELEASED)
+        got = run["max_allocated_mib"] / 1024
+        print(f"# with moe-release ({RELEASED}): measured {got:.2f} GiB, predicted {released:.2f} GiB, "
               f"{released / got - 1:+.1%}")
-        before = json.loads((ROOT / "bench/results/pretrain_mtp_32k.json").read_text())["runs"]["vocab"]["lm_loss"]
-        gap = max(abs(a - b) / abs(b) for a, b in zip(run["lm_loss"], before))
+        gap = max(abs(a - b) / abs(b) for a, b in zip(run["lm_loss"], run_of("vocab")["lm_loss"]))
         print(f"# its lm loss against the run without moe-release (--deterministic-mode, {len(run['lm_loss'])} "
               f"logged values): largest relative difference {gap:.1e}")
     else:

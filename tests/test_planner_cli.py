@@ -203,17 +203,17 @@ def test_prediction_tracks_the_mtp_run_with_moe_release():
     """The Ring-DTP run of pretrain_mtp_32k.json again with moe-release (pretrain_mtp_32k_release.json, one H200,
     2026-12-05): 23.53 GiB max allocated against 23.92 GiB before, the same losses. The planner's released
     prediction is 0.9% under it, and the 0.39 GiB the fix saved is what the planner's dispatcher rows count in
-    that run (0.37 GiB)."""
-    from bench.planner_mtp import measured, predicted
+    that run (0.38 GiB)."""
+    from bench.planner_mtp import RELEASED, predicted, run_of
 
-    before, after = measured("vocab"), measured("vocab", "pretrain_mtp_32k_release.json")
+    first, again = run_of("vocab"), run_of("vocab", RELEASED)
+    before, after = first["max_allocated_mib"] / 1024, again["max_allocated_mib"] / 1024
     released = predicted(True, "vocab", True)[1]
     assert -0.015 <= released / after - 1 <= 0.0, (released, after)
     counted = predicted(True, "vocab", False)[1] - released
     assert counted == pytest.approx(before - after, rel=0.10), (counted, before - after)
-    runs = [_h200_results(name)["runs"]["vocab"] for name in ("pretrain_mtp_32k.json", "pretrain_mtp_32k_release.json")]
-    n = len(runs[1]["lm_loss"])
-    assert n >= 4 and all(r[k][:n] == runs[1][k] for r in runs[:1] for k in ("lm_loss", "grad_norm"))
+    n = len(again["lm_loss"])
+    assert n >= 4 and all(first[k][:n] == again[k] for k in ("lm_loss", "grad_norm"))
 
 
 def test_stock_run_keeps_what_its_dispatcher_holds_through_the_step():
