@@ -766,6 +766,25 @@ def test_mtp_layers_sit_on_the_last_stage_with_their_losses():
     assert M.mtp_split(s.with_(mtp_layers=1), lay) == (1, 0)
 
 
+@pytest.mark.parametrize("shape_kw,run_kw", [
+    ({}, {}),
+    ({"mtp_layers": 1}, {}),
+    ({"mtp_layers": 2, "tied_embeddings": False}, {"pp": 2}),
+    ({"mtp_layers": 1}, {"pp": 2, "dp": 2, "ep": 2}),
+    ({"mtp_layers": 1}, {"recompute": "selective", "recompute_modules": ("moe",)}),
+])
+def test_every_component_off_leaves_each_row_at_megatrons_value(shape_kw, run_kw):
+    """With no component on, the peakflat column is Megatron's path, so every row of every stage equals its
+    baseline, on the GPU and on the host. (The optimizer row computes its peakflat column apart, to count the
+    output layer's EP shard: it once left out an MTP layer's eh_proj and a later stage's embeddings.)"""
+    s = TINY.with_(**shape_kw)
+    run = RunConfig(seq_len=4096, **run_kw)
+    for st in plan(s, run, PeakflatConfig()).stages:
+        for name, row in st.rows.items():
+            assert row.peakflat == pytest.approx(row.baseline, rel=1e-12, abs=0), (st.stage, name)
+            assert row.host_peakflat == pytest.approx(row.host_baseline, rel=1e-12, abs=0), (st.stage, name)
+
+
 def test_embedding_gradient_row_follows_the_uses():
     """The word embeddings' gradient that autograd holds through the layers' backward (``embedding_grad_held``,
     checked against Megatron in test_planner_megatron.py): V/tp x H x w bytes, in the 'layer' phase, where the

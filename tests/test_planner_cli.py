@@ -180,10 +180,10 @@ def test_prediction_tracks_the_measured_h200_runs(results, run_name):
         assert st.binding(which) == "optimizer step" and abs(predicted - measured) / measured < 0.005
 
 
-@pytest.mark.parametrize("run_name, low", [("off", -0.01), ("vocab", -0.015)])
+@pytest.mark.parametrize("run_name, low", [("off", -0.01), ("vocab", -0.01)])
 def test_prediction_tracks_the_measured_mtp_run(run_name, low):
     """The planner against the MTP run on one H200 (bench/results/pretrain_mtp_32k.json, 1.1B parameters, one
-    MTP layer, 32K tokens, V=201088): Megatron's losses -0.7%, Ring-DTP -0.9%. Ring-DTP's peak is in a layer's
+    MTP layer, 32K tokens, V=201088): Megatron's losses -0.7%, Ring-DTP -0.5%. Ring-DTP's peak is in a layer's
     recompute backward, where autograd holds the MTP lookup's [V, H] bf16 gradient of the word embeddings
     until the decoder's lookup adds its own (0.77 GiB, memory_peak_mtp_32k.txt; -5.7% without that row), and
     Megatron's dispatcher keeps the MTP layer's two inputs and the upper layer's input, with their gradients
@@ -202,14 +202,14 @@ def test_prediction_tracks_the_measured_mtp_run(run_name, low):
 def test_prediction_tracks_the_mtp_run_with_moe_release():
     """The Ring-DTP run of pretrain_mtp_32k.json again with moe-release (pretrain_mtp_32k_release.json, one H200,
     2026-12-05): 23.53 GiB max allocated against 23.92 GiB before, the same losses. The planner's released
-    prediction is 0.9% under it, and the 0.39 GiB the fix saved is what the planner's dispatcher rows count in
+    prediction is 0.5% under it, and the 0.39 GiB the fix saved is what the planner's dispatcher rows count in
     that run (0.38 GiB)."""
     from bench.planner_mtp import RELEASED, predicted, run_of
 
     first, again = run_of("vocab"), run_of("vocab", RELEASED)
     before, after = first["max_allocated_mib"] / 1024, again["max_allocated_mib"] / 1024
     released = predicted(True, "vocab", True)[1]
-    assert -0.015 <= released / after - 1 <= 0.0, (released, after)
+    assert -0.01 <= released / after - 1 <= 0.0, (released, after)
     counted = predicted(True, "vocab", False)[1] - released
     assert counted == pytest.approx(before - after, rel=0.10), (counted, before - after)
     n = len(again["lm_loss"])

@@ -1003,8 +1003,8 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
             return held, held * per_param * (1 - f), instances
 
         shard, opt_gpu_base, _ = optimizer_terms(dense_p, expert_p)
-        shard_pf, opt_gpu_pf, instances = optimizer_terms(*stage_params(s, run, n_dense, n_moe, first, last,
-                                                                        vocab_ep_shards(run, pf)))
+        shard_pf, opt_gpu_pf, instances = optimizer_terms(*stage_params(s, run, n_dense, n_moe, embedding, last,
+                                                                        vocab_ep_shards(run, pf), mtp=mtps[st]))
         if pf.enabled["optimizer"]:
             # as many slots as buckets when there are fewer (optimizer/api.py), each the size of the largest bucket
             slot_params = sum(min(slots, math.ceil(n / bucket)) * min(bucket, n) for n in instances)
