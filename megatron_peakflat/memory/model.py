@@ -930,6 +930,34 @@ def sco_budget(s: ModelShape, run: RunConfig, pf: PeakflatConfig, optimizer_host
     return int(max(0.0, run.host_bytes_per_rank - optimizer_host))
 
 
+@dataclass(frozen=True)
+class _Stage:
+    """One planned pipeline rank, as the row builders of ``plan`` read it."""
+
+    index: int
+    n_dense: int
+    n_moe: int
+    mtp: int
+    """Of its layers, the MTP layers."""
+    first: bool
+    last: bool
+    chunks: int
+    """Forward model chunks in flight at its peak (``chunks_in_flight``)."""
+    inflight: float
+    """The same in whole stages' worth: each of the rank's VPP model chunks holds about 1/VPP of its layers."""
+    kinds: tuple[tuple[bool, ...], tuple[bool, ...]]
+    """Its decoder and MTP layers in forward order, True where MoE (``_stage_kinds``)."""
+
+    @property
+    def n_layers(self) -> int:
+        return self.n_dense + self.n_moe
+
+    @property
+    def embedding(self) -> bool:
+        """A rank with MTP layers holds the word embeddings too (gpt_model.py builds them where mtp_process)."""
+        return self.first or self.mtp > 0
+
+
 def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Plan:
     """Per-rank bytes of every term, for the first and last pipeline stages (one stage at PP=1), and every
     middle stage that no earlier stage bounds (``_stages_to_plan``).
@@ -939,8 +967,6 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
     pf = pf or PeakflatConfig()
     unpadded = s.vocab
     s = s.with_(vocab=padded_vocab(s.vocab, run))
-    w = run.w
-    r = run.layer_rows
     c_eff = llep_chunks(s, run, pf)[1] if s.experts else 0
     kinds = _stage_kinds(s, run)
     counts = _stage_counts(s, run, kinds)
@@ -950,202 +976,22 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
     stages: list[StagePlan] = []
     budget_used = 0
     for st in stages_idx:
-        n_dense, n_moe = counts[st]
-        n_layers = n_dense + n_moe
-        first, last = st == 0, st == run.pp - 1
         chunks = chunks_in_flight(run, st, vpp)
-        # In whole stages' worth: each of the rank's VPP model chunks holds about 1/VPP of its layers.
-        inflight: float = chunks if vpp == 1 else chunks / vpp
-        # A rank with MTP layers holds the word embeddings too (gpt_model.py builds them where mtp_process).
-        embedding = first or mtps[st] > 0
-        dense_p, expert_p = stage_params(s, run, n_dense, n_moe, embedding, last, mtp=mtps[st])
-        params = dense_p + expert_p
-        # --peakflat-vocab-shard-over-ep: the output layer's rows over the EP group (the peakflat column only)
-        params_pf = sum(stage_params(s, run, n_dense, n_moe, embedding, last, vocab_ep_shards(run, pf), mtp=mtps[st]))
+        g = _Stage(st, *counts[st], mtps[st], st == 0, st == run.pp - 1, chunks,
+                   chunks if vpp == 1 else chunks / vpp, kinds[st])
         rows: dict[str, Row] = {}
         notes: list[str] = []
-
-        rows["parameters"] = Row("parameters", params * w, params_pf * w,
-                                 source="param_and_grad_buffer.py _ParamAndGradBuffer.param_data (w bytes/param)")
-        # Megatron's DDP allocates its param and grad buffers while the model's own parameters are alive,
-        # then copies each in and frees it: at 16K and 32K tokens on one H200 this was the run's peak
-        # (38.28 GiB = 2 x 9.57 + 19.14, bench/results/memory_peak_16k.txt).
-        rows["model build"] = Row("model build", params * w, params_pf * w, phase="build",
-                                  source="distributed_data_parallel.py: the module's parameters, alive while "
-                                         "_ParamAndGradBuffer is built and filled")
-        gbytes = run.grad_bytes
-        rows["gradients"] = Row("gradients", params * gbytes, params_pf * gbytes,
-                                source="param_and_grad_buffer.py grad_data, full size even with the distributed optimizer")
-
-        # Optimizer: fp32 master (when params are not fp32) + exp_avg + exp_avg_sq, sharded over
-        # DP x CP for dense params and over expert-DP for experts (optimizer/distrib_optimizer.py).
-        # Megatron's distributed optimizer chains one optimizer per gradient-reduction group (dense
-        # params over DP x CP, expert params over expert-DP), and OffloadStreamAdamW replaces the
-        # HybridDeviceOptimizer inside each: every one holds its own slots of its largest bucket.
-        # Without it (a plain OffloadStreamAdamW over every parameter, as bench/planner.py builds), one.
-        # The peakflat column counts the output layer's shard (--peakflat-vocab-shard-over-ep) as the expert
-        # parameter it becomes: the same state per rank under the distributed optimizer, V/EP rows without it.
-        per_param = (4 if w < 4 else 0) + 8
-        f = run.optimizer_offload_fraction
-        slots, bucket = pf.optimizer.slots, pf.optimizer.bucket
-        gpu_engine = getattr(pf.optimizer, "engine", "auto") != "cpu"
-
-        def optimizer_terms(dense: float, expert: float) -> tuple[float, float, list[float]]:
-            """(params in this rank's optimizer shard, Megatron's GPU state bytes, one count per chained optimizer)."""
-            # Measured: one OffloadStreamAdamW over all 5.1B parameters at EP=1 on the H200 (2.24 GiB staging).
-            if run.distributed_optimizer and experts_have_own_optimizer(run.ep, run.etp, run.tp):
-                instances = [n for n in (dense / (run.dp * run.cp), expert / run.expert_dp) if n > 0]
-            elif run.distributed_optimizer:
-                instances = [(dense + expert) / (run.dp * run.cp)]
-            else:
-                instances = [dense + expert]
-            held = sum(instances)
-            return held, held * per_param * (1 - f), instances
-
-        shard, opt_gpu_base, _ = optimizer_terms(dense_p, expert_p)
-        shard_pf, opt_gpu_pf, instances = optimizer_terms(*stage_params(s, run, n_dense, n_moe, embedding, last,
-                                                                        vocab_ep_shards(run, pf), mtp=mtps[st]))
-        if pf.enabled["optimizer"]:
-            # as many slots as buckets when there are fewer (optimizer/api.py), each the size of the largest bucket
-            slot_params = sum(min(slots, math.ceil(n / bucket)) * min(bucket, n) for n in instances)
-            opt_pf = slot_params * 16 if gpu_engine else 0.0
-            # host: fp32 master and moments, plus the host kernel's slots unless the engine is 'gpu' (api.py _host_need)
-            opt_host_pf = shard_pf * 12 + (slot_params * (4 + w) if pf.optimizer.engine != "gpu" else 0.0)
-        else:
-            opt_pf, opt_host_pf = opt_gpu_pf, (shard_pf * per_param + 4 * shard_pf) * f
-        # torch.optim.AdamW (no TE, no apex): one fp32 temporary of the GPU shard during the step
-        step_temp = 0.0 if run.fused_adam else 4.0 * (1 - f)
-        rows["optimizer step"] = Row("optimizer step", shard * step_temp,
-                                     0.0 if pf.enabled["optimizer"] else shard_pf * step_temp, phase="step",
-                                     source="torch.optim.adam _multi_tensor_adam: _foreach_sqrt(exp_avg_sq), 4 B/param "
-                                            "of the GPU shard, when Megatron falls back to torch's AdamW (no TE or apex)")
-        rows["optimizer"] = Row(
-            "optimizer", opt_gpu_base, opt_pf, bound=len(instances) * slots * bucket * 16 if gpu_engine else 0.0,
-            host_baseline=(shard * per_param + 4 * shard) * f, host_peakflat=opt_host_pf,
-            source="distrib_optimizer.py fp32 master + Adam moments (12 B/param shard); "
-                   "OffloadStreamAdamW: slots x bucket x 16 B staging per chained optimizer (dense, expert; "
-                   "engine 'auto' may use less: it can send every bucket to the host); pinned host: 12 B/param, plus "
-                   "slots x bucket x (4 + param bytes) for the host kernel unless the engine is 'gpu'")
-
-        # Activations and checkpoint boundaries.
-        attn = attention_activations(s, run)
-        layer_act = [attn + mlp_activations(s, run, s.ffn)] * n_dense + [attn + moe_nondispatch_activations(s, run)] * n_moe
-        # The working set of the layers being (re)computed and backpropagated: their saved tensors, and beside
-        # them (not saved, so not part of stored layers below) either one attention's backward or one MoE's.
-        one_layer = max(layer_act) if layer_act else 0.0
-        boundary = r * s.hidden * w
-        if run.recompute == "full":
-            n = max(1, run.recompute_num_layers)
-            if run.recompute_method == "uniform":
-                n_ckpt, stored_layers, work_layers = math.ceil(n_layers / n), 0, min(n, n_layers)
-            else:  # block: the first n layers are checkpointed, the others keep their activations
-                n_ckpt, stored_layers, work_layers = min(n, n_layers), max(0, n_layers - n), 1
-        else:
-            n_ckpt, stored_layers, work_layers = 0, n_layers, 1
-        saved = inflight * stored_layers * (sum(layer_act) / max(1, n_layers))
-        # 'selective' recomputes core attention only; with SDPA/flash it saves no s x s scores, so
-        # it frees nothing the model counts and is treated like 'none'.
-        rows["activations"] = Row("activations", saved, saved,
-                                  source="saved tensors per layer (model.py attention/mlp/moe_nondispatch), "
-                                         f"{stored_layers} stored layers x {inflight} micro-batches in flight")
-        rows["layer working set"] = Row(
-            "layer working set", work_layers * one_layer, work_layers * one_layer, phase="layer",
-            source="one recompute chunk re-materialised in backward (recompute.py checkpointed_forward)"
-            if run.recompute == "full" else "the layer in backward")
-        emb_grad = s.vocab / run.tp * s.hidden * w
-        tied_out = last and s.tied_embeddings
-        held = [emb_grad * embedding_grad_held(first, n_layers - mtps[st], mtps[st], out)
-                for out in (tied_out, tied_out and not pf.enabled["vocab"])]
-        if held[0] or held[1]:
-            rows["embedding gradient"] = Row(
-                "embedding gradient", held[0], held[1], phase="layer",
-                source="autograd's buffer for the word embeddings' gradient, from their last use in forward (MTP "
-                       "lookup, tied output layer) until the decoder's lookup adds its own (embedding_grad_held)")
-        attn_bwd = attention_backward_transient(s, run) if layer_act else 0.0
-        rows["attention backward"] = Row(
-            "attention backward", attn_bwd, attn_bwd, phase="attention",
-            source="dQ, dK, dV, fp32 dQ accumulator x flash_dq_splits, dO, rotated q and k "
-                   "(model.py attention_backward_transient); never alive with the MoE's backward")
-
-        total_b = inflight * n_ckpt * boundary
-        if run.recompute == "full":
-            opt_host_pf = rows["optimizer"].host_peakflat
-            budget = sco_budget(s, run, pf, opt_host_pf)
-            budget_used = budget
-            on_host = min(total_b, (budget // boundary) * boundary) if boundary else 0
-            resident = min(1 + pf.sco.prefetch, inflight * n_ckpt) * boundary
-            gpu_pf = total_b - on_host + (resident if on_host else 0)
-            rows["boundaries"] = Row(
-                "boundaries", total_b, min(gpu_pf, total_b), bound=resident, host_peakflat=on_host,
-                source="CheckpointFunction saves the chunk input [s/tp, b, h] (tensor_parallel/random.py); "
-                       "SCO keeps them pinned on host up to its budget, 1+prefetch on GPU")
-            if on_host < total_b:
-                notes.append(f"SCO budget {on_host / GIB:.1f} GiB holds {on_host / max(1, total_b):.0%} of the "
-                             "boundaries; the rest stay on the GPU")
-        else:
-            rows["boundaries"] = Row("boundaries", 0.0, 0.0, bound=None,
-                                     source="no full recompute: layers keep their activations (row 'activations')")
-            notes.append("SCO needs --recompute-granularity full; without it the boundary peak is the activations row")
-
-        inputs, grads, at_step = dispatcher_held(*kinds[st], run)
-        fixed = pf.releases_dispatcher_state  # moe-release drops what the dispatchers keep
-        if at_step and run.recompute == "full":
-            # the boundaries row holds every checkpoint input through the backward: count those beyond it. (Under
-            # selective recompute the activations row holds every layer's saved tensors, more than 2 [T, H] each.)
-            extra = grads + max(0, 1 + inputs - n_ckpt)
-            rows["dispatcher probs"] = Row(
-                "dispatcher probs", extra * boundary, 0.0 if fixed else extra * boundary, phase="layer",
-                source=f"the dispatcher's probs keep {inputs} checkpoint inputs and {grads} of their "
-                       "gradients alive at the lowest checkpoint's backward (dispatcher_held); moe-release drops them")
-        if at_step:
-            rows["probs at step"] = Row(
-                "probs at step", at_step * boundary, 0.0 if fixed else at_step * boundary, phase="step",
-                source=f"the same through the optimizer step: {at_step} [tokens, hidden] tensors")
-
-        if n_moe:
-            state = n_moe * dispatcher_state(s, run)
-            rows["dispatcher state"] = Row(
-                "dispatcher state", state, 0.0 if fixed else state,
-                source=f"{n_moe} MoE layers' dispatchers keep their probabilities, routing and permutation maps until "
-                       "their next forward (dispatcher_state); moe-release drops them, PipelinedLLEP keeps none")
-            pairs = routed_pairs(s, run)
-            # the MoE forward runs again in its layer's backward: one layer's dispatch is alive at a time
-            moe_recomputed = run.recompute == "full" or recomputes(run, "moe")
-            if moe_recomputed:
-                base = dispatch_working_set(s, run, pairs)
-            else:
-                base = inflight * stored_layers / n_layers * n_moe * dispatch_saved_per_layer(s, run, pairs) \
-                    + dispatch_working_set(s, run, pairs) - dispatch_saved_per_layer(s, run, pairs)
-            rows_bound, rows_expected = llep_rows(s, run, pf)
-            bound = llep_working_set(s, run, rows_bound, llep_overlaps(s, run, pf, worst=True))
-            rows["dispatch"] = Row(
-                "dispatch", base, llep_expected_working_set(s, run, pf, rows_expected), bound=bound,
-                phase="moe" if moe_recomputed else "persistent",
-                source=f"alltoall dispatcher: R x (4H + 3F) x w per layer, R = {pairs:.3g} pairs (skew "
-                       f"{run.routing_skew:g}, worst {routed_pairs_worst(s, run):.3g}); PipelinedLLEP: "
-                       f"K={llep_chunks(s, run, pf)[0]} chunks of c={c_eff} pairs per source, {rows_expected:.3g} "
-                       f"rows per chunk expected ({'grouped GEMMs' if llep_grouped(run, pf) else 'per expert'}), "
-                       f"bound dispatch/bound.py working_set_bound at {rows_bound:.3g} rows")
-        if last:
-            ring = vocab_ring_dtp(s, run, pf)
-            if s.mtp_layers:  # the MTP layers' losses run the recompute schedule (integration/vocab.py MTPHead)
-                ring = max(ring, vocab_ring_dtp(s, run, replace(pf, vocab=replace(pf.vocab, grad="recompute"))))
-            mtp_saved = s.mtp_layers * vocab_saved(s, run)
-            rows["vocab"] = Row(
-                "vocab", vocab_baseline(s, run) + mtp_saved, ring, bound=ring, phase="loss",
-                source=("fused" if run.cross_entropy_fusion else "native") + " vocab_parallel_cross_entropy: "
-                       f"T x V/tp x {w + 4 + (4 if run.cross_entropy_fusion else 0)} B"
-                       + (f", + {s.mtp_layers} MTP loss(es) each holding its saved T x V/tp for backward"
-                          if s.mtp_layers else "")
-                       + "; Ring-DTP: T/P x block x 4 + dW shard + dX + ring buffers (MTP losses: O(T) state)")
-        unmodelled = [m for m in run.recompute_modules if m not in MODELLED_RECOMPUTE_MODULES]
-        if run.recompute == "selective" and unmodelled:
-            notes.append(f"--recompute-modules {' '.join(unmodelled)}: not modelled, counted as saved (an upper bound)")
-        if mtps[st]:
-            notes.append(f"{mtps[st]} MTP layer(s) counted as layers of the last decoder layer's kind, plus their "
-                         "eh_proj, norms and the word embeddings they read")
+        _parameter_rows(rows, s, run, pf, g)
+        _optimizer_rows(rows, s, run, pf, g)
+        n_ckpt, stored_layers = _activation_rows(rows, s, run, pf, g)
+        budget_used = _boundary_rows(rows, notes, s, run, pf, g, n_ckpt)
+        _dispatcher_rows(rows, s, run, pf, g, n_ckpt)
+        if g.n_moe:
+            _dispatch_row(rows, s, run, pf, g, stored_layers)
+        if g.last:
+            _vocab_row(rows, s, run, pf)
         # A component that is off leaves Megatron's path: its peakflat value is the baseline.
-        # (The optimizer row decided this itself above: the output layer's shard changes Megatron's optimizer too.)
+        # (The optimizer row decided this itself: the output layer's shard changes Megatron's optimizer too.)
         for row_name, comp in (("dispatch", "dispatch"), ("vocab", "vocab"), ("boundaries", "sco")):
             if row_name in rows and not pf.enabled[comp]:
                 row = rows[row_name]
@@ -1153,15 +999,237 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
         reserve = RESERVE_FIXED + RESERVE_FRACTION * run.hbm_bytes
         rows["reserve"] = Row("reserve", reserve, reserve,
                               source="CUDA context, NCCL buffers, allocator fragmentation (2 GiB + 5% HBM)")
-        if vpp > 1:
-            notes.append(f"interleaved 1F1B (VPP={vpp}): {chunks} forward model chunks of about 1/{vpp} of the "
-                         f"stage's layers in flight at its peak, {inflight:g} stages' worth")
-        if last and s.vocab != unpadded:
-            notes.append(f"vocabulary padded from {unpadded} to {s.vocab} rows, as Megatron pads it to a multiple of "
-                         f"--make-vocab-size-divisible-by x TP = {run.vocab_divisible_by * run.tp}")
-        stages.append(StagePlan(_stage_label(st, run.pp), n_layers, n_moe, inflight, rows, notes))
+        notes += _stage_notes(s, run, g, vpp, unpadded)
+        stages.append(StagePlan(_stage_label(st, run.pp), g.n_layers, g.n_moe, g.inflight, rows, notes))
     return Plan(s, run, pf, stages, c_eff, vocab_schedule(s, run, pf), budget_used,
                 stage_of=tuple(_stage_label(c, run.pp) for c in cover))
+
+
+def _parameter_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: PeakflatConfig, g: _Stage) -> None:
+    """Rows ``parameters``, ``model build`` and ``gradients``; the peakflat column holds the output layer's EP
+    shard (``--peakflat-vocab-shard-over-ep``)."""
+    w = run.w
+    params = sum(stage_params(s, run, g.n_dense, g.n_moe, g.embedding, g.last, mtp=g.mtp))
+    params_pf = sum(stage_params(s, run, g.n_dense, g.n_moe, g.embedding, g.last, vocab_ep_shards(run, pf), mtp=g.mtp))
+    rows["parameters"] = Row("parameters", params * w, params_pf * w,
+                             source="param_and_grad_buffer.py _ParamAndGradBuffer.param_data (w bytes/param)")
+    # Megatron's DDP allocates its param and grad buffers while the model's own parameters are alive,
+    # then copies each in and frees it: at 16K and 32K tokens on one H200 this was the run's peak
+    # (38.28 GiB = 2 x 9.57 + 19.14, bench/results/memory_peak_16k.txt).
+    rows["model build"] = Row("model build", params * w, params_pf * w, phase="build",
+                              source="distributed_data_parallel.py: the module's parameters, alive while "
+                                     "_ParamAndGradBuffer is built and filled")
+    gbytes = run.grad_bytes
+    rows["gradients"] = Row("gradients", params * gbytes, params_pf * gbytes,
+                            source="param_and_grad_buffer.py grad_data, full size even with the distributed optimizer")
+
+
+def _optimizer_shards(run: RunConfig, dense: float, expert: float) -> list[float]:
+    """Parameters in each optimizer that Megatron chains on this rank: under the distributed optimizer, one per
+    gradient-reduction group (dense params over DP x CP, expert params over expert-DP) where the experts have
+    their own (optimizer/distrib_optimizer.py); otherwise one over every parameter."""
+    if run.distributed_optimizer and experts_have_own_optimizer(run.ep, run.etp, run.tp):
+        return [n for n in (dense / (run.dp * run.cp), expert / run.expert_dp) if n > 0]
+    if run.distributed_optimizer:
+        return [(dense + expert) / (run.dp * run.cp)]
+    return [dense + expert]
+
+
+def _optimizer_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: PeakflatConfig, g: _Stage) -> None:
+    """Rows ``optimizer step`` and ``optimizer``: fp32 master (when params are not fp32) + exp_avg + exp_avg_sq
+    of this rank's shards. OffloadStreamAdamW replaces the HybridDeviceOptimizer inside each chained optimizer,
+    and every one holds its own slots of its largest bucket (a plain OffloadStreamAdamW over every parameter,
+    as bench/planner.py builds, is one). Measured: one OffloadStreamAdamW over all 5.1B parameters at EP=1 on
+    the H200 (2.24 GiB staging). The peakflat column counts the output layer's shard
+    (--peakflat-vocab-shard-over-ep) as the expert parameter it becomes: the same state per rank under the
+    distributed optimizer, V/EP rows without it."""
+    w = run.w
+    per_param = (4 if w < 4 else 0) + 8
+    f = run.optimizer_offload_fraction
+    slots, bucket = pf.optimizer.slots, pf.optimizer.bucket
+    gpu_engine = getattr(pf.optimizer, "engine", "auto") != "cpu"
+    base = _optimizer_shards(run, *stage_params(s, run, g.n_dense, g.n_moe, g.embedding, g.last, mtp=g.mtp))
+    instances = _optimizer_shards(run, *stage_params(s, run, g.n_dense, g.n_moe, g.embedding, g.last,
+                                                     vocab_ep_shards(run, pf), mtp=g.mtp))
+    shard, shard_pf = sum(base), sum(instances)
+    opt_gpu_base, opt_gpu_pf = shard * per_param * (1 - f), shard_pf * per_param * (1 - f)
+    if pf.enabled["optimizer"]:
+        # as many slots as buckets when there are fewer (optimizer/api.py), each the size of the largest bucket
+        slot_params = sum(min(slots, math.ceil(n / bucket)) * min(bucket, n) for n in instances)
+        opt_pf = slot_params * 16 if gpu_engine else 0.0
+        # host: fp32 master and moments, plus the host kernel's slots unless the engine is 'gpu' (api.py _host_need)
+        opt_host_pf = shard_pf * 12 + (slot_params * (4 + w) if pf.optimizer.engine != "gpu" else 0.0)
+    else:
+        opt_pf, opt_host_pf = opt_gpu_pf, (shard_pf * per_param + 4 * shard_pf) * f
+    # torch.optim.AdamW (no TE, no apex): one fp32 temporary of the GPU shard during the step
+    step_temp = 0.0 if run.fused_adam else 4.0 * (1 - f)
+    rows["optimizer step"] = Row("optimizer step", shard * step_temp,
+                                 0.0 if pf.enabled["optimizer"] else shard_pf * step_temp, phase="step",
+                                 source="torch.optim.adam _multi_tensor_adam: _foreach_sqrt(exp_avg_sq), 4 B/param "
+                                        "of the GPU shard, when Megatron falls back to torch's AdamW (no TE or apex)")
+    rows["optimizer"] = Row(
+        "optimizer", opt_gpu_base, opt_pf, bound=len(instances) * slots * bucket * 16 if gpu_engine else 0.0,
+        host_baseline=(shard * per_param + 4 * shard) * f, host_peakflat=opt_host_pf,
+        source="distrib_optimizer.py fp32 master + Adam moments (12 B/param shard); "
+               "OffloadStreamAdamW: slots x bucket x 16 B staging per chained optimizer (dense, expert; "
+               "engine 'auto' may use less: it can send every bucket to the host); pinned host: 12 B/param, plus "
+               "slots x bucket x (4 + param bytes) for the host kernel unless the engine is 'gpu'")
+
+
+def _checkpointing(run: RunConfig, n_layers: int) -> tuple[int, int, int]:
+    """(full-recompute checkpoints, layers that keep their saved tensors, layers re-materialised at once)."""
+    if run.recompute != "full":
+        return 0, n_layers, 1
+    n = max(1, run.recompute_num_layers)
+    if run.recompute_method == "uniform":
+        return math.ceil(n_layers / n), 0, min(n, n_layers)
+    # block: the first n layers are checkpointed, the others keep their activations
+    return min(n, n_layers), max(0, n_layers - n), 1
+
+
+def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: PeakflatConfig,
+                     g: _Stage) -> tuple[int, int]:
+    """Rows ``activations``, ``layer working set``, ``embedding gradient`` and ``attention backward``; returns
+    (checkpoints, stored layers) for the rows that follow."""
+    attn = attention_activations(s, run)
+    layer_act = [attn + mlp_activations(s, run, s.ffn)] * g.n_dense + [attn + moe_nondispatch_activations(s, run)] * g.n_moe
+    # The working set of the layers being (re)computed and backpropagated: their saved tensors, and beside
+    # them (not saved, so not part of stored layers below) either one attention's backward or one MoE's.
+    one_layer = max(layer_act) if layer_act else 0.0
+    n_ckpt, stored_layers, work_layers = _checkpointing(run, g.n_layers)
+    saved = g.inflight * stored_layers * (sum(layer_act) / max(1, g.n_layers))
+    # 'selective' recomputes core attention only; with SDPA/flash it saves no s x s scores, so
+    # it frees nothing the model counts and is treated like 'none'.
+    rows["activations"] = Row("activations", saved, saved,
+                              source="saved tensors per layer (model.py attention/mlp/moe_nondispatch), "
+                                     f"{stored_layers} stored layers x {g.inflight} micro-batches in flight")
+    rows["layer working set"] = Row(
+        "layer working set", work_layers * one_layer, work_layers * one_layer, phase="layer",
+        source="one recompute chunk re-materialised in backward (recompute.py checkpointed_forward)"
+        if run.recompute == "full" else "the layer in backward")
+    emb_grad = s.vocab / run.tp * s.hidden * run.w
+    tied_out = g.last and s.tied_embeddings
+    held = [emb_grad * embedding_grad_held(g.first, g.n_layers - g.mtp, g.mtp, out)
+            for out in (tied_out, tied_out and not pf.enabled["vocab"])]
+    if held[0] or held[1]:
+        rows["embedding gradient"] = Row(
+            "embedding gradient", held[0], held[1], phase="layer",
+            source="autograd's buffer for the word embeddings' gradient, from their last use in forward (MTP "
+                   "lookup, tied output layer) until the decoder's lookup adds its own (embedding_grad_held)")
+    attn_bwd = attention_backward_transient(s, run) if layer_act else 0.0
+    rows["attention backward"] = Row(
+        "attention backward", attn_bwd, attn_bwd, phase="attention",
+        source="dQ, dK, dV, fp32 dQ accumulator x flash_dq_splits, dO, rotated q and k "
+               "(model.py attention_backward_transient); never alive with the MoE's backward")
+    return n_ckpt, stored_layers
+
+
+def _boundary_rows(rows: dict[str, Row], notes: list[str], s: ModelShape, run: RunConfig, pf: PeakflatConfig,
+                   g: _Stage, n_ckpt: int) -> int:
+    """Row ``boundaries`` (full recompute's checkpoint inputs; SCO's pinned host share of them); returns SCO's
+    host budget per rank (0 without full recompute). Reads the ``optimizer`` row's host bytes."""
+    boundary = run.layer_rows * s.hidden * run.w
+    if run.recompute != "full":
+        rows["boundaries"] = Row("boundaries", 0.0, 0.0, bound=None,
+                                 source="no full recompute: layers keep their activations (row 'activations')")
+        notes.append("SCO needs --recompute-granularity full; without it the boundary peak is the activations row")
+        return 0
+    total_b = g.inflight * n_ckpt * boundary
+    budget = sco_budget(s, run, pf, rows["optimizer"].host_peakflat)
+    on_host = min(total_b, (budget // boundary) * boundary) if boundary else 0
+    resident = min(1 + pf.sco.prefetch, g.inflight * n_ckpt) * boundary
+    gpu_pf = total_b - on_host + (resident if on_host else 0)
+    rows["boundaries"] = Row(
+        "boundaries", total_b, min(gpu_pf, total_b), bound=resident, host_peakflat=on_host,
+        source="CheckpointFunction saves the chunk input [s/tp, b, h] (tensor_parallel/random.py); "
+               "SCO keeps them pinned on host up to its budget, 1+prefetch on GPU")
+    if on_host < total_b:
+        notes.append(f"SCO budget {on_host / GIB:.1f} GiB holds {on_host / max(1, total_b):.0%} of the "
+                     "boundaries; the rest stay on the GPU")
+    return budget
+
+
+def _dispatcher_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: PeakflatConfig, g: _Stage,
+                     n_ckpt: int) -> None:
+    """Rows ``dispatcher probs``, ``probs at step`` and ``dispatcher state``: what Megatron's dispatchers keep
+    alive between calls, which moe-release (any component on) drops."""
+    boundary = run.layer_rows * s.hidden * run.w
+    inputs, grads, at_step = dispatcher_held(*g.kinds, run)
+    fixed = pf.releases_dispatcher_state
+    if at_step and run.recompute == "full":
+        # the boundaries row holds every checkpoint input through the backward: count those beyond it. (Under
+        # selective recompute the activations row holds every layer's saved tensors, more than 2 [T, H] each.)
+        extra = grads + max(0, 1 + inputs - n_ckpt)
+        rows["dispatcher probs"] = Row(
+            "dispatcher probs", extra * boundary, 0.0 if fixed else extra * boundary, phase="layer",
+            source=f"the dispatcher's probs keep {inputs} checkpoint inputs and {grads} of their "
+                   "gradients alive at the lowest checkpoint's backward (dispatcher_held); moe-release drops them")
+    if at_step:
+        rows["probs at step"] = Row(
+            "probs at step", at_step * boundary, 0.0 if fixed else at_step * boundary, phase="step",
+            source=f"the same through the optimizer step: {at_step} [tokens, hidden] tensors")
+    if g.n_moe:
+        state = g.n_moe * dispatcher_state(s, run)
+        rows["dispatcher state"] = Row(
+            "dispatcher state", state, 0.0 if fixed else state,
+            source=f"{g.n_moe} MoE layers' dispatchers keep their probabilities, routing and permutation maps until "
+                   "their next forward (dispatcher_state); moe-release drops them, PipelinedLLEP keeps none")
+
+
+def _dispatch_row(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: PeakflatConfig, g: _Stage,
+                  stored_layers: int) -> None:
+    """Row ``dispatch``: Megatron's alltoall dispatcher against PipelinedLLEP's chunks and their bound."""
+    pairs = routed_pairs(s, run)
+    # the MoE forward runs again in its layer's backward: one layer's dispatch is alive at a time
+    moe_recomputed = run.recompute == "full" or recomputes(run, "moe")
+    if moe_recomputed:
+        base = dispatch_working_set(s, run, pairs)
+    else:
+        base = g.inflight * stored_layers / g.n_layers * g.n_moe * dispatch_saved_per_layer(s, run, pairs) \
+            + dispatch_working_set(s, run, pairs) - dispatch_saved_per_layer(s, run, pairs)
+    rows_bound, rows_expected = llep_rows(s, run, pf)
+    bound = llep_working_set(s, run, rows_bound, llep_overlaps(s, run, pf, worst=True))
+    rows["dispatch"] = Row(
+        "dispatch", base, llep_expected_working_set(s, run, pf, rows_expected), bound=bound,
+        phase="moe" if moe_recomputed else "persistent",
+        source=f"alltoall dispatcher: R x (4H + 3F) x w per layer, R = {pairs:.3g} pairs (skew "
+               f"{run.routing_skew:g}, worst {routed_pairs_worst(s, run):.3g}); PipelinedLLEP: "
+               f"K={llep_chunks(s, run, pf)[0]} chunks of c={llep_chunks(s, run, pf)[1]} pairs per source, "
+               f"{rows_expected:.3g} rows per chunk expected ({'grouped GEMMs' if llep_grouped(run, pf) else 'per expert'}), "
+               f"bound dispatch/bound.py working_set_bound at {rows_bound:.3g} rows")
+
+
+def _vocab_row(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> None:
+    """Row ``vocab``: Megatron's cross-entropy (and each MTP loss's saved softmax) against Ring-DTP."""
+    ring = vocab_ring_dtp(s, run, pf)
+    if s.mtp_layers:  # the MTP layers' losses run the recompute schedule (integration/vocab.py MTPHead)
+        ring = max(ring, vocab_ring_dtp(s, run, replace(pf, vocab=replace(pf.vocab, grad="recompute"))))
+    mtp_saved = s.mtp_layers * vocab_saved(s, run)
+    w = run.w
+    rows["vocab"] = Row(
+        "vocab", vocab_baseline(s, run) + mtp_saved, ring, bound=ring, phase="loss",
+        source=("fused" if run.cross_entropy_fusion else "native") + " vocab_parallel_cross_entropy: "
+               f"T x V/tp x {w + 4 + (4 if run.cross_entropy_fusion else 0)} B"
+               + (f", + {s.mtp_layers} MTP loss(es) each holding its saved T x V/tp for backward"
+                  if s.mtp_layers else "")
+               + "; Ring-DTP: T/P x block x 4 + dW shard + dX + ring buffers (MTP losses: O(T) state)")
+
+
+def _stage_notes(s: ModelShape, run: RunConfig, g: _Stage, vpp: int, unpadded: int) -> list[str]:
+    notes = []
+    unmodelled = [m for m in run.recompute_modules if m not in MODELLED_RECOMPUTE_MODULES]
+    if run.recompute == "selective" and unmodelled:
+        notes.append(f"--recompute-modules {' '.join(unmodelled)}: not modelled, counted as saved (an upper bound)")
+    if g.mtp:
+        notes.append(f"{g.mtp} MTP layer(s) counted as layers of the last decoder layer's kind, plus their "
+                     "eh_proj, norms and the word embeddings they read")
+    if vpp > 1:
+        notes.append(f"interleaved 1F1B (VPP={vpp}): {g.chunks} forward model chunks of about 1/{vpp} of the "
+                     f"stage's layers in flight at its peak, {g.inflight:g} stages' worth")
+    if g.last and s.vocab != unpadded:
+        notes.append(f"vocabulary padded from {unpadded} to {s.vocab} rows, as Megatron pads it to a multiple of "
+                     f"--make-vocab-size-divisible-by x TP = {run.vocab_divisible_by * run.tp}")
+    return notes
 
 
 def _stage_label(st: int, pp: int) -> str:
