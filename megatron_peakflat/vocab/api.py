@@ -98,69 +98,20 @@ def ring_linear_cross_entropy(
     not match the weight sharding. ``check_labels`` checks every label (one host sync, collective).
     Labels outside [0, V) are otherwise not detected: they behave as if their target logit were 0.
     """
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be [n, h], got shape {tuple(hidden.shape)}")
-    if weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight_shard must be [v_p, h={hidden.shape[1]}], got {tuple(weight_shard.shape)}")
-    if labels.shape != hidden.shape[:1]:
-        raise ValueError(f"labels must be [n={hidden.shape[0]}], got {tuple(labels.shape)}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be integer class ids, got {labels.dtype}")
-    if hidden.dtype != weight_shard.dtype or hidden.dtype not in _DTYPES:
-        raise ValueError(f"hidden ({hidden.dtype}) and weight_shard ({weight_shard.dtype}) must share one float dtype")
-    if reduction not in ("none", "sum", "mean"):
-        raise ValueError(f"reduction={reduction!r}: use 'none', 'sum' or 'mean'")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing}: must lie in [0, 1]")
-    if block_size < 0:
-        raise ValueError(f"block_size={block_size}: must be positive (or 0 for automatic)")
-    if accumulate not in ("fp32", "input"):
-        raise ValueError(f"accumulate={accumulate!r}: use 'fp32' or 'input'")
-    if grad not in ("recompute", "in-forward"):
-        raise ValueError(f"grad={grad!r}: use 'recompute' or 'in-forward'")
-    if chunk_tokens < 0:
-        raise ValueError(f"chunk_tokens={chunk_tokens}: must be positive (or 0 for automatic)")
-    if return_argmax and grad != "recompute":
-        raise ValueError("return_argmax=True needs grad='recompute' (the in-forward schedule does not keep argmaxes)")
-    if isinstance(grad_hint, torch.Tensor) and grad_hint.numel() != 1 and (
-            reduction != "none" or grad_hint.shape != labels.shape):
-        raise ValueError(f"grad_hint of shape {tuple(grad_hint.shape)}: give a number, or one value per token "
-                         f"([n={labels.shape[0]}]) with reduction='none'")
-
+    _check_arguments(hidden, weight_shard, labels, reduction=reduction, label_smoothing=label_smoothing,
+                     block_size=block_size, accumulate=accumulate, grad=grad, chunk_tokens=chunk_tokens,
+                     return_argmax=return_argmax, grad_hint=grad_hint)
     size = 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
     rank = 0 if size == 1 else dist.get_rank(group)
     labels = labels.long().contiguous()
     valid = labels != ignore_index
-
-    meta = torch.tensor([hidden.shape[0], hidden.shape[1], _DTYPES.index(hidden.dtype), weight_shard.shape[0]],
-                        dtype=torch.long)
-    if size > 1:
-        dev = comm_device(hidden.device, group)
-        gathered = [torch.empty_like(meta, device=dev) for _ in range(size)]
-        dist.all_gather(gathered, meta.to(dev), group=group)
-        rows = [t.cpu().tolist() for t in gathered]
-    else:
-        rows = [meta.tolist()]
-    hs = {r[1] for r in rows}
-    dts = {r[2] for r in rows}
-    if len(hs) > 1 or len(dts) > 1:
-        raise ValueError("ring ranks disagree on the hidden size or dtype: "
-                         + ", ".join(f"rank {i}: h={r[1]} {_DTYPES[r[2]]}" for i, r in enumerate(rows))
-                         + "; every rank of the ring group must pass hidden states of the same model")
-    tokens = tuple(r[0] for r in rows)
-    shard_rows = tuple(r[3] for r in rows)
+    tokens, shard_rows = _ring_layout(hidden, weight_shard, group, size)
     V = sum(shard_rows)
     if vocab_size is not None and V != vocab_size:
         raise ValueError(f"the {size} shards of group hold {V} vocabulary rows ({list(shard_rows)}), not "
                          f"vocab_size={vocab_size}: the group does not match the weight sharding")
     if check_labels:
-        bad = valid & ((labels < 0) | (labels >= V))
-        local = int(bad.sum())
-        example = int(labels[bad][0]) if local else None
-        if max_over_ring(torch.tensor(local), group if size > 1 else None, hidden.device):
-            where = f"{local} here, e.g. {example}" if local else "on another ring rank"
-            raise ValueError(f"labels outside [0, {V}) that are not ignore_index={ignore_index} ({where}); "
-                             "fix the data or the vocabulary size")
+        _check_label_range(labels, valid, V, ignore_index, group if size > 1 else None, hidden.device)
 
     if block_size == 0:
         block_size = auto_block_size(max(tokens), hidden.element_size())
@@ -201,6 +152,74 @@ def ring_linear_cross_entropy(
     elif reduction == "mean":
         loss = loss.sum() / valid.sum()
     return loss if pred is None else (loss, pred)
+
+
+def _check_arguments(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor, *, reduction: str,
+                     label_smoothing: float, block_size: int, accumulate: str, grad: str, chunk_tokens: int,
+                     return_argmax: bool, grad_hint: float | torch.Tensor | None) -> None:
+    """Raise ValueError, naming the argument and the fix, for anything ``ring_linear_cross_entropy`` refuses
+    on this rank alone (before any collective)."""
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [n, h], got shape {tuple(hidden.shape)}")
+    if weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight_shard must be [v_p, h={hidden.shape[1]}], got {tuple(weight_shard.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must be [n={hidden.shape[0]}], got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer class ids, got {labels.dtype}")
+    if hidden.dtype != weight_shard.dtype or hidden.dtype not in _DTYPES:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight_shard ({weight_shard.dtype}) must share one float dtype")
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction={reduction!r}: use 'none', 'sum' or 'mean'")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing}: must lie in [0, 1]")
+    if block_size < 0:
+        raise ValueError(f"block_size={block_size}: must be positive (or 0 for automatic)")
+    if accumulate not in ("fp32", "input"):
+        raise ValueError(f"accumulate={accumulate!r}: use 'fp32' or 'input'")
+    if grad not in ("recompute", "in-forward"):
+        raise ValueError(f"grad={grad!r}: use 'recompute' or 'in-forward'")
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: must be positive (or 0 for automatic)")
+    if return_argmax and grad != "recompute":
+        raise ValueError("return_argmax=True needs grad='recompute' (the in-forward schedule does not keep argmaxes)")
+    if isinstance(grad_hint, torch.Tensor) and grad_hint.numel() != 1 and (
+            reduction != "none" or grad_hint.shape != labels.shape):
+        raise ValueError(f"grad_hint of shape {tuple(grad_hint.shape)}: give a number, or one value per token "
+                         f"([n={labels.shape[0]}]) with reduction='none'")
+
+
+def _ring_layout(hidden: torch.Tensor, weight_shard: torch.Tensor, group: object | None,
+                 size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(tokens, vocabulary rows) of every ring rank, from one all-gather of each rank's shapes; raises when the
+    ranks disagree on the hidden size or dtype, which would otherwise hang or corrupt the ring's exchanges."""
+    meta = torch.tensor([hidden.shape[0], hidden.shape[1], _DTYPES.index(hidden.dtype), weight_shard.shape[0]],
+                        dtype=torch.long)
+    if size > 1:
+        dev = comm_device(hidden.device, group)
+        gathered = [torch.empty_like(meta, device=dev) for _ in range(size)]
+        dist.all_gather(gathered, meta.to(dev), group=group)
+        rows = [t.cpu().tolist() for t in gathered]
+    else:
+        rows = [meta.tolist()]
+    if len({r[1] for r in rows}) > 1 or len({r[2] for r in rows}) > 1:
+        raise ValueError("ring ranks disagree on the hidden size or dtype: "
+                         + ", ".join(f"rank {i}: h={r[1]} {_DTYPES[r[2]]}" for i, r in enumerate(rows))
+                         + "; every rank of the ring group must pass hidden states of the same model")
+    return tuple(r[0] for r in rows), tuple(r[3] for r in rows)
+
+
+def _check_label_range(labels: torch.Tensor, valid: torch.Tensor, V: int, ignore_index: int,
+                       group: object | None, device: torch.device) -> None:
+    """Raise on any label outside [0, V) that is not ``ignore_index``, on every ring rank if any rank has one
+    (one host sync and one all-reduce)."""
+    bad = valid & ((labels < 0) | (labels >= V))
+    local = int(bad.sum())
+    example = int(labels[bad][0]) if local else None
+    if max_over_ring(torch.tensor(local), group, device):
+        where = f"{local} here, e.g. {example}" if local else "on another ring rank"
+        raise ValueError(f"labels outside [0, {V}) that are not ignore_index={ignore_index} ({where}); "
+                         "fix the data or the vocabulary size")
 
 
 def _per_token_hint(grad_hint: float | torch.Tensor | None, reduction: str, valid: torch.Tensor) -> torch.Tensor:
