@@ -947,15 +947,16 @@ class _Stage:
     """The same in whole stages' worth: each of the rank's VPP model chunks holds about 1/VPP of its layers."""
     kinds: tuple[tuple[bool, ...], tuple[bool, ...]]
     """Its decoder and MTP layers in forward order, True where MoE (``_stage_kinds``)."""
+    params: tuple[float, float]
+    """(dense, expert) parameters it holds (``stage_params``), Megatron's layout."""
+    params_pf: tuple[float, float]
+    """The same in the peakflat column: the output layer's rows over the EP group with
+    ``--peakflat-vocab-shard-over-ep``. Every row that counts parameters reads these two, so none can count
+    another set."""
 
     @property
     def n_layers(self) -> int:
         return self.n_dense + self.n_moe
-
-    @property
-    def embedding(self) -> bool:
-        """A rank with MTP layers holds the word embeddings too (gpt_model.py builds them where mtp_process)."""
-        return self.first or self.mtp > 0
 
 
 def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Plan:
@@ -977,12 +978,15 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
     budget_used = 0
     for st in stages_idx:
         chunks = chunks_in_flight(run, st, vpp)
-        g = _Stage(st, *counts[st], mtps[st], st == 0, st == run.pp - 1, chunks,
-                   chunks if vpp == 1 else chunks / vpp, kinds[st])
+        first, last, (n_dense, n_moe) = st == 0, st == run.pp - 1, counts[st]
+        embedding = first or mtps[st] > 0  # gpt_model.py builds the word embeddings where mtp_process too
+        g = _Stage(st, n_dense, n_moe, mtps[st], first, last, chunks, chunks if vpp == 1 else chunks / vpp, kinds[st],
+                   stage_params(s, run, n_dense, n_moe, embedding, last, mtp=mtps[st]),
+                   stage_params(s, run, n_dense, n_moe, embedding, last, vocab_ep_shards(run, pf), mtp=mtps[st]))
         rows: dict[str, Row] = {}
         notes: list[str] = []
-        _parameter_rows(rows, s, run, pf, g)
-        _optimizer_rows(rows, s, run, pf, g)
+        _parameter_rows(rows, run, g)
+        _optimizer_rows(rows, run, pf, g)
         n_ckpt, stored_layers = _activation_rows(rows, s, run, pf, g)
         budget_used = _boundary_rows(rows, notes, s, run, pf, g, n_ckpt)
         _dispatcher_rows(rows, s, run, pf, g, n_ckpt)
@@ -1005,12 +1009,11 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                 stage_of=tuple(_stage_label(c, run.pp) for c in cover))
 
 
-def _parameter_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: PeakflatConfig, g: _Stage) -> None:
+def _parameter_rows(rows: dict[str, Row], run: RunConfig, g: _Stage) -> None:
     """Rows ``parameters``, ``model build`` and ``gradients``; the peakflat column holds the output layer's EP
     shard (``--peakflat-vocab-shard-over-ep``)."""
     w = run.w
-    params = sum(stage_params(s, run, g.n_dense, g.n_moe, g.embedding, g.last, mtp=g.mtp))
-    params_pf = sum(stage_params(s, run, g.n_dense, g.n_moe, g.embedding, g.last, vocab_ep_shards(run, pf), mtp=g.mtp))
+    params, params_pf = sum(g.params), sum(g.params_pf)
     rows["parameters"] = Row("parameters", params * w, params_pf * w,
                              source="param_and_grad_buffer.py _ParamAndGradBuffer.param_data (w bytes/param)")
     # Megatron's DDP allocates its param and grad buffers while the model's own parameters are alive,
@@ -1035,7 +1038,7 @@ def _optimizer_shards(run: RunConfig, dense: float, expert: float) -> list[float
     return [dense + expert]
 
 
-def _optimizer_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: PeakflatConfig, g: _Stage) -> None:
+def _optimizer_rows(rows: dict[str, Row], run: RunConfig, pf: PeakflatConfig, g: _Stage) -> None:
     """Rows ``optimizer step`` and ``optimizer``: fp32 master (when params are not fp32) + exp_avg + exp_avg_sq
     of this rank's shards. OffloadStreamAdamW replaces the HybridDeviceOptimizer inside each chained optimizer,
     and every one holds its own slots of its largest bucket (a plain OffloadStreamAdamW over every parameter,
@@ -1048,9 +1051,7 @@ def _optimizer_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pea
     f = run.optimizer_offload_fraction
     slots, bucket = pf.optimizer.slots, pf.optimizer.bucket
     gpu_engine = getattr(pf.optimizer, "engine", "auto") != "cpu"
-    base = _optimizer_shards(run, *stage_params(s, run, g.n_dense, g.n_moe, g.embedding, g.last, mtp=g.mtp))
-    instances = _optimizer_shards(run, *stage_params(s, run, g.n_dense, g.n_moe, g.embedding, g.last,
-                                                     vocab_ep_shards(run, pf), mtp=g.mtp))
+    base, instances = _optimizer_shards(run, *g.params), _optimizer_shards(run, *g.params_pf)
     shard, shard_pf = sum(base), sum(instances)
     opt_gpu_base, opt_gpu_pf = shard * per_param * (1 - f), shard_pf * per_param * (1 - f)
     if pf.enabled["optimizer"]:
@@ -1074,6 +1075,12 @@ def _optimizer_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pea
                "OffloadStreamAdamW: slots x bucket x 16 B staging per chained optimizer (dense, expert; "
                "engine 'auto' may use less: it can send every bucket to the host); pinned host: 12 B/param, plus "
                "slots x bucket x (4 + param bytes) for the host kernel unless the engine is 'gpu'")
+
+
+def boundary_bytes(s: ModelShape, run: RunConfig) -> float:
+    """One [tokens, hidden] activation of a rank, in the model's dtype: a full-recompute checkpoint's input,
+    and each tensor that Megatron's dispatchers keep alive (``dispatcher_held``)."""
+    return run.layer_rows * s.hidden * run.w
 
 
 def _checkpointing(run: RunConfig, n_layers: int) -> tuple[int, int, int]:
@@ -1128,7 +1135,7 @@ def _boundary_rows(rows: dict[str, Row], notes: list[str], s: ModelShape, run: R
                    g: _Stage, n_ckpt: int) -> int:
     """Row ``boundaries`` (full recompute's checkpoint inputs; SCO's pinned host share of them); returns SCO's
     host budget per rank (0 without full recompute). Reads the ``optimizer`` row's host bytes."""
-    boundary = run.layer_rows * s.hidden * run.w
+    boundary = boundary_bytes(s, run)
     if run.recompute != "full":
         rows["boundaries"] = Row("boundaries", 0.0, 0.0, bound=None,
                                  source="no full recompute: layers keep their activations (row 'activations')")
@@ -1153,7 +1160,7 @@ def _dispatcher_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
                      n_ckpt: int) -> None:
     """Rows ``dispatcher probs``, ``probs at step`` and ``dispatcher state``: what Megatron's dispatchers keep
     alive between calls, which moe-release (any component on) drops."""
-    boundary = run.layer_rows * s.hidden * run.w
+    boundary = boundary_bytes(s, run)
     inputs, grads, at_step = dispatcher_held(*g.kinds, run)
     fixed = pf.releases_dispatcher_state
     if at_step and run.recompute == "full":
@@ -1188,13 +1195,14 @@ def _dispatch_row(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Peakf
         base = g.inflight * stored_layers / g.n_layers * g.n_moe * dispatch_saved_per_layer(s, run, pairs) \
             + dispatch_working_set(s, run, pairs) - dispatch_saved_per_layer(s, run, pairs)
     rows_bound, rows_expected = llep_rows(s, run, pf)
+    chunks, cap = llep_chunks(s, run, pf)
     bound = llep_working_set(s, run, rows_bound, llep_overlaps(s, run, pf, worst=True))
     rows["dispatch"] = Row(
         "dispatch", base, llep_expected_working_set(s, run, pf, rows_expected), bound=bound,
         phase="moe" if moe_recomputed else "persistent",
         source=f"alltoall dispatcher: R x (4H + 3F) x w per layer, R = {pairs:.3g} pairs (skew "
                f"{run.routing_skew:g}, worst {routed_pairs_worst(s, run):.3g}); PipelinedLLEP: "
-               f"K={llep_chunks(s, run, pf)[0]} chunks of c={llep_chunks(s, run, pf)[1]} pairs per source, "
+               f"K={chunks} chunks of c={cap} pairs per source, "
                f"{rows_expected:.3g} rows per chunk expected ({'grouped GEMMs' if llep_grouped(run, pf) else 'per expert'}), "
                f"bound dispatch/bound.py working_set_bound at {rows_bound:.3g} rows")
 
