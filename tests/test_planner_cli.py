@@ -150,7 +150,7 @@ def test_prediction_tracks_the_measured_h200_runs(results, run_name):
     the reserve, 8.95 GiB here) above it.
 
     Where the peaks are: at 128K in attention's backward (bench/results/memory_peak_128k.txt), whose flash
-    backward under deterministic algorithms keeps 5 fp32 dQ accumulators (attention_backward_peak.txt); with
+    backward under deterministic algorithms keeps 5 fp32 dQ accumulators (probes/attention_backward_peak.txt); with
     every component on at 16K and 32K, the model build (memory_peak_16k.txt: Megatron's DDP buffers beside
     the module's own parameters, 2 x 9.57 + 19.14 GiB); with Megatron's optimizer on the GPU and no TE or
     apex, torch AdamW's step (one fp32 temporary of the shard, 19.14 GiB, 'rec' at 16K/32K)."""

@@ -382,9 +382,9 @@ def attention_activations(s: ModelShape, run: RunConfig) -> float:
 def flash_dq_splits(s: ModelShape, run: RunConfig) -> int:
     """Copies of the fp32 dQ accumulator in flash attention's backward: one, or under deterministic algorithms
     ceil(SMs / (batch x heads)) (flash_api.cpp mha_bwd), e.g. 5 for 32 heads on an H200. Measured with torch
-    2.11's SDPA at 32K and 128K tokens (bench/results/attention_backward_peak.txt): 5.02 units of [s, hidden]
+    2.11's SDPA at 32K and 128K tokens (bench/results/probes/attention_backward_peak.txt): 5.02 units of [s, hidden]
     bf16 beside the inputs without, 13.02 with; at 8, 16 and 64 heads 37.02, 21.02 and 9.02 with
-    (attention_backward_heads.txt), 3 + 2 x this count each time."""
+    (probes/attention_backward_heads.txt), 3 + 2 x this count each time."""
     if not run.deterministic:
         return 1
     return max(1, -(-run.sm_count // max(1, run.micro_batch * s.heads // run.tp)))

@@ -8,7 +8,7 @@ Per case: the peak allocated above what is alive before ``backward`` (q, k, v, t
 in units of one [s, b, hidden] bf16 tensor, with deterministic algorithms off and on, for torch's default
 backend choice and each backend forced.
 
-    python bench/attention_backward_peak.py --seqs 32768,131072
+    python bench/probes/attention_backward_peak.py --seqs 32768,131072
 """
 
 from __future__ import annotations

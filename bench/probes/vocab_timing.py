@@ -5,13 +5,13 @@ and launch gaps are hidden: GPU time alone) and ``profiler`` (under torch.profil
 bench/vocab_parts.py --profile runs it). Asks whether a ratio between the two calls comes from the
 GPU's work or from the host.
 
-    python bench/vocab_timing.py        # needs liger-kernel; about 30 s on an H200
+    python bench/probes/vocab_timing.py        # needs liger-kernel; about 30 s on an H200
 """
 import statistics
 import sys
 from pathlib import Path
 import torch
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from megatron_peakflat.vocab import ring_linear_cross_entropy
 from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 

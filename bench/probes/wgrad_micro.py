@@ -1,6 +1,6 @@
 """Diagnostic: ways to add one chunk's expert weight gradients into fp32 main_grad on the GPU.
 
-    python3 bench/wgrad_micro.py        # 64 experts, H=4096, F=1536 (SwiGLU), 1024 and 4096 rows per expert
+    python3 bench/probes/wgrad_micro.py        # 64 experts, H=4096, F=1536 (SwiGLU), 1024 and 4096 rows per expert
 
 Ways: ``grouped+add`` (what grouped.py does: a grouped GEMM to bf16 in 256 MiB blocks, then one add
 into main_grad), ``grouped-only`` (the GEMMs without the add), ``addmm-fp32`` (one cuBLAS GEMM per expert

@@ -6,7 +6,7 @@ and backward, at one shape, the variants in turn within each round so that clock
 alike. The forward walk (``fold_grad_logits_triton(..., backward_walk=False)``, the kernel before 91b1dce) is
 swapped in for ``block_triton.fold_grad_logits_triton`` (``vocab.blocks.block_ops`` looks it up at every
 call). Both variants give the same bits; the script checks dX and dW of one call of each. Prints a line per round and the medians; nothing is merged into bench/results.
-    python3 bench/vocab_fold_ab.py [--case 32768x7168x201088 --reps 5 --rounds 5]
+    python3 bench/probes/vocab_fold_ab.py [--case 32768x7168x201088 --reps 5 --rounds 5]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.harness import measure  # noqa: E402
 from bench.vocab import _grad_step, methods  # noqa: E402
 from megatron_peakflat.vocab import block_triton as bt  # noqa: E402
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench/vocab_fold_ab.py needs a CUDA device")
+        raise SystemExit("bench/probes/vocab_fold_ab.py needs a CUDA device")
     N, H, V = (int(t) for t in args.case.lower().split("x"))
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)

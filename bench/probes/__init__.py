@@ -1,0 +1,1 @@
+"""One-off probes and studies behind design decisions; see bench/README.md."""
