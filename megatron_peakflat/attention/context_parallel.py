@@ -1,0 +1,150 @@
+"""Causal attention over a sequence split across context-parallel (CP) ranks, K and V all-gathered.
+
+Layout (Megatron's load-balanced one, ``megatron.core.utils.get_batch_on_this_cp_rank``): the sequence is cut
+into 2 x CP equal chunks and CP rank r holds chunks r and 2CP-1-r, in that order, so that every rank does the
+same causal work. Each rank's tensors are [2c, ...] with c = s / (2 CP).
+
+Per layer (the semantics of Transformer Engine's ``all_gather`` CP communication type):
+
+- K and V are all-gathered over the CP group into the whole sequence, in sequence order (one collective for
+  both; under GQA they are the small ones);
+- each of the rank's two query chunks attends to the gathered K/V up to the end of its own chunk, with the
+  causal mask aligned to that end (``causal_lower_right``: query i of chunk j sees keys up to j c + i), which
+  torch runs on flash / memory-efficient kernels where they apply, so no [c, s] mask or scores are built;
+- in backward the gradients of the gathered K and V are reduce-scattered back to their owners.
+
+Memory: the gathered K and V, [s, b, kv_heads, head_dim] each, are held per layer from forward to backward
+(SDPA saves them), and backward builds their gradients at the same size before the reduce-scatter.
+
+Plain torch and torch.distributed; no Megatron import.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["chunks_of_rank", "split_sequence", "merge_sequence", "gather_sequence", "context_parallel_attention"]
+
+
+def chunks_of_rank(cp: int, rank: int) -> tuple[int, int]:
+    """The two of the 2 x ``cp`` sequence chunks that CP rank ``rank`` holds, in its order: (r, 2CP-1-r)."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank {rank} is outside a context-parallel group of {cp}")
+    return rank, 2 * cp - 1 - rank
+
+
+def _check_divisible(length: int, cp: int) -> int:
+    if length % (2 * cp):
+        raise ValueError(f"a sequence of {length} tokens does not split into 2 x CP = {2 * cp} equal chunks")
+    return length // (2 * cp)
+
+
+def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 0) -> torch.Tensor:
+    """CP rank ``rank``'s share of the whole sequence ``x`` (sequence along ``dim``): chunks r and 2CP-1-r,
+    concatenated, as Megatron's ``get_batch_on_this_cp_rank`` cuts a batch."""
+    c = _check_divisible(x.shape[dim], cp)
+    return torch.cat([x.narrow(dim, j * c, c) for j in chunks_of_rank(cp, rank)], dim=dim)
+
+
+def merge_sequence(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """The whole sequence from every CP rank's share (``parts`` in rank order): the inverse of ``split_sequence``."""
+    cp = len(parts)
+    c = parts[0].shape[dim] // 2
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        lo, hi = chunks_of_rank(cp, r)
+        chunks[lo], chunks[hi] = part.narrow(dim, 0, c), part.narrow(dim, c, c)
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
+
+
+def _reduce_scatter(buffer: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum ``buffer`` [P, *shape] over the group and return this rank's [*shape] (gloo has no reduce-scatter:
+    it all-reduces the buffer and keeps its own slice)."""
+    P = buffer.shape[0]
+    if dist.get_backend(group) == "gloo":
+        dist.all_reduce(buffer, group=group)
+        return buffer[dist.get_rank(group)].clone()
+    out = buffer.new_empty(buffer.shape[1:])
+    dist.reduce_scatter_tensor(out, buffer.view(P * buffer.shape[1], *buffer.shape[2:]), group=group)
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: every CP rank's [2c, ...] share all-gathered into the whole [2 CP c, ...] sequence, in sequence
+    order. Backward: the whole sequence's gradient reduce-scattered (summed over the group) to each share."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        cp = dist.get_world_size(group)
+        ctx.group = group
+        x = x.contiguous()
+        gathered = x.new_empty((cp, *x.shape))
+        dist.all_gather_into_tensor(gathered.view(cp * x.shape[0], *x.shape[1:]), x, group=group)
+        return merge_sequence(list(gathered.unbind(0)))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        group = ctx.group
+        cp = dist.get_world_size(group)
+        shares = torch.stack([split_sequence(grad, cp, r) for r in range(cp)])  # [cp, 2c, ...], rank-major
+        return _reduce_scatter(shares, group), None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The whole sequence from every CP rank's share ``x`` [2c, ...] (all-gather forward, reduce-scatter
+    backward); ``x`` itself in a group of one."""
+    if _group_size(group) == 1:
+        return x
+    return _GatherSequence.apply(x, group)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float) -> torch.Tensor:
+    """Causal SDPA of queries [L, b, h, d] on keys/values [S, b, g, d] (S >= L), the mask aligned to the last key:
+    query i sees keys up to S - L + i. Returns [L, b, h, d]."""
+    L, S = q.shape[0], k.shape[0]
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    gqa = qb.shape[1] != kb.shape[1]
+    if L == S:
+        out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(L, S), dropout_p=dropout_p,
+                                             scale=scale, enable_gqa=gqa)
+    return out.permute(2, 0, 1, 3)
+
+
+def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               group: dist.ProcessGroup | None, *, scale: float | None = None,
+                               dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of this CP rank's share of the sequence, exact against full-sequence causal attention.
+
+    ``query`` [2c, b, heads, d], ``key``/``value`` [2c, b, groups, d] (``groups`` divides ``heads``): this rank's
+    chunks r and 2CP-1-r in Megatron's layout. Returns [2c, b, heads, d] in the same layout. In a group of one
+    it is plain causal SDPA. Gradients flow to ``query``, ``key`` and ``value`` (dK, dV reduce-scattered)."""
+    cp = _group_size(group)
+    if query.shape[0] != key.shape[0] or key.shape != value.shape:
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must "
+                         "hold the same tokens")
+    if query.shape[2] % key.shape[2]:
+        raise ValueError(f"{key.shape[2]} key/value heads do not divide {query.shape[2]} query heads")
+    if cp == 1:
+        return _attend(query, key, value, scale, dropout_p)
+    if query.shape[0] % 2:
+        raise ValueError(f"a context-parallel share holds two equal chunks; {query.shape[0]} tokens do not split")
+    c = query.shape[0] // 2
+    kv = gather_sequence(torch.stack([key, value], dim=1), group)  # [2 CP c, 2, b, g, d]
+    outs = []
+    for i, j in enumerate(chunks_of_rank(cp, dist.get_rank(group))):
+        end = (j + 1) * c
+        outs.append(_attend(query[i * c:(i + 1) * c], kv[:end, 0], kv[:end, 1], scale, dropout_p))
+    return torch.cat(outs, dim=0)

@@ -1,0 +1,102 @@
+"""context_parallel_attention (plain torch, gloo) against full-sequence causal SDPA: outputs, dQ, dK and dV.
+
+Every rank builds the same whole q, k, v and output gradient, runs the full-sequence reference, and then its own
+share (Megatron's layout: chunks r and 2CP-1-r) through the CP attention; its share of the reference's output
+and gradients must match within 1e-5 (fp32). CP = 1, 2, 3, 4 (2 x CP chunks each), MHA and GQA, odd sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_peakflat.attention.context_parallel import (chunks_of_rank, context_parallel_attention, gather_sequence,
+                                                          merge_sequence, split_sequence)
+from megatron_peakflat.testing import run_distributed
+
+CASES = [  # (chunk tokens c, micro-batch, query heads, key/value heads, head dim, scale)
+    (5, 2, 6, 6, 8, None),
+    (3, 1, 6, 2, 16, 0.3),
+    (1, 3, 4, 1, 8, None),
+]
+
+
+def _reference(q, k, v, scale):
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    kb = kb.repeat_interleave(qb.shape[1] // kb.shape[1], dim=1)
+    vb = vb.repeat_interleave(qb.shape[1] // vb.shape[1], dim=1)
+    return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale).permute(2, 0, 1, 3)
+
+
+def _rank(rank: int, world: int):
+    group = dist.new_group(list(range(world)))
+    errors = []
+    for c, b, h, g, d, scale in CASES:
+        s = 2 * world * c
+        gen = torch.Generator().manual_seed(11 + c)
+        q, k, v = (torch.randn(s, b, n, d, generator=gen, dtype=torch.float32) for n in (h, g, g))
+        dout = torch.randn(s, b, h, d, generator=gen)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = _reference(*ref_in, scale)
+        ref.backward(dout)
+        mine = [split_sequence(t, world, rank).requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attention(*mine, group, scale=scale)
+        out.backward(split_sequence(dout, world, rank))
+        want = [ref.detach(), *(t.grad for t in ref_in)]
+        got = [out.detach(), *(t.grad for t in mine)]
+        errors.append([(a - split_sequence(w, world, rank)).abs().max().item() / max(1e-30, w.abs().max().item())
+                       for a, w in zip(got, want)])
+    return errors
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_cp_attention_equals_full_sequence_sdpa(cp):
+    results = run_distributed(_rank, cp, timeout=240)
+    assert len(results) == cp
+    for rank, errors in enumerate(results):
+        assert len(errors) == len(CASES)
+        for case, errs in zip(CASES, errors):
+            assert max(errs) <= 1e-5, (rank, case, dict(zip(("out", "dq", "dk", "dv"), errs)))
+
+
+def test_layout_is_megatrons():
+    """chunks r and 2CP-1-r, as megatron.core.utils.get_batch_on_this_cp_rank cuts a [b, s] batch."""
+    from megatron.core.utils import _get_batch_on_this_cp_rank_per_sequence_balancing as megatron_split
+
+    assert [chunks_of_rank(4, r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    tokens = torch.arange(2 * 24).view(2, 24)
+    shares = []
+    for r in range(4):
+        class _Group:  # Megatron's function reads only the group's size and this rank's place in it
+            pass
+
+        import unittest.mock as mock
+
+        with mock.patch("torch.distributed.get_world_size", lambda group=None: 4), \
+                mock.patch("torch.distributed.get_rank", lambda group=None, r=r: r):
+            theirs = megatron_split({"tokens": tokens.clone()}, cp_group=_Group())["tokens"]
+        ours = split_sequence(tokens, 4, r, dim=1)
+        assert torch.equal(ours, theirs), r
+        shares.append(ours)
+    assert torch.equal(merge_sequence(shares, dim=1), tokens)
+    with pytest.raises(ValueError, match="2 x CP = 8"):
+        split_sequence(torch.zeros(12), 4, 0)
+
+
+def _gather_rank(rank: int, world: int):
+    group = dist.new_group(list(range(world)))
+    whole = torch.arange(2 * world * 3 * 2, dtype=torch.float32).view(2 * world * 3, 2)
+    share = split_sequence(whole, world, rank).requires_grad_()
+    full = gather_sequence(share, group)
+    weight = torch.arange(full.numel(), dtype=torch.float32).view_as(full) * (rank + 1)
+    (full * weight).sum().backward()
+    # every rank's loss weights the whole sequence; the share's gradient sums them over the ranks
+    expect = split_sequence(torch.arange(full.numel(), dtype=torch.float32).view_as(full), world, rank)
+    expect = expect * sum(range(1, world + 1))
+    return torch.equal(full.detach(), whole), torch.equal(share.grad, expect)
+
+
+def test_gather_forward_is_the_whole_sequence_and_backward_sums_the_shares():
+    assert run_distributed(_gather_rank, 3) == [(True, True)] * 3
