@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
+import os
+import re
 import subprocess
 import sys
+from fractions import Fraction
 from typing import Any, Sequence
 
 from ..config import PeakflatConfig, add_args
@@ -52,8 +56,37 @@ def local_host_gib() -> float | None:
     return None
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def token_count(text: str) -> int:
+    """A length in tokens, plain or with a binary unit: ``131072``, ``128K``, ``1M`` (K = 1024, M = 1024**2,
+    G = 1024**3, either case). Raises ArgumentTypeError, which argparse reports with the flag, otherwise; a
+    negative or zero count parses, for ``build`` to refuse with the flag, the value and the fix."""
+    m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
+    value = None
+    if m:
+        number, unit = m.group(1), _UNITS[m.group(2).upper()]
+        value = int(number) * unit if "." not in number else Fraction(number) * unit  # exact either way
+    if value is None or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens: pass an integer, or one with K (x1024), "
+                                         "M (x1024^2) or G (x1024^3), e.g. 128K or 1M")
+    return int(value)
+
+
+_SHORT_USAGE = ("usage: {prog} (--preset NAME | --megatron-args \"FLAGS\") [--seq-len 128K] [--gpus N] [--hbm-gib GIB] "
+                "[--json] [--plot OUT.png] [--peakflat-* ...]\n       (--help lists every flag)\n")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose argument errors come with a two-line usage, not the whole flag list."""
+
+    def format_usage(self) -> str:
+        return _SHORT_USAGE.format(prog=self.prog)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m megatron_peakflat.plan",
         description="Analytic per-rank memory of a Megatron MoE run with peakflat off and on; names the binding "
                     "peak and recommends the knobs that fit.",
@@ -64,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the Megatron pretraining flags (and --peakflat-* flags) of the run, in one string")
     g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     g = p.add_argument_group("run")
-    g.add_argument("--seq-len", type=int, help="sequence length (tokens); default: --seq-length or 4096")
+    g.add_argument("--seq-len", type=token_count, help="sequence length in tokens, e.g. 131072, 128K or 1M (K = 1024); "
+                                                        "default: --seq-length or 4096")
     g.add_argument("--gpus", type=int, help="total GPUs; default: TPxPPxCPxDP, else 8")
     g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: the ranks that share a node's host RAM "
                                                                  "(default: 8)")
@@ -88,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="max/mean tokens received per EP rank for the baseline dispatch (1 = balanced)")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    g.add_argument("--plot", metavar="OUT.png", help="write a bar chart of the binding stage (matplotlib)")
+    g.add_argument("--plot", metavar="OUT.png", help="write a bar chart of the binding stage and its totals (needs "
+                                                      "matplotlib: pip install 'megatron-peakflat[plot]')")
     add_args(p)
     return p
 
@@ -336,7 +371,8 @@ def to_json(pl: Plan, rec: Recommendation) -> dict[str, Any]:
 
 
 def plot(pl: Plan, path: str) -> None:
-    """Bar chart of the binding stage: baseline vs peakflat per term, HBM as a line."""
+    """Bar chart of the binding stage: baseline vs peakflat per term, then each column's total (the peak, not
+    the sum of the terms: phases that do not overlap take their maximum), labelled in GiB; HBM as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -346,24 +382,63 @@ def plot(pl: Plan, path: str) -> None:
     names = [n for n in st.rows]
     base = [st.rows[n].baseline / GIB for n in names]
     pfl = [st.rows[n].peakflat / GIB for n in names]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], base, width=0.4, label="baseline")
-    ax.bar([x + 0.2 for x in xs], pfl, width=0.4, label="peakflat")
-    ax.axhline(pl.run.hbm_bytes / GIB, color="red", linestyle="--", label="HBM")
-    ax.set_xticks(list(xs), names, rotation=30, ha="right")
+    totals = (st.total("baseline") / GIB, st.total("peakflat") / GIB)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    xs = list(range(len(names)))
+    xt = len(names) + 0.5  # the totals, set apart from the terms
+    ax.bar([x - 0.2 for x in xs] + [xt - 0.2], base + [totals[0]], width=0.4, label="baseline", color="tab:blue")
+    ax.bar([x + 0.2 for x in xs] + [xt + 0.2], pfl + [totals[1]], width=0.4, label="peakflat", color="tab:orange")
+    for dx, total in zip((-0.2, 0.2), totals):
+        ax.annotate(f"{total:.1f}", (xt + dx, total), ha="center", va="bottom", fontsize=8)
+    ax.axvline(len(names) - 0.25, color="grey", linewidth=0.5)
+    ax.axhline(pl.run.hbm_bytes / GIB, color="red", linestyle="--", label=f"HBM {pl.run.hbm_bytes / GIB:.0f} GiB")
+    ax.set_xticks(xs + [xt], names + ["total (peak)"], rotation=30, ha="right")
     ax.set_ylabel("GiB per rank")
-    ax.set_title(f"{pl.shape.name}, seq {pl.run.seq_len:,}, {pl.run.world} GPUs ({st.stage} stage)")
+    ax.set_title(f"{pl.shape.name}, seq {pl.run.seq_len:,}, {pl.run.world} GPUs ({st.stage} stage): "
+                 f"total {totals[0]:.1f} -> {totals[1]:.1f} GiB")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+NOTHING_FITS = 3
+"""Exit status when no configuration fits the GPU (2 is a bad flag, as argparse's)."""
+
+
+def plot_available() -> bool:
+    """Whether ``--plot`` can draw: matplotlib is importable (checked without importing it)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the planner; returns the exit status (2 with the flag, value and fix on stderr for a bad flag)."""
+    """Run the planner; returns the exit status: 0 when the recommendation fits, ``NOTHING_FITS`` (3) when
+    nothing does, 2 with the flag, value and fix on stderr for a bad flag. A reader that closes the pipe early
+    (``| head``) ends the output quietly."""
+    status = [0]  # set by _main before it prints, so that a closed pipe keeps the plan's status
+    try:
+        status[0] = _main(argv, status)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+    return status[0]
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's own flush at exit meets no closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (captured, replaced)
+        pass
+
+
+def _main(argv: Sequence[str] | None, status: list[int]) -> int:
     try:
         shape, run, pf, ns, ignored = build(argv)
+        if ns.plot and not plot_available():
+            raise _err("--plot", ns.plot, "needs matplotlib, which is not installed here",
+                       "pip install 'megatron-peakflat[plot]' (or pip install matplotlib), or drop --plot")
     except PeakflatConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -375,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     pl = plan(shape, run, pf)
     rec = recommend(shape, run, pf, ns.megatron_namespace)
+    status[0] = 0 if rec.fits else NOTHING_FITS
     if ns.json:
         doc = to_json(pl, rec)
         doc["ignored_megatron_flags"] = ignored
@@ -387,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(pl, ns.plot)
         if not ns.json:
             print(f"wrote {ns.plot}")
-    return 0
+    return status[0]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,155 @@
+"""The planner's command line as a user meets it: lengths with units, exit statuses, --plot without matplotlib,
+a closed pipe, and short usage on argument errors."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_peakflat.memory import cli
+from megatron_peakflat.memory.cli import NOTHING_FITS, build, main, token_count
+
+FIXED = ["--hbm-gib", "80", "--host-gib", "2048"]  # no dependence on this machine's GPU or RAM
+
+
+@pytest.mark.parametrize("text, tokens", [("131072", 131072), ("128K", 131072), ("128k", 131072), ("1M", 1 << 20),
+                                          ("1m", 1 << 20), ("0.5M", 1 << 19), ("2G", 2 << 30), (" 64K ", 65536)])
+def test_token_counts_take_binary_units(text, tokens):
+    assert token_count(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["1X", "K", "1.3K", "--4K", "1MiB", "", "1e6"])
+def test_a_token_count_that_is_not_one_is_refused_with_the_accepted_forms(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="128K or 1M"):
+        token_count(text)
+
+
+def test_a_count_below_one_is_refused_by_the_planner_with_the_fix(capsys):
+    assert main(["--preset", "gpt-oss-120b", "--seq-len=-4K", *FIXED]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--seq-len" in err and "-4096" in err and "Fix:" in err
+
+
+def test_seq_len_with_units_plans_the_same_run_as_the_integer():
+    _, run_units, *_ = build(["--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16", *FIXED])
+    _, run_int, *_ = build(["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16", *FIXED])
+    assert run_units == run_int and run_units.seq_len == 1048576
+
+
+def test_megatron_args_keep_megatrons_own_integer_spelling(capsys):
+    """--megatron-args holds Megatron's flags, parsed as Megatron parses them: --seq-length 1M is not a number there."""
+    flags = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 1M"
+    with pytest.raises(SystemExit) as e:
+        build(["--megatron-args", flags, "--gpus", "1", *FIXED])
+    assert e.value.code == 2 and "--seq-length" in capsys.readouterr().err
+
+
+def test_exit_status_says_whether_anything_fits(capsys):
+    fits = main(["--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16", *FIXED])
+    assert fits == 0 and "does NOT fit" not in capsys.readouterr().out.split("recommended")[1].splitlines()[0]
+    assert main(["--preset", "deepseek-v3", "--seq-len", "1M", "--gpus", "8", "--hbm-gib", "80",
+                 "--host-gib", "256"]) == NOTHING_FITS == 3
+    assert "recommended: nothing fits" in capsys.readouterr().out
+    # --json says the same through the status
+    assert main(["--preset", "deepseek-v3", "--seq-len", "1M", "--gpus", "8", "--hbm-gib", "80", "--host-gib", "256",
+                 "--json"]) == 3
+
+
+def test_argument_errors_give_a_short_usage_not_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        build(["--preset", "gpt-oss-120b", "--seq-len", "lots"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "error: argument --seq-len: 'lots' is not a number of tokens" in err
+    assert len(err.splitlines()) <= 4, err  # argparse's own usage listed every flag: 50 lines
+    assert "--help" in err and "--peakflat-dispatch-chunk-cap" not in err
+    with pytest.raises(SystemExit):
+        build(["--preset", "gpt-oss-120b", "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --no-such-flag" in err and len(err.splitlines()) <= 4
+
+
+def test_help_still_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        build(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--seq-len" in out and "--peakflat-dispatch-chunk-cap" in out
+
+
+def test_plot_without_matplotlib_is_refused_before_planning(monkeypatch, capsys, tmp_path):
+    planned = []
+    monkeypatch.setattr(cli, "plot_available", lambda: False)
+    monkeypatch.setattr(cli, "plan", lambda *a, **k: planned.append(a))
+    out = tmp_path / "peaks.png"
+    assert main(["--preset", "gpt-oss-20b", "--seq-len", "64K", "--plot", str(out), *FIXED]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not planned and not out.exists()
+    assert captured.err.startswith("error: ") and "--plot" in captured.err and "matplotlib" in captured.err
+    assert "pip install 'megatron-peakflat[plot]'" in captured.err
+
+
+def test_plot_availability_is_read_without_importing_matplotlib():
+    code = ("import sys; from megatron_peakflat.memory import cli; "
+            "print(cli.plot_available(), 'matplotlib' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    have = __import__("importlib").util.find_spec("matplotlib") is not None
+    assert out.stdout.split() == [str(have), "False"]
+
+
+def test_the_figure_shows_each_columns_total(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    shown: dict[str, list] = {"ticks": [], "labels": [], "bars": []}
+    real_ticks, real_annotate, real_bar = (matplotlib.axes.Axes.set_xticks, matplotlib.axes.Axes.annotate,
+                                           matplotlib.axes.Axes.bar)
+
+    def set_xticks(self, ticks, labels=None, **kw):
+        shown["ticks"].append(list(labels or []))
+        return real_ticks(self, ticks, labels, **kw)
+
+    def annotate(self, text, *a, **kw):
+        shown["labels"].append(text)
+        return real_annotate(self, text, *a, **kw)
+
+    def bar(self, x, height, *a, **kw):
+        shown["bars"].append(list(height))
+        return real_bar(self, x, height, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xticks", set_xticks)
+    monkeypatch.setattr(matplotlib.axes.Axes, "annotate", annotate)
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16", *FIXED])
+    pl = cli.plan(shape, run, pf)
+    st = pl.worst("baseline")
+    out = tmp_path / "peaks.png"
+    cli.plot(pl, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert shown["ticks"][-1][-1] == "total (peak)"
+    totals = (st.total("baseline") / cli.GIB, st.total("peakflat") / cli.GIB)
+    assert [b[-1] for b in shown["bars"]] == pytest.approx(list(totals))
+    assert shown["labels"] == [f"{t:.1f}" for t in totals]
+
+
+def _shell(command: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    return subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("unbuffered", [False, True])
+@pytest.mark.parametrize("reader, lines", [("true", 0), ("head -1", 1)])
+def test_a_closed_pipe_ends_the_output_without_a_traceback(unbuffered, reader, lines):
+    """``true`` closes the pipe before the planner (a second of start-up) writes anything, so every write meets a
+    closed pipe: the failure, with either buffering, was a BrokenPipeError traceback or 'Exception ignored'."""
+    prefix = "PYTHONUNBUFFERED=1 " if unbuffered else ""
+    for fmt in ("", "--json"):
+        out = _shell(f"{prefix}{sys.executable} -m megatron_peakflat.plan --preset gpt-oss-120b --seq-len 1M "
+                     f"--gpus 16 --hbm-gib 80 --host-gib 2048 {fmt} | {reader}; echo \"status ${{PIPESTATUS[0]}}\"")
+        assert out.stdout.count("\n") == lines + 1 and out.stdout.endswith("status 0\n"), out.stdout
+        assert out.stderr == "", out.stderr
