@@ -55,6 +55,8 @@ def _run_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, _pairs(rest, ";")
 
 
+_LOG_PREFIX = re.compile(r"^(?:[A-Z]+:megatron_peakflat:)?(?:\[rank \d+\] )?")
+"""What Megatron's log format (``INFO:megatron_peakflat:``) and a per-rank line (``[rank N] ``) put before a line."""
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -106,7 +108,7 @@ def parse_log(text: str) -> dict:
         "allocated_mib": mem[0] if mem else None,
         "max_allocated_mib": mem[1] if mem else None,
         "peakflat_lines": list(dict.fromkeys(  # what the components said they did, once each
-            ln.strip() for ln in text.splitlines()
+            ln for ln in (_LOG_PREFIX.sub("", raw.strip()) for raw in text.splitlines())
             if ln.startswith(("peakflat dispatch:", "peakflat vocab:", "peakflat SCO", "peakflat optimizer:", "peakflat peaks"))))[:16],
         "oom": oom_of(text),
         "timers_ms": timers_of(text),

@@ -24,8 +24,23 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
     """Patch Megatron-Core for every enabled component; idempotent.
 
     ``config`` is a PeakflatConfig or Megatron's parsed args (holding the ``--peakflat-*`` flags).
-    Every check runs before anything is patched. Returns the active config.
+    Every check runs before anything is patched. Returns the active config. From here on rank 0 alone logs
+    each decision (``--peakflat-log-all-ranks``: every rank); a refused configuration leaves logging as it was.
     """
+    from .integration.logs import install_rank_filter, restore_rank_filters
+
+    # first, so that validation's own notes already come from rank 0 only
+    previous = install_rank_filter(config.general.log_all_ranks if isinstance(config, PeakflatConfig)
+                                   else bool(getattr(config, "peakflat_log_all_ranks", False)))
+    try:
+        return _apply(config)
+    except BaseException:
+        restore_rank_filters(previous)
+        raise
+
+
+def _apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
+    """``apply`` once the rank filter is in place."""
     from .integration import registry, state
 
     if isinstance(config, PeakflatConfig):
@@ -75,9 +90,11 @@ def apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
 
 
 def remove() -> list[str]:
-    """Restore every Megatron symbol that ``apply`` replaced."""
+    """Restore every Megatron symbol that ``apply`` replaced, and let every rank log again."""
     from .integration import registry
+    from .integration.logs import remove_rank_filter
 
+    remove_rank_filter()
     return registry.remove_patches()
 
 

@@ -39,6 +39,10 @@ class GeneralConfig(ComponentConfig):
     absent and leaves TE's attention alone when it is present."""
     report_peaks: bool = False
     """Measure each component's peak memory and log it every log interval beside the planner's prediction."""
+    log_all_ranks: bool = False
+    """Log peakflat's lines from every rank, each prefixed with its rank. Without it rank 0 logs each decision
+    once, and only the lines that differ per rank (measured per-rank figures, host memory) come from every
+    rank, prefixed with theirs."""
 
 
 _COMPONENTS: dict[str, type[ComponentConfig]] = {

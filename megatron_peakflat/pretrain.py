@@ -201,9 +201,25 @@ def _config_builders() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return gpt_config_from_args, pretrain_cfg_container_from_args
 
 
+def _setup_logging(argv: list[str]) -> None:
+    """Megatron's own logging set-up (``megatron.training.training`` runs the same at import): its handler on
+    stdout, Python's default format (``INFO:megatron_peakflat:...``, as Megatron's lines read), and peakflat's rank
+    filter from the first line on, so that what is logged before ``apply`` also comes from rank 0 only."""
+    try:
+        from megatron.training.log_handler import CustomHandler
+
+        handler: logging.Handler = CustomHandler()
+    except ImportError:
+        handler = logging.StreamHandler(sys.stdout)
+    logging.basicConfig(handlers=[handler], level=logging.INFO)
+    from megatron_peakflat.integration.logs import install_rank_filter
+
+    install_rank_filter("--peakflat-log-all-ranks" in argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse Megatron's and peakflat's flags, apply the patches, and run Megatron's pretrain loop."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _setup_logging(list(sys.argv[1:] if argv is None else argv))
     sys.argv = [sys.argv[0], *_default_argv(list(sys.argv[1:] if argv is None else argv))]
     from megatron.core.enums import ModelType
     from megatron.training import pretrain

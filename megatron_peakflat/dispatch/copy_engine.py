@@ -137,7 +137,7 @@ class CopyEngineTransport:
         self._barrier_done.clear()
         stats.peak("dispatch", "symmetric_bytes", self.held_bytes)
         log.info("peakflat dispatch: copy-engine all-to-all slots grown to %d x %.1f MiB of symmetric memory",
-                 self.S, size / 2**20)
+                 self.S, size / 2**20, extra={"per_rank": True})
 
     def send_buffer(self, matrix: Sequence[Sequence[int]], width: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows this rank sends, width] of ``dtype``: the next exchange's slot, free to be written on the

@@ -42,7 +42,8 @@ def to_device(values: Any, device: torch.device, dtype: torch.dtype = torch.int6
         except RuntimeError as e:
             _pinning_failed = True
             log.warning("peakflat dispatch: pinning a %s-byte schedule upload failed (%s); uploading from pageable "
-                        "memory from now on (each upload then waits for the stream)", t.nbytes, str(e).splitlines()[0])
+                        "memory from now on (each upload then waits for the stream)", t.nbytes, str(e).splitlines()[0],
+                        extra={"per_rank": True})
     return t.to(device)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from ..memory import meter
 from ..memory.model import GIB, Plan, RunConfig, plan
 from .. import stats
+from .logs import PER_RANK
 
 __all__ = ["setup", "report", "prediction", "advise"]
 
@@ -231,8 +232,10 @@ def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = No
     parts = [f"{k} {v['measured_gib']:.2f}/{v['predicted_gib']:.2f}{_note(k)}" for k, v in out.items()]
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info("peakflat peaks iter %d (%s stage), GiB measured/predicted: %s", iteration, st.stage, ", ".join(parts))
+    # rank 0's figures, said to be rank 0's; the other ranks' come back with --peakflat-log-all-ranks
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    log.info("peakflat peaks iter %d (%s stage), GiB measured/predicted: %s", iteration, st.stage, ", ".join(parts),
+             extra=PER_RANK if rank0 else None)
     for k, v in out.items():
         stats.record("peaks", f"{k}_measured_gib", v["measured_gib"])
         stats.record("peaks", f"{k}_predicted_gib", v["predicted_gib"])

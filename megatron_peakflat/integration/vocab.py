@@ -30,7 +30,7 @@ from ..config_base import format_bytes
 from ..main_grad import main_grad_of
 from ..vocab.api import ring_linear_cross_entropy
 from . import state
-from .logs import info_once, log
+from .logs import PER_RANK, info_once, log
 from .vocab_shard import FLAG as SHARD_FLAG
 from .vocab_shard import shard_of
 
@@ -110,7 +110,8 @@ def _resolve_grad(cfg: Any, into_main_grad: bool, loss_mask: torch.Tensor | None
         return "recompute", None
     if cfg.grad == "auto" and stats.snapshot().get("vocab", {}).get("hint_corrections", 0):
         info_once("peakflat vocab: the in-forward gradients missed the loss's real gradient once; recomputing "
-                  "from now on (--peakflat-vocab-grad recompute says so up front)", level=logging.WARNING)
+                  "from now on (--peakflat-vocab-grad recompute says so up front)", level=logging.WARNING,
+                  per_rank=True)
         return "recompute", None
     hint = megatron_loss_gradient(loss_mask, config)
     if hint is None:
@@ -226,7 +227,8 @@ def _log_first_call(tokens: int, ring: int, over: str) -> None:
         grads = "dX and dW computed in backward (logits recomputed block by block)"
     where = f"a ring of {ring} over the {over} group" if ring > 1 else "one rank"
     log.info(f"peakflat vocab: first loss call: {tokens} tokens here, {where}, schedule {s.get('schedule')}, "
-             f"kernel {s.get('kernel')}, {grads}; largest block of logits {format_bytes(s.get('block_logits_bytes', 0))}")
+             f"kernel {s.get('kernel')}, {grads}; largest block of logits {format_bytes(s.get('block_logits_bytes', 0))}",
+             extra=PER_RANK)
 
 
 _MTP_HEAD: contextvars.ContextVar[bool | None] = contextvars.ContextVar("peakflat_mtp_head", default=None)

@@ -86,7 +86,7 @@ def shard_output_layer(output_layer: Any) -> EpShard:
     output_layer.sharded_state_dict = types.MethodType(_sharded_state_dict(type(output_layer).sharded_state_dict),
                                                        output_layer)
     info_once("peakflat vocab: output layer sharded over the expert-parallel group (EP=%d): %d of %d rows here",
-              size, shard.rows, shard.vocab)
+              size, shard.rows, shard.vocab, per_rank=True)
     return shard
 
 

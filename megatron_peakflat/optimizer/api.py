@@ -237,7 +237,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                  f" of --peakflat-opt-slots {self.slots}: no more than buckets" if self._n_slots < self.slots else "",
                  format_bytes(need),
                  "pinned" if self._region.pinned else "pageable", self._region.backend, self.engine,
-                 "native" if self._ext is not None else "torch", self.stream_impl)
+                 "native" if self._ext is not None else "torch", self.stream_impl, extra={"per_rank": True})
 
     def _pick_stream_impl(self) -> str:
         """'native' when the extension's BucketStreamer can run here (CUDA build, GPU params, pinned host
@@ -416,7 +416,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             self._gpu_fraction = self._measured_fraction()
             stats.record("optimizer", "auto_gpu_fraction", round(self._gpu_fraction, 4))
             log.info("peakflat optimizer: engine=auto sends %.1f%% of the buckets through the GPU, the rest to the "
-                     "host kernel (measured over %d steps)", 100 * self._gpu_fraction, len(self._measured))
+                     "host kernel (measured over %d steps)", 100 * self._gpu_fraction, len(self._measured),
+                     extra={"per_rank": True})
 
     # ----------------------------------------------------------------------------------------------
     # Megatron's HybridDeviceOptimizer contract

@@ -35,7 +35,8 @@ def check_host_budget(need: int, *, what: str, available: int | None = None,
     is this need). Returns the share."""
     avail = host.mem_available() if available is None else available
     if avail is None:
-        log.warning("peakflat optimizer: /proc/meminfo unreadable; cannot check %s of host memory", format_bytes(need))
+        log.warning("peakflat optimizer: /proc/meminfo unreadable; cannot check %s of host memory", format_bytes(need),
+                    extra={"per_rank": True})
         return None
     ranks = max(1, local_world_size if local_world_size is not None else host.local_ranks())
     share = host.share(avail, ranks, exclude=owner)
@@ -77,7 +78,8 @@ class HostRegion:
                 self._register(self._bytes.data_ptr(), self.nbytes)
         if pin and not self.pinned:
             log.warning("peakflat optimizer: pinning %s of host memory failed (%s); using pageable memory, "
-                        "host<->GPU copies will be slower", format_bytes(self.nbytes), self.pin_error)
+                        "host<->GPU copies will be slower", format_bytes(self.nbytes), self.pin_error,
+                        extra={"per_rank": True})
 
     def _register(self, ptr: int, nbytes: int) -> None:
         """One cudaHostRegister of the whole region."""

@@ -311,4 +311,4 @@ class BoundaryOffloader:
                  "%s saved on the device at peak, %.4f s waited on copies",
                  s["boundaries_packed"], s["boundaries_offloaded"], format_bytes(s["host_bytes"]),
                  "pinned" if s["pinned"] else "pageable", format_bytes(s["device_bytes_saved_peak"]),
-                 s["copy_wait_s"])
+                 s["copy_wait_s"], extra={"per_rank": True})

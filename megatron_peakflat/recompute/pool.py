@@ -85,14 +85,15 @@ def resolve_budget(requested: int | None, *, available: int | None = None, local
     if available is None:
         if requested is None:
             log.warning("peakflat SCO: cannot read MemAvailable; budget 0 (boundaries stay on the device); "
-                        "pass --peakflat-sco-budget")
+                        "pass --peakflat-sco-budget", extra={"per_rank": True})
             return 0
         return int(requested)
     promised = host.promised()
     mine = host.share(available, ranks)
     if promised:
         log.info("peakflat SCO: %s of host memory per rank, less %s that the optimizer will pin: %s to size the "
-                 "boundary pool from", format_bytes(available // ranks), format_bytes(promised), format_bytes(mine))
+                 "boundary pool from", format_bytes(available // ranks), format_bytes(promised), format_bytes(mine),
+                 extra={"per_rank": True})
     if requested is None:
         return int(mine * SAFE_FRACTION)
     ceiling = int(mine * CLAMP_FRACTION)
@@ -100,7 +101,7 @@ def resolve_budget(requested: int | None, *, available: int | None = None, local
         log.warning("peakflat SCO: --peakflat-sco-budget %s exceeds %s (%.0f%% of the %s available, over %d "
                     "local ranks, less %s promised to the optimizer); clamped", format_bytes(requested),
                     format_bytes(ceiling), CLAMP_FRACTION * 100, format_bytes(available), ranks,
-                    format_bytes(promised))
+                    format_bytes(promised), extra={"per_rank": True})
         return ceiling
     return int(requested)
 
@@ -201,16 +202,17 @@ class TorchHostPool(_RecyclingPool):
             if self.pinned and self.reserved > 0:
                 log.warning("peakflat SCO: pinning %s more host memory failed (%s); budget shrunk from %s to "
                             "the %s already pinned", format_bytes(nbytes), str(e).splitlines()[0],
-                            format_bytes(self.budget), format_bytes(self.reserved))
+                            format_bytes(self.budget), format_bytes(self.reserved), extra={"per_rank": True})
                 self.budget = self.reserved
                 return None
             if self.pinned:
                 log.warning("peakflat SCO: pinned host memory unavailable (%s); using pageable memory, "
-                            "copies will not overlap compute", str(e).splitlines()[0])
+                            "copies will not overlap compute", str(e).splitlines()[0], extra={"per_rank": True})
                 self.pinned = False
                 return self._allocate(nbytes)
             log.warning("peakflat SCO: host allocation of %s failed (%s); budget shrunk to %s",
-                        format_bytes(nbytes), str(e).splitlines()[0], format_bytes(self.reserved))
+                        format_bytes(nbytes), str(e).splitlines()[0], format_bytes(self.reserved),
+                        extra={"per_rank": True})
             self.budget = self.reserved
             return None
         slot = HostSlot(buf, cost=self._cost(nbytes))
@@ -247,7 +249,7 @@ class NativeHostPool(_RecyclingPool):
             self.pinned, self._registered_ptr = not pin_error, (0 if pin_error else ptr)
         if pin and not self.pinned:
             log.warning("peakflat SCO: native host pool is pageable (%s); copies will not overlap compute",
-                        pin_error)
+                        pin_error, extra={"per_rank": True})
 
     def __del__(self) -> None:
         if getattr(self, "_registered_ptr", 0):
@@ -270,13 +272,14 @@ def make_pool(budget: int, *, pin: bool, impl: str = "torch") -> "TorchHostPool 
 
         module = _ext.load()
         if module is None:
-            log.warning("peakflat SCO: native host pool unavailable (%s); using torch pinned tensors", _ext.reason())
+            log.warning("peakflat SCO: native host pool unavailable (%s); using torch pinned tensors", _ext.reason(),
+                        extra={"per_rank": True})
         else:
             try:
                 return NativeHostPool(budget, pin=pin, module=module)
             except RuntimeError as e:
                 log.warning("peakflat SCO: native host pool of %s failed (%s); using torch pinned tensors",
-                            format_bytes(budget), str(e).splitlines()[0])
+                            format_bytes(budget), str(e).splitlines()[0], extra={"per_rank": True})
     elif impl not in ("torch", "native"):
         raise ValueError(f"pool impl must be 'torch' or 'native', got {impl!r}")
     return TorchHostPool(budget, pin=pin)

@@ -204,7 +204,7 @@ class InForwardLinearCrossEntropy(torch.autograd.Function):
             stats.add("vocab", "hint_corrections", 1)
             log.warning("peakflat vocab: the in-forward gradient's hint was not the loss's real gradient (largest "
                         "difference %.3g); the difference was added by recomputing the logits. If this repeats, "
-                        "use --peakflat-vocab-grad recompute", float((g - ws).abs().max()))
+                        "use --peakflat-vocab-grad recompute", float((g - ws).abs().max()), extra={"per_rank": True})
             sink = main_grad_of(weight) if dw is None else dw
             dx_fix, _ = backward_ring(plan, hidden, weight, labels, coefficients(plan, lse, g - ws), sink)
             dx = dx + dx_fix
