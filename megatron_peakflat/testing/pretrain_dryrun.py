@@ -8,6 +8,8 @@ in-process. Test use only.
 ``PEAKFLAT_DRYRUN_FUSED_ADAM=1`` makes Megatron's DistributedOptimizer save and load its checkpoints as it
 does where Transformer Engine or apex provides FusedAdam (``distrib_optimizer.HAVE_APEX_OR_TE``): Adam's
 step then travels only in the param groups. Those installs need a GPU; the CPU tests reach the branch so.
+The ``PEAKFLAT_TEST_*`` hooks of ``testing.pretrain_hooks`` (a per-iteration trace, a SIGKILL inside an
+iteration's forward, a faked ``MemAvailable``) are installed here too.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def main(argv: list[str]) -> None:
 
         distrib_optimizer.HAVE_APEX_OR_TE = True
     from megatron_peakflat import pretrain
+
+    from .pretrain_hooks import install
+
+    install()  # the trace, fault and host-memory hooks that PEAKFLAT_TEST_* ask for (none by default)
 
     extra = [("--distributed-backend", "gloo"), ("--num-workers", "0"), ("--use-cpu-initialization",),
              ("--no-masked-softmax-fusion",), ("--no-bias-dropout-fusion",), ("--no-bias-swiglu-fusion",)]
