@@ -547,7 +547,7 @@ def test_pool_shrinks_its_budget_when_even_pageable_host_memory_runs_out(monkeyp
     assert first is not None and second is None and not pool.pinned
     assert pool.budget == pool.reserved == 100
     assert pool.acquire(100) is None and len(calls) == 3  # past the shrunk budget nothing is tried again
-    assert any("host allocation of 100 B failed (std::bad_alloc); budget shrunk to 100 B" in r.getMessage()
+    assert any("host allocation of 100 B failed (std::bad_alloc); budget shrunk from 1000 B to 100 B" in r.getMessage()
                for r in caplog.records)
 
 

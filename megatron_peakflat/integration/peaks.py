@@ -171,9 +171,12 @@ def check_optimizer_host(args: Any) -> str | None:
     if share is None or need <= share:
         return None
     ranks = host.local_ranks()
-    problem = (f"OffloadStreamAdamW is predicted to pin {need / GIB:.1f} GiB of host memory on this rank (fp32 master "
-               f"weights and Adam moments of its optimizer shard), and this rank's share of the host's available memory "
-               f"is {share / GIB:.1f} GiB (MemAvailable / LOCAL_WORLD_SIZE={ranks})")
+    from ..config_base import format_bytes
+
+    problem = (f"OffloadStreamAdamW is predicted to pin {format_bytes(need)} of host memory on this rank (fp32 "
+               f"master weights and Adam moments of its optimizer shard), and this rank's share of the host's available "
+               f"memory is {format_bytes(share)} (MemAvailable / LOCAL_WORLD_SIZE={ranks}): short by "
+               f"{format_bytes(need - share)}")
     fix = ("shard the state over more data-parallel ranks, run fewer ranks per node, or keep the optimizer on the GPU "
            "(drop --peakflat-optimizer and --optimizer-cpu-offload)")
     if need > share * OPTIMIZER_HOST_MARGIN:

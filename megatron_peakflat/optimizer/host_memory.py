@@ -5,7 +5,10 @@ extension is built, else from one torch byte tensor registered through ``torch.c
 Either way a single registration covers the whole state: torch's caching host allocator would round
 a 42 GB request up to 64 GB. Pinning that fails falls back to pageable memory with a warning.
 Before anything is allocated, ``check_host_budget`` refuses a state that does not fit this rank's
-share of the node's available memory.
+share of the node's available memory: the optimizer raises, naming the shortfall and the fixes, rather than
+pin more than is free (which would push the node into swap or its OOM killer). It does not keep the buckets
+that do not fit on the GPU instead: that memory is what the offload frees for activations, and a run planned
+with it would fail later, at a peak, rather than at the first step (docs/known-gaps.md, "Host memory short").
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def check_host_budget(need: int, *, what: str, available: int | None = None,
         promised = f", less {format_bytes(others)} other optimizers will pin" if others else ""
         raise HostMemoryError(
             f"OffloadStreamAdamW needs {format_bytes(need)} of host memory for {what} on this rank, but this rank's "
-            f"share is {format_bytes(share)} (MemAvailable {format_bytes(avail)} / LOCAL_WORLD_SIZE={ranks}{promised}). "
+            f"share is {format_bytes(share)} (MemAvailable {format_bytes(avail)} / LOCAL_WORLD_SIZE={ranks}"
+            f"{promised}): short by {format_bytes(need - share)}; nothing was allocated. "
             f"Fix: shard the state over more data-parallel ranks (--use-distributed-optimizer with a larger DP size), "
             f"run fewer ranks per node, or keep part of the state on the GPU (--peakflat-optimizer megatron with "
             f"--optimizer-offload-fraction < 1).")

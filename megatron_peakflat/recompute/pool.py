@@ -77,8 +77,11 @@ def resolve_budget(requested: int | None, *, available: int | None = None, local
     This rank's share is the available host RAM divided among the local ranks, less the pinned memory that
     other components have promised and not yet allocated (``memory.host``: OffloadStreamAdamW's state,
     allocated at its first step, after this budget is chosen in the first forward). ``None`` gives
-    SAFE_FRACTION of that share. An explicit request above CLAMP_FRACTION of it is clamped, with a
-    warning, since pinning more than is free would push the host into swap or the OOM killer.
+    SAFE_FRACTION of that share. An explicit request above CLAMP_FRACTION of it is clamped, with one
+    warning naming the request, the share and the shortfall, since pinning more than is free would push the
+    host into swap or the OOM killer: the run goes on with a smaller pool, and the boundaries past it stay on
+    the GPU (exact either way). A default budget that finds nothing left to take (the optimizer's promise
+    takes the whole share) is 0, with a warning too: SCO then keeps every boundary on the GPU.
     """
     available = host.mem_available() if available is None else available
     ranks = host.local_ranks() if local_ranks is None else max(1, local_ranks)
@@ -94,14 +97,22 @@ def resolve_budget(requested: int | None, *, available: int | None = None, local
         log.info("peakflat SCO: %s of host memory per rank, less %s that the optimizer will pin: %s to size the "
                  "boundary pool from", format_bytes(available // ranks), format_bytes(promised), format_bytes(mine),
                  extra={"per_rank": True})
+    less = f", less {format_bytes(promised)} the optimizer will pin" if promised else ""
     if requested is None:
-        return int(mine * SAFE_FRACTION)
+        budget = int(mine * SAFE_FRACTION)
+        if budget == 0:
+            log.warning("peakflat SCO: no host memory left for the boundary pool on this rank (MemAvailable %s / "
+                        "LOCAL_WORLD_SIZE=%d%s = %s); budget 0, every boundary stays on the GPU. Fix: free host "
+                        "memory, run fewer ranks per node, or drop --peakflat-sco", format_bytes(available), ranks,
+                        less, format_bytes(mine), extra={"per_rank": True})
+        return budget
     ceiling = int(mine * CLAMP_FRACTION)
     if requested > ceiling:
-        log.warning("peakflat SCO: --peakflat-sco-budget %s exceeds %s (%.0f%% of the %s available, over %d "
-                    "local ranks, less %s promised to the optimizer); clamped", format_bytes(requested),
-                    format_bytes(ceiling), CLAMP_FRACTION * 100, format_bytes(available), ranks,
-                    format_bytes(promised), extra={"per_rank": True})
+        log.warning("peakflat SCO: --peakflat-sco-budget %s requested, %s available on this rank (%.0f%% of "
+                    "MemAvailable %s / LOCAL_WORLD_SIZE=%d%s): short by %s; budget clamped to %s, boundaries past it "
+                    "stay on the GPU", format_bytes(requested), format_bytes(ceiling), CLAMP_FRACTION * 100,
+                    format_bytes(available), ranks, less, format_bytes(requested - ceiling), format_bytes(ceiling),
+                    extra={"per_rank": True})
         return ceiling
     return int(requested)
 
@@ -174,6 +185,7 @@ class TorchHostPool(_RecyclingPool):
         super().__init__()
         self.budget = int(budget)
         self.pinned = bool(pin)
+        self._warned: set[str] = set()
 
     def _new_slot(self, nbytes: int) -> HostSlot | None:
         excess = self.reserved + self._cost(nbytes) - self.budget
@@ -195,24 +207,33 @@ class TorchHostPool(_RecyclingPool):
             self.reserved -= s.cost
             need -= s.cost
 
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        """One warning per pool for each kind of failure ('pinned', 'pageable'); repeats go to the debug log."""
+        if kind in self._warned:
+            log.debug(msg, *args)
+            return
+        self._warned.add(kind)
+        log.warning(msg, *args, extra={"per_rank": True})
+
     def _allocate(self, nbytes: int) -> HostSlot | None:
         try:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-        except RuntimeError as e:
+        except (RuntimeError, MemoryError) as e:  # cudaHostAlloc's failure is a RuntimeError (AcceleratorError)
+            reason = (str(e).splitlines() or [type(e).__name__])[0]
             if self.pinned and self.reserved > 0:
-                log.warning("peakflat SCO: pinning %s more host memory failed (%s); budget shrunk from %s to "
-                            "the %s already pinned", format_bytes(nbytes), str(e).splitlines()[0],
-                            format_bytes(self.budget), format_bytes(self.reserved), extra={"per_rank": True})
+                self._warn_once("pinned", "peakflat SCO: pinning %s more host memory failed (%s); budget shrunk "
+                                "from %s to the %s already pinned, boundaries past it stay on the GPU",
+                                format_bytes(nbytes), reason, format_bytes(self.budget), format_bytes(self.reserved))
                 self.budget = self.reserved
                 return None
             if self.pinned:
-                log.warning("peakflat SCO: pinned host memory unavailable (%s); using pageable memory, "
-                            "copies will not overlap compute", str(e).splitlines()[0], extra={"per_rank": True})
+                self._warn_once("pinned", "peakflat SCO: pinned host memory unavailable (%s); using pageable memory, "
+                                "copies will not overlap compute", reason)
                 self.pinned = False
                 return self._allocate(nbytes)
-            log.warning("peakflat SCO: host allocation of %s failed (%s); budget shrunk to %s",
-                        format_bytes(nbytes), str(e).splitlines()[0], format_bytes(self.reserved),
-                        extra={"per_rank": True})
+            self._warn_once("pageable", "peakflat SCO: host allocation of %s failed (%s); budget shrunk from %s to "
+                            "%s, boundaries past it stay on the GPU", format_bytes(nbytes), reason,
+                            format_bytes(self.budget), format_bytes(self.reserved))
             self.budget = self.reserved
             return None
         slot = HostSlot(buf, cost=self._cost(nbytes))
