@@ -26,8 +26,10 @@ Ring-DTP: ``peakflat`` (defaults: dX and dW summed in fp32, dW returned in bf16)
 (sums in bf16), ``peakflat-main-grad`` (dW added into an fp32 ``main_grad`` allocated before the step,
 as Megatron's DDP buffer is in training; autograd gets main_grad's storage as its placeholder, as in
 training; Megatron's peers return a bf16 dW, which that DDP adds to the same buffer after the step),
-``peakflat-fwd-main-grad`` (gradients computed with the loss, ``grad='in-forward'``: what training
-in Megatron, tied output layer or not, runs by default). ``liger-flce`` is Liger's default, which sums
+``peakflat-gather-main-grad`` (gradients computed with the loss, ``grad='in-forward'``, whose TP schedule
+is the gather one: all-gathers and a reduce-scatter, no ring; what training in Megatron, tied output layer
+or not, runs by default; earlier rows call it ``peakflat-fwd-main-grad``, at TP=1 still its name).
+``peakflat`` and ``peakflat-main-grad`` run a ring ('auto': activations when N/TP <= V/TP, else weights). ``liger-flce`` is Liger's default, which sums
 dW chunk by chunk into a bf16 buffer; ``liger-flce-fp32`` sums it in fp32 (``accum_dtype``), as
 Ring-DTP does, and rounds it to bf16 once at the end.
 """
@@ -49,7 +51,9 @@ from bench.harness import (Row, across_ranks, finish_distributed, megatron_ce, m
                            write)
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
 
-DEFAULT_CASES = "32768x7168x201088,16384x4096x201088,32768x7168x128256,16384x4096x128256"
+DEFAULT_CASES = "32768x7168x201088,16384x4096x201088,32768x7168x128256,16384x4096x128256,65536x4096x128256"
+"""The benchmarked shapes; the last is a hold-out shape at large N (the automatic in-forward chunk's rule,
+vocab/sizes.py auto_chunk_tokens, must keep the training path at or under Liger's peak there too)."""
 ALL_METHODS = ("peakflat,peakflat-input,peakflat-b4096,megatron-native-ce,megatron-fused-ce,liger-flce,liger-flce-fp32,"
                "cce")
 
@@ -87,8 +91,10 @@ def _init_megatron(cpu: bool = False) -> bool:
 def _peakflat_kwargs(name: str) -> dict[str, Any]:
     """ring_linear_cross_entropy keywords of a method name: 'peakflat' (the flags' defaults) with the
     suffixes '-input' (accumulate='input'), '-main-grad' (dW into the weight's main_grad), '-fwd'
-    (grad='in-forward'), '-b<rows>' (block size), '-t<tokens>' (in-forward chunk) and '-torch'
-    (plain-PyTorch block kernel); they combine, e.g. 'peakflat-fwd-main-grad-t8192'."""
+    (grad='in-forward'), '-gather' (the in-forward gradients' gather schedule: '-fwd' at TP > 1 under the
+    name of what runs), '-activations' / '-weights' (that ring), '-b<rows>' (block size), '-t<tokens>'
+    (in-forward chunk) and '-torch' (plain-PyTorch block kernel); they combine, e.g.
+    'peakflat-gather-main-grad-t8192'."""
     kw: dict[str, Any] = {}
     for part in name.replace("main-grad", "maingrad").split("-")[1:]:
         if part == "input":
@@ -97,6 +103,10 @@ def _peakflat_kwargs(name: str) -> dict[str, Any]:
             kw["dw_into_main_grad"] = True
         elif part == "fwd":
             kw["grad"] = "in-forward"
+        elif part == "gather":
+            kw["grad"], kw["schedule"] = "in-forward", "gather"
+        elif part in ("activations", "weights"):
+            kw["schedule"] = part
         elif part == "torch":
             kw["kernel"] = "torch"
         elif part.startswith("b") and part[1:].isdigit():
@@ -104,8 +114,8 @@ def _peakflat_kwargs(name: str) -> dict[str, Any]:
         elif part.startswith("t") and part[1:].isdigit():
             kw["chunk_tokens"] = int(part[1:])
         else:
-            raise SystemExit(f"unknown peakflat variant {name!r} (suffixes: input, main-grad, fwd, torch, b<rows>, "
-                             "t<tokens>)")
+            raise SystemExit(f"unknown peakflat variant {name!r} (suffixes: input, main-grad, fwd, gather, "
+                             "activations, weights, torch, b<rows>, t<tokens>)")
     return kw
 
 
@@ -229,7 +239,10 @@ def check(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, y: 
     return all(e is not None and e <= tol for e in errs), extra
 
 
-TP_METHODS = "peakflat,peakflat-main-grad,peakflat-fwd-main-grad,megatron-native-ce,megatron-fused-ce"
+TP_METHODS = "peakflat,peakflat-main-grad,peakflat-gather-main-grad,megatron-native-ce,megatron-fused-ce"
+"""At TP > 1: the standalone API and the recompute with dW into main_grad run a ring ('auto': activations or
+weights); the training path (gradients with the loss, dW into main_grad) runs the gather schedule, named so
+(rows before the name named it 'peakflat-fwd-main-grad', which still parses)."""
 
 TPMethod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(this rank's tokens [N/P, H], this rank's vocabulary slice [V/P, H], all labels [N]) -> the mean

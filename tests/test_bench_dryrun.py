@@ -32,7 +32,7 @@ def test_dispatch_benchmark_at_ep2_on_cpu():
 def test_vocab_benchmark_at_tp2_on_cpu():
     out = _torchrun("bench/vocab.py", "--dry-run")
     rows = [line for line in out.splitlines() if "tp=2" in line]
-    assert {r.split()[1] for r in rows} == {"peakflat", "peakflat-main-grad", "peakflat-fwd-main-grad",
+    assert {r.split()[1] for r in rows} == {"peakflat", "peakflat-main-grad", "peakflat-gather-main-grad",
                                            "megatron-native-ce"}, out[-2000:]
     assert all("exact=True" in r for r in rows) and "dry run: every method exact" in out, out[-2000:]
     assert "was not the loss's real gradient" not in out  # the in-forward rows were told 1/N

@@ -580,3 +580,23 @@ def test_a_negative_number_reaches_the_config_check_and_other_flags_keep_argpars
     with pytest.raises(SystemExit):
         parse_args(extra_args_provider)
     assert "argument --peakflat-sco-budget: expected one argument" in capsys.readouterr().err
+
+
+def test_vocab_schedule_names_what_runs():
+    """'gather' is the in-forward gradients' schedule of collectives; 'activations' and 'weights' are rings whose
+    gradients are computed in backward. A pair that cannot run together is refused at start-up, naming the value
+    to pass; the pairs that can (and the ring with --peakflat-vocab-grad auto) pass."""
+    with pytest.raises(PeakflatConfigError) as e:
+        PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule",
+                                                     "activations", "--peakflat-vocab-grad", "in-forward"))
+    assert e.value.flag == "--peakflat-vocab-schedule" and e.value.value == "activations"
+    assert "--peakflat-vocab-schedule gather" in e.value.fix and "--peakflat-vocab-grad recompute" in e.value.fix
+    with pytest.raises(PeakflatConfigError) as e:
+        PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule",
+                                                     "gather", "--peakflat-vocab-grad", "recompute"))
+    assert e.value.value == "gather" and "--peakflat-vocab-grad in-forward" in e.value.fix
+    for schedule, grad in (("gather", "in-forward"), ("gather", "auto"), ("weights", "recompute"), ("weights", "auto"),
+                           ("auto", "in-forward"), ("auto", "recompute")):
+        cfg = PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule",
+                                                           schedule, "--peakflat-vocab-grad", grad))
+        assert (cfg.vocab.schedule, cfg.vocab.grad) == (schedule, grad)

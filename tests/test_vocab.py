@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_peakflat.testing import LiveBytesMeter, loss_and_grad_errors, max_rel_error, run_distributed
 from megatron_peakflat.vocab import reference_linear_cross_entropy, resolve_schedule, ring_linear_cross_entropy
+from megatron_peakflat.vocab.api import schedule_reason
 from megatron_peakflat.vocab.api import auto_block_size
 
 H = 24
@@ -193,6 +194,10 @@ def test_bad_arguments() -> None:
         (dict(chunk_tokens=-1), "chunk_tokens=-1"), (dict(grad_hint=torch.ones(3)), "grad_hint of shape"),
         (dict(vocab_size=11), "vocab_size=11"),
         (dict(return_argmax=True, grad="in-forward"), "return_argmax=True needs grad='recompute'"),
+        (dict(schedule="sideways"), "schedule='sideways'"),
+        (dict(schedule="activations", grad="in-forward"), "schedule='activations' with grad='in-forward'"),
+        (dict(schedule="weights", grad="in-forward"), "pass schedule='gather' (or 'auto')"),
+        (dict(schedule="gather"), "schedule='gather' with grad='recompute'"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             ring_linear_cross_entropy(x, w, y, **kwargs)
@@ -206,6 +211,21 @@ def test_auto_schedule_rule() -> None:
     assert resolve_schedule("auto", 100, 800, 8) == "activations"
     assert resolve_schedule("auto", 101, 800, 8) == "weights"
     assert resolve_schedule("weights", 1, 10**6, 8) == "weights"
+    # the gradients computed with the loss run the collective 'gather' schedule, whatever the sizes
+    assert resolve_schedule("auto", 100, 800, 8, in_forward=True) == "gather"
+    assert resolve_schedule("gather", 101, 800, 8, in_forward=True) == "gather"
+    assert resolve_schedule("gather", 101, 800, 8) == "weights"  # loss only (no autograd): the ring auto picks
+    with pytest.raises(ValueError, match="pass schedule='gather'"):
+        resolve_schedule("activations", 100, 800, 8, in_forward=True)
+
+
+def test_schedule_reason_says_which_and_why() -> None:
+    assert schedule_reason("auto", "activations", 100, 800, 8).startswith("auto: 100 tokens per rank x 8 <= V=800")
+    assert schedule_reason("auto", "weights", 101, 800, 8).startswith("auto: 101 tokens per rank x 8 > V=800")
+    assert "all-gathered" in schedule_reason("auto", "gather", 101, 800, 8)
+    assert schedule_reason("weights", "weights", 1, 800, 8).startswith("as asked (weight shards travel")
+    assert schedule_reason("gather", "weights", 101, 800, 8).startswith("gather asked, but")
+    assert schedule_reason("auto", "single", 5, 800, 1).startswith("one rank")
 
 
 def test_auto_block_size_is_a_multiple_of_256_rows() -> None:

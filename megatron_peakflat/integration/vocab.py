@@ -1,7 +1,9 @@
 """Ring-DTP in Megatron: ``GPTModel.forward`` gets an ``output_processor`` that returns the per-token loss.
 
-The ring group is the output layer's tensor-parallel group; its vocab-parallel weight shard (or the
-shared embedding passed as ``output_weight``) is the ring's shard. With sequence parallelism each
+The ranks that share the vocabulary are the output layer's tensor-parallel group; its vocab-parallel weight
+shard (or the shared embedding passed as ``output_weight``) is each rank's shard. With the gradients computed
+with the loss (Megatron's DDP gives the output layer a ``main_grad``) they run the gather schedule (all-gathers
+and a reduce-scatter, ``vocab/in_forward.py``); otherwise a ring of point-to-point sends (``vocab/ring.py``). With sequence parallelism each
 rank already holds its s/TP slice of the sequence. Without it the hidden states are replicated, so
 each rank takes a 1/TP slice of the tokens, and the per-token losses are all-gathered (their
 gradient is replicated, so backward keeps the local slice), while dX slices are all-gathered in
@@ -105,8 +107,17 @@ def megatron_loss_gradient(loss_mask: torch.Tensor | None, config: Any) -> torch
 
 def _resolve_grad(cfg: Any, into_main_grad: bool, loss_mask: torch.Tensor | None, config: Any
                   ) -> tuple[str, torch.Tensor | None]:
-    """('in-forward', per-token gradient [b, s]) or ('recompute', None), with a log line saying why."""
-    if cfg.grad == "recompute" or (cfg.grad == "auto" and not into_main_grad):
+    """('in-forward', per-token gradient [b, s]) or ('recompute', None), with a log line saying why. 'auto' computes
+    them with the loss (the gather schedule) when dW goes into main_grad and the schedule is auto, or when the
+    schedule is gather; an activations or weights ring computes them in backward."""
+    if cfg.grad == "recompute":
+        return "recompute", None
+    if cfg.grad == "auto" and cfg.schedule in ("activations", "weights"):
+        info_once("peakflat vocab: gradients computed in backward: --peakflat-vocab-schedule %s runs a ring, which "
+                  "recomputes the logits (--peakflat-vocab-schedule auto or gather computes them with the loss)",
+                  cfg.schedule)
+        return "recompute", None
+    if cfg.grad == "auto" and cfg.schedule == "auto" and not into_main_grad:
         return "recompute", None
     if cfg.grad == "auto" and stats.snapshot().get("vocab", {}).get("hint_corrections", 0):
         info_once("peakflat vocab: the in-forward gradients missed the loss's real gradient once; recomputing "
@@ -168,7 +179,10 @@ def ring_loss(hidden_states: torch.Tensor, output_layer: Any, output_weight: tor
     grad, hint = (_resolve_grad(cfg, into_main_grad, loss_mask, config) if torch.is_grad_enabled() and not argmax
                   else ("recompute", None))
     hint_sb = None if hint is None else hint.transpose(0, 1)  # [s, b], as labels_sb
-    common = dict(schedule=cfg.schedule, block_size=cfg.block_size, kernel=cfg.kernel, accumulate=cfg.accumulate,
+    # a gather asked for where the gradients are computed in backward (no known loss gradient, MTP losses)
+    # runs the ring 'auto' picks: the gather schedule exists only with the in-forward gradients
+    schedule = "auto" if cfg.schedule == "gather" and grad == "recompute" else cfg.schedule
+    common = dict(schedule=schedule, block_size=cfg.block_size, kernel=cfg.kernel, accumulate=cfg.accumulate,
                   check_labels=cfg.check_labels, dw_into_main_grad=True, weight_shared=shared, grad=grad,
                   chunk_tokens=cfg.chunk_tokens, return_argmax=argmax)
 
@@ -213,9 +227,9 @@ _FIRST_CALL_LOGGED = False
 
 
 def _log_first_call(tokens: int, ring: int, over: str) -> None:
-    """One line after the first Ring-DTP loss of the process: what it chose for the flags' 'auto' and 0 (the
-    schedule, the kernel, where the gradients were computed, in how many chunks) and the largest block of
-    fp32 logits it held, from ``stats`` as ``ring_linear_cross_entropy`` recorded them."""
+    """One line (rank 0's, logs.py) after the first Ring-DTP loss of the process: what it chose for the flags' 'auto' and 0
+    (the schedule, the kernel, where the gradients were computed, in how many chunks), the largest block of fp32
+    logits it held, and why that schedule ran, from ``stats`` as ``ring_linear_cross_entropy`` recorded them."""
     global _FIRST_CALL_LOGGED
     if _FIRST_CALL_LOGGED:
         return
@@ -225,10 +239,10 @@ def _log_first_call(tokens: int, ring: int, over: str) -> None:
         grads = f"dX and dW computed with the loss in {s.get('in_forward_chunks', 0)} chunk(s)"
     else:
         grads = "dX and dW computed in backward (logits recomputed block by block)"
-    where = f"a ring of {ring} over the {over} group" if ring > 1 else "one rank"
+    where = f"{ring} ranks of the {over} group" if ring > 1 else "one rank"
     log.info(f"peakflat vocab: first loss call: {tokens} tokens here, {where}, schedule {s.get('schedule')}, "
-             f"kernel {s.get('kernel')}, {grads}; largest block of logits {format_bytes(s.get('block_logits_bytes', 0))}",
-             extra=PER_RANK)
+             f"kernel {s.get('kernel')}, {grads}; largest block of logits {format_bytes(s.get('block_logits_bytes', 0))}; "
+             f"schedule {s.get('schedule')}: {s.get('schedule_reason')}", extra=PER_RANK)
 
 
 _MTP_HEAD: contextvars.ContextVar[bool | None] = contextvars.ContextVar("peakflat_mtp_head", default=None)

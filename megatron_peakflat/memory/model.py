@@ -644,9 +644,14 @@ def vocab_ring_size(run: RunConfig, pf: PeakflatConfig) -> int:
     return shards if shards > 1 else run.tp
 
 
-def vocab_schedule(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> str:
-    if pf.vocab.schedule != "auto":
+def vocab_schedule(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_grad: bool = True) -> str:
+    """The ``--peakflat-vocab-schedule`` value that reproduces the run (vocab/api.py resolve_schedule): an
+    asked-for ring; 'gather' where the gradients are computed with the loss (vocab_grad); else the ring that
+    moves less, activations when the tokens per rank are no more than V/P, weights otherwise."""
+    if pf.vocab.schedule in ("activations", "weights"):
         return pf.vocab.schedule
+    if vocab_grad(pf, main_grad) == "in-forward":
+        return "gather"
     n = run.tp_tokens
     return "activations" if n <= s.vocab / vocab_ring_size(run, pf) else "weights"
 
@@ -661,10 +666,13 @@ def vocab_block(n_tokens: float, w: int, block_size: int) -> int:
 
 def vocab_grad(pf: PeakflatConfig, main_grad: bool = True) -> str:
     """'in-forward' or 'recompute', as integration/vocab.py resolves ``--peakflat-vocab-grad auto``: in-forward
-    when dW goes into DDP's main_grad (in Megatron training, tied output layer or not)."""
+    with the gather schedule, or when dW goes into DDP's main_grad (in Megatron training, tied output layer or
+    not) and the schedule is auto; an asked-for ring (activations, weights) recomputes."""
     if pf.vocab.grad != "auto":
         return pf.vocab.grad
-    return "in-forward" if main_grad else "recompute"
+    if pf.vocab.schedule in ("activations", "weights"):
+        return "recompute"
+    return "in-forward" if main_grad or pf.vocab.schedule == "gather" else "recompute"
 
 
 def vocab_in_forward(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_grad: bool = True) -> float:
@@ -678,7 +686,7 @@ def vocab_in_forward(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_gra
     P, n, w = vocab_ring_size(run, pf), run.tp_tokens, run.w
     shard = s.vocab / P
     acc = 4 if pf.vocab.accumulate == "fp32" else w
-    chunk = pf.vocab.chunk_tokens or auto_chunk_tokens(math.ceil(shard), w, P, int(n * P))
+    chunk = pf.vocab.chunk_tokens or auto_chunk_tokens(math.ceil(shard), w, P, int(n * P), s.hidden)
     rows = min(math.ceil(chunk / P), math.ceil(n))
     c = rows * P
     block = c * shard * (BLOCK_TEMPORARIES * 4 if pf.vocab.kernel == "torch" else w)
@@ -713,7 +721,7 @@ def vocab_ring_dtp(s: ModelShape, run: RunConfig, pf: PeakflatConfig, main_grad:
     if P == 1:
         return (0 if main_grad else shard * s.hidden * run.w) + n * s.hidden * acc + max(temps, final_dx)
     dw_acc = 0 if main_grad else shard * s.hidden * acc
-    travelling = n * s.hidden if vocab_schedule(s, run, pf) == "activations" else shard * s.hidden
+    travelling = n * s.hidden if vocab_schedule(s, run, pf, main_grad=False) == "activations" else shard * s.hidden
     hops = dw_acc + n * s.hidden * acc + max(temps, final_dx) + 2 * travelling * run.w
     dw_out = shard * s.hidden * run.w if (not main_grad and acc != run.w) else 0
     end = dw_acc + dw_out + n * s.hidden * (run.w if main_grad else acc + (run.w if acc != run.w else 0))

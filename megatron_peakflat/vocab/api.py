@@ -10,10 +10,10 @@ import torch.distributed as dist
 from .. import stats
 from .blocks import block_ops
 from .in_forward import InForwardLinearCrossEntropy, chunk_rows
-from .ring import RingLinearCrossEntropy, RingPlan, comm_device, max_over_ring
+from .ring import RingLinearCrossEntropy, RingPlan, auto_ring_schedule, comm_device, max_over_ring
 from .sizes import AUTO_BLOCK_BYTES, AUTO_CHUNK_BYTES, auto_block_size, auto_chunk_tokens
 
-__all__ = ["ring_linear_cross_entropy", "resolve_schedule", "auto_block_size", "auto_chunk_tokens",
+__all__ = ["ring_linear_cross_entropy", "resolve_schedule", "schedule_reason", "SCHEDULES", "auto_block_size", "auto_chunk_tokens",
            "AUTO_BLOCK_BYTES", "AUTO_CHUNK_BYTES"]
 
 log = logging.getLogger("megatron_peakflat")
@@ -21,14 +21,47 @@ log = logging.getLogger("megatron_peakflat")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def resolve_schedule(schedule: str, max_tokens: int, vocab_size: int, ring_size: int) -> str:
-    """'auto' -> 'activations' when the tokens per rank are no more than V/P (they are the smaller thing
-    to move), else 'weights'."""
-    if schedule not in ("auto", "activations", "weights"):
-        raise ValueError(f"schedule={schedule!r}: use 'auto', 'activations' or 'weights'")
-    if schedule != "auto":
+SCHEDULES = ("auto", "gather", "activations", "weights")
+"""``schedule`` values: 'gather' is the in-forward gradients' collective schedule (``in_forward.py``), 'activations'
+and 'weights' the rings of point-to-point sends (``ring.py``)."""
+
+
+def resolve_schedule(schedule: str, max_tokens: int, vocab_size: int, ring_size: int, in_forward: bool = False) -> str:
+    """The schedule that runs on a ring of ``ring_size`` > 1 ranks. With the gradients computed in the forward
+    pass (``in_forward``): 'gather' (all-gathers of each chunk's tokens and of the log-sum-exp state, a
+    reduce-scatter of dX; 'auto' and 'gather' take it, a ring schedule is refused). Otherwise a ring: 'auto'
+    (and 'gather', whose loss-only pass has no gather form) -> 'activations' when the tokens per rank are no
+    more than V/P (they are the smaller thing to move), else 'weights'."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {', '.join(repr(s) for s in SCHEDULES)}")
+    if in_forward:
+        if schedule in ("activations", "weights"):
+            raise ValueError(f"schedule={schedule!r} with gradients computed with the loss: those run the 'gather' "
+                             f"schedule; pass schedule='gather' (or 'auto'), or grad='recompute' for the {schedule} ring")
+        return "gather"
+    if schedule in ("activations", "weights"):
         return schedule
-    return "activations" if max_tokens * ring_size <= vocab_size else "weights"
+    return auto_ring_schedule(max_tokens, vocab_size, ring_size)
+
+
+def schedule_reason(schedule: str, resolved: str, max_tokens: int, vocab_size: int, ring_size: int) -> str:
+    """Why ``resolve_schedule`` (or a single rank) gave ``resolved`` for the requested ``schedule``: one
+    clause for the log line that says which schedule ran."""
+    if resolved == "single":
+        return "one rank holds the whole vocabulary, nothing is exchanged"
+    what = {"gather": "each chunk's hidden states and labels all-gathered, the log-sum-exp state all-gathered, "
+                      "dX reduce-scattered",
+            "activations": "tokens travel a ring of point-to-point sends, gradients in backward",
+            "weights": "weight shards travel a ring of point-to-point sends, gradients in backward"}[resolved]
+    if schedule == resolved:
+        return f"as asked ({what})"
+    if resolved == "gather":
+        return f"auto: the gradients are computed with the loss ({what})"
+    cmp = "<=" if resolved == "activations" else ">"
+    why = f"{max_tokens} tokens per rank x {ring_size} {cmp} V={vocab_size}"
+    if schedule == "gather":
+        return f"gather asked, but the gradients are not computed with the loss here, so the ring auto picks: {why} ({what})"
+    return f"auto: {why} ({what})"
 
 
 def ring_linear_cross_entropy(
@@ -60,6 +93,9 @@ def ring_linear_cross_entropy(
       vocab-parallel layout; shard sizes may differ).
     - ``labels`` [n]: global vocabulary ids or ``ignore_index``.
     - ``group``: the ring; None or a 1-rank group is the single-device path.
+    - ``schedule``: how the ranks meet every token (``resolve_schedule``): 'activations' or 'weights' travel
+      a ring of point-to-point sends (gradients in backward); 'gather' is the in-forward gradients' schedule
+      of collectives; 'auto' picks. ``stats`` records the one that ran and why (``schedule_reason``).
 
     Returns the loss per token (fp32, 0 for ignored tokens) for ``reduction='none'``, else its sum or
     its mean over non-ignored tokens. The result equals ``F.cross_entropy(hidden @ W.T, labels, ...)``
@@ -80,9 +116,8 @@ def ring_linear_cross_entropy(
     changes anything.
 
     ``grad='in-forward'`` (``in_forward.py``) computes dX and dW in the forward pass, a chunk of
-    ``chunk_tokens`` tokens (over the whole ring; 0: ``sizes.auto_chunk_tokens``, at most 2 GiB of logits
-    and 1/8 of the tokens)
-    at a time: 6NHV instead of the recompute's 8NHV, one [chunk, V/P] block of logits instead of an
+    ``chunk_tokens`` tokens (over the whole ring; 0: ``sizes.auto_chunk_tokens``, at most h tokens, 2 GiB
+    of logits and 1/8 of the tokens) at a time: 6NHV instead of the recompute's 8NHV, one [chunk, V/P] block of logits instead of an
     [n, block_size] one. It needs the gradient that the result will receive, ``grad_hint``: a number,
     or [n] per token for ``reduction='none'`` (default 1.0: the result is summed, or is the scalar loss).
     Backward checks the hint (one host sync) and adds the difference by recomputing when it was wrong,
@@ -98,7 +133,7 @@ def ring_linear_cross_entropy(
     not match the weight sharding. ``check_labels`` checks every label (one host sync, collective).
     Labels outside [0, V) are otherwise not detected: they behave as if their target logit were 0.
     """
-    _check_arguments(hidden, weight_shard, labels, reduction=reduction, label_smoothing=label_smoothing,
+    _check_arguments(hidden, weight_shard, labels, schedule=schedule, reduction=reduction, label_smoothing=label_smoothing,
                      block_size=block_size, accumulate=accumulate, grad=grad, chunk_tokens=chunk_tokens,
                      return_argmax=return_argmax, grad_hint=grad_hint)
     size = 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
@@ -117,16 +152,18 @@ def ring_linear_cross_entropy(
         block_size = auto_block_size(max(tokens), hidden.element_size())
     in_forward = grad == "in-forward" and torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad)
     if in_forward and chunk_tokens == 0:
-        chunk_tokens = auto_chunk_tokens(max(shard_rows), hidden.element_size(), size, sum(tokens))
+        chunk_tokens = auto_chunk_tokens(max(shard_rows), hidden.element_size(), size, sum(tokens), hidden.shape[1])
+    resolved = resolve_schedule(schedule, max(tokens), V, size, in_forward) if size > 1 else "single"
     plan = RingPlan(
         group=group if size > 1 else None, rank=rank, size=size, tokens=tokens, shard_rows=shard_rows,
-        schedule=resolve_schedule(schedule, max(tokens), V, size) if size > 1 else "single",
+        schedule=resolved,
         block_size=block_size, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         ops=block_ops(kernel, hidden.device), acc_dtype_fp32=accumulate == "fp32",
         dw_into_main_grad=dw_into_main_grad, weight_shared=weight_shared, chunk_rows=chunk_rows(chunk_tokens, size) if in_forward else 0,
         argmax=return_argmax,
     )
     stats.record("vocab", "schedule", plan.schedule)
+    stats.record("vocab", "schedule_reason", schedule_reason(schedule, plan.schedule, max(tokens), V, size))
     stats.record("vocab", "kernel", plan.ops.name)
     stats.record("vocab", "grad", "in-forward" if in_forward else "recompute")
     if in_forward:
@@ -154,7 +191,7 @@ def ring_linear_cross_entropy(
     return loss if pred is None else (loss, pred)
 
 
-def _check_arguments(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor, *, reduction: str,
+def _check_arguments(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor, *, schedule: str, reduction: str,
                      label_smoothing: float, block_size: int, accumulate: str, grad: str, chunk_tokens: int,
                      return_argmax: bool, grad_hint: float | torch.Tensor | None) -> None:
     """Raise ValueError, naming the argument and the fix, for anything ``ring_linear_cross_entropy`` refuses
@@ -179,6 +216,14 @@ def _check_arguments(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: t
         raise ValueError(f"accumulate={accumulate!r}: use 'fp32' or 'input'")
     if grad not in ("recompute", "in-forward"):
         raise ValueError(f"grad={grad!r}: use 'recompute' or 'in-forward'")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {', '.join(repr(s) for s in SCHEDULES)}")
+    if grad == "in-forward" and schedule in ("activations", "weights"):
+        raise ValueError(f"schedule={schedule!r} with grad='in-forward': the in-forward gradients run the 'gather' "
+                         f"schedule; pass schedule='gather' (or 'auto'), or grad='recompute' for the {schedule} ring")
+    if grad == "recompute" and schedule == "gather":
+        raise ValueError("schedule='gather' with grad='recompute': the gather schedule computes the gradients with "
+                         "the loss; pass grad='in-forward', or schedule='auto', 'activations' or 'weights'")
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens={chunk_tokens}: must be positive (or 0 for automatic)")
     if return_argmax and grad != "recompute":

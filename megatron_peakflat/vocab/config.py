@@ -15,10 +15,17 @@ class VocabConfig(ComponentConfig):
     MODE_FLAG: ClassVar[str] = "vocab"
 
     impl: Literal["megatron", "ring-dtp"] = "megatron"
-    """Output layer and loss. 'ring-dtp' computes the loss with a ring-sharded vocabulary projection
-    and an online log-sum-exp, so the [tokens, vocab] logits never exist."""
-    schedule: Literal["auto", "activations", "weights"] = "auto"
-    """What travels around the ring: activations when tokens <= vocab/P, weights otherwise ('auto')."""
+    """Output layer and loss. 'ring-dtp' computes the loss from the vocabulary-sharded projection a block
+    at a time with an online log-sum-exp (the schedule says how the shards meet the tokens), so the
+    [tokens, vocab] logits never exist."""
+    schedule: Literal["auto", "gather", "activations", "weights"] = "auto"
+    """How the P ranks holding the vocabulary shards (TP, or EP with shard_over_ep) meet every token.
+    'gather': the in-forward gradients' schedule, collectives and no ring: each chunk's hidden states and
+    labels are all-gathered, the log-sum-exp state all-gathered and dX reduce-scattered (6NHV).
+    'activations' / 'weights': a ring of point-to-point sends where the tokens or the weight shards
+    travel, gradients in backward by recomputing the logits (8NHV). 'auto': gather when the gradients
+    are computed with the loss (--peakflat-vocab-grad), else activations when tokens <= vocab/P, weights
+    otherwise. The first loss call logs the one taken and why."""
     block_size: int = 0
     """Vocabulary rows folded per block (0: automatic, one block of logits is about 128 MiB); the
     working set is one tokens x block_size block of logits."""
@@ -32,12 +39,14 @@ class VocabConfig(ComponentConfig):
     [chunk, V/TP] block of logits), for the gradient the loss will get, which Megatron's loss function
     fixes in advance (loss_mask over the token count and the microbatches); a wrong guess is added by
     recomputing, so the gradients stay exact. 'recompute': in backward, after recomputing the logits block
-    by block (8NHV; one [tokens, block_size] block). 'auto': in-forward when the output layer's weight
-    gradient goes into DDP's main_grad (Megatron's DDP gives it one, tied to the embedding or not), else
-    recompute."""
+    by block (8NHV; one [tokens, block_size] block). 'auto': in-forward with the gather schedule, or when
+    the output layer's weight gradient goes into DDP's main_grad (Megatron's DDP gives it one, tied to the
+    embedding or not) and the schedule is auto; else recompute (the activations and weights rings compute
+    the gradients in backward)."""
     chunk_tokens: int = 0
     """Tokens per chunk of the in-forward schedule, over the tensor-parallel group (0: automatic, at most
-    2 GiB of [chunk, V/TP] logits and 1/8 of the tokens)."""
+    hidden-size tokens, so one [chunk, V/TP] block of logits is no larger than the weight shard, 2 GiB of
+    them and 1/8 of the tokens)."""
     check_labels: bool = False
     """Check every step that labels lie in [0, vocab) or equal ignore_index (costs one host sync)."""
     shard_over_ep: bool = False
@@ -48,6 +57,18 @@ class VocabConfig(ComponentConfig):
     --no-load-optim)."""
 
     def validate(self) -> None:
+        if self.schedule in ("activations", "weights") and self.grad == "in-forward":
+            raise PeakflatConfigError(self.flag("schedule"), self.schedule,
+                                      f"gradients computed with the loss ({self.flag('grad')} in-forward) run the "
+                                      f"'gather' schedule (all-gathers and a reduce-scatter), not the {self.schedule} ring",
+                                      f"pass {self.flag('schedule')} gather (or auto) to keep them, or "
+                                      f"{self.flag('grad')} recompute to run the {self.schedule} ring")
+        if self.schedule == "gather" and self.grad == "recompute":
+            raise PeakflatConfigError(self.flag("schedule"), "gather",
+                                      f"the gather schedule computes the gradients with the loss, and "
+                                      f"{self.flag('grad')} recompute computes them in backward, on a ring",
+                                      f"pass {self.flag('grad')} in-forward (or auto), or {self.flag('schedule')} "
+                                      "auto, activations or weights")
         if self.chunk_tokens < 0 or 0 < self.chunk_tokens < 128:
             raise PeakflatConfigError(self.flag("chunk_tokens"), self.chunk_tokens,
                                       "a chunk size cannot be negative" if self.chunk_tokens < 0

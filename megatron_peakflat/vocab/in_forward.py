@@ -1,10 +1,10 @@
-"""Ring-DTP with its gradients computed in the forward pass (``grad='in-forward'``).
+"""Ring-DTP with its gradients computed in the forward pass (``grad='in-forward'``): the 'gather' schedule.
 
 The recompute schedules (``ring.py``) cost 8NHV: the forward folds every block of logits into an
 online log-sum-exp, and the backward recomputes each block before its two gradient matmuls. Megatron's
 vocab-parallel cross-entropy costs 6NHV because it keeps all [N, V/P] logits (and an fp32 softmax).
 This schedule costs 6NHV and keeps one chunk of them: the tokens go through in chunks, each chunk's
-logits against this rank's shard exist once, their log-sum-exp is completed across the ring (one
+logits against this rank's shard exist once, their log-sum-exp is completed across the ranks (one
 small all-gather of the per-rank (max, sum-exp, target, sum) state), and the same block is turned into
 its gradient at once: dX (a reduce-scatter of the chunk's partial dX to the tokens' owners) and dW
 (added into the weight's ``main_grad`` or an fp32 accumulator). The working set is one
@@ -21,6 +21,7 @@ the recompute is lost, and a warning says so.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -31,7 +32,7 @@ from .. import stats
 from ..main_grad import main_grad_of
 from ..matmul import accumulate_mm
 from ..memory.meter import region
-from .ring import RingPlan, backward_ring, coefficients, finish_loss, max_over_ring, new_state
+from .ring import RingPlan, auto_ring_schedule, backward_ring, coefficients, finish_loss, max_over_ring, new_state
 
 __all__ = ["InForwardLinearCrossEntropy", "forward_with_grads", "HINT_RTOL", "hint_matches", "chunk_rows"]
 
@@ -206,7 +207,9 @@ class InForwardLinearCrossEntropy(torch.autograd.Function):
                         "difference %.3g); the difference was added by recomputing the logits. If this repeats, "
                         "use --peakflat-vocab-grad recompute", float((g - ws).abs().max()), extra={"per_rank": True})
             sink = main_grad_of(weight) if dw is None else dw
-            dx_fix, _ = backward_ring(plan, hidden, weight, labels, coefficients(plan, lse, g - ws), sink)
+            ring = plan if plan.schedule != "gather" else dataclasses.replace(
+                plan, schedule=auto_ring_schedule(max(plan.tokens), plan.vocab_size, plan.size))
+            dx_fix, _ = backward_ring(ring, hidden, weight, labels, coefficients(plan, lse, g - ws), sink)
             dx = dx + dx_fix
         if dw is None:
             return dx, plan.handed_over(weight), None, None, None, None

@@ -30,7 +30,7 @@ from .. import stats
 from ..main_grad import main_grad_of, release
 from ..memory.meter import region
 
-__all__ = ["RingPlan", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss", "new_state",
+__all__ = ["RingPlan", "auto_ring_schedule", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss", "new_state",
            "comm_device", "max_over_ring"]
 
 _TAG_INPUT, _TAG_STATE = 0, 8
@@ -48,7 +48,8 @@ class RingPlan:
     shard_rows: tuple[int, ...]
     """Vocabulary rows of each rank's shard; shard r starts at sum(shard_rows[:r])."""
     schedule: str
-    """'activations' or 'weights' (resolved, identical on every rank)."""
+    """'activations' or 'weights' (the rings), 'gather' (the in-forward schedule, ``in_forward.py``) or 'single'
+    (one rank): resolved, identical on every rank."""
     block_size: int
     ignore_index: int
     label_smoothing: float
@@ -88,6 +89,11 @@ class RingPlan:
         """Global rank of the ring rank ``rank + offset``."""
         r = (self.rank + offset) % self.size
         return r if self.group is None else dist.get_global_rank(self.group, r)
+
+
+def auto_ring_schedule(max_tokens: int, vocab_size: int, ring_size: int) -> str:
+    """The ring that moves less: 'activations' when the tokens per rank are no more than V/P, else 'weights'."""
+    return "activations" if max_tokens * ring_size <= vocab_size else "weights"
 
 
 def comm_device(device: torch.device, group: object | None) -> torch.device:

@@ -22,12 +22,24 @@ def auto_block_size(tokens: int, element_size: int) -> int:
     return int(min(16384, max(256, rows // 256 * 256)))
 
 
-def auto_chunk_tokens(shard_rows: int, element_size: int, ring_size: int, total_tokens: int) -> int:
-    """Tokens per in-forward chunk (over the whole ring, ``total_tokens`` in all): the larger the chunk,
-    the fewer passes over dW (one read-modify-write of the shard's fp32 dW per chunk), so as large as
-    AUTO_CHUNK_BYTES of [chunk, shard_rows] logits and 1/AUTO_CHUNKS_AT_LEAST of all tokens allow; a
-    multiple of 128 tokens per rank, at least 128 per rank."""
-    tokens = min(AUTO_CHUNK_BYTES // max(1, int(shard_rows) * element_size),
+def auto_chunk_tokens(shard_rows: int, element_size: int, ring_size: int, total_tokens: int, hidden: int) -> int:
+    """Tokens per in-forward chunk (over the whole ring, ``total_tokens`` in all); the one rule that the API
+    (``chunk_tokens=0``) and the planner use.
+
+    The larger the chunk, the fewer passes over dW (one read-modify-write of the shard's fp32 dW per chunk),
+    so the chunk is as large as three caps allow:
+
+    - ``hidden`` tokens: one chunk's [chunk, shard_rows] logits are then no larger than the [shard_rows,
+      hidden] weight shard in the same dtype. A fused linear cross-entropy that returns dW (Liger's) holds
+      dX, that dW in the weight's dtype and its own chunk of logits; this schedule holds dX and one chunk,
+      with dW in DDP's main_grad. So its working set stays at or under such a peer's peak at every N,
+      where a cap in tokens alone grew with N (tests/test_vocab_in_forward.py checks it over the
+      benchmarked shapes against a model of Liger's chunking);
+    - AUTO_CHUNK_BYTES of logits;
+    - 1/AUTO_CHUNKS_AT_LEAST of all tokens.
+
+    A multiple of 128 tokens per rank, at least 128 per rank."""
+    tokens = min(int(hidden), AUTO_CHUNK_BYTES // max(1, int(shard_rows) * element_size),
                  -(-int(total_tokens) // AUTO_CHUNKS_AT_LEAST))
     per_rank = tokens // ring_size
     return int(max(128, per_rank // 128 * 128) * ring_size)
