@@ -1,9 +1,12 @@
 """Shared benchmark harness: peak memory and median time of one callable, and the results JSON.
 
 Peak is ``max_memory_allocated`` minus the memory allocated before the call, inputs already on the
-device (DESIGN.md, Benchmarks). Time is the median of ``reps`` runs after ``warmup`` runs, each
+device. Time is the median of ``reps`` runs after ``warmup`` runs, each
 bracketed by CUDA events. A method that runs out of memory is recorded with ``peak_gib=None`` and
 ``error='OOM'`` instead of ending the benchmark.
+
+Every row written records where it ran: its card, the host threads and the commit (``stamp``); a ratio
+between rows is taken only between rows of the same card (``ratio``).
 
 ``write(..., merge=True)`` adds rows to an existing results file (replacing rows of the same case and
 method), so a separate invocation (e.g. ``bench/sco.py --max-seq``) keeps the rows of the main run.
@@ -36,6 +39,57 @@ class Row:
     ms: float | None
     exact: bool | None
     extra: dict[str, Any] = field(default_factory=dict)
+    card: str | None = None
+    """Where the row ran: ``torch.cuda.get_device_name()``, or 'cpu' (``write`` fills in this process's)."""
+    threads: int | None = None
+    """Host threads (``torch.get_num_threads()``) of the process that measured it."""
+    commit: str | None = None
+    """``git rev-parse --short HEAD`` of the tree that measured it, or 'unknown'."""
+
+
+def where_ran() -> dict[str, Any]:
+    """This process's card (``torch.cuda.get_device_name()`` or 'cpu'), host threads and commit ('unknown'
+    outside a git checkout): the fields that ``write`` stamps on each row."""
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"card": card, "threads": torch.get_num_threads(), "commit": commit}
+
+
+def stamp(rows: list[Row], where: dict[str, Any] | None = None) -> list[Row]:
+    """``rows`` with this process's ``where_ran()`` fields filled in wherever a row has none (a row that
+    already says where it ran keeps it)."""
+    where = where or where_ran()
+    for r in rows:
+        for k, v in where.items():
+            if getattr(r, k) is None:
+                setattr(r, k, v)
+    return rows
+
+
+def card_of(row: Row | dict[str, Any]) -> str | None:
+    """The card a row records, or None for a row written before rows recorded one (its file's top-level
+    ``device`` names only the file's main run, so it is not taken for the row's)."""
+    return row.card if isinstance(row, Row) else row.get("card")
+
+
+def ratio(a: Row | dict[str, Any], b: Row | dict[str, Any], key: str = "ms") -> float:
+    """``a[key] / b[key]``, only between two rows that record the same card: a ratio across cards (or with a
+    row that records none) compares the machines, not the methods, so it raises ValueError naming both."""
+    ca, cb = card_of(a), card_of(b)
+    if ca is None or cb is None or ca != cb:
+        name = lambda r: f"{r.method if isinstance(r, Row) else r['method']}@{card_of(r) or 'no card recorded'}"  # noqa: E731
+        raise ValueError(f"no {key} ratio between rows of different cards: {name(a)} vs {name(b)}; "
+                         "compare rows measured on the same card")
+    va, vb = (getattr(r, key) if isinstance(r, Row) else r[key] for r in (a, b))
+    if va is None or vb is None or not vb:
+        raise ValueError(f"no {key} ratio: {va!r} / {vb!r}")
+    return va / vb
 
 
 def measure(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 5) -> tuple[float, float]:
@@ -230,11 +284,14 @@ def write(component: str, rows: list[Row], *, command: str | None = None, out: P
           merge: bool = False) -> Path:
     """Write ``bench/results/<component>.json`` (and a copy under $OUT when set).
 
-    ``merge``: when the file exists, keep its rows and top-level fields and put ``rows`` in: a row with
-    the case and method of an existing one replaces it in place, the others are appended; the command
-    line is added to ``merged_commands`` (the file's own ``command`` stays that of its main run)."""
+    Every row records where it ran (``card``, ``threads``, ``commit``: ``stamp``). ``merge``: when the file
+    exists, keep its rows, each with its own fields, and its top-level fields, and put ``rows`` in: a row
+    with the case and method of an existing one replaces it in place, the others are appended; the command
+    line is added to ``merged_commands`` (the file's own ``command``, ``device`` and ``torch`` stay those of
+    its main run: read a row's card from the row)."""
     command = command or _command_line()
     path = out or RESULTS / f"{component}.json"
+    stamp(rows)
     doc = {"component": component, **environment(), "command": command, "rows": [asdict(r) for r in rows]}
     if merge and path.exists():
         doc = merged(json.loads(path.read_text()), rows, command)

@@ -32,6 +32,37 @@ def _cell(row: dict | None) -> str:
     return f"{row['peak_gib']:.2f} GiB, {row['ms']:.0f} ms"
 
 
+def where(doc: dict) -> str:
+    """Where a results file's rows ran: the cards its rows record, with their counts; rows written before rows
+    recorded a card are counted apart, under the file's top-level ``device`` (its main run's card, which a
+    merged row need not share). A file whose rows record none gives its ``device`` alone, as before."""
+    cards: dict[str, int] = {}
+    for r in doc["rows"]:
+        cards[r.get("card") or ""] = cards.get(r.get("card") or "", 0) + 1
+    unknown = cards.pop("", 0)
+    if not cards:
+        return doc["device"]
+    out = "rows' cards: " + ", ".join(f"{c} ({n} rows)" for c, n in cards.items())
+    if unknown:
+        out += f"; {unknown} rows record none (the file's main run: {doc['device']})"
+    return out
+
+
+def ratio_note(doc: dict, case: str, a: str, b: str, key: str = "ms") -> str:
+    """'method a / method b = r' of one case, computed only when both rows record the same card
+    (bench/harness.py ``ratio``); otherwise the reason no ratio is given."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.harness import ratio
+
+    rows = {r["method"]: r for r in doc["rows"] if r["case"] == case}
+    if a not in rows or b not in rows:
+        return f"{a} / {b}: not both measured at {case}"
+    try:
+        return f"{a} / {b} = {ratio(rows[a], rows[b], key):.3f} ({key}, both on {rows[a]['card']})"
+    except ValueError as e:
+        return f"{a} / {b}: {e}"
+
+
 def table(name: str, methods: list[str], title: str) -> str:
     doc = _load(name)
     if doc is None:
@@ -41,7 +72,7 @@ def table(name: str, methods: list[str], title: str) -> str:
         by_case.setdefault(r["case"], {})[r["method"]] = r
     present = [m for m in methods if any(m in rows for rows in by_case.values())]
     cmds = "".join(f"; `{c}`" for c in doc.get("merged_commands", []))
-    out = [f"**{title}** ({doc['device']}, torch {doc['torch']}, megatron-core {doc['megatron_core']}; "
+    out = [f"**{title}** ({where(doc)}, torch {doc['torch']}, megatron-core {doc['megatron_core']}; "
            f"`{doc.get('command', '')}`{cmds})", "",
            "| case | " + " | ".join(present) + " |", "|---" * (len(present) + 1) + "|"]
     for case, rows in by_case.items():

@@ -419,3 +419,54 @@ def test_more_rounds_times_methods_in_turn_and_keeps_the_median(monkeypatch):
     assert rows[2].extra["ms_rounds"] == [40.0, 30.0, 20.0] and rows[2].ms == 30.0
     assert rows[1].ms is None and "ms_rounds" not in rows[1].extra
     assert h.more_rounds(rows, lambda row: None, 1, warmup=0, reps=1) is rows  # one round: nothing more
+
+
+def test_rows_record_where_they_ran_and_a_merge_keeps_each_rows_own(tmp_path, monkeypatch):
+    """Every written row records its card, host threads and commit; a merge of rows measured elsewhere keeps
+    both sets of rows' own fields (the file's top-level device stays its main run's), and a row written before
+    rows recorded a card is left without one."""
+    import json
+
+    from bench.harness import Row, where_ran, write
+    from bench.summarize import where
+
+    monkeypatch.delenv("OUT", raising=False)
+    here = where_ran()
+    assert here["card"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    assert here["threads"] == torch.get_num_threads() and here["commit"]
+    path = tmp_path / "vocab.json"
+    path.write_text(json.dumps({"component": "vocab", "device": "NVIDIA H200", "torch": "2.11", "megatron_core": "0.19",
+                                "command": "old run", "rows": [{"case": "N=1", "method": "cce", "peak_gib": 1.0,
+                                                                "ms": 3.0, "exact": True, "extra": {}}]}))
+    write("vocab", [Row("N=1", "liger-flce", 1.0, 2.0, True, card="NVIDIA H100 80GB HBM3", threads=16, commit="abc1234")],
+          command="h100 run", out=path, merge=True)
+    write("vocab", [Row("N=1", "peakflat", 1.0, 1.0, True)], command="here", out=path, merge=True)
+    doc = json.loads(path.read_text())
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert doc["device"] == "NVIDIA H200"  # the main run's, untouched
+    assert "card" not in rows["cce"]  # not invented
+    assert (rows["liger-flce"]["card"], rows["liger-flce"]["threads"], rows["liger-flce"]["commit"]) == (
+        "NVIDIA H100 80GB HBM3", 16, "abc1234")
+    assert (rows["peakflat"]["card"], rows["peakflat"]["threads"], rows["peakflat"]["commit"]) == (
+        here["card"], here["threads"], here["commit"])
+    assert where(doc) == (f"rows' cards: NVIDIA H100 80GB HBM3 (1 rows), {here['card']} (1 rows); 1 rows record none "
+                          "(the file's main run: NVIDIA H200)")
+
+
+def test_a_ratio_is_computed_only_between_rows_of_the_same_card():
+    from bench.harness import Row, ratio
+    from bench.summarize import ratio_note
+
+    h100 = Row("N=1", "peakflat", 1.0, 300.0, True, card="NVIDIA H100", threads=16, commit="a")
+    liger = Row("N=1", "liger-flce", 1.0, 400.0, True, card="NVIDIA H100", threads=16, commit="a")
+    h200 = Row("N=1", "liger-flce", 1.0, 350.0, True, card="NVIDIA H200", threads=16, commit="a")
+    assert ratio(h100, liger) == pytest.approx(0.75) and ratio(h100, liger, "peak_gib") == 1.0
+    with pytest.raises(ValueError, match="different cards: peakflat@NVIDIA H100 vs liger-flce@NVIDIA H200"):
+        ratio(h100, h200)
+    unknown = {"case": "N=1", "method": "cce", "peak_gib": 1.0, "ms": 1.0, "exact": True, "extra": {}}
+    with pytest.raises(ValueError, match="cce@no card recorded"):
+        ratio(h100, unknown)
+    doc = {"rows": [dict(vars(h100)), dict(vars(h200)), unknown]}
+    assert "different cards" in ratio_note(doc, "N=1", "peakflat", "liger-flce")
+    doc["rows"][1] = dict(vars(liger))
+    assert ratio_note(doc, "N=1", "peakflat", "liger-flce") == "peakflat / liger-flce = 0.750 (ms, both on NVIDIA H100)"
