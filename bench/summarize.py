@@ -71,9 +71,9 @@ def table(name: str, methods: list[str], title: str) -> str:
     for r in doc["rows"]:
         by_case.setdefault(r["case"], {})[r["method"]] = r
     present = [m for m in methods if any(m in rows for rows in by_case.values())]
-    cmds = "".join(f"; `{c}`" for c in doc.get("merged_commands", []))
+    # the commands, each with its machine and commit, are in the JSON and in bench/README.md's provenance table
     out = [f"**{title}** ({where(doc)}, torch {doc['torch']}, megatron-core {doc['megatron_core']}; "
-           f"`{doc.get('command', '')}`{cmds})", "",
+           "commands in bench/README.md)", "",
            "| case | " + " | ".join(present) + " |", "|---" * (len(present) + 1) + "|"]
     for case, rows in by_case.items():
         out.append(f"| `{case}` | " + " | ".join(_cell(rows.get(m)) for m in present) + " |")

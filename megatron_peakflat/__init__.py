@@ -3,6 +3,7 @@
 Public surface (nothing of Megatron is imported or patched on import):
 
 - ``add_args(parser)``: the ``--peakflat-*`` flags, usable as Megatron's ``extra_args_provider``;
+- ``chain_args(*providers)``: one ``extra_args_provider`` of several (``add_args`` beside modelopt's);
 - ``PeakflatConfig``: every knob, validated against Megatron's flags;
 - ``apply(config_or_args)`` / ``remove()``: patch Megatron-Core for the enabled components and undo it.
 """
@@ -12,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .config import PeakflatConfig, PeakflatConfigError, add_args
+from .config import PeakflatConfig, PeakflatConfigError, add_args, chain_args
 
-__all__ = ["PeakflatConfig", "PeakflatConfigError", "add_args", "apply", "remove", "__version__"]
+__all__ = ["PeakflatConfig", "PeakflatConfigError", "add_args", "chain_args", "apply", "remove", "__version__"]
 __version__ = "0.1.0"
 
 log = logging.getLogger("megatron_peakflat")

@@ -16,7 +16,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from .config_base import ComponentConfig, PeakflatConfigError, read_dash_values, shown_default
 from .dispatch.config import DispatchConfig
@@ -113,6 +113,28 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         comp.add_flags(parser.add_argument_group(titles[name]))
     read_dash_values(parser)
     return parser
+
+
+def chain_args(*providers: Callable[[argparse.ArgumentParser], Any] | None
+               ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """One ``extra_args_provider`` that runs each of ``providers`` on Megatron's parser in turn and returns it.
+
+    Megatron takes a single provider, and Megatron-LM's ``pretrain_gpt.py`` already passes one where modelopt is
+    installed (as in NGC containers): ``chain_args(megatron_peakflat.add_args, add_modelopt_args if
+    has_nvidia_modelopt else None)``. A None is skipped, so that conditional can stay as it is; a provider that
+    returns None (instead of the parser) is allowed."""
+    chain = [p for p in providers if p is not None]
+    for p in chain:
+        if not callable(p):
+            raise TypeError(f"chain_args: {p!r} is not an extra_args_provider (a function of the parser)")
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for p in chain:
+            out = p(parser)
+            parser = parser if out is None else out
+        return parser
+
+    return provider
 
 
 def _get(args: Any, name: str, default: Any = None) -> Any:
@@ -473,5 +495,17 @@ def flags_markdown() -> str:
     return "\n".join(rows)
 
 
+def flags_document() -> str:
+    """docs/flags.md: a short header and ``flags_markdown``'s table (``python -m megatron_peakflat.config >
+    docs/flags.md`` regenerates it)."""
+    return ("# Flags\n\n"
+            "Every `--peakflat-*` flag, generated from the config dataclasses in `megatron_peakflat/config.py` and\n"
+            "the components' own config files (regenerate with `python -m megatron_peakflat.config > docs/flags.md`).\n"
+            "Every component is off by default: a command line without these flags runs Megatron unchanged. A bad\n"
+            "value or a combination that cannot run fails at start-up, naming the flag, the value and the fix.\n"
+            "Sizes take units (`16GiB`, `512MiB`, `2e9`); counts take suffixes (`50M`, `2.5B`).\n\n"
+            + flags_markdown() + "\n")
+
+
 if __name__ == "__main__":
-    print(flags_markdown())
+    print(flags_document(), end="")

@@ -326,17 +326,17 @@ def test_deterministic_mode_pins_the_optimizer_engine():
     assert PeakflatConfig.from_args(ns).optimizer.engine == "auto"
 
 
-def test_readme_flag_table_is_the_generated_one():
-    """README's flag table is what ``python -m megatron_peakflat.config`` prints from the config dataclasses:
-    every row, word for word, so a default or help changed in code cannot leave the README behind."""
+def test_flags_doc_table_is_the_generated_one():
+    """docs/flags.md's table is what ``python -m megatron_peakflat.config`` prints from the config dataclasses:
+    every row, word for word, so a default or help changed in code cannot leave the docs behind."""
     from pathlib import Path
 
     from megatron_peakflat.config import flags_markdown
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "flags.md").read_text()
     rows = [line for line in flags_markdown().splitlines() if line.startswith("| `--")]
     assert len(rows) >= 30
-    missing = [row[:100] for row in rows if row not in readme.splitlines()]
+    missing = [row[:100] for row in rows if row not in doc.splitlines()]
     assert not missing, missing
 
 
@@ -471,17 +471,19 @@ def test_a_sub_flag_of_a_component_left_off_is_named_with_its_fix(caplog):
     assert not [r for r in caplog.records if "has no effect" in r.getMessage()]
 
 
-def test_readme_flags_table_is_the_one_the_flags_generate():
-    """The README's flags table is ``python -m megatron_peakflat.config``'s output: a flag, default or help
-    text changed in the dataclasses without regenerating the table fails here."""
+def test_flags_doc_is_the_one_the_flags_generate():
+    """docs/flags.md is ``python -m megatron_peakflat.config``'s output, whole: a flag, default or help text
+    changed in the dataclasses without regenerating the file fails here. The README links it."""
     from pathlib import Path
 
-    from megatron_peakflat.config import flags_markdown
+    from megatron_peakflat.config import flags_document
 
-    table = flags_markdown()
-    assert table.count("\n| `--peakflat-") >= 20
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert table in readme, "README.md's flags table is stale: regenerate it with `python -m megatron_peakflat.config`"
+    root = Path(__file__).resolve().parents[1]
+    doc = flags_document()
+    assert doc.count("\n| `--peakflat-") >= 20
+    assert (root / "docs" / "flags.md").read_text() == doc, \
+        "docs/flags.md is stale: regenerate it with `python -m megatron_peakflat.config > docs/flags.md`"
+    assert "docs/flags.md" in (root / "README.md").read_text()
 
 
 @pytest.mark.parametrize("argv, megatron, flag, problem, fix", [
