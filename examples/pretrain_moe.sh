@@ -4,7 +4,10 @@
 #   examples/pretrain_moe.sh            # PEAKFLAT=on (default): every peakflat component on
 #   PEAKFLAT=off examples/pretrain_moe.sh
 #   sbatch examples/pretrain_moe.sh     # under SLURM: one srun task per node, torchrun per node
-#   examples/pretrain_moe.sh --save /ckpt --save-interval 100   # extra flags go to Megatron
+#   sbatch --nodes 4 /abs/path/to/examples/pretrain_moe.sh   # from any directory
+#   CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:25.01-py3 sbatch examples/pretrain_moe.sh   # in an NGC container
+#   SAVE_DIR=/ckpt/run1 TB_DIR=/tb/run1 examples/pretrain_moe.sh   # checkpoints (resumed from), TensorBoard
+#   examples/pretrain_moe.sh --seq-length 8192 --lr 1e-4   # extra flags go to Megatron, last, so they win
 #
 # Environment (defaults in brackets): GPUS_PER_NODE [all visible], NUM_LAYERS [4], HIDDEN [1024],
 # HEADS [8], FFN [2816], MOE_FFN [704], EXPERTS [8], TOPK [2], EP [GPUS_PER_NODE*NNODES, capped at EXPERTS],
@@ -16,6 +19,16 @@
 # auto: 8192 x TOPK pairs, at least 32768], DATA_PATH,
 # TOKENIZER_MODEL, PYTHON [python3],
 # MEGATRON_ARGS [none: more Megatron flags, split on spaces, e.g. "--optimizer-cpu-offload --use-precision-aware-optimizer"].
+# Checkpoints and logs: SAVE_DIR [none: --save, with --save-interval SAVE_INTERVAL [1000]], LOAD_DIR [SAVE_DIR when
+# set: --load, so a resubmitted job resumes; Megatron starts fresh where it finds no checkpoint], TB_DIR [none:
+# --tensorboard-dir].
+# SLURM: one task per node runs torchrun for its node. The tasks run the submitted script, found from its absolute
+# path, `scontrol show job` or SLURM_SUBMIT_DIR, so sbatch works from any directory; PEAKFLAT_SCRIPT
+# [/abs/path/examples/pretrain_moe.sh] overrides. Container (pyxis/enroot): CONTAINER_IMAGE [none: an image for
+# srun --container-image, e.g. nvcr.io#nvidia/pytorch:25.01-py3 or a .sqsh file; the image needs megatron-core,
+# and peakflat is imported from this repository, mounted at its own path and put on PYTHONPATH], CONTAINER_MOUNTS
+# [none: more src:dst mounts, comma-separated; the repository, DATA_PATH's, SAVE_DIR's, LOAD_DIR's and TB_DIR's
+# directories are mounted already].
 #
 #SBATCH --job-name=peakflat-moe
 #SBATCH --nodes=1
@@ -23,6 +36,9 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --output=peakflat-moe-%j.out
+# Placeholders: set your job's time limit; to pick a partition, delete one '#' of the next-but-one line and name it.
+#SBATCH --time=01:00:00
+##SBATCH --partition=your-partition
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -95,8 +111,15 @@ TRAIN=(
   --log-interval 1 --eval-iters 0 --eval-interval 1000000
   --no-create-attention-mask-in-dataloader
 )
+# Checkpoints and TensorBoard: a resubmitted job with the same SAVE_DIR resumes from its last checkpoint.
+OUTPUTS=()
+LOAD_DIR=${LOAD_DIR:-${SAVE_DIR:-}}
+if [[ -n "${SAVE_DIR:-}" ]]; then OUTPUTS+=(--save "$SAVE_DIR" --save-interval "${SAVE_INTERVAL:-1000}"); fi
+if [[ -n "$LOAD_DIR" ]]; then OUTPUTS+=(--load "$LOAD_DIR"); fi
+if [[ -n "${TB_DIR:-}" ]]; then OUTPUTS+=(--tensorboard-dir "$TB_DIR"); fi
 if [[ -n "${DATA_PATH:-}" ]]; then
-  DATA=(--data-path "$DATA_PATH" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL with DATA_PATH}")
+  read -ra DATA_WORDS <<< "$DATA_PATH"  # one prefix, or Megatron's weighted blend "0.5 /a/text 0.5 /b/text"
+  DATA=(--data-path "${DATA_WORDS[@]}" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL with DATA_PATH}")
 else
   DATA=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB")
 fi
@@ -124,19 +147,55 @@ read -ra USER_ARGS <<< "${MEGATRON_ARGS:-}"
 LAUNCH=(
   "$PYTHON" -m torch.distributed.run --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-  -m megatron_peakflat.pretrain "${MODEL[@]}" "${PARALLEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${PF[@]}" "${USER_ARGS[@]}" "$@"
+  -m megatron_peakflat.pretrain "${MODEL[@]}" "${PARALLEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${OUTPUTS[@]}" "${PF[@]}"
+  "${USER_ARGS[@]}" "$@"
 )
 echo "peakflat=$PEAKFLAT nodes=$NNODES gpus/node=$GPUS_PER_NODE tp=$TP ep=$EP seq=$SEQ_LEN layers=$NUM_LAYERS experts=$EXPERTS"
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-if [[ -n "${SLURM_JOB_ID:-}" && -z "${PEAKFLAT_IN_SRUN:-}" && "$NNODES" -gt 1 ]]; then
-  # One task per node; each task runs torchrun with its own node rank. sbatch runs a spool copy of this script
-  # that only the batch node has, so the tasks run the submitted one (sbatch from the repository root, or set
-  # PEAKFLAT_SCRIPT).
-  SELF=${PEAKFLAT_SCRIPT:-$0}
-  if [[ -z "${PEAKFLAT_SCRIPT:-}" && -f "${SLURM_SUBMIT_DIR:-}/examples/pretrain_moe.sh" ]]; then
-    SELF=$SLURM_SUBMIT_DIR/examples/pretrain_moe.sh
+# This script's own path, for the per-node tasks (and the container) to run. Under sbatch $0 is Slurm's spool copy,
+# which only the batch node has: then the submitted script, from `scontrol show job` (its absolute path) or the
+# submit directory.
+find_self() {
+  if [[ -n "${PEAKFLAT_SCRIPT:-}" ]]; then echo "$PEAKFLAT_SCRIPT"; return; fi
+  local here
+  here=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+  if [[ "$here" == */examples/pretrain_moe.sh ]]; then echo "$here"; return; fi
+  if command -v scontrol >/dev/null 2>&1; then
+    local cmd
+    cmd=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p' | head -n 1)
+    if [[ -n "$cmd" && "$cmd" != /* ]]; then cmd=${SLURM_SUBMIT_DIR:-.}/$cmd; fi
+    if [[ -n "$cmd" && -f "$cmd" && "$cmd" == */pretrain_moe.sh ]]; then echo "$cmd"; return; fi
   fi
-  exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c \
-    "PEAKFLAT_IN_SRUN=1 NODE_RANK=\$SLURM_NODEID MASTER_ADDR=$MASTER_ADDR $(printf '%q ' "$SELF" "$@")"
+  if [[ -f "${SLURM_SUBMIT_DIR:-}/examples/pretrain_moe.sh" ]]; then echo "$SLURM_SUBMIT_DIR/examples/pretrain_moe.sh"; return; fi
+  echo "cannot find examples/pretrain_moe.sh for the per-node tasks (\$0 is $0, submitted from" \
+       "${SLURM_SUBMIT_DIR:-?}); set PEAKFLAT_SCRIPT=/absolute/path/to/examples/pretrain_moe.sh" >&2
+  exit 2
+}
+
+if [[ -n "${SLURM_JOB_ID:-}" && -z "${PEAKFLAT_IN_SRUN:-}" && ( "$NNODES" -gt 1 || -n "${CONTAINER_IMAGE:-}" ) ]]; then
+  # One task per node; each task runs torchrun with its own node rank, inside the container when one is named.
+  SELF=$(find_self) || exit 2
+  REPO=$(cd "$(dirname "$SELF")/.." && pwd)
+  SRUN=(srun --ntasks-per-node=1 --kill-on-bad-exit=1)
+  TASK_ENV="PEAKFLAT_IN_SRUN=1 NODE_RANK=\$SLURM_NODEID MASTER_ADDR=$MASTER_ADDR"
+  if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
+    # each directory once, at its own path: the repository, the data (DATA_PATH may list several weighted
+    # prefixes), the tokenizer when it is a file, the checkpoints and TensorBoard
+    DIRS=("$REPO")
+    for w in ${DATA_PATH:-}; do [[ "$w" == */* ]] && DIRS+=("$(dirname "$w")"); done
+    [[ -e "${TOKENIZER_MODEL:-}" ]] && DIRS+=("$(cd "$(dirname "$TOKENIZER_MODEL")" && pwd)")
+    for d in "${SAVE_DIR:-}" "${LOAD_DIR:-}" "${TB_DIR:-}"; do [[ -n "$d" ]] && DIRS+=("$d"); done
+    MOUNTS=""
+    for d in $(printf '%s\n' "${DIRS[@]}" | awk '!seen[$0]++'); do MOUNTS+=${MOUNTS:+,}$d:$d; done
+    if [[ -n "${CONTAINER_MOUNTS:-}" ]]; then MOUNTS+=,$CONTAINER_MOUNTS; fi
+    SRUN+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$MOUNTS" --container-workdir="$REPO")
+    TASK_ENV+=" PYTHONPATH=$REPO\${PYTHONPATH:+:\$PYTHONPATH}"
+  fi
+  exec "${SRUN[@]}" bash -c "$TASK_ENV $(printf '%q ' "$SELF" "$@")"
+fi
+if [[ -n "${CONTAINER_IMAGE:-}" && -z "${PEAKFLAT_IN_SRUN:-}" ]]; then
+  echo "CONTAINER_IMAGE=$CONTAINER_IMAGE needs SLURM with pyxis: run this script under sbatch (or salloc)," \
+       "or start the container yourself and leave CONTAINER_IMAGE unset" >&2
+  exit 2
 fi
 exec "${LAUNCH[@]}"

@@ -123,3 +123,108 @@ def test_multi_node_sbatch_starts_one_task_per_node_on_the_submitted_script(tmp_
     argv = shlex.split(inner.stdout.splitlines()[-1])
     assert value(argv, "--nnodes") == "2" and value(argv, "--node-rank") == "1"
     assert int(value(argv, "--global-batch-size")) >= 16
+
+
+def _slurm_env(tmp_path, **env: str) -> dict[str, str]:
+    """A batch job's environment with ``srun`` (and ``scontrol`` where asked) faked in PATH: srun prints its
+    arguments instead of starting tasks."""
+    fake = tmp_path / "srun"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%q " "$@"; echo\n')
+    fake.chmod(0o755)
+    out = {k: v for k, v in os.environ.items() if not k.startswith(("PEAKFLAT", "SLURM", "MEGATRON_ARGS"))}
+    out.update(PATH=f"{tmp_path}:{out['PATH']}", GPUS_PER_NODE="8", PYTHON="echo", SLURM_JOB_ID="7")
+    out.update(env)
+    return out
+
+
+def _fake_scontrol(tmp_path, command_path: str) -> None:
+    """``scontrol show job`` answering as Slurm does for a job submitted as ``sbatch <command_path>``."""
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/usr/bin/env bash\nif [[ "$1 $2" == "show job" ]]; then\n'
+                    f'  echo "JobId=$3 JobName=peakflat-moe"\n  echo "   Command={command_path} --seed 5"\n'
+                    f'  echo "   WorkDir={tmp_path}"\nfi\n')
+    fake.chmod(0o755)
+
+
+def test_the_sbatch_header_has_time_and_partition_placeholders():
+    header = [line for line in open(SCRIPT) if line.startswith("#SBATCH") or line.startswith("##SBATCH")]
+    assert any(line.startswith("#SBATCH --time=") for line in header), header
+    assert any(line.startswith("##SBATCH --partition=") for line in header), header  # off until a partition is named
+
+
+def test_save_load_and_tensorboard_slots():
+    """SAVE_DIR gives --save with an interval and, as LOAD_DIR's default, --load (a resubmitted job resumes);
+    LOAD_DIR alone loads from elsewhere; TB_DIR gives --tensorboard-dir. Without them none of these is passed, and
+    the user's flags still come last."""
+    argv = command(PEAKFLAT="off", SAVE_DIR="/ckpt/run1", TB_DIR="/tb/run1", ARGV="--save-interval 50")
+    assert value(argv, "--save") == "/ckpt/run1" and value(argv, "--load") == "/ckpt/run1"
+    assert value(argv, "--tensorboard-dir") == "/tb/run1"
+    assert argv[-2:] == ["--save-interval", "50"] and argv.index("--save-interval") < len(argv) - 2
+    argv = command(PEAKFLAT="on", LOAD_DIR="/ckpt/pretrained", SAVE_DIR="/ckpt/run2", SAVE_INTERVAL="200")
+    assert value(argv, "--load") == "/ckpt/pretrained" and value(argv, "--save") == "/ckpt/run2"
+    assert value(argv, "--save-interval") == "200"
+    argv = command(PEAKFLAT="on")
+    assert not {"--save", "--load", "--tensorboard-dir"} & set(argv)
+
+
+def test_container_runs_the_tasks_in_the_image_with_the_paths_mounted(tmp_path):
+    """CONTAINER_IMAGE under sbatch, even on one node: srun starts the task in the image (pyxis), the repository,
+    each data prefix's directory, the checkpoint and TensorBoard directories mounted once each at their own paths,
+    the repository as working directory and on PYTHONPATH; inside, the task runs torchrun with those flags."""
+    image = "nvcr.io#nvidia/pytorch:25.01-py3"
+    env = _slurm_env(tmp_path, SLURM_NNODES="1", SLURM_SUBMIT_DIR=ROOT, CONTAINER_IMAGE=image,
+                     CONTAINER_MOUNTS="/scratch:/scratch", SAVE_DIR="/ckpt/run1", TB_DIR="/tb/run1",
+                     DATA_PATH="0.5 /data/a/text_document 0.5 /data/b/text_document", TOKENIZER_MODEL="gpt2")
+    out = subprocess.run(["bash", SCRIPT, "--seed", "5"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    srun = shlex.split(out.stdout.splitlines()[-1])
+    assert f"--container-image={image}" in srun, srun
+    mounts = next(a for a in srun if a.startswith("--container-mounts=")).split("=", 1)[1].split(",")
+    assert mounts == [f"{ROOT}:{ROOT}", "/data/a:/data/a", "/data/b:/data/b", "/ckpt/run1:/ckpt/run1",
+                      "/tb/run1:/tb/run1", "/scratch:/scratch"], mounts
+    assert f"--container-workdir={ROOT}" in srun
+    task = srun[-1]
+    assert f"PYTHONPATH={ROOT}" in task and f"{SCRIPT} --seed 5" in task, task
+    env.update(PEAKFLAT_IN_SRUN="1", SLURM_NODEID="0")
+    inner = subprocess.run(["bash", SCRIPT, "--seed", "5"], env=env, capture_output=True, text=True, timeout=60)
+    assert inner.returncode == 0, inner.stderr
+    argv = shlex.split(inner.stdout.splitlines()[-1])
+    assert argv[:2] == ["-m", "torch.distributed.run"] and value(argv, "--save") == "/ckpt/run1"
+    i = argv.index("--data-path")  # a weighted blend reaches Megatron as its words
+    assert argv[i + 1:i + 5] == ["0.5", "/data/a/text_document", "0.5", "/data/b/text_document"], argv
+
+
+def test_a_container_outside_slurm_is_refused_with_the_fix():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PEAKFLAT", "SLURM", "MEGATRON_ARGS"))}
+    env.update(GPUS_PER_NODE="1", PYTHON="echo", CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:25.01-py3")
+    out = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "needs SLURM with pyxis" in out.stderr and "CONTAINER_IMAGE unset" in out.stderr
+
+
+def test_multi_node_from_any_submit_directory(tmp_path):
+    """sbatch from a directory outside the repository: Slurm runs its spool copy, and the tasks run the submitted
+    script, found by ``scontrol show job``; started by its absolute path (salloc), by that path; with neither,
+    the job stops at once naming PEAKFLAT_SCRIPT, which then works."""
+    spool = tmp_path / "slurm_script"
+    spool.write_text(open(SCRIPT).read())
+    elsewhere = tmp_path / "jobs"
+    elsewhere.mkdir()
+    env = _slurm_env(tmp_path, SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(elsewhere))
+
+    def task(script: str, **more: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", script, "--seed", "5"], env={**env, **more}, cwd=elsewhere,
+                              capture_output=True, text=True, timeout=60)
+
+    out = task(str(spool))  # no scontrol, nothing under the submit directory
+    assert out.returncode == 2 and "PEAKFLAT_SCRIPT=" in out.stderr, out.stderr
+    out = task(str(spool), PEAKFLAT_SCRIPT=SCRIPT)
+    assert out.returncode == 0 and f"{SCRIPT} --seed 5" in shlex.split(out.stdout.splitlines()[-1])[-1]
+    _fake_scontrol(tmp_path, SCRIPT)
+    out = task(str(spool))
+    assert out.returncode == 0, out.stderr
+    assert f"{SCRIPT} --seed 5" in shlex.split(out.stdout.splitlines()[-1])[-1]
+    (tmp_path / "scontrol").unlink()
+    out = task(SCRIPT)  # an absolute path, from another directory
+    assert out.returncode == 0, out.stderr
+    srun = shlex.split(out.stdout.splitlines()[-1])
+    assert srun[-1].startswith("PEAKFLAT_IN_SRUN=1 NODE_RANK=$SLURM_NODEID ") and f"{SCRIPT} --seed 5" in srun[-1]
