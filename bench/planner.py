@@ -5,7 +5,7 @@
     python bench/planner.py --terms dispatch,optimizer    # a subset
 
 Each row measures one term of the memory model (``max_memory_allocated`` minus the memory allocated
-before, DESIGN.md; with ``--dry-run``, the peak of LiveBytesMeter on CPU) and records the planner's
+before, inputs already on the device; with ``--dry-run``, the peak of LiveBytesMeter on CPU) and records the planner's
 prediction for the same shape in ``extra.predicted_gib`` with ``extra.error_pct``. Predictions come
 from ``megatron_peakflat.memory.model`` itself (``plan`` or the term's function), never from a formula
 typed here. Terms (``--terms``):

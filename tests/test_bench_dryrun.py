@@ -181,3 +181,35 @@ def test_memory_peak_replays_a_snapshot_to_its_highest_point():
     assert [line.split()[:3] for line in listed] == [["0", "alloc", "0.000"], ["1", "free_requested", "0.000"],
                                                      ["3", "free_completed", "0.000"]]
     assert listed[0].endswith("megatron/core/a.py:1")
+
+
+def test_optimizer_benchmark_dry_run_on_cpu(tmp_path):
+    """bench/optimizer.py --dry-run on CPU: tiny shapes through every step that runs without CUDA, rows written with
+    where they ran; each time the median of 5 repetitions per round, min and max kept, 3 rounds in turn; the host
+    kernel's rate measured the same way; the CUDA-only peers and the copy bandwidths skipped with their reason
+    (so no roofline); fewer than 5 repetitions refused."""
+    import json
+    import subprocess
+
+    out = tmp_path / "optimizer.json"
+    env = child_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "bench.optimizer", "--dry-run", "--out", str(out)], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"peakflat", "peakflat-gpu", "peakflat-cpu", "gpu-fused-adamw", "megatron-hybrid-optimizer",
+                         "megatron-hybrid-optimizer-nooverlap"}
+    for name, r in rows.items():
+        assert (r["card"], r["threads"]) == ("cpu", 1) and r["commit"], r
+        if name.startswith("megatron-hybrid"):
+            assert r["ms"] is None and "CUDA" in r["extra"]["skipped"], r
+            continue
+        e = r["extra"]
+        assert r["exact"] is True and e["reps"] == 5 and e["rounds"] == 3 and len(e["ms_rounds"]) == 3, r
+        assert e["ms_min"] <= r["ms"] <= e["ms_max"], r
+        assert e["host_kernel_gparam_s_min"] <= e["host_kernel_gparam_s"] <= e["host_kernel_gparam_s_max"], r
+        assert e["host_kernel_gparam_s_reps"] == 5 and "CUDA" in e["bandwidth_skipped"], r
+        assert "roofline_ms" not in e and "duplex_bound_ms" not in e, r
+    bad = subprocess.run([sys.executable, "-m", "bench.optimizer", "--dry-run", "--reps", "3", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert bad.returncode != 0 and "at least 5 repetitions" in bad.stderr, bad.stderr[-2000:]
