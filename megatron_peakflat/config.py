@@ -215,7 +215,7 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
                                       "boundary for SCO to offload (SCO would hand every captured layer back to "
                                       "Megatron's recompute)", f"drop {graphs.split()[0]}, or drop {flag}")
         _check_sco_budget(cfg, args)
-    if cfg.general.attention == "sdpa":
+    if cfg.general.attention == "sdpa" or _auto_sdpa_under_cp(cfg, args):
         _check_sdpa_attention(cfg, args)
     if cfg.optimizer.impl != "megatron":
         flag = cfg.optimizer.flag("impl")
@@ -424,9 +424,21 @@ def _check_sco_budget(cfg: PeakflatConfig, args: Any) -> None:
                                   + cfg.sco.flag("enabled"))
 
 
+def _auto_sdpa_under_cp(cfg: PeakflatConfig, args: Any) -> bool:
+    """``--peakflat-attention auto`` picks SDPA (no Transformer Engine) for a local-spec run with context
+    parallelism, where nothing can be handed back to Megatron's DotProductAttention: it is checked as 'sdpa' is."""
+    import importlib.util
+
+    return (cfg.general.attention == "auto" and (_get(args, "context_parallel_size", 1) or 1) > 1
+            and _get(args, "transformer_impl") == "local" and importlib.util.find_spec("transformer_engine") is None)
+
+
 def _check_sdpa_attention(cfg: PeakflatConfig, args: Any) -> None:
-    """What the SDPA core attention hands back to Megatron's DotProductAttention, refused when it was asked for."""
+    """What the SDPA core attention hands back to Megatron's DotProductAttention, refused when it was asked for;
+    with context parallelism, what it does not run (DotProductAttention runs no CP to hand back to)."""
     flag = cfg.general.flag("attention")
+    value = cfg.general.attention
+    _check_sdpa_context_parallel(flag, value, args)
     if _get(args, "transformer_impl") == "transformer_engine":
         raise PeakflatConfigError(flag, "sdpa", "it replaces the core attention of Megatron's local layer spec, and "
                                   "--transformer-impl transformer_engine builds Transformer Engine's layers, whose "
@@ -440,6 +452,44 @@ def _check_sdpa_attention(cfg: PeakflatConfig, args: Any) -> None:
     if softmax != "vanilla":
         raise PeakflatConfigError(flag, "sdpa", f"it computes the vanilla softmax only, not --softmax-type {softmax}",
                                   f"drop --softmax-type, or pass {flag} local")
+
+
+_PACKED_UNDER_CP = (("sft", "--sft"), ("dataloader_inter_document_masking", "--dataloader-inter-document-masking"),
+                    ("hybrid_context_parallel", "--hybrid-context-parallel"))
+"""Megatron flags whose batches carry packed sequences (cu_seqlens) or per-sample CP groups."""
+
+
+def _check_sdpa_context_parallel(flag: str, value: str, args: Any) -> None:
+    """SDPA with --context-parallel-size > 1 (K/V all-gathered over the CP group): only whole, causal sequences
+    split into 2 x CP equal chunks, the vanilla softmax and no sliding window; DotProductAttention, to which
+    other cases are handed back at CP 1, refuses CP."""
+    cp = _get(args, "context_parallel_size", 1) or 1
+    if cp <= 1:
+        return
+    te = "use Transformer Engine's attention (--transformer-impl transformer_engine)"
+    seq = _get(args, "seq_length")
+    if seq and seq % (2 * cp):
+        raise PeakflatConfigError(flag, value, f"with --context-parallel-size {cp} each rank holds 2 of 2 x {cp} = "
+                                  f"{2 * cp} equal chunks of the sequence, and --seq-length {seq} does not split "
+                                  "into them", f"pass a --seq-length that is a multiple of {2 * cp} (e.g. "
+                                  f"{-(-seq // (2 * cp)) * 2 * cp}), or another --context-parallel-size")
+    if _get(args, "window_size"):
+        raise PeakflatConfigError(flag, value, f"with --context-parallel-size {cp} it does not cover sliding-window "
+                                  f"attention (--window-size {_get(args, 'window_size')})",
+                                  f"drop --window-size, or {te}")
+    softmax = _get(args, "softmax_type", "vanilla") or "vanilla"
+    if softmax != "vanilla":
+        raise PeakflatConfigError(flag, value, f"with --context-parallel-size {cp} it computes the vanilla softmax "
+                                  f"only, not --softmax-type {softmax}", f"drop --softmax-type, or {te}")
+    if _get(args, "multi_latent_attention"):
+        raise PeakflatConfigError(flag, value, f"with --context-parallel-size {cp} it gathers K and V of one shape, "
+                                  "and multi-latent attention's keys and values differ in head size",
+                                  f"drop --multi-latent-attention, or {te}")
+    for dest, name in _PACKED_UNDER_CP:
+        if _get(args, dest):
+            raise PeakflatConfigError(flag, value, f"with --context-parallel-size {cp} it attends whole sequences "
+                                      f"split in Megatron's load-balanced layout, not the packed sequences of {name}",
+                                      f"drop {name}, or {te}")
 
 
 def _check_vocab_shard_over_ep(cfg: PeakflatConfig, args: Any) -> None:

@@ -1,4 +1,5 @@
-"""SDPAttention equals Megatron's DotProductAttention (outputs and input gradients), causal and padded."""
+"""SDPAttention equals Megatron's DotProductAttention (outputs and input gradients), causal and padded, and with
+context parallelism against DotProductAttention on the whole sequence."""
 
 import pytest
 import torch
@@ -95,3 +96,52 @@ def test_sdpa_hands_a_softmax_it_does_not_reproduce_back_to_megatron():
     before, after, equal, off_by_one_effect = res
     assert not before and after and equal
     assert off_by_one_effect > 1e-4  # the off-by-one softmax differs from vanilla, so the equality says something
+
+
+def _compare_cp(rank, world_size):
+    """SDPAttention at CP = world (this rank's chunks r and 2CP-1-r) against DotProductAttention on the whole
+    sequence at CP = 1: causal (no mask) and with the dataloader's explicit causal mask, MHA and GQA."""
+    import copy
+
+    from megatron_peakflat.attention.context_parallel import split_sequence
+    from megatron_peakflat.testing.megatron_cpu import init_megatron_parallel, tiny_transformer_config
+
+    init_megatron_parallel(context_parallel_size=world_size)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_peakflat.integration.attention import sdpa_core_attention_class
+
+    SDPAttention = sdpa_core_attention_class()
+    s, b, hn, worst = 4 * world_size * 3, 2, 16, 0.0
+    for groups, explicit in [(8, False), (2, False), (2, True)]:
+        cfg = tiny_transformer_config(num_attention_heads=8, num_query_groups=groups, kv_channels=hn,
+                                      hidden_size=64, num_moe_experts=None, context_parallel_size=world_size)
+        one = copy.copy(cfg)
+        one.context_parallel_size = 1
+        ref = DotProductAttention(one, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        ours = SDPAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        assert ours.cp_group is not None and ours.config.context_parallel_size == world_size
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(s, b, 8, hn, generator=g)
+        k, v = (torch.randn(s, b, groups, hn, generator=g) for _ in range(2))
+        dout = torch.randn(s, b, 8 * hn, generator=g)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1).view(1, 1, s, s).expand(b, 1, s, s)
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        out_ref = ref(*whole, mask if explicit else None, attn_mask_type=AttnMaskType.causal)
+        out_ref.backward(dout)
+        mine = [split_sequence(t, world_size, rank).requires_grad_() for t in (q, k, v)]
+        my_mask = split_sequence(mask, world_size, rank, dim=2) if explicit else None
+        out = ours(*mine, my_mask, attn_mask_type=AttnMaskType.causal)
+        out.backward(split_sequence(dout, world_size, rank))
+        for got, want in zip([out.detach(), *(t.grad for t in mine)], [out_ref.detach(), *(t.grad for t in whole)]):
+            want = split_sequence(want, world_size, rank)
+            assert got.shape == want.shape
+            worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_sdpa_with_context_parallelism_matches_dot_product_attention_on_the_whole_sequence(cp):
+    res = run_distributed(_compare_cp, cp)
+    assert len(res) == cp and max(res) <= 1e-5, res

@@ -2,7 +2,8 @@
 
 Every rank builds the same whole q, k, v and output gradient, runs the full-sequence reference, and then its own
 share (Megatron's layout: chunks r and 2CP-1-r) through the CP attention; its share of the reference's output
-and gradients must match within 1e-5 (fp32). CP = 1, 2, 3, 4 (2 x CP chunks each), MHA and GQA, odd sizes.
+and gradients must match within 1e-5 (fp32). CP = 1, 2, 3, 4 (2 x CP chunks each), MHA and GQA, odd sizes, and
+an explicit document mask (additive) in place of the causal one.
 """
 
 from __future__ import annotations
@@ -23,26 +24,40 @@ CASES = [  # (chunk tokens c, micro-batch, query heads, key/value heads, head di
 ]
 
 
-def _reference(q, k, v, scale):
+def _reference(q, k, v, scale, bias=None):
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     kb = kb.repeat_interleave(qb.shape[1] // kb.shape[1], dim=1)
     vb = vb.repeat_interleave(qb.shape[1] // vb.shape[1], dim=1)
-    return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale).permute(2, 0, 1, 3)
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, is_causal=bias is None,
+                                          scale=scale).permute(2, 0, 1, 3)
+
+
+def _document_bias(s: int, b: int) -> torch.Tensor:
+    """Additive [b, 1, s, s] mask: causal within documents (a boundary at a different place per sample), -10000
+    elsewhere, as Megatron fills a --reset-attention-mask batch's mask."""
+    pos = torch.arange(s)
+    masked = []
+    for i in range(b):
+        doc = (pos >= (s // 3 + i)).long()
+        masked.append((pos.view(1, s) > pos.view(s, 1)) | (doc.view(1, s) != doc.view(s, 1)))
+    return torch.zeros(b, 1, s, s).masked_fill_(torch.stack(masked).unsqueeze(1), -10000.0)
 
 
 def _rank(rank: int, world: int):
     group = dist.new_group(list(range(world)))
     errors = []
-    for c, b, h, g, d, scale in CASES:
+    for (c, b, h, g, d, scale), masked in [(case, False) for case in CASES] + [(CASES[1], True)]:
         s = 2 * world * c
         gen = torch.Generator().manual_seed(11 + c)
         q, k, v = (torch.randn(s, b, n, d, generator=gen, dtype=torch.float32) for n in (h, g, g))
         dout = torch.randn(s, b, h, d, generator=gen)
+        bias = _document_bias(s, b) if masked else None
         ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = _reference(*ref_in, scale)
+        ref = _reference(*ref_in, scale, bias)
         ref.backward(dout)
         mine = [split_sequence(t, world, rank).requires_grad_() for t in (q, k, v)]
-        out = context_parallel_attention(*mine, group, scale=scale)
+        my_bias = None if bias is None else split_sequence(bias, world, rank, dim=2)  # this rank's query rows
+        out = context_parallel_attention(*mine, group, scale=scale, attn_bias=my_bias)
         out.backward(split_sequence(dout, world, rank))
         want = [ref.detach(), *(t.grad for t in ref_in)]
         got = [out.detach(), *(t.grad for t in mine)]
@@ -56,8 +71,8 @@ def test_cp_attention_equals_full_sequence_sdpa(cp):
     results = run_distributed(_rank, cp, timeout=240)
     assert len(results) == cp
     for rank, errors in enumerate(results):
-        assert len(errors) == len(CASES)
-        for case, errs in zip(CASES, errors):
+        assert len(errors) == len(CASES) + 1
+        for case, errs in zip([*CASES, "document mask"], errors):
             assert max(errs) <= 1e-5, (rank, case, dict(zip(("out", "dq", "dk", "dv"), errs)))
 
 
@@ -100,3 +115,37 @@ def _gather_rank(rank: int, world: int):
 
 def test_gather_forward_is_the_whole_sequence_and_backward_sums_the_shares():
     assert run_distributed(_gather_rank, 3) == [(True, True)] * 3
+
+
+@pytest.mark.parametrize("megatron, words", [
+    (dict(seq_length=4100), "--seq-length 4100 does not split"),
+    (dict(window_size=(64, 0)), "sliding-window"),
+    (dict(softmax_type="learnable"), "--softmax-type learnable"),
+    (dict(sft=True), "packed sequences of --sft"),
+    (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
+    (dict(multi_latent_attention=True), "multi-latent attention"),
+])
+@pytest.mark.parametrize("mode", ["sdpa", "auto"])
+def test_start_up_refuses_what_cp_attention_does_not_run(megatron, words, mode):
+    """With --context-parallel-size 4 on the local spec, 'sdpa' (and 'auto', which picks it without Transformer
+    Engine) refuses at start-up what it cannot run, naming the flag and the fix; CP 1 lets the same flags through
+    to the hand-back to Megatron (or to the refusals that apply there)."""
+    from megatron_peakflat import PeakflatConfig, PeakflatConfigError
+    from megatron_peakflat.integration.attention import transformer_engine_available
+    from tests.test_config import parse_with_megatron
+
+    if mode == "auto" and transformer_engine_available():
+        pytest.skip("Transformer Engine is installed: 'auto' leaves its attention in place")
+    base = dict(seq_length=4096, transformer_impl="local", context_parallel_size=4)
+    with pytest.raises(PeakflatConfigError) as e:
+        PeakflatConfig.from_args(parse_with_megatron("--peakflat-attention", mode, **{**base, **megatron}))
+    assert e.value.flag == "--peakflat-attention" and e.value.value == mode
+    assert words in e.value.problem and "--context-parallel-size 4" in e.value.problem, e.value.problem
+    assert e.value.fix
+    if "seq_length" in megatron:
+        assert "multiple of 8 (e.g. 4104)" in e.value.fix
+    assert PeakflatConfig.from_args(parse_with_megatron("--peakflat-attention", mode, **base)).general.attention == mode
+    if mode == "auto" or "seq_length" in megatron or "sft" in megatron or "hybrid_context_parallel" in megatron:
+        one = PeakflatConfig.from_args(parse_with_megatron("--peakflat-attention", mode,
+                                                           **{**base, **megatron, "context_parallel_size": 1}))
+        assert one.general.attention == mode

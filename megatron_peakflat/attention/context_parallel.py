@@ -11,10 +11,13 @@ Per layer (the semantics of Transformer Engine's ``all_gather`` CP communication
 - each of the rank's two query chunks attends to the gathered K/V up to the end of its own chunk, with the
   causal mask aligned to that end (``causal_lower_right``: query i of chunk j sees keys up to j c + i), which
   torch runs on flash / memory-efficient kernels where they apply, so no [c, s] mask or scores are built;
-- in backward the gradients of the gathered K and V are reduce-scattered back to their owners.
+- in backward the gradients of the gathered K and V are reduce-scattered back to their owners: summed over the
+  rank's two query chunks and reduced onto the owner one sequence chunk at a time.
 
 Memory: the gathered K and V, [s, b, kv_heads, head_dim] each, are held per layer from forward to backward
-(SDPA saves them), and backward builds their gradients at the same size before the reduce-scatter.
+(SDPA saves them). Backward holds the dK and dV that SDPA returns for the two query chunks, s + c tokens' worth
+(c = s / 2CP), and one chunk's [c, 2, b, kv_heads, head_dim] at a time for the reduce; with an explicit mask each
+query chunk sees every key, so 2s tokens' worth.
 
 Plain torch and torch.distributed; no Megatron import.
 """
@@ -98,6 +101,41 @@ class _GatherSequence(torch.autograd.Function):
         return _reduce_scatter(shares, group), None
 
 
+class _GatherKeyValueChunks(torch.autograd.Function):
+    """Forward: every CP rank's K and V ([2c, 2, b, g, d], K and V stacked) all-gathered into the whole sequence,
+    returned as the keys and values each of this rank's query chunks attends to: K[:end], V[:end] for each end in
+    ``ends`` (views of one gathered buffer). Backward: each sequence chunk's gradient, summed over this rank's
+    query chunks, is reduced onto the rank that owns it, chunk by chunk, so that nothing larger than the gradients
+    SDPA returned is built (no whole-sequence gradient buffer, no rank-major copy for a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, group: dist.ProcessGroup, ends: tuple[int, ...]  # type: ignore[override]
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.ends, ctx.c = group, ends, kv.shape[0] // 2
+        ctx.shape, ctx.dtype, ctx.device = kv.shape[2:], kv.dtype, kv.device
+        full = _GatherSequence.forward(ctx, kv, group)
+        return tuple(t for end in ends for t in (full[:end, 0], full[:end, 1]))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        group, ends, c = ctx.group, ctx.ends, ctx.c
+        cp, me = dist.get_world_size(group), dist.get_rank(group)
+        pairs = list(zip(ends, grads[0::2], grads[1::2]))
+        mine = torch.empty((2 * c, 2, *ctx.shape), dtype=ctx.dtype, device=ctx.device)
+        for m in range(2 * cp):  # sequence chunk m belongs to rank m (first half) or 2CP-1-m (second half)
+            owner, half = (m, 0) if m < cp else (2 * cp - 1 - m, 1)
+            piece = torch.zeros((c, 2, *ctx.shape), dtype=ctx.dtype, device=ctx.device)
+            for end, gk, gv in pairs:
+                if end >= (m + 1) * c:  # this query chunk saw sequence chunk m
+                    for slot, g in enumerate((gk, gv)):
+                        if g is not None:
+                            piece[:, slot] += g[m * c:(m + 1) * c]
+            dist.reduce(piece, dst=dist.get_global_rank(group, owner), group=group)
+            if owner == me:
+                mine[half * c:(half + 1) * c] = piece
+        return mine, None, None
+
+
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The whole sequence from every CP rank's share ``x`` [2c, ...] (all-gather forward, reduce-scatter
     backward); ``x`` itself in a group of one."""
@@ -106,13 +144,18 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return _GatherSequence.apply(x, group)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float) -> torch.Tensor:
-    """Causal SDPA of queries [L, b, h, d] on keys/values [S, b, g, d] (S >= L), the mask aligned to the last key:
-    query i sees keys up to S - L + i. Returns [L, b, h, d]."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of queries [L, b, h, d] on keys/values [S, b, g, d] (S >= L), returning [L, b, h, d]: with ``bias``
+    (additive, [b, 1 or h, L, S]) that mask alone; else causal, the mask aligned to the last key (query i sees
+    keys up to S - L + i)."""
     L, S = q.shape[0], k.shape[0]
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     gqa = qb.shape[1] != kb.shape[1]
-    if L == S:
+    if bias is not None:
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, dropout_p=dropout_p, scale=scale,
+                                             enable_gqa=gqa)
+    elif L == S:
         out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=True, scale=scale,
                                              enable_gqa=gqa)
     else:
@@ -125,26 +168,36 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | No
 
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                group: dist.ProcessGroup | None, *, scale: float | None = None,
-                               dropout_p: float = 0.0) -> torch.Tensor:
+                               dropout_p: float = 0.0, attn_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's share of the sequence, exact against full-sequence causal attention.
 
     ``query`` [2c, b, heads, d], ``key``/``value`` [2c, b, groups, d] (``groups`` divides ``heads``): this rank's
     chunks r and 2CP-1-r in Megatron's layout. Returns [2c, b, heads, d] in the same layout. In a group of one
-    it is plain causal SDPA. Gradients flow to ``query``, ``key`` and ``value`` (dK, dV reduce-scattered)."""
+    it is plain causal SDPA. Gradients flow to ``query``, ``key`` and ``value`` (dK, dV reduce-scattered over
+    the group).
+    ``attn_bias``: an additive mask in place of the causal one, [b, 1 or heads, 2c, s]: this rank's query rows
+    (its layout) over every key of the sequence (in sequence order); each chunk then attends to all s keys."""
     cp = _group_size(group)
     if query.shape[0] != key.shape[0] or key.shape != value.shape:
-        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must "
-                         "hold the same tokens")
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)}: the "
+                         "three must hold the same tokens, and key and value one shape")
     if query.shape[2] % key.shape[2]:
         raise ValueError(f"{key.shape[2]} key/value heads do not divide {query.shape[2]} query heads")
     if cp == 1:
-        return _attend(query, key, value, scale, dropout_p)
+        return _attend(query, key, value, scale, dropout_p, attn_bias)
     if query.shape[0] % 2:
         raise ValueError(f"a context-parallel share holds two equal chunks; {query.shape[0]} tokens do not split")
     c = query.shape[0] // 2
-    kv = gather_sequence(torch.stack([key, value], dim=1), group)  # [2 CP c, 2, b, g, d]
+    s = 2 * cp * c
+    if attn_bias is not None and tuple(attn_bias.shape[-2:]) != (2 * c, s):
+        raise ValueError(f"attn_bias {tuple(attn_bias.shape)} must end in [{2 * c}, {s}]: this rank's "
+                         "queries over the whole sequence")
+    # each query chunk sees the keys up to the end of its own chunk; with a mask, the mask decides (every key)
+    ends = (s, s) if attn_bias is not None else tuple((j + 1) * c for j in chunks_of_rank(cp, dist.get_rank(group)))
+    kv = _GatherKeyValueChunks.apply(torch.stack([key, value], dim=1), group, ends)
     outs = []
-    for i, j in enumerate(chunks_of_rank(cp, dist.get_rank(group))):
-        end = (j + 1) * c
-        outs.append(_attend(query[i * c:(i + 1) * c], kv[:end, 0], kv[:end, 1], scale, dropout_p))
+    for i in range(2):
+        rows = slice(i * c, (i + 1) * c)
+        bias = None if attn_bias is None else attn_bias[..., rows, :]
+        outs.append(_attend(query[rows], kv[2 * i], kv[2 * i + 1], scale, dropout_p, bias))
     return torch.cat(outs, dim=0)

@@ -10,10 +10,17 @@ DotProductAttention's constructor, parameters and checkpoint layout and replaces
   ``attention_mask_func`` applies, so fully masked rows behave as in Megatron;
 - configurations it does not cover (packed sequences, sliding windows, non-vanilla softmax) hand
   back to DotProductAttention's own forward, logged once.
+
+With context parallelism (``--context-parallel-size`` > 1, which DotProductAttention refuses) each rank
+holds chunks r and 2CP-1-r of the sequence (Megatron's load-balanced layout); K and V are all-gathered over
+the CP group and dK, dV reduce-scattered (``attention.context_parallel``, the semantics of TE's ``all_gather``
+communication type, whatever ``--cp-comm-type`` says). A configuration it does not cover cannot be handed
+back there: start-up refuses it (``config._check_sdpa_attention``) and a direct call raises.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 from typing import Any, Callable, Optional
@@ -21,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..attention.context_parallel import context_parallel_attention
 from ..config_base import PeakflatConfigError
 
 log = logging.getLogger("megatron_peakflat")
@@ -79,9 +87,28 @@ def sdpa_core_attention_class() -> type:
     from megatron.core.transformer.utils import is_layer_window_attention
 
     class SDPAttention(DotProductAttention):
-        """DotProductAttention with a torch-SDPA forward; same parameters, same results."""
+        """DotProductAttention with a torch-SDPA forward; same parameters, same results; with context
+        parallelism too."""
 
         _handed_back = False
+        _comm_type_logged = False
+
+        def __init__(self, config: Any, *args: Any, cp_comm_type: Optional[Any] = None, **kwargs: Any) -> None:
+            cp = config.context_parallel_size
+            if cp > 1:  # DotProductAttention asserts CP == 1; build it on a copy that says 1, keep the real one
+                one = copy.copy(config)
+                one.context_parallel_size = 1
+                super().__init__(one, *args, cp_comm_type=cp_comm_type, **kwargs)
+                self.config = config
+            else:
+                super().__init__(config, *args, cp_comm_type=cp_comm_type, **kwargs)
+            self.cp_comm_type = cp_comm_type
+            group = getattr(self.pg_collection, "cp", None)
+            if group is None and cp > 1:
+                from megatron.core import parallel_state
+
+                group = parallel_state.get_context_parallel_group()
+            self.cp_group = group if cp > 1 else None
 
         def _unsupported(self, packed_seq_params: Any, attention_bias: Any) -> str | None:
             if packed_seq_params is not None:
@@ -105,6 +132,12 @@ def sdpa_core_attention_class() -> type:
             packed_seq_params: Optional[Any] = None,
         ) -> torch.Tensor:
             reason = self._unsupported(packed_seq_params, attention_bias)
+            if reason is not None and self.cp_group is not None:
+                raise PeakflatConfigError("--peakflat-attention", "sdpa", f"with --context-parallel-size "
+                                          f"{self.config.context_parallel_size} it does not cover {reason}, and "
+                                          "Megatron's DotProductAttention runs no context parallelism",
+                                          "use Transformer Engine's attention (--transformer-impl "
+                                          "transformer_engine), or --context-parallel-size 1")
             if reason is not None:
                 if not SDPAttention._handed_back:
                     SDPAttention._handed_back = True
@@ -112,6 +145,8 @@ def sdpa_core_attention_class() -> type:
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            if self.cp_group is not None:
+                return self._context_parallel(query, key, value, attention_mask, mask_type)
             sq, b, np_, hn = query.shape
             q = query.permute(1, 2, 0, 3)
             k = key.permute(1, 2, 0, 3)
@@ -139,6 +174,41 @@ def sdpa_core_attention_class() -> type:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                      is_causal=is_causal, scale=scale)
             return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+        def _scale(self) -> float:
+            scale = self.softmax_scale
+            if self.config.apply_query_key_layer_scaling:
+                scale = scale * self.layer_number
+            return scale
+
+        def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: Optional[torch.Tensor], mask_type: Any) -> torch.Tensor:
+            """This rank's chunks (r, 2CP-1-r) against the whole sequence's K/V, gathered over the CP group. An
+            explicit mask is the rank's query rows over the whole sequence ([b, 1, s/CP, s], as Megatron's
+            ``get_batch_on_this_cp_rank`` cuts it), applied with the same additive fill as the CP=1 path."""
+            if not SDPAttention._comm_type_logged and self.cp_comm_type not in (None, "all_gather"):
+                SDPAttention._comm_type_logged = True
+                log.info("peakflat: sdpa attention gathers K and V over the context-parallel group (all_gather) "
+                         "whatever --cp-comm-type says (%s); the results are the same", self.cp_comm_type)
+            sq, b, np_, hn = query.shape
+            bias = None
+            if attention_mask is not None:
+                bias = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+                bias.masked_fill_(attention_mask.to(torch.bool), _MASK_FILL)
+            elif mask_type != AttnMaskType.causal:
+                raise PeakflatConfigError("--peakflat-attention", "sdpa", f"with --context-parallel-size "
+                                          f"{self.config.context_parallel_size} it runs causal attention or an "
+                                          f"explicit mask, and got mask type {mask_type} without a mask",
+                                          "use Transformer Engine's attention, or --context-parallel-size 1")
+            p = self.attention_dropout.p if self.training else 0.0
+            call = lambda: context_parallel_attention(query, key, value, self.cp_group, scale=self._scale(),  # noqa: E731
+                                                      dropout_p=p, attn_bias=bias)
+            if p > 0.0 and not self.config.sequence_parallel:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    out = call()
+            else:
+                out = call()
+            return out.reshape(sq, b, np_ * hn)
 
     _CLASS = SDPAttention
     return _CLASS

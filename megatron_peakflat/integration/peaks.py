@@ -97,9 +97,21 @@ def prediction(args: Any) -> tuple[Plan, str]:
         fields["fused_adam"] = _megatron_fused_adam()
         fields["sm_count"] = _sm_count()
         run = RunConfig(**fields)
-        _cache["plan"] = plan(shape, run, _config(args))
+        _cache["plan"] = plan(shape, run, _as_run(_config(args)))
         _cache["stage"] = _stage_name(_cache["plan"])
     return _cache["plan"], _cache["stage"]
+
+
+def _as_run(cfg: Any) -> Any:
+    """The config with ``--peakflat-attention auto`` as it resolved in this process: 'sdpa' where the SDPA core
+    attention is patched in (no Transformer Engine), so that the plan counts its gathered K/V under CP."""
+    import dataclasses
+
+    from .registry import applied
+
+    if cfg.general.attention == "auto" and any("core_attention" in sym for sym in applied()):
+        return dataclasses.replace(cfg, general=dataclasses.replace(cfg.general, attention="sdpa"))
+    return cfg
 
 
 def _megatron_fused_adam() -> bool:

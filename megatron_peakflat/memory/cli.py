@@ -334,7 +334,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                    f"binding peak '{rw.binding('peakflat')}'")
     else:
         out.append("recommended: nothing fits")
-    out.append("  " + " ".join(rec.flags))
+    out.append("  " + " ".join([*rec.layout_flags, *rec.flags]))
     for reason in rec.reasons:
         out.append(f"  why: {reason}")
     return "\n".join(out)
@@ -359,7 +359,7 @@ def to_json(pl: Plan, rec: Recommendation) -> dict[str, Any]:
                      "total_gib": pl.worst("baseline").total("baseline") / GIB},
         "peakflat": {"fits": pl.fits("peakflat", guaranteed=True), "binding": pl.worst("peakflat").binding("peakflat"),
                      "total_gib": pl.worst("peakflat").total("peakflat") / GIB},
-        "recommended": {"fits": rec.fits, "flags": rec.flags, "reasons": rec.reasons,
+        "recommended": {"fits": rec.fits, "flags": rec.flags, "layout_flags": rec.layout_flags, "reasons": rec.reasons,
                         "chunk_cap": rec.config.dispatch.cap(pl.shape.topk), "vocab_block_size": rec.config.vocab.block_size,
                         "vocab_schedule": rec.plan.vocab_schedule, "sco_budget_gib": (rec.config.sco.budget or 0) / GIB,
                         "opt_bucket": rec.config.optimizer.bucket, "opt_slots": rec.config.optimizer.slots,

@@ -410,6 +410,45 @@ def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
     return (q + k + v) * w + q * 4 * flash_dq_splits(s, run) + d_out * w + rotated
 
 
+def cp_gathers_kv(run: RunConfig, pf: PeakflatConfig) -> bool:
+    """Whether each layer's core attention all-gathers K and V over the context-parallel group: the SDPA core
+    attention at CP > 1 (``--peakflat-attention sdpa``). ``auto`` is planned as Transformer Engine's attention,
+    whose default ring (``--cp-comm-type p2p``) gathers nothing; where it resolves to SDPA (no Transformer Engine),
+    the runtime report plans it as 'sdpa' (integration/peaks.py), and the planner takes ``--peakflat-attention
+    sdpa`` for the same."""
+    return run.cp > 1 and pf.general.attention == "sdpa"
+
+
+def _kv_rows_per_token(s: ModelShape, run: RunConfig) -> float:
+    """Elements of K plus V per token on one TP rank."""
+    if s.mla is None:
+        return 2 * s.kv_heads * s.head_dim / run.tp
+    m = s.mla
+    return s.heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) / run.tp
+
+
+def cp_gathered_kv(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
+    """Bytes one layer's attention keeps from forward to backward beyond the rank's own K and V under context
+    parallelism (``cp_gathers_kv``): the gathered K and V of the whole sequence, [s, b, kv_heads x head_dim / TP]
+    each, which SDPA saves for backward (attention/context_parallel.py), less the T tokens' K and V the CP=1
+    count (``attention_activations``) already holds."""
+    if not cp_gathers_kv(run, pf):
+        return 0.0
+    return (run.seq_len * run.micro_batch - run.tokens) * _kv_rows_per_token(s, run) * run.w
+
+
+def cp_gathered_kv_backward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
+    """What attention's backward builds beside ``attention_backward_transient`` under context parallelism
+    (``cp_gathers_kv``): the dK and dV that SDPA returns for the rank's two query chunks, which see the keys up to
+    their own ends, s + s / 2CP tokens together (attention/context_parallel.py reduces them onto their owners one
+    chunk at a time), less the rank's own dK and dV the CP=1 count holds. Causal, no dataloader mask (with one each
+    chunk sees every key: s more)."""
+    if not cp_gathers_kv(run, pf):
+        return 0.0
+    whole = run.seq_len * run.micro_batch
+    return (whole + whole / (2 * run.cp) - run.tokens) * _kv_rows_per_token(s, run) * run.w
+
+
 MODELLED_RECOMPUTE_MODULES = ("core_attn", "moe", "moe_act", "mlp", "shared_experts")
 """--recompute-modules the planner models; core_attn saves no s x s scores with flash attention, so it changes
 nothing."""
@@ -1106,7 +1145,7 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
                      g: _Stage) -> tuple[int, int]:
     """Rows ``activations``, ``layer working set``, ``embedding gradient`` and ``attention backward``; returns
     (checkpoints, stored layers) for the rows that follow."""
-    attn = attention_activations(s, run)
+    attn = attention_activations(s, run) + cp_gathered_kv(s, run, pf)
     layer_act = [attn + mlp_activations(s, run, s.ffn)] * g.n_dense + [attn + moe_nondispatch_activations(s, run)] * g.n_moe
     # The working set of the layers being (re)computed and backpropagated: their saved tensors, and beside
     # them (not saved, so not part of stored layers below) either one attention's backward or one MoE's.
@@ -1131,11 +1170,13 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
             "embedding gradient", held[0], held[1], phase="layer",
             source="autograd's buffer for the word embeddings' gradient, from their last use in forward (MTP "
                    "lookup, tied output layer) until the decoder's lookup adds its own (embedding_grad_held)")
-    attn_bwd = attention_backward_transient(s, run) if layer_act else 0.0
+    attn_bwd = attention_backward_transient(s, run) + cp_gathered_kv_backward(s, run, pf) if layer_act else 0.0
+    gathered = (f"; at CP {run.cp} the whole sequence's gathered K/V gradients (cp_gathered_kv_backward), and "
+                "each stored layer keeps the gathered K and V (cp_gathered_kv)") if cp_gathers_kv(run, pf) else ""
     rows["attention backward"] = Row(
         "attention backward", attn_bwd, attn_bwd, phase="attention",
         source="dQ, dK, dV, fp32 dQ accumulator x flash_dq_splits, dO, rotated q and k "
-               "(model.py attention_backward_transient); never alive with the MoE's backward")
+               f"(model.py attention_backward_transient){gathered}; never alive with the MoE's backward")
     return n_ckpt, stored_layers
 
 

@@ -26,7 +26,7 @@ from .megatron_args import MEGATRON_DEFAULTS, is_command_line
 from .model import GIB, Plan, Row, RunConfig, plan, vocab_block
 from .shapes import ModelShape
 
-__all__ = ["Recommendation", "recommend", "blockers", "startup_namespace", "FLOORS"]
+__all__ = ["Recommendation", "recommend", "blockers", "startup_namespace", "layout_flags", "FLOORS"]
 
 FLOORS = {"chunk_cap": 1024, "block_size": 256, "bucket": 5_000_000}
 STARTS = {"chunk_cap": DispatchConfig().chunk_cap, "block_size": VocabConfig().block_size,
@@ -41,7 +41,12 @@ class Recommendation:
     config: PeakflatConfig
     plan: Plan
     flags: list[str] = field(default_factory=list)
+    """The flags to add to the run's command line: the --peakflat-* knobs and the Megatron flags they need
+    (full recompute for SCO, the offloaded optimizer's)."""
     reasons: list[str] = field(default_factory=list)
+    layout_flags: list[str] = field(default_factory=list)
+    """The parallel layout the plan assumed, as Megatron flags (``layout_flags``): printed on the same line as
+    ``flags``, so that the pasted line reproduces the plan, but kept apart from the knobs."""
 
 
 def _chunks_needed(shape: ModelShape, run: RunConfig, cap: int) -> int:
@@ -72,6 +77,19 @@ def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
         out += [flag_name(OptimizerConfig, "impl"), cfg.optimizer.impl,
                 flag_name(OptimizerConfig, "bucket"), f"{cfg.optimizer.bucket / 1_000_000:g}M",
                 flag_name(OptimizerConfig, "slots"), str(cfg.optimizer.slots), *OptimizerConfig.MEGATRON_FLAGS]
+    return out
+
+
+def layout_flags(run: RunConfig) -> list[str]:
+    """The Megatron flags of the parallel layout ``run`` assumes: TP, CP, EP and PP sizes always, with
+    --sequence-parallel where TP > 1 has it, and --expert-tensor-parallel-size where it differs from TP (Megatron's
+    default for it). DP is what the world size leaves."""
+    out = ["--tensor-model-parallel-size", str(run.tp), "--context-parallel-size", str(run.cp),
+           "--expert-model-parallel-size", str(run.ep), "--pipeline-model-parallel-size", str(run.pp)]
+    if run.etp != run.tp:
+        out += ["--expert-tensor-parallel-size", str(run.etp)]
+    if run.tp > 1 and run.sp:
+        out.append("--sequence-parallel")
     return out
 
 
@@ -123,12 +141,16 @@ _NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO"}
 
 def startup_namespace(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> argparse.Namespace:
     """The Megatron flags that peakflat's start-up checks read, for this run: Megatron's defaults where a
-    command line leaves them out (``MEGATRON_DEFAULTS``), the flags given, and the model's and run's sizes."""
+    command line leaves them out (``MEGATRON_DEFAULTS``), the flags given, and the model's and run's sizes, layout
+    and precision (a preset's bf16 is the run's, whether or not the flags beside it say --bf16)."""
     given = dict(vars(megatron_args)) if megatron_args is not None else {}
     ns = {**(MEGATRON_DEFAULTS if megatron_args is not None and is_command_line(megatron_args) else {}), **given}
     ns.update(num_experts=shape.experts or None, expert_model_parallel_size=run.ep,
               expert_tensor_parallel_size=run.etp, mtp_num_layers=shape.mtp_layers or None,
-              recompute_granularity=None if run.recompute == "none" else run.recompute)
+              recompute_granularity=None if run.recompute == "none" else run.recompute,
+              tensor_model_parallel_size=run.tp, context_parallel_size=run.cp,
+              pipeline_model_parallel_size=run.pp, seq_length=run.seq_len,
+              bf16=run.precision == "bf16", fp16=run.precision == "fp16")
     return argparse.Namespace(**ns)
 
 
@@ -219,7 +241,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
     for _ in range(64):
         p = plan(shape, run, cfg)
         if p.fits("peakflat", guaranteed=True):
-            return Recommendation(True, cfg, p, _flags(cfg, p), reasons)
+            return Recommendation(True, cfg, p, _flags(cfg, p), reasons, layout_flags(p.run))
         st = max(p.stages, key=lambda x: x.total("peakflat", guaranteed=True))
         live = st.live_phases("peakflat", guaranteed=True)
         candidates = []
@@ -246,4 +268,4 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
         else:
             cfg.optimizer = dataclasses.replace(cfg.optimizer, slots=2)
     p = plan(shape, run, cfg)
-    return Recommendation(False, cfg, p, _flags(cfg, p), reasons + _why(p))
+    return Recommendation(False, cfg, p, _flags(cfg, p), reasons + _why(p), layout_flags(p.run))

@@ -60,6 +60,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):  # pinning asks the CUDA driver (Megatron's RoPE under CP pins its indices)
+            kwargs["pin_memory"] = False
         name = getattr(func, "__name__", "")
         if name == "cuda" and args and isinstance(args[0], torch.Tensor):
             return args[0]

@@ -1,0 +1,156 @@
+"""The planner under context parallelism: per-rank tokens s/CP, the SDPA attention's gathered K/V in the attention
+rows, and a recommended line that prints the whole parallel layout, so that pasting it reproduces the plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+import pytest
+
+from megatron_peakflat import PeakflatConfig
+from megatron_peakflat.config import GeneralConfig
+from megatron_peakflat.memory import model as M
+from megatron_peakflat.memory.cli import build, main, render
+from megatron_peakflat.memory.recommend import layout_flags, recommend
+from megatron_peakflat.memory.shapes import preset
+
+
+def _pf(attention: str) -> PeakflatConfig:
+    return PeakflatConfig(general=GeneralConfig(attention=attention))
+
+
+def test_tokens_per_rank_are_the_sequence_over_cp():
+    run = M.RunConfig(seq_len=65536, micro_batch=2, cp=4, tp=2, sequence_parallel=True)
+    assert run.tokens == 65536 * 2 / 4 and run.layer_rows == run.tokens / 2
+    assert run.expert_dp == 2 * 4 * 1  # Megatron folds the expert group over TP x CP x DP (ETP 1, EP 1)
+    assert dataclasses.replace(run, ep=8).expert_dp == 1
+
+
+def test_gathered_kv_rows():
+    """gpt-oss-120b (8 K/V heads of 64): at CP 8 each layer keeps the whole sequence's K and V, less the rank's
+    own, and its backward holds the two query chunks' dK and dV (s + s/2CP tokens) less the rank's own."""
+    shape = preset("gpt-oss-120b")
+    run = M.RunConfig(seq_len=2**20, cp=8, tp=1, precision="bf16")
+    per_token = 2 * shape.kv_heads * shape.head_dim * 2  # K and V, bf16
+    S, T = 2**20, 2**20 / 8
+    assert M.cp_gathered_kv(shape, run, _pf("sdpa")) == (S - T) * per_token
+    assert M.cp_gathered_kv_backward(shape, run, _pf("sdpa")) == (S + S / 16 - T) * per_token
+    # Transformer Engine's attention ('auto' is planned as it; 'local' hands the layer spec to it under CP) and
+    # no CP: nothing gathered
+    for attention in ("auto", "local"):
+        assert M.cp_gathered_kv(shape, run, _pf(attention)) == M.cp_gathered_kv_backward(shape, run, _pf(attention)) == 0
+    one = dataclasses.replace(run, cp=1, seq_len=2**17)
+    assert M.cp_gathered_kv(shape, one, _pf("sdpa")) == M.cp_gathered_kv_backward(shape, one, _pf("sdpa")) == 0
+    # TP splits the K/V heads
+    assert M.cp_gathered_kv(shape, dataclasses.replace(run, tp=2), _pf("sdpa")) == (S - T) * per_token / 2
+    # the rows carry it: the recomputed layer's working set and attention's backward grow by exactly these
+    with_kv = M.plan(shape, run, _pf("sdpa")).stages[0].rows
+    without = M.plan(shape, run, _pf("local")).stages[0].rows
+    n_work = with_kv["layer working set"].peakflat / (M.attention_activations(shape, run) +
+                                                      M.moe_nondispatch_activations(shape, run) +
+                                                      M.cp_gathered_kv(shape, run, _pf("sdpa")))
+    assert n_work == pytest.approx(1.0)  # full recompute, one layer per checkpoint
+    assert with_kv["layer working set"].peakflat - without["layer working set"].peakflat == pytest.approx(
+        (S - T) * per_token)
+    assert with_kv["attention backward"].peakflat - without["attention backward"].peakflat == pytest.approx(
+        (S + S / 16 - T) * per_token)
+    assert "cp_gathered_kv" in with_kv["attention backward"].source
+
+
+def test_layout_flags_name_every_size_and_etp_where_it_differs():
+    run = M.RunConfig(seq_len=4096, tp=2, cp=4, ep=8, pp=2, etp=2, dp=2)
+    flags = layout_flags(run)
+    assert flags == ["--tensor-model-parallel-size", "2", "--context-parallel-size", "4",
+                     "--expert-model-parallel-size", "8", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+    assert layout_flags(dataclasses.replace(run, etp=1))[8:10] == ["--expert-tensor-parallel-size", "1"]
+
+
+def _recommended_line(out: str) -> list[str]:
+    lines = out.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("recommended"))
+    return shlex.split(lines[i + 1])
+
+
+@pytest.mark.parametrize("argv", [
+    ("--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16"),
+    ("--preset", "gpt-oss-20b", "--seq-len", "256K", "--gpus", "32", "--tp", "2"),
+    ("--preset", "gpt-oss-120b", "--seq-len", "512K", "--gpus", "64", "--pp", "2", "--etp", "1", "--tp", "2"),
+])
+def test_the_recommended_line_reproduces_the_plan(capsys, argv):
+    """Plan, paste the printed line back as --megatron-args (beside the same preset, sequence and GPU count), plan
+    again: the same layout, the same recommendation and the same bytes in every row of every stage."""
+    common = ["--hbm-gib", "80", "--host-gib", "1024"]
+    main([*argv, *common])
+    line = _recommended_line(capsys.readouterr().out)
+    assert line[:2] == ["--tensor-model-parallel-size", line[1]] and "--context-parallel-size" in line
+    assert "--expert-model-parallel-size" in line and "--pipeline-model-parallel-size" in line
+
+    def planned(extra: list[str]):
+        shape, run, pf, ns, _ = build([*extra, *common])
+        return run, recommend(shape, run, pf, ns.megatron_namespace)
+
+    # the planner's own size flags (--tp, --pp, --etp) are left out the second time: the line carries them
+    bare = [a for i, a in enumerate(argv) if a not in ("--tp", "--pp", "--etp") and
+            (i == 0 or argv[i - 1] not in ("--tp", "--pp", "--etp"))]
+    run1, rec1 = planned(list(argv))
+    run2, rec2 = planned([*bare, "--megatron-args", shlex.join(line)])
+    fields = ("tp", "pp", "cp", "dp", "ep", "etp", "sp", "seq_len", "micro_batch", "num_micro", "recompute")
+    assert [getattr(run2, f) for f in fields] == [getattr(run1, f) for f in fields]
+    assert rec2.flags == rec1.flags and rec2.layout_flags == rec1.layout_flags and rec2.fits == rec1.fits
+    # the recommended plan, row by row (its baseline column is Megatron as flagged, and the pasted line flags
+    # Megatron's offloaded optimizer, which the recommendation replaces)
+    p1, p2 = rec1.plan, rec2.plan
+    assert [st.stage for st in p2.stages] == [st.stage for st in p1.stages]
+    for a, b in zip(p1.stages, p2.stages):
+        assert {k: (r.peakflat, r.bound, r.host_peakflat) for k, r in b.rows.items()} == \
+               {k: (r.peakflat, r.bound, r.host_peakflat) for k, r in a.rows.items()}
+        assert b.total("peakflat", guaranteed=True) == a.total("peakflat", guaranteed=True)
+    # the knobs alone, without the layout, plan another layout here: the layout flags are what reproduce it
+    if "--tp" in argv:  # a layout the planner was told, not its default for the GPU count
+        _, run3, _, _, _ = build([*bare, "--megatron-args", shlex.join(rec1.flags), *common])
+        sizes = ("tp", "pp", "cp", "ep", "etp")
+        assert [getattr(run3, f) for f in sizes] != [getattr(run1, f) for f in sizes]
+
+
+def test_layout_flags_are_apart_from_the_knobs():
+    """``rec.flags`` stays the list of flags a run adds (the knobs and what they need); the layout is its own list,
+    printed first on the same line, and in the JSON beside the flags."""
+    from megatron_peakflat.memory.cli import to_json
+
+    shape, run, pf, ns, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16", "--hbm-gib", "80",
+                                   "--host-gib", "1024"])
+    rec = recommend(shape, run, pf, ns.megatron_namespace)
+    assert not any(f in rec.flags for f in rec.layout_flags if f.startswith("--"))
+    assert rec.layout_flags == layout_flags(run) and run.cp == 8 and run.ep == 16
+    pl = M.plan(shape, run, pf)
+    assert "  " + " ".join([*rec.layout_flags, *rec.flags]) in render(pl, rec).splitlines()
+    assert to_json(pl, rec)["recommended"]["layout_flags"] == rec.layout_flags
+
+
+def test_the_runtime_report_plans_per_rank_tokens_and_the_attention_that_runs(monkeypatch):
+    """``--peakflat-report-peaks``' prediction reads Megatron's args: each rank's tokens are s/CP, and 'auto'
+    attention is planned as the SDPA core attention where that is what was patched in (its gathered K/V counted)."""
+    from megatron_peakflat.integration import peaks, registry, state
+    from megatron_peakflat.memory.megatron_args import parse_megatron_args
+
+    ns, _ = parse_megatron_args("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --group-query-attention "
+                                "--num-query-groups 2 --ffn-hidden-size 1024 --num-experts 8 --moe-router-topk 2 "
+                                "--seq-length 32768 --context-parallel-size 4 --vocab-size 32000 --bf16 "
+                                "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    ns.world_size, ns.data_parallel_size = 8, 2
+    monkeypatch.setattr(state, "get", lambda: None)
+    monkeypatch.setattr(peaks, "_megatron_fused_adam", lambda: False)  # (importing Megatron's optimizer is slow)
+    got = {}
+    for patched in (False, True):
+        monkeypatch.setattr(registry, "applied",
+                            lambda p=patched: ["megatron.core.models.backends.LocalSpecProvider.core_attention"] * p)
+        peaks._cache.clear()
+        pl, _ = peaks.prediction(ns)
+        assert pl.run.cp == 4 and pl.run.tokens == 32768 / 4 and pl.run.dp == 2
+        got[patched] = pl.stages[0].rows["attention backward"].peakflat
+    shape = peaks.prediction(ns)[0].shape
+    assert got[True] - got[False] == pytest.approx(M.cp_gathered_kv_backward(shape, peaks.prediction(ns)[0].run,
+                                                                             _pf("sdpa")))
+    assert got[True] > got[False]
+    peaks._cache.clear()
