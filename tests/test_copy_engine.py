@@ -190,7 +190,7 @@ def _transport_on_cpu(rank: int, world: int, folder: str) -> list[tuple[str, boo
                 bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p], grouped=True)
                 cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=12, max_chunks=64, min_spill=2,
                                      imbalance_threshold=1.1)
-                sched = plan_layer(rmap, bank, group, cfg)
+                sched = plan_layer(rmap, bank, group, cfg, hidden=H, dtype_bytes=4)
                 x, probs = x32.clone().requires_grad_(True), probs32.clone().requires_grad_(True)
                 before = stats.snapshot().get("dispatch", {}).get("copy_engine_exchanges", 0)
                 out = pipelined_moe(x, probs, sched, bank, group, gout if fused else None, overlap=True,

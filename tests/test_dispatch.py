@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from megatron_peakflat import stats
 from megatron_peakflat.config_base import PeakflatConfigError
-from megatron_peakflat.dispatch.api import llep_moe, plan_layer
+from megatron_peakflat.dispatch.api import hosting_limit, llep_moe, plan_layer
 from megatron_peakflat.dispatch.config import DispatchConfig
-from megatron_peakflat.dispatch.bound import chunk_count, flow_chunk_rows, split_floor
+from megatron_peakflat.dispatch.bound import chunk_count, flow_chunk_rows, split_floor, weight_sends_bound
 from megatron_peakflat.dispatch.flows import flow_routes, flow_slice_sizes
 from megatron_peakflat.dispatch.plan import chunk_routes, least_loaded_plan
 from megatron_peakflat.dispatch.reference import ReferenceExperts, reference_moe
@@ -425,7 +425,7 @@ def exactness_worker(rank: int, world: int) -> list[tuple[str, float, bool]]:
             grouped = chunks not in (1, 7)  # grouped GEMMs (strided weight runs) and the per-expert loop
             bank = ReferenceExperts(fc1[rank * e_p:(rank + 1) * e_p], fc2[rank * e_p:(rank + 1) * e_p],
                                     grouped=grouped)
-            sched = plan_layer(rmap, bank, group, cfg, num_chunks=chunks)
+            sched = plan_layer(rmap, bank, group, cfg, num_chunks=chunks, hidden=H, dtype_bytes=4)
             stats.reset()
             out = llep_moe(x, probs, rmap, bank, group, cfg, num_chunks=chunks)
             gout = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 99))
@@ -548,7 +548,7 @@ def frozen_worker(rank: int, world: int) -> list[tuple[str, float]]:
                     continue
                 ref_g = wgrads[e, :fc1[e].numel()] if k == 0 else wgrads[e, fc1[e].numel():]
                 errs.append(max_rel_error(p.grad.reshape(-1), ref_g))
-            moved = bool(plan_layer(rmap, bank, dist.group.WORLD, cfg).plan.rebalanced)
+            moved = bool(plan_layer(rmap, bank, dist.group.WORLD, cfg, hidden=H, dtype_bytes=4).plan.rebalanced)
             out.append((f"grouped={grouped},frozen={frozen},trainable={len(trainable)},moved={moved}", max(errs)))
     return out
 
@@ -627,6 +627,8 @@ def bound_worker(rank: int, world: int, overlap: bool | str = False, membership:
                 del out, grads
             peaks[f"{T},{K}"] = meter.peak
     peaks["param_bytes"] = sum(p.numel() * 4 for p in bank.parameters())
+    peaks["max_foreign"] = hosting_limit(cfg.resolved(k), bank, dist.group.WORLD, Hb, 4)
+    peaks["hosted"] = stats.snapshot()["dispatch"].get("max_hosted_experts", 0)
     peaks["overlapped_calls"] = stats.snapshot()["dispatch"].get("overlapped_calls", 0)
     return peaks
 
@@ -645,13 +647,17 @@ def test_working_set_bounded_under_ep_and_skew(overlap, membership):
     for peaks in run_distributed(bound_worker, world, overlap, membership, timeout=300):
         for T in (256, 1024):
             rows = world * (c + k)
+            M = peaks["max_foreign"]
             if membership in ("auto", "expert"):
-                rows = flow_chunk_rows(pairs_per_rank=T * k, ep=world, chunk_cap=c, max_chunks=1000, alpha=1.0,
-                                       imbalance_threshold=1.1, min_spill=0)
-                assert rows < world * (c + k)
+                rows = min(rows, flow_chunk_rows(pairs_per_rank=T * k, ep=world, chunk_cap=c, max_chunks=1000,
+                                                 alpha=1.0, imbalance_threshold=1.1, min_spill=0, num_local_experts=4,
+                                                 max_foreign=M))
             bound = working_set_bound(num_tokens=T, hidden=Hb, ffn=Fb, num_experts=4 * world, topk=k,
                                       chunk_rows=rows, expert_param_bytes=peaks["param_bytes"],
-                                      dtype_bytes=4, ep=world, overlap=overlap is not False)
+                                      dtype_bytes=4, ep=world, overlap=overlap is not False,
+                                      expert_numel=peaks["param_bytes"] // 16, hosted=M,
+                                      sent=weight_sends_bound(world, 4, M))
+            assert peaks["hosted"] <= M
             assert peaks[f"{T},None"] <= bound, (T, peaks, bound)
             if T == 1024:
                 assert peaks[f"{T},1"] > bound, peaks  # unchunked outgrows it

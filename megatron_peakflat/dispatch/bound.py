@@ -3,7 +3,12 @@ the component (``api.working_set_bound``) and the memory planner (``memory/model
 
 from __future__ import annotations
 
-__all__ = ["chunk_count", "split_floor", "overlap_on", "flow_chunk_rows", "working_set_bound"]
+__all__ = ["chunk_count", "split_floor", "overlap_on", "flow_chunk_rows", "working_set_bound", "HOSTED_FRACTION",
+           "hosted_expert_bytes", "auto_max_foreign", "hosting_capped", "weight_sends_bound"]
+
+HOSTED_FRACTION = 0.25
+"""--peakflat-dispatch-max-foreign-experts auto: the experts a rank hosts for other ranks take at most this
+share of one chunk's dispatch and combine rows at the cap (EP x c rows of 12 x hidden elements)."""
 
 
 def chunk_count(num_pairs: int, chunk_cap: int, max_chunks: int) -> int:
@@ -32,46 +37,102 @@ def overlap_on(forced: bool, min_chunks: int, num_chunks: int, ep: int) -> bool:
     return ep > 1 and (forced or (min_chunks > 0 and num_chunks >= 2))
 
 
+def hosting_capped(max_foreign: int | None, ep: int, num_local_experts: int) -> bool:
+    """Whether a limit of ``max_foreign`` hosted experts per rank can ever refuse a spill: only when it is
+    below the (P - 1) x E_p foreign experts a rank could host (None: no limit)."""
+    return max_foreign is not None and ep > 1 and max_foreign < (ep - 1) * num_local_experts
+
+
 def flow_chunk_rows(*, pairs_per_rank: float, ep: int, chunk_cap: int, max_chunks: int, alpha: float,
-                    imbalance_threshold: float, min_spill: int) -> int:
+                    imbalance_threshold: float, min_spill: int, num_local_experts: int = 1,
+                    max_foreign: int | None = None) -> int:
     """The most rows one rank receives in one chunk of per-flow (``"expert"``) chunks, whatever the
     routing, when no rank sends more than ``pairs_per_rank`` token-expert pairs.
 
     Why: with n_max the most pairs of any source and K >= n_max / c_eff its chunks (c_eff: the cap, or
     ``pairs_per_rank / max_chunks`` where K hit its limit), every flow puts at most ceil(n_sd / K) pairs
     into a chunk, so rank d receives at most load_d / K + P per chunk. The least-loaded plan keeps
-    load_d <= max(lambda * mean, ceil(alpha * mean), mean + (P - 1) * m) with mean <= n_max: below lambda it
-    is plain EP; above, a rank takes spills only up to the capacity ceil(alpha * mean), and a remainder
-    that no rank has room for (every other rank within m of the capacity) goes to the least-loaded rank,
-    which then holds less than mean + (P - 1) * m (``plan.least_loaded_plan``). Hence
-    ``ceil(max(alpha, lambda) * c_eff) + (P - 1) * m + P + 1`` rows; at EP=1, c_eff. Far below P * (c + k)
-    at large P, the bound of strided and hybrid chunks, which route each chunk by the plan's proportions.
+    load_d <= max(lambda * mean, ceil(alpha * mean), mean + (P - 1) * m) + R_d with mean <= n_max: below
+    lambda it is plain EP; above, a rank takes spills only up to the capacity ceil(alpha * mean), and a
+    remainder that no rank has room for (every other rank within m of the capacity) goes to the
+    least-loaded rank that may host it, which then holds less than mean + (P - 1) * m
+    (``plan.least_loaded_plan``). R_d is what the hosting limit ``max_foreign`` (per rank, over the
+    ``num_local_experts`` E_p of each rank) keeps at home: a spill stays on its owner only when a rank
+    with room already hosts ``max_foreign`` experts, all visited earlier and so no smaller, so the at
+    most E_p refused experts of one owner hold R_d <= E_p * P * mean / (E_p + max_foreign); 0 when the
+    limit cannot bind (``hosting_capped``). Hence
+    ``ceil((max(alpha, lambda) + R / mean) * c_eff) + (P - 1) * m + P + 1`` rows; at EP=1, c_eff. Far below
+    P * (c + k) at large P (the bound of strided and hybrid chunks, which route each chunk by the plan's
+    proportions, and of any membership whatever the plan: callers take the smaller) unless the hosting
+    limit keeps much at home.
     """
     c_eff = max(int(chunk_cap), -(-int(pairs_per_rank) // max(1, int(max_chunks))))
     if ep <= 1:
         return c_eff
-    return int(-(-max(alpha, imbalance_threshold) * c_eff // 1)) + (ep - 1) * int(min_spill) + ep + 1
+    e_p = max(1, int(num_local_experts))
+    kept = e_p * ep / (e_p + max_foreign) if hosting_capped(max_foreign, ep, e_p) else 0.0  # type: ignore[operator]
+    return int(-(-(max(alpha, imbalance_threshold) + kept) * c_eff // 1)) + (ep - 1) * int(min_spill) + ep + 1
+
+
+def hosted_expert_bytes(expert_numel: float, dtype_bytes: int) -> float:
+    """Bytes one hosted (foreign) expert costs its helper at most, at once: its weights (received in forward
+    and again in backward), the fp32 sum of their gradient over the chunks, and the gradient it sends
+    home (written from the fp32 sum, which is then freed)."""
+    return expert_numel * (2 * dtype_bytes + 4)
+
+
+def auto_max_foreign(*, ep: int, num_local_experts: int, chunk_cap: int, hidden: int, dtype_bytes: int,
+                     expert_numel: int, weight_bytes: int | None = None, fraction: float = HOSTED_FRACTION) -> int:
+    """--peakflat-dispatch-max-foreign-experts auto: the most foreign experts whose ``hosted_expert_bytes``
+    fit in ``fraction`` of one chunk's dispatch and combine rows at the cap (EP x c rows of 12 x hidden
+    elements, the first term of the chunk's working set), and at most the (P - 1) x E_p a rank could host.
+    0 where one expert's weights cost more than that: no weights move, and the plan keeps every expert home.
+    ``dtype_bytes``: the rows' element size; ``weight_bytes``: the weights' (None: the same)."""
+    if ep <= 1:
+        return 0
+    budget = fraction * ep * chunk_cap * 12 * hidden * dtype_bytes
+    per = hosted_expert_bytes(expert_numel, dtype_bytes if weight_bytes is None else weight_bytes)
+    return int(min((ep - 1) * num_local_experts, budget // per if per > 0 else (ep - 1) * num_local_experts))
+
+
+def weight_sends_bound(ep: int, num_local_experts: int, max_foreign: int | None) -> int:
+    """The most expert-weight copies one rank sends per layer call (one per (helper, expert) pair).
+
+    Why: each helper hosts at most min(E_p, ``max_foreign``) of one owner's experts; and every spill but an
+    expert's last one fills its helper to the capacity, which no rank reaches twice
+    (``plan.least_loaded_plan``), so one owner's E_p experts make at most (P - 1) + E_p spills."""
+    if ep <= 1:
+        return 0
+    per_helper = num_local_experts if max_foreign is None else min(num_local_experts, max_foreign)
+    return int(min((ep - 1) * per_helper, ep - 1 + num_local_experts))
 
 
 def working_set_bound(*, num_tokens: float, hidden: int, ffn: int, num_experts: int, topk: int, chunk_rows: float,
                       expert_param_bytes: float, dtype_bytes: int, glu: bool = True, ep: int = 1,
-                      overlap: bool = False) -> float:
+                      overlap: bool = False, expert_numel: float = 0, hosted: float = 0, sent: float = 0) -> float:
     """Bytes PipelinedLLEP allocates in one forward+backward of one layer, at most.
 
     Terms: the output and the input gradient ([T, H] each), the probs gradient ([T, E] fp32), the
     routing metadata (64 bytes per token, plus what the schedule keeps per token-expert pair for the
     backward: its token and its element of [T, E] (two int64) and the combine's map (three int32), 28 k
-    bytes per token), the local experts' weight gradients (2 x ``expert_param_bytes``, room for spilled experts'
-    weights), and one chunk's working set: ``chunk_rows`` rows (at most P * (c + k) per chunk) times
-    the dispatch, combine and expert activation rows. Only the first four grow with T. With ``ep`` > 1
-    the next chunk's dispatch and the previous chunk's combine are in flight while a chunk computes
-    when ``overlap`` is on: two more chunks' rows sent and received (8 H per row). The copy-engine
-    transport stays inside that term: its received rows are the same, and its two symmetric slots
-    (one hidden row per pair each, sized to a source's largest chunk, at most c_eff + P pairs, under
-    ``chunk_rows``, plus 1/16 headroom) replace the sent buffers. Integer inputs give an integer; the
-    planner passes its fractional token and expert counts.
+    bytes per token), the local experts' weight gradients (2 x ``expert_param_bytes``: their fp32 sums
+    and what they return), the moved experts' weights, and one chunk's working set: ``chunk_rows`` rows
+    (at most P * (c + k) per chunk) times the dispatch, combine and expert activation rows. Only the
+    first four grow with T. With ``ep`` > 1 the next chunk's dispatch and the previous chunk's combine
+    are in flight while a chunk computes when ``overlap`` is on: two more chunks' rows sent and received
+    (8 H per row). The copy-engine transport stays inside that term: its received rows are the same, and
+    its two symmetric slots (one hidden row per pair each, sized to a source's largest chunk, at most
+    c_eff + P pairs, under ``chunk_rows``, plus 1/16 headroom) replace the sent buffers.
+
+    Moved experts (``expert_numel`` elements each): a rank hosting ``hosted`` foreign experts holds, at
+    most at once, their weights, the fp32 sums of their gradients and the gradients it sends home
+    (``hosted_expert_bytes`` each); a rank sending ``sent`` weight copies (``weight_sends_bound``) holds one
+    expert's bytes per copy, in its send buffer (forward, and again in backward) or in what it receives
+    back. The sum covers every phase: the exchanges run while no chunk is alive, and a rank may be
+    both. Integer inputs give an integer; the planner passes its fractional token and expert counts.
     """
     f1 = ffn * (2 if glu else 1)
     per_row = dtype_bytes * ((20 if ep > 1 and overlap else 12) * hidden + 3 * f1 + 4 * ffn) + 64
     per_token = 2 * hidden * dtype_bytes + 4 * num_experts + 8 * 8 + 28 * topk
-    return num_tokens * per_token + 2 * expert_param_bytes + chunk_rows * per_row
+    moved = hosted * hosted_expert_bytes(expert_numel, dtype_bytes) + sent * expert_numel * dtype_bytes
+    return num_tokens * per_token + 2 * expert_param_bytes + moved + chunk_rows * per_row

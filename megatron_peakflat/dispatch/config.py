@@ -65,6 +65,17 @@ class DispatchConfig(ComponentConfig):
     """m: spills smaller than this many tokens are skipped, unless they are an expert's remainder."""
     imbalance_threshold: float = 1.3
     """lambda: when max/mean rank load is below this, plain EP runs (no expert weights move)."""
+    max_foreign_experts: int | None = None
+    """The most experts of other ranks that one rank hosts (receives the weights of, and computes) in one layer
+    call. A spill that would exceed it stays on its owner, which is always exact. Each hosted expert costs
+    its weights, the fp32 sum of their gradient and the gradient sent home: (2 x dtype bytes + 4) per
+    parameter, at once. 'auto': the most whose cost fits in a quarter of one chunk's dispatch and combine
+    rows at the cap (EP x c rows of 12 x hidden x dtype bytes), so the hosted weights and accumulators stay
+    at most 1/4 of that token working set; 0 at shapes where one expert costs more (no weights move).
+    Guarantee (dispatch/bound.py working_set_bound and flow_chunk_rows): a rank's peak counts these, the
+    weight copies it sends (at most min((EP - 1) x min(E_p, this), EP - 1 + E_p)), and the load that
+    refused spills leave on their owner, at most E_p x EP / (E_p + this) times the mean load, whatever the
+    routing. 0 turns moving weights off (every expert computed at home)."""
     fuse_recompute: bool = True
     """Under full recompute (or --recompute-modules moe), run each chunk's forward and backward
     together in the checkpoint's recompute, where the MoE output's gradient is already known: one
@@ -146,6 +157,11 @@ class DispatchConfig(ComponentConfig):
         if self.min_spill < 0:
             raise PeakflatConfigError(self.flag("min_spill"), self.min_spill, "a spill size cannot be negative",
                                       "pass 0 or more, e.g. --peakflat-dispatch-min-spill 1024")
+        if self.max_foreign_experts is not None and self.max_foreign_experts < 0:
+            raise PeakflatConfigError(self.flag("max_foreign_experts"), self.max_foreign_experts,
+                                      "a rank cannot host a negative number of experts",
+                                      "pass 0 (weights never move), a count such as "
+                                      "--peakflat-dispatch-max-foreign-experts 4, or auto")
         if self.overlap_min_chunks < 0:
             raise PeakflatConfigError(self.flag("overlap_min_chunks"), self.overlap_min_chunks,
                                       "a chunk count cannot be negative",

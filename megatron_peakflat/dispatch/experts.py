@@ -64,35 +64,37 @@ def exchange_weights(sched: Schedule, bank: ExpertBank, group: dist.ProcessGroup
     """Owners send the weights of spilled experts to their helpers; returns expert -> flat weights here.
 
     One all-to-all on every rank of the group, or none at all when the plan spills nothing (every
-    rank knows the same plan, so every rank skips it together).
+    rank knows the same plan, so every rank skips it together). The owner writes each copy straight into
+    one send buffer (one expert's bytes per (helper, expert) pair, freed on return); the helper keeps
+    what it receives (one expert's bytes per hosted expert).
     """
     if not sched.moves_weights:
         return {}
     like = bank.expert_params(0)
     W, e_p, P = _numel(bank), sched.num_local_experts, sched.ep
     base = sched.rank * e_p
-    send = [flatten_weights(bank.expert_params(e - base)) for _, e in sched.weight_sends]
-    send_buf = torch.cat(send) if send else like[0].new_empty(0)
+    send_buf = like[0].new_empty(W * len(sched.weight_sends))
+    for i, (_, e) in enumerate(sched.weight_sends):
+        for dst, p in zip(unflatten_weights(send_buf[i * W:(i + 1) * W], like), bank.expert_params(e - base)):
+            dst.copy_(p.detach())
     recv = comm.all_to_all(send_buf, _splits(sched.weight_sends, W, P), _splits(sched.weight_recvs, W, P), group)
+    del send_buf
     return {e: recv[i * W:(i + 1) * W] for i, (_, e) in enumerate(sched.weight_recvs)}
 
 
-def return_weight_grads(sched: Schedule, grads: dict[int, torch.Tensor], bank: ExpertBank,
-                        group: dist.ProcessGroup | None) -> dict[int, torch.Tensor]:
-    """Helpers send the gradients of spilled experts' weights back; returns expert -> summed flat grad at the owner.
+def return_weight_grads(sched: Schedule, send_buf: torch.Tensor, bank: ExpertBank,
+                        group: dist.ProcessGroup | None) -> list[tuple[int, torch.Tensor]]:
+    """Helpers send the gradients of spilled experts' weights back; returns (expert, flat grad) at the owner,
+    one per (helper, expert) pair in ``sched.weight_sends`` order, for the caller to add up.
 
-    The reverse of ``exchange_weights``: same pairs, opposite direction. Each helper's contribution is
-    returned separately and summed at the owner, so nothing is lost or double counted.
+    The reverse of ``exchange_weights``: same pairs, opposite direction. ``send_buf`` holds this rank's
+    hosted experts' gradients, flat, in ``sched.weight_recvs`` order (one expert's elements each). Each
+    helper's contribution is returned separately, so nothing is lost or double counted.
     """
     if not sched.moves_weights:
-        return {}
-    like = bank.expert_params(0)
+        return []
     W, P = _numel(bank), sched.ep
-    send = [grads[e] if e in grads else like[0].new_zeros(W) for _, e in sched.weight_recvs]
-    send_buf = torch.cat(send) if send else like[0].new_empty(0)
+    if send_buf.numel() != W * len(sched.weight_recvs):
+        raise ValueError(f"send_buf has {send_buf.numel()} elements, expected {W} x {len(sched.weight_recvs)} hosted")
     recv = comm.all_to_all(send_buf, _splits(sched.weight_recvs, W, P), _splits(sched.weight_sends, W, P), group)
-    out: dict[int, torch.Tensor] = {}
-    for i, (_, e) in enumerate(sched.weight_sends):
-        g = recv[i * W:(i + 1) * W]
-        out[e] = out[e] + g if e in out else g
-    return out
+    return [(e, recv[i * W:(i + 1) * W]) for i, (_, e) in enumerate(sched.weight_sends)]

@@ -54,7 +54,7 @@ from . import comm
 from .copy_engine import CopyEngineTransport
 from .combine import add_rows
 from .bound import overlap_on
-from .experts import ExpertBank, exchange_weights, flatten_weights, return_weight_grads, unflatten_weights
+from .experts import ExpertBank, exchange_weights, return_weight_grads, unflatten_weights
 from .packed import RowLayout, RowSpec, row_layout
 from .schedule import Schedule
 from .. import stats
@@ -375,21 +375,28 @@ class _Chunks:
         m = len(like)
         base = sched.rank * sched.num_local_experts
         out_grads: list[torch.Tensor | None] = [None] * len(needs)
-        foreign_parts: dict[int, list[torch.Tensor | None]] = {}
-        for (i, k), g in self.acc.items():
+        for (i, k), g in list(self.acc.items()):
             if local[i] is not None:
-                out_grads[local[i] * m + k] = g  # fp32 until every contribution is in
-            else:
-                foreign_parts.setdefault(sched.compute_experts[i], [None] * m)[k] = g
-        foreign_grads: dict[int, torch.Tensor] = {}
-        for i, e in enumerate(sched.compute_experts):
-            if e in foreign_parts:
-                foreign_grads[e] = flatten_weights([g.to(w.dtype) if g is not None else torch.zeros_like(w)
-                                                    for g, w in zip(foreign_parts[e], self.weights[i])])
+                out_grads[local[i] * m + k] = self.acc.pop((i, k))  # fp32 until every contribution is in
+        # Hosted experts' gradients go straight from their fp32 sums into the send buffer (each sum freed once
+        # written), and their weights are dropped before the exchange: a hosted expert never costs more
+        # than its weights, its fp32 sum and its send slice at once (bound.hosted_expert_bytes).
+        W = sum(p.numel() for p in like)
+        send_buf = like[0].new_empty(W * len(sched.weight_recvs)) if sched.moves_weights else None
+        for j, (_, e) in enumerate(sched.weight_recvs):
+            i = sched.compute_experts.index(e)
+            for k, dst in enumerate(unflatten_weights(send_buf[j * W:(j + 1) * W], like)):  # type: ignore[index]
+                g = self.acc.pop((i, k), None)
+                if g is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(g)
+                del g
         self.acc, self._sinks = {}, {}
-        del foreign_parts
-        back = return_weight_grads(sched, foreign_grads, bank, self.group)
-        for e, flat in back.items():
+        self.release()
+        back = return_weight_grads(sched, send_buf, bank, self.group) if send_buf is not None else []
+        del send_buf
+        for e, flat in back:  # each helper's part on its own, into fp32 or main_grad: no summed copy
             li = e - base
             for k, g in enumerate(unflatten_weights(flat, like)):
                 mg = main_grad_of(bank.expert_params(li)[k])
@@ -398,6 +405,7 @@ class _Chunks:
                     continue
                 cur = out_grads[li * m + k]
                 out_grads[li * m + k] = g.float() if cur is None else cur.add_(g)
+        del back
         for idx, needed in enumerate(needs):
             p = bank.expert_params(idx // m)[idx % m]
             if not needed:

@@ -9,7 +9,12 @@ Guarantees of ``least_loaded_plan``:
 - otherwise experts are visited by descending load (ties: lower id first); an expert keeps what fits
   under the capacity ``alpha * mean`` at home and spills the rest to the least-loaded other ranks,
   skipping spills smaller than ``min_spill`` unless they are the remainder; when every rank is full,
-  the remainder goes to the least-loaded rank (capacity is a target, never a reason to drop tokens).
+  the remainder goes to the least-loaded rank (capacity is a target, never a reason to drop tokens);
+- with ``max_foreign``, no rank computes tokens of more than that many experts of other ranks: a rank
+  at the limit takes no new expert, and a spill that only such ranks had room for stays on its owner
+  (exact either way; ``bound.flow_chunk_rows`` bounds the load it leaves there);
+- a rank reaches the capacity by a spill at most once, so every spill of an expert but its last fills
+  its helper (``bound.weight_sends_bound``).
 """
 
 from __future__ import annotations
@@ -45,14 +50,17 @@ class Plan:
 
 
 def least_loaded_plan(load: np.ndarray, ep: int, *, alpha: float = 1.0, min_spill: int = 0,
-                      imbalance_threshold: float = 1.0) -> Plan:
-    """Plan the tokens of each expert over ``ep`` ranks (see the module docstring for guarantees)."""
+                      imbalance_threshold: float = 1.0, max_foreign: int | None = None) -> Plan:
+    """Plan the tokens of each expert over ``ep`` ranks (see the module docstring for guarantees).
+    ``max_foreign``: the most experts of other ranks one rank may compute tokens of (None: no limit)."""
     load = np.asarray(load, dtype=np.int64)
     E = load.shape[0]
     if ep < 1 or E % ep:
         raise ValueError(f"ep={ep}: the number of experts ({E}) must be a positive multiple of the EP size")
     if alpha < 1.0:
         raise ValueError(f"alpha={alpha}: must be >= 1")
+    if max_foreign is not None and max_foreign < 0:
+        raise ValueError(f"max_foreign={max_foreign}: must be >= 0 (or None: no limit)")
     e_p = E // ep
     owner = np.arange(E) // e_p
     native = load.reshape(ep, e_p).sum(1)
@@ -67,6 +75,11 @@ def least_loaded_plan(load: np.ndarray, ep: int, *, alpha: float = 1.0, min_spil
     cap = int(math.ceil(alpha * mean))
     assigned = np.zeros(ep, dtype=np.int64)
     pending = native.copy()  # native load of experts not yet visited: room a rank will need later
+    hosted = np.zeros(ep, dtype=np.int64)  # experts of other ranks each rank computes tokens of
+
+    def may_host(e: int, home: int, r: int) -> bool:
+        return r == home or assign[e, r] > 0 or max_foreign is None or hosted[r] < max_foreign
+
     for e in np.argsort(-load, kind="stable"):
         n = int(load[e])
         if n == 0:
@@ -77,10 +90,11 @@ def least_loaded_plan(load: np.ndarray, ep: int, *, alpha: float = 1.0, min_spil
         assign[e, home] += keep
         assigned[home] += keep
         rest = n - keep
+
         while rest > 0:
             eff = assigned + pending
-            others = [r for r in np.argsort(eff, kind="stable") if r != home]
-            placed = False
+            others = [int(r) for r in np.argsort(eff, kind="stable") if r != home]
+            placed = refused = False
             for r in others:
                 room = cap - int(eff[r])
                 if room <= 0:
@@ -88,15 +102,22 @@ def least_loaded_plan(load: np.ndarray, ep: int, *, alpha: float = 1.0, min_spil
                 take = min(rest, room)
                 if take < min_spill and take < rest:
                     continue
+                if not may_host(e, home, r):
+                    refused = True  # room, but the hosting limit: try the next rank
+                    continue
+                hosted[r] += int(assign[e, r] == 0)
                 assign[e, r] += take
                 assigned[r] += take
                 rest -= take
                 placed = True
                 break
             if not placed:
-                # Every helper is full or too small a spill: the least-loaded rank takes the remainder,
+                # Only ranks at the hosting limit had room: the rest stays home. Otherwise every helper is
+                # full or too small a spill: the least-loaded rank that may host it takes the remainder,
                 # home included (the remainder is never dropped).
-                r = int(np.argsort(assigned + pending, kind="stable")[0])
+                r = home if refused else next(int(r) for r in np.argsort(assigned + pending, kind="stable")
+                                              if may_host(e, home, int(r)))
+                hosted[r] += int(r != home and assign[e, r] == 0)
                 assign[e, r] += rest
                 assigned[r] += rest
                 rest = 0

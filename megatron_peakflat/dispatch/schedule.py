@@ -194,7 +194,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
                    chunk_cap: int, max_chunks: int, alpha: float, min_spill: int,
                    imbalance_threshold: float, num_chunks: int | None = None,
                    local_order: Sequence[int] | None = None, membership: str = "auto",
-                   min_split_chunks: int = 0) -> Schedule:
+                   min_split_chunks: int = 0, max_foreign: int | None = None) -> Schedule:
     """Plan one MoE layer call. ``routing_map`` [T, E] bool. ``num_chunks`` forces K (tests, peers).
 
     ``local_order``: the order of this rank's local experts among the rows it computes (an expert
@@ -224,6 +224,8 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     ``min_split_chunks``: at EP > 1 a call that the cap splits gets at least this many chunks
     (``bound.split_floor``; the overlap rule of ``--peakflat-dispatch-overlap-min-chunks``).
 
+    ``max_foreign``: the most experts of other ranks one rank hosts (``plan.least_loaded_plan``; None: no limit).
+
     A collective: every rank of ``group`` must call it for the same layer call. See the module
     docstring for what the result guarantees.
     """
@@ -249,7 +251,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         # Cut per flow on the host once every rank's per-expert counts are known: K needs no all-reduce.
         host = comm.all_gather_rows(per_expert.to(torch.int64), group).cpu().numpy()  # the one device-to-host sync
         plan = least_loaded_plan(host.sum(0), P, alpha=alpha, min_spill=min_spill,
-                                 imbalance_threshold=imbalance_threshold)
+                                 imbalance_threshold=imbalance_threshold, max_foreign=max_foreign)
         layer_routes = chunk_routes(host[:, None, :], plan.assign)[0]  # [P_src, E, P_dst]
         if num_chunks is not None:
             K = int(num_chunks)
@@ -266,7 +268,7 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
             routing_map, per_expert, expert_key, P=P, group=group, membership=membership, chunk_cap=chunk_cap,
             max_chunks=max_chunks, num_chunks=num_chunks, min_split_chunks=min_split_chunks)
         plan = least_loaded_plan(cnt.sum((0, 1)), P, alpha=alpha, min_spill=min_spill,
-                                 imbalance_threshold=imbalance_threshold)
+                                 imbalance_threshold=imbalance_threshold, max_foreign=max_foreign)
         routes = chunk_routes(cnt, plan.assign)  # [K, P_src, E, P_dst]
 
     owner = np.arange(E) // num_local_experts
