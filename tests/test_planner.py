@@ -143,7 +143,10 @@ def test_llep_bound_and_chunk_growth_by_hand():
     per_row = 2 * (12 * 64 + 3 * 64 + 4 * 32) + 64  # dispatch/api.py working_set_bound
     per_token = 2 * 64 * 2 + 4 * 8 + 64 + 28 * 2  # ... + 28 B per token-expert pair (top-2)
     experts = 2 * 3 * 64 * 32 * 2
-    assert M.llep_working_set(TINY, run, bound_rows) == 4096 * per_token + 2 * experts + bound_rows * per_row
+    # Moved experts: 'auto' hosts all 6 foreign experts (a quarter of 4 x 1024 rows of 12 x 64 bf16 elements
+    # would hold 32 of 6144 x (2 x 2 + 4) B); a rank sends at most min(3 x 2, 3 + 2) = 5 weight copies.
+    moved = 6 * 6144 * (2 * 2 + 4) + 5 * 6144 * 2
+    assert M.llep_working_set(TINY, run, bound_rows) == 4096 * per_token + 2 * experts + moved + bound_rows * per_row
     # K would be 512 > max_chunks 4: the chunk grows to 1024 tokens x 2.
     assert M.llep_chunks(TINY, run, PeakflatConfig(dispatch=DispatchConfig(chunk_cap=16, max_chunks=4))) == (4, 2048)
     # The baseline grows with skew; PipelinedLLEP rebalances skew >= lambda to alpha x mean.
@@ -157,11 +160,13 @@ def test_llep_working_set_matches_component_bound():
     from megatron_peakflat.dispatch import api
     run = RunConfig(seq_len=4096, ep=4, dp=4)
     rows = 4104
+    moved = dict(expert_numel=3 * 64 * 32, hosted=6, sent=5)  # every foreign expert; min(3 x 2, 3 + 2) copies
     theirs = api.working_set_bound(num_tokens=4096, hidden=64, ffn=32, num_experts=8, topk=TINY.topk, chunk_rows=rows,
-                                   expert_param_bytes=2 * 3 * 64 * 32 * 2, dtype_bytes=2, glu=True, ep=4)
+                                   expert_param_bytes=2 * 3 * 64 * 32 * 2, dtype_bytes=2, glu=True, ep=4, **moved)
     assert M.llep_working_set(TINY, run, rows) == theirs
     theirs = api.working_set_bound(num_tokens=4096, hidden=64, ffn=32, num_experts=8, topk=TINY.topk, chunk_rows=rows,
-                                   expert_param_bytes=2 * 3 * 64 * 32 * 2, dtype_bytes=2, glu=True, ep=4, overlap=True)
+                                   expert_param_bytes=2 * 3 * 64 * 32 * 2, dtype_bytes=2, glu=True, ep=4, overlap=True,
+                                   **moved)
     assert M.llep_working_set(TINY, run, rows, overlap=True) == theirs == M.llep_working_set(TINY, run, rows) + rows * 16 * 64
 
 

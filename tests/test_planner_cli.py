@@ -519,9 +519,9 @@ def test_sco_budget_is_the_boundaries_rounded_up_to_a_whole_gib():
 
 def test_sco_stays_on_where_the_run_fits_without_it_only_at_smaller_knobs():
     """A host component is left off only where the run fits without it at knobs no smaller than with it: at
-    88 GiB the 128K-token gpt-oss-20b run fits without SCO only with the dispatch chunk halved, so SCO stays
+    96 GiB the 128K-token gpt-oss-20b run fits without SCO only with the dispatch chunk halved, so SCO stays
     on and the chunk keeps its default."""
-    shape, run = PRESETS["gpt-oss-20b"], _gpt_oss_20b_128k(88)
+    shape, run = PRESETS["gpt-oss-20b"], _gpt_oss_20b_128k(96)
     rec = recommend(shape, run)
     assert rec.fits and rec.config.sco.enabled
     cap = rec.config.dispatch.cap(shape.topk)

@@ -34,7 +34,8 @@ from typing import Literal, Sequence
 
 from ..config import PeakflatConfig
 from ..config_base import PeakflatConfigError
-from ..dispatch.bound import chunk_count, flow_chunk_rows, overlap_on, split_floor, working_set_bound
+from ..dispatch.bound import (auto_max_foreign, chunk_count, flow_chunk_rows, overlap_on, split_floor,
+                              weight_sends_bound, working_set_bound)
 from ..dispatch.config import resolve_membership
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
@@ -534,18 +535,38 @@ def llep_chunks(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[int,
     return K, int(math.ceil(r * k / K))
 
 
-def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float, overlap: bool = False) -> float:
+def llep_hosting(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> int:
+    """The most experts of other ranks one rank hosts per layer call (dispatch/api.py hosting_limit):
+    ``--peakflat-dispatch-max-foreign-experts``, or under 'auto' dispatch/bound.py auto_max_foreign at this
+    shape (rows of H elements in w bytes, one expert's ``mlp_params`` on this ETP rank, the chunk cap)."""
+    d = pf.dispatch
+    if d.max_foreign_experts is not None:
+        return int(d.max_foreign_experts)
+    return auto_max_foreign(ep=run.ep, num_local_experts=max(1, s.experts // run.ep), chunk_cap=d.cap(s.topk),
+                            hidden=s.hidden, dtype_bytes=run.w,
+                            expert_numel=int(mlp_params(s.hidden, s.moe_ffn, s.gated, run.etp)))
+
+
+def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float, overlap: bool = False,
+                     pf: PeakflatConfig | None = None) -> float:
     """PipelinedLLEP's bytes for one layer's forward + backward (dispatch/bound.py working_set_bound):
     per token the output and input gradient (2Hw), probs gradient (4E) and routing metadata (64 B, and
-    28 B per token-expert pair); the local experts' weight gradients and any spilled expert weights
-    (2 x expert bytes); and per received row of one chunk w x (12H + 3 x fc1 + 4F) + 64 B (dispatch,
-    combine, expert activations), 8H more at EP > 1 with ``overlap`` (``--peakflat-dispatch-overlap``:
-    the next chunk's dispatch and the previous one's combine in flight). The component's guarantee (the ``bound`` column), not what a step
-    allocates: see ``llep_expected_working_set``."""
-    expert_bytes = (s.experts / run.ep) * mlp_params(s.hidden, s.moe_ffn, s.gated, run.etp) * run.w
+    28 B per token-expert pair); the local experts' weight gradients (2 x expert bytes); the moved experts:
+    per hosted foreign expert (``llep_hosting``, under ``pf``'s dispatch flags, the defaults without) its
+    weights, fp32 gradient sum and send slice (2w + 4 bytes per parameter), and per weight copy this rank
+    sends (dispatch/bound.py weight_sends_bound) one expert's bytes; and per received row of one chunk
+    w x (12H + 3 x fc1 + 4F) + 64 B (dispatch, combine, expert activations), 8H more at EP > 1 with
+    ``overlap`` (``--peakflat-dispatch-overlap``: the next chunk's dispatch and the previous one's combine
+    in flight). The component's guarantee (the ``bound`` column), not what a step allocates: see
+    ``llep_expected_working_set``."""
+    pf = pf if pf is not None else PeakflatConfig()
+    e_p = max(1, s.experts // run.ep)
+    numel = mlp_params(s.hidden, s.moe_ffn, s.gated, run.etp)
+    hosted = llep_hosting(s, run, pf)
     return working_set_bound(num_tokens=run.layer_rows, hidden=s.hidden, ffn=s.moe_ffn, num_experts=s.experts,
-                             topk=s.topk, chunk_rows=chunk_rows, expert_param_bytes=expert_bytes, dtype_bytes=run.w,
-                             glu=s.gated, ep=run.ep, overlap=overlap)
+                             topk=s.topk, chunk_rows=chunk_rows, expert_param_bytes=(s.experts / run.ep) * numel * run.w,
+                             dtype_bytes=run.w, glu=s.gated, ep=run.ep, overlap=overlap, expert_numel=numel,
+                             hosted=hosted, sent=weight_sends_bound(run.ep, e_p, hosted))
 
 
 def llep_grouped(run: RunConfig, pf: PeakflatConfig) -> bool:
@@ -617,7 +638,8 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
     """(bound, expected) rows one rank receives in one chunk. Bound, whatever the routing: every one of
     the EP sources sends its c_eff (+k rounding) pairs here; with per-flow chunks (the default) also
     at most the least-loaded plan's largest load over K chunks (dispatch/bound.py flow_chunk_rows), about
-    max(alpha, lambda) x c, whichever is less. Expected: the rank's whole load
+    max(alpha, lambda) x c, plus what spills refused by the hosting limit (``llep_hosting``) leave on their
+    owner where it can bind, whichever is less. Expected: the rank's whole load
     spread over K chunks; its load is skew x mean under plain EP (skew below the imbalance threshold
     lambda) and at most alpha x mean once LLEP rebalances. That is the most of any chunk too: with the
     default per-flow chunks every flow puts 1/K of its pairs (to one pair) into every chunk."""
@@ -627,7 +649,9 @@ def llep_rows(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> tuple[float,
     if resolve_membership(d.membership) == "expert":  # per-flow chunks
         bound = min(bound, flow_chunk_rows(pairs_per_rank=math.ceil(run.layer_rows) * max(1, s.topk), ep=run.ep,
                                            chunk_cap=d.cap(s.topk), max_chunks=d.max_chunks, alpha=d.alpha,
-                                           imbalance_threshold=d.imbalance_threshold, min_spill=d.min_spill))
+                                           imbalance_threshold=d.imbalance_threshold, min_spill=d.min_spill,
+                                           num_local_experts=max(1, s.experts // run.ep),
+                                           max_foreign=llep_hosting(s, run, pf)))
     load = run.routing_skew if run.routing_skew < pf.dispatch.imbalance_threshold else pf.dispatch.alpha
     expected = min(bound, load * routed_pairs(s, replace(run, routing_skew=1.0)) / K)
     return bound, expected
@@ -1245,7 +1269,7 @@ def _dispatch_row(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Peakf
             + dispatch_working_set(s, run, pairs) - dispatch_saved_per_layer(s, run, pairs)
     rows_bound, rows_expected = llep_rows(s, run, pf)
     chunks, cap = llep_chunks(s, run, pf)
-    bound = llep_working_set(s, run, rows_bound, llep_overlaps(s, run, pf, worst=True))
+    bound = llep_working_set(s, run, rows_bound, llep_overlaps(s, run, pf, worst=True), pf)
     rows["dispatch"] = Row(
         "dispatch", base, llep_expected_working_set(s, run, pf, rows_expected), bound=bound,
         phase="moe" if moe_recomputed else "persistent",
@@ -1253,7 +1277,8 @@ def _dispatch_row(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Peakf
                f"{run.routing_skew:g}, worst {routed_pairs_worst(s, run):.3g}); PipelinedLLEP: "
                f"K={chunks} chunks of c={cap} pairs per source, "
                f"{rows_expected:.3g} rows per chunk expected ({'grouped GEMMs' if llep_grouped(run, pf) else 'per expert'}), "
-               f"bound dispatch/bound.py working_set_bound at {rows_bound:.3g} rows")
+               f"bound dispatch/bound.py working_set_bound at {rows_bound:.3g} rows, with up to "
+               f"{llep_hosting(s, run, pf)} hosted foreign experts")
 
 
 def _vocab_row(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> None:
