@@ -22,7 +22,7 @@ help:
 	@echo "make bench     - run the benchmarks in bench/ (needs CUDA)"
 	@echo "make plan      - peak planner for gpt-oss-120b at 1M context on 16 GPUs"
 
-$(VENV)/.stamp: setup.py Makefile $(wildcard csrc/*)
+$(VENV)/.stamp: setup.py pyproject.toml Makefile $(wildcard csrc/*)
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; pass PYTHON=/path/to/python3.12 (megatron-core 0.19 needs >= 3.12)"; exit 1; }
 	@echo "== setting up $(VENV) with $(PYTHON) ($$($(PYTHON) --version))"
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)

@@ -1,12 +1,14 @@
-"""Build and install megatron-peakflat.
+"""The native extension ``megatron_peakflat._C`` (csrc/): the build logic only; the package's metadata is in
+pyproject.toml.
 
-The extension ``megatron_peakflat._C`` is built from csrc/: the C++ sources always; with CUDA
-(``PEAKFLAT_WITH_CUDA``: CUDA runtime calls such as the bucket stream engine, and csrc/*.cu if any)
-when torch has CUDA, a CUDA toolkit (nvcc and its headers) is found and a GPU is visible, the rule of
-``megatron_peakflat._ext``'s JIT build. ``PEAKFLAT_CUDA=0/1`` forces the choice (1: e.g. a build node
-without a GPU). ``PEAKFLAT_BUILD_EXT=0`` skips the extension; the package then runs on its Python
-fallbacks and says so when a feature would have used the extension. Install with
-``pip install --no-build-isolation .`` so the extension builds against the torch you run.
+Every install ships csrc/ inside the package (``megatron_peakflat/_csrc``), so that the extension can be compiled
+on first use, against the torch the job runs with, into a cache (``megatron_peakflat._ext``). Where torch is
+importable at build time (``pip install --no-build-isolation .``, ``make setup``), the extension is also built now:
+the C++ sources always; with CUDA (``PEAKFLAT_WITH_CUDA``: CUDA runtime calls such as the bucket stream engine, and
+csrc/*.cu if any) when torch has CUDA, a CUDA toolkit (nvcc and its headers) is found and a GPU is visible, the
+rule of the JIT build too. ``PEAKFLAT_CUDA=0/1`` forces the choice (1: e.g. a build node without a GPU).
+``PEAKFLAT_BUILD_EXT=0`` builds nothing, now or on first use; the package then runs on its Python fallbacks.
+Under pip's build isolation (``pip install .``) torch is not importable here, and the first use builds it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import glob
 import os
 import shutil
 
-from setuptools import find_packages, setup
+from setuptools import setup
+from setuptools.command.build_py import build_py
 
 
 def _build_rules():
@@ -37,7 +40,9 @@ def _extensions() -> tuple[list, dict]:
         from torch.utils import cpp_extension
         from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     except ImportError:
-        print("megatron-peakflat: torch not importable at build time; building without megatron_peakflat._C")
+        print("megatron-peakflat: torch is not importable in this build environment (pip's build isolation): "
+              "megatron_peakflat._C will be compiled on first use, against the torch the job runs with "
+              "(install with --no-build-isolation to compile it now)")
         return [], {}
     rules = _build_rules()
     cpp = sorted(glob.glob("csrc/*.cpp"))
@@ -80,29 +85,26 @@ def _extensions() -> tuple[list, dict]:
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=bool(shutil.which("ninja")))}
 
 
-ext_modules, cmdclass = _extensions()
+class _BuildPyWithSources(build_py):
+    """build_py that also copies csrc/ into the package as ``megatron_peakflat/_csrc``: the sources of the JIT
+    build in an installed wheel (an editable install reads csrc/ where it is)."""
 
-setup(
-    name="megatron-peakflat",
-    version="0.1.0",
-    description="Bounded-memory schedules for long-context MoE training on Megatron-Core",
-    long_description=open("README.md").read() if os.path.exists("README.md") else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.12",
-    packages=find_packages(include=["megatron_peakflat", "megatron_peakflat.*"]),
-    install_requires=[
-        "torch>=2.6",
-        "megatron-core>=0.18.2,<0.20",
-        "numpy",
-        "packaging",
-        "triton; platform_system == 'Linux'",
-    ],
-    extras_require={
-        "test": ["pytest", "pybind11", "ninja", "psutil"],
-        "plot": ["matplotlib"],
-        "te": ["transformer-engine[pytorch]"],
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-    entry_points={"console_scripts": ["peakflat-plan=megatron_peakflat.plan:main"]},
-)
+    def run(self) -> None:
+        super().run()
+        if self.editable_mode:
+            return
+        target = os.path.join(self.build_lib, "megatron_peakflat", "_csrc")
+        os.makedirs(target, exist_ok=True)
+        for path in _sources(("*.cpp", "*.h", "*.cu", "*.cuh")):
+            self.copy_file(path, os.path.join(target, os.path.basename(path)))
+
+
+def _sources(patterns: tuple[str, ...]) -> list[str]:
+    root = os.path.dirname(os.path.abspath(__file__))
+    return sorted(p for pattern in patterns for p in glob.glob(os.path.join(root, "csrc", pattern)))
+
+
+ext_modules, cmdclass = _extensions()
+cmdclass["build_py"] = _BuildPyWithSources
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

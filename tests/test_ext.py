@@ -30,7 +30,7 @@ def test_require_names_the_feature_and_the_build_command(monkeypatch):
     with pytest.raises(_ext.ExtensionMissingError) as e:
         _ext.require("the host AdamW kernel")
     msg = str(e.value)
-    assert "the host AdamW kernel" in msg and "build_ext --inplace" in msg and "PEAKFLAT_JIT=1" in msg
+    assert "the host AdamW kernel" in msg and "compiled on first use" in msg and "--no-build-isolation" in msg
     assert _ext.load() is None  # cached: no second attempt
 
 
@@ -248,7 +248,6 @@ def test_setup_and_the_jit_build_link_torchs_cxx_runtime(monkeypatch):
     import runpy
 
     import setuptools
-    from torch.utils import cpp_extension
 
     root = Path(__file__).resolve().parent.parent
     runtime = _build.cxx_runtime_link_args()
@@ -261,8 +260,7 @@ def test_setup_and_the_jit_build_link_torchs_cxx_runtime(monkeypatch):
     (ext,) = captured["ext_modules"]
     assert all(arg in ext.extra_link_args for arg in runtime)
 
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: kw)
-    assert all(arg in _ext._jit_build()["extra_ldflags"] for arg in runtime)
+    assert all(arg in _ext._build_args(_ext.sources_dir(), False)["extra_ldflags"] for arg in runtime)
 
 
 @native
@@ -270,3 +268,117 @@ def test_setup_and_the_jit_build_link_torchs_cxx_runtime(monkeypatch):
 def test_the_built_extension_uses_the_shared_cxx_runtime():
     needed, defined = _links(Path(EXT.__file__))
     assert "libstdc++.so.6" in needed and not defined
+
+
+# ---- the build on first use (JIT) and its cache ------------------------------------------------------------
+
+def _no_prebuilt(monkeypatch) -> None:
+    """load() as where no extension was built at install time (``pip install .`` with build isolation)."""
+    real = _ext.importlib.import_module
+
+    def import_module(name, *a, **k):
+        if name == "megatron_peakflat._C":
+            raise ImportError("No module named 'megatron_peakflat._C'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(_ext, "_state", {})
+    monkeypatch.setattr(_ext.importlib, "import_module", import_module)
+
+
+def test_the_cache_is_keyed_by_torch_cuda_parts_and_source_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("PEAKFLAT_EXT_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in _ext.sources_dir().iterdir():
+        if f.is_file():
+            (src / f.name).write_bytes(f.read_bytes())
+    cpp_only = _ext.build_dir(src, False)
+    assert cpp_only.parent == tmp_path / "cache" and cpp_only == _ext.build_dir(src, False)
+    assert cpp_only.name.startswith(f"torch{torch.__version__}-cuda{torch.version.cuda or 'none'}-cpp-py")
+    assert _ext.build_dir(src, True).name.split("-")[2] == "cpp+cuda"
+    (src / "host_pool.h").write_text((src / "host_pool.h").read_text() + "\n// changed\n")
+    changed = _ext.build_dir(src, False)
+    assert changed != cpp_only and changed.name.rsplit("-", 1)[0] == cpp_only.name.rsplit("-", 1)[0]
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert _ext.build_dir(src, False).name.startswith("torch9.9.9-")
+
+
+def test_a_missing_extension_is_built_once_into_the_cache_and_loaded_from_it(tmp_path, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("PEAKFLAT_EXT_CACHE", str(tmp_path))
+    monkeypatch.setenv("PEAKFLAT_CUDA", "0")
+    calls = []
+
+    def fake_load(**kw):  # stands for the compiler: writes the library where torch would
+        calls.append(kw)
+        library = Path(kw["build_directory"]) / f"{kw['name']}.so"
+        library.write_bytes(b"")
+        return type("M", (), {"__file__": str(library), "with_cuda": False})()
+
+    loaded = []
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(_ext, "_import_library", lambda path: loaded.append(path) or "cached module")
+    _no_prebuilt(monkeypatch)
+    with caplog.at_level("INFO", logger="megatron_peakflat"):
+        module = _ext.load()
+    assert module is not None and _ext.source() == "jit" and len(calls) == 1
+    folder = Path(calls[0]["build_directory"])
+    assert folder.parent == tmp_path and (folder / "complete").is_file()
+    assert calls[0]["sources"] and all(Path(s).parent == _ext.sources_dir() for s in calls[0]["sources"])
+    assert "-ffp-contract=off" in calls[0]["extra_cflags"]
+    assert [r.levelname for r in caplog.records if "megatron_peakflat._C" in r.getMessage()] == ["INFO", "INFO"]
+    assert _ext.load() is module and len(calls) == 1  # once per process
+    # the next process finds it in the cache: no compiler, no build
+    _no_prebuilt(monkeypatch)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("compiled again"))
+    monkeypatch.setattr(_ext.shutil, "which", lambda name, **kw: None)  # no compiler, no ninja
+    assert _ext.load() == "cached module" and len(calls) == 1
+    assert loaded == [folder / "megatron_peakflat_C.so"] and "loaded from the build cache" in _ext.reason()
+
+
+def test_where_it_cannot_be_built_one_warning_says_what_falls_back_and_the_fix(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PEAKFLAT_EXT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    _no_prebuilt(monkeypatch)
+    with caplog.at_level("INFO", logger="megatron_peakflat"):
+        assert _ext.load() is None and _ext.load() is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    (msg,) = warnings
+    assert "no-such-compiler" in msg and "install g++" in msg  # why
+    assert _ext.FALLBACKS in msg  # what falls back
+    assert "pip install --no-build-isolation ." in msg and "PEAKFLAT_BUILD_EXT=0" in msg  # the fixes
+    assert _ext.source() == "missing"
+
+
+def test_a_failed_compile_is_one_warning_with_the_compilers_error(tmp_path, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def failing_load(**kw):
+        raise RuntimeError("Error building extension 'megatron_peakflat_C': [1/4] c++ ...\n"
+                           "host_pool.cpp:3:10: fatal error: torch/extension.h: No such file or directory")
+
+    monkeypatch.setenv("PEAKFLAT_EXT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    if shutil.which("c++") is None or _ext._find_ninja() is None:
+        pytest.skip("needs c++ and ninja on PATH to reach the compile step")
+    _no_prebuilt(monkeypatch)
+    with caplog.at_level("INFO", logger="megatron_peakflat"):
+        assert _ext.load() is None
+    (msg,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "compiling megatron_peakflat._C failed: RuntimeError: Error building extension" in msg
+    assert "torch/extension.h" in _ext.build_log()
+
+
+def test_peakflat_build_ext_0_builds_nothing_and_does_not_warn(tmp_path, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("PEAKFLAT_BUILD_EXT", "0")
+    monkeypatch.setenv("PEAKFLAT_EXT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("PEAKFLAT_BUILD_EXT=0 compiled"))
+    _no_prebuilt(monkeypatch)
+    with caplog.at_level("INFO", logger="megatron_peakflat"):
+        assert _ext.load() is None
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "PEAKFLAT_BUILD_EXT=0" in _ext.reason() and not list(tmp_path.iterdir())

@@ -1,0 +1,141 @@
+"""``python -m megatron_peakflat.check``: the one-screen report, and a training command line checked on CPU
+(Megatron's own parser and checks, then peakflat's, then the planner), with its exit statuses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_peakflat import _ext, check
+from megatron_peakflat.integration.registry import CHECKED_ON
+
+MODEL = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 8192 --max-position-embeddings 8192 "
+         "--micro-batch-size 1 --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 8 --bf16 "
+         "--use-distributed-optimizer --moe-token-dispatcher-type alltoall --disable-bias-linear --lr 1e-4 "
+         "--train-iters 10 --no-create-attention-mask-in-dataloader").split()
+PEAKFLAT = ["--peakflat-dispatch", "pipelined-llep", "--peakflat-vocab", "ring-dtp"]
+FIXED = ["--hbm-gib", "80", "--host-gib", "2048"]
+
+
+def test_report_fits_one_screen_and_names_each_part(capsys):
+    assert check.main([]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) <= 30, out
+    for label in ("extension", "Transformer E.", "apex", "triton", "megatron-core", "GPUs", "host RAM",
+                  "PipelinedLLEP", "Ring-DTP", "SCO", "OffloadStream", "attention"):
+        assert any(line.lstrip().startswith(label) for line in lines), (label, out)
+    mcore = next(line for line in lines if line.startswith("megatron-core"))
+    import megatron.core
+
+    installed = megatron.core.__version__.split("+")[0]
+    assert installed in mcore
+    assert ("checked;" in mcore) == (installed in CHECKED_ON), mcore
+    assert "symbols peakflat replaces found" in mcore
+    ext = next(line for line in lines if line.startswith("extension"))
+    module = _ext.load()
+    if module is None:
+        assert "MISSING" in ext
+    else:
+        assert "C++ parts yes" in ext and f"CUDA parts {'yes' if module.with_cuda else 'no'}" in ext
+
+
+def test_report_says_what_falls_back_when_the_extension_is_missing(monkeypatch, capsys):
+    monkeypatch.setattr(_ext, "_state", {"module": None, "source": "missing", "build_log": "x.cpp:1: error: boom",
+                                         "reason": "compiling megatron_peakflat._C failed: error: boom"})
+    assert check.main([]) == 0
+    out = capsys.readouterr().out
+    assert "extension       MISSING: compiling megatron_peakflat._C failed: error: boom" in out
+    assert _ext.FALLBACKS in out and "x.cpp:1: error: boom" in out
+    assert "host Adam step PyTorch" in out
+
+
+def test_an_accepted_command_line_prints_the_plan_and_fits(capsys):
+    assert check.main([*MODEL, *PEAKFLAT, *FIXED]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "validated by Megatron's parse_args and validate_args" in out and "8 GPUs" in out
+    assert "components on: dispatch, vocab" in out
+    assert "peakflat plan: custom  seq 8,192  GPUs 8 (TP1 PP1 CP1 DP8 EP8)" in out  # the planner's table
+    verdict = out.strip().splitlines()[-1]
+    assert verdict.startswith("this command line (dispatch, vocab on):") and verdict.endswith("-> fits"), verdict
+
+
+def test_the_same_line_on_a_smaller_gpu_does_not_fit(capsys):
+    assert check.main([*MODEL, *PEAKFLAT, "--hbm-gib", "4", "--host-gib", "2048"]) == check.DOES_NOT_FIT == 3
+    out = capsys.readouterr().out
+    assert "of 4 GiB" in out and "-> does NOT fit" in out
+
+
+def test_a_peakflat_flag_that_start_up_would_refuse_is_refused(capsys):
+    assert check.main([*MODEL, *PEAKFLAT, "--peakflat-dispatch-chunk-cap", "0", *FIXED]) == check.REFUSED == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: --peakflat-dispatch-chunk-cap=0") and "Fix:" in captured.err
+    assert "peakflat plan:" not in captured.out
+
+
+def test_a_peakflat_flag_is_checked_against_the_megatron_flags(capsys):
+    dense = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 8192 --max-position-embeddings "
+             "8192 --micro-batch-size 1 --bf16 --lr 1e-4 --train-iters 10").split()
+    assert check.main([*dense, "--peakflat-dispatch", "pipelined-llep", *FIXED]) == 2
+    err = capsys.readouterr().err
+    assert "--peakflat-dispatch" in err and "no MoE layers" in err
+
+
+def test_megatrons_argument_errors_come_through_with_a_short_usage(capsys):
+    assert check.main([*MODEL, "--no-such-flag", *FIXED]) == 2
+    err = capsys.readouterr().err
+    assert "error: unrecognized arguments: --no-such-flag" in err
+    assert len(err.strip().splitlines()) == 2, err  # a usage line and Megatron's message, not every flag
+
+
+def test_megatrons_own_checks_come_through_as_they_are(capsys):
+    # 3 GPUs do not divide into TP 2: Megatron's validate_args refuses it with its own words
+    assert check.main([*MODEL, "--tensor-model-parallel-size", "2", "--gpus", "3", *FIXED]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Megatron refused the command line: AssertionError: ")
+    assert "world size (3) is not divisible by" in err
+
+
+def test_tensor_parallel_lines_validate_without_a_gpu(capsys):
+    """validate_args asks a GPU's architecture (and the job's CUDA_DEVICE_MAX_CONNECTIONS) at TP > 1: answered as
+    on a Hopper GPU for the call, then restored."""
+    import os
+
+    import torch
+
+    before = (torch.cuda.get_device_capability, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+    line = [*MODEL, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--gpus", "16", *FIXED]
+    assert check.main(line) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "TP2" in out and "16 GPUs" in out
+    assert (torch.cuda.get_device_capability, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")) == before
+
+
+def test_without_megatron_training_the_planners_parser_checks_the_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "megatron.training.arguments", None)  # import fails
+    assert check.main([*MODEL, *PEAKFLAT, *FIXED]) == 0
+    out = capsys.readouterr().out
+    assert "megatron.training is not importable here" in out
+    unknown = out.split("unknown flags: ")[1].split(";")[0].split()
+    assert "--lr" in unknown and "--train-iters" in unknown and "--num-layers" not in unknown
+    assert out.strip().splitlines()[-1].endswith("-> fits")
+    assert check.main([*MODEL, *PEAKFLAT, "--peakflat-dispatch-chunk-cap", "0", *FIXED]) == 2
+
+
+def test_the_smallest_world_lets_ep_divide_the_data_parallel_ranks():
+    from argparse import Namespace
+
+    assert check._smallest_world(Namespace(expert_model_parallel_size=8)) == 8
+    assert check._smallest_world(Namespace(tensor_model_parallel_size=2, expert_model_parallel_size=4,
+                                           expert_tensor_parallel_size=1, pipeline_model_parallel_size=2)) == 8
+    assert check._smallest_world(Namespace(context_parallel_size=4)) == 4
+
+
+def test_the_module_and_its_exit_status_from_a_shell():
+    out = subprocess.run([sys.executable, "-m", "megatron_peakflat.check", *MODEL, *PEAKFLAT, "--hbm-gib", "4",
+                          "--host-gib", "2048"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 3, (out.stdout[-2000:], out.stderr[-2000:])
+    assert "Traceback" not in out.stderr and "-> does NOT fit" in out.stdout
