@@ -3,9 +3,11 @@
 It trains a small Megatron-Core MoE GPT twice on the same data and the same initial weights:
 once as Megatron ships it (but for its core attention: both runs use peakflat's SDPA attention, as
 ``--peakflat-attention auto`` does without Transformer Engine, so that only the four components differ),
-once with every peakflat component that is available. It prints both
-loss curves side by side (they must agree: the components change schedules, not math), a table of
-the four peaks with what each component did, and the planner's table for a real model.
+once with every peakflat component that is available. It prints one progress line per iteration while it
+trains, then both loss curves side by side (they must agree: the components change schedules, not math),
+a table of the four peaks with what each component did, and the planner's table for a real model. The loss
+table is also written to ``demo_out/loss_curves.txt`` and, where matplotlib is installed, the curves to
+``demo_out/loss_curves.png`` beside it (``--out`` picks another directory).
 
 With CUDA it runs one rank per GPU over NCCL. Without, it runs 2 ranks on CPU with gloo through the
 Megatron-on-CPU shim from ``megatron_peakflat.testing`` and says so.
@@ -19,6 +21,7 @@ import logging
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,7 +95,8 @@ def _run(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     import warnings
 
     warnings.filterwarnings("ignore")  # Megatron warns at length about absent TE/apex; the header says it
-    logging.basicConfig(level=logging.WARNING, format="[rank%d] %%(message)s" % rank)
+    # peakflat's own rank filter (installed by apply) prefixes the lines that differ per rank with the rank
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     init_megatron_parallel(tp=1, ep=world, cpu=not cuda)
     on = opts["components"]
@@ -125,20 +129,31 @@ def _run(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         offload = cfg.optimizer.impl != "megatron"
         setup = build_training(model, tcfg, seq_len=opts["seq"], micro_batch=opts["mb"], lr=3e-3,
                                optimizer_cpu_offload=offload)
+        label = "peakflat" if peakflat else "megatron"
+        last = [time.perf_counter()]
+
+        def progress(_step: int, loss: float) -> None:
+            """One line per iteration, from rank 0: which run, the iteration, its loss and time."""
+            now = time.perf_counter()
+            if rank == 0:
+                print(f"  [{label}] iteration {len(setup.losses):>3}/{opts['steps']}  lm loss {loss:.6f}  "
+                      f"{now - last[0]:6.2f} s", flush=True)
+            last[0] = now
+
         t0 = time.perf_counter()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            train_steps(setup, batches, num_microbatches=opts["microbatches"], device=device)
+            train_steps(setup, batches, num_microbatches=opts["microbatches"], device=device, on_step=progress)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
         else:
-            train_steps(setup, batches[: opts["microbatches"]], num_microbatches=opts["microbatches"])
+            mbs = opts["microbatches"]
+            train_steps(setup, batches[:mbs], num_microbatches=mbs, on_step=progress)
             with LiveBytesMeter() as meter:  # one metered step: the meter slows every op
-                train_steps(setup, batches[opts["microbatches"]: 2 * opts["microbatches"]],
-                            num_microbatches=opts["microbatches"])
-            train_steps(setup, batches[2 * opts["microbatches"]:], num_microbatches=opts["microbatches"])
+                train_steps(setup, batches[mbs: 2 * mbs], num_microbatches=mbs, on_step=progress)
+            train_steps(setup, batches[2 * mbs:], num_microbatches=mbs, on_step=progress)
             peak = meter.peak
         elapsed = time.perf_counter() - t0
         return {"losses": list(setup.losses), "peak": peak, "seconds": elapsed, "stats": stats.snapshot(),
@@ -150,17 +165,55 @@ def _run(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     return {"off": off, "on": on_run}
 
 
+def loss_table(off: list[float], on: list[float], rtol: float) -> tuple[str, bool]:
+    """The two loss curves side by side, and whether they agree within ``rtol`` (same length, finite)."""
+    lines = [f"{'step':>4}  {'megatron':>12}  {'peakflat':>12}  {'|diff|':>10}"]
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(off, on)):
+        d = abs(a - b)
+        worst = max(worst, d / max(abs(a), 1e-12))
+        lines.append(f"{i + 1:>4}  {a:12.6f}  {b:12.6f}  {d:10.2e}")
+    agree = worst <= rtol and len(off) == len(on) and all(map(math.isfinite, on))
+    lines.append(f"largest relative difference {worst:.2e} -> {'AGREE' if agree else 'DISAGREE'} (tolerance {rtol:.0e})")
+    return "\n".join(lines), agree
+
+
+def write_loss_curves(off: list[float], on: list[float], table: str, out: Path, title: str) -> list[str]:
+    """Write ``table`` to ``out/loss_curves.txt`` and the two curves to ``out/loss_curves.png`` beside it; without
+    matplotlib the PNG is skipped. Returns the lines to print about what was written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loss_curves.txt").write_text(table + "\n")
+    said = [f"loss table written to {out / 'loss_curves.txt'}"]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return said + ["loss curves PNG skipped: matplotlib is not installed (pip install matplotlib)"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    steps = range(1, len(off) + 1)
+    ax.plot(steps, off, "o-", label="Megatron-Core (peakflat off)")
+    ax.plot(range(1, len(on) + 1), on, "x--", label="peakflat on")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=120)
+    plt.close(fig)
+    return said + [f"loss curves written to {out / 'loss_curves.png'}"]
+
+
 def _print_report(res: dict[str, Any], opts: dict[str, Any], unavailable: dict[str, str | None]) -> bool:
     off, on = res["off"], res["on"]
     print("\n== loss curves (same weights, same data) ==")
-    print(f"{'step':>4}  {'megatron':>12}  {'peakflat':>12}  {'|diff|':>10}")
-    worst = 0.0
-    for i, (a, b) in enumerate(zip(off["losses"], on["losses"])):
-        d = abs(a - b)
-        worst = max(worst, d / max(abs(a), 1e-12))
-        print(f"{i + 1:>4}  {a:12.6f}  {b:12.6f}  {d:10.2e}")
-    agree = worst <= opts["rtol"] and len(off["losses"]) == len(on["losses"]) and all(map(math.isfinite, on["losses"]))
-    print(f"largest relative difference {worst:.2e} -> {'AGREE' if agree else 'DISAGREE'} (tolerance {opts['rtol']:.0e})")
+    table, agree = loss_table(off["losses"], on["losses"], opts["rtol"])
+    print(table)
+    title = (f"{opts['layers']}-layer MoE GPT, {opts['experts']} experts, {opts['world']} ranks "
+             f"({'CUDA' if opts['cuda'] else 'CPU'}): same weights, same data")
+    for line in write_loss_curves(off["losses"], on["losses"], table, Path(opts["out"]), title):
+        print(line)
 
     print("\n== the four peaks ==")
     print(f"{'peak':22s} {'Megatron part':46s} {'component':18s} {'status':14s} what it did")
@@ -196,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-cap", type=int, default=32, help="PipelinedLLEP chunk cap (small, so chunking shows)")
     ap.add_argument("--rtol", type=float, default=1e-4, help="loss agreement tolerance (fp32)")
     ap.add_argument("--no-plan", action="store_true", help="skip the planner table at the end")
+    ap.add_argument("--out", default="demo_out", help="directory for loss_curves.txt and loss_curves.png")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
     world = a.world or (torch.cuda.device_count() if cuda else 2)
@@ -212,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
           f"not available: {', '.join(c for c, w in unavailable.items() if w) or 'none'}")
     print(f"model: Megatron-Core GPTModel, {a.layers} layers, hidden {a.hidden}, {a.experts} experts top-2, "
           f"vocab {a.vocab}, seq {a.seq}, EP={world}, full recompute, distributed optimizer, {a.steps} steps")
-    opts = dict(vars(a), cuda=cuda, components=comps)
+    opts = dict(vars(a), cuda=cuda, components=comps, world=world)
     from .testing.distributed import run_distributed
 
     t0 = time.perf_counter()
