@@ -2,12 +2,13 @@
 
 Examples:
 
-    python -m megatron_peakflat.plan --preset gpt-oss-120b --seq-len 1048576 --gpus 16
+    python -m megatron_peakflat.plan --preset gpt-oss-120b --seq-len 1M --gpus 16
     python -m megatron_peakflat.plan --megatron-args "--num-layers 24 --hidden-size 2880 ..." --gpus 8 --json
-    python -m megatron_peakflat.plan --preset deepseek-v3 --seq-len 131072 --gpus 256 --plot peaks.png
+    python -m megatron_peakflat.plan --preset deepseek-v3 --seq-len 128K --gpus 256 --plot peaks.png
 
-Precedence: explicit planner flags > --megatron-args > --preset > defaults chosen from --gpus.
-Answers in well under a second: no torch, no GPU, no process group.
+(``peakflat-plan`` is the same command.) Precedence: explicit planner flags > --megatron-args > --preset > defaults
+chosen from --gpus. Answers in well under a second: no torch, no GPU, no process group. Exit status: 0 when the
+recommendation fits, 3 when nothing does, 2 for a bad flag.
 """
 
 from __future__ import annotations
