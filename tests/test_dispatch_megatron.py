@@ -131,7 +131,8 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         overlap = world > 1 and K == 7  # the all-to-alls of neighbouring chunks in flight together
         ref_model, model = _ref_and_patched(config, DispatchConfig(
             impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8, alpha=1.0, min_spill=0, imbalance_threshold=1.05,
-            overlap=overlap, overlap_min_chunks=0))  # the cap alone sets K (the floor has its own test)
+            overlap=overlap, overlap_min_chunks=0,  # the cap alone sets K (the floor has its own test)
+            max_foreign_experts=E))  # no hosting limit: at these tiny shapes 'auto' would move no weights
         swapped = _swapped(model, config.num_layers)
         assert all(m.config.moe_token_dispatcher_type == "alltoall" for m in swapped)
         plain = K != 7  # K=7 cases call the expert modules themselves; the others the plain-ops path
@@ -304,7 +305,7 @@ def grouped_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         config = mc.tiny_transformer_config(num_moe_experts=E, **extra)
         ref_model, model = _ref_and_patched(config, DispatchConfig(
             impl="pipelined-llep", chunk_cap=caps[K], max_chunks=8, min_spill=0, imbalance_threshold=1.05,
-            overlap=world > 1 and K == 7, overlap_min_chunks=0), experts="grouped")
+            overlap=world > 1 and K == 7, overlap_min_chunks=0, max_foreign_experts=E), experts="grouped")
         swapped = _swapped(model, config.num_layers)
         # Gradient-accumulation fusion (Megatron's default with TE or apex) changes nothing for these experts:
         # their weights' gradients are added into main_grad by PipelinedLLEP, never by the linear modules.

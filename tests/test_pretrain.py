@@ -147,14 +147,16 @@ def test_checkpoint_resume_with_peakflat_continues_as_megatron_does(tmp_path):
 
 def test_pipeline_and_expert_parallel_same_loss_with_dispatch_on():
     """PipelinedLLEP under Megatron's pipeline schedule (PP=2, 1F1B over two stages) with EP=2 inside each
-    stage, full recompute, 4 gloo ranks: expert weights spill to the other EP rank (lambda 1.0, m 0), eight
+    stage, full recompute, 4 gloo ranks: expert weights spill to the other EP rank (lambda 1.0, m 0, no hosting
+    limit: at this tiny shape 'auto' would keep every expert home), eight
     chunks overlap their all-to-alls, and the collectives of both stages' microbatches interleave without a
     deadlock. Same losses and grad norms as Megatron's own dispatcher."""
     args = [*TINY, *RECOMPUTE, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
             "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
     off, text = _off_then_on(args, ["--peakflat-dispatch", "pipelined-llep", "--peakflat-dispatch-chunk-cap", "16",
                                     "--peakflat-dispatch-imbalance-threshold", "1.0",
-                                    "--peakflat-dispatch-min-spill", "0"], nproc=4)
+                                    "--peakflat-dispatch-min-spill", "0",
+                                    "--peakflat-dispatch-max-foreign-experts", "2"], nproc=4)
     spilled = [int(n) for n in re.findall(r"first MoE layer call: .*, (\d+) experts spilled so far", text)]
     assert spilled and max(spilled) > 0, spilled
     assert re.search(r"K=8 chunks .* all-to-all overlap on", text)

@@ -173,7 +173,8 @@ def _nccl_dispatch(rank: int, world: int, dev: str = "cuda") -> list[tuple[str, 
             for name, pack, transport in (("packed", True, "nccl"), ("unpacked", False, "nccl"),
                                           ("copy-engine", True, "copy-engine")):
                 cfg = DispatchConfig(impl="pipelined-llep", chunk_cap=128, max_chunks=64, min_spill=16,
-                                     imbalance_threshold=1.1, pack_collectives=pack, transport=transport)
+                                     imbalance_threshold=1.1, pack_collectives=pack, transport=transport,
+                                     max_foreign_experts=E)  # weights move under skew ('auto' keeps them home here)
                 x = x32.to(dev).bfloat16().requires_grad_(True)
                 probs = probs32.to(dev).requires_grad_(True)
                 gout = gout32.to(dev).bfloat16()
