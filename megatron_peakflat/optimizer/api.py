@@ -23,8 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+import math
 import weakref
-from typing import Any, Callable, Iterable, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Literal, Mapping
 
 import torch
 
@@ -62,6 +64,129 @@ def _refuse_unsupported(options: dict[str, Any], where: str) -> None:
     for k in _UNSUPPORTED:
         if options.get(k):
             raise ValueError(f"OffloadStreamAdamW: {k}=True is not supported ({where})")
+
+
+_STATE_TENSORS = ("master_param", "exp_avg", "exp_avg_sq")
+"""The keys of ``state[param]`` that live in the host buckets (``step`` is a count, kept apart)."""
+_LOAD = "OffloadStreamAdamW.load_state_dict"
+
+
+def _checked_step(value: Any, where: str) -> int:
+    """A saved Adam step as an int: a non-negative whole number (an int, a float or a one-element tensor)."""
+    try:
+        x = float(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value)
+    except (TypeError, ValueError, RuntimeError):
+        x = math.nan
+    if not (math.isfinite(x) and x >= 0 and x == int(x)):
+        raise ValueError(f"{_LOAD}: {where}: saved step {value!r} is not a non-negative whole number")
+    return int(x)
+
+
+def _check_state_tensor(value: Any, key: str, p: torch.Tensor, where: str, what: str) -> torch.Tensor:
+    """``value`` when it can stand for ``p``'s ``key`` state: a real floating-point tensor of ``p``'s own shape
+    (so also its element count). A ValueError names ``where`` and both shapes otherwise; a tensor of the same
+    element count but another shape is refused too (a 53x37 state is not a 37x53 parameter's)."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where}: {what} {key!r} is a {type(value).__name__}, not a tensor")
+    if not value.is_floating_point() or value.is_meta:
+        raise ValueError(f"{where}: {what} {key!r} is a {value.dtype} tensor on {value.device}; the host state "
+                         f"holds real floating-point values (fp32), so a {value.dtype} one cannot be its state")
+    if value.shape != p.shape:
+        raise ValueError(f"{where}: {what} {key!r} has shape {tuple(value.shape)} ({value.numel():,} "
+                         f"elements), this parameter has shape {tuple(p.shape)} ({p.numel():,} elements): the state "
+                         f"belongs to other parameters, or to these in another order; load it into an optimizer "
+                         f"built over the parameters it was saved with, in the same order")
+    return value
+
+
+def _overlaps(src: torch.Tensor, flats: Iterable[torch.Tensor]) -> bool:
+    """Whether ``src``'s bytes overlap any of ``flats`` (the host buckets): a copy into the buckets must read it
+    first, or an earlier copy could overwrite it."""
+    if src.device.type != "cpu" or src.numel() == 0:
+        return False
+    lo = src.data_ptr()
+    hi = lo + src.numel() * src.element_size()
+    return any(f.device.type == "cpu" and lo < f.data_ptr() + f.numel() * f.element_size() and f.data_ptr() < hi
+               for f in flats)
+
+
+@dataclass(frozen=True)
+class _LoadPlan:
+    """Everything a ``load_state_dict`` changes, from a state dict checked whole before any change."""
+
+    hyper: list[dict[str, Any]]
+    """Per param group, the saved hyperparameters to take."""
+    steps: dict[int, int]
+    """Flat parameter index -> its Adam step (its saved group's, else its own)."""
+    copies: list[tuple[int, str, torch.Tensor]]
+    """(flat parameter index, state key, saved tensor of the parameter's shape)."""
+    fraction: float | None
+    measured: list[tuple]
+
+    @staticmethod
+    def check(opt: "OffloadStreamAdamW", state_dict: Mapping[str, Any]) -> "_LoadPlan":
+        """Check ``state_dict`` against ``opt``'s param groups and parameters; ValueError at the first mismatch."""
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise ValueError(f"{_LOAD}: a state dict holds 'state' and 'param_groups', got {got}")
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        if len(groups) != len(opt.param_groups):
+            raise ValueError(f"{_LOAD}: {len(groups)} param groups saved, {len(opt.param_groups)} here")
+        index = {id(p): i for i, p in enumerate(opt._flat_params())}
+        placed: dict[Any, tuple[int, int, torch.Tensor]] = {}  # saved index -> (group, position, parameter)
+        hyper, steps, group_step = [], {}, set()
+        for gi, (saved, mine) in enumerate(zip(groups, opt.param_groups)):
+            saved_params = list(saved["params"])
+            if len(saved_params) != len(mine["params"]):
+                raise ValueError(f"{_LOAD}: a param group's size differs from the saved one (param group {gi}: "
+                                 f"{len(saved_params)} parameters saved, {len(mine['params'])} here)")
+            _refuse_unsupported(saved, f"in saved param group {gi}")
+            step = _checked_step(saved["step"], f"param group {gi}") if saved.get("step") is not None else None
+            for pj, (idx, p) in enumerate(zip(saved_params, mine["params"])):
+                if idx in placed:
+                    g0, p0, _ = placed[idx]
+                    raise ValueError(f"{_LOAD}: saved parameter index {idx!r} is listed twice (param group {g0}, "
+                                     f"parameter {p0} and param group {gi}, parameter {pj})")
+                placed[idx] = (gi, pj, p)
+                if step is not None:
+                    steps[index[id(p)]] = step
+                    group_step.add(index[id(p)])
+            # a class (HybridDeviceOptimizer's optimizer-class knobs, in checkpoints saved before they were
+            # kept as None) is not taken back: torch.load(weights_only=True) could not load a later save
+            hyper.append({k: v for k, v in saved.items()
+                          if k not in ("params", "step", "peakflat_gpu_fraction") and not isinstance(v, type)})
+        copies = []
+        for idx, st in state.items():
+            if idx not in placed:
+                raise ValueError(f"{_LOAD}: the saved state holds parameter index {idx!r}, which no saved param "
+                                 f"group lists (they list {len(placed)} parameters)")
+            gi, pj, p = placed[idx]
+            where = f"param group {gi}, parameter {pj} (saved index {idx!r})"
+            if not isinstance(st, Mapping):
+                raise ValueError(f"{_LOAD}: {where}: its saved state is a {type(st).__name__}, not a dict")
+            for key in _STATE_TENSORS:
+                if st.get(key) is not None:
+                    copies.append((index[id(p)], key, _check_state_tensor(st[key], key, p, f"{_LOAD}: {where}",
+                                                                          "saved")))
+            # A group's step wins: ours writes one only where every parameter shares it, and Megatron's
+            # DistributedOptimizer with TE or apex present saves only the group's and hands back, as
+            # per-parameter state, what this optimizer held before the load (step 0).
+            if "step" in st and index[id(p)] not in group_step:
+                steps[index[id(p)]] = _checked_step(st["step"], where)
+        extra = state_dict.get("peakflat") or {}
+        fraction = extra.get("gpu_fraction", groups[0].get("peakflat_gpu_fraction") if groups else None)
+        measured = extra.get("measured", [])
+        try:
+            fraction = None if fraction is None else float(fraction)
+        except (TypeError, ValueError):
+            raise ValueError(f"{_LOAD}: the saved engine split gpu_fraction={fraction!r} is not a number") from None
+        if fraction is not None and not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"{_LOAD}: the saved engine split gpu_fraction={fraction} lies outside [0, 1]")
+        measured = [tuple(m) for m in measured]
+        if any(len(m) != 4 or not all(isinstance(x, (int, float)) for x in m) for m in measured):
+            raise ValueError(f"{_LOAD}: the saved engine measurements {measured!r} are not rows of (GPU buckets, "
+                             f"GPU seconds, host buckets, host seconds)")
+        return _LoadPlan(hyper, steps, copies, fraction, measured)
 
 
 class OffloadStreamAdamW(torch.optim.Optimizer):
@@ -441,25 +566,40 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         (``load_parameter_state_from_dp_reshardable`` hands ``_set_main_param_and_optimizer_states`` the
         template's 0), after it has loaded the real step through ``load_state_dict``; adopting it would
         restart Adam's bias correction on every resume. A ``step`` entry that disagrees with the count is
-        replaced by it."""
+        replaced by it.
+
+        All or nothing, as ``load_state_dict``: a tensor that is not of its parameter's shape (or not real
+        floating point) raises a ValueError naming the param group, the parameter and both shapes before
+        any tensor is adopted."""
         if not self._materialized:
             return
         flats = self._flat_state()
+        where = [(gi, pj) for gi, g in enumerate(self.param_groups) for pj in range(len(g["params"]))]
+        adopt, rebind = [], set()
         for i, p in enumerate(self._params):
             st = self.state.get(p)
             if st is None:
-                self._bind_state(i, p)
+                rebind.add(i)
                 continue
-            rebind = False
             for k, flat in flats.items():
                 v = st.get(k)
                 dst = self._view(flat, i)
                 if v is None:
-                    rebind = True
-                elif not isinstance(v, torch.Tensor) or v.data_ptr() != dst.data_ptr():
-                    dst.copy_(torch.as_tensor(v).reshape(-1))
-                    rebind = True
-            if rebind or not self._step_is_current(i, p):
+                    rebind.add(i)
+                elif isinstance(v, torch.Tensor) and v.data_ptr() == dst.data_ptr() and v.numel() == dst.numel():
+                    if v.shape != p.shape:  # the bucket's own view, reshaped
+                        rebind.add(i)
+                else:
+                    at = (f"OffloadStreamAdamW: adopting state[param] (a checkpoint load), param group {where[i][0]}, "
+                          f"parameter {where[i][1]}")
+                    v = _check_state_tensor(torch.as_tensor(v), k, p, at, "the tensor put in for")
+                    adopt.append((dst, v.detach().clone() if _overlaps(v, flats.values()) else v))
+                    rebind.add(i)
+        with torch.no_grad():
+            for dst, v in adopt:
+                dst.copy_(v.reshape(-1))
+        for i, p in enumerate(self._params):
+            if i in rebind or not self._step_is_current(i, p):
                 self._bind_state(i, p)
 
     def _step_is_current(self, i: int, p: torch.Tensor) -> bool:
@@ -511,50 +651,31 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` (ours, or torch.optim.AdamW's without ``master_param``: masters then
         come from the current parameters). Tensors are copied into the host buckets. A parameter's Adam
-        step is its saved param group's ``step`` when the group has one, else its own saved ``step``."""
+        step is its saved param group's ``step`` when the group has one, else its own saved ``step``.
+
+        All or nothing: every param group, parameter and state tensor is checked first (group count and
+        sizes, as torch.optim does, and also each tensor's shape, element count and dtype against the
+        parameter it lands on, which torch.optim only meets at the next step as a broadcast error or a
+        silent broadcast). A ValueError names the param group, the parameter and both shapes, and leaves
+        the optimizer (hyperparameters, step counts, masters, moments, engine split) exactly as it was."""
+        load = _LoadPlan.check(self, state_dict)
         self._materialize()
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"OffloadStreamAdamW.load_state_dict: {len(groups)} param groups saved, "
-                             f"{len(self.param_groups)} here")
-        for gi, (saved, mine) in enumerate(zip(groups, self.param_groups)):
-            if len(saved["params"]) != len(mine["params"]):
-                raise ValueError("OffloadStreamAdamW.load_state_dict: a param group's size differs from the saved one")
-            _refuse_unsupported(saved, f"in saved param group {gi}")
-        id_map = {}
-        index = {id(p): i for i, p in enumerate(self._params)}
-        group_step: set[int] = set()  # parameters whose step their saved group gives
-        for saved, mine in zip(groups, self.param_groups):
-            for k, v in saved.items():
-                # a class (HybridDeviceOptimizer's optimizer-class knobs, in checkpoints saved before they were
-                # kept as None) is not taken back: torch.load(weights_only=True) could not load a later save
-                if k not in ("params", "step", "peakflat_gpu_fraction") and not isinstance(v, type):
-                    mine[k] = v
-            for idx, p in zip(saved["params"], mine["params"]):
-                id_map[idx] = p
-                if saved.get("step") is not None:
-                    self._steps[index[id(p)]] = int(float(saved["step"]))
-                    group_step.add(index[id(p)])
         flats = self._flat_state()
+        for mine, hyper in zip(self.param_groups, load.hyper):
+            mine.update(hyper)
+        staged = []
+        for i, key, src in load.copies:
+            dst = self._view(flats[key], i)
+            if src.data_ptr() != dst.data_ptr():
+                # a view of another place in the buckets (this optimizer's own state, reordered) is read first
+                staged.append((dst, src.detach().clone() if _overlaps(src, flats.values()) else src))
         with torch.no_grad():
-            for idx, st in state_dict["state"].items():
-                p = id_map[idx]
-                i = index[id(p)]
-                for k, flat in flats.items():
-                    if k in st and st[k] is not None:
-                        dst = self._view(flat, i)
-                        src = torch.as_tensor(st[k])
-                        if src.data_ptr() != dst.data_ptr():
-                            dst.copy_(src.reshape(-1))
-                # A group's step wins: ours writes one only where every parameter shares it, and Megatron's
-                # DistributedOptimizer with TE or apex present saves only the group's and hands back, as
-                # per-parameter state, what this optimizer held before the load (step 0).
-                if "step" in st and i not in group_step:
-                    self._steps[i] = int(float(st["step"]))
+            for dst, src in staged:
+                dst.copy_(src.reshape(-1))
+        for i, step in load.steps.items():
+            self._steps[i] = step
         for i, p in enumerate(self._params):  # views of the buckets, and each step (its group's or its own)
             self._bind_state(i, p)
-        extra = state_dict.get("peakflat") or {}
-        fraction = extra.get("gpu_fraction", groups[0].get("peakflat_gpu_fraction") if groups else None)
-        if self.engine == "auto" and fraction is not None:
-            self._gpu_fraction = float(fraction)  # the split the saved run used: a resumed run continues bitwise
-            self._measured = [tuple(m) for m in extra.get("measured", [])]
+        if self.engine == "auto" and load.fraction is not None:
+            self._gpu_fraction = load.fraction  # the split the saved run used: a resumed run continues bitwise
+            self._measured = load.measured
