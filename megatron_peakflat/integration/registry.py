@@ -6,9 +6,12 @@ original. Both are idempotent. Each replacement is built lazily by a factory
 before ``apply`` is called. Replacements read the live config through ``state.current()``, so a
 second ``apply`` with another config takes effect without re-patching.
 
-A Megatron that moved or renamed a symbol, or whose function lacks a keyword a replacement
-passes (``Patch.needs_params``), fails here, at start-up, with an error naming the symbol and the
-megatron-core versions the entry was checked on: not with a TypeError at the first step.
+A Megatron that moved or renamed a symbol, whose function lacks a keyword a replacement
+passes (``Patch.needs_params``), or whose leading parameters are no longer those a replacement reads
+by position (``Patch.positional``), fails here, at start-up, with an error naming the symbol and the
+megatron-core versions the entry was checked on: not with a TypeError, or a wrong argument, at the
+first step. A megatron-core outside the checked range (``CHECKED_ON``) gets one warning naming both
+(``check_megatron_version``): the names can all be there while what they mean has changed.
 
 Checked on: the CPU suite (``make test``) passes on every version of ``CHECKED_ON``; the GPU tests
 and benchmarks ran on 0.19.2. megatron-core 0.17.1 lacks ``megatron.core.recompute`` and
@@ -18,6 +21,7 @@ and benchmarks ran on 0.19.2. megatron-core 0.17.1 lacks ``megatron.core.recompu
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
 import logging
 from dataclasses import dataclass
@@ -25,7 +29,8 @@ from typing import Any, Callable
 
 from . import state
 
-__all__ = ["Patch", "PATCHES", "apply_patches", "remove_patches", "applied", "PeakflatIntegrationError"]
+__all__ = ["Patch", "PATCHES", "apply_patches", "remove_patches", "applied", "PeakflatIntegrationError",
+           "CHECKED_ON", "megatron_core_version", "unchecked_version_warning", "check_megatron_version"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -54,6 +59,9 @@ class Patch:
     """Keyword parameters the original must accept, because the replacement passes them."""
     optional: bool = False
     """Absent from some megatron-core versions, where nothing needs it: skipped there with a debug line."""
+    positional: tuple[str, ...] = ()
+    """The original's leading parameters, in order, where the replacement reads or passes arguments by
+    position (``'*args'``: a variable positional parameter, whatever its name)."""
 
     @property
     def symbol(self) -> str:
@@ -71,16 +79,19 @@ PATCHES: tuple[Patch, ...] = (
           "runs PipelinedLLEP's chunked dispatch -> experts -> combine for layers holding its dispatcher"),
     Patch("dispatch", "megatron.core.tensor_parallel.random", "CheckpointFunction.forward",
           "megatron_peakflat.integration.fused_recompute:wrap_checkpoint_forward",
-          "notes the last PipelinedLLEP layer inside each checkpoint"),
+          "notes the last PipelinedLLEP layer inside each checkpoint",
+          positional=("ctx", "run_function", "distribute_saved_activations", "*args")),
     Patch("dispatch", "megatron.core.tensor_parallel.random", "CheckpointFunction.backward",
           "megatron_peakflat.integration.fused_recompute:wrap_checkpoint_backward",
-          "gives that layer its output gradient during the recompute (fused chunk forward + backward)"),
+          "gives that layer its output gradient during the recompute (fused chunk forward + backward)",
+          positional=("ctx", "*args")),
     Patch("vocab", "megatron.core.models.gpt.gpt_model", "GPTModel.__init__",
           "megatron_peakflat.integration.vocab_shard:wrap_gpt_init",
           "cuts the output layer to this expert-parallel rank's rows if --peakflat-vocab-shard-over-ep is on; else nothing"),
     Patch("vocab", "megatron.core.models.gpt.gpt_model", "GPTModel.forward",
           "megatron_peakflat.integration.vocab:wrap_gpt_forward",
-          "passes a Ring-DTP output_processor so the logits are never built", needs_params=("output_processor",)),
+          "passes a Ring-DTP output_processor so the logits are never built", needs_params=("output_processor",),
+          positional=("self", "input_ids", "position_ids", "attention_mask", "decoder_input", "labels")),
     Patch("vocab", "megatron.core.models.gpt.gpt_model", "process_mtp_loss",
           "megatron_peakflat.integration.vocab:wrap_process_mtp_loss",
           "computes the MTP layers' losses with Ring-DTP inside Megatron's own process_mtp_loss (no logits)",
@@ -88,7 +99,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vocab", "megatron.core.transformer.multi_token_prediction", "_compute_mtp_acceptance_counts",
           "megatron_peakflat.integration.vocab:wrap_mtp_acceptance_counts",
           "counts the MTP acceptance from the argmaxes Ring-DTP kept (0.18.2 has no such counts)",
-          checked_on=("0.19.2",), optional=True),
+          checked_on=("0.19.2",), optional=True, positional=("mtp_logits", "mtp_labels", "loss_mask")),
     Patch("sco", "megatron.core.recompute", "checkpointed_forward",
           "megatron_peakflat.integration.recompute:wrap_checkpointed_forward",
           "keeps full-recompute boundary inputs in pinned host memory"),
@@ -156,7 +167,89 @@ def _resolve(p: Patch) -> tuple[Any, str, Any]:
             f"megatron-core's version of it does not take. It was checked on megatron-core {', '.join(p.checked_on)}; "
             f"install one of those or turn the {p.component} component off."
         )
+    if p.positional and not _leads_with(raw, p.positional):
+        raise PeakflatIntegrationError(
+            f"megatron-peakflat ({p.component}) reads the arguments of {p.symbol} by position as "
+            f"({', '.join(p.positional)}), and this megatron-core's version of it is {_signature(raw)}. It was "
+            f"checked on megatron-core {', '.join(p.checked_on)}; install one of those or turn the {p.component} "
+            f"component off."
+        )
     return owner, name, raw
+
+
+def _signature(fn: Any) -> str:
+    fn = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+    try:
+        return f"{getattr(fn, '__name__', 'it')}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return "unreadable"
+
+
+def _leads_with(fn: Any, names: tuple[str, ...]) -> bool:
+    """Whether ``fn``'s first parameters are ``names``, each taken by position (``'*args'``: a variable
+    positional parameter), in that order (a signature that cannot be read is given the benefit of the doubt)."""
+    fn = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if len(params) < len(names):
+        return False
+    by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for want, q in zip(names, params):
+        if want.startswith("*"):
+            if q.kind is not inspect.Parameter.VAR_POSITIONAL:
+                return False
+        elif q.name != want or q.kind not in by_position:
+            return False
+    return True
+
+
+def megatron_core_version() -> str | None:
+    """The installed megatron-core's version: its distribution's, else ``megatron.core.package_info``'s (a
+    source checkout on PYTHONPATH); None when neither can be read."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        return str(importlib.import_module("megatron.core.package_info").__version__)
+    except (ImportError, AttributeError):
+        return None
+
+
+def unchecked_version_warning(version: str | None) -> str | None:
+    """The warning for a megatron-core ``version`` outside the checked range, from the lowest to the highest of
+    ``CHECKED_ON`` (a local suffix such as ``+8c99d7f`` ignored), or unreadable; None inside the range."""
+    from packaging.version import InvalidVersion, Version
+
+    lo, hi = min(CHECKED_ON, key=Version), max(CHECKED_ON, key=Version)
+    checked = f"{lo} to {hi} (tested on {', '.join(CHECKED_ON)})"
+    try:
+        inside = version is not None and Version(lo) <= Version(Version(version).public) <= Version(hi)
+    except InvalidVersion:
+        inside = False
+    if inside:
+        return None
+    what = "could not be read" if version is None else f"is {version}"
+    return (f"peakflat: the installed megatron-core {what}, outside the range these patches were checked on: "
+            f"megatron-core {checked}. Each patched symbol is looked up and its signature checked at start-up, but "
+            f"a patch may rely on behaviour that changed with no change of name or signature; install a "
+            f"megatron-core in that range, or run the package's CPU tests against this one before training on it.")
+
+
+_version_warned = False
+
+
+def check_megatron_version() -> str | None:
+    """Compare the installed megatron-core with ``CHECKED_ON``; outside the checked range, log one warning per
+    process (never an error) and return it."""
+    global _version_warned
+    note = unchecked_version_warning(megatron_core_version())
+    if note and not _version_warned:
+        _version_warned = True
+        log.warning(note)
+    return note
 
 
 def _accepts(fn: Any, keyword: str) -> bool:
@@ -183,8 +276,10 @@ def applied() -> list[str]:
 def apply_patches(components: set[str]) -> list[str]:
     """Patch every entry whose component is in ``components``; return the symbols newly patched.
 
-    All symbols are resolved before anything is patched, so a missing symbol leaves Megatron intact.
+    All symbols are resolved before anything is patched, so a missing symbol leaves Megatron intact. A
+    megatron-core outside the checked range is logged once (``check_megatron_version``).
     """
+    check_megatron_version()
     todo = [p for p in PATCHES if p.component in components and p.symbol not in _applied]
     resolved = []
     for p in todo:
