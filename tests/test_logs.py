@@ -101,3 +101,25 @@ def test_pretrain_logs_in_megatrons_format_from_rank_0_only():
         out[rank] = [ln for ln in res.stdout.splitlines() if "megatron_peakflat" in ln]
     assert out["0"] == ["INFO:megatron_peakflat:peakflat: shared", "INFO:megatron_peakflat:[rank 0] peakflat: mine"]
     assert out["1"] == ["INFO:megatron_peakflat:[rank 1] peakflat: mine"]
+
+
+def test_bench_reads_peakflat_lines_under_megatrons_format_and_rank_prefix():
+    """bench/pretrain_compare.py keeps what the components said they did from a log in Megatron's format, with or
+    without a per-rank prefix, each line once."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.pretrain_compare import parse_log
+
+    text = "\n".join([
+        "INFO:megatron_peakflat:peakflat: patched megatron.core.optimizer.HybridDeviceOptimizer: ...",
+        "INFO:megatron_peakflat:[rank 0] peakflat dispatch: first MoE layer call: 4096 tokens here, K=2 chunks",
+        "INFO:megatron_peakflat:[rank 1] peakflat dispatch: first MoE layer call: 4096 tokens here, K=2 chunks",
+        "WARNING:megatron_peakflat:[rank 1] peakflat SCO: --peakflat-sco-budget 8 GiB exceeds 4 GiB; clamped",
+        "peakflat vocab: Ring-DTP loss (schedule=auto, block=auto, kernel=auto); logits are not built",
+    ])
+    assert parse_log(text)["peakflat_lines"] == [
+        "peakflat dispatch: first MoE layer call: 4096 tokens here, K=2 chunks",
+        "peakflat SCO: --peakflat-sco-budget 8 GiB exceeds 4 GiB; clamped",
+        "peakflat vocab: Ring-DTP loss (schedule=auto, block=auto, kernel=auto); logits are not built",
+    ]
