@@ -393,7 +393,8 @@ def _log_first_call(rows: int, cfg: Any, ep: int) -> None:
         overlap += f" (over {s.get('transport', cfg.transport)})"
     info_once(f"peakflat dispatch: first MoE layer call: {rows} tokens here, K={s.get('chunks')} chunks of at most "
               f"{s.get('max_chunk_rows')} rows, all-to-all overlap {overlap}, load imbalance {s.get('imbalance')}, "
-              f"{s.get('spilled_experts', 0)} experts spilled so far", per_rank=True)
+              f"{s.get('spilled_experts', 0)} experts spilled so far, at most {s.get('max_foreign_experts', 0)} "
+              "experts of other ranks hosted per rank (--peakflat-dispatch-max-foreign-experts)", per_rank=True)
 
 
 @functools.cache
