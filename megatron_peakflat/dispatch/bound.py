@@ -58,9 +58,10 @@ def flow_chunk_rows(*, pairs_per_rank: float, ep: int, chunk_cap: int, max_chunk
     least-loaded rank that may host it, which then holds less than mean + (P - 1) * m
     (``plan.least_loaded_plan``). R_d is what the hosting limit ``max_foreign`` (per rank, over the
     ``num_local_experts`` E_p of each rank) keeps at home: a spill stays on its owner only when a rank
-    with room already hosts ``max_foreign`` experts, all visited earlier and so no smaller, so the at
-    most E_p refused experts of one owner hold R_d <= E_p * P * mean / (E_p + max_foreign); 0 when the
-    limit cannot bind (``hosting_capped``). Hence
+    with room already hosts ``max_foreign`` other experts, visited earlier and so each at least the load
+    n_1 of the owner's first refused expert; the at most E_p refused ones hold no more than n_1 each, and
+    every load sums to P * mean, so R_d <= min(E_p * n_1, P * mean - max_foreign * n_1)
+    <= E_p * P * mean / (E_p + max_foreign); 0 when the limit cannot bind (``hosting_capped``). Hence
     ``ceil((max(alpha, lambda) + R / mean) * c_eff) + (P - 1) * m + P + 1`` rows; at EP=1, c_eff. Far below
     P * (c + k) at large P (the bound of strided and hybrid chunks, which route each chunk by the plan's
     proportions, and of any membership whatever the plan: callers take the smaller) unless the hosting
