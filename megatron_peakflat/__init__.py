@@ -5,7 +5,8 @@ Public surface (nothing of Megatron is imported or patched on import):
 - ``add_args(parser)``: the ``--peakflat-*`` flags, usable as Megatron's ``extra_args_provider``;
 - ``chain_args(*providers)``: one ``extra_args_provider`` of several (``add_args`` beside modelopt's);
 - ``PeakflatConfig``: every knob, validated against Megatron's flags;
-- ``apply(config_or_args)`` / ``remove()``: patch Megatron-Core for the enabled components and undo it.
+- ``apply(config_or_args)`` / ``remove()``: patch Megatron-Core for the enabled components and undo it;
+- ``auto_argv(argv)``: resolve ``--peakflat auto`` into flags, before Megatron parses the command line.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from .config import PeakflatConfig, PeakflatConfigError, add_args, chain_args
 
-__all__ = ["PeakflatConfig", "PeakflatConfigError", "add_args", "chain_args", "apply", "remove", "__version__"]
+__all__ = ["PeakflatConfig", "PeakflatConfigError", "add_args", "chain_args", "apply", "remove", "auto_argv", "__version__"]
 __version__ = "0.1.0"
 
 log = logging.getLogger("megatron_peakflat")
@@ -44,6 +45,15 @@ def _apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
     """``apply`` once the rank filter is in place."""
     from .integration import registry, state
 
+    if getattr(config, "peakflat", None) == "auto":
+        from . import auto
+
+        if not auto.resolved_in_this_process():
+            raise PeakflatConfigError(
+                auto.FLAG, "auto", "it is resolved before Megatron parses its flags, since the planner's choice can "
+                "add Megatron flags (full recompute for SCO, the offloaded optimizer), and nothing resolved it here",
+                "call sys.argv[1:] = megatron_peakflat.auto_argv(sys.argv[1:]) before parse_and_validate_args, "
+                "or launch with python -m megatron_peakflat.pretrain")
     if isinstance(config, PeakflatConfig):
         cfg = config.validate()
     else:
@@ -88,6 +98,13 @@ def _apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
     if not components:
         log.info("peakflat: no component enabled; Megatron runs unchanged")
     return cfg
+
+
+def auto_argv(argv: Any) -> list[str]:
+    """``argv`` (the flags, no program name) with what ``--peakflat auto`` chose added; see ``megatron_peakflat.auto``."""
+    from .auto import auto_argv as resolve
+
+    return resolve(argv)
 
 
 def remove() -> list[str]:

@@ -109,8 +109,14 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "optimizer": "peakflat: OffloadStreamAdamW",
         "general": "peakflat: general",
     }
+    groups = {name: parser.add_argument_group(titles[name]) for name in _COMPONENTS}
+    groups["general"].add_argument(
+        "--peakflat", choices=["auto", "manual"], default="manual", dest="peakflat",
+        help="auto: turn on the components and knobs that the peak planner recommends for this run on this "
+             "machine (GPU memory, host memory, world size), and log the decision; --peakflat-* flags given "
+             "alongside win. manual: exactly the --peakflat-* flags given. (default: manual)")
     for name, comp in _COMPONENTS.items():
-        comp.add_flags(parser.add_argument_group(titles[name]))
+        comp.add_flags(groups[name])
     read_dash_values(parser)
     return parser
 

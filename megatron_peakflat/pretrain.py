@@ -220,7 +220,11 @@ def _setup_logging(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Parse Megatron's and peakflat's flags, apply the patches, and run Megatron's pretrain loop."""
     _setup_logging(list(sys.argv[1:] if argv is None else argv))
-    sys.argv = [sys.argv[0], *_default_argv(list(sys.argv[1:] if argv is None else argv))]
+    try:
+        flags = megatron_peakflat.auto_argv(_default_argv(list(sys.argv[1:] if argv is None else argv)))
+    except megatron_peakflat.PeakflatConfigError as e:
+        raise SystemExit(f"megatron-peakflat: {e}") from None
+    sys.argv = [sys.argv[0], *flags]
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.arguments import parse_and_validate_args

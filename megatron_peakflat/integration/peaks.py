@@ -23,7 +23,7 @@ from ..memory.model import GIB, Plan, RunConfig, plan
 from .. import stats
 from .logs import PER_RANK
 
-__all__ = ["setup", "report", "prediction", "advise"]
+__all__ = ["setup", "report", "prediction", "advise", "allocated_prediction"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -138,7 +138,7 @@ def advise(args: Any) -> str | None:
         return None
     try:
         pl, _ = prediction(args)
-        rec = recommend(pl.shape, pl.run, cfg, args)
+        rec = recommend(pl.shape, pl.run, cfg, args, replace_offload=False)
     except Exception as e:  # noqa: BLE001
         log.debug("peakflat plan: no start-up advice (%s: %s)", type(e).__name__, e)
         return None
@@ -196,6 +196,16 @@ def check_optimizer_host(args: Any) -> str | None:
     return f"peakflat plan: {problem}; the optimizer will refuse at its first step if it does not fit. Fix: {fix}"
 
 
+def allocated_prediction(pl: Plan, which: str, stage: Any = None) -> float:
+    """The planner's figure for a measured max-allocated peak: the steps' peak (training or optimizer step) of
+    ``stage`` (default: the plan's worst for ``which``) less the reserve it keeps for the CUDA context and
+    allocator fragmentation, which allocated bytes never show. The first interval's measurement also spans the
+    model build, which the steps' peak leaves out."""
+    st = stage if stage is not None else pl.worst(which)  # type: ignore[arg-type]
+    reserve = st.rows.get("reserve")
+    return st.total(which, build=False) - (getattr(reserve, which) if reserve is not None else 0.0)
+
+
 def _stage_name(pl: Plan) -> str:
     """This rank's stage among those the plan holds: its own, or the planned one that bounds it (``Plan.stage_of``)."""
     if pl.run.pp == 1:
@@ -238,11 +248,7 @@ def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = No
         out[comp] = {"measured_gib": peak.delta / GIB, "predicted_gib": (predicted or 0.0) / GIB,
                      "absolute_gib": peak.absolute / GIB, "calls": float(peak.calls)}
     which = "peakflat" if any(on.values()) else "baseline"
-    # The planner's total keeps a reserve for the CUDA context and allocator fragmentation; the
-    # measured total is allocated bytes, so it is compared with the steps' peak (training or optimizer
-    # step) less that reserve. The first interval's measurement also spans the model build.
-    reserve = st.rows.get("reserve")
-    allocated = st.total(which, build=False) - (getattr(reserve, which) if reserve is not None else 0.0)
+    allocated = allocated_prediction(pl, which, st)
     out["total"] = {"measured_gib": meter.process_peak() / GIB, "predicted_gib": allocated / GIB}
     parts = [f"{k} {v['measured_gib']:.2f}/{v['predicted_gib']:.2f}{_note(k)}" for k, v in out.items()]
     import torch.distributed as dist

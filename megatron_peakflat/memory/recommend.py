@@ -173,19 +173,28 @@ def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> di
 
 
 def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None,
-              megatron_args: Any = None) -> Recommendation:
+              megatron_args: Any = None, *, replace_offload: bool = True) -> Recommendation:
     """Knobs that make the worst stage fit ``run.hbm_bytes`` and the host share, with the fewest host components.
 
     Dispatch and vocabulary run whenever they apply. SCO and OffloadStreamAdamW move bytes over PCIe at
     every step (the optimizer streams its fp32 state through the GPU: 1.3 s of a 2.4 s step for 5.1B
     parameters on one H200, ``bench/results/pretrain_components_16k.json``), so each is left off when the run fits
     without it at knobs no smaller than with every component on; the reasons say which were left off.
+
+    Where ``megatron_args`` asks for Megatron's own offloaded optimizer (``--optimizer-cpu-offload``), the
+    optimizer state stays in host memory as asked, and with ``replace_offload`` OffloadStreamAdamW takes the
+    place of Megatron's serial step (the same state, stepped as a bucketed pipeline); ``advise`` passes False
+    to ask whether the run would fit with no offload at all.
     """
     blocked = blockers(shape, run, megatron_args)
     full = _fit(shape, run, base, blocked, optimizer=True, sco=True)
     if not full.fits:
         return full
-    for optimizer, sco in ((False, False), (False, True), (True, False)):
+    options: tuple[tuple[bool, bool], ...] = ((False, False), (False, True), (True, False))
+    replaced = replace_offload and bool(getattr(megatron_args, "optimizer_cpu_offload", None))
+    if replaced:
+        options = ((True, False),)
+    for optimizer, sco in options:
         rec = _fit(shape, run, base, blocked, optimizer=optimizer, sco=sco)
         if rec.fits and all(a >= b for a, b in zip(_knobs(rec.config, shape.topk), _knobs(full.config, shape.topk))):
             if not optimizer and full.config.optimizer.impl != "megatron":
@@ -193,8 +202,18 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
                                    "(no --peakflat-optimizer offload-stream, no --optimizer-cpu-offload)")
             if not sco and full.config.sco.enabled:
                 rec.reasons.append("SCO (--peakflat-sco) left off: the run fits without it")
-            return rec
-    return full
+            return _note_replaced(rec, replaced)
+    return _note_replaced(full, replaced)
+
+
+def _note_replaced(rec: Recommendation, replaced: bool) -> Recommendation:
+    if replaced and rec.config.optimizer.impl != "megatron":
+        rec.reasons.append(OFFLOAD_REPLACED)
+    return rec
+
+
+OFFLOAD_REPLACED = ("OffloadStreamAdamW in place of Megatron's offloaded optimizer: --optimizer-cpu-offload asks for "
+                    "the optimizer state in host memory, and it steps that state as a bucketed pipeline")
 
 
 def _knobs(cfg: PeakflatConfig, topk: int) -> tuple[int, int]:

@@ -1,0 +1,254 @@
+"""``--peakflat auto``: turn on the components and knobs that the peak planner recommends for this run.
+
+``auto_argv(argv)`` runs before Megatron parses its flags, because a recommendation can need Megatron
+flags of its own (full recompute for SCO; the distributed, offloaded optimizer for OffloadStreamAdamW).
+It plans the command line exactly as ``python -m megatron_peakflat.plan --megatron-args "<argv>"`` does,
+for this machine: the GPU's total memory, the node's total RAM shared by its local ranks, and the world
+size torchrun gives. Those figures are the same on every rank of a homogeneous job (free memory is not),
+so every rank makes the same choice without a process group. A flag the user wrote always wins: a
+recommended flag that the command line already holds is left as the user wrote it, and a component whose
+switch the user set is left entirely to the user.
+
+No Megatron import: the planner reads the command line itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shlex
+from typing import Any, Sequence
+
+from .config_base import PeakflatConfigError, format_bytes
+
+__all__ = ["AutoChoice", "resolve", "auto_argv", "wants_auto", "planner_argv", "resolved_in_this_process"]
+
+log = logging.getLogger("megatron_peakflat")
+
+FLAG = "--peakflat"
+_COMPONENT_PREFIXES = {  # flag prefixes of each component's switch and knobs
+    "dispatch": ("--peakflat-dispatch",),
+    "vocab": ("--peakflat-vocab",),
+    "sco": ("--peakflat-sco",),
+    "optimizer": ("--peakflat-optimizer", "--peakflat-opt-"),
+}
+_SWITCHES = {"dispatch": "--peakflat-dispatch", "vocab": "--peakflat-vocab", "sco": "--peakflat-sco",
+             "optimizer": "--peakflat-optimizer"}
+_NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO", "optimizer": "OffloadStreamAdamW"}
+_ROWS = {"dispatch": "dispatch", "vocab": "vocab", "sco": "boundaries", "optimizer": "optimizer"}
+_resolved: list["AutoChoice"] = []
+
+
+@dataclasses.dataclass
+class AutoChoice:
+    """What ``--peakflat auto`` decided: the flags it added, the recommended flags it left out because the
+    command line sets them (``kept``: as the planner would have written them), the plan, and the line."""
+
+    added: list[str]
+    kept: list[str]
+    recommendation: Any  # memory.recommend.Recommendation
+    planner_args: list[str]
+    argv: list[str] = dataclasses.field(default_factory=list)
+
+    def table(self) -> str:
+        """The decision, a few lines: each component on or off, its peak term before and after, and why."""
+        rec = self.recommendation
+        final = self.final_config()
+        pl = rec.plan if final.enabled == rec.config.enabled else _plan(rec.plan.shape, rec.plan.run, final)
+        st = pl.worst("peakflat")
+        run = pl.run
+        on = final.enabled
+        given = _flag_groups(self.argv)
+        lines = [f"peakflat auto: planned for {run.world} GPU(s) of {run.hbm_bytes / 2**30:.1f} GiB "
+                 f"(TP{run.tp} PP{run.pp} CP{run.cp} DP{run.dp} EP{run.ep}), "
+                 f"{format_bytes(run.host_bytes_per_rank)} of host memory per rank, sequence {run.seq_len:,}",
+                 f"  {'component':20s} {'choice':6s} {'peak term, GiB: Megatron -> peakflat':38s} why"]
+        for name in ("dispatch", "vocab", "sco", "optimizer"):
+            row = st.rows.get(_ROWS[name])
+            user = next((g for g in given if g[0] == _SWITCHES[name]), None)
+            choice = "on" if on[name] else "off"
+            if row is not None:
+                term = f"{row.baseline / 2**30:8.2f} -> {row.peakflat / 2**30:8.2f}"
+            else:
+                term = "-"
+            why = _why(name, rec, user)
+            lines.append(f"  {_NAMES[name]:20s} {choice:6s} {term:38s} {why}")
+        guaranteed = max(s.total("peakflat", guaranteed=True) for s in pl.stages)
+        base = pl.worst("baseline").total("baseline")
+        lines.append(f"  predicted peak {st.total('peakflat') / 2**30:.1f} GiB per GPU ({guaranteed / 2**30:.1f} "
+                     f"whatever the routing), binding '{st.binding('peakflat')}'; Megatron alone "
+                     f"{base / 2**30:.1f} GiB ({'fits' if pl.fits('baseline') else 'does not fit'})")
+        if not pl.fits("peakflat", guaranteed=True):
+            lines.append(f"  warning: with the flags this command line sets itself, the run is predicted NOT to fit in "
+                         f"{run.hbm_bytes / 2**30:.1f} GiB; the planner's own choice would")
+        lines.append("  added: " + (" ".join(self.added) or "nothing"))
+        if self.kept:
+            names = {g[0] for g in _flag_groups(self.kept)}
+            mine = [" ".join(g) for g in given if g[0] in names or any(g[0] == _SWITCHES[n] for n in _SWITCHES
+                                                                        if g[0] in names)]
+            lines.append("  recommended but set on the command line (kept as given): " + " ".join(dict.fromkeys(mine)))
+        return "\n".join(lines)
+
+
+    def final_config(self) -> Any:
+        """The PeakflatConfig of the command line with the added flags: the recommendation, less what the line overrode."""
+        from .config import PeakflatConfig
+        from .memory.megatron_args import megatron_parser
+
+        ns, _ = megatron_parser().parse_known_args(_without_auto(self.argv) + self.added)
+        return PeakflatConfig.from_args(ns, validate=False)
+
+
+def _plan(shape: Any, run: Any, cfg: Any) -> Any:
+    from .memory.model import plan
+
+    return plan(shape, run, cfg)
+
+
+def _why(name: str, rec: Any, user: tuple[str, ...] | None) -> str:
+    if user is not None:
+        return f"set on the command line ({' '.join(user)})"
+    words = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO", "optimizer": "optimizer"}[name]
+    said = [r for r in rec.reasons if words in r or (name == "optimizer" and "OffloadStreamAdamW" in r)]
+    if said:
+        return said[0]
+    if rec.config.enabled[name]:
+        return "needed to fit" if name in ("sco", "optimizer") else "bounds this peak at no loss of exactness"
+    return "not needed"
+
+
+def wants_auto(argv: Sequence[str]) -> bool:
+    """Whether the command line says ``--peakflat auto`` (or ``--peakflat=auto``); the last one wins."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == FLAG and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(FLAG + "="):
+            value = a.split("=", 1)[1]
+    return value == "auto"
+
+
+def _given_flags(argv: Sequence[str]) -> set[str]:
+    return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+
+
+def _flag_groups(flags: Sequence[str]) -> list[tuple[str, ...]]:
+    """``['--a', '1', '--b', '--c', 'x']`` -> ``[('--a', '1'), ('--b',), ('--c', 'x')]``."""
+    groups: list[list[str]] = []
+    for f in flags:
+        if f.startswith("--") or not groups:
+            groups.append([f])
+        else:
+            groups[-1].append(f)
+    return [tuple(g) for g in groups]
+
+
+def _without_auto(argv: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == FLAG:
+            skip = True
+            continue
+        if a.startswith(FLAG + "="):
+            continue
+        out.append(a)
+    return out
+
+
+def planner_argv(argv: Sequence[str], *, gpus: int, gpus_per_node: int, hbm_bytes: int,
+                 host_bytes_per_node: int) -> list[str]:
+    """The arguments of ``python -m megatron_peakflat.plan`` that plan this Megatron command line on this machine."""
+    return ["--megatron-args", shlex.join(_without_auto(argv)), "--gpus", str(gpus),
+            "--gpus-per-node", str(gpus_per_node), "--hbm-gib", repr(hbm_bytes / 2**30),
+            "--host-gib", repr(host_bytes_per_node / 2**30)]
+
+
+def _machine() -> tuple[int, int, int, int]:
+    """(world size, local ranks, GPU total bytes, node total RAM bytes) for this process.
+
+    The GPU's total memory comes from torch on this rank's device (LOCAL_RANK), which torchrun sets and
+    Megatron selects next; without a GPU the planner's default (80 GiB) stands in and is logged. Host memory
+    is the node's MemTotal: identical on every node of a homogeneous job, so every rank plans alike.
+    """
+    from .memory.cli import local_host_gib
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    hbm = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            device = int(os.environ.get("LOCAL_RANK", "0") or 0) % max(1, torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            hbm = int(torch.cuda.mem_get_info(device)[1])
+    except Exception as e:  # noqa: BLE001
+        log.warning("peakflat auto: could not read the GPU's memory (%s: %s); planning for 80 GiB", type(e).__name__, e)
+    if hbm is None:
+        log.info("peakflat auto: no GPU visible; planning for 80 GiB per GPU")
+        hbm = 80 * 2**30
+    host = local_host_gib()
+    return world, local, hbm, int((host if host is not None else 2048.0) * 2**30)
+
+
+def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int | None = None,
+            hbm_bytes: int | None = None, host_bytes_per_node: int | None = None) -> AutoChoice:
+    """The planner's recommendation for ``argv`` and the flags to add to it. Machine figures left out are read
+    from this process (``_machine``). Raises PeakflatConfigError naming ``--peakflat auto`` when nothing fits,
+    with the planner's reasons and fixes, or when the planner cannot read the command line."""
+    from .memory.cli import build
+    from .memory.recommend import recommend
+
+    if None in (gpus, gpus_per_node, hbm_bytes, host_bytes_per_node):
+        world, local, hbm, host = _machine()
+        gpus = world if gpus is None else gpus
+        gpus_per_node = min(local, gpus) if gpus_per_node is None else gpus_per_node
+        hbm_bytes = hbm if hbm_bytes is None else hbm_bytes
+        host_bytes_per_node = host if host_bytes_per_node is None else host_bytes_per_node
+    args = planner_argv(argv, gpus=gpus, gpus_per_node=gpus_per_node, hbm_bytes=hbm_bytes,
+                        host_bytes_per_node=host_bytes_per_node)
+    try:
+        shape, run, pf, ns, _ = build(args)
+    except PeakflatConfigError as e:
+        raise PeakflatConfigError(FLAG, "auto", f"the planner cannot read this command line ({e})",
+                                  f"fix {e.flag}, or pass the --peakflat-* flags yourself in place of {FLAG} auto") from e
+    rec = recommend(shape, run, pf, ns.megatron_namespace)
+    if not rec.fits:
+        raise PeakflatConfigError(FLAG, "auto", "nothing fits: " + "; ".join(rec.reasons),
+                                  "apply one of the fixes above (python -m megatron_peakflat.plan "
+                                  f"{shlex.join(args)} shows the figures)")
+    given = _given_flags(argv)
+    user_switched = {name for name, switch in _SWITCHES.items() if switch in given}
+    added: list[str] = []
+    kept: list[str] = []
+    for group in _flag_groups(rec.flags):
+        owner = next((n for n, prefixes in _COMPONENT_PREFIXES.items() if group[0].startswith(prefixes)), None)
+        if group[0] in given or (owner is not None and owner in user_switched):
+            kept.extend(group)
+        else:
+            added.extend(group)
+    return AutoChoice(added, kept, rec, args, list(argv))
+
+
+def auto_argv(argv: Sequence[str]) -> list[str]:
+    """The flags ``argv`` (no program name) with those that ``--peakflat auto`` chose added, and the decision
+    logged once (rank 0). Unchanged when the command line does not ask for it. Call it before Megatron parses
+    its flags: ``sys.argv[1:] = megatron_peakflat.auto_argv(sys.argv[1:])``."""
+    argv = list(argv)
+    if not wants_auto(argv):
+        return argv
+    choice = resolve(argv)
+    _resolved.append(choice)
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        log.info("%s", choice.table())
+    return argv + choice.added
+
+
+def resolved_in_this_process() -> bool:
+    """Whether ``auto_argv`` has resolved ``--peakflat auto`` in this process (``apply`` checks it)."""
+    return bool(_resolved)

@@ -1,0 +1,132 @@
+"""``--peakflat auto``: the planner's recommendation for the command line, turned into flags at start-up."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+
+import pytest
+
+from megatron_peakflat import auto
+from megatron_peakflat.config_base import PeakflatConfigError
+from megatron_peakflat.memory.cli import main as plan_main
+
+GIB = 2**30
+MODEL = ("--num-layers 2 --hidden-size 2880 --num-attention-heads 64 --group-query-attention --num-query-groups 8 "
+         "--kv-channels 64 --ffn-hidden-size 2880 --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 2880 "
+         "--swiglu --vocab-size 201088 --untie-embeddings-and-output-weights --micro-batch-size 1 --global-batch-size 1 "
+         "--bf16 --moe-token-dispatcher-type alltoall --disable-bias-linear --use-distributed-optimizer "
+         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+OFFLOAD = " --optimizer-cpu-offload --use-precision-aware-optimizer --overlap-cpu-optimizer-d2h-h2d"
+LINES = [
+    MODEL + " --seq-length 8192",
+    MODEL + " --seq-length 131072",
+    MODEL + " --seq-length 131072" + OFFLOAD,
+    MODEL + " --seq-length 524288" + OFFLOAD,
+    MODEL.replace("--num-layers 2", "--num-layers 8") + " --seq-length 65536",
+]
+MACHINE = {"gpus": 1, "gpus_per_node": 1, "hbm_bytes": 79 * GIB, "host_bytes_per_node": 128 * GIB}
+
+
+def _groups(flags: list[str]) -> list[tuple[str, ...]]:
+    return auto._flag_groups(flags)
+
+
+def _cli_recommendation(capsys, planner_args: list[str]) -> list[str]:
+    rc = plan_main([*planner_args, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["recommended"]["fits"]
+    return doc["recommended"]["flags"]
+
+
+@pytest.mark.parametrize("line", LINES, ids=["8K", "128K", "128K-offload", "512K-offload", "8-layers-64K"])
+def test_the_choice_is_what_the_planner_cli_recommends_for_that_line(capsys, line):
+    argv = shlex.split(line) + ["--peakflat", "auto"]
+    choice = auto.resolve(argv, **MACHINE)
+    cli_flags = _cli_recommendation(capsys, choice.planner_args)
+    # every recommended flag is either added or already on the line as the user wrote it; nothing else is added
+    assert sorted(_groups(choice.added) + _groups(choice.kept)) == sorted(_groups(cli_flags))
+    given = {a for a in argv if a.startswith("--")}
+    assert not {g[0] for g in _groups(choice.added)} & given
+    # the planner read the line as written: its --megatron-args is the line without --peakflat auto
+    assert shlex.split(choice.planner_args[1]) == shlex.split(line)
+    assert choice.planner_args[2:] == ["--gpus", "1", "--gpus-per-node", "1", "--hbm-gib", "79.0", "--host-gib", "128.0"]
+
+
+def test_a_long_context_turns_on_the_dispatch_and_vocabulary_components():
+    choice = auto.resolve(shlex.split(MODEL + " --seq-length 131072"), **MACHINE)
+    added = dict((g[0], g[1:]) for g in _groups(choice.added))
+    assert added["--peakflat-dispatch"] == ("pipelined-llep",) and added["--peakflat-vocab"] == ("ring-dtp",)
+    assert not choice.recommendation.plan.fits("baseline")  # Megatron alone does not fit at 128K on 79 GiB
+
+
+def test_megatrons_offloaded_optimizer_is_replaced_by_offload_stream_and_its_flags_kept():
+    choice = auto.resolve(shlex.split(MODEL + " --seq-length 131072" + OFFLOAD), **MACHINE)
+    added = dict((g[0], g[1:]) for g in _groups(choice.added))
+    assert added["--peakflat-optimizer"] == ("offload-stream",)
+    assert {"--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--use-distributed-optimizer"} <= set(choice.kept)
+    assert any("in place of Megatron's offloaded optimizer" in r for r in choice.recommendation.reasons)
+    without = auto.resolve(shlex.split(MODEL + " --seq-length 131072"), **MACHINE)
+    assert without.recommendation.config.optimizer.impl == "megatron"  # fits with the optimizer on the GPU
+
+
+def test_explicit_flags_win_over_the_choice():
+    line = MODEL + " --seq-length 131072 --peakflat-vocab-block-size 1024 --peakflat-dispatch megatron"
+    choice = auto.resolve(shlex.split(line), **MACHINE)
+    added = [g[0] for g in _groups(choice.added)]
+    assert "--peakflat-vocab-block-size" not in added and "--peakflat-vocab" in added
+    assert not any(f.startswith("--peakflat-dispatch") for f in added)  # the user switched PipelinedLLEP off
+    assert "--peakflat-dispatch" in choice.kept and "--peakflat-vocab-block-size" in choice.kept
+    assert "set on the command line (--peakflat-dispatch megatron)" in choice.table()
+
+
+def test_nothing_fits_is_refused_with_the_planners_reason_and_fix():
+    with pytest.raises(PeakflatConfigError) as e:
+        auto.resolve(shlex.split(MODEL.replace("--num-layers 2", "--num-layers 24") + " --seq-length 8192"),
+                     gpus=1, gpus_per_node=1, hbm_bytes=16 * GIB, host_bytes_per_node=64 * GIB)
+    assert e.value.flag == "--peakflat" and e.value.value == "auto"
+    assert "nothing fits" in e.value.problem and "fix:" in e.value.problem and "HBM is 16.00 GiB" in e.value.problem
+    assert "python -m megatron_peakflat.plan" in e.value.fix
+
+
+def test_a_line_the_planner_cannot_read_is_refused_naming_the_flag():
+    with pytest.raises(PeakflatConfigError) as e:
+        auto.resolve(["--num-layers", "2", "--peakflat", "auto"], **MACHINE)
+    assert e.value.flag == "--peakflat" and "--hidden-size" in e.value.problem
+
+
+def test_auto_argv_adds_the_flags_and_logs_the_table_once_on_rank_zero(monkeypatch, caplog):
+    argv = shlex.split(MODEL + " --seq-length 131072") + ["--peakflat=auto"]
+    monkeypatch.setattr(auto, "_machine", lambda: (1, 1, 79 * GIB, 128 * GIB))
+    assert auto.auto_argv(argv[:-1]) == argv[:-1]  # no --peakflat auto: unchanged, nothing logged
+    for rank, logged in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_peakflat"):
+            out = auto.auto_argv(argv)
+        assert out[:len(argv)] == argv and "--peakflat-vocab" in out[len(argv):]
+        tables = [r.getMessage() for r in caplog.records if r.getMessage().startswith("peakflat auto:")]
+        assert len(tables) == int(logged), (rank, tables)
+    table = tables[0]
+    for name in ("PipelinedLLEP", "Ring-DTP", "SCO", "OffloadStreamAdamW", "predicted peak", "added: "):
+        assert name in table
+    assert auto.resolved_in_this_process()
+
+
+def test_wants_auto_reads_the_last_value():
+    assert auto.wants_auto(["--peakflat", "auto"]) and auto.wants_auto(["--peakflat=auto"])
+    assert not auto.wants_auto(["--peakflat", "auto", "--peakflat", "manual"])
+    assert not auto.wants_auto(["--peakflat-sco"])
+
+
+def test_apply_refuses_an_auto_that_nothing_resolved(monkeypatch):
+    import argparse
+
+    import megatron_peakflat
+
+    monkeypatch.setattr(auto, "_resolved", [])
+    ns = megatron_peakflat.add_args(argparse.ArgumentParser()).parse_args(["--peakflat", "auto"])
+    with pytest.raises(PeakflatConfigError) as e:
+        megatron_peakflat.apply(ns)
+    assert e.value.flag == "--peakflat" and "auto_argv" in e.value.fix

@@ -1,0 +1,186 @@
+"""bench/e2e.py's driver: the reach search, Megatron's configuration ladder, resuming, the time budget, the dry run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import e2e  # noqa: E402
+
+K = 1024
+
+
+def _value(cmd: list[str], flag: str) -> str | None:
+    return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+
+class FakeMegatron:
+    """Answers a command line as Megatron's log would, fitting up to a length per configuration."""
+
+    def __init__(self, fits: dict[str, int], timeout_at: int | None = None) -> None:
+        self.fits, self.timeout_at, self.calls = fits, timeout_at, []
+
+    def key(self, cmd: list[str]) -> str:
+        if "--peakflat" in cmd:
+            return "auto"
+        if "--peakflat-sco" in cmd:
+            return "all"
+        if "--fine-grained-activation-offloading" in cmd:
+            return "cpu-offload+activation-offload"
+        return "cpu-offload" if "--optimizer-cpu-offload" in cmd else "gpu-optimizer"
+
+    def __call__(self, cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+        seq, iters = int(_value(cmd, "--seq-length")), int(_value(cmd, "--train-iters"))
+        self.calls.append((seq, self.key(cmd)))
+        if self.timeout_at is not None and seq >= self.timeout_at:
+            return 124, "[pretrain_compare] killed after --timeout\n"
+        if seq > self.fits[self.key(cmd)]:
+            return 1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9.00 GiB.\n"
+        lines = [f" iteration {i}/{iters} | elapsed time per iteration (ms): {100.0 + seq / K:.1f} | "
+                 f"lm loss: {10.0 - i * 0.1:.6E} | grad norm: 1.000 |" for i in range(1, iters + 1)]
+        lines.insert(2, f"[Rank 0] (after 2 iterations) memory (MB) | allocated: 1024.0 | max allocated: {seq / 64:.1f} | "
+                        f"reserved: {seq / 60:.1f} | max reserved: {seq / 60:.1f}")
+        return 0, "\n".join(lines) + "\n"
+
+
+FITS = {"gpu-optimizer": 16 * K, "cpu-offload": 48 * K, "cpu-offload+activation-offload": 48 * K, "auto": 384 * K,
+        "all": 256 * K}
+
+
+def _driver(tmp_path: Path, runner, **kw) -> e2e.Driver:
+    d = e2e.Driver(tmp_path / "e2e.json", e2e.TINY, "te", False, 100.0, runner=runner, **kw)
+    d.save()
+    return d
+
+
+def test_megatron_climbs_its_ladder_and_the_search_bisects_to_the_granularity(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e.Driver, "_planner_gib", lambda *a: None)
+    fake = FakeMegatron(FITS)
+    row = _driver(tmp_path, fake).reach("megatron-te", 8 * K, 1024 * K, 8 * K)
+    assert row["reach_tokens"] == 48 * K and row["extra"]["limited_by"] == f"oom at {56 * K}"
+    assert [s for s, _ in fake.calls] == [8 * K, 16 * K, 32 * K, 32 * K, 64 * K, 64 * K, 48 * K, 56 * K, 56 * K]
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    by = {r["case"]: r for r in doc["rows"] if r["method"] == "megatron-te"}
+    assert by[f"seq={32 * K},spec=te"]["extra"]["config"] == "cpu-offload"  # the fastest that fits
+    assert [a["outcome"] for a in by[f"seq={32 * K},spec=te"]["extra"]["attempts"]] == ["oom", "ok"]
+    assert by[f"seq={16 * K},spec=te"]["extra"]["config"] == "gpu-optimizer"
+    assert by[f"seq={64 * K},spec=te"]["extra"]["outcome"] == "oom" and by[f"seq={64 * K},spec=te"]["peak_gib"] is None
+    ok = by[f"seq={48 * K},spec=te"]
+    assert ok["ms"] == 100.0 + 48 and ok["peak_gib"] == round(48 * K / 64 / 1024, 3)
+    assert ok["extra"]["tokens_per_s"] == round(48 * K / 0.148, 1) and ok["extra"]["card"]
+
+
+def test_peakflat_starts_from_megatrons_configuration_and_the_cap_bounds_the_search(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e.Driver, "_planner_gib", lambda *a: None)
+    fake = FakeMegatron(FITS)
+    d = _driver(tmp_path, fake)
+    d.reach("megatron-te", 8 * K, 32 * K, 8 * K)
+    fake.calls.clear()
+    row = d.reach("peakflat-auto", 8 * K, 512 * K, 8 * K)
+    assert row["reach_tokens"] == 384 * K and row["extra"]["limited_by"] == f"oom at {392 * K}"
+    rows = {r["case"]: r for r in d.doc["rows"] if r["method"] == "peakflat-auto"}
+    assert rows[f"seq={16 * K},spec=te"]["extra"]["config"] == "gpu-optimizer"  # megatron-te's own there
+    assert rows[f"seq={64 * K},spec=te"]["extra"]["config"] == "cpu-offload"  # beyond megatron-te's reach
+    (tmp_path / "x").mkdir()
+    capped = _driver(tmp_path / "x", FakeMegatron(FITS))
+    assert capped.reach("peakflat-all", 8 * K, 128 * K, 8 * K)["extra"]["limited_by"] == "search cap"
+
+
+def test_a_second_invocation_resumes_from_the_rows_and_a_timeout_bounds_the_reach_by_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e.Driver, "_planner_gib", lambda *a: None)
+    _driver(tmp_path, FakeMegatron(FITS)).reach("megatron-te", 8 * K, 64 * K, 8 * K)
+    again = FakeMegatron(FITS)
+    row = _driver(tmp_path, again).reach("megatron-te", 8 * K, 64 * K, 8 * K)
+    assert again.calls == [] and row["reach_tokens"] == 48 * K  # every length was in the file
+    slow = FakeMegatron(FITS, timeout_at=32 * K)
+    (tmp_path / "t").mkdir()
+    row = _driver(tmp_path / "t", slow).reach("peakflat-auto", 8 * K, 64 * K, 8 * K)
+    assert row["reach_tokens"] == 16 * K and row["extra"]["limited_by"] == "time"
+
+
+def test_the_budget_leaves_an_unfinished_length_for_the_next_invocation(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e.Driver, "_planner_gib", lambda *a: None)
+    calls = []
+
+    def killed(cmd, env, timeout):
+        calls.append(timeout)
+        return 124, "killed\n"
+
+    d = _driver(tmp_path, killed, deadline=time.monotonic() + 60)
+    with pytest.raises(e2e.BudgetSpent):
+        d.measure("megatron-te", 8 * K)
+    assert calls and calls[0] <= 60 and d.row(f"seq={8 * K},spec=te", "megatron-te") is None
+    d.deadline = time.monotonic() + 10  # under 30 s left: nothing starts
+    with pytest.raises(e2e.BudgetSpent):
+        d.measure("megatron-te", 8 * K)
+    assert len(calls) == 1
+
+
+def test_a_pending_ladder_continues_with_the_configurations_not_yet_tried(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e.Driver, "_planner_gib", lambda *a: None)
+    first = FakeMegatron({**FITS, "gpu-optimizer": 0})
+    d = _driver(tmp_path, first, deadline=float("inf"))
+
+    def stop_after_first(cmd, env, timeout):
+        if first.calls:
+            raise e2e.BudgetSpent()
+        return first(cmd, env, timeout)
+
+    d.runner = stop_after_first
+    with pytest.raises(e2e.BudgetSpent):
+        d.measure("megatron-te", 8 * K)
+    assert d.row(f"seq={8 * K},spec=te", "megatron-te")["extra"]["outcome"] == "pending"
+    second = FakeMegatron({**FITS, "gpu-optimizer": 0})
+    row = _driver(tmp_path, second).measure("megatron-te", 8 * K)
+    assert second.calls == [(8 * K, "cpu-offload")] and row["extra"]["outcome"] == "ok"
+    assert [a["config"] for a in row["extra"]["attempts"]] == ["gpu-optimizer", "cpu-offload"]
+
+
+def test_parse_reads_megatrons_log_and_the_runtime_reports():
+    text = ("peakflat auto: planned for 1 GPU(s)\n  predicted peak 29.0 GiB per GPU (33.7 whatever the routing), binding x\n"
+            "  added: --peakflat-vocab ring-dtp\n"
+            " iteration 1/2 | elapsed time per iteration (ms): 900.0 | lm loss: 1.2E+01 | grad norm: 4.4 |\n"
+            "[Rank 0] (after 1 iterations) memory (MB) | allocated: 1.0 | max allocated: 2.0 | reserved: 3.0 | max reserved: 4.0\n"
+            " iteration 2/2 | elapsed time per iteration (ms): 600.0 | lm loss: 1.1E+01 | grad norm: 4.3 |\n"
+            "[Rank 0] (after 2 iterations) memory (MB) | allocated: 10.0 | max allocated: 20.0 | reserved: 30.0 | max reserved: 40.0\n"
+            "peakflat peaks iter 2 (only stage), GiB measured/predicted: dispatch 1.94/2.64, vocab 2.23/2.23, total 22.81/23.00\n")
+    a = e2e.parse(text, 0, 12.0, 2)
+    assert a.outcome == "ok" and a.losses == [12.0, 11.0] and a.ms == 600.0
+    assert a.memory_mib == {"allocated": 10.0, "max_allocated": 20.0, "reserved": 30.0, "max_reserved": 40.0}
+    assert a.peaks == {"dispatch": (1.94, 2.64), "vocab": (2.23, 2.23), "total": (22.81, 23.0)}
+    assert a.auto == {"added": "--peakflat-vocab ring-dtp", "planner_total_gib": 29.0, "planner_guaranteed_gib": 33.7}
+    assert e2e.parse("RuntimeError: boom\n", 1, 1.0, 2).outcome == "error"
+    assert e2e.parse(text.replace("lm loss: 1.1E+01", ""), 0, 1.0, 2).outcome == "error"  # one loss of two
+
+
+def test_tokens_take_units():
+    assert e2e.tokens("8K") == 8192 and e2e.tokens("1M") == 1024**2 and e2e.tokens("4096") == 4096
+    with pytest.raises(Exception):
+        e2e.tokens("1G")
+
+
+def test_dry_run_on_cpu_runs_megatron_and_peakflat_auto_through_the_real_entry_point(tmp_path):
+    """Two real processes (Megatron's pretrain on the CPU shim, tiny shapes): the rows, the auto decision."""
+    out = "e2e_dryrun_test.json"
+    try:
+        proc = subprocess.run([sys.executable, "bench/e2e.py", "--dry-run", "--phases", "reach",
+                               "--methods", "megatron-te,peakflat-auto", "--max-seq", "64", "--out", out],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        doc = json.loads((ROOT / "bench" / "results" / out).read_text())
+    finally:
+        (ROOT / "bench" / "results" / out).unlink(missing_ok=True)
+    rows = {(r["case"], r["method"]): r for r in doc["rows"]}
+    assert rows[("seq=64,spec=local", "megatron-te")]["extra"]["outcome"] == "ok"
+    auto = rows[("seq=64,spec=local", "peakflat-auto")]
+    assert auto["extra"]["outcome"] == "ok" and "--peakflat-vocab ring-dtp" in auto["extra"]["auto"]["added"]
+    assert len(auto["extra"]["losses"]) == 2 and auto["extra"]["card"] == "cpu"
+    assert rows[("reach,spec=local", "peakflat-auto")]["reach_tokens"] == 64
