@@ -1,6 +1,6 @@
 """Where the Ring-DTP ring schedules' time goes, per rank: block compute, posting hops, and waiting for
-the travelling input (posted before the compute) and for the dependent state/accumulator hop (posted after
-it). Runs on CPU with gloo (``--ranks 2``) or on GPUs with NCCL (``--backend nccl``; GPU times are taken with
+the travelling input (posted before the compute), for the dependent state/accumulator hop (posted after
+it) and for the weights schedule's dW accumulator, which travels block by block as each block is final. Runs on CPU with gloo (``--ranks 2``) or on GPUs with NCCL (``--backend nccl``; GPU times are taken with
 ``torch.cuda.synchronize`` around each step, which serialises what the streams would overlap: read them
 as the parts' sizes, not as the schedule's total).
 
@@ -65,7 +65,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
             return works
 
         def wait(works):
-            return _timed(kinds.pop(id(works), "wait input hop"), orig["_wait"], times, sync)(works)
+            # a hop posted elsewhere than _shift: the dW accumulator's blocks (ring._BlockHop)
+            return _timed(kinds.pop(id(works), "wait dW block hop"), orig["_wait"], times, sync)(works)
 
         ring._shift, ring._wait = shift, wait
         totals = []
@@ -113,7 +114,8 @@ def main() -> None:
     for schedule in args.schedules.split(","):
         for rank, r in enumerate(res):
             s = r[schedule]
-            parts = ", ".join(f"{k} {s[k]:.1f}" for k in ("fold blocks", "grad blocks", "post hop", "wait input hop", "wait state hop") if k in s)
+            parts = ", ".join(f"{k} {s[k]:.1f}" for k in ("fold blocks", "grad blocks", "post hop", "wait input hop", "wait state hop",
+                                         "wait dW block hop") if k in s)
             print(f"  {schedule:<11} rank {rank}: total {s['total_ms']:.1f} (min {s['min_ms']:.1f}, max "
                   f"{s['max_ms']:.1f}); {parts}")
 

@@ -8,7 +8,7 @@ block of logits, ``n x block_size``, whatever the shard size: the [n, v_p] logit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -69,20 +69,32 @@ def fold_argmax(z: torch.Tensor, start: int, state: torch.Tensor) -> None:
     best_id.copy_(torch.where(take, ids, best_id))
 
 
+BlockHook = Optional[Callable[[int, int], None]]
+"""Called with a block's rows [start, end) of the shard (``grad_shard``'s ``before_dw`` and ``dw_done``)."""
+
+
 def grad_shard(x: torch.Tensor, w: torch.Tensor, vocab_start: int, labels: torch.Tensor, coef: torch.Tensor,
-               dx_acc: torch.Tensor, dw: torch.Tensor, *, accumulate: bool, block_size: int, ops: BlockOps) -> None:
+               dx_acc: torch.Tensor, dw: torch.Tensor, *, accumulate: bool, block_size: int, ops: BlockOps,
+               before_dw: BlockHook = None, dw_done: BlockHook = None) -> None:
     """Add this shard's contribution to ``dx_acc`` [n, h] and write (or add, ``accumulate``) ``dw`` [v, h].
 
     Each block of logits is recomputed, turned into its gradient in place, then used by two matmuls.
     Without ``accumulate`` dW is written once per block by one GEMM over all n tokens (fp32 inside).
+    ``before_dw(b0, b1)`` runs before a block's rows of ``dw`` are first touched (a ring waits there for them
+    to arrive), ``dw_done(b0, b1)`` once they are final (a ring sends them on); neither changes the arithmetic.
     """
     for b0 in range(0, w.shape[0], block_size):
         wb = w[b0:b0 + block_size]
+        b1 = b0 + wb.shape[0]
         d = ops.grad(x @ wb.t(), labels - (vocab_start + b0), coef)
         accumulate_mm(dx_acc, d, wb)
-        rows = dw[b0:b0 + wb.shape[0]]
+        if before_dw is not None:
+            before_dw(b0, b1)
+        rows = dw[b0:b1]
         if accumulate:
             accumulate_mm(rows, d.t(), x)
         else:
             torch.mm(d.t(), x, out=rows)
         del d
+        if dw_done is not None:
+            dw_done(b0, b1)

@@ -14,7 +14,9 @@ weight's dtype are built (``main_grad.py``).
 
 Each hop of the travelling input is posted (``batch_isend_irecv``: one send to the next rank and one
 receive from the previous, in the same order on every rank) before the local block work starts, so
-communication overlaps compute. The state/accumulator hop that depends on the local result follows it.
+communication overlaps compute. The state/accumulator hop that depends on the local result follows it;
+the weights schedule's dW accumulator goes on block by block, each block as soon as it is final
+(``_BlockHop``), so that hop overlaps the rest of the shard's compute too.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..memory.meter import region
 __all__ = ["RingPlan", "auto_ring_schedule", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss", "new_state",
            "comm_device", "max_over_ring"]
 
-_TAG_INPUT, _TAG_STATE = 0, 8
+_TAG_INPUT, _TAG_STATE, _TAG_BLOCK = 0, 8, 16
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,49 @@ def _wait(works: list | None) -> None:
         w.wait()
 
 
+class _BlockHop:
+    """One ring hop of an accumulator in vocabulary blocks of ``block`` rows: block i of ``send`` leaves for the
+    next rank as soon as it is final (``sent``), so the hop overlaps the blocks still being computed, and block i
+    of ``recv`` comes from the previous rank; ``arrived(i)`` waits for it just before it is first used. Block i
+    of every rank travels in the i-th ``batch_isend_irecv`` of the hop (a send where the rank's shard has block
+    i, a receive where the previous rank's has), so the ranks post matching batches in the same order."""
+
+    def __init__(self, plan: RingPlan, send: torch.Tensor, recv: torch.Tensor, block: int) -> None:
+        self.plan, self.send, self.recv, self.block = plan, send, recv, block
+        self.batches = max(-(-send.shape[0] // block), -(-recv.shape[0] // block))
+        self.works: dict[int, list] = {}
+        self.posted = 0
+
+    def _post(self, i: int) -> None:
+        b, nxt, prv = self.block, self.plan.peer(1), self.plan.peer(-1)
+        ops = []
+        if i * b < self.send.shape[0]:
+            ops.append(dist.P2POp(dist.isend, self.send[i * b:(i + 1) * b], nxt, self.plan.group, _TAG_BLOCK + i))
+        if i * b < self.recv.shape[0]:
+            ops.append(dist.P2POp(dist.irecv, self.recv[i * b:(i + 1) * b], prv, self.plan.group, _TAG_BLOCK + i))
+        self.works[i] = dist.batch_isend_irecv(ops)
+
+    def sent(self, b0: int, b1: int) -> None:
+        """Rows [b0, b1) of ``send`` are final: post their batch (and any before it)."""
+        while self.posted <= (b1 - 1) // self.block:
+            self._post(self.posted)
+            self.posted += 1
+
+    def finish(self) -> None:
+        """Post the batches left (receives of blocks this rank's shard does not have)."""
+        while self.posted < self.batches:
+            self._post(self.posted)
+            self.posted += 1
+
+    def arrived(self, b0: int, b1: int) -> None:
+        """Wait for rows [b0, b1) of ``recv`` (one block)."""
+        _wait(self.works.pop(b0 // self.block, None))
+
+    def wait_all(self) -> None:
+        for i in sorted(self.works):
+            _wait(self.works.pop(i))
+
+
 def new_state(n: int, device: torch.device, argmax: bool = False) -> torch.Tensor:
     """An empty [4, n] fp32 online log-sum-exp state: max -inf, sum-exp, target and logit sum 0. With
     ``argmax``, [6, n]: two more rows, the largest logit seen (-inf) and its vocabulary id (-1), which
@@ -212,22 +257,31 @@ def _backward_activations(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labe
 
 def _backward_weights(plan: RingPlan, x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
                       coef: torch.Tensor, sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The travelling dW accumulator goes on block by block as each block is final (``_BlockHop``), so its hop
+    overlaps the rest of the shard's compute, and the next hop waits for each block only where it first adds
+    to it: the same sums in the same order as sending the whole accumulator after the compute."""
     P, r = plan.size, plan.rank
     dx = torch.zeros(x.shape, dtype=plan.acc_dtype(x), device=x.device)
     cur_w = w
     cur_dw = torch.zeros(w.shape, dtype=plan.acc_dtype(w), device=w.device)
+    arriving: _BlockHop | None = None  # the hop bringing cur_dw's blocks (none before the first)
     for k in range(P):
         src, nsrc = (r - k) % P, (r - k - 1) % P
         rows = plan.shard_rows[nsrc]
         nxt, pending = _post_next(plan, k, [cur_w], [(rows, w.shape[1])])
-        grad_shard(x, cur_w, plan.start(src), labels, coef, dx, cur_dw, accumulate=True,
-                   block_size=plan.block_size, ops=plan.ops)
         ndw = torch.empty(rows, w.shape[1], dtype=plan.acc_dtype(w), device=w.device)
-        _wait(_shift(plan, [cur_dw], [ndw], _TAG_STATE))
-        cur_dw = ndw
+        hop = _BlockHop(plan, cur_dw, ndw, plan.block_size)
+        grad_shard(x, cur_w, plan.start(src), labels, coef, dx, cur_dw, accumulate=True,
+                   block_size=plan.block_size, ops=plan.ops,
+                   before_dw=None if arriving is None else arriving.arrived, dw_done=hop.sent)
+        hop.finish()
+        if arriving is not None:
+            arriving.wait_all()
+        arriving, cur_dw = hop, ndw
         _wait(pending)
         if nxt:
             (cur_w,) = nxt
+    arriving.wait_all()
     if sink is not None:  # the shard's dW is home after P hops
         sink.add_(cur_dw)
         return dx.to(x.dtype), None
