@@ -286,4 +286,6 @@ def test_each_component_logs_what_it_chose_and_nothing_that_did_not_apply():
     assert ("peakflat vocab: first loss call: 64 tokens here, one rank, schedule single, kernel torch, dX and dW "
             "computed with the loss in 1 chunk(s); largest block of logits 64.00 KiB") in text, text[-3000:]
     assert text.count("peakflat vocab: first loss call") == 1
+    # which schedule ran and why, once
+    assert text.count("peakflat vocab: schedule single: one rank holds the whole vocabulary, nothing is exchanged") == 1
     assert "fused recompute off" not in text

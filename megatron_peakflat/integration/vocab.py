@@ -227,9 +227,10 @@ _FIRST_CALL_LOGGED = False
 
 
 def _log_first_call(tokens: int, ring: int, over: str) -> None:
-    """One line (rank 0's, logs.py) after the first Ring-DTP loss of the process: what it chose for the flags' 'auto' and 0
-    (the schedule, the kernel, where the gradients were computed, in how many chunks), the largest block of fp32
-    logits it held, and why that schedule ran, from ``stats`` as ``ring_linear_cross_entropy`` recorded them."""
+    """After the first Ring-DTP loss of the process, from ``stats`` as ``ring_linear_cross_entropy`` recorded them:
+    one line per rank of what it chose for the flags' 'auto' and 0 (the schedule, the kernel, where the gradients
+    were computed, in how many chunks) and the largest block of fp32 logits it held; and one line (rank 0's,
+    logs.py) of the schedule that ran and why."""
     global _FIRST_CALL_LOGGED
     if _FIRST_CALL_LOGGED:
         return
@@ -241,8 +242,10 @@ def _log_first_call(tokens: int, ring: int, over: str) -> None:
         grads = "dX and dW computed in backward (logits recomputed block by block)"
     where = f"{ring} ranks of the {over} group" if ring > 1 else "one rank"
     log.info(f"peakflat vocab: first loss call: {tokens} tokens here, {where}, schedule {s.get('schedule')}, "
-             f"kernel {s.get('kernel')}, {grads}; largest block of logits {format_bytes(s.get('block_logits_bytes', 0))}; "
-             f"schedule {s.get('schedule')}: {s.get('schedule_reason')}", extra=PER_RANK)
+             f"kernel {s.get('kernel')}, {grads}; largest block of logits {format_bytes(s.get('block_logits_bytes', 0))}",
+             extra=PER_RANK)
+    # the same on every rank: one line (rank 0's)
+    info_once("peakflat vocab: schedule %s: %s", s.get("schedule"), s.get("schedule_reason"))
 
 
 _MTP_HEAD: contextvars.ContextVar[bool | None] = contextvars.ContextVar("peakflat_mtp_head", default=None)
