@@ -3,8 +3,9 @@
 At TP=1 every rank holds the whole [V, H] output layer, its fp32 ``main_grad`` and (with the distributed
 optimizer, over the data-parallel ranks) its Adam state. An MoE model's expert-parallel ranks each see
 their own tokens, so the layer can be split by rows over that group, as the tensor-parallel group
-splits it at TP > 1, and Ring-DTP's ring run over the expert-parallel group: every rank's tokens meet
-every shard, and each shard's gradient sums the tokens of the whole group. What each rank holds of the
+splits it at TP > 1, and Ring-DTP run over the expert-parallel group (the gather schedule where the
+gradients are computed with the loss, as in training; a ring where they are computed in backward): every
+rank's tokens meet every shard, and each shard's gradient sums the tokens of the whole group. What each rank holds of the
 layer drops to V/EP rows.
 
 The shard is handed to Megatron as an expert-parallel parameter (``allreduce = False``), which is what

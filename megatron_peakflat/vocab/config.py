@@ -51,7 +51,7 @@ class VocabConfig(ComponentConfig):
     """Check every step that labels lie in [0, vocab) or equal ignore_index (costs one host sync)."""
     shard_over_ep: bool = False
     """At TP=1 with expert parallelism, shard the (untied) output layer's rows over the expert-parallel
-    group and run the Ring-DTP ring over that group: each rank holds V/EP rows of the weight and of its
+    group and run Ring-DTP over that group (the schedule's ranks): each rank holds V/EP rows of the weight and of its
     main_grad (and its optimizer state follows the expert parameters') instead of all V. To turn it on or off
     across a resume, save in --ckpt-format torch_dist with --dist-ckpt-optim-fully-reshardable (or resume with
     --no-load-optim)."""
