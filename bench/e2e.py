@@ -68,6 +68,7 @@ class Model:
     topk: int = 4
     moe_ffn: int = 2880
     vocab: int = 201088
+    bf16: bool = True
 
     def flags(self, seq: int) -> list[str]:
         return [
@@ -80,7 +81,7 @@ class Model:
             "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
             "--moe-aux-loss-coeff", "1e-2", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--seq-length", str(seq), "--max-position-embeddings", str(seq),
-            "--micro-batch-size", "1", "--global-batch-size", "1", "--bf16", "--seed", "1234",
+            "--micro-batch-size", "1", "--global-batch-size", "1", *(["--bf16"] if self.bf16 else []), "--seed", "1234",
             "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
             "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--eval-iters", "0",
             "--eval-interval", "1000000", "--no-create-attention-mask-in-dataloader",
@@ -90,7 +91,8 @@ class Model:
         ]
 
 
-TINY = Model(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=4, topk=2, moe_ffn=64, vocab=1024)
+TINY = Model(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=32, topk=4, moe_ffn=64, vocab=1024)
+"""The dry run's model: gpt-oss-20b's routing (32 experts, top-4) at a width the CPU trains in seconds."""
 
 TE_FLAGS = ["--transformer-impl", "transformer_engine", "--moe-grouped-gemm", "--moe-permute-fusion"]
 OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d"]
@@ -539,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                          "nothing), plot (comma separated)")
     ap.add_argument("--methods", default=",".join(METHODS), help="which methods' reach to search")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the model (default: 2)")
+    ap.add_argument("--fp32", action="store_true", help="train in fp32 (no --bf16): with --dry-run, the same-loss "
+                                                        "phase then shows the composition's exactness without bf16 rounding")
     ap.add_argument("--spec", choices=["te", "local"], default=None,
                     help="te: Transformer Engine's layers; local: Megatron's local spec with the SDPA attention for "
                          "every method (default: te when Transformer Engine imports)")
@@ -561,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     lo = a.min_seq or (64 if dry else 8192)
     hi = a.max_seq or (128 if dry else 1024**2)
     step = a.granularity or (64 if dry else 8192)
-    driver = Driver(out, TINY if dry else Model(layers=a.layers), spec, dry, a.timeout)
+    model = TINY if dry else Model(layers=a.layers)
+    driver = Driver(out, dataclasses.replace(model, bf16=not a.fp32), spec, dry, a.timeout)
     if a.budget is not None:
         driver.deadline = time.monotonic() + a.budget
     driver.doc["commands"] = list(dict.fromkeys(driver.doc["commands"] + ["python3 " + shlex.join(sys.argv)]))
