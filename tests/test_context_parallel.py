@@ -13,7 +13,7 @@ Cases (grouped per launched world): world 2: CP 2; CP 2 with an MTP layer (again
 over the whole sequence, and against Megatron's own per-rank MTP reduction at CP 2); CP 2 with every token on one
 expert and with most tokens on one expert; a resume of the CP 2 run from a checkpoint saved after its first step.
 World 4: CP 4 (per-token loss, a masked tail, the dataloader's explicit mask); CP 2 x EP 2; CP 2 x TP 2 with
-sequence parallelism.
+sequence parallelism. And the pretrain entry at CP 2 on two ranks against CP 1, resumed from its CP 2 checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import torch
 
 from megatron_peakflat.memory.model import RunConfig
 from megatron_peakflat.testing import max_rel_error, run_distributed
+from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module
+from tests.conftest import needs_pretrain_entry
 
 S, MB, V = 16, 2, 128
 TOL = 1e-5
@@ -369,3 +371,33 @@ def test_every_component_under_context_parallelism_equals_megatron_at_cp1(world)
                 assert len(r["resume"]) == case.steps - 1
                 for loss, (grad, gname), (param, pname) in r["resume"]:
                     assert loss == 0 and grad == 0 and param == 0, (where, "resumed", loss, gname, grad, pname, param)
+
+
+@needs_pretrain_entry
+def test_pretrain_at_cp2_with_every_component_trains_as_cp1_and_resumes(tmp_path):
+    """``python -m megatron_peakflat.pretrain`` (its CPU dry run, two gloo ranks) with the four components and the
+    SDPA attention: at --context-parallel-size 2 (the batch cut by Megatron's get_batch_on_this_cp_rank, the
+    dataloader's mask included) the logged loss of each iteration equals the CP 1 run's (one rank, the same global
+    batch), and a run resumed from the distributed checkpoint saved at CP 2 after iteration 2 logs iteration 3's."""
+    common = (*TINY_GPT_ARGS, "--distributed-backend", "gloo", "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--adam-eps", "1e-3", "--use-distributed-optimizer", "--optimizer-cpu-offload",
+              "--use-precision-aware-optimizer", "--peakflat-optimizer", "offload-stream",
+              "--peakflat-dispatch", "pipelined-llep", "--peakflat-vocab", "ring-dtp", "--peakflat-sco",
+              "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+              "--peakflat-attention", "sdpa", "--dist-ckpt-optim-fully-reshardable")
+    ckpt = str(tmp_path / "cp2")
+
+    def losses(*extra: str, nproc: int = 2) -> list[float]:
+        out = run_module("megatron_peakflat.testing.pretrain_dryrun", *common, *extra, nproc=nproc, timeout=600)
+        text = out.stdout + out.stderr
+        assert out.returncode == 0, text[-3000:]
+        assert "components on: dispatch, vocab, sco, optimizer" in text, text[-3000:]
+        return logged(text, "lm loss")
+
+    straight = losses("--context-parallel-size", "1", "--train-iters", "3", nproc=1)  # the same global batch
+    saved = losses("--context-parallel-size", "2", "--train-iters", "3", "--save", ckpt, "--save-interval", "2",
+                   "--exit-interval", "2")
+    resumed = losses("--context-parallel-size", "2", "--train-iters", "3", "--load", ckpt)
+    assert len(straight) == 3 and len(saved) == 2 and len(resumed) == 1
+    assert saved + resumed == pytest.approx(straight, rel=1e-5), (saved, resumed, straight)
+    assert len(set(straight)) == 3  # training moved the loss, so the later iterations compare trained weights

@@ -6,7 +6,7 @@ small GPT/MoE model needs to train on CPU (see MEGATRON_NOTES.md, "Megatron-Core
 - ``torch.cuda.current_device()`` returns the CPU device; ``device='cuda'``, ``.cuda()`` and
   ``.to('cuda')`` land on the CPU through a TorchFunctionMode, and ``.type()`` reports
   ``torch.cuda.*Tensor`` so the optimizer's and DDP's type checks accept CPU tensors;
-- CUDA streams and events become no-op stand-ins;
+- CUDA streams and events become no-op stand-ins, and the device's properties a Hopper-class stand-in;
 - the CUDA RNG state that Megatron's tracker forks is the CPU generator's state;
 - ``maybe_move_tensor_to_cpu(as_numpy=True)`` returns numpy for CPU tensors (EP>1 split sizes);
 - ``WrappedTorchNorm`` accepts sequence parallelism, its parameters tagged ``sequence_parallel``;
@@ -108,6 +108,13 @@ class _DummyEvent:
         return 0.0
 
 
+class _CpuDeviceProperties:
+    name = "CPU (Megatron-on-CPU shim)"
+    major, minor = 9, 0
+    total_memory = 0
+    multi_processor_count = 1
+
+
 def install_cpu_shim() -> None:
     """Redirect Megatron's CUDA assumptions to the CPU in this process. Idempotent."""
     global _INSTALLED
@@ -136,6 +143,9 @@ def install_cpu_shim() -> None:
     cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
     cuda.memory_allocated = lambda *a, **k: 0  # type: ignore[assignment]
     cuda.max_memory_allocated = lambda *a, **k: 0  # type: ignore[assignment]
+    # Megatron's argument checks ask the device's architecture at TP or CP > 1 (get_device_arch_version): a
+    # Hopper-class stand-in, so that they take the path of the GPUs this package is measured on
+    cuda.get_device_properties = lambda *a, **k: _CpuDeviceProperties()  # type: ignore[assignment]
     cuda.nvtx.range_push = lambda *a, **k: None  # type: ignore[assignment]
     cuda.nvtx.range_pop = lambda *a, **k: None  # type: ignore[assignment]
     torch._C._set_print_stack_traces_on_fatal_signal(False) if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal") else None

@@ -49,6 +49,20 @@ def main(argv: list[str]) -> None:
 
     training.initialize_megatron = initialize_megatron
     initialize.initialize_megatron = initialize_megatron
+    # Megatron warms its fused kernels up on random "cuda" tensors of [seq / CP, micro-batch, hidden] after seeding
+    # and before building the model: on a GPU they draw from the GPU's generator, here from the CPU one that
+    # --use-cpu-initialization then initialises the weights from, so the weights would follow --seq-length and
+    # --context-parallel-size. The CPU generator's state is kept across the warm-up, as a GPU leaves it.
+    real_fusion = training.set_jit_fusion_options
+
+    def set_jit_fusion_options(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return real_fusion(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    training.set_jit_fusion_options = set_jit_fusion_options
     if os.environ.get("PEAKFLAT_DRYRUN_FUSED_ADAM") == "1":
         from megatron.core.optimizer import distrib_optimizer
 
