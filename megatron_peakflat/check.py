@@ -123,18 +123,18 @@ def _extension_lines() -> list[str]:
               flush=True)
     module = _ext.load()
     if module is None:
-        lines = [f"extension       MISSING: {_ext.reason()}",
-                 f"                falls back: {_ext.FALLBACKS}"]
+        lines = [f"extension          MISSING: {_ext.reason()}",
+                 f"                   falls back: {_ext.FALLBACKS}"]
         log = _ext.build_log().strip().splitlines()
         if log:
-            lines.append("                compiler output (last lines):")
-            lines += [f"                  {line}" for line in log[-8:]]
+            lines.append("                   compiler output (last lines):")
+            lines += [f"                     {line}" for line in log[-8:]]
         return lines
     cuda = bool(getattr(module, "with_cuda", False))
     how = {"prebuilt": "built at install time", "jit": "built on first use"}.get(_ext.source(), _ext.source())
     where = _ext.reason() if _ext.source() == "jit" else getattr(module, "__file__", "")
-    return [f"extension       megatron_peakflat._C {how}: C++ parts yes, CUDA parts {'yes' if cuda else 'no'}",
-            f"                {where}"]
+    return [f"extension          megatron_peakflat._C {how}: C++ parts yes, CUDA parts {'yes' if cuda else 'no'}",
+            f"                   {where}"]
 
 
 def report() -> str:
@@ -157,44 +157,50 @@ def report() -> str:
     def shown(v: str | None) -> str:
         return "not installed" if v is None else (v or "installed")
 
-    lines.append(f"Transformer E.  {shown(te)}")
-    lines.append(f"apex            {shown(apex)}")
-    lines.append(f"triton          {shown(triton)}")
+    lines.append(f"Transformer Engine {shown(te)}")
+    lines.append(f"apex               {shown(apex)}")
+    lines.append(f"triton             {shown(triton)}")
     if mcore is None:
-        lines.append(f"megatron-core   not installed (checked on {', '.join(CHECKED_ON)}): pip install "
+        lines.append(f"megatron-core      not installed (checked on {', '.join(CHECKED_ON)}): pip install "
                      f"'megatron-core>={CHECKED_ON[0]},<0.20'")
     else:
         base = mcore.split("+")[0]
         verdict = "checked" if base in CHECKED_ON else f"NOT among the versions checked ({', '.join(CHECKED_ON)})"
         found, missing = _megatron_symbols()
-        lines.append(f"megatron-core   {mcore}: {verdict}; {found} of {found + len(missing)} symbols peakflat "
+        lines.append(f"megatron-core      {mcore}: {verdict}; {found} of {found + len(missing)} symbols peakflat "
                      f"replaces found")
-        lines += [f"                missing: {m}" for m in missing]
+        lines += [f"                   missing: {m}" for m in missing]
     gpus = _gpus()
-    lines.append(f"GPUs            {len(gpus) or 'none visible'}" + ("" if gpus else
+    lines.append(f"GPUs               {len(gpus) or 'none visible'}" + ("" if gpus else
                  " (fine for checking a command line; training needs them)"))
-    lines += [f"                {g}" for g in gpus]
+    lines += [f"                   {g}" for g in gpus]
     ram = _host_ram()
-    lines.append("host RAM        " + ("unreadable" if ram is None else
+    lines.append("host RAM           " + ("unreadable" if ram is None else
                                        f"{ram[0]:.1f} GiB total, {ram[1]:.1f} GiB available"))
     cuda = bool(gpus)
     native = module is not None
     streams = native and bool(getattr(module, "with_cuda", False)) and cuda
     lines.append("components here:")
-    lines.append("  PipelinedLLEP   expert GEMMs " + ("grouped (torch._grouped_mm)" if cuda else "one expert at a time "
-                 "on CPU") + "; combine " + ("Triton" if cuda and triton is not None else "PyTorch")
+    if not hasattr(torch, "_grouped_mm"):
+        gemms = "one expert at a time (this torch has no _grouped_mm)"
+    elif cuda and torch.cuda.get_device_capability(0)[0] < 8:
+        gemms = "one expert at a time (grouped GEMMs need sm80+)"
+    else:
+        gemms = "grouped (torch._grouped_mm" + (", bf16)" if cuda else ")")
+    lines.append("  PipelinedLLEP      expert GEMMs " + gemms + "; combine " + ("Triton" if cuda and triton is not None
+                                                                            else "PyTorch")
                  + "; all-to-alls " + ("copy engines where the EP group is on one host, else NCCL" if cuda else
                                        "through the process group's backend"))
-    lines.append("  Ring-DTP        block kernel " + ("Triton" if cuda and triton is not None else "PyTorch")
+    lines.append("  Ring-DTP           block kernel " + ("Triton" if cuda and triton is not None else "PyTorch")
                  + (" (triton missing: pip install triton)" if cuda and triton is None else ""))
-    lines.append("  SCO             host pool: torch pinned tensors (--peakflat-sco-pool native: "
+    lines.append("  SCO                host pool: torch pinned tensors (--peakflat-sco-pool native: "
                  + ("the extension's" if native else "falls back to torch, no extension") + ")")
-    lines.append("  OffloadStream   host Adam step " + ("native (the extension)" if native else "PyTorch")
+    lines.append("  OffloadStreamAdamW host Adam step " + ("native (the extension)" if native else "PyTorch")
                  + "; bucket streams " + ("native (CUDA parts)" if streams else "PyTorch"
                                           + ("" if cuda else " (no GPU here)")))
-    lines.append("  attention       " + ("Transformer Engine's (left in place)" if te is not None else
+    lines.append("  attention          " + ("Transformer Engine's (left in place)" if te is not None else
                                          "peakflat's SDPA attention (no Transformer Engine; --peakflat-attention)"))
-    lines.append("  Megatron optim. " + ("FusedAdam (Transformer Engine or apex)" if fused_adam_importable() else
+    lines.append("  Megatron optimizer " + ("FusedAdam (Transformer Engine or apex)" if fused_adam_importable() else
                                          "torch AdamW (no Transformer Engine or apex FusedAdam)"))
     return "\n".join(lines)
 

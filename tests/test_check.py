@@ -24,7 +24,7 @@ def test_report_fits_one_screen_and_names_each_part(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert len(lines) <= 30, out
-    for label in ("extension", "Transformer E.", "apex", "triton", "megatron-core", "GPUs", "host RAM",
+    for label in ("extension", "Transformer Engine", "apex", "triton", "megatron-core", "GPUs", "host RAM",
                   "PipelinedLLEP", "Ring-DTP", "SCO", "OffloadStream", "attention"):
         assert any(line.lstrip().startswith(label) for line in lines), (label, out)
     mcore = next(line for line in lines if line.startswith("megatron-core"))
@@ -47,7 +47,7 @@ def test_report_says_what_falls_back_when_the_extension_is_missing(monkeypatch, 
                                          "reason": "compiling megatron_peakflat._C failed: error: boom"})
     assert check.main([]) == 0
     out = capsys.readouterr().out
-    assert "extension       MISSING: compiling megatron_peakflat._C failed: error: boom" in out
+    assert "extension          MISSING: compiling megatron_peakflat._C failed: error: boom" in out
     assert _ext.FALLBACKS in out and "x.cpp:1: error: boom" in out
     assert "host Adam step PyTorch" in out
 
