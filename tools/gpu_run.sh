@@ -2,6 +2,7 @@
 # Run GPU steps on a CUDA machine from a checkout of this repository (the commands behind the
 # committed GPU results). Steps: setup, tests (or tests:<pytest args>), suite (the whole suite, tools/gpu_full_suite.sh), example, demo,
 # mtp-release (the MTP run of pretrain_mtp_32k.json again, with moe-release, against the planner),
+# e2e[:args] (bench/e2e.py; with TE from tools/te_to_device.sh on the PYTHONPATH),
 # bench-<component>[:args].
 #   bash tools/gpu_run.sh setup tests example bench-vocab bench-sco
 # Wheels missing on the machine (megatron-core, liger-kernel, cut-cross-entropy) are taken from .whl/
@@ -48,6 +49,9 @@ for s in "$@"; do
         --env "NUM_LAYERS=2,HIDDEN=2048,HEADS=16,FFN=5632,MOE_FFN=1408,EXPERTS=8,TOPK=2,VOCAB=201088,SEQ_LEN=32768,GLOBAL_BATCH=1,TRAIN_ITERS=4,CHUNK_CAP=auto" \
         --run "vocab:PEAKFLAT=on;PEAKFLAT_COMPONENTS=vocab" -- --deterministic-mode --mtp-num-layers 1
       step planner-mtp $PY bench/planner_mtp.py ;;
+    e2e|e2e:*)
+      args=""; [[ "$s" == e2e:* ]] && args=${s#e2e:}
+      step e2e $PY bench/e2e.py $args ;;
     bench-*)
       spec=${s#bench-}; name=${spec%%:*}; args=""
       [[ "$spec" == *:* ]] && args=${spec#*:}

@@ -4,9 +4,14 @@
 #
 #   here:   bash tools/te_to_device.sh fetch      # .tep1 ... .tep5 (ignored): TE's 276 MB core wheel in 5 parts,
 #                                                 # its torch extension's sdist and the wheels TE needs
-#   there:  one call per part, carrying .tepN:     cp .tepN/* /tmp/teparts/   (a warm machine keeps /tmp,
-#                                                 # not a carried folder that the next call does not name)
-#   there:  bash tools/te_to_device.sh build      # assemble, install into /tmp/site, build for sm_90 (~100 s)
+#   there:  one call per part, carrying .tepN:     bash tools/te_to_device.sh receive N   (a warm machine keeps
+#                                                 # /tmp, not a carried folder that the next call does not name)
+#   there:  bash tools/te_to_device.sh build      # assemble, install into /tmp/site, build for sm_90 (~100 s);
+#                                                 # the call that carries .tep5 can receive and build at once
+#
+# A part with the working tree stays under the 64 MiB a call carries (58 MB each; .tep5 61 MB): carry nothing
+# else beside one, and send the calls back to back, since a machine left idle is given back with /tmp.
+# `build` is a no-op where TE already imports from /tmp/site, and refuses with the missing parts named.
 #
 # Then: export PYTHONPATH=/tmp/site:$PWD; python3 -m pytest tests/gpu/test_te_gpu.py
 set -euo pipefail
@@ -30,9 +35,19 @@ case "${1:-}" in
     mv "$tmp/cu13.part4" "$tmp"/*.whl "$tmp"/*.tar.gz .tep5/
     du -sh .tep*
     ;;
+  receive)
+    n=${2:?usage: $0 receive N (1-5)}
+    mkdir -p /tmp/teparts && cp .tep$n/* /tmp/teparts/ && ls /tmp/teparts
+    ;;
   build)
+    if PYTHONPATH=/tmp/site python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
+      echo "TE already built in /tmp/site"; exit 0
+    fi
     mkdir -p /tmp/teparts /tmp/tew /tmp/tebuild
-    cp .tep5/cu13.part4 /tmp/teparts/
+    [[ -d .tep5 ]] && cp .tep5/cu13.part4 /tmp/teparts/
+    missing=$(for i in 0 1 2 3 4; do [[ -f /tmp/teparts/cu13.part$i ]] || echo -n "cu13.part$i (.tep$((i + 1))) "; done)
+    [[ -z "$missing" ]] || { echo "missing on this machine: $missing- receive them first (the machine may have been given back)" >&2; exit 1; }
+    [[ -d .tep5 ]] || { echo "build needs .tep5 carried (its wheels and TE's torch sdist)" >&2; exit 1; }
     cat /tmp/teparts/cu13.part{0,1,2,3,4} > /tmp/tew/$CORE
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .tep5/*.whl /tmp/tew/$CORE
     export PYTHONPATH=/tmp/site:$PWD
@@ -47,5 +62,5 @@ case "${1:-}" in
     cp build/lib.*/transformer_engine/wheel_lib/transformer_engine_torch*.so /tmp/site/transformer_engine/wheel_lib/
     python3 -c "import transformer_engine, transformer_engine.pytorch as te; print('TE', transformer_engine.__version__)"
     ;;
-  *) echo "usage: $0 fetch|build" >&2; exit 2 ;;
+  *) echo "usage: $0 fetch|receive N|build" >&2; exit 2 ;;
 esac
