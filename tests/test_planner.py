@@ -144,8 +144,8 @@ def test_llep_bound_and_chunk_growth_by_hand():
     per_token = 2 * 64 * 2 + 4 * 8 + 64 + 28 * 2  # ... + 28 B per token-expert pair (top-2)
     experts = 2 * 3 * 64 * 32 * 2
     # Moved experts: 'auto' hosts all 6 foreign experts (a quarter of 4 x 1024 rows of 12 x 64 bf16 elements
-    # would hold 32 of 6144 x (2 x 2 + 4) B); a rank sends at most min(3 x 2, 3 + 2) = 5 weight copies.
-    moved = 6 * 6144 * (2 * 2 + 4) + 5 * 6144 * 2
+    # would hold 42 of 6144 x (2 + 4) B); a rank sends at most min(3 x 2, 3 + 2) = 5 weight copies.
+    moved = 6 * 6144 * (2 + 4) + 5 * 6144 * 2
     assert M.llep_working_set(TINY, run, bound_rows) == 4096 * per_token + 2 * experts + moved + bound_rows * per_row
     # K would be 512 > max_chunks 4: the chunk grows to 1024 tokens x 2.
     assert M.llep_chunks(TINY, run, PeakflatConfig(dispatch=DispatchConfig(chunk_cap=16, max_chunks=4))) == (4, 2048)

@@ -77,9 +77,10 @@ def flow_chunk_rows(*, pairs_per_rank: float, ep: int, chunk_cap: int, max_chunk
 
 def hosted_expert_bytes(expert_numel: float, dtype_bytes: int) -> float:
     """Bytes one hosted (foreign) expert costs its helper at most, at once: its weights (received in forward
-    and again in backward), the fp32 sum of their gradient over the chunks, and the gradient it sends
-    home (written from the fp32 sum, which is then freed)."""
-    return expert_numel * (2 * dtype_bytes + 4)
+    and again in backward) and the fp32 sum of their gradient over the chunks; once the chunks are done the
+    weights are dropped, and the gradient it sends home takes their place (written from the fp32 sum, which
+    is then freed)."""
+    return expert_numel * (dtype_bytes + 4)
 
 
 def auto_max_foreign(*, ep: int, num_local_experts: int, chunk_cap: int, hidden: int, dtype_bytes: int,
@@ -126,7 +127,7 @@ def working_set_bound(*, num_tokens: float, hidden: int, ffn: int, num_experts: 
     c_eff + P pairs, under ``chunk_rows``, plus 1/16 headroom) replace the sent buffers.
 
     Moved experts (``expert_numel`` elements each): a rank hosting ``hosted`` foreign experts holds, at
-    most at once, their weights, the fp32 sums of their gradients and the gradients it sends home
+    most at once, their weights or the gradients it sends home, and the fp32 sums of their gradients
     (``hosted_expert_bytes`` each); a rank sending ``sent`` weight copies (``weight_sends_bound``) holds one
     expert's bytes per copy, in its send buffer (forward, and again in backward) or in what it receives
     back. The sum covers every phase: the exchanges run while no chunk is alive, and a rank may be

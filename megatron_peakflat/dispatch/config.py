@@ -68,8 +68,8 @@ class DispatchConfig(ComponentConfig):
     max_foreign_experts: int | None = None
     """The most experts of other ranks that one rank hosts (receives the weights of, and computes) in one layer
     call. A spill that would exceed it stays on its owner, which is always exact. Each hosted expert costs
-    its weights, the fp32 sum of their gradient and the gradient sent home: (2 x dtype bytes + 4) per
-    parameter, at once. 'auto': the most whose cost fits in a quarter of one chunk's dispatch and combine
+    its weights (or, at the end, the gradient it sends home) and the fp32 sum of their gradient: (dtype
+    bytes + 4) per parameter, at once. 'auto': the most whose cost fits in a quarter of one chunk's dispatch and combine
     rows at the cap (EP x c rows of 12 x hidden x dtype bytes), so the hosted weights and accumulators stay
     at most 1/4 of that token working set; 0 at shapes where one expert costs more (no weights move).
     Guarantee (dispatch/bound.py working_set_bound and flow_chunk_rows): a rank's peak counts these, the

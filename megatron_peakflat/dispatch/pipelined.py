@@ -378,9 +378,11 @@ class _Chunks:
         for (i, k), g in list(self.acc.items()):
             if local[i] is not None:
                 out_grads[local[i] * m + k] = self.acc.pop((i, k))  # fp32 until every contribution is in
-        # Hosted experts' gradients go straight from their fp32 sums into the send buffer (each sum freed once
-        # written), and their weights are dropped before the exchange: a hosted expert never costs more
-        # than its weights, its fp32 sum and its send slice at once (bound.hosted_expert_bytes).
+        # The hosted experts' weights are dropped first (the chunks are done with them), then their gradients go
+        # straight from the fp32 sums into the send buffer, each sum freed once written: a hosted expert never
+        # costs more than its weights and fp32 sum (chunks), or its fp32 sum and send slice (here), at once
+        # (bound.hosted_expert_bytes).
+        self.release()
         W = sum(p.numel() for p in like)
         send_buf = like[0].new_empty(W * len(sched.weight_recvs)) if sched.moves_weights else None
         for j, (_, e) in enumerate(sched.weight_recvs):
@@ -393,7 +395,6 @@ class _Chunks:
                     dst.copy_(g)
                 del g
         self.acc, self._sinks = {}, {}
-        self.release()
         back = return_weight_grads(sched, send_buf, bank, self.group) if send_buf is not None else []
         del send_buf
         for e, flat in back:  # each helper's part on its own, into fp32 or main_grad: no summed copy

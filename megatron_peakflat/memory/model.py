@@ -553,11 +553,11 @@ def llep_working_set(s: ModelShape, run: RunConfig, chunk_rows: float, overlap: 
     per token the output and input gradient (2Hw), probs gradient (4E) and routing metadata (64 B, and
     28 B per token-expert pair); the local experts' weight gradients (2 x expert bytes); the moved experts:
     per hosted foreign expert (``llep_hosting``, under ``pf``'s dispatch flags, the defaults without) its
-    weights, fp32 gradient sum and send slice (2w + 4 bytes per parameter), and per weight copy this rank
-    sends (dispatch/bound.py weight_sends_bound) one expert's bytes; and per received row of one chunk
-    w x (12H + 3 x fc1 + 4F) + 64 B (dispatch, combine, expert activations), 8H more at EP > 1 with
-    ``overlap`` (``--peakflat-dispatch-overlap``: the next chunk's dispatch and the previous one's combine
-    in flight). The component's guarantee (the ``bound`` column), not what a step allocates: see
+    weights (later the gradient slice it sends home) and fp32 gradient sum (w + 4 bytes per parameter), and
+    per weight copy this rank sends (dispatch/bound.py weight_sends_bound) one expert's bytes; and per
+    received row of one chunk w x (12H + 3 x fc1 + 4F) + 64 B (dispatch, combine, expert activations), 8H
+    more at EP > 1 with ``overlap`` (``--peakflat-dispatch-overlap``: the next chunk's dispatch and the
+    previous one's combine in flight). The component's guarantee (the ``bound`` column), not what a step allocates: see
     ``llep_expected_working_set``."""
     pf = pf if pf is not None else PeakflatConfig()
     e_p = max(1, s.experts // run.ep)
