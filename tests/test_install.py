@@ -64,3 +64,53 @@ def test_pip_install_in_a_fresh_venv_builds_the_extension_on_first_use(tmp_path)
                            "--hbm-gib", "80", "--host-gib", "2048"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert plan.returncode == 0 and plan.stdout.startswith("peakflat plan: gpt-oss-20b"), plan.stderr[-2000:]
+
+
+# ---- the metadata, without installing ------------------------------------------------------------------------
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_version_is_written_once_and_read_by_the_build():
+    import megatron_peakflat
+
+    project = _pyproject()["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert _pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "megatron_peakflat.__version__"}
+    assert "version=" not in (ROOT / "setup.py").read_text()
+    assert f"## [{megatron_peakflat.__version__}]" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_setup_py_holds_only_the_extension_build(monkeypatch):
+    import runpy
+
+    import setuptools
+
+    captured: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: captured.update(kw))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PEAKFLAT_BUILD_EXT", "0")
+    runpy.run_path(str(ROOT / "setup.py"))
+    assert set(captured) == {"ext_modules", "cmdclass"} and captured["ext_modules"] == []
+    assert "build_py" in captured["cmdclass"]  # the one that ships csrc/ as megatron_peakflat/_csrc
+
+
+def test_metadata_names_the_license_extras_and_console_scripts():
+    import importlib
+
+    project = _pyproject()["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert project["requires-python"] == ">=3.12" and project["readme"] == "README.md"
+    assert {"plot", "test", "te"} <= set(project["optional-dependencies"])
+    assert "matplotlib" in project["optional-dependencies"]["plot"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert set(project["scripts"]) == {"peakflat-plan", "peakflat-check"}
+    for target in project["scripts"].values():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func))
+    assert "torch" not in " ".join(_pyproject()["build-system"]["requires"])  # build isolation needs no torch
