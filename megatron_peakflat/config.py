@@ -35,8 +35,9 @@ class GeneralConfig(ComponentConfig):
 
     attention: Literal["auto", "local", "sdpa"] = "auto"
     """Core attention of Megatron's local spec. 'sdpa' uses torch scaled_dot_product_attention
-    (flash/memory-efficient kernels, no s x s scores); 'auto' picks sdpa when Transformer Engine is
-    absent and leaves TE's attention alone when it is present."""
+    (flash/memory-efficient kernels, no s x s scores), and runs --context-parallel-size > 1 (K and V
+    all-gathered over the CP group), which Megatron's local attention refuses; 'auto' picks sdpa when
+    Transformer Engine is absent and leaves TE's attention alone when it is present."""
     report_peaks: bool = False
     """Measure each component's peak memory and log it every log interval beside the planner's prediction."""
     log_all_ranks: bool = False
