@@ -9,7 +9,8 @@ whether a command line would start. No GPU is needed: a login node will do.
     peakflat-check <Megatron flags> <--peakflat-* flags> [--gpus N] [--gpus-per-node N] [--hbm-gib G] [--host-gib G]
         parses the line with Megatron's own parser and checks (``megatron.training.arguments``: its errors come
         through as they are), checks every --peakflat-* flag against the rest of the line as training start-up
-        does, then prints the planner's table for the run and whether this configuration fits. --gpus is the
+        does, then prints the planner's table for the run and whether this configuration fits. ``--peakflat auto``
+        is resolved first, as start-up resolves it, for the GPUs and memory given here. --gpus is the
         run's GPU count (default: the smallest that the parallel sizes allow); --hbm-gib and --host-gib the
         GPU's memory and a node's RAM (default: this machine's GPU, else 80; this machine's RAM when it has a
         GPU, else 2048).
@@ -33,7 +34,7 @@ import sys
 import warnings
 from typing import Any, Sequence
 
-from . import __version__
+from . import __version__, auto
 from .config import PeakflatConfig
 from .config_base import PeakflatConfigError
 
@@ -319,7 +320,10 @@ def check_command_line(argv: Sequence[str]) -> int:
     from .memory.model import plan
 
     own, flags = _own_parser().parse_known_args(list(argv))
+    auto_table = None
     try:
+        if auto.wants_auto(flags):  # resolved before Megatron parses, as pretraining does
+            flags, own.gpus, auto_table = _resolve_auto(flags, own)
         args, world, note = _megatron_args(flags, own.gpus)
     except SystemExit as e:  # argparse's error, printed already
         return int(e.code) if isinstance(e.code, int) and e.code else REFUSED
@@ -335,6 +339,8 @@ def check_command_line(argv: Sequence[str]) -> int:
     except PeakflatConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return REFUSED
+    if auto_table:
+        print(auto_table)
     print(f"Megatron flags: {note}; {world} GPUs")
     on = [name for name, enabled in cfg.enabled.items() if enabled]
     print(f"peakflat flags: accepted; components on: {', '.join(on) or 'none (Megatron runs unchanged)'}")
@@ -367,6 +373,22 @@ def check_command_line(argv: Sequence[str]) -> int:
         print("  the 'recommended' flags above are the planner's way to fit" if rec.fits else
               "  nothing the planner tried fits: more GPUs, or more memory per GPU, are needed")
     return 0 if fits else DOES_NOT_FIT
+
+
+def _resolve_auto(flags: list[str], own: argparse.Namespace) -> tuple[list[str], int, str]:
+    """``--peakflat auto`` resolved as training start-up resolves it, for the GPUs and memory given here (the
+    fewest GPUs the parallel sizes allow, and the planner's defaults, where not given): (the flags with the
+    chosen ones added, the GPU count, the decision's table). Raises PeakflatConfigError when nothing fits."""
+    from .memory.cli import local_hbm_gib, local_host_gib
+    from .memory.megatron_args import megatron_parser
+
+    gpus = own.gpus or _smallest_world(megatron_parser().parse_known_args(auto._without_auto(flags))[0])
+    hbm = own.hbm_gib if own.hbm_gib is not None else (local_hbm_gib() or 80.0)
+    host = own.host_gib if own.host_gib is not None else ((local_host_gib() if local_hbm_gib() else None) or 2048.0)
+    choice = auto.resolve(flags, gpus=gpus, gpus_per_node=min(own.gpus_per_node or 8, gpus),
+                          hbm_bytes=int(hbm * _GIB), host_bytes_per_node=int(host * _GIB))
+    auto._resolved.append(choice)  # as auto_argv records it: apply() and from_args see it resolved
+    return flags + choice.added, gpus, choice.table()
 
 
 def _startup_notes(args: Any, cfg: PeakflatConfig) -> list[str]:

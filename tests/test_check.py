@@ -139,3 +139,18 @@ def test_the_module_and_its_exit_status_from_a_shell():
                           "--host-gib", "2048"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 3, (out.stdout[-2000:], out.stderr[-2000:])
     assert "Traceback" not in out.stderr and "-> does NOT fit" in out.stdout
+
+
+def test_peakflat_auto_is_resolved_for_the_gpus_given_then_checked(capsys, monkeypatch):
+    from megatron_peakflat import auto
+
+    monkeypatch.setattr(auto, "_resolved", [])
+    assert check.main([*MODEL, "--peakflat", "auto", "--hbm-gib", "40", "--host-gib", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "peakflat auto: planned for 8 GPU(s) of 40.0 GiB" in out
+    added = next(line for line in out.splitlines() if line.startswith("  added: "))
+    assert "--peakflat-dispatch pipelined-llep" in added  # what training start-up would add, then checked
+    assert "components on: dispatch" in out and out.strip().splitlines()[-1].endswith("-> fits")
+    # where nothing fits, auto refuses at start-up: so does the check
+    assert check.main([*MODEL, "--peakflat", "auto", "--hbm-gib", "1", "--host-gib", "2048"]) == 2
+    assert capsys.readouterr().err.startswith("error: --peakflat='auto': nothing fits")
