@@ -20,6 +20,7 @@ back there: start-up refuses it (``config._check_sdpa_attention``) and a direct 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import logging
@@ -155,9 +156,7 @@ def sdpa_core_attention_class() -> type:
             if groups > 1:
                 k = k.repeat_interleave(groups, dim=1)
                 v = v.repeat_interleave(groups, dim=1)
-            scale = self.softmax_scale
-            if self.config.apply_query_key_layer_scaling:
-                scale = scale * self.layer_number
+            scale = self._scale()
             mask = None
             is_causal = False
             if attention_mask is None:
@@ -176,6 +175,8 @@ def sdpa_core_attention_class() -> type:
             return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
         def _scale(self) -> float:
+            """The scale DotProductAttention's scores get in the end: its softmax_scale, times the layer number under
+            query-key layer scaling (which divided the scale by it, and whose softmax multiplies it back)."""
             scale = self.softmax_scale
             if self.config.apply_query_key_layer_scaling:
                 scale = scale * self.layer_number
@@ -201,13 +202,10 @@ def sdpa_core_attention_class() -> type:
                                           f"explicit mask, and got mask type {mask_type} without a mask",
                                           "use Transformer Engine's attention, or --context-parallel-size 1")
             p = self.attention_dropout.p if self.training else 0.0
-            call = lambda: context_parallel_attention(query, key, value, self.cp_group, scale=self._scale(),  # noqa: E731
-                                                      dropout_p=p, attn_bias=bias)
-            if p > 0.0 and not self.config.sequence_parallel:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = call()
-            else:
-                out = call()
+            fork = p > 0.0 and not self.config.sequence_parallel
+            with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+                out = context_parallel_attention(query, key, value, self.cp_group, scale=self._scale(), dropout_p=p,
+                                                 attn_bias=bias)
             return out.reshape(sq, b, np_ * hn)
 
     _CLASS = SDPAttention
