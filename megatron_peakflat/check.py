@@ -142,14 +142,14 @@ def report() -> str:
     """The no-argument screen: what is installed and what each component will use here."""
     import torch
 
+    from . import _ext
     from .integration.registry import CHECKED_ON
     from .memory.megatron_args import fused_adam_importable
 
     lines = [f"megatron-peakflat {__version__}   python {platform.python_version()}   torch {torch.__version__} "
              f"(CUDA {torch.version.cuda or 'none'})"]
     lines += _extension_lines()
-    ext = sys.modules.get("megatron_peakflat._ext")
-    module = ext.load() if ext is not None else None
+    module = _ext.load()  # the outcome _extension_lines had: one attempt per process
     te = _module_version("transformer_engine", "transformer-engine", "transformer_engine", "transformer-engine-torch")
     apex = _module_version("apex", "apex")
     triton = _module_version("triton", "triton", "pytorch-triton")
@@ -190,8 +190,8 @@ def report() -> str:
         gemms = "grouped (torch._grouped_mm" + (", bf16)" if cuda else ")")
     lines.append("  PipelinedLLEP      expert GEMMs " + gemms + "; combine " + ("Triton" if cuda and triton is not None
                                                                             else "PyTorch")
-                 + "; all-to-alls " + ("copy engines where the EP group is on one host, else NCCL" if cuda else
-                                       "through the process group's backend"))
+                 + "; all-to-alls " + ("NCCL (overlapped calls: copy engines where the EP group is on one host)"
+                                       if cuda else "through the process group's backend"))
     lines.append("  Ring-DTP           block kernel " + ("Triton" if cuda and triton is not None else "PyTorch")
                  + (" (triton missing: pip install triton)" if cuda and triton is None else ""))
     lines.append("  SCO                host pool: torch pinned tensors (--peakflat-sco-pool native: "

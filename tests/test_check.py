@@ -6,8 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from megatron_peakflat import _ext, check
 from megatron_peakflat.integration.registry import CHECKED_ON
 
