@@ -72,16 +72,27 @@ def _recommended_line(out: str) -> list[str]:
     return shlex.split(lines[i + 1])
 
 
-@pytest.mark.parametrize("argv", [
-    ("--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16"),
-    ("--preset", "gpt-oss-20b", "--seq-len", "256K", "--gpus", "32", "--tp", "2"),
-    ("--preset", "gpt-oss-120b", "--seq-len", "512K", "--gpus", "64", "--pp", "2", "--etp", "1", "--tp", "2"),
+MODEL_FLAGS = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --group-query-attention "
+               "--num-query-groups 4 --ffn-hidden-size 2048 --num-experts 16 --moe-router-topk 2 "
+               "--moe-ffn-hidden-size 512 --swiglu --vocab-size 50304 --seq-length 262144 --micro-batch-size 1 "
+               "--bf16 --disable-bias-linear --moe-token-dispatcher-type alltoall --use-distributed-optimizer "
+               "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+"""A model given as a Megatron command line (whose omitted flags take Megatron's defaults), not a preset."""
+
+
+@pytest.mark.parametrize("argv, model", [
+    (("--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16"), ""),
+    (("--preset", "gpt-oss-20b", "--seq-len", "256K", "--gpus", "32", "--tp", "2"), ""),
+    (("--preset", "gpt-oss-120b", "--seq-len", "512K", "--gpus", "64", "--pp", "2", "--etp", "1", "--tp", "2"), ""),
+    (("--gpus", "16", "--cp", "4", "--hbm-gib", "40"), MODEL_FLAGS),
 ])
-def test_the_recommended_line_reproduces_the_plan(capsys, argv):
-    """Plan, paste the printed line back as --megatron-args (beside the same preset, sequence and GPU count), plan
-    again: the same layout, the same recommendation and the same bytes in every row of every stage."""
-    common = ["--hbm-gib", "80", "--host-gib", "1024"]
-    main([*argv, *common])
+def test_the_recommended_line_reproduces_the_plan(capsys, argv, model):
+    """Plan, paste the printed line back as --megatron-args (beside the same preset, or after the same Megatron
+    model flags, with the same sequence and GPU count), plan again: the same layout, the same recommendation and
+    the same bytes in every row of every stage."""
+    common = ["--hbm-gib", "80", "--host-gib", "1024"] if "--hbm-gib" not in argv else ["--host-gib", "1024"]
+    first = [*argv, *(["--megatron-args", model] if model else [])]
+    main([*first, *common])
     line = _recommended_line(capsys.readouterr().out)
     assert line[:2] == ["--tensor-model-parallel-size", line[1]] and "--context-parallel-size" in line
     assert "--expert-model-parallel-size" in line and "--pipeline-model-parallel-size" in line
@@ -90,11 +101,11 @@ def test_the_recommended_line_reproduces_the_plan(capsys, argv):
         shape, run, pf, ns, _ = build([*extra, *common])
         return run, recommend(shape, run, pf, ns.megatron_namespace)
 
-    # the planner's own size flags (--tp, --pp, --etp) are left out the second time: the line carries them
-    bare = [a for i, a in enumerate(argv) if a not in ("--tp", "--pp", "--etp") and
-            (i == 0 or argv[i - 1] not in ("--tp", "--pp", "--etp"))]
-    run1, rec1 = planned(list(argv))
-    run2, rec2 = planned([*bare, "--megatron-args", shlex.join(line)])
+    # the planner's own size flags (--tp, --pp, --etp, --cp) are left out the second time: the line carries them
+    sizes = ("--tp", "--pp", "--etp", "--cp")
+    bare = [a for i, a in enumerate(argv) if a not in sizes and (i == 0 or argv[i - 1] not in sizes)]
+    run1, rec1 = planned(first)
+    run2, rec2 = planned([*bare, "--megatron-args", " ".join(filter(None, (model, shlex.join(line))))])
     fields = ("tp", "pp", "cp", "dp", "ep", "etp", "sp", "seq_len", "micro_batch", "num_micro", "recompute")
     assert [getattr(run2, f) for f in fields] == [getattr(run1, f) for f in fields]
     assert rec2.flags == rec1.flags and rec2.layout_flags == rec1.layout_flags and rec2.fits == rec1.fits
@@ -107,10 +118,11 @@ def test_the_recommended_line_reproduces_the_plan(capsys, argv):
                {k: (r.peakflat, r.bound, r.host_peakflat) for k, r in a.rows.items()}
         assert b.total("peakflat", guaranteed=True) == a.total("peakflat", guaranteed=True)
     # the knobs alone, without the layout, plan another layout here: the layout flags are what reproduce it
-    if "--tp" in argv:  # a layout the planner was told, not its default for the GPU count
-        _, run3, _, _, _ = build([*bare, "--megatron-args", shlex.join(rec1.flags), *common])
-        sizes = ("tp", "pp", "cp", "ep", "etp")
-        assert [getattr(run3, f) for f in sizes] != [getattr(run1, f) for f in sizes]
+    if any(a in argv for a in sizes):  # a layout the planner was told, not its default for the GPU count
+        knobs = " ".join(filter(None, (model, shlex.join(rec1.flags))))
+        _, run3, _, _, _ = build([*bare, "--megatron-args", knobs, *common])
+        sizes_ = ("tp", "pp", "cp", "ep", "etp")
+        assert [getattr(run3, f) for f in sizes_] != [getattr(run1, f) for f in sizes_]
 
 
 def test_layout_flags_are_apart_from_the_knobs():
