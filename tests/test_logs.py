@@ -70,6 +70,38 @@ def test_log_all_ranks_brings_back_every_ranks_lines_each_with_its_rank():
                          "[rank 0] peakflat test: shared decision"], rank0
 
 
+def _pipeline_worker(rank: int, world: int) -> list[str]:
+    """Megatron's parallel state at PP=2, DP=2 (ranks 0-1 the first stage, 2-3 the second), then one shared line
+    (a decision the last stage makes, such as the loss's) and one per-rank line."""
+    from megatron_peakflat.testing.megatron_cpu import destroy_megatron_parallel, init_megatron_parallel
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("megatron_peakflat")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    megatron_peakflat.apply(PeakflatConfig(general=GeneralConfig(attention="local")))
+    init_megatron_parallel(pp=2)
+    logs.log.info("peakflat test: this stage's decision")
+    logs.log.info("peakflat test: %d tokens here", 10 * rank, extra=logs.PER_RANK)
+    destroy_megatron_parallel()
+    megatron_peakflat.remove()
+    logger.removeHandler(handler)
+    return lines
+
+
+def test_each_pipeline_stage_logs_its_decisions_once_from_its_first_rank():
+    """World 4 at PP=2: a line the last stage logs (its loss, its layers) reaches the log once, from that stage's
+    first rank (2), which names itself; its data-parallel peer (3) and the first stage's (1) print no shared line."""
+    got = run_distributed(_pipeline_worker, 4, timeout=180)
+    assert got[0] == ["peakflat: no component enabled; Megatron runs unchanged", "peakflat test: this stage's decision",
+                      "[rank 0] peakflat test: 0 tokens here"], got[0]
+    assert got[1] == ["[rank 1] peakflat test: 10 tokens here"], got[1]
+    assert got[2] == ["[rank 2] peakflat test: this stage's decision", "[rank 2] peakflat test: 20 tokens here"], got[2]
+    assert got[3] == ["[rank 3] peakflat test: 30 tokens here"], got[3]
+
+
 def test_the_flag_comes_from_the_general_config():
     """``--peakflat-log-all-ranks`` is GeneralConfig.log_all_ranks, derived from the dataclass like every flag."""
     import argparse

@@ -3,7 +3,9 @@
 Every line goes to the ``megatron_peakflat`` logger. ``install_rank_filter`` (run by ``apply``) keeps a job of
 many ranks to one copy of each line:
 
-- a line that is the same on every rank (a decision taken from the flags) is logged by rank 0 only;
+- a line that is the same on every rank (a decision taken from the flags) is logged by rank 0 only, and by the
+  first rank of each later pipeline stage (the stage's decisions, e.g. the loss on the last one, are made there:
+  those lines say which rank logged them);
 - a line whose content depends on the rank (a measured per-rank figure, this host's memory, a failure on this
   rank) is marked ``extra=PER_RANK`` and is logged by every rank, prefixed ``[rank N]``;
 - ``--peakflat-log-all-ranks`` brings back every rank's lines, each prefixed with its rank.
@@ -25,6 +27,19 @@ PER_RANK: dict[str, Any] = {"per_rank": True}
 """``extra=`` for a line whose content differs per rank: every rank logs it, prefixed ``[rank N]``."""
 
 
+def _stage_leader() -> bool:
+    """Whether this rank is the first of its pipeline stage (data-, context- and tensor-parallel rank 0), once
+    Megatron's parallel state exists; False before."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return False
+        return ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0
+    except Exception:  # noqa: BLE001 - a logging filter must never raise
+        return False
+
+
 def current_rank() -> int:
     """This process's global rank: torch.distributed's once initialised, else ``RANK``, else 0."""
     try:
@@ -41,8 +56,9 @@ def current_rank() -> int:
 
 
 class RankFilter(logging.Filter):
-    """Drop, on ranks other than 0, every record not marked per-rank (unless ``all_ranks``); prefix the lines it
-    keeps from several ranks with ``[rank N]``."""
+    """Drop, on ranks other than 0 and the first rank of each later pipeline stage, every record not marked
+    per-rank (unless ``all_ranks``); prefix the lines kept from ranks other than 0, and every per-rank line, with
+    ``[rank N]``."""
 
     def __init__(self, all_ranks: bool = False) -> None:
         super().__init__()
@@ -51,9 +67,10 @@ class RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         per_rank = bool(getattr(record, "per_rank", False))
         rank = current_rank()
-        if rank != 0 and not (per_rank or self.all_ranks):
+        leader = rank != 0 and not (per_rank or self.all_ranks) and _stage_leader()
+        if rank != 0 and not (per_rank or self.all_ranks or leader):
             return False
-        if (per_rank or self.all_ranks) and getattr(record, "peakflat_rank", None) is None:
+        if (per_rank or self.all_ranks or leader) and getattr(record, "peakflat_rank", None) is None:
             record.peakflat_rank = rank
             record.msg = f"[rank {rank}] {record.msg}"
         return True
