@@ -149,3 +149,36 @@ def test_start_up_refuses_what_cp_attention_does_not_run(megatron, words, mode):
         one = PeakflatConfig.from_args(parse_with_megatron("--peakflat-attention", mode,
                                                            **{**base, **megatron, "context_parallel_size": 1}))
         assert one.general.attention == mode
+
+
+def _memory_rank(rank: int, world: int):
+    from megatron_peakflat.attention.context_parallel import _GatherKeyValueChunks
+    from megatron_peakflat.testing import LiveBytesMeter
+
+    group = dist.new_group(list(range(world)))
+    c, b, g, d = 6, 2, 3, 4
+    s, row = 2 * world * c, 2 * b * g * d * 4  # bytes of one token's K and V, fp32
+    ends = tuple((j + 1) * c for j in (rank, 2 * world - 1 - rank))
+    kv = torch.randn(2 * c, 2, b, g, d).requires_grad_()
+    with LiveBytesMeter() as m:
+        outs = _GatherKeyValueChunks.apply(kv, group, ends)
+        held = m.live  # what stays alive for backward: the whole sequence's K and V, once
+    grads = [torch.ones_like(o) for o in outs]
+    with LiveBytesMeter() as m:
+        torch.autograd.backward(outs, grads)
+        backward_peak = m.peak
+    # each sequence chunk's gradient is the number of this group's query chunks that saw it, summed over ranks
+    seen = torch.zeros(2 * world)
+    for r in range(world):
+        for j in (r, 2 * world - 1 - r):
+            seen[: j + 1] += 1
+    want = split_sequence(seen.repeat_interleave(c).view(s, 1, 1, 1, 1).expand(s, 2, b, g, d), world, rank)
+    return held == s * row, backward_peak <= 3 * c * row, torch.equal(kv.grad, want), (held, backward_peak, c * row)
+
+
+def test_gathered_kv_is_held_once_and_its_backward_builds_no_whole_sequence_buffer():
+    """The planner's cp_gathered_kv rows: forward keeps the whole sequence's K and V once ([s, 2, b, g, d]); backward,
+    given SDPA's gradients, allocates only this rank's share and one chunk at a time (3 chunks' worth), never a
+    whole-sequence gradient or a rank-major copy of it. The reduced gradients are right too."""
+    for held, small, right, sizes in run_distributed(_memory_rank, 3):
+        assert held and small and right, sizes

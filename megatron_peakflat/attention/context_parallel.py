@@ -16,8 +16,8 @@ Per layer (the semantics of Transformer Engine's ``all_gather`` CP communication
 
 Memory: the gathered K and V, [s, b, kv_heads, head_dim] each, are held per layer from forward to backward
 (SDPA saves them). Backward holds the dK and dV that SDPA returns for the two query chunks, s + c tokens' worth
-(c = s / 2CP), and one chunk's [c, 2, b, kv_heads, head_dim] at a time for the reduce; with an explicit mask each
-query chunk sees every key, so 2s tokens' worth.
+(c = s / 2CP), the rank's own 2c and one chunk c at a time for the reduce; with an explicit mask each query chunk
+sees every key, so 2s tokens' worth from SDPA.
 
 Plain torch and torch.distributed; no Megatron import.
 """
@@ -122,9 +122,10 @@ class _GatherKeyValueChunks(torch.autograd.Function):
         cp, me = dist.get_world_size(group), dist.get_rank(group)
         pairs = list(zip(ends, grads[0::2], grads[1::2]))
         mine = torch.empty((2 * c, 2, *ctx.shape), dtype=ctx.dtype, device=ctx.device)
+        piece = torch.empty((c, 2, *ctx.shape), dtype=ctx.dtype, device=ctx.device)  # one chunk, reused
         for m in range(2 * cp):  # sequence chunk m belongs to rank m (first half) or 2CP-1-m (second half)
             owner, half = (m, 0) if m < cp else (2 * cp - 1 - m, 1)
-            piece = torch.zeros((c, 2, *ctx.shape), dtype=ctx.dtype, device=ctx.device)
+            piece.zero_()  # after the previous chunk's reduce: a blocking collective orders this stream after it
             for end, gk, gv in pairs:
                 if end >= (m + 1) * c:  # this query chunk saw sequence chunk m
                     for slot, g in enumerate((gk, gv)):

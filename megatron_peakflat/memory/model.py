@@ -441,13 +441,14 @@ def cp_gathered_kv(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
 def cp_gathered_kv_backward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     """What attention's backward builds beside ``attention_backward_transient`` under context parallelism
     (``cp_gathers_kv``): the dK and dV that SDPA returns for the rank's two query chunks, which see the keys up to
-    their own ends, s + s / 2CP tokens together (attention/context_parallel.py reduces them onto their owners one
-    chunk at a time), less the rank's own dK and dV the CP=1 count holds. Causal, no dataloader mask (with one each
+    their own ends (s + c tokens together, c = s / 2CP), and what attention/context_parallel.py adds while it
+    reduces them onto their owners one chunk at a time (the rank's own 2c and one chunk c), less the rank's own dK
+    and dV (2c) the CP=1 count holds: s + 2c = s + s / CP tokens' worth. Causal, no dataloader mask (with one each
     chunk sees every key: s more)."""
     if not cp_gathers_kv(run, pf):
         return 0.0
     whole = run.seq_len * run.micro_batch
-    return (whole + whole / (2 * run.cp) - run.tokens) * _kv_rows_per_token(s, run) * run.w
+    return (whole + whole / run.cp) * _kv_rows_per_token(s, run) * run.w
 
 
 MODELLED_RECOMPUTE_MODULES = ("core_attn", "moe", "moe_act", "mlp", "shared_experts")
