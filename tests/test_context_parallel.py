@@ -43,7 +43,7 @@ class Case:
     ep: int = 1
     mtp: int = 0
     skew: float = 0.0
-    """Added to expert 1's router logit for every token: 8 sends every token there (top-1), 1.5 most of them."""
+    """Added to expert 1's router logit for every token: 8 sends every token there, 0.15 most of them."""
     per_token_loss: bool = False
     """Megatron's --calculate-per-token-loss; the batch then keeps gpt_batch's masked tail (unequal token counts
     per CP rank), which the default mean-of-means reduction would weigh differently from CP 1."""
@@ -65,7 +65,7 @@ class Case:
 WORLD_CASES = {
     2: [Case("cp2", 2, steps=2, resume=True), Case("cp2-mtp", 2, mtp=1, explicit_mask=True, global_mtp_tokens=True),
         Case("cp2-mtp-megatrons-cp-loss", 2, mtp=1, reference_at_cp=True),
-        Case("cp2-all-tokens-on-one-expert", 2, skew=8.0), Case("cp2-skewed", 2, skew=1.5)],
+        Case("cp2-all-tokens-on-one-expert", 2, skew=8.0), Case("cp2-skewed", 2, skew=0.15)],
     4: [Case("cp4", 4, per_token_loss=True, explicit_mask=True), Case("cp2xep2", 2, ep=2),
         Case("cp2xtp2-sp", 2, tp=2)],
 }
@@ -257,6 +257,12 @@ def _run_case(rank: int, case: Case, ckpt_dir: str) -> dict:
             if isinstance(m, MoELayer):
                 m.register_forward_pre_hook(lambda mod, args: tokens_seen.append(args[0].shape[0] * args[0].shape[1]))
         attention = [m for m in ddp.modules() if type(m).__name__ == "SDPAttention"]
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        on_expert1: list[float] = []  # share of the tokens each router call sends to expert 1
+        for m in ddp.modules():
+            if isinstance(m, TopKRouter):
+                m.register_forward_hook(lambda mod, args, out: on_expert1.append(float(out[1][:, 1].float().mean())))
         got = []
         for i, s in enumerate(seeds):
             got.append(_step(case, config, ddp, opt, _batch(case, cp_rank, s)))
@@ -271,6 +277,7 @@ def _run_case(rank: int, case: Case, ckpt_dir: str) -> dict:
             ep_group_size=parallel_state.get_expert_model_parallel_world_size(),
             expert_dp=parallel_state.get_expert_data_parallel_world_size(),
             tokens_seen=sorted(set(tokens_seen)),
+            on_expert1=(min(on_expert1), max(on_expert1)),
             vocab_calls=stats.snapshot().get("vocab", {}).get("calls", 0) - calls,
             sco_packed=0 if off is None else off.packed,
             optimizer=all(isinstance(o.optimizer, OffloadStreamAdamW)
@@ -361,6 +368,11 @@ def test_every_component_under_context_parallelism_equals_megatron_at_cp1(world)
             assert planned.layer_rows == _layer_tokens(case) and planned.expert_dp == r["expert_dp"], (where, r)
             assert r["vocab_calls"] >= case.steps * (1 + case.mtp), (where, r["vocab_calls"])  # main head + MTP
             assert r["sco_packed"] > 0 and r["optimizer"] and r["cp_attention"], (where, r)
+            if case.skew >= 8:
+                assert r["on_expert1"] == (1.0, 1.0), (where, r["on_expert1"])  # every token, every layer
+            elif case.skew:
+                # more than balanced routing's half (top-2 of 4), not every token
+                assert 0.5 < r["on_expert1"][0] and r["on_expert1"][1] < 1.0, (where, r["on_expert1"])
             for step, (loss, (grad, gname), (param, pname)) in enumerate(zip(r["loss"], r["grads"], r["params"])):
                 assert loss <= TOL, (where, step, "loss", loss)
                 assert grad <= TOL, (where, step, "gradient", gname, grad)
