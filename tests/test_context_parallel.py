@@ -32,6 +32,7 @@ from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module
 from tests.conftest import needs_pretrain_entry
 
 S, MB, V = 16, 2, 128
+HIDDEN = 64  # tiny_transformer_config's
 TOL = 1e-5
 
 
@@ -266,6 +267,9 @@ def _run_case(rank: int, case: Case, ckpt_dir: str) -> dict:
         got = []
         for i, s in enumerate(seeds):
             got.append(_step(case, config, ddp, opt, _batch(case, cp_rank, s)))
+            if i == 0:  # one micro-batch: every boundary offloaded in the step was alive at once
+                first = sco_integration.offloader()
+                sco_first = (first.offloaded, first.offloaded_bytes_peak) if first is not None else (0, 0)
             if case.resume and i == 0:
                 path = os.path.join(ckpt_dir, f"{case.name}-rank{rank}.pt")
                 torch.save({"model": ddp.state_dict(), "optimizer": opt.state_dict()}, path)
@@ -280,6 +284,7 @@ def _run_case(rank: int, case: Case, ckpt_dir: str) -> dict:
             on_expert1=(min(on_expert1), max(on_expert1)),
             vocab_calls=stats.snapshot().get("vocab", {}).get("calls", 0) - calls,
             sco_packed=0 if off is None else off.packed,
+            sco_first=sco_first,
             optimizer=all(isinstance(o.optimizer, OffloadStreamAdamW)
                           for o in getattr(opt, "chained_optimizers", None) or [opt]),
             cp_attention=len(attention) > 0 and all(m.cp_group is not None for m in attention),
@@ -368,6 +373,8 @@ def test_every_component_under_context_parallelism_equals_megatron_at_cp1(world)
             assert planned.layer_rows == _layer_tokens(case) and planned.expert_dp == r["expert_dp"], (where, r)
             assert r["vocab_calls"] >= case.steps * (1 + case.mtp), (where, r["vocab_calls"])  # main head + MTP
             assert r["sco_packed"] > 0 and r["optimizer"] and r["cp_attention"], (where, r)
+            offloaded, peak_bytes = r["sco_first"]  # SCO's boundaries are the rank's [s/CP (/TP), b, h] share
+            assert offloaded >= 1 and peak_bytes == offloaded * _layer_tokens(case) * HIDDEN * 4, (where, r["sco_first"])
             if case.skew >= 8:
                 assert r["on_expert1"] == (1.0, 1.0), (where, r["on_expert1"])  # every token, every layer
             elif case.skew:
