@@ -32,7 +32,7 @@ from .. import stats
 from ..main_grad import main_grad_of
 from ..matmul import accumulate_mm
 from ..memory.meter import region
-from .ring import RingPlan, auto_ring_schedule, backward_ring, coefficients, finish_loss, max_over_ring, new_state
+from .ring import RingPlan, SavedPlan, auto_ring_schedule, backward_ring, coefficients, finish_loss, max_over_ring, new_state
 
 __all__ = ["InForwardLinearCrossEntropy", "forward_with_grads", "HINT_RTOL", "hint_matches", "chunk_rows"]
 
@@ -190,14 +190,14 @@ class InForwardLinearCrossEntropy(torch.autograd.Function):
         loss, lse, dx = forward_with_grads(plan, hidden, weight, labels, ws, sink, plan.chunk_rows)
         ctx.dx = dx
         ctx.save_for_backward(hidden, weight, labels, valid, lse, ws)
-        ctx.plan = plan
+        ctx.plan = SavedPlan.of(plan)  # the group held weakly: the graph may outlive it
         return loss
 
     @staticmethod
     @region("vocab")
     def backward(ctx, grad_loss: torch.Tensor):
         hidden, weight, labels, valid, lse, ws = ctx.saved_tensors
-        plan: RingPlan = ctx.plan
+        plan = ctx.plan.get()
         dx, dw = ctx.dx, ctx.dw
         ctx.dx = ctx.dw = None
         g = torch.where(valid, grad_loss.float(), torch.zeros((), device=grad_loss.device))

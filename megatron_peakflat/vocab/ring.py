@@ -21,6 +21,8 @@ the weights schedule's dW accumulator goes on block by block, each block as soon
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +34,7 @@ from .. import stats
 from ..main_grad import main_grad_of, release
 from ..memory.meter import region
 
-__all__ = ["RingPlan", "auto_ring_schedule", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss", "new_state",
+__all__ = ["RingPlan", "SavedPlan", "auto_ring_schedule", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss", "new_state",
            "comm_device", "max_over_ring"]
 
 _TAG_INPUT, _TAG_STATE, _TAG_BLOCK = 0, 8, 16
@@ -91,6 +93,36 @@ class RingPlan:
         """Global rank of the ring rank ``rank + offset``."""
         r = (self.rank + offset) % self.size
         return r if self.group is None else dist.get_global_rank(self.group, r)
+
+
+@dataclass(frozen=True)
+class SavedPlan:
+    """A ``RingPlan`` as an autograd context keeps it from forward to backward: its process group held weakly.
+
+    The context lives as long as the loss does, and a script's last loss often lives until the interpreter exits.
+    A context holding the group keeps it alive after ``dist.destroy_process_group()``: its gloo threads and
+    connections stay up and are torn down during interpreter finalization, where gloo teardown can end in
+    ``std::terminate`` (SIGABRT, exit -6). Held weakly, the group goes when the caller destroys it."""
+
+    plan: RingPlan
+    """The plan with ``group=None``."""
+    group: "weakref.ReferenceType | None"
+
+    @staticmethod
+    def of(plan: RingPlan) -> "SavedPlan":
+        if plan.group is None:
+            return SavedPlan(plan, None)
+        return SavedPlan(dataclasses.replace(plan, group=None), weakref.ref(plan.group))
+
+    def get(self) -> RingPlan:
+        """The plan again, with its group; RuntimeError if the group was destroyed before backward."""
+        if self.group is None:
+            return self.plan
+        group = self.group()
+        if group is None:
+            raise RuntimeError("Ring-DTP backward: the process group of its forward no longer exists (destroyed "
+                               "with dist.destroy_process_group before this backward ran); run backward first")
+        return dataclasses.replace(self.plan, group=group)
 
 
 def auto_ring_schedule(max_tokens: int, vocab_size: int, ring_size: int) -> str:
@@ -331,7 +363,7 @@ class RingLinearCrossEntropy(torch.autograd.Function):
             state = _forward_weights(plan, hidden, weight, labels)
         loss, lse = finish_loss(plan, state, valid)
         ctx.save_for_backward(hidden, weight, labels, valid, lse)
-        ctx.plan = plan
+        ctx.plan = SavedPlan.of(plan)  # the group held weakly: the graph may outlive it
         if not plan.argmax:
             return loss
         pred = state[5].long()
@@ -342,7 +374,7 @@ class RingLinearCrossEntropy(torch.autograd.Function):
     @region("vocab")
     def backward(ctx, grad_loss: torch.Tensor, *_: torch.Tensor):
         hidden, weight, labels, valid, lse = ctx.saved_tensors
-        plan: RingPlan = ctx.plan
+        plan = ctx.plan.get()
         g = torch.where(valid, grad_loss.float(), torch.zeros((), device=grad_loss.device))
         # a saved leaf unpacks as the parameter object itself, with its main_grad
         sink = plan.main_grad_sink(weight, ctx.needs_input_grad[1])
