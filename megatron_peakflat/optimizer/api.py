@@ -130,6 +130,10 @@ class _LoadPlan:
             got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
             raise ValueError(f"{_LOAD}: a state dict holds 'state' and 'param_groups', got {got}")
         groups, state = state_dict["param_groups"], state_dict["state"]
+        if not isinstance(state, Mapping) or not isinstance(groups, (list, tuple)) or not all(
+                isinstance(g, Mapping) and "params" in g for g in groups):
+            raise ValueError(f"{_LOAD}: 'state' must map parameter indices to their state and 'param_groups' be a "
+                             f"list of dicts with 'params', got {type(state).__name__} and {type(groups).__name__}")
         if len(groups) != len(opt.param_groups):
             raise ValueError(f"{_LOAD}: {len(groups)} param groups saved, {len(opt.param_groups)} here")
         index = {id(p): i for i, p in enumerate(opt._flat_params())}
