@@ -22,6 +22,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -75,12 +76,18 @@ class _SliceRowsGatherGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, bounds, rank, group):
-        ctx.bounds, ctx.group = bounds, group
+        # the group held weakly (as ring.SavedPlan holds the ring's): a graph kept alive must not keep it past
+        # its destruction
+        ctx.bounds, ctx.group = bounds, weakref.ref(group)
         return t[bounds[rank]:bounds[rank + 1]].contiguous()
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_rows(g.contiguous(), ctx.bounds, ctx.group), None, None, None
+        group = ctx.group()
+        if group is None:
+            raise RuntimeError("Ring-DTP backward: the tensor-parallel group of its forward no longer exists "
+                               "(destroyed before this backward ran); run backward first")
+        return _gather_rows(g.contiguous(), ctx.bounds, group), None, None, None
 
 
 def megatron_loss_gradient(loss_mask: torch.Tensor | None, config: Any) -> torch.Tensor | None:
