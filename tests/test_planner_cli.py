@@ -474,10 +474,13 @@ def test_planner_answers_fast():
     """plan + recommend for the demo configuration, without imports, well under a second."""
     shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16",
                                   "--hbm-gib", "141", "--host-gib", "2048"])
-    t0 = time.perf_counter()
-    rec = recommend(shape, run, pf)
-    plan(shape, run, pf)
-    assert time.perf_counter() - t0 < 0.2
+    took = []
+    for _ in range(3):  # the fastest of three: a loaded CI machine can stall any one call
+        t0 = time.perf_counter()
+        rec = recommend(shape, run, pf)
+        plan(shape, run, pf)
+        took.append(time.perf_counter() - t0)
+    assert min(took) < 0.2, took
     assert rec.fits
 
 
