@@ -312,8 +312,8 @@ class Driver:
             return None
         try:
             from megatron_peakflat.integration.peaks import allocated_prediction
-            from megatron_peakflat.memory.cli import build
-            from megatron_peakflat.memory.model import plan
+            from megatron_peakflat.planner.cli import build
+            from megatron_peakflat.planner.model import plan
 
             hbm = _gpu_bytes() or 80 * GIB
             shape, run, pf, _, _ = build(["--megatron-args", shlex.join(flags), "--gpus", "1", "--gpus-per-node", "1",

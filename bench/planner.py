@@ -7,7 +7,7 @@
 Each row measures one term of the memory model (``max_memory_allocated`` minus the memory allocated
 before, inputs already on the device; with ``--dry-run``, the peak of LiveBytesMeter on CPU) and records the planner's
 prediction for the same shape in ``extra.predicted_gib`` with ``extra.error_pct``. Predictions come
-from ``megatron_peakflat.memory.model`` itself (``plan`` or the term's function), never from a formula
+from ``megatron_peakflat.planner.model`` itself (``plan`` or the term's function), never from a formula
 typed here. Terms (``--terms``):
 
 - ``state``: parameters + gradients + Adam state of a small fp32 torch model shaped like the planner's layers;
@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import Row, megatron_ce, peak_once, write  # noqa: E402
 from megatron_peakflat.config import PeakflatConfig  # noqa: E402
-from megatron_peakflat.memory import model as M  # noqa: E402
-from megatron_peakflat.memory.model import GIB, RunConfig, plan  # noqa: E402
-from megatron_peakflat.memory.shapes import ModelShape  # noqa: E402
+from megatron_peakflat.planner import model as M  # noqa: E402
+from megatron_peakflat.planner.model import GIB, RunConfig, plan  # noqa: E402
+from megatron_peakflat.planner.shapes import ModelShape  # noqa: E402
 
 DEV = torch.device("cuda")
 DRY = False

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_peakflat.config import PeakflatConfig  # noqa: E402
-from megatron_peakflat.memory.cli import build  # noqa: E402
-from megatron_peakflat.memory.model import GIB, StagePlan, plan  # noqa: E402
+from megatron_peakflat.planner.cli import build  # noqa: E402
+from megatron_peakflat.planner.model import GIB, StagePlan, plan  # noqa: E402
 from megatron_peakflat.vocab.config import VocabConfig  # noqa: E402
 
 FLAGS = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632 --num-experts 8 "

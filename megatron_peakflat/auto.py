@@ -47,7 +47,7 @@ class AutoChoice:
 
     added: list[str]
     kept: list[str]
-    recommendation: Any  # memory.recommend.Recommendation
+    recommendation: Any  # planner.recommend.Recommendation
     planner_args: list[str]
     argv: list[str] = dataclasses.field(default_factory=list)
 
@@ -94,14 +94,14 @@ class AutoChoice:
     def final_config(self) -> Any:
         """The PeakflatConfig of the command line with the added flags: the recommendation, less what the line overrode."""
         from .config import PeakflatConfig
-        from .memory.megatron_args import megatron_parser
+        from .planner.megatron_args import megatron_parser
 
         ns, _ = megatron_parser().parse_known_args(_without_auto(self.argv) + self.added)
         return PeakflatConfig.from_args(ns, validate=False)
 
 
 def _plan(shape: Any, run: Any, cfg: Any) -> Any:
-    from .memory.model import plan
+    from .planner.model import plan
 
     return plan(shape, run, cfg)
 
@@ -175,7 +175,7 @@ def _machine() -> tuple[int, int, int, int]:
     Megatron selects next; without a GPU the planner's default (80 GiB) stands in and is logged. Host memory
     is the node's MemTotal: identical on every node of a homogeneous job, so every rank plans alike.
     """
-    from .memory.cli import local_host_gib
+    from .planner.cli import local_host_gib
 
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
@@ -201,8 +201,8 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
     """The planner's recommendation for ``argv`` and the flags to add to it. Machine figures left out are read
     from this process (``_machine``). Raises PeakflatConfigError naming ``--peakflat auto`` when nothing fits,
     with the planner's reasons and fixes, or when the planner cannot read the command line."""
-    from .memory.cli import build
-    from .memory.recommend import recommend
+    from .planner.cli import build
+    from .planner.recommend import recommend
 
     if None in (gpus, gpus_per_node, hbm_bytes, host_bytes_per_node):
         world, local, hbm, host = _machine()

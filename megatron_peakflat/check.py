@@ -16,7 +16,7 @@ whether a command line would start. No GPU is needed: a login node will do.
         GPU, else 2048).
 
 Exit status: 0 when the line is accepted and fits; 2 when Megatron or peakflat refuses it; 3 when it does not
-fit (``memory.cli.NOTHING_FITS``).
+fit (``planner.cli.NOTHING_FITS``).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def report() -> str:
 
     from . import _ext
     from .integration.registry import CHECKED_ON
-    from .memory.megatron_args import fused_adam_importable
+    from .planner.megatron_args import fused_adam_importable
 
     lines = [f"megatron-peakflat {__version__}   python {platform.python_version()}   torch {torch.__version__} "
              f"(CUDA {torch.version.cuda or 'none'})"]
@@ -254,7 +254,7 @@ def _megatron_args(flags: list[str], gpus: int | None) -> tuple[argparse.Namespa
             warnings.simplefilter("ignore")  # import-time notices (no Transformer Engine, ...): the plain check says
             from megatron.training.arguments import parse_args, validate_args
     except ImportError as e:
-        from .memory.megatron_args import MEGATRON_DEFAULTS, megatron_parser
+        from .planner.megatron_args import MEGATRON_DEFAULTS, megatron_parser
 
         parser = megatron_parser()
         with _ShortUsage():
@@ -316,8 +316,8 @@ class _AsIfHopper:
 def check_command_line(argv: Sequence[str]) -> int:
     """Check a training command line without a GPU; prints the planner's table and the verdict; returns the
     exit status (0 fits, ``REFUSED``, ``DOES_NOT_FIT``)."""
-    from .memory import cli
-    from .memory.model import plan
+    from .planner import cli
+    from .planner.model import plan
 
     own, flags = _own_parser().parse_known_args(list(argv))
     auto_table = None
@@ -379,8 +379,8 @@ def _resolve_auto(flags: list[str], own: argparse.Namespace) -> tuple[list[str],
     """``--peakflat auto`` resolved as training start-up resolves it, for the GPUs and memory given here (the
     fewest GPUs the parallel sizes allow, and the planner's defaults, where not given): (the flags with the
     chosen ones added, the GPU count, the decision's table). Raises PeakflatConfigError when nothing fits."""
-    from .memory.cli import local_hbm_gib, local_host_gib
-    from .memory.megatron_args import megatron_parser
+    from .planner.cli import local_hbm_gib, local_host_gib
+    from .planner.megatron_args import megatron_parser
 
     gpus = own.gpus or _smallest_world(megatron_parser().parse_known_args(auto._without_auto(flags))[0])
     hbm = own.hbm_gib if own.hbm_gib is not None else (local_hbm_gib() or 80.0)

@@ -1,10 +1,13 @@
-"""``python -m megatron_peakflat.plan``: the peak planner's command line (see memory/cli.py)."""
+"""``python -m megatron_peakflat.plan``: the peak planner's command line (entry planner/plan.py, the command
+line in planner/cli.py)."""
 
 from __future__ import annotations
 
 import sys
 
-from .memory.cli import main
+from .planner.plan import main
+
+__all__ = ["main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True)
 def _no_host_promise_outlives_its_test():
     """An optimizer a test built and never stepped promises host memory until it is collected; the next
-    test's budgets must not see it (memory.host)."""
+    test's budgets must not see it (runtime.host)."""
     yield
-    from megatron_peakflat.memory import host
+    from megatron_peakflat.runtime import host
 
     host.reset()
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from megatron_peakflat.memory.model import RunConfig
+from megatron_peakflat.planner.model import RunConfig
 from megatron_peakflat.testing import max_rel_error, run_distributed
 from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, logged, run_module
 from tests.conftest import needs_pretrain_entry

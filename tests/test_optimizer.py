@@ -648,12 +648,12 @@ def test_no_more_staging_slots_than_buckets(n_params, want):
 
 
 def test_host_state_is_promised_until_the_first_step_allocates_it():
-    """OffloadStreamAdamW promises its host bytes when built (memory.host), so a budget sized before its
+    """OffloadStreamAdamW promises its host bytes when built (runtime.host), so a budget sized before its
     first step leaves room for them; allocating settles the promise; a dropped optimizer settles too; and
     another optimizer's promise counts against this one's share."""
     import gc
 
-    from megatron_peakflat.memory import host
+    from megatron_peakflat.runtime import host
 
     p = torch.nn.Parameter(torch.zeros(10_000))
     opt = OffloadStreamAdamW([p], bucket=1000, engine="cpu", pin=False)
@@ -682,7 +682,7 @@ def test_host_state_is_promised_until_the_first_step_allocates_it():
 def test_a_new_promise_replaces_the_owners_earlier_one() -> None:
     """An owner that promises again (an optimizer given another param group) states its whole need anew: the
     new promise replaces the earlier one instead of adding to it."""
-    from megatron_peakflat.memory import host
+    from megatron_peakflat.runtime import host
 
     host.promise("a", 100)
     host.promise("a", 50)

@@ -68,7 +68,7 @@ def _rank_main(rank: int, world: int, ckpt_dir: str):
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.optimizer import OffloadStreamAdamW
-    from megatron_peakflat.memory import host
+    from megatron_peakflat.runtime import host
     from megatron_peakflat.optimizer.config import OptimizerConfig as PfOpt
     from megatron_peakflat.testing.megatron_cpu import install_cpu_shim
 

@@ -17,9 +17,9 @@ from torch import nn
 from megatron_peakflat.config import PeakflatConfig
 from megatron_peakflat.dispatch.config import DispatchConfig
 from megatron_peakflat.optimizer.config import OptimizerConfig
-from megatron_peakflat.memory import model as M
-from megatron_peakflat.memory.model import GIB, RunConfig, plan
-from megatron_peakflat.memory.shapes import PRESETS, ModelShape
+from megatron_peakflat.planner import model as M
+from megatron_peakflat.planner.model import GIB, RunConfig, plan
+from megatron_peakflat.planner.shapes import PRESETS, ModelShape
 from megatron_peakflat.recompute.config import SCOConfig
 from megatron_peakflat.testing.live_bytes import LiveBytesMeter
 
@@ -471,7 +471,7 @@ def test_a_pipeline_split_megatron_refuses_is_refused_naming_the_flag(layers, kw
 
 
 def test_layout_string_is_read_as_megatron_reads_it():
-    from megatron_peakflat.memory.megatron_args import layout_stage_layers, parse_megatron_args, run_fields_from_namespace
+    from megatron_peakflat.planner.megatron_args import layout_stage_layers, parse_megatron_args, run_fields_from_namespace
 
     assert layout_stage_layers("Ettt|(tt|)*3,m|L") == (3, 2, 2, 2, 0, 0)
     assert layout_stage_layers("Et*3|t*4|tttL") == (3, 4, 3)
@@ -704,8 +704,8 @@ def test_ring_dtp_single_rank_within_bound():
 
 def test_planner_modules_do_not_import_torch_at_top_level():
     root = Path(__file__).resolve().parents[1] / "megatron_peakflat"
-    for rel in ("memory/model.py", "memory/shapes.py", "memory/recommend.py", "memory/megatron_args.py",
-                "memory/cli.py", "memory/meter.py", "plan.py", "dispatch/bound.py", "vocab/sizes.py"):
+    for rel in ("planner/model.py", "planner/shapes.py", "planner/recommend.py", "planner/megatron_args.py",
+                "planner/cli.py", "runtime/meter.py", "plan.py", "dispatch/bound.py", "vocab/sizes.py"):
         tree = ast.parse((root / rel).read_text())
         for node in tree.body:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (

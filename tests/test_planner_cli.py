@@ -10,11 +10,11 @@ import time
 import pytest
 
 from megatron_peakflat.config_base import PeakflatConfigError
-from megatron_peakflat.memory import meter
-from megatron_peakflat.memory.cli import build, main
-from megatron_peakflat.memory.model import GIB, RunConfig, plan
-from megatron_peakflat.memory.recommend import recommend
-from megatron_peakflat.memory.shapes import PRESETS, ModelShape
+from megatron_peakflat.runtime import meter
+from megatron_peakflat.planner.cli import build, main
+from megatron_peakflat.planner.model import GIB, RunConfig, plan
+from megatron_peakflat.planner.recommend import recommend
+from megatron_peakflat.planner.shapes import PRESETS, ModelShape
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -287,7 +287,7 @@ def test_runtime_args_keep_megatron_validated_gradient_dtype():
     """At run time the planner reads Megatron's validated args, where main_grads_dtype is a torch dtype."""
     import torch
 
-    from megatron_peakflat.memory.megatron_args import run_fields_from_namespace
+    from megatron_peakflat.planner.megatron_args import run_fields_from_namespace
 
     ns = argparse.Namespace(bf16=True, accumulate_allreduce_grads_in_fp32=False, grad_reduce_in_bf16=False,
                             main_grads_dtype=torch.bfloat16)
@@ -300,7 +300,7 @@ def test_runtime_args_keep_megatron_validated_gradient_dtype():
 def test_integer_moe_layer_freq_makes_every_nth_layer_moe():
     """Megatron's validated --moe-layer-freq is an int N at run time: layer i is MoE where i % N == 0, so 24
     layers at N=4 have 6 MoE and 18 dense layers, and 61 layers have 16 MoE layers (layer 60 is one)."""
-    from megatron_peakflat.memory.megatron_args import _moe_pattern
+    from megatron_peakflat.planner.megatron_args import _moe_pattern
 
     assert _moe_pattern(4, 24).count(True) == 6 and _moe_pattern(4, 24)[:5] == (True, False, False, False, True)
     assert _moe_pattern(4, 61).count(True) == 16
@@ -317,7 +317,7 @@ def test_integer_moe_layer_freq_makes_every_nth_layer_moe():
 def test_moe_layer_freq_as_a_command_line_gives_the_dense_layers(freq, dense):
     """The planner reads --moe-layer-freq as Megatron's command line carries it: an integer, or a Python list
     expression, and counts the dense layers the model has."""
-    from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args, shape_from_namespace
 
     ns, _ = parse_megatron_args("--num-layers 61 --hidden-size 64 --num-attention-heads 4 --num-experts 8 "
                                 f"--moe-layer-freq {freq}")
@@ -331,7 +331,7 @@ def test_moe_layer_freq_as_a_command_line_gives_the_dense_layers(freq, dense):
     ("--swiglu --ffn-hidden-size 14336 --moe-ffn-hidden-size 1024", 14336, 1024),
 ])
 def test_mlp_widths_default_as_megatron_sets_them(extra, ffn, moe_ffn):
-    from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args, shape_from_namespace
 
     ns, _ = parse_megatron_args(f"--num-layers 2 --hidden-size 4096 --num-attention-heads 32 --num-experts 8 {extra}")
     shape = shape_from_namespace(ns, None)
@@ -345,7 +345,7 @@ def test_mlp_widths_default_as_megatron_sets_them(extra, ffn, moe_ffn):
     ("--group-query-attention", 1),  # Megatron's default group count
 ])
 def test_query_groups_as_megatron_reads_them(flags, kv):
-    from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args, shape_from_namespace
 
     ns, _ = parse_megatron_args(f"--num-layers 2 --hidden-size 4096 --num-attention-heads 32 {flags}")
     assert shape_from_namespace(ns, None).kv_heads == kv
@@ -354,7 +354,7 @@ def test_query_groups_as_megatron_reads_them(flags, kv):
 def test_run_time_prediction_reads_megatrons_parsed_defaults_as_megatron_does():
     """At run time the planner reads Megatron's own parsed args, where num_query_groups is 1 and
     group_query_attention False unless given: that is multi-head attention, not one query group."""
-    from megatron_peakflat.memory.megatron_args import shape_from_namespace
+    from megatron_peakflat.planner.megatron_args import shape_from_namespace
 
     ns = _megatron_namespace(group_query_attention=False, num_query_groups=1)
     assert shape_from_namespace(ns, None).kv_heads == 4
@@ -363,7 +363,7 @@ def test_run_time_prediction_reads_megatrons_parsed_defaults_as_megatron_does():
 
 
 def test_a_command_line_without_the_distributed_optimizer_flag_plans_megatrons_replicated_state():
-    from megatron_peakflat.memory.megatron_args import parse_megatron_args, run_fields_from_namespace
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args, run_fields_from_namespace
 
     line = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --bf16"
     assert run_fields_from_namespace(parse_megatron_args(line)[0])["distributed_optimizer"] is False
@@ -385,7 +385,7 @@ def test_a_command_line_without_the_distributed_optimizer_flag_plans_megatrons_r
 ])
 def test_a_bad_moe_layer_freq_names_the_flag(freq, message):
     from megatron_peakflat.config_base import PeakflatConfigError
-    from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args, shape_from_namespace
 
     ns, _ = parse_megatron_args("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-experts 8 "
                                 f"--moe-layer-freq {freq}")
@@ -400,8 +400,8 @@ def test_a_bad_moe_layer_freq_names_the_flag(freq, message):
 def test_each_pipeline_stage_counts_its_own_moe_layers(freq, stages):
     """Under pipeline parallelism each stage's (dense, MoE) layers follow the model's pattern: with every
     other layer MoE both stages of 8 layers hold 2 of each, not 4 dense in the first and 4 MoE in the last."""
-    from megatron_peakflat.memory.megatron_args import parse_megatron_args, shape_from_namespace
-    from megatron_peakflat.memory.model import RunConfig, _stage_counts
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args, shape_from_namespace
+    from megatron_peakflat.planner.model import RunConfig, _stage_counts
 
     ns, _ = parse_megatron_args("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --num-experts 8 "
                                 f"--moe-layer-freq {freq}")
@@ -411,7 +411,7 @@ def test_each_pipeline_stage_counts_its_own_moe_layers(freq, stages):
 
 def test_offload_fraction_without_cpu_offload_keeps_the_optimizer_on_the_gpu():
     """Megatron reads --optimizer-offload-fraction only under --optimizer-cpu-offload: alone it offloads nothing."""
-    from megatron_peakflat.memory.megatron_args import parse_megatron_args, run_fields_from_namespace
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args, run_fields_from_namespace
 
     ns, _ = parse_megatron_args("--optimizer-offload-fraction 0.5")
     assert run_fields_from_namespace(ns)["optimizer_offload_fraction"] == 0.0
@@ -498,7 +498,7 @@ def test_recommendation_shrinks_knobs_until_fit():
     rec = recommend(shape, run, pf)
     assert rec.fits and rec.config.dispatch.max_chunks > 64
     assert "--peakflat-dispatch-max-chunks" in rec.flags
-    K, c = __import__("megatron_peakflat.memory.model", fromlist=["x"]).llep_chunks(shape, run, rec.config)
+    K, c = __import__("megatron_peakflat.planner.model", fromlist=["x"]).llep_chunks(shape, run, rec.config)
     assert c <= rec.config.dispatch.chunk_cap
 
 
@@ -769,7 +769,7 @@ class Writer:
 
 
 def _megatron_namespace(**kw) -> argparse.Namespace:
-    from megatron_peakflat.memory.megatron_args import megatron_parser
+    from megatron_peakflat.planner.megatron_args import megatron_parser
 
     ns = megatron_parser().parse_args(
         "--num-layers 4 --hidden-size 256 --ffn-hidden-size 512 --num-attention-heads 4 --num-experts 8 "
@@ -875,7 +875,7 @@ def test_startup_advises_leaving_off_the_host_components_the_run_fits_without(mo
     state needs the offload, so only SCO is named. Without either host component there is nothing to say."""
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.integration import peaks, state
-    from megatron_peakflat.memory.megatron_args import megatron_parser
+    from megatron_peakflat.planner.megatron_args import megatron_parser
 
     env = _h200_results("pretrain_recommended_16k.json")["env"]
     argv = (_h200_model_flags(env) + " --optimizer-cpu-offload --use-precision-aware-optimizer "
@@ -884,7 +884,7 @@ def test_startup_advises_leaving_off_the_host_components_the_run_fits_without(mo
     ns = megatron_parser().parse_known_args(argv)[0]
     ns.world_size, ns.data_parallel_size = 1, 1
     monkeypatch.setattr(peaks, "_hbm_bytes", lambda: hbm_gib * GIB)
-    monkeypatch.setattr("megatron_peakflat.memory.cli.local_host_gib", lambda: 126.0)
+    monkeypatch.setattr("megatron_peakflat.planner.cli.local_host_gib", lambda: 126.0)
     state.set_current(PeakflatConfig.from_args(ns, validate=False))
     peaks._cache.clear()
     line = peaks.advise(ns)
@@ -909,8 +909,8 @@ def test_startup_checks_the_offloaded_optimizers_host_memory_before_anything_is_
     import megatron_peakflat
     from megatron_peakflat import PeakflatConfig, PeakflatConfigError
     from megatron_peakflat.integration import peaks, registry, state
-    from megatron_peakflat.memory import host
-    from megatron_peakflat.memory.megatron_args import megatron_parser
+    from megatron_peakflat.runtime import host
+    from megatron_peakflat.planner.megatron_args import megatron_parser
 
     env = _h200_results("pretrain_recommended_16k.json")["env"]
     argv = (_h200_model_flags(env) + " --optimizer-cpu-offload --use-precision-aware-optimizer "
@@ -956,7 +956,7 @@ def test_each_pipeline_rank_reads_its_own_planned_stage(monkeypatch, pattern, ra
     from megatron.core import parallel_state
 
     from megatron_peakflat.integration import peaks
-    from megatron_peakflat.memory.model import plan
+    from megatron_peakflat.planner.model import plan
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: rank)
     shape = PRESETS["gpt-oss-20b"].with_(moe_pattern=pattern)
@@ -966,7 +966,7 @@ def test_each_pipeline_rank_reads_its_own_planned_stage(monkeypatch, pattern, ra
 def test_etp_defaults_to_tp_and_pipelinedllep_is_left_off_where_it_cannot_run():
     """ETP defaults to the TP size, as Megatron's validation sets it; PipelinedLLEP refuses ETP > 1 at
     start-up, so the plan and the recommendation leave it off there and say why, and recommend it at ETP 1."""
-    from megatron_peakflat.memory.recommend import blockers
+    from megatron_peakflat.planner.recommend import blockers
 
     shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "131072", "--gpus", "16", "--tp", "2"])
     assert run.etp == 2 and "pass --expert-tensor-parallel-size 1" in blockers(shape, run)["dispatch"]
@@ -995,7 +995,7 @@ def test_micro_batches_in_flight_follow_megatrons_schedule(pp, vpp, num_micro, g
 
     from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
-    from megatron_peakflat.memory.model import chunks_in_flight
+    from megatron_peakflat.planner.model import chunks_in_flight
 
     run = RunConfig(seq_len=4096, pp=pp, dp=1, global_batch=num_micro, vpp=vpp, vp_group=group)
     for rank in range(pp):
@@ -1012,8 +1012,8 @@ def test_interleaving_holds_more_in_flight_and_its_flags_are_read():
     """VPP=2 at PP=4 with 8 micro-batches: the first rank holds 11 chunks of half a stage (5.5 stages' worth)
     instead of 4 stages, so its saved boundaries grow by 5.5/4; each of Megatron's three ways to ask for it
     is read."""
-    from megatron_peakflat.memory.megatron_args import parse_megatron_args, run_fields_from_namespace
-    from megatron_peakflat.memory.model import virtual_stages
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args, run_fields_from_namespace
+    from megatron_peakflat.planner.model import virtual_stages
 
     shape = PRESETS["gpt-oss-20b"]
     flat = plan(shape, RunConfig(seq_len=4096, pp=4, dp=1, global_batch=8))
@@ -1061,7 +1061,7 @@ def test_a_component_the_start_up_check_refuses_is_left_off_with_its_reason(extr
     """The plan's all-on column and the recommendation leave off a component whose own start-up check
     (PeakflatConfig.validate) would refuse this command line, and the why line carries that check's words;
     so the recommended flags start. Without those flags every component is on."""
-    from megatron_peakflat.memory.recommend import blockers
+    from megatron_peakflat.planner.recommend import blockers
 
     name = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO"}[component]
     impl = {"dispatch": "pipelined-llep", "vocab": "ring-dtp", "sco": True}[component]
@@ -1081,7 +1081,7 @@ def test_a_component_the_start_up_check_refuses_is_left_off_with_its_reason(extr
 def test_a_megatron_command_line_takes_megatrons_defaults_for_the_checked_flags():
     """Without --moe-token-dispatcher-type and --disable-bias-linear, Megatron runs the allgather dispatcher and
     experts with biases, which PipelinedLLEP refuses; a preset with a few flags beside it is no command line."""
-    from megatron_peakflat.memory.recommend import blockers
+    from megatron_peakflat.planner.recommend import blockers
 
     bare = _RUN.replace(" --moe-token-dispatcher-type alltoall --disable-bias-linear", "")
     shape, run, _, ns, _ = build(["--megatron-args", bare, "--gpus", "8"])
@@ -1114,10 +1114,10 @@ def test_the_planner_refuses_what_would_give_a_traceback_or_a_meaningless_table(
 
 
 def test_the_planner_runs_as_a_module_of_its_own():
-    """``python -m megatron_peakflat.memory.cli`` is the planner too (as ``python -m megatron_peakflat.plan``)."""
+    """``python -m megatron_peakflat.planner.cli`` is the planner too (as ``python -m megatron_peakflat.plan``)."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "megatron_peakflat.memory.cli", "--list-presets"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "megatron_peakflat.planner.cli", "--list-presets"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "deepseek-v3" in out.stdout, out.stderr[-2000:]

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from megatron_peakflat.memory import cli
-from megatron_peakflat.memory.cli import NOTHING_FITS, build, main, token_count
+from megatron_peakflat.planner import cli
+from megatron_peakflat.planner.cli import NOTHING_FITS, build, main, token_count
 
 FIXED = ["--hbm-gib", "80", "--host-gib", "2048"]  # no dependence on this machine's GPU or RAM
 
@@ -93,7 +93,7 @@ def test_plot_without_matplotlib_is_refused_before_planning(monkeypatch, capsys,
 
 
 def test_plot_availability_is_read_without_importing_matplotlib():
-    code = ("import sys; from megatron_peakflat.memory import cli; "
+    code = ("import sys; from megatron_peakflat.planner import cli; "
             "print(cli.plot_available(), 'matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

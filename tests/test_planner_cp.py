@@ -10,10 +10,10 @@ import pytest
 
 from megatron_peakflat import PeakflatConfig
 from megatron_peakflat.config import GeneralConfig
-from megatron_peakflat.memory import model as M
-from megatron_peakflat.memory.cli import build, main, render
-from megatron_peakflat.memory.recommend import layout_flags, recommend
-from megatron_peakflat.memory.shapes import preset
+from megatron_peakflat.planner import model as M
+from megatron_peakflat.planner.cli import build, main, render
+from megatron_peakflat.planner.recommend import layout_flags, recommend
+from megatron_peakflat.planner.shapes import preset
 
 
 def _pf(attention: str) -> PeakflatConfig:
@@ -129,7 +129,7 @@ def test_the_recommended_line_reproduces_the_plan(capsys, argv, model):
 def test_layout_flags_are_apart_from_the_knobs():
     """``rec.flags`` stays the list of flags a run adds (the knobs and what they need); the layout is its own list,
     printed first on the same line, and in the JSON beside the flags."""
-    from megatron_peakflat.memory.cli import to_json
+    from megatron_peakflat.planner.cli import to_json
 
     shape, run, pf, ns, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16", "--hbm-gib", "80",
                                    "--host-gib", "1024"])
@@ -145,7 +145,7 @@ def test_the_runtime_report_plans_per_rank_tokens_and_the_attention_that_runs(mo
     """``--peakflat-report-peaks``' prediction reads Megatron's args: each rank's tokens are s/CP, and 'auto'
     attention is planned as the SDPA core attention where that is what was patched in (its gathered K/V counted)."""
     from megatron_peakflat.integration import peaks, registry, state
-    from megatron_peakflat.memory.megatron_args import parse_megatron_args
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args
 
     ns, _ = parse_megatron_args("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --group-query-attention "
                                 "--num-query-groups 2 --ffn-hidden-size 1024 --num-experts 8 --moe-router-topk 2 "

@@ -1,4 +1,4 @@
-"""The planner's rule for the word embeddings' gradient (``memory/model.py embedding_grad_held``), checked
+"""The planner's rule for the word embeddings' gradient (``planner/model.py embedding_grad_held``), checked
 against Megatron's own GPTModel on CPU: in each case, a [V, H] gradient is alive in the decoder layers'
 backward exactly when the rule says autograd holds one, with Megatron's output layer and with Ring-DTP's."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_peakflat.memory.model import embedding_grad_held
+from megatron_peakflat.planner.model import embedding_grad_held
 from megatron_peakflat.testing import run_distributed
 from tests.conftest import _megatron_core_at_least
 
@@ -188,7 +188,7 @@ def test_dispatcher_held_matches_megatron(mtp_full: bool) -> None:
     and MoE layers in either order, full recompute (uniform and block, of 1 or 2 layers) and
     ``--recompute-modules moe``, 0 to 2 MTP layers, dense and MoE (``mtp_full``: the MTP layers under full
     recompute)."""
-    from megatron_peakflat.memory.model import RunConfig, dispatcher_held
+    from megatron_peakflat.planner.model import RunConfig, dispatcher_held
 
     todo = [c for c in HELD_CASES if _mtp_under_full_recompute(c) == mtp_full]
     (cases,) = run_distributed(_dispatcher_held, 1, todo, timeout=400)
@@ -210,7 +210,7 @@ def test_dispatcher_held_matches_megatron(mtp_full: bool) -> None:
 
 
 def test_dispatcher_held_rule_without_full_recompute_is_empty() -> None:
-    from megatron_peakflat.memory.model import RunConfig, dispatcher_held
+    from megatron_peakflat.planner.model import RunConfig, dispatcher_held
 
     assert dispatcher_held((True,) * 4, (True,), RunConfig(seq_len=S, recompute="selective")) == (0, 0, 0)
     assert dispatcher_held((True,) * 4, (True,), RunConfig(seq_len=S, recompute="none")) == (0, 0, 0)
@@ -250,8 +250,8 @@ def test_dispatcher_state_matches_megatron() -> None:
     a dense layer and two MoE layers (4 experts, top-2, fp32): probabilities, routing and permutation maps. The
     allgather dispatcher keeps less (only the routed pairs' probabilities): the row, like the dispatch row, is
     the alltoall dispatcher's."""
-    from megatron_peakflat.memory.model import RunConfig, dispatcher_state
-    from megatron_peakflat.memory.shapes import ModelShape
+    from megatron_peakflat.planner.model import RunConfig, dispatcher_state
+    from megatron_peakflat.planner.shapes import ModelShape
 
     (cases,) = run_distributed(_dispatcher_state, 1, timeout=200)
     shape = ModelShape(name="tiny", hidden=H, layers=3, heads=4, kv_heads=4, head_dim=H // 4, ffn=128, vocab=V,
@@ -300,8 +300,8 @@ def test_selective_recompute_saves_only_the_modules_input() -> None:
     a recomputed dense MLP saves nothing inside itself (its checkpoint, outside it, keeps the norm's output, which
     the planner counts with the norm), and a recomputed MoE layer only its input, the norm's output
     ([tokens, hidden] per layer); without them both save far more."""
-    from megatron_peakflat.memory.model import RunConfig, mlp_activations, moe_nondispatch_activations
-    from megatron_peakflat.memory.shapes import ModelShape
+    from megatron_peakflat.planner.model import RunConfig, mlp_activations, moe_nondispatch_activations
+    from megatron_peakflat.planner.shapes import ModelShape
 
     (cases,) = run_distributed(_saved_by_mlp, 1, timeout=200)
     got = {(moe, module): n for moe, module, n in cases}

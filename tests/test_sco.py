@@ -658,7 +658,7 @@ def test_default_budget_leaves_room_for_promised_optimizer_state():
     """The boundary pool is sized in the first forward, before OffloadStreamAdamW pins its state at the
     first step: what the optimizer promised comes off this rank's share before the budget is taken from it
     (on the 126 GiB H200 node the 128K run's SCO budget was 61.5 GiB beside the optimizer's 57.4 GiB)."""
-    from megatron_peakflat.memory import host
+    from megatron_peakflat.runtime import host
 
     gib = 1 << 30
     try:

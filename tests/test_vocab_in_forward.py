@@ -205,9 +205,9 @@ def test_auto_chunk_keeps_the_training_path_under_liger_at_every_benchmarked_sha
     rank, against Liger's one-GPU peak at the same N). The previous rule (1/8 of the tokens up to 2 GiB of
     logits) exceeded it at N=65536, H=4096, V=128256: 2.46 GiB against 1.97."""
     from megatron_peakflat.config import PeakflatConfig
-    from megatron_peakflat.memory import model as M
-    from megatron_peakflat.memory.model import RunConfig
-    from megatron_peakflat.memory.shapes import ModelShape
+    from megatron_peakflat.planner import model as M
+    from megatron_peakflat.planner.model import RunConfig
+    from megatron_peakflat.planner.shapes import ModelShape
     from megatron_peakflat.vocab.config import VocabConfig
 
     pf = PeakflatConfig(vocab=VocabConfig(impl="ring-dtp"))

@@ -1,5 +1,5 @@
 """PipelinedLLEP's chunk count and working-set bound as plain arithmetic (no torch import), shared by
-the component (``api.working_set_bound``) and the memory planner (``memory/model.py``)."""
+the component (``api.working_set_bound``) and the memory planner (``planner/model.py``)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ from .packed import RowLayout, RowSpec, row_layout
 from .schedule import Schedule
 from .. import stats
 from ..main_grad import handed_to_main_grad, main_grad_of
-from ..memory.meter import region
+from ..runtime.meter import region
 
 __all__ = ["pipelined_moe"]
 

@@ -1,12 +1,12 @@
 """Runtime peak report (``--peakflat-report-peaks``): measured peak of each component beside the planner's.
 
-``megatron_peakflat.apply(args)`` calls ``setup(args)``, which turns ``memory.meter`` on when
+``megatron_peakflat.apply(args)`` calls ``setup(args)``, which turns ``runtime.meter`` on when
 ``--peakflat-report-peaks`` is given; the registry's 'report' entry wraps Megatron's ``training_log``
 (``wrap_training_log``) so that every log interval calls::
 
     report(iteration, args, writer=tb_writer, wandb_writer=wandb_writer)
 
-Components measure their region with ``memory.meter.component_region(name)``, ``name`` one of
+Components measure their region with ``runtime.meter.component_region(name)``, ``name`` one of
 ``dispatch``, ``vocab``, ``boundaries`` (SCO; ``sco`` is accepted too) and ``optimizer``. The
 prediction per component is the planner's peakflat row when the component is on and its baseline
 row when it is off, for this rank's pipeline stage, from Megatron's parsed args.
@@ -18,8 +18,8 @@ import logging
 import os
 from typing import Any
 
-from ..memory import meter
-from ..memory.model import GIB, Plan, RunConfig, plan
+from ..runtime import meter
+from ..planner.model import GIB, Plan, RunConfig, plan
 from .. import stats
 from .logs import PER_RANK
 
@@ -82,8 +82,8 @@ def prediction(args: Any) -> tuple[Plan, str]:
     """The planner's plan for this run (cached) and this rank's stage name ('only', 'first', 'last', or the
     'middle N' stage the plan holds)."""
     if "plan" not in _cache:
-        from ..memory.cli import local_host_gib
-        from ..memory.megatron_args import run_fields_from_namespace, shape_from_namespace
+        from ..planner.cli import local_host_gib
+        from ..planner.megatron_args import run_fields_from_namespace, shape_from_namespace
 
         shape = shape_from_namespace(args)
         fields = run_fields_from_namespace(args)
@@ -130,7 +130,7 @@ def advise(args: Any) -> str | None:
     """A start-up line when the run turns on a host component (SCO, the offloaded optimizer) that the planner
     says it fits without: both move bytes over PCIe at every step. None when there is nothing to say, or when
     the planner cannot read the run (it only advises; the run goes on as configured)."""
-    from ..memory.recommend import recommend
+    from ..planner.recommend import recommend
 
     cfg = _config(args)
     on = [name for name in _HOST_FLAGS if cfg.enabled[name]]
@@ -160,14 +160,14 @@ this rank's share a start-up check refuses rather than warns."""
 
 def check_optimizer_host(args: Any) -> str | None:
     """Before the model is built: the planner's pinned host bytes for OffloadStreamAdamW on this rank's stage
-    against this rank's share of the host's available memory (``memory.host.share``).
+    against this rank's share of the host's available memory (``runtime.host.share``).
 
     The optimizer checks the exact figure itself when it first allocates, after the model is built and a
     step has run; this check moves a clear miss to start-up. Raises PeakflatConfigError when the prediction
     exceeds the share by more than ``OPTIMIZER_HOST_MARGIN``; returns a warning line when it exceeds it by
     less; None when it fits, when the optimizer is off, or when the planner or /proc/meminfo cannot say."""
     from ..config import PeakflatConfigError
-    from ..memory import host
+    from ..runtime import host
 
     cfg = _config(args)
     if not cfg.enabled["optimizer"]:

@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from ..config import PeakflatConfig, PeakflatConfigError
-from ..memory.model import experts_have_own_optimizer as own_optimizer_rule
+from ..planner.model import experts_have_own_optimizer as own_optimizer_rule
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -106,7 +106,7 @@ def _expert_layout(a: Any) -> tuple[int, int, int]:
 
 def experts_have_own_optimizer(args: Any) -> bool:
     """Whether Megatron gives the expert parameters of ``args`` an optimizer of their own (the model has MoE
-    layers, and ``memory.model.experts_have_own_optimizer`` holds for its layout)."""
+    layers, and ``planner.model.experts_have_own_optimizer`` holds for its layout)."""
     freq = getattr(args, "moe_layer_freq", 1)
     if not getattr(args, "num_experts", None) or (isinstance(freq, list) and not any(freq)):
         return False

@@ -32,8 +32,8 @@ import torch
 
 from .. import stats
 from ..config_base import format_bytes
-from ..memory import host, meter
-from ..memory.meter import region
+from ..runtime import host, meter
+from ..runtime.meter import region
 from .streamer import NativeStreamer
 from .engines import CpuEngineWorker, GroupHyper, HostSlot, Slot, Streams, run_gpu_engine
 from .host_memory import HostRegion, check_host_budget

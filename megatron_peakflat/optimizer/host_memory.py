@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 
 from ..config_base import format_bytes
-from ..memory import host
+from ..runtime import host
 from .._ext import carve_end, register_host_memory, unregister_host_memory
 
 __all__ = ["HostMemoryError", "HostRegion", "check_host_budget"]
@@ -34,7 +34,7 @@ class HostMemoryError(RuntimeError):
 def check_host_budget(need: int, *, what: str, available: int | None = None,
                       local_world_size: int | None = None, owner: str | None = None) -> int | None:
     """Raise HostMemoryError when ``need`` bytes exceed this rank's share: MemAvailable / LOCAL_WORLD_SIZE,
-    less what other components promised to pin and have not yet (``memory.host``; ``owner``'s own promise
+    less what other components promised to pin and have not yet (``runtime.host``; ``owner``'s own promise
     is this need). Returns the share."""
     avail = host.mem_available() if available is None else available
     if avail is None:

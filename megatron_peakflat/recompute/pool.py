@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config_base import format_bytes
-from ..memory import host
+from ..runtime import host
 from .._ext import carve_end, register_host_memory, unregister_host_memory
 
 __all__ = ["HostSlot", "HostPool", "TorchHostPool", "NativeHostPool", "make_pool", "resolve_budget"]
@@ -75,7 +75,7 @@ def resolve_budget(requested: int | None, *, available: int | None = None, local
     """The pool budget in bytes for this rank.
 
     This rank's share is the available host RAM divided among the local ranks, less the pinned memory that
-    other components have promised and not yet allocated (``memory.host``: OffloadStreamAdamW's state,
+    other components have promised and not yet allocated (``runtime.host``: OffloadStreamAdamW's state,
     allocated at its first step, after this budget is chosen in the first forward). ``None`` gives
     SAFE_FRACTION of that share. An explicit request above CLAMP_FRACTION of it is clamped, with one
     warning naming the request, the share and the shortfall, since pinning more than is free would push the

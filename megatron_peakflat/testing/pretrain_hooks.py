@@ -14,7 +14,7 @@ dry run (``testing.pretrain_dryrun``) installs the same hooks. Nothing here is i
   decoder layer, so the first layers' forward has run and nothing of backward or the optimizer step has),
   write ``<trace dir>/killed.rank<r>`` and send SIGKILL to this process's group when it leads one (as
   torchrun's workers do), else to this process alone (never to the caller's group).
-- ``PEAKFLAT_TEST_MEM_AVAILABLE=<bytes>``: ``memory.host.mem_available`` reports this many bytes, as if the
+- ``PEAKFLAT_TEST_MEM_AVAILABLE=<bytes>``: ``runtime.host.mem_available`` reports this many bytes, as if the
   node had that little free host memory (every budget and check that reads it sees the figure).
 """
 
@@ -123,7 +123,7 @@ def install() -> None:
     """Install the hooks the environment asks for (none when none of the variables is set)."""
     mem = os.environ.get(MEM_AVAILABLE)
     if mem:
-        from megatron_peakflat.memory import host
+        from megatron_peakflat.runtime import host
 
         fake = int(mem)
         host.mem_available = lambda path="/proc/meminfo": fake  # type: ignore[assignment]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .. import stats
 from ..main_grad import main_grad_of
 from ..matmul import accumulate_mm
-from ..memory.meter import region
+from ..runtime.meter import region
 from .ring import RingPlan, SavedPlan, auto_ring_schedule, backward_ring, coefficients, finish_loss, max_over_ring, new_state
 
 __all__ = ["InForwardLinearCrossEntropy", "forward_with_grads", "HINT_RTOL", "hint_matches", "chunk_rows"]

@@ -32,7 +32,7 @@ from .block_torch import grad_coefficients
 from .blocks import BlockOps, fold_shard, grad_shard
 from .. import stats
 from ..main_grad import main_grad_of, release
-from ..memory.meter import region
+from ..runtime.meter import region
 
 __all__ = ["RingPlan", "SavedPlan", "auto_ring_schedule", "RingLinearCrossEntropy", "backward_ring", "coefficients", "finish_loss", "new_state",
            "comm_device", "max_over_ring"]

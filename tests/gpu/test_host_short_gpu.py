@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from megatron_peakflat.memory import host
+from megatron_peakflat.runtime import host
 from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool, checkpoint_chunks
 from megatron_peakflat.recompute import pool as pool_module
 from megatron_peakflat.testing.pretrain_hooks import MEM_AVAILABLE, TRACE, read_trace
