@@ -7,6 +7,11 @@ on [P, K, E] integers, one upload of its results, and device index work queued b
 backward reuse the same schedule, so the backward recompute issues no synchronisation and exchanges
 exactly what the forward exchanged.
 
+``build_schedule`` takes four steps, one function each (or one per membership): count the chunks and plan
+on the host (``_count_flow_chunks``, ``_count_strided_chunks``); stage what the device needs in one upload
+(``_stage_pair_order``, ``_stage_regroup``); order the pairs on the device (``_order_flow_pairs``,
+``_order_strided_pairs``); expand each chunk's regroup index (``_regroup_indices``).
+
 Guarantees:
 - ``K`` is identical on every rank of the group (its largest source decides), ``1 <= K <= max_chunks``, and
   when K is not clamped, no source puts more than ``chunk_cap`` token-expert pairs into one chunk;
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -232,6 +237,68 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
     T, E = routing_map.shape
     dev = routing_map.device
     P, me = comm.group_size(group), comm.group_rank(group)
+    membership, local_order = _checked_arguments(E, P, num_local_experts, membership, local_order)
+    # 1. Count: K, every source's pairs per (chunk, expert) and the plan, through the one device-to-host copy.
+    per_expert = routing_map.sum(0)  # local pairs of each expert
+    planning = dict(alpha=alpha, min_spill=min_spill, imbalance_threshold=imbalance_threshold,
+                    max_foreign=max_foreign)
+    if membership == "expert":
+        ch = _count_flow_chunks(per_expert, P=P, group=group, num_local_experts=num_local_experts,
+                                chunk_cap=chunk_cap, max_chunks=max_chunks, num_chunks=num_chunks,
+                                min_split_chunks=min_split_chunks, planning=planning)
+    else:
+        ch = _count_strided_chunks(routing_map, per_expert, _expert_major_key(local_order, num_local_experts, P, E),
+                                   P=P, group=group, membership=membership, chunk_cap=chunk_cap,
+                                   max_chunks=max_chunks, num_chunks=num_chunks, min_split_chunks=min_split_chunks,
+                                   planning=planning)
+    K = ch.K
+    owner = np.arange(E) // num_local_experts
+    compute = _compute_experts(ch.plan, me, num_local_experts, local_order)
+
+    # 2. Stage every host array the device work below needs and send them in one copy: the GPU waits for
+    # the host from the sync above until the first kernel below, so host time here is GPU idle time.
+    mine = ch.counts[me]  # [K, E]
+    n = int(mine.sum())
+    chunk_offsets = [0, *np.cumsum(mine.sum(1)).tolist()]
+    recv = ch.routes[:, :, :, me]  # [K, P_src, E]
+    flows = ch.routes.sum(2)  # [K, P_src, P_dst]
+    tpe = recv[:, :, compute].sum(1).tolist()  # [K][C]
+    up = Uploads()
+    slots = _stage_pair_order(up, ch, me, compute, P)
+    regroup_slots = _stage_regroup(up, recv, flows, compute, me) if P > 1 else None
+    s_offsets = up.add(chunk_offsets)
+    s_cum = up.add(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1))
+    up.send(dev)
+
+    # 3. On the device: local pairs ordered by (chunk, destination, expert, token). In a group of one the
+    # rows are computed in this order, so "expert" means its position in ``compute`` there.
+    nz = _nonzero(routing_map, n)
+    tok, exp = nz[:, 0].contiguous(), nz[:, 1].contiguous()
+    del nz
+    if membership == "expert":
+        tok, exp = _order_flow_pairs(tok, exp, up, slots, K=K, P=P, E=E)
+    else:
+        tok, exp = _order_strided_pairs(tok, exp, up, slots, ch, mine, membership=membership, T=T, K=K, P=P, E=E)
+    # 4. On the device: each chunk's regroup and ungroup index, and the combine map.
+    regroup, ungroup = _regroup_indices(up, regroup_slots, K)
+    helpers = ch.plan.helpers(num_local_experts)
+    sends = sorted((r, e) for e, r in helpers if owner[e] == me)
+    recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
+    cmap = combine_map(tok, chunk_offsets, T, up.get(s_offsets))
+    rows_cum = up.get(s_cum).to(torch.int32)
+    entry = tok * E + exp
+    del exp
+    return Schedule(K, ch.plan, P, me, num_local_experts, tok, entry, chunk_offsets, flows.tolist(), regroup, ungroup,
+                    compute, tpe, rows_cum, cmap, sends, recvs)
+
+
+# ---- the steps of build_schedule, in the order it takes them -----------------------------------------------
+
+
+def _checked_arguments(E: int, P: int, num_local_experts: int, membership: str, local_order: Sequence[int] | None
+                       ) -> tuple[str, Sequence[int]]:
+    """The membership resolved (``"auto"`` -> its choice) and ``local_order`` (None -> ascending), after
+    checking the expert count, the membership's name and that ``local_order`` is a permutation."""
     if E != P * num_local_experts:
         raise ValueError(f"routing_map has {E} experts but the EP group holds {P} x {num_local_experts}")
     if membership not in MEMBERSHIPS:
@@ -241,136 +308,222 @@ def build_schedule(routing_map: torch.Tensor, *, num_local_experts: int, group: 
         local_order = range(num_local_experts)
     if sorted(local_order) != list(range(num_local_experts)):
         raise ValueError(f"local_order {list(local_order)} is not a permutation of {num_local_experts} local experts")
-    # Expert-major order of the global experts: position of the local index in local_order, then owner.
+    return membership, local_order
+
+
+def _expert_major_key(local_order: Sequence[int], num_local_experts: int, P: int, E: int) -> np.ndarray:
+    """[E]: each global expert's place in expert-major order: the position of its local index in
+    ``local_order`` first, its owner rank second."""
     slot = np.empty(num_local_experts, dtype=np.int64)
     slot[np.asarray(list(local_order), dtype=np.int64)] = np.arange(num_local_experts)
-    expert_key = slot[np.arange(E) % num_local_experts] * P + np.arange(E) // num_local_experts
-    per_expert = routing_map.sum(0)  # local pairs of each expert
-    flow = membership == "expert"
-    if flow:
-        # Cut per flow on the host once every rank's per-expert counts are known: K needs no all-reduce.
-        host = comm.all_gather_rows(per_expert.to(torch.int64), group).cpu().numpy()  # the one device-to-host sync
-        plan = least_loaded_plan(host.sum(0), P, alpha=alpha, min_spill=min_spill,
-                                 imbalance_threshold=imbalance_threshold, max_foreign=max_foreign)
-        layer_routes = chunk_routes(host[:, None, :], plan.assign)[0]  # [P_src, E, P_dst]
-        if num_chunks is not None:
-            K = int(num_chunks)
-        else:
-            K = split_floor(chunk_count(int(host.sum(1).max(initial=0)), chunk_cap, max_chunks), P, min_split_chunks,
-                            max_chunks)
-        # Each expert's place in a flow: local index first, owner second. The same on every rank (each rank
-        # cuts the others' flows as they do), so not local_order, which follows each rank's weight addresses.
-        flow_pos = (np.arange(E) % num_local_experts) * P + np.arange(E) // num_local_experts  # a permutation
-        routes = flow_routes(layer_routes, K, np.argsort(flow_pos))  # [K, P_src, E, P_dst]
-        cnt = routes.sum(3).transpose(1, 0, 2)  # [P, K, E]
-    else:
-        cnt, K, major, key_dev = _chunk_counts_on_device(
-            routing_map, per_expert, expert_key, P=P, group=group, membership=membership, chunk_cap=chunk_cap,
-            max_chunks=max_chunks, num_chunks=num_chunks, min_split_chunks=min_split_chunks)
-        plan = least_loaded_plan(cnt.sum((0, 1)), P, alpha=alpha, min_spill=min_spill,
-                                 imbalance_threshold=imbalance_threshold, max_foreign=max_foreign)
-        routes = chunk_routes(cnt, plan.assign)  # [K, P_src, E, P_dst]
+    return slot[np.arange(E) % num_local_experts] * P + np.arange(E) // num_local_experts
 
+
+@dataclass
+class _Chunks:
+    """A layer call's chunks as counted on the host, after the schedule's one device-to-host copy."""
+
+    K: int
+    plan: Plan
+    counts: np.ndarray
+    """[P, K, E]: every source's pairs per (chunk, expert)."""
+    routes: np.ndarray
+    """[K, P_src, E, P_dst]: the pairs of each (chunk, source, expert) that each rank computes."""
+    per_expert: np.ndarray | None = None
+    """``"expert"``: [P, E] every source's pairs per expert."""
+    layer_routes: np.ndarray | None = None
+    """``"expert"``: [P_src, E, P_dst] the plan's split of the whole layer call."""
+    flow_pos: np.ndarray | None = None
+    """``"expert"``: [E] each expert's place in a flow (a permutation)."""
+    major: torch.Tensor | None = None
+    """``"strided"``/``"hybrid"``: [E] bool on the device, the experts whose pairs go expert-major."""
+    key_dev: torch.Tensor | None = None
+    """``"strided"``/``"hybrid"``: ``_expert_major_key`` on the device."""
+
+    @property
+    def by_flow(self) -> bool:
+        """True for ``"expert"`` membership (each flow cut on the host)."""
+        return self.layer_routes is not None
+
+
+def _count_flow_chunks(per_expert: torch.Tensor, *, P: int, group: dist.ProcessGroup | None, num_local_experts: int,
+                       chunk_cap: int, max_chunks: int, num_chunks: int | None, min_split_chunks: int,
+                       planning: dict[str, Any]) -> _Chunks:
+    """``"expert"``: K, the plan and every flow's cut, on the host once every rank's per-expert counts are
+    known (one all-gather, the schedule's one device-to-host copy; K needs no all-reduce)."""
+    E = per_expert.numel()
+    host = comm.all_gather_rows(per_expert.to(torch.int64), group).cpu().numpy()  # the one device-to-host sync
+    plan = least_loaded_plan(host.sum(0), P, **planning)
+    layer_routes = chunk_routes(host[:, None, :], plan.assign)[0]  # [P_src, E, P_dst]
+    if num_chunks is not None:
+        K = int(num_chunks)
+    else:
+        K = split_floor(chunk_count(int(host.sum(1).max(initial=0)), chunk_cap, max_chunks), P, min_split_chunks,
+                        max_chunks)
+    # Each expert's place in a flow: local index first, owner second. The same on every rank (each rank
+    # cuts the others' flows as they do), so not local_order, which follows each rank's weight addresses.
+    flow_pos = (np.arange(E) % num_local_experts) * P + np.arange(E) // num_local_experts  # a permutation
+    routes = flow_routes(layer_routes, K, np.argsort(flow_pos))  # [K, P_src, E, P_dst]
+    return _Chunks(K, plan, routes.sum(3).transpose(1, 0, 2), routes, per_expert=host, layer_routes=layer_routes,
+                   flow_pos=flow_pos)
+
+
+def _count_strided_chunks(routing_map: torch.Tensor, per_expert: torch.Tensor, expert_key: np.ndarray, *, P: int,
+                          group: dist.ProcessGroup | None, membership: str, chunk_cap: int, max_chunks: int,
+                          num_chunks: int | None, min_split_chunks: int, planning: dict[str, Any]) -> _Chunks:
+    """``"strided"`` and ``"hybrid"``: K and the counts from the device (``_chunk_counts_on_device``), then
+    the plan over the whole layer call and its routes, on the host."""
+    cnt, K, major, key_dev = _chunk_counts_on_device(
+        routing_map, per_expert, expert_key, P=P, group=group, membership=membership, chunk_cap=chunk_cap,
+        max_chunks=max_chunks, num_chunks=num_chunks, min_split_chunks=min_split_chunks)
+    plan = least_loaded_plan(cnt.sum((0, 1)), P, **planning)
+    return _Chunks(K, plan, cnt, chunk_routes(cnt, plan.assign), major=major, key_dev=key_dev)
+
+
+def _compute_experts(plan: Plan, me: int, num_local_experts: int, local_order: Sequence[int]) -> list[int]:
+    """Global ids of the experts rank ``me`` computes for: its own in ``local_order``, then foreign ones ascending."""
+    E = plan.assign.shape[0]
     owner = np.arange(E) // num_local_experts
     base = me * num_local_experts
     foreign = sorted(int(e) for e in np.nonzero(plan.assign[:, me])[0] if owner[e] != me)
-    compute = [base + int(li) for li in local_order] + foreign
+    return [base + int(li) for li in local_order] + foreign
 
-    # Every host array the device work below needs, sent in one copy: the GPU waits for the host from
-    # the sync above until the first kernel below, so host time here is GPU idle time.
-    mine = cnt[me]  # [K, E]
-    n = int(mine.sum())
-    chunk_offsets = [0, *np.cumsum(mine.sum(1)).tolist()]
-    recv = routes[:, :, :, me]  # [K, P_src, E]
-    flows = routes.sum(2)  # [K, P_src, P_dst]
-    tpe = recv[:, :, compute].sum(1).tolist()  # [K][C]
-    up = Uploads()
-    s_pos = None
+
+@dataclass
+class _PairOrderSlots:
+    """Where ``_stage_pair_order`` put, in the schedule's one upload, what ordering the pairs needs."""
+
+    pos: int | None = None
+    """[E]: each expert's position in ``compute`` (a group of one whose compute order is not ascending)."""
+    estart: int | None = None
+    """``"expert"``: [E] the first of this rank's pairs of each expert."""
+    ebounds: int | None = None
+    """``"expert"``: [E, P] the end of each destination's range of them."""
+    flowpos: int | None = None
+    """``"expert"``: [E] ``_Chunks.flow_pos``."""
+    starts: int | None = None
+    """``"expert"``: [P_dst * K] the first pair of each (destination, chunk) slice of this rank's flows."""
+    group_start: int | None = None
+    """``"strided"``/``"hybrid"`` at P > 1: [K * E] the start of each (chunk, expert) group of this rank's pairs."""
+    source_offset: int | None = None
+    """``"strided"``/``"hybrid"`` at P > 1: [K * E] this rank's offset among the sources of each group."""
+    bounds: int | None = None
+    """``"strided"``/``"hybrid"`` at P > 1: [K * E, P] the end of each destination's range of each group."""
+
+
+def _stage_pair_order(up: Uploads, ch: _Chunks, me: int, compute: list[int], P: int) -> _PairOrderSlots:
+    """Add to ``up`` the host arrays that put this rank's pairs in (chunk, destination, expert, token) order."""
+    E = ch.counts.shape[2]
+    K = ch.K
+    slots = _PairOrderSlots()
     if P == 1 and compute != list(range(E)):
         pos = np.empty(E, dtype=np.int64)
         pos[compute] = np.arange(E)
-        s_pos = up.add(pos)
-    if flow:
-        s_estart = up.add(np.cumsum(host[me]) - host[me])  # [E]: first of my pairs of each expert
-        s_ebounds = up.add(np.cumsum(layer_routes[me], axis=1))  # [E, P]: end of each rank's range of them
-        s_flowpos = up.add(flow_pos)
-        sl = flow_slice_sizes(layer_routes.sum(1), K)[me].reshape(-1)  # [P_dst * K]
-        s_starts = up.add(np.cumsum(sl) - sl)  # first pair of each (destination, chunk) slice of my flows
+        slots.pos = up.add(pos)
+    if ch.by_flow:
+        host = ch.per_expert
+        slots.estart = up.add(np.cumsum(host[me]) - host[me])
+        slots.ebounds = up.add(np.cumsum(ch.layer_routes[me], axis=1))
+        slots.flowpos = up.add(ch.flow_pos)
+        sl = flow_slice_sizes(ch.layer_routes.sum(1), K)[me].reshape(-1)  # [P_dst * K]
+        slots.starts = up.add(np.cumsum(sl) - sl)
     elif P > 1:
-        s_grp = up.add(np.cumsum(mine.reshape(-1)) - mine.reshape(-1))  # [K*E], start of each (j, e) group
-        s_off = up.add((np.cumsum(cnt, axis=0) - cnt)[me].reshape(-1))  # [K*E], my offset among sources
-        s_bounds = up.add(np.cumsum(routes.sum(1), axis=2).reshape(K * E, P))  # end of each rank's range
-    if P > 1:
-        # Every chunk's runs expand in one call (below), so each chunk's deltas count from its first received row.
-        received = flows[:, :, me].sum(1)  # [K]
-        first = np.cumsum(received) - received
-        reg_delta, reg_size, ung_delta, ung_size = _regroup_runs(recv[:, :, compute], compute)  # each [K, P * C]
-        s_regroup = [up.add(a) for a in (reg_delta - first[:, None], reg_size, ung_delta - first[:, None], ung_size)]
-    s_offsets = up.add(chunk_offsets)
-    s_cum = up.add(np.cumsum(np.asarray(tpe, dtype=np.int64).reshape(K, len(compute)), axis=1))
-    up.send(dev)
+        mine = ch.counts[me]
+        slots.group_start = up.add(np.cumsum(mine.reshape(-1)) - mine.reshape(-1))
+        slots.source_offset = up.add((np.cumsum(ch.counts, axis=0) - ch.counts)[me].reshape(-1))
+        slots.bounds = up.add(np.cumsum(ch.routes.sum(1), axis=2).reshape(K * E, P))
+    return slots
 
-    # Local pairs ordered by (chunk, destination, expert, token). In a group of one the rows are
-    # computed in this order, so "expert" means its position in ``compute`` there.
-    nz = _nonzero(routing_map, n)
-    tok, exp = nz[:, 0].contiguous(), nz[:, 1].contiguous()
-    del nz
+
+@dataclass
+class _RegroupSlots:
+    """Where ``_stage_regroup`` put the regroup and ungroup runs, and the received rows per chunk."""
+
+    runs: list[int]
+    """Slots of (regroup deltas, their sizes, ungroup deltas, their sizes), each [K, P * C]."""
+    first: np.ndarray
+    """[K]: the first received row of each chunk, among all the layer call's received rows."""
+    received: np.ndarray
+    """[K]: rows this rank receives in each chunk."""
+
+
+def _stage_regroup(up: Uploads, recv: np.ndarray, flows: np.ndarray, compute: list[int], me: int) -> _RegroupSlots:
+    """Add to ``up`` the runs of every chunk's regroup and ungroup (P > 1). Every chunk's runs expand in
+    one call (``_regroup_indices``), so each chunk's deltas count from its first received row."""
+    received = flows[:, :, me].sum(1)  # [K]
+    first = np.cumsum(received) - received
+    reg_delta, reg_size, ung_delta, ung_size = _regroup_runs(recv[:, :, compute], compute)  # each [K, P * C]
+    runs = [up.add(a) for a in (reg_delta - first[:, None], reg_size, ung_delta - first[:, None], ung_size)]
+    return _RegroupSlots(runs, first, received)
+
+
+def _order_flow_pairs(tok: torch.Tensor, exp: torch.Tensor, up: Uploads, slots: _PairOrderSlots, *, K: int, P: int,
+                      E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``"expert"``: the pairs (``tok``, ``exp``, by token) in (chunk, destination, expert, token) order.
+
+    A pair's rank among this source's pairs of its expert (by token) picks its destination, as
+    chunk_routes split them; its position in its flow, ordered by (expert order, token), its slice."""
+    rows = torch.arange(tok.numel(), device=tok.device)
+    order = torch.argsort(exp, stable=True)
+    tok, exp = tok[order], exp[order]
+    dest = (rows - up.get(slots.estart)[exp]).unsqueeze(1).ge(up.get(slots.ebounds)[exp]).sum(1)
+    order = torch.argsort(dest * E + up.get(slots.flowpos)[exp], stable=True)
+    tok, exp = tok[order], exp[order]
+    cell = torch.searchsorted(up.get(slots.starts), rows, right=True) - 1  # destination * K + chunk
+    rank_of = exp if slots.pos is None else up.get(slots.pos)[exp]
+    order = torch.argsort(((cell % K) * P + cell // K) * E + rank_of, stable=True)
+    return tok[order], exp[order]
+
+
+def _order_strided_pairs(tok: torch.Tensor, exp: torch.Tensor, up: Uploads, slots: _PairOrderSlots, ch: _Chunks,
+                         mine: np.ndarray, *, membership: str, T: int, K: int, P: int, E: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``"strided"`` and ``"hybrid"``: the pairs in (chunk, destination, expert, token) order.
+
+    Strided pairs join chunk token mod K; the expert-major pair at position p of the (expert key,
+    token) order of the n_major such pairs joins chunk floor(p K / n_major), as
+    _expert_major_counts cut them. Sorted by (chunk, expert, token), then stably by destination."""
+    dev = tok.device
+    n = tok.numel()
     rows = torch.arange(n, device=dev)
-    if flow:
-        # A pair's rank among this source's pairs of its expert (by token) picks its destination, as
-        # chunk_routes split them; its position in its flow, ordered by (expert order, token), its slice.
-        order = torch.argsort(exp, stable=True)
+    per_expert_host = mine.sum(0)
+    n_major = int(per_expert_host[_cold(per_expert_host, n, E)].sum()) if membership == "hybrid" else 0
+    j = tok % K
+    if n_major:  # the device's choice of cold experts, counted on the host
+        major, key_dev = ch.major, ch.key_dev
+        by_expert = torch.argsort(torch.where(major[exp], key_dev[exp] * max(1, T) + tok, E * max(1, T)))[:n_major]
+        j[by_expert] = torch.arange(n_major, device=dev) * K // n_major
+        del by_expert
+    key = j * E + (exp if slots.pos is None else up.get(slots.pos)[exp])
+    del j
+    order = torch.argsort(key, stable=True)
+    tok, exp, key = tok[order], exp[order], key[order]
+    if P > 1:
+        pos = rows - up.get(slots.group_start)[key] + up.get(slots.source_offset)[key]
+        dest = (pos.unsqueeze(1) >= up.get(slots.bounds)[key]).sum(1)
+        order = torch.sort(key // E * P + dest, stable=True).indices
         tok, exp = tok[order], exp[order]
-        dest = (rows - up.get(s_estart)[exp]).unsqueeze(1).ge(up.get(s_ebounds)[exp]).sum(1)
-        order = torch.argsort(dest * E + up.get(s_flowpos)[exp], stable=True)
-        tok, exp = tok[order], exp[order]
-        cell = torch.searchsorted(up.get(s_starts), rows, right=True) - 1  # destination * K + chunk
-        rank_of = exp if s_pos is None else up.get(s_pos)[exp]
-        order = torch.argsort(((cell % K) * P + cell // K) * E + rank_of, stable=True)
-        tok, exp = tok[order], exp[order]
-        del order, dest, cell, rank_of
-    else:
-        # Strided pairs join chunk token mod K; the expert-major pair at position p of the (expert key,
-        # token) order of the n_major such pairs joins chunk floor(p K / n_major), as
-        # _expert_major_counts cut them. Sorted by (chunk, expert, token), then stably by destination.
-        per_expert_host = mine.sum(0)
-        n_major = int(per_expert_host[_cold(per_expert_host, n, E)].sum()) if membership == "hybrid" else 0
-        j = tok % K
-        if n_major:  # the device's choice of cold experts, counted on the host
-            by_expert = torch.argsort(torch.where(major[exp], key_dev[exp] * max(1, T) + tok, E * max(1, T)))[:n_major]
-            j[by_expert] = torch.arange(n_major, device=dev) * K // n_major
-            del by_expert
-        key = j * E + (exp if s_pos is None else up.get(s_pos)[exp])
-        del j
-        order = torch.argsort(key, stable=True)
-        tok, exp, key = tok[order], exp[order], key[order]
-        if P > 1:
-            pos = rows - up.get(s_grp)[key] + up.get(s_off)[key]
-            dest = (pos.unsqueeze(1) >= up.get(s_bounds)[key]).sum(1)
-            order = torch.sort(key // E * P + dest, stable=True).indices
-            tok, exp = tok[order], exp[order]
-        del order, key
+    return tok, exp
+
+
+def _regroup_indices(up: Uploads, slots: _RegroupSlots | None, K: int
+                     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Each chunk's regroup and ungroup index, expanded from the uploaded runs in one call each
+    (None for every chunk in a group of one, where received rows are already in computed order)."""
     regroup: list[torch.Tensor | None] = [None] * K
     ungroup: list[torch.Tensor | None] = [None] * K
-    if P > 1:
-        total = int(received.sum())
-        r = torch.arange(total, device=dev)
-        d_reg, n_reg, d_ung, n_ung = (up.get(slot).reshape(-1) for slot in s_regroup)
-        reg_all = torch.repeat_interleave(d_reg, n_reg, output_size=total).add_(r)
-        ung_all = torch.repeat_interleave(d_ung, n_ung, output_size=total).add_(r)
-        del r
-        for jj in range(K):
-            a, b = int(first[jj]), int(first[jj] + received[jj])
-            regroup[jj], ungroup[jj] = reg_all[a:b], ung_all[a:b]
-    helpers = plan.helpers(num_local_experts)
-    sends = sorted((r, e) for e, r in helpers if owner[e] == me)
-    recvs = sorted((int(owner[e]), e) for e, r in helpers if r == me)
-    cmap = combine_map(tok, chunk_offsets, T, up.get(s_offsets))
-    rows_cum = up.get(s_cum).to(torch.int32)
-    entry = tok * E + exp
-    del exp
-    return Schedule(K, plan, P, me, num_local_experts, tok, entry, chunk_offsets, flows.tolist(), regroup, ungroup,
-                    compute, tpe, rows_cum, cmap, sends, recvs)
+    if slots is None:
+        return regroup, ungroup
+    total = int(slots.received.sum())
+    d_reg, n_reg, d_ung, n_ung = (up.get(s).reshape(-1) for s in slots.runs)
+    r = torch.arange(total, device=d_reg.device)
+    reg_all = torch.repeat_interleave(d_reg, n_reg, output_size=total).add_(r)
+    ung_all = torch.repeat_interleave(d_ung, n_ung, output_size=total).add_(r)
+    del r
+    for jj in range(K):
+        a, b = int(slots.first[jj]), int(slots.first[jj] + slots.received[jj])
+        regroup[jj], ungroup[jj] = reg_all[a:b], ung_all[a:b]
+    return regroup, ungroup
 
 
 def _regroup_runs(blocks: np.ndarray, compute: Sequence[int]) -> tuple[np.ndarray, ...]:
