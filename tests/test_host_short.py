@@ -28,35 +28,27 @@ from megatron_peakflat.recompute import pool as pool_module
 from megatron_peakflat.testing.pretrain_hooks import MEM_AVAILABLE, TRACE, read_trace
 from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged, run_module
 from tests.conftest import needs_pretrain_entry
+from tests.test_sco import Chunk
 
 S, B, H, LAYERS = 24, 3, 40, 6  # odd shape; boundary = S*B*H*4 bytes
 BOUNDARY = S * B * H * 4
 KIB = 1 << 10
 
 
-class Chunk(torch.nn.Module):
-    def __init__(self, h: int) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(h)
-        self.up = torch.nn.Linear(h, 3 * h)
-        self.down = torch.nn.Linear(3 * h, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
-def _model() -> torch.nn.ModuleList:
+def _model(device: str = "cpu") -> torch.nn.ModuleList:
     torch.manual_seed(0)
-    return torch.nn.ModuleList(Chunk(H) for _ in range(LAYERS))
+    return torch.nn.ModuleList(Chunk(H) for _ in range(LAYERS)).to(device)
 
 
-def _step(model: torch.nn.ModuleList, offloader: BoundaryOffloader | None):
+def _step(model: torch.nn.ModuleList, offloader: BoundaryOffloader | None, device: str = "cpu"):
     """Loss, input gradient and every parameter's gradient of one full-recompute step."""
     for p in model.parameters():
         p.grad = None
-    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_(True)
     loss = (checkpoint_chunks(list(model), x, offloader).float() ** 2).mean()
     loss.backward()
+    if device != "cpu":
+        torch.cuda.synchronize()
     return loss.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

@@ -11,40 +11,26 @@ import pytest
 import torch
 
 from megatron_peakflat.runtime import host
-from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool, checkpoint_chunks
+from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool
 from megatron_peakflat.recompute import pool as pool_module
 from megatron_peakflat.testing.pretrain_hooks import MEM_AVAILABLE, TRACE, read_trace
 from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged, run_module
 
+from tests.test_host_short import BOUNDARY, _assert_exact
+from tests.test_host_short import _model as cpu_model
+from tests.test_host_short import _step as cpu_step
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-S, B, H, LAYERS = 24, 3, 40, 6
-BOUNDARY = S * B * H * 4  # 11.25 KiB, a 16 KiB block of torch's pinned allocator
-KIB = 1 << 10
+KIB = 1 << 10  # the boundary (tests/test_host_short.py's S*B*H*4 = 11.25 KiB) is a 16 KiB block of torch's pinned allocator
 
 
-def _model() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.LayerNorm(H), torch.nn.Linear(H, 3 * H),
-                                                     torch.nn.GELU(), torch.nn.Linear(3 * H, H))
-                                 for _ in range(LAYERS))).cuda()
+def _model():
+    return cpu_model("cuda")
 
 
-def _step(model: torch.nn.Sequential, offloader: BoundaryOffloader | None):
-    for p in model.parameters():
-        p.grad = None
-    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1)).cuda()
-    x = (x * 1.0).requires_grad_(True)
-    loss = (checkpoint_chunks([lambda t, m=m: t + m(t) for m in model], x, offloader).float() ** 2).mean()
-    loss.backward()
-    torch.cuda.synchronize()
-    return loss.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _assert_exact(got, ref) -> None:
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    for n in ref[2]:
-        assert torch.equal(got[2][n], ref[2][n]), n
+def _step(model, offloader):
+    return cpu_step(model, offloader, "cuda")
 
 
 def test_sco_budget_past_the_share_is_clamped_once_pinned_and_exact(monkeypatch, caplog):
