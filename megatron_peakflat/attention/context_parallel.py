@@ -88,10 +88,15 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         cp = dist.get_world_size(group)
         ctx.group = group
-        x = x.contiguous()
-        gathered = x.new_empty((cp, *x.shape))
-        dist.all_gather_into_tensor(gathered.view(cp * x.shape[0], *x.shape[1:]), x, group=group)
-        return merge_sequence(list(gathered.unbind(0)))
+        c = x.shape[0] // 2
+        # Straight into sequence order: each rank's two chunks land in their places (lo = rank, hi = 2CP-1-rank),
+        # so the whole sequence exists once, with no rank-major buffer to merge and free.
+        full = x.new_empty((2 * cp * c, *x.shape[1:]))
+        for half in (0, 1):
+            places = [chunks_of_rank(cp, r)[half] for r in range(cp)]
+            dist.all_gather([full[p * c:(p + 1) * c] for p in places], x[half * c:(half + 1) * c].contiguous(),
+                            group=group)
+        return full
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
