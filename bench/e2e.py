@@ -15,7 +15,7 @@ micro-batch 1), all on Transformer Engine's layers (TE attention, ``--moe-groupe
   plus ``--peakflat auto``.
 - ``peakflat-all``: the offloaded configuration plus every component.
 
-Reach: for each method, the longest sequence that trains 2 iterations: doubling from ``--min-seq``, then
+Reach: for each method, the longest sequence that trains ``--iters`` iterations (2): doubling from ``--min-seq``, then
 bisecting at ``--granularity``, up to ``--max-seq``. Every length runs in its own process, so an OOM ends only
 that length, and every row is written to the results file as soon as it is measured; a second invocation
 resumes from the rows already there. Same loss: the three methods train ``--same-loss-iters`` iterations at
@@ -37,6 +37,7 @@ import os
 import random
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -175,7 +176,9 @@ def parse(text: str, rc: int, wall: float, iters: int) -> Attempt:
         outcome = "timeout"
     else:
         outcome = "error"
-    return Attempt(outcome, round(wall, 1), losses, logged(text, "grad norm"), times[-1] if times else None, mem,
+    timed = times[1:] if len(times) > 1 else times  # the first iteration holds the warm-up
+    ms = statistics.median(timed) if timed else None
+    return Attempt(outcome, round(wall, 1), losses, logged(text, "grad norm"), ms, mem,
                    peaks, auto, oom, "" if outcome == "ok" else text[-2500:])
 
 
@@ -197,6 +200,8 @@ class Driver:
     runner: Callable[[list[str], dict[str, str], float], tuple[int, str]] = run_in_session
     doc: dict[str, Any] = dataclasses.field(default_factory=dict)
     deadline: float = float("inf")
+    iters: int = 2
+    """Iterations per length: a length trains when all of them do; the time is the median of all but the first."""
 
     def __post_init__(self) -> None:
         if self.out.exists():
@@ -268,9 +273,9 @@ class Driver:
         attempts = list((done or {"extra": {"attempts": []}})["extra"]["attempts"])
         row: dict[str, Any] = {}
         for stock in stocks:
-            flags = self.flags(seq, stock, extra, 2)
+            flags = self.flags(seq, stock, extra, self.iters)
             print(f"=== {method} seq={seq} config={stock.name}", flush=True)
-            a = self.attempt(flags, dict(stock.env), 2)
+            a = self.attempt(flags, dict(stock.env), self.iters)
             attempts.append({"config": stock.name, "outcome": a.outcome, "wall_s": a.wall_s,
                              **({"oom": a.oom} if a.oom else {}), **({"tail": a.tail} if a.outcome == "error" else {})})
             row = self._row(method, seq, stock, flags, a, attempts)
@@ -289,7 +294,7 @@ class Driver:
              attempts: list[dict[str, Any]]) -> dict[str, Any]:
         mem = a.memory_mib
         extra: dict[str, Any] = {
-            "outcome": a.outcome, "config": stock.name, "attempts": attempts,
+            "outcome": a.outcome, "config": stock.name, "attempts": attempts, "iters": self.iters,
             "tokens_per_s": round(seq / (a.ms / 1000), 1) if a.ms and a.outcome == "ok" else None,
             "reserved_gib": round(mem["max_reserved"] / 1024, 3) if mem else None,
             "allocated_after_gib": round(mem["allocated"] / 1024, 3) if mem else None,
@@ -552,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--same-loss-seq", type=tokens, default=None, help="default: --min-seq")
     ap.add_argument("--same-loss-iters", type=int, default=None, help="default: 50; dry run 3")
     ap.add_argument("--timeout", type=float, default=480, help="seconds one length may take (default: 480)")
+    ap.add_argument("--iters", type=int, default=2,
+                    help="iterations per length (default: 2): it trains when all do, and its time is the median of "
+                         "all but the first, so more than 2 give a time with less of the one-time costs")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds this invocation may run: a length that would run past it is left for the next "
                          "invocation, which resumes from the rows written (default: no limit)")
@@ -567,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     step = a.granularity or (64 if dry else 8192)
     model = TINY if dry else Model(layers=a.layers)
     driver = Driver(out, dataclasses.replace(model, bf16=not a.fp32), spec, dry, a.timeout)
+    if a.iters < 2:
+        ap.error("--iters must be at least 2 (the first iteration is not timed)")
+    driver.iters = a.iters
     if a.budget is not None:
         driver.deadline = time.monotonic() + a.budget
     driver.doc["commands"] = list(dict.fromkeys(driver.doc["commands"] + ["python3 " + shlex.join(sys.argv)]))

@@ -153,7 +153,7 @@ def test_parse_reads_megatrons_log_and_the_runtime_reports():
             "[Rank 0] (after 2 iterations) memory (MB) | allocated: 10.0 | max allocated: 20.0 | reserved: 30.0 | max reserved: 40.0\n"
             "peakflat peaks iter 2 (only stage), GiB measured/predicted: dispatch 1.94/2.64, vocab 2.23/2.23, total 22.81/23.00\n")
     a = e2e.parse(text, 0, 12.0, 2)
-    assert a.outcome == "ok" and a.losses == [12.0, 11.0] and a.ms == 600.0
+    assert a.outcome == "ok" and a.losses == [12.0, 11.0] and a.ms == 600.0  # the first iteration is not timed
     assert a.memory_mib == {"allocated": 10.0, "max_allocated": 20.0, "reserved": 30.0, "max_reserved": 40.0}
     assert a.peaks == {"dispatch": (1.94, 2.64), "vocab": (2.23, 2.23), "total": (22.81, 23.0)}
     assert a.auto == {"added": "--peakflat-vocab ring-dtp", "planner_total_gib": 29.0, "planner_guaranteed_gib": 33.7}
@@ -184,3 +184,10 @@ def test_dry_run_on_cpu_runs_megatron_and_peakflat_auto_through_the_real_entry_p
     assert auto["extra"]["outcome"] == "ok" and "--peakflat-vocab ring-dtp" in auto["extra"]["auto"]["added"]
     assert len(auto["extra"]["losses"]) == 2 and auto["extra"]["card"] == "cpu"
     assert rows[("reach,spec=local", "peakflat-auto")]["reach_tokens"] == 64
+
+
+def test_more_iterations_time_the_median_of_all_but_the_first():
+    lines = [f" iteration {i}/4 | elapsed time per iteration (ms): {t} | lm loss: 1.0E+01 | grad norm: 1.0 |"
+             for i, t in enumerate((5000.0, 900.0, 300.0, 310.0), 1)]
+    a = e2e.parse("\n".join(lines), 0, 1.0, 4)
+    assert a.outcome == "ok" and a.ms == 310.0
