@@ -70,6 +70,8 @@ class Model:
     moe_ffn: int = 2880
     vocab: int = 201088
     bf16: bool = True
+    lr: float = 3e-4
+    warmup: int = 1
 
     def flags(self, seq: int) -> list[str]:
         return [
@@ -83,7 +85,8 @@ class Model:
             "--moe-aux-loss-coeff", "1e-2", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--seq-length", str(seq), "--max-position-embeddings", str(seq),
             "--micro-batch-size", "1", "--global-batch-size", "1", *(["--bf16"] if self.bf16 else []), "--seed", "1234",
-            "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+            "--lr", f"{self.lr:g}", "--min-lr", f"{self.lr / 10:g}", "--lr-decay-style", "cosine",
+            "--lr-warmup-iters", str(self.warmup),
             "--weight-decay", "0.1", "--clip-grad", "1.0", "--log-interval", "1", "--eval-iters", "0",
             "--eval-interval", "1000000", "--no-create-attention-mask-in-dataloader",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(self.vocab),
@@ -557,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--same-loss-seq", type=tokens, default=None, help="default: --min-seq")
     ap.add_argument("--same-loss-iters", type=int, default=None, help="default: 50; dry run 3")
     ap.add_argument("--timeout", type=float, default=480, help="seconds one length may take (default: 480)")
+    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4; min-lr a tenth of it)")
+    ap.add_argument("--lr-warmup-iters", type=int, default=1, help="warm-up iterations (default: 1)")
     ap.add_argument("--iters", type=int, default=2,
                     help="iterations per length (default: 2): it trains when all do, and its time is the median of "
                          "all but the first, so more than 2 give a time with less of the one-time costs")
@@ -574,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     hi = a.max_seq or (128 if dry else 1024**2)
     step = a.granularity or (64 if dry else 8192)
     model = TINY if dry else Model(layers=a.layers)
-    driver = Driver(out, dataclasses.replace(model, bf16=not a.fp32), spec, dry, a.timeout)
+    driver = Driver(out, dataclasses.replace(model, bf16=not a.fp32, lr=a.lr, warmup=a.lr_warmup_iters), spec, dry,
+                    a.timeout)
     if a.iters < 2:
         ap.error("--iters must be at least 2 (the first iteration is not timed)")
     driver.iters = a.iters
