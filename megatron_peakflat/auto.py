@@ -20,21 +20,18 @@ import os
 import shlex
 from typing import Any, Sequence
 
-from .config_base import PeakflatConfigError, format_bytes
+from .config import _COMPONENTS
+from .config_base import PeakflatConfigError, flag_name, format_bytes
 
 __all__ = ["AutoChoice", "resolve", "auto_argv", "wants_auto", "planner_argv", "resolved_in_this_process"]
 
 log = logging.getLogger("megatron_peakflat")
 
 FLAG = "--peakflat"
-_COMPONENT_PREFIXES = {  # flag prefixes of each component's switch and knobs
-    "dispatch": ("--peakflat-dispatch",),
-    "vocab": ("--peakflat-vocab",),
-    "sco": ("--peakflat-sco",),
-    "optimizer": ("--peakflat-optimizer", "--peakflat-opt-"),
-}
-_SWITCHES = {"dispatch": "--peakflat-dispatch", "vocab": "--peakflat-vocab", "sco": "--peakflat-sco",
-             "optimizer": "--peakflat-optimizer"}
+_SWITCHES = {name: flag_name(cls, cls.MODE_FIELD) for name, cls in _COMPONENTS.items() if cls.MODE_FIELD}
+"""Each component's switch (``--peakflat-dispatch``, ..., ``--peakflat-optimizer``), from its config class."""
+_COMPONENT_PREFIXES = {name: (_SWITCHES[name], f"--peakflat-{_COMPONENTS[name].PREFIX}-") for name in _SWITCHES}
+"""The flags of each component: its switch and its knobs (``--peakflat-<PREFIX>-*``)."""
 _NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO", "optimizer": "OffloadStreamAdamW"}
 _ROWS = {"dispatch": "dispatch", "vocab": "vocab", "sco": "boundaries", "optimizer": "optimizer"}
 _resolved: list["AutoChoice"] = []
@@ -85,11 +82,9 @@ class AutoChoice:
         lines.append("  added: " + (" ".join(self.added) or "nothing"))
         if self.kept:
             names = {g[0] for g in _flag_groups(self.kept)}
-            mine = [" ".join(g) for g in given if g[0] in names or any(g[0] == _SWITCHES[n] for n in _SWITCHES
-                                                                        if g[0] in names)]
+            mine = [" ".join(g) for g in given if g[0] in names]
             lines.append("  recommended but set on the command line (kept as given): " + " ".join(dict.fromkeys(mine)))
         return "\n".join(lines)
-
 
     def final_config(self) -> Any:
         """The PeakflatConfig of the command line with the added flags: the recommendation, less what the line overrode."""
