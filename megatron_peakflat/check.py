@@ -84,16 +84,11 @@ def _gpus() -> list[str]:
 
 def _host_ram() -> tuple[float, float] | None:
     """(MemTotal, MemAvailable) in GiB from /proc/meminfo; None where it is unreadable."""
-    fields: dict[str, float] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("MemTotal", "MemAvailable"):
-                    fields[key] = int(rest.split()[0]) / 2**20
-    except (OSError, ValueError, IndexError):
-        return None
-    return (fields["MemTotal"], fields.get("MemAvailable", math.nan)) if "MemTotal" in fields else None
+    from .planner.cli import local_host_gib
+    from .runtime.host import mem_available
+
+    total, available = local_host_gib(), mem_available()
+    return None if total is None else (total, math.nan if available is None else available / _GIB)
 
 
 def _megatron_symbols() -> tuple[int, list[str]]:
@@ -379,15 +374,13 @@ def _resolve_auto(flags: list[str], own: argparse.Namespace) -> tuple[list[str],
     """``--peakflat auto`` resolved as training start-up resolves it, for the GPUs and memory given here (the
     fewest GPUs the parallel sizes allow, and the planner's defaults, where not given): (the flags with the
     chosen ones added, the GPU count, the decision's table). Raises PeakflatConfigError when nothing fits."""
-    from .planner.cli import local_hbm_gib, local_host_gib
+    from .planner.cli import machine_gib
     from .planner.megatron_args import megatron_parser
 
     gpus = own.gpus or _smallest_world(megatron_parser().parse_known_args(auto._without_auto(flags))[0])
-    hbm = own.hbm_gib if own.hbm_gib is not None else (local_hbm_gib() or 80.0)
-    host = own.host_gib if own.host_gib is not None else ((local_host_gib() if local_hbm_gib() else None) or 2048.0)
+    hbm, host = machine_gib(own.hbm_gib, own.host_gib)
     choice = auto.resolve(flags, gpus=gpus, gpus_per_node=min(own.gpus_per_node or 8, gpus),
                           hbm_bytes=int(hbm * _GIB), host_bytes_per_node=int(host * _GIB))
-    auto._resolved.append(choice)  # as auto_argv records it: apply() and from_args see it resolved
     return flags + choice.added, gpus, choice.table()
 
 

@@ -86,6 +86,15 @@ class _Parser(argparse.ArgumentParser):
         return _SHORT_USAGE.format(prog=self.prog)
 
 
+def machine_gib(hbm_gib: float | None, host_gib: float | None) -> tuple[float, float]:
+    """(GPU memory, a node's RAM) in GiB as given, else this machine's: the local GPU's (80 without one), and
+    this machine's RAM where it has a GPU (a login node's RAM says nothing of the training nodes': 2048 there,
+    a DGX H100/H200 node)."""
+    hbm = hbm_gib if hbm_gib is not None else (local_hbm_gib() or 80.0)
+    host = host_gib if host_gib is not None else ((local_host_gib() if local_hbm_gib() else None) or 2048.0)
+    return hbm, host
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m megatron_peakflat.plan",
@@ -235,10 +244,7 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     if gpus < 1:
         raise _err("--gpus", gpus, "must be a positive integer", "pass the total GPU count, e.g. --gpus 16")
     par = default_parallel(shape, gpus, seq, given)
-    hbm = ns.hbm_gib if ns.hbm_gib is not None else (local_hbm_gib() or 80.0)
-    host = ns.host_gib
-    if host is None:
-        host = (local_host_gib() if local_hbm_gib() else None) or 2048.0
+    hbm, host = machine_gib(ns.hbm_gib, ns.host_gib)
     for flag, value, example in (("--hbm-gib", hbm, "the GPU memory, e.g. --hbm-gib 141"),
                                  ("--host-gib", host, "the node's RAM, e.g. --host-gib 2048")):
         if not 0 < value < math.inf:
