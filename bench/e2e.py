@@ -38,7 +38,6 @@ import random
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.pretrain_compare import loss_gap, oom_of, run_in_session  # noqa: E402
 from megatron_peakflat.config_base import PeakflatConfigError  # noqa: E402
-from megatron_peakflat.testing.subproc import logged  # noqa: E402
+from megatron_peakflat.testing.subproc import logged, memory_reports  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 METHODS = ("megatron-te", "peakflat-auto", "peakflat-all")
@@ -142,8 +141,6 @@ class Attempt:
     tail: str
 
 
-_MEM = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+) \| "
-                  r"reserved: ([0-9.]+) \| max reserved: ([0-9.]+)")
 _PEAKS = re.compile(r"peakflat peaks iter \d+ .*?measured/predicted: (.*)$", re.M)
 _PAIR = re.compile(r"([a-z_ ]+?) ([0-9.]+)/([0-9.]+)")
 
@@ -153,10 +150,7 @@ def parse(text: str, rc: int, wall: float, iters: int) -> Attempt:
     the second iteration, the runtime peak report's last line, and ``--peakflat auto``'s decision."""
     losses = logged(text, "lm loss")
     times = logged(text, "elapsed time per iteration (ms)")
-    mem: dict[str, float] = {}
-    for m in _MEM.finditer(text):
-        if int(m.group(1)) == min(2, iters):
-            mem = dict(zip(("allocated", "max_allocated", "reserved", "max_reserved"), map(float, m.groups()[1:])))
+    mem = memory_reports(text).get(min(2, iters), {})
     peaks: dict[str, tuple[float, float]] = {}
     found = _PEAKS.findall(text)
     if found:
@@ -471,17 +465,15 @@ _WHERE: dict[str, Any] = {}
 
 
 def _where() -> dict[str, Any]:
-    """Where a row ran: the card, the host threads, the commit (kept in every row, so merged files keep them)."""
+    """Where a row ran: the harness's card and commit (``where_ran``), the host's cores and torch's version (kept
+    in every row, so merged files keep them)."""
     if not _WHERE:
         import torch
 
-        card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                    timeout=10).stdout.strip() or "unknown"
-        except (OSError, subprocess.SubprocessError):
-            commit = "unknown"
-        _WHERE.update(card=card, host_threads=os.cpu_count(), commit=commit, torch=torch.__version__)
+        from bench.harness import where_ran
+
+        ran = where_ran()
+        _WHERE.update(card=ran["card"], host_threads=os.cpu_count(), commit=ran["commit"], torch=torch.__version__)
     return dict(_WHERE)
 
 

@@ -131,9 +131,23 @@ def second_resumed_log(straight: list[float], saved_at: int) -> float:
     return (straight[saved_at] + straight[saved_at + 1]) / 2
 
 
+_MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+)"
+                     r"(?: \| reserved: ([0-9.]+) \| max reserved: ([0-9.]+))?")
+
+
+def memory_reports(text: str) -> dict[int, dict[str, float]]:
+    """Megatron's memory reports in a log, by the iteration they follow (the last one printed after it, rank 0 of
+    the data-parallel group): MiB ``allocated``, ``max_allocated``, and ``reserved``, ``max_reserved`` where the
+    line has them."""
+    out: dict[int, dict[str, float]] = {}
+    for m in _MEMORY.finditer(text):
+        names = ("allocated", "max_allocated", "reserved", "max_reserved")
+        out[int(m.group(1))] = {k: float(v) for k, v in zip(names, m.groups()[1:]) if v is not None}
+    return out
+
+
 def memory_report(text: str, iteration: int = 2) -> tuple[float, float] | None:
     """(allocated, max allocated) MiB of the last memory report Megatron's log prints after ``iteration``
     iterations (rank 0 of the data-parallel group), or None when it printed none."""
-    found = re.findall(rf"\(after {iteration} iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| "
-                       r"max allocated: ([0-9.]+)", text)
-    return (float(found[-1][0]), float(found[-1][1])) if found else None
+    found = memory_reports(text).get(iteration)
+    return (found["allocated"], found["max_allocated"]) if found else None
