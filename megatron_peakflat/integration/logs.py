@@ -65,12 +65,11 @@ class RankFilter(logging.Filter):
         self.all_ranks = all_ranks
 
     def filter(self, record: logging.LogRecord) -> bool:
-        per_rank = bool(getattr(record, "per_rank", False))
+        everywhere = self.all_ranks or bool(getattr(record, "per_rank", False))
         rank = current_rank()
-        leader = rank != 0 and not (per_rank or self.all_ranks) and _stage_leader()
-        if rank != 0 and not (per_rank or self.all_ranks or leader):
+        if rank != 0 and not everywhere and not _stage_leader():
             return False
-        if (per_rank or self.all_ranks or leader) and getattr(record, "peakflat_rank", None) is None:
+        if (rank != 0 or everywhere) and getattr(record, "peakflat_rank", None) is None:
             record.peakflat_rank = rank
             record.msg = f"[rank {rank}] {record.msg}"
         return True
