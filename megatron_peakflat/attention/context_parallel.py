@@ -80,23 +80,28 @@ def _reduce_scatter(buffer: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     return out
 
 
+def _all_gather_in_order(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every CP rank's [2c, ...] share gathered straight into the whole [2 CP c, ...] sequence, in sequence order:
+    each rank's two chunks land in their places (rank, 2CP-1-rank), so the sequence exists once, with no
+    rank-major buffer to merge and free."""
+    cp = dist.get_world_size(group)
+    c = x.shape[0] // 2
+    full = x.new_empty((2 * cp * c, *x.shape[1:]))
+    for half in (0, 1):
+        places = [chunks_of_rank(cp, r)[half] for r in range(cp)]
+        dist.all_gather([full[p * c:(p + 1) * c] for p in places], x[half * c:(half + 1) * c].contiguous(),
+                        group=group)
+    return full
+
+
 class _GatherSequence(torch.autograd.Function):
     """Forward: every CP rank's [2c, ...] share all-gathered into the whole [2 CP c, ...] sequence, in sequence
     order. Backward: the whole sequence's gradient reduce-scattered (summed over the group) to each share."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        cp = dist.get_world_size(group)
         ctx.group = group
-        c = x.shape[0] // 2
-        # Straight into sequence order: each rank's two chunks land in their places (lo = rank, hi = 2CP-1-rank),
-        # so the whole sequence exists once, with no rank-major buffer to merge and free.
-        full = x.new_empty((2 * cp * c, *x.shape[1:]))
-        for half in (0, 1):
-            places = [chunks_of_rank(cp, r)[half] for r in range(cp)]
-            dist.all_gather([full[p * c:(p + 1) * c] for p in places], x[half * c:(half + 1) * c].contiguous(),
-                            group=group)
-        return full
+        return _all_gather_in_order(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
@@ -118,7 +123,7 @@ class _GatherKeyValueChunks(torch.autograd.Function):
                 ) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.ends, ctx.c = group, ends, kv.shape[0] // 2
         ctx.shape, ctx.dtype, ctx.device = kv.shape[2:], kv.dtype, kv.device
-        full = _GatherSequence.forward(ctx, kv, group)
+        full = _all_gather_in_order(kv, group)
         return tuple(t for end in ends for t in (full[:end, 0], full[:end, 1]))
 
     @staticmethod
