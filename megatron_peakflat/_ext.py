@@ -160,8 +160,12 @@ def needs_compile() -> bool:
     src = sources_dir()
     if src is None:
         return False
-    folder = build_dir(src, _cuda_parts())
-    return not ((folder / _COMPLETE).is_file() and (folder / f"{_MODULE}.so").is_file())
+    return not _built(build_dir(src, _cuda_parts()))
+
+
+def _built(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished build (its library and the marker written after it)."""
+    return (folder / _COMPLETE).is_file() and (folder / f"{_MODULE}.so").is_file()
 
 
 class _CannotBuild(RuntimeError):
@@ -181,7 +185,7 @@ def _jit_build() -> tuple[ModuleType, str]:
     folder = build_dir(src, with_cuda, args)
     library = folder / f"{_MODULE}.so"
     parts = "C++ and CUDA" if with_cuda else "C++ only"
-    if (folder / _COMPLETE).is_file() and library.is_file():
+    if _built(folder):
         return _import_library(library), f"JIT-built ({parts}), loaded from the build cache {folder}"
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
