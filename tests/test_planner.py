@@ -293,7 +293,7 @@ def test_llep_expected_working_set_against_a_megatron_moe_layer():
 
 
 def test_dispatch_baseline_matches_h200_anchor():
-    """The H200 anchor of the project's integration notes (../shared/MEGATRON_NOTES.md, outside this repository):
+    """An H200 anchor that no results file of this repository holds (it stands here as a number):
     the MoE layer alone under Megatron's alltoall, EP=1, H=4096, 64 experts top-8, F=1536 -> 5.1 / 10.3 / 20.6 GiB.
     (bench/dispatch.py's megatron-alltoall rows, 6.1 / 12.3 / 24.6 GiB, are the whole transformer layer.)"""
     shape = ModelShape(name="anchor", hidden=4096, layers=1, heads=32, kv_heads=32, head_dim=128, ffn=1536,

@@ -18,10 +18,9 @@ The total of a stage is ``persistent + max(phase)``, not the sum of every row: t
 projection (end of forward) and a layer's backward (recompute + dispatch) never overlap.
 ``persistent`` = parameters + gradients + optimizer + boundaries + saved activations + reserve.
 
-Calibration: the dispatch and vocabulary baselines reproduce the H200 anchors in
-/work/shared (Megatron alltoall 5.1/10.3/20.6 GiB at 16K/32K/64K tokens, H=4096, 64 experts top-8,
-F=1536; native / fused cross-entropy 36.8 / 61.4 GiB at N=32768, V=201088) within 5%; the tests
-check that.
+Calibration: the dispatch and vocabulary baselines reproduce peaks measured on one H200 (Megatron's
+alltoall MoE layer 5.1/10.3/20.6 GiB at 16K/32K/64K tokens, H=4096, 64 experts top-8, F=1536; native / fused
+cross-entropy 36.8 / 61.4 GiB at N=32768, V=201088) within 5%; tests/test_planner.py holds them as numbers.
 
 No torch import.
 """

@@ -1,7 +1,7 @@
 """Run Megatron-Core 0.19 on CPU with gloo, for tests and dry runs only.
 
 Megatron assumes CUDA in a few hundred places. ``install_cpu_shim()`` redirects exactly what a
-small GPT/MoE model needs to train on CPU (see MEGATRON_NOTES.md, "Megatron-Core on CPU"):
+small GPT/MoE model needs to train on CPU:
 
 - ``torch.cuda.current_device()`` returns the CPU device; ``device='cuda'``, ``.cuda()`` and
   ``.to('cuda')`` land on the CPU through a TorchFunctionMode, and ``.type()`` reports
