@@ -18,22 +18,27 @@ from megatron_peakflat.optimizer.config import OptimizerConfig
 from megatron_peakflat.testing import run_distributed
 
 
-def _log_worker(rank: int, world: int, all_ranks: bool) -> list[str]:
-    """apply() with no component (its 'no component enabled' line is shared), then one shared and one per-rank
-    line of our own, then remove() and one more shared line; every line that reaches a handler, in order."""
+def _capture() -> tuple[list[str], logging.Handler]:
+    """A handler on the package's logger (at INFO) that keeps every message reaching it, in order."""
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("megatron_peakflat")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logs.log.addHandler(handler)
+    logs.log.setLevel(logging.INFO)
+    return lines, handler
+
+
+def _log_worker(rank: int, world: int, all_ranks: bool) -> list[str]:
+    """apply() with no component (its 'no component enabled' line is shared), then one shared and one per-rank
+    line of our own, then remove() and one more shared line; every line that reaches a handler, in order."""
+    lines, handler = _capture()
     megatron_peakflat.apply(PeakflatConfig(general=GeneralConfig(attention="local", log_all_ranks=all_ranks)))
     logs.log.info("peakflat test: shared decision")
     logs.info_once("peakflat test: %d tokens here", 100 + rank, per_rank=True)
     logs.log.warning("peakflat test: %s of host memory here", f"{rank} GiB", extra=logs.PER_RANK)
     megatron_peakflat.remove()
     logs.log.info("peakflat test: after remove")
-    logger.removeHandler(handler)
+    logs.log.removeHandler(handler)
     return lines
 
 
@@ -75,19 +80,14 @@ def _pipeline_worker(rank: int, world: int) -> list[str]:
     (a decision the last stage makes, such as the loss's) and one per-rank line."""
     from megatron_peakflat.testing.megatron_cpu import destroy_megatron_parallel, init_megatron_parallel
 
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("megatron_peakflat")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    lines, handler = _capture()
     megatron_peakflat.apply(PeakflatConfig(general=GeneralConfig(attention="local")))
     init_megatron_parallel(pp=2)
     logs.log.info("peakflat test: this stage's decision")
     logs.log.info("peakflat test: %d tokens here", 10 * rank, extra=logs.PER_RANK)
     destroy_megatron_parallel()
     megatron_peakflat.remove()
-    logger.removeHandler(handler)
+    logs.log.removeHandler(handler)
     return lines
 
 
