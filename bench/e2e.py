@@ -20,11 +20,16 @@ bisecting at ``--granularity``, up to ``--max-seq``. Every length runs in its ow
 that length, and every row is written to the results file as soon as it is measured; a second invocation
 resumes from the rows already there. Same loss: the three methods train ``--same-loss-iters`` iterations at
 ``--same-loss-seq`` with ``--deterministic-mode``; the largest relative difference of the loss and grad norm
-against megatron-te is recorded. ``--dry-run`` runs the whole driver on CPU with tiny shapes (Megatron's
+against megatron-te is recorded, beside a control: megatron-te in its other optimizer configuration, the spread
+that bf16 rounding alone makes between two computations of one training step. Time: each method at
+megatron-te's reach (or ``--time-seq``) for ``--time-iters`` iterations on the configuration it trained with
+there, timed as the median of all iterations but the first. ``--dry-run`` runs the whole driver on CPU with tiny shapes (Megatron's
 local spec through the CPU shim) and writes ``e2e_dryrun.json``.
 
     python3 bench/e2e.py                          # the search, then the same-loss runs, then the plot
     python3 bench/e2e.py --phases reach --methods megatron-te --max-seq 512K
+    python3 bench/e2e.py --phases same-loss --same-loss-seq 8K --lr 1e-4 --lr-warmup-iters 10
+    python3 bench/e2e.py --phases time --methods megatron-te,peakflat-auto
     python3 bench/e2e.py --dry-run
 """
 
@@ -52,6 +57,8 @@ from megatron_peakflat.testing.subproc import logged, memory_reports  # noqa: E4
 
 RESULTS = ROOT / "bench" / "results"
 METHODS = ("megatron-te", "peakflat-auto", "peakflat-all")
+CONTROL = "megatron-te-control"
+"""Same loss only: megatron-te in its other stock memory configuration."""
 GIB = 2**30
 
 
@@ -103,6 +110,11 @@ ACT_OFFLOAD = ["--fine-grained-activation-offloading", "--offload-modules", "att
                "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
 ALL_ON = ["--peakflat-dispatch", "pipelined-llep", "--peakflat-vocab", "ring-dtp", "--peakflat-sco",
           "--peakflat-optimizer", "offload-stream"]
+
+
+def method_flags(method: str) -> list[str]:
+    """What a method adds to its stock configuration's flags."""
+    return {"megatron-te": [], CONTROL: [], "peakflat-auto": ["--peakflat", "auto"], "peakflat-all": list(ALL_ON)}[method]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,8 +277,7 @@ class Driver:
             extra: list[str] = []
         else:
             stocks = [self._peakflat_base(seq, method)]
-            extra = ["--peakflat", "auto"] if method == "peakflat-auto" else list(ALL_ON)
-            extra.append("--peakflat-report-peaks")
+            extra = [*method_flags(method), "--peakflat-report-peaks"]
         attempts = list((done or {"extra": {"attempts": []}})["extra"]["attempts"])
         row: dict[str, Any] = {}
         for stock in stocks:
@@ -411,45 +422,101 @@ class Driver:
         old = self.row(f"reach,spec={self.spec}", method)
         return old["extra"].get("search") if old else None
 
+    def stock_at(self, seq: int, method: str) -> Stock:
+        """The stock configuration ``method`` ran on at ``seq`` in the search: megatron-te's own where it trained
+        there (else the optimizer on the GPU), peakflat's as ``_peakflat_base`` picks it."""
+        if method != "megatron-te":
+            return self._peakflat_base(seq, method)
+        te = self.row(self.case(seq), "megatron-te")
+        if te is None or te["extra"]["outcome"] != "ok":
+            return LADDER[0]
+        return next(s for s in LADDER if s.name == te["extra"]["config"])
+
+    def _control_stock(self, seq: int) -> Stock:
+        """The control: megatron-te in its other memory configuration that computes the same training step
+        (the optimizer offloaded where megatron-te keeps it on the GPU, else on the GPU)."""
+        name = "cpu-offload" if self.stock_at(seq, "megatron-te").name == "gpu-optimizer" else "gpu-optimizer"
+        return next(s for s in LADDER if s.name == name)
+
+    def _fixed(self, case: str, method: str, stock: Stock, flags: list[str], iters: int) -> Attempt:
+        """One process of ``method`` on ``stock``, its row written under ``case`` (kept when already there)."""
+        done = self.row(case, method)
+        if done is not None and done["extra"]["outcome"] != "pending":
+            return Attempt(done["extra"]["outcome"], 0, done["extra"]["losses"], done["extra"]["grad_norms"],
+                           done["ms"], {}, {}, {}, None, "")
+        print(f"=== {case}: {method} config={stock.name}", flush=True)
+        a = self.attempt(flags, dict(stock.env), iters)
+        seq = int(re.search(r"seq=(\d+)", case).group(1))
+        times = {"tokens_per_s": round(seq / (a.ms / 1000), 1) if a.ms and a.outcome == "ok" else None}
+        row = {"case": case, "method": method, "peak_gib": round(a.memory_mib["max_allocated"] / 1024, 3)
+               if a.memory_mib else None, "ms": a.ms if a.outcome == "ok" else None, "exact": None,
+               "extra": {"outcome": a.outcome, "config": stock.name, "iters": iters, **times,
+                         "reserved_gib": round(a.memory_mib["max_reserved"] / 1024, 3) if a.memory_mib else None,
+                         "losses": a.losses, "grad_norms": a.grad_norms, "wall_s": a.wall_s,
+                         "command": shlex.join(self.command(flags)), **_where(),
+                         **({"auto": a.auto} if a.auto else {}), **({"tail": a.tail} if a.outcome != "ok" else {})}}
+        self.put(row)
+        print(f"    {a.outcome} in {a.wall_s:.0f} s: {a.ms} ms/iter, losses {a.losses[:2]}...{a.losses[-2:]}",
+              flush=True)
+        return a
+
     def same_loss(self, seq: int, iters: int) -> None:
-        """The three methods at one length for ``iters`` iterations, deterministic; each one's largest relative
-        loss and grad-norm difference against megatron-te."""
-        runs: dict[str, Attempt] = {}
+        """The three methods, and megatron-te's control, at one length for ``iters`` iterations with
+        ``--deterministic-mode``; each one's largest relative loss and grad-norm difference against megatron-te.
+        The control (megatron-te in another of its own configurations) is the spread that bf16 rounding alone
+        gives between two computations of the same step: a method within it is as exact as Megatron is with itself."""
         case = f"same_loss,seq={seq},spec={self.spec},iters={iters}"
-        for method in METHODS:
-            done = self.row(case, method)
-            if done is not None:
-                runs[method] = Attempt("ok", 0, done["extra"]["losses"], done["extra"]["grad_norms"], done["ms"], {},
-                                       {}, {}, None, "")
-                continue
-            te = self.row(self.case(seq), "megatron-te")
-            stock = LADDER[0] if te is None or te["extra"]["outcome"] != "ok" else \
-                next(s for s in LADDER if s.name == te["extra"]["config"])
-            if method != "megatron-te":
-                stock = self._peakflat_base(seq, method)
-            extra = {"megatron-te": [], "peakflat-auto": ["--peakflat", "auto"], "peakflat-all": list(ALL_ON)}[method]
-            flags = self.flags(seq, stock, [*extra, "--deterministic-mode"], iters)
-            print(f"=== same loss: {method} seq={seq} iters={iters} config={stock.name}", flush=True)
-            a = self.attempt(flags, dict(stock.env), iters)
-            runs[method] = a
-            row = {"case": case, "method": method, "peak_gib": round(a.memory_mib["max_allocated"] / 1024, 3)
-                   if a.memory_mib else None, "ms": a.ms, "exact": None,
-                   "extra": {"outcome": a.outcome, "config": stock.name, "losses": a.losses, "grad_norms": a.grad_norms,
-                             "command": shlex.join(self.command(flags)), **_where(),
-                             **({"tail": a.tail} if a.outcome != "ok" else {})}}
-            self.put(row)
-            print(f"    {a.outcome}: losses {a.losses[:3]}...{a.losses[-2:]}", flush=True)
+        runs: dict[str, Attempt] = {}
+        methods = [*METHODS, CONTROL]
+        if self.dry_run and self._control_stock(seq).name == "cpu-offload":
+            print("    no control in a dry run: Megatron's offloaded optimizer needs CUDA", flush=True)
+            methods.remove(CONTROL)
+        for method in methods:
+            stock = self._control_stock(seq) if method == CONTROL else self.stock_at(seq, method)
+            flags = self.flags(seq, stock, [*method_flags(method), "--deterministic-mode"], iters)
+            runs[method] = self._fixed(case, method, stock, flags, iters)
         ref = runs["megatron-te"]
+        control = None
+        if ref.losses and CONTROL in runs and runs[CONTROL].losses:
+            control = loss_gap(ref.losses, runs[CONTROL].losses)
+            row = self.row(case, CONTROL)
+            row["extra"]["vs_megatron_te"] = {"loss": control,
+                                              "grad_norm": loss_gap(ref.grad_norms, runs[CONTROL].grad_norms)}
+            self.put(row)
+            print(f"    control ({row['extra']['config']}) vs megatron-te: loss {control}", flush=True)
         for method in METHODS[1:]:
             row = self.row(case, method)
             if row is None or not ref.losses or not runs[method].losses:
                 continue
             loss, norm = loss_gap(ref.losses, runs[method].losses), loss_gap(ref.grad_norms, runs[method].grad_norms)
-            row["exact"] = bool(loss["iterations"] == iters and loss["max_rel_diff"] is not None
-                                and loss["max_rel_diff"] <= 5e-4)
+            complete = loss["iterations"] == iters and loss["max_rel_diff"] is not None
+            row["exact"] = bool(complete and loss["max_rel_diff"] <= 5e-4)
             row["extra"]["vs_megatron_te"] = {"loss": loss, "grad_norm": norm}
+            if control is not None and control["max_rel_diff"] is not None:
+                row["extra"]["within_control"] = bool(complete and loss["max_rel_diff"] <= control["max_rel_diff"])
             self.put(row)
             print(f"    {method} vs megatron-te: loss {loss}, grad norm {norm}", flush=True)
+
+    def timing(self, seq: int, methods: list[str], iters: int) -> None:
+        """Each method at ``seq`` for ``iters`` iterations on the configuration it trained with in the search; the
+        time is the median of all iterations but the first, so one-time costs (allocator growth, the first
+        offloaded step) stay out of it."""
+        case = f"time,seq={seq},spec={self.spec},iters={iters}"
+        for method in methods:
+            stock = self.stock_at(seq, method)
+            extra = method_flags(method) + (["--peakflat-report-peaks"] if method.startswith("peakflat") else [])
+            self._fixed(case, method, stock, self.flags(seq, stock, extra, iters), iters)
+        rows = {m: self.row(case, m) for m in methods}
+        base = rows.get("megatron-te")
+        for method, row in rows.items():
+            if method == "megatron-te" or row is None or base is None or not (row["ms"] and base["ms"]):
+                continue
+            if row["extra"]["card"] != base["extra"]["card"]:
+                continue  # a ratio only between rows of one card
+            row["extra"]["tokens_per_s_vs_megatron_te"] = round(base["ms"] / row["ms"], 3)
+            self.put(row)
+            print(f"    {method}: {row['extra']['tokens_per_s_vs_megatron_te']}x megatron-te's tokens/s at {seq}",
+                  flush=True)
 
 
 def _gpu_bytes() -> int | None:
@@ -537,8 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, local spec: exercise the driver")
     ap.add_argument("--phases", default="reach,same-loss,plot",
-                    help="any of reach, same-loss, summary (the reach rows from the rows already measured, running "
-                         "nothing), plot (comma separated)")
+                    help="any of reach, same-loss, time (each method at --time-seq for --time-iters iterations), "
+                         "summary (the reach rows from the rows already measured, running nothing), plot (comma "
+                         "separated)")
     ap.add_argument("--methods", default=",".join(METHODS), help="which methods' reach to search")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the model (default: 2)")
     ap.add_argument("--fp32", action="store_true", help="train in fp32 (no --bf16): with --dry-run, the same-loss "
@@ -551,6 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--granularity", type=tokens, default=None, help="bisection step (default: 8K; dry run 64)")
     ap.add_argument("--same-loss-seq", type=tokens, default=None, help="default: --min-seq")
     ap.add_argument("--same-loss-iters", type=int, default=None, help="default: 50; dry run 3")
+    ap.add_argument("--time-seq", type=tokens, default=None,
+                    help="the time phase's length (default: megatron-te's reach, from the rows measured)")
+    ap.add_argument("--time-iters", type=int, default=5, help="the time phase's iterations (default: 5)")
     ap.add_argument("--timeout", type=float, default=480, help="seconds one length may take (default: 480)")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4; min-lr a tenth of it)")
     ap.add_argument("--lr-warmup-iters", type=int, default=1, help="warm-up iterations (default: 1)")
@@ -573,8 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     model = TINY if dry else Model(layers=a.layers)
     driver = Driver(out, dataclasses.replace(model, bf16=not a.fp32, lr=a.lr, warmup=a.lr_warmup_iters), spec, dry,
                     a.timeout)
-    if a.iters < 2:
-        ap.error("--iters must be at least 2 (the first iteration is not timed)")
+    if min(a.iters, a.time_iters) < 2:
+        ap.error("--iters and --time-iters must be at least 2 (the first iteration is not timed)")
     driver.iters = a.iters
     if a.budget is not None:
         driver.deadline = time.monotonic() + a.budget
@@ -582,16 +653,21 @@ def main(argv: list[str] | None = None) -> int:
     driver.save()
     phases = {p.strip() for p in a.phases.split(",") if p.strip()}
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS)) + sorted(phases - {"reach", "same-loss", "summary", "plot"})
+    unknown = sorted(set(methods) - set(METHODS)) + sorted(phases - {"reach", "same-loss", "time", "summary", "plot"})
     if unknown:
         ap.error(f"unknown method or phase: {', '.join(unknown)}")
     try:
-        for phase in [p for p in ("reach", "same-loss") if p in phases]:
+        for phase in [p for p in ("reach", "same-loss", "time") if p in phases]:
             if phase == "reach":
                 for method in sorted(methods, key=METHODS.index):  # megatron-te first: the others use its configuration
                     driver.reach(method, lo, hi, step)
-            else:
+            elif phase == "same-loss":
                 driver.same_loss(a.same_loss_seq or lo, a.same_loss_iters or (3 if dry else 50))
+            else:
+                seq = a.time_seq or driver.reach_row("megatron-te")["reach_tokens"]
+                if not seq:
+                    ap.error("the time phase needs --time-seq, or megatron-te's reach measured first")
+                driver.timing(seq, sorted(methods, key=METHODS.index), a.time_iters)
     except BudgetSpent:
         print(f"--budget spent: run the same command again to resume from the rows in {out}", flush=True)
     if "summary" in phases:

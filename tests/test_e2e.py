@@ -25,8 +25,10 @@ def _value(cmd: list[str], flag: str) -> str | None:
 class FakeMegatron:
     """Answers a command line as Megatron's log would, fitting up to a length per configuration."""
 
-    def __init__(self, fits: dict[str, int], timeout_at: int | None = None) -> None:
+    def __init__(self, fits: dict[str, int], timeout_at: int | None = None, drift: dict[str, float] | None = None,
+                 speed: dict[str, float] | None = None) -> None:
         self.fits, self.timeout_at, self.calls = fits, timeout_at, []
+        self.drift, self.speed, self.flags = drift or {}, speed or {}, []
 
     def key(self, cmd: list[str]) -> str:
         if "--peakflat" in cmd:
@@ -40,12 +42,16 @@ class FakeMegatron:
     def __call__(self, cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
         seq, iters = int(_value(cmd, "--seq-length")), int(_value(cmd, "--train-iters"))
         self.calls.append((seq, self.key(cmd)))
+        self.flags.append(cmd)
+        key = self.key(cmd)
         if self.timeout_at is not None and seq >= self.timeout_at:
             return 124, "[pretrain_compare] killed after --timeout\n"
         if seq > self.fits[self.key(cmd)]:
             return 1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9.00 GiB.\n"
-        lines = [f" iteration {i}/{iters} | elapsed time per iteration (ms): {100.0 + seq / K:.1f} | "
-                 f"lm loss: {10.0 - i * 0.1:.6E} | grad norm: 1.000 |" for i in range(1, iters + 1)]
+        ms = (100.0 + seq / K) * self.speed.get(key, 1.0)
+        lines = [f" iteration {i}/{iters} | elapsed time per iteration (ms): {ms:.1f} | "
+                 f"lm loss: {(10.0 - i * 0.1) * (1 + self.drift.get(key, 0.0) * (i - 1)):.6E} | grad norm: 1.000 |"
+                 for i in range(1, iters + 1)]
         lines.insert(2, f"[Rank 0] (after 2 iterations) memory (MB) | allocated: 1024.0 | max allocated: {seq / 64:.1f} | "
                         f"reserved: {seq / 60:.1f} | max reserved: {seq / 60:.1f}")
         return 0, "\n".join(lines) + "\n"
@@ -191,3 +197,48 @@ def test_more_iterations_time_the_median_of_all_but_the_first():
              for i, t in enumerate((5000.0, 900.0, 300.0, 310.0), 1)]
     a = e2e.parse("\n".join(lines), 0, 1.0, 4)
     assert a.outcome == "ok" and a.ms == 310.0
+
+
+def test_same_loss_measures_each_method_and_megatrons_own_control_against_megatron(tmp_path, monkeypatch):
+    """The control is megatron-te in its other configuration; a method is within it when its largest loss gap is
+    no larger than the control's."""
+    monkeypatch.setattr(e2e.Driver, "_planner_gib", lambda *a: None)
+    fake = FakeMegatron(FITS, drift={"cpu-offload": 1e-3, "auto": 1e-4, "all": 2e-3})
+    d = _driver(tmp_path, fake)
+    d.measure("megatron-te", 8 * K)  # trains with the optimizer on the GPU
+    d.same_loss(8 * K, 3)
+    assert [k for _, k in fake.calls[1:]] == ["gpu-optimizer", "auto", "all", "cpu-offload"]
+    assert all("--deterministic-mode" in c and _value(c, "--train-iters") == "3" for c in fake.flags[1:])
+    assert "--peakflat-sco" in fake.flags[3]  # peakflat-all, on the offloaded configuration
+    case = f"same_loss,seq={8 * K},spec=te,iters=3"
+    control = d.row(case, e2e.CONTROL)
+    assert control["extra"]["config"] == "cpu-offload"
+    gap = control["extra"]["vs_megatron_te"]["loss"]["max_rel_diff"]
+    assert gap == pytest.approx(2e-3, rel=1e-3)  # iteration 3: 1 + 2 * drift
+    auto, every = d.row(case, "peakflat-auto"), d.row(case, "peakflat-all")
+    assert auto["extra"]["within_control"] is True and auto["exact"] is True
+    assert every["extra"]["within_control"] is False and every["exact"] is False
+    again = FakeMegatron(FITS)
+    _driver(tmp_path, again).same_loss(8 * K, 3)  # every row is in the file: nothing runs again
+    assert again.calls == []
+
+
+def test_the_time_phase_reruns_each_method_on_its_search_configuration_and_takes_ratios_on_one_card(tmp_path,
+                                                                                                   monkeypatch):
+    monkeypatch.setattr(e2e.Driver, "_planner_gib", lambda *a: None)
+    fake = FakeMegatron(FITS, speed={"auto": 0.5})
+    d = _driver(tmp_path, fake)
+    d.measure("megatron-te", 48 * K)  # OOM with the optimizer on the GPU, trains offloaded
+    fake.calls.clear()
+    d.timing(48 * K, ["megatron-te", "peakflat-auto"], 5)
+    assert fake.calls == [(48 * K, "cpu-offload"), (48 * K, "auto")]
+    assert "--optimizer-cpu-offload" in fake.flags[-1] and "--peakflat-report-peaks" in fake.flags[-1]
+    row = d.row(f"time,seq={48 * K},spec=te,iters=5", "peakflat-auto")
+    assert row["ms"] == (100.0 + 48) * 0.5 and row["extra"]["tokens_per_s_vs_megatron_te"] == 2.0
+    te = d.row(f"time,seq={48 * K},spec=te,iters=5", "megatron-te")
+    te["extra"]["card"] = "another card"
+    d.put(te)
+    row["extra"].pop("tokens_per_s_vs_megatron_te")
+    d.put(row)
+    d.timing(48 * K, ["megatron-te", "peakflat-auto"], 5)
+    assert "tokens_per_s_vs_megatron_te" not in d.row(f"time,seq={48 * K},spec=te,iters=5", "peakflat-auto")["extra"]
