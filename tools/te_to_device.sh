@@ -49,6 +49,7 @@ case "${1:-}" in
     [[ -z "$missing" ]] || { echo "missing on this machine: $missing- receive them first (the machine may have been given back)" >&2; exit 1; }
     [[ -d .tep5 ]] || { echo "build needs .tep5 carried (its wheels and TE's torch sdist)" >&2; exit 1; }
     cat /tmp/teparts/cu13.part{0,1,2,3,4} > /tmp/tew/$CORE
+    shopt -s nullglob  # .whl/ (megatron-core and the peers) may have been installed by an earlier call
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .tep5/*.whl /tmp/tew/$CORE
     export PYTHONPATH=/tmp/site:$PWD
     # CUDA's toolkit lacks cuDNN's headers: add every nvidia/*/include of the torch install.
