@@ -359,7 +359,8 @@ class Driver:
     def reach(self, method: str, lo: int, hi: int, step: int) -> dict[str, Any]:
         """Double from ``lo`` while it trains, then bisect between the last length that trained and the first that
         did not, at ``step`` granularity. A timeout stops the search (the reach is then bounded by time)."""
-        ok, bad, limit = 0, None, "search cap"
+        ok = max((n for n, o in self.lengths(method).items() if o == "ok" and n < lo), default=0)
+        bad, limit = None, "search cap"
         seq = lo
         while seq <= hi:
             outcome = self.measure(method, seq)["extra"]["outcome"]
@@ -571,6 +572,11 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
             color = line.get_color()
         else:
             color = None
+        timed = [(int(re.match(r"time,seq=(\d+)", r["case"]).group(1)), r) for r in doc["rows"]
+                 if r["method"] == method and r["case"].startswith("time,") and r["extra"]["tokens_per_s"]]
+        if timed:
+            bottom.scatter([s for s, _ in timed], [r["extra"]["tokens_per_s"] for _, r in timed], marker="*", s=120,
+                           color=color, label=f"{method}, median of iterations 2-{timed[0][1]['extra']['iters']}")
         failed = [s for s, r in rows if r["extra"]["outcome"] in ("oom", "error")]
         if failed:
             top.scatter(failed, [0] * len(failed), marker="x", color=color, label=f"{method}: did not fit")
@@ -578,7 +584,7 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     top.set_title(f"{doc.get('model', {}).get('layers', '?')}-layer gpt-oss-20b-shaped MoE, one {', '.join(cards)}\n"
                   "longest trained: " + ", ".join(f"{m} {n // 1024}K" for m, n in reach.items()), fontsize=10)
     top.set_ylabel("max allocated, GiB")
-    bottom.set_ylabel("tokens / s (iteration 2)")
+    bottom.set_ylabel("tokens / s (lines: iteration 2)")
     bottom.set_xlabel("tokens per sequence")
     for ax in (top, bottom):
         ax.set_xscale("log", base=2)
@@ -646,16 +652,22 @@ def main(argv: list[str] | None = None) -> int:
                     a.timeout)
     if min(a.iters, a.time_iters) < 2:
         ap.error("--iters and --time-iters must be at least 2 (the first iteration is not timed)")
+    phases = {p.strip() for p in a.phases.split(",") if p.strip()}
+    runs = {"reach": ("--iters", a.iters), "same-loss": ("--same-loss-iters", a.same_loss_iters or (3 if dry else 50)),
+            "time": ("--time-iters", a.time_iters)}
+    for flag, n in (runs[p] for p in sorted(phases & runs.keys())):
+        if a.lr_warmup_iters >= n:
+            ap.error(f"--lr-warmup-iters {a.lr_warmup_iters}: Megatron needs fewer warm-up iterations than the "
+                     f"{n} of {flag}; lower --lr-warmup-iters below {n}, or run that phase in its own invocation")
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS)) + sorted(phases - {"reach", "same-loss", "time", "summary", "plot"})
+    if unknown:
+        ap.error(f"unknown method or phase: {', '.join(unknown)}")
     driver.iters = a.iters
     if a.budget is not None:
         driver.deadline = time.monotonic() + a.budget
     driver.doc["commands"] = list(dict.fromkeys(driver.doc["commands"] + ["python3 " + shlex.join(sys.argv)]))
     driver.save()
-    phases = {p.strip() for p in a.phases.split(",") if p.strip()}
-    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS)) + sorted(phases - {"reach", "same-loss", "time", "summary", "plot"})
-    if unknown:
-        ap.error(f"unknown method or phase: {', '.join(unknown)}")
     try:
         for phase in [p for p in ("reach", "same-loss", "time") if p in phases]:
             if phase == "reach":

@@ -88,13 +88,15 @@ def timers_of(text: str) -> dict[str, list[float]]:
 
 
 def loss_gap(a: list[float], b: list[float]) -> dict:
-    """How far two runs' per-iteration losses are apart: the largest relative difference, at which iteration."""
+    """How far two runs' per-iteration losses are apart: the largest relative difference, at which iteration, and
+    the first iteration at which they are more than 1e-3 apart (where bf16 runs start to diverge, None if never)."""
     n = min(len(a), len(b))
     if n == 0:
         return {"iterations": 0, "max_rel_diff": None}
     rel = [abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a[:n], b[:n])]
     k = max(range(n), key=rel.__getitem__)
-    return {"iterations": n, "max_rel_diff": rel[k], "at_iteration": k + 1}
+    above = next((i + 1 for i, r in enumerate(rel) if r > 1e-3), None)
+    return {"iterations": n, "max_rel_diff": rel[k], "at_iteration": k + 1, "first_above_1e-3": above}
 
 
 def parse_log(text: str) -> dict:

@@ -109,6 +109,8 @@ def test_pretrain_compare_names_an_oom_and_compares_losses():
     gap = loss_gap([10.0, 9.0, 8.0], [10.0, 9.009, 8.004, 7.0])
     assert gap["iterations"] == 3 and gap["at_iteration"] == 2 and abs(gap["max_rel_diff"] - 1e-3) < 1e-12
     assert loss_gap([], [1.0])["max_rel_diff"] is None
+    assert loss_gap([10.0, 9.0, 8.0, 7.0], [10.0, 9.00001, 8.1, 7.0])["first_above_1e-3"] == 3
+    assert loss_gap([10.0, 9.0], [10.0, 9.00001])["first_above_1e-3"] is None
 
 
 def test_pretrain_compare_timeout_kills_the_whole_session():

@@ -242,3 +242,24 @@ def test_the_time_phase_reruns_each_method_on_its_search_configuration_and_takes
     d.put(row)
     d.timing(48 * K, ["megatron-te", "peakflat-auto"], 5)
     assert "tokens_per_s_vs_megatron_te" not in d.row(f"time,seq={48 * K},spec=te,iters=5", "peakflat-auto")["extra"]
+
+
+def test_a_search_starting_above_a_length_that_trained_bisects_down_to_it_not_to_zero(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e.Driver, "_planner_gib", lambda *a: None)
+    fake = FakeMegatron(FITS)
+    d = _driver(tmp_path, fake)
+    d.measure("megatron-te", 48 * K)
+    fake.calls.clear()
+    row = d.reach("megatron-te", 64 * K, 64 * K, 8 * K)
+    assert [s for s, _ in fake.calls] == [64 * K, 64 * K, 56 * K, 56 * K]  # each length up the ladder, none below 48K
+    assert row["reach_tokens"] == 48 * K
+
+
+def test_warm_up_as_long_as_a_phase_is_refused_at_start_up_naming_the_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        e2e.main(["--dry-run", "--phases", "time", "--time-iters", "5", "--lr-warmup-iters", "10",
+                  "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lr-warmup-iters 10" in err and "--time-iters" in err and "below 5" in err
+    assert not (tmp_path / "x.json").exists()
