@@ -453,8 +453,8 @@ class Driver:
                if a.memory_mib else None, "ms": a.ms if a.outcome == "ok" else None, "exact": None,
                "extra": {"outcome": a.outcome, "config": stock.name, "iters": iters, **times,
                          "reserved_gib": round(a.memory_mib["max_reserved"] / 1024, 3) if a.memory_mib else None,
-                         "losses": a.losses, "grad_norms": a.grad_norms, "wall_s": a.wall_s,
-                         "command": shlex.join(self.command(flags)), **_where(),
+                         "component_peaks_gib": a.peaks or None, "losses": a.losses, "grad_norms": a.grad_norms,
+                         "wall_s": a.wall_s, "command": shlex.join(self.command(flags)), **_where(),
                          **({"auto": a.auto} if a.auto else {}), **({"tail": a.tail} if a.outcome != "ok" else {})}}
         self.put(row)
         print(f"    {a.outcome} in {a.wall_s:.0f} s: {a.ms} ms/iter, losses {a.losses[:2]}...{a.losses[-2:]}",

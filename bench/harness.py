@@ -49,12 +49,19 @@ class Row:
 
 def where_ran() -> dict[str, Any]:
     """This process's card (``torch.cuda.get_device_name()`` or 'cpu'), host threads and commit ('unknown'
-    outside a git checkout): the fields that ``write`` stamps on each row."""
+    outside a git checkout; '+modified' appended where tracked files outside bench/results differ from it, so a
+    row never names a commit that is not the code that ran): the fields that ``write`` stamps on each row."""
     import subprocess
 
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+        commit = git("rev-parse", "--short", "HEAD") or "unknown"
+        if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                       ":(exclude)bench/results"):
+            commit += "+modified"
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -470,3 +470,32 @@ def test_a_ratio_is_computed_only_between_rows_of_the_same_card():
     assert "different cards" in ratio_note(doc, "N=1", "peakflat", "liger-flce")
     doc["rows"][1] = dict(vars(liger))
     assert ratio_note(doc, "N=1", "peakflat", "liger-flce") == "peakflat / liger-flce = 0.750 (ms, both on NVIDIA H100)"
+
+
+def test_where_ran_marks_a_tree_that_is_not_its_commit(tmp_path, monkeypatch):
+    """A row names the commit only where the tracked code is that commit: an edited tracked file appends
+    '+modified'; results under bench/results (which the run itself writes) do not."""
+    import importlib.util
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = tmp_path / "repo"
+    (repo / "bench" / "results").mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parent.parent / "bench" / "harness.py", repo / "bench" / "harness.py")
+    (repo / "code.py").write_text("x = 1\n")
+    (repo / "bench" / "results" / "r.json").write_text("{}\n")
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "."], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], cwd=repo, check=True)
+    spec = importlib.util.spec_from_file_location("harness_copy", repo / "bench" / "harness.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    (repo / "bench" / "results" / "r.json").write_text('{"rows": []}\n')
+    assert mod.where_ran()["commit"] == head
+    (repo / "code.py").write_text("x = 2\n")
+    assert mod.where_ran()["commit"] == head + "+modified"
