@@ -258,7 +258,7 @@ def moved_weights_worker(rank: int, world: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_peak_under_the_bound_with_moved_weights_and_exact(world):
     results = [r for rank in run_distributed(moved_weights_worker, world, timeout=600) for r in rank]
     assert len(results) == world * len(SHAPES) * (len(ROUTINGS) * 3 + 2 * 3)
