@@ -1,4 +1,4 @@
-"""The multi-rank benchmarks run their whole logic on CPU before they cost device time: under torchrun
+"""The multi-rank benchmarks run their whole logic on CPU before they cost GPU time: under torchrun
 with 2 gloo ranks, bench/dispatch.py (EP=2, every method exact against Megatron's dispatcher, the
 overlap method added) and bench/vocab.py (TP=2 with sequence parallelism, Ring-DTP and Megatron's
 vocab-parallel CE exact against an fp64 reference)."""

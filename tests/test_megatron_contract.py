@@ -29,7 +29,7 @@ from megatron_peakflat.integration import registry
 # the version guard
 
 
-@pytest.mark.parametrize("version", ["0.18.2", "0.19.0", "0.19.2", "0.19.2+8c99d7f", "0.19.2rc1"])
+@pytest.mark.parametrize("version", ["0.18.2", "0.19.0", "0.19.2", "0.19.2+cu130", "0.19.2rc1"])
 def test_versions_inside_the_checked_range_get_no_warning(version):
     assert registry.unchecked_version_warning(version) is None
 

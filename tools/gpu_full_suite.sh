@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite as `make test` runs it (tests/, tests/gpu included) on a machine with GPUs, in parallel
-# pytest processes, JOBS at a time (the slowest first), so that it fits a device call.
+# pytest processes, JOBS at a time (the slowest first), so that it fits one time-limited run.
 # Run after `tools/gpu_run.sh setup` has put the wheels on PYTHONPATH and built the extension.
 #   bash tools/gpu_full_suite.sh                       # every test: the slow files one process per test function
 #   bash tools/gpu_full_suite.sh tests/test_pretrain.py tests/test_vocab_ep_shard.py
@@ -47,5 +47,5 @@ export PY dest LIMIT END
 echo "=== ${#procs[@]} pytest processes, ${JOBS:-8} at a time"
 printf '%s\n' "${procs[@]}" | xargs -P "${JOBS:-8}" -I{} bash -c 'run_one "$@"' _ {}
 status=$?
-tar czf "$dest.tgz" -C "$(dirname "$dest")" "$(basename "$dest")"  # one file back from a device call
+tar czf "$dest.tgz" -C "$(dirname "$dest")" "$(basename "$dest")"  # one file to copy back from the machine
 exit $(( status != 0 ))

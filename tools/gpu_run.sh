@@ -6,7 +6,7 @@
 # bench-<component>[:args].
 #   bash tools/gpu_run.sh setup tests example bench-vocab bench-sco
 # Wheels missing on the machine (megatron-core, liger-kernel, cut-cross-entropy) are taken from .whl/
-# when present (../shared/tools/device-wheels.sh fetches them). Output goes to stdout and, when $OUT
+# when present (downloaded beforehand on a machine with network access). Output goes to stdout and, when $OUT
 # is set, to $OUT/gpu_run.log; benchmark JSON lands in bench/results/ (and $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Bring Transformer Engine to an offline GPU machine whose transfers are capped (64 MiB a call here) and
+# Bring Transformer Engine to an offline GPU machine whose transfers are capped (64 MiB a run here) and
 # build its PyTorch extension there. How tests/gpu/test_te_gpu.py got TE 2.20.2 onto the H200.
 #
 #   here:   bash tools/te_to_device.sh fetch      # .tep1 ... .tep5 (ignored): TE's 276 MB core wheel in 5 parts,
 #                                                 # its torch extension's sdist and the wheels TE needs
-#   there:  one call per part, carrying .tepN:     bash tools/te_to_device.sh receive N   (a warm machine keeps
-#                                                 # /tmp, not a carried folder that the next call does not name)
+#   there:  one run per part, with .tepN copied:   bash tools/te_to_device.sh receive N   (the machine keeps
+#                                                 # /tmp between runs, not a copied folder that the next run lacks)
 #   there:  bash tools/te_to_device.sh build      # assemble, install into /tmp/site, build for sm_90 (~100 s);
-#                                                 # the call that carries .tep5 can receive and build at once
+#                                                 # the run that has .tep5 copied can receive and build at once
 #
-# A part with the working tree stays under the 64 MiB a call carries (58 MB each; .tep5 61 MB): carry nothing
-# else beside one, and send the calls back to back, since a machine left idle is given back with /tmp.
+# A part with the working tree stays under the 64 MiB a run may copy (58 MB each; .tep5 61 MB): copy nothing
+# else beside one, and run the parts back to back, since a machine left idle loses its /tmp.
 # `build` is a no-op where TE already imports from /tmp/site, and refuses with the missing parts named.
 #
 # Then: export PYTHONPATH=/tmp/site:$PWD; python3 -m pytest tests/gpu/test_te_gpu.py
@@ -46,10 +46,10 @@ case "${1:-}" in
     mkdir -p /tmp/teparts /tmp/tew /tmp/tebuild
     [[ -d .tep5 ]] && cp .tep5/cu13.part4 /tmp/teparts/
     missing=$(for i in 0 1 2 3 4; do [[ -f /tmp/teparts/cu13.part$i ]] || echo -n "cu13.part$i (.tep$((i + 1))) "; done)
-    [[ -z "$missing" ]] || { echo "missing on this machine: $missing- receive them first (the machine may have been given back)" >&2; exit 1; }
-    [[ -d .tep5 ]] || { echo "build needs .tep5 carried (its wheels and TE's torch sdist)" >&2; exit 1; }
+    [[ -z "$missing" ]] || { echo "missing on this machine: $missing- receive them first (this machine's /tmp may have been cleared)" >&2; exit 1; }
+    [[ -d .tep5 ]] || { echo "build needs .tep5 beside the tree (its wheels and TE's torch sdist)" >&2; exit 1; }
     cat /tmp/teparts/cu13.part{0,1,2,3,4} > /tmp/tew/$CORE
-    shopt -s nullglob  # .whl/ (megatron-core and the peers) may have been installed by an earlier call
+    shopt -s nullglob  # .whl/ (megatron-core and the peers) may have been installed by an earlier run
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .tep5/*.whl /tmp/tew/$CORE
     export PYTHONPATH=/tmp/site:$PWD
     # CUDA's toolkit lacks cuDNN's headers: add every nvidia/*/include of the torch install.

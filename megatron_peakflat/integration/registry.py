@@ -220,7 +220,7 @@ def megatron_core_version() -> str | None:
 
 def unchecked_version_warning(version: str | None) -> str | None:
     """The warning for a megatron-core ``version`` outside the checked range, from the lowest to the highest of
-    ``CHECKED_ON`` (a local suffix such as ``+8c99d7f`` ignored), or unreadable; None inside the range."""
+    ``CHECKED_ON`` (a local suffix such as ``+cu130`` ignored), or unreadable; None inside the range."""
     from packaging.version import InvalidVersion, Version
 
     lo, hi = min(CHECKED_ON, key=Version), max(CHECKED_ON, key=Version)
