@@ -61,12 +61,17 @@ class Case:
     masks): 12% apart on one MTP layer here. With this, both runs (a test-only wrap of ``roll_tensor``) count the
     whole sequence's tokens, which makes CP 1 the reference again for the MTP heads."""
     extra: dict = field(default_factory=dict)
+    seq: int = S
+    """Tokens per sequence: a multiple of 2 x CP (Megatron's load-balanced chunks)."""
 
 
 WORLD_CASES = {
     2: [Case("cp2", 2, steps=2, resume=True), Case("cp2-mtp", 2, mtp=1, explicit_mask=True, global_mtp_tokens=True),
         Case("cp2-mtp-megatrons-cp-loss", 2, mtp=1, reference_at_cp=True),
         Case("cp2-all-tokens-on-one-expert", 2, skew=8.0), Case("cp2-skewed", 2, skew=0.15)],
+    # odd CP; with every token on one expert the reference is Megatron at CP 3: there the saturated router's
+    # gradient of Megatron at CP 3 is itself about 8e-5 (relative) from Megatron's at CP 1 in fp32
+    3: [Case("cp3", 3, seq=24), Case("cp3-all-tokens-on-one-expert", 3, seq=24, skew=8.0, reference_at_cp=True)],
     4: [Case("cp4", 4, per_token_loss=True, explicit_mask=True), Case("cp2xep2", 2, ep=2),
         Case("cp2xtp2-sp", 2, tp=2)],
 }
@@ -111,7 +116,7 @@ def _batch(case: Case, cp_rank: int | None, seed: int) -> dict:
     from megatron_peakflat.attention.context_parallel import split_sequence
     from megatron_peakflat.testing.megatron_cpu import gpt_batch
 
-    b = gpt_batch(S, MB, V, seed=seed)
+    b = gpt_batch(case.seq, MB, V, seed=seed)
     if not case.per_token_loss:
         b["loss_mask"] = torch.ones_like(b["loss_mask"])
     if cp_rank is None:
@@ -150,7 +155,7 @@ def _build(case: Case, cp: int, offload: bool, seed: int = 7):
     config = tiny_transformer_config(**over)
     config.finalize_model_grads_func = finalize_model_grads
     torch.manual_seed(seed)
-    model = build_tiny_gpt(config, vocab_size=V, seq_len=S)
+    model = build_tiny_gpt(config, vocab_size=V, seq_len=case.seq)
     model.train()
     _skew(model, case.skew)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
@@ -352,7 +357,7 @@ def _whole_sequence_mtp_tokens(on: bool):
 
 def _layer_tokens(case: Case) -> int:
     """Tokens each rank's MoE layers see: the rank's s/CP share of the micro-batch, / TP under sequence parallelism."""
-    return S * MB // case.cp // case.tp
+    return case.seq * MB // case.cp // case.tp
 
 
 @pytest.mark.parametrize("world", sorted(WORLD_CASES))
@@ -368,7 +373,7 @@ def test_every_component_under_context_parallelism_equals_megatron_at_cp1(world)
             assert r["dispatchers"] == 2 + case.mtp and r["ep_group_size"] == case.ep, (where, r)  # MTP: MoE too
             assert r["tokens_seen"] == [_layer_tokens(case)], (where, r["tokens_seen"])
             # the planner's per-rank tokens and expert groups are the ones the run had
-            planned = RunConfig(seq_len=S, micro_batch=MB, tp=case.tp, cp=case.cp, ep=case.ep,
+            planned = RunConfig(seq_len=case.seq, micro_batch=MB, tp=case.tp, cp=case.cp, ep=case.ep,
                                 dp=world // (case.tp * case.cp))
             assert planned.layer_rows == _layer_tokens(case) and planned.expert_dp == r["expert_dp"], (where, r)
             assert r["vocab_calls"] >= case.steps * (1 + case.mtp), (where, r["vocab_calls"])  # main head + MTP
