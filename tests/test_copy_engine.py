@@ -204,7 +204,7 @@ def _transport_on_cpu(rank: int, world: int, folder: str) -> list[tuple[str, boo
     return out_rows
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_copy_engine_protocol_moves_the_same_bytes_as_all_to_all(world, tmp_path):
     """The transport's code, unchanged, over a file-backed stand-in for symmetric memory (gloo, CPU):
     balanced, 95% on one expert and every token on one expert, plain and fused backward, many

@@ -118,7 +118,7 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         shared = {"moe_shared_expert_intermediate_size": 32, "moe_shared_expert_overlap": True}
         cases = [cases[i] for i in (0, 2, 3, 6, 7, 8)] + [("hot95", 2, swiglu), ("all", 2, shared),
                                                          ("hot95", 7, {"moe_expert_capacity_factor": 0.5})]
-    elif world == 2:
+    elif world in (2, 3):
         cases = [cases[i] for i in (1, 3, 5, 7, 8)]
     else:
         cases = [cases[i] for i in (4, 6, 7)]
@@ -154,7 +154,7 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
         name = f"{skew},K={K},{'+'.join(k for k in extra if k != 'recompute_method')},overlap={overlap},rank={rank}"
         out.append((name, _check_grads(name, ref_model, model, losses), int(snap.get("spilled_experts", 0))))
         megatron_peakflat.remove()
-    if world <= 2:
+    if world <= 3:
         out.append(_ddp_case(rank, world, E))
     else:
         out.append(_tp_case(rank))
@@ -233,7 +233,7 @@ def _assert_exact(per_rank: list, world: int, all_on_one: Callable[[str], bool])
                 assert spilled > 0, name  # expert weights really moved to helper ranks
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_exact_against_megatron_alltoall(world):
     per_rank = run_distributed(megatron_worker, world, timeout=300)
     _assert_exact(per_rank, world, lambda name: name.startswith("all,"))
@@ -271,7 +271,7 @@ def auto_cap_worker(rank: int, world: int) -> list[tuple[str, float, int, int]]:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_auto_chunk_cap_follows_the_router_top_k(world):
     per_rank = run_distributed(auto_cap_worker, world, timeout=300)
     for rows in per_rank:
@@ -326,7 +326,7 @@ def grouped_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_te_grouped_experts_exact_against_megatron(world):
     per_rank = run_distributed(grouped_worker, world, timeout=300)
     _assert_exact(per_rank, world, lambda name: ",all," in name)

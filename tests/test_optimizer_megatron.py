@@ -130,7 +130,7 @@ def _rank_main(rank: int, world: int, ckpt_dir: str):
 
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_offload_stream_in_distributed_optimizer(world):
     with tempfile.TemporaryDirectory() as d:
         results = run_distributed(_rank_main, world, d, timeout=280 * max(1, world // 2))

@@ -203,6 +203,9 @@ def _rank_main(rank, world_size, pp):
             out.append(_case(rank, pp, layers=4, method="uniform", rnl=1, microbatches=2, budget=S * MB * 64 * 4 + 100))
             out.append(_case(rank, pp, layers=4, method="uniform", rnl=1, microbatches=2, skew="all"))
             out.append({n: (_live_after_forward(n, False), _live_after_forward(n, True)) for n in (2, 6)})
+        elif pp == 3:
+            out.append(_case(rank, pp, layers=6, method="uniform", rnl=1, microbatches=5))
+            out.append(_case(rank, pp, layers=6, method="uniform", rnl=1, microbatches=5, skew="all"))
         elif pp == 4:
             out.append(_case(rank, pp, layers=8, method="uniform", rnl=1, microbatches=4))
             out.append(_case(rank, pp, layers=8, method="uniform", rnl=1, microbatches=4, skew="all"))
@@ -249,6 +252,16 @@ def test_sco_megatron_world4_pp4():
         assert [r["packed"] for r in cases] == [8, 8], (rank, cases)
         # two boundaries per microbatch: the first stage offloads one, later stages keep their received input
         assert [r["offloaded"] for r in cases] == [4 if rank == 0 else 0] * 2, (rank, cases)
+        _every_token_to_expert_1(cases[1]["routed"])
+
+
+def test_sco_megatron_world3_pp3():
+    """Three pipeline stages (an odd world) of two layers each, 1F1B over 5 microbatches, balanced and every token on
+    expert 1."""
+    res = run_distributed(_rank_main, 3, 3, timeout=360)
+    for rank, cases in enumerate(res):
+        assert [r["packed"] for r in cases] == [10, 10], (rank, cases)
+        assert [r["offloaded"] for r in cases] == [5 if rank == 0 else 0] * 2, (rank, cases)
         _every_token_to_expert_1(cases[1]["routed"])
 
 

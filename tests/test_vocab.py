@@ -139,7 +139,7 @@ def _ring_checks(rank: int, world: int) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ring_matches_full_cross_entropy(world: int) -> None:
     out = run_distributed(_ring_checks, world, timeout=120)
     assert all(len(o) == len(CASES) for o in out)

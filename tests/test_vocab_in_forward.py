@@ -114,7 +114,7 @@ def _checks(rank: int, world: int) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_in_forward_matches_full_cross_entropy(world: int) -> None:
     out = run_distributed(_checks, world, timeout=180)
     assert all(len(o) == len(CASES) for o in out)

@@ -19,6 +19,14 @@ def _vocab(world: int) -> int:
     return 65 * max(2, world)
 
 
+def _shape(world: int) -> tuple[int, dict]:
+    """Tokens per sequence and the widths a TP of ``world`` divides (sequence parallelism splits the sequence;
+    heads and FFN columns split over TP): the tiny model's own, or at TP=3 one of 18 tokens, 6 heads of 16."""
+    if world != 3:
+        return 16, {}
+    return 18, dict(hidden_size=96, num_attention_heads=6, ffn_hidden_size=192, moe_ffn_hidden_size=96)
+
+
 
 def _grads(model) -> dict[str, torch.Tensor]:
     out = {}
@@ -50,6 +58,7 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
 
     with megatron_on_cpu(rank, global_batch=3, micro_batch=3, tp=world):  # one micro-batch of 3 sequences
         V = _vocab(world)
+        seq, shape = _shape(world)
         variants = [("moe", dict(), dict(moe=True), ["auto"] if world == 1 else ["activations"]),
                     ("shared-emb", dict(), dict(moe=True, share_embeddings=True),
                      ["auto"] if world == 1 else ["weights"])]
@@ -63,8 +72,9 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
         for vi, (name, cfg_over, build_kw, schedules) in enumerate(variants):
             for schedule, grad in [(s, "recompute") for s in schedules] + [("auto", "in-forward")]:
                 torch.manual_seed(1234 + vi)
-                model = build_tiny_gpt(tiny_transformer_config(**cfg_over), vocab_size=V, seq_len=16, **build_kw)
-                batch = gpt_batch(seq_len=16, micro_batch=3, vocab_size=V, seed=vi)
+                model = build_tiny_gpt(tiny_transformer_config(**shape, **cfg_over), vocab_size=V, seq_len=seq,
+                                       **build_kw)
+                batch = gpt_batch(seq_len=seq, micro_batch=3, vocab_size=V, seed=vi)
                 ref_loss = gpt_loss(model, batch)
                 ref_loss.backward()
                 ref = _grads(model)
@@ -97,7 +107,7 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_gpt_model_loss_and_grads_match_megatron(world: int) -> None:
     out = run_distributed(_megatron_checks, world, timeout=180)
     assert all(len(o) == len(out[0]) > 0 for o in out)
@@ -116,6 +126,7 @@ def _mtp_checks(rank: int, world: int) -> list[str]:
 
     with megatron_on_cpu(rank, global_batch=3, micro_batch=3, tp=world):  # one micro-batch of 3 sequences
         V = _vocab(world)
+        seq, shape = _shape(world)
         done = []
         from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
@@ -124,11 +135,11 @@ def _mtp_checks(rank: int, world: int) -> list[str]:
         for vi, (depth, tied, grad, over) in enumerate(variants):
             destroy_moe_metrics_tracker()  # Megatron's MoE metrics are sized by the first model's layer count
             torch.manual_seed(4321 + vi)
-            config = tiny_transformer_config(mtp_num_layers=depth, mtp_loss_scaling_factor=0.3, **over)
-            model = build_tiny_gpt(config, vocab_size=V, seq_len=16, share_embeddings=tied,
+            config = tiny_transformer_config(mtp_num_layers=depth, mtp_loss_scaling_factor=0.3, **shape, **over)
+            model = build_tiny_gpt(config, vocab_size=V, seq_len=seq, share_embeddings=tied,
                                    moe=config.num_moe_experts is not None)
             model.train()
-            batch = gpt_batch(seq_len=16, micro_batch=3, vocab_size=V, seed=50 + vi)
+            batch = gpt_batch(seq_len=seq, micro_batch=3, vocab_size=V, seed=50 + vi)
             mtp_metrics()
             ref_loss = gpt_loss(model, batch)
             ref_loss.backward()
@@ -162,7 +173,7 @@ def _mtp_checks(rank: int, world: int) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_mtp_heads_loss_grads_and_metrics_match_megatron(world: int) -> None:
     out = run_distributed(_mtp_checks, world, timeout=240)
     assert all(len(o) == 3 for o in out)
