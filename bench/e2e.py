@@ -23,8 +23,8 @@ resumes from the rows already there. Same loss: the three methods train ``--same
 against megatron-te is recorded, beside a control: megatron-te in its other optimizer configuration, the spread
 that bf16 rounding alone makes between two computations of one training step. Time: each method at
 megatron-te's reach (or ``--time-seq``) for ``--time-iters`` iterations on the configuration it trained with
-there, timed as the median of all iterations but the first. ``--dry-run`` runs the whole driver on CPU with tiny shapes (Megatron's
-local spec through the CPU shim) and writes ``e2e_dryrun.json``.
+there, timed as the median of all iterations but the first. ``--dry-run`` runs the whole driver on CPU with tiny
+shapes (Megatron's local spec through the CPU shim) and writes ``e2e_dryrun.json``.
 
     python3 bench/e2e.py                          # the search, then the same-loss runs, then the plot
     python3 bench/e2e.py --phases reach --methods megatron-te --max-seq 512K
@@ -114,7 +114,8 @@ ALL_ON = ["--peakflat-dispatch", "pipelined-llep", "--peakflat-vocab", "ring-dtp
 
 def method_flags(method: str) -> list[str]:
     """What a method adds to its stock configuration's flags."""
-    return {"megatron-te": [], CONTROL: [], "peakflat-auto": ["--peakflat", "auto"], "peakflat-all": list(ALL_ON)}[method]
+    added = {"megatron-te": [], CONTROL: [], "peakflat-auto": ["--peakflat", "auto"], "peakflat-all": ALL_ON}
+    return list(added[method])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,8 @@ class Driver:
         self.doc.setdefault("component", "e2e")
         self.doc.setdefault("rows", [])
         self.doc.setdefault("commands", [])
-        self.doc["model"] = dataclasses.asdict(self.model)
+        # the shape only: the learning rate differs between phases, and each row's command holds its own
+        self.doc["model"] = {k: v for k, v in dataclasses.asdict(self.model).items() if k not in ("lr", "warmup")}
         self.doc["spec"] = self.spec
 
     # results file -------------------------------------------------------------------------------------
