@@ -19,6 +19,7 @@ import argparse
 import importlib
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -79,6 +80,13 @@ def _demo_batches(n: int, seq: int, mb: int, vocab: int, seed: int) -> list[dict
 
 def _run(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     """One rank: train with peakflat off, then on, from the same weights and data."""
+    import warnings
+
+    # Megatron warns at length about absent TE/apex (the header says which are absent), lists its gradient
+    # buckets at INFO, and torch notes the absent CUDA runtime on import: none of it is the demo's
+    warnings.filterwarnings("ignore")
+    if not opts["cuda"]:
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     import megatron_peakflat
     from megatron_peakflat import stats
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
@@ -92,11 +100,9 @@ def _run(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
 
     cuda = opts["cuda"]
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    import warnings
-
-    warnings.filterwarnings("ignore")  # Megatron warns at length about absent TE/apex; the header says it
     # peakflat's own rank filter (installed by apply) prefixes the lines that differ per rank with the rank
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
+    logging.getLogger("megatron").setLevel(logging.ERROR)
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     init_megatron_parallel(tp=1, ep=world, cpu=not cuda)
     on = opts["components"]
@@ -268,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
           f"vocab {a.vocab}, seq {a.seq}, EP={world}, full recompute, distributed optimizer, {a.steps} steps")
     opts = dict(vars(a), cuda=cuda, components=comps, world=world)
     from .testing.distributed import run_distributed
+
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the ranks' imports: Megatron on absent TE/apex, at length
 
     t0 = time.perf_counter()
     results = run_distributed(_run, world, opts, timeout=1800, backend="nccl" if cuda else "gloo")

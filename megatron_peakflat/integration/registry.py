@@ -306,8 +306,15 @@ def apply_patches(components: set[str]) -> list[str]:
         setattr(owner, name, _built[key])
         _applied[p.symbol] = (owner, name, original)
         done.append(p.symbol)
-        log.info("peakflat: patched %s: %s", p.symbol, p.what)
+        log.debug("peakflat: patched %s: %s", p.symbol, p.what)
+    if done:  # one line: the components' own lines say what each does; DEBUG lists every symbol and why
+        log.info("peakflat: patched %d Megatron symbol(s): %s", len(done), ", ".join(_short(s) for s in done))
     return done
+
+
+def _short(symbol: str) -> str:
+    """A patched symbol as a log line names it: its last two dotted parts (``GPTModel.forward``)."""
+    return ".".join(symbol.split(".")[-2:])
 
 
 def remove_patches() -> list[str]:
@@ -317,6 +324,8 @@ def remove_patches() -> list[str]:
         owner, name, original = _applied.pop(sym)
         setattr(owner, name, original)
         restored.append(sym)
-        log.info("peakflat: restored %s", sym)
+        log.debug("peakflat: restored %s", sym)
+    if restored:
+        log.info("peakflat: restored %d Megatron symbol(s)", len(restored))
     state.set_current(None)
     return restored
