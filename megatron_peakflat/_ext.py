@@ -31,7 +31,7 @@ from ._build import cuda_toolkit, cxx_runtime_link_args
 
 __all__ = ["load", "require", "reason", "source", "ExtensionMissingError", "register_host_memory",
            "unregister_host_memory", "CARVE_ALIGN", "carve_end", "sources_dir", "cache_root", "build_dir",
-           "needs_compile", "build_log", "FALLBACKS"]
+           "needs_compile", "build_log", "FALLBACKS", "quiet_cpp_extension"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -70,12 +70,25 @@ def cache_root() -> Path:
     return Path(base) / "megatron_peakflat"
 
 
+def quiet_cpp_extension() -> ModuleType:
+    """``torch.utils.cpp_extension``, imported without the 'No CUDA runtime is found' note that its import logs on
+    every machine without CUDA (where the build is C++ only, which the extension's own line says)."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.setLevel(level)
+    return cpp_extension
+
+
 def _cuda_parts() -> bool:
     """Whether this process's build includes the CUDA parts: torch has CUDA, a CUDA toolkit is found and a GPU is
     visible, unless ``PEAKFLAT_CUDA=0/1`` says. Points torch's CUDA_HOME at the toolkit it found."""
     import torch
-    from torch.utils import cpp_extension
 
+    cpp_extension = quiet_cpp_extension()
     env = os.environ.get("PEAKFLAT_CUDA")
     want_cuda = env == "1" or (env is None and torch.cuda.is_available())
     with_cuda = want_cuda and torch.version.cuda is not None and shutil.which("nvcc") is not None
@@ -174,7 +187,7 @@ class _CannotBuild(RuntimeError):
 
 def _jit_build() -> tuple[ModuleType, str]:
     """The extension from the build cache, compiling it there first if needed; (module, how it was had)."""
-    from torch.utils import cpp_extension
+    cpp_extension = quiet_cpp_extension()
 
     src = sources_dir()
     if src is None:

@@ -401,6 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv in (["-h"], ["--help"]):
         print(__doc__)
         return 0
+    from . import _ext
+
+    _ext.quiet_cpp_extension()  # imported quietly first: Megatron's import of it would log torch's no-CUDA note
     try:
         if not argv:
             print(report())
