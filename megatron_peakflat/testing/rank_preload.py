@@ -8,7 +8,6 @@ child must find them untouched, as a spawned one would. Test use only.
 
 from __future__ import annotations
 
-import logging
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -17,14 +16,12 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-_cpp = logging.getLogger("torch.utils.cpp_extension")
-_level = _cpp.level
-_cpp.setLevel(logging.ERROR)  # its import notes 'No CUDA runtime is found' on every CPU machine: once per rank
+from megatron_peakflat._ext import quiet_cpp_extension  # noqa: E402
+
+quiet_cpp_extension()  # before Megatron's import of it, which would note 'No CUDA runtime is found' in every rank
 try:
     import megatron.core  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
     import megatron.training  # noqa: F401
 except ImportError:  # a machine without Megatron: the ranks import what they need themselves
     pass
-finally:
-    _cpp.setLevel(_level)
