@@ -138,7 +138,7 @@ def report() -> str:
     import torch
 
     from . import _ext
-    from .integration.registry import CHECKED_ON
+    from .integration.registry import CHECKED_ON, megatron_core_version
     from .planner.megatron_args import fused_adam_importable
 
     lines = [f"megatron-peakflat {__version__}   python {platform.python_version()}   torch {torch.__version__} "
@@ -148,7 +148,7 @@ def report() -> str:
     te = _module_version("transformer_engine", "transformer-engine", "transformer_engine", "transformer-engine-torch")
     apex = _module_version("apex", "apex")
     triton = _module_version("triton", "triton", "pytorch-triton")
-    mcore = _version("megatron-core") or _module_version("megatron", "megatron-core")
+    mcore = megatron_core_version() or _module_version("megatron", "megatron-core")
 
     def shown(v: str | None) -> str:
         return "not installed" if v is None else (v or "installed")

@@ -304,13 +304,11 @@ def _check_megatron_mtp_full_recompute(layers: int) -> None:
 
 
 def _megatron_core_version() -> tuple[int, ...] | None:
-    from importlib import metadata
+    """The installed megatron-core's (major, minor, patch), as the registry's version guard reads it."""
+    from .integration.registry import megatron_core_version
 
-    try:
-        text = metadata.version("megatron-core")
-    except metadata.PackageNotFoundError:
-        return None
-    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])
+    text = megatron_core_version()
+    return None if text is None else tuple(int(x) for x in re.findall(r"\d+", text)[:3])
 
 
 _DISPATCH_CONFLICTS: tuple[tuple[str, str, str], ...] = (

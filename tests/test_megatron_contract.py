@@ -51,6 +51,28 @@ def test_the_installed_version_is_read_and_inside_the_range():
         f"{registry.CHECKED_ON}: add it there once the suite passes on it")
 
 
+def test_a_source_checkout_without_metadata_is_read_from_package_info_by_every_reader(monkeypatch):
+    """The version guard, the start-up checks (config) and peakflat-check read megatron-core's version one way:
+    its distribution's metadata, else ``megatron.core.package_info`` (a source checkout on PYTHONPATH)."""
+    import importlib.metadata
+
+    from megatron.core import package_info
+
+    from megatron_peakflat import config
+
+    real = importlib.metadata.version
+
+    def no_megatron_metadata(dist: str) -> str:
+        if dist == "megatron-core":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_megatron_metadata)
+    assert registry.megatron_core_version() == str(package_info.__version__)
+    major, minor = (int(x) for x in str(package_info.__version__).split(".")[:2])
+    assert config._megatron_core_version()[:2] == (major, minor)
+
+
 @pytest.fixture
 def fresh_guard(monkeypatch):
     monkeypatch.setattr(registry, "_version_warned", False)
