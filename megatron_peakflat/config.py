@@ -449,14 +449,22 @@ def _check_sdpa_attention(cfg: PeakflatConfig, args: Any) -> None:
                                   "--transformer-impl transformer_engine builds Transformer Engine's layers, whose "
                                   "attention it never touches", f"pass --transformer-impl local, or drop {flag} "
                                   "(its default, auto, leaves TE's attention alone)")
-    if _get(args, "window_size"):
-        raise PeakflatConfigError(flag, "sdpa", f"it does not cover sliding-window attention (--window-size "
-                                  f"{_get(args, 'window_size')}), which would fall back to s x s scores",
-                                  f"drop --window-size, or pass {flag} local")
+    uncovered = _sdpa_uncovered(args)
+    if uncovered:
+        problem, drop = uncovered
+        raise PeakflatConfigError(flag, "sdpa", f"{problem}, which would fall back to s x s scores",
+                                  f"drop {drop}, or pass {flag} local")
+
+
+def _sdpa_uncovered(args: Any) -> tuple[str, str] | None:
+    """What the SDPA attention does not compute, at any CP: (the problem, the flag that asks for it)."""
+    window = _get(args, "window_size")
+    if window:
+        return f"it does not cover sliding-window attention (--window-size {window})", "--window-size"
     softmax = _get(args, "softmax_type", "vanilla") or "vanilla"
     if softmax != "vanilla":
-        raise PeakflatConfigError(flag, "sdpa", f"it computes the vanilla softmax only, not --softmax-type {softmax}",
-                                  f"drop --softmax-type, or pass {flag} local")
+        return f"it computes the vanilla softmax only, not --softmax-type {softmax}", "--softmax-type"
+    return None
 
 
 _PACKED_UNDER_CP = (("sft", "--sft"), ("dataloader_inter_document_masking", "--dataloader-inter-document-masking"),
@@ -478,14 +486,10 @@ def _check_sdpa_context_parallel(flag: str, value: str, args: Any) -> None:
                                   f"{2 * cp} equal chunks of the sequence, and --seq-length {seq} does not split "
                                   "into them", f"pass a --seq-length that is a multiple of {2 * cp} (e.g. "
                                   f"{-(-seq // (2 * cp)) * 2 * cp}), or another --context-parallel-size")
-    if _get(args, "window_size"):
-        raise PeakflatConfigError(flag, value, f"with --context-parallel-size {cp} it does not cover sliding-window "
-                                  f"attention (--window-size {_get(args, 'window_size')})",
-                                  f"drop --window-size, or {te}")
-    softmax = _get(args, "softmax_type", "vanilla") or "vanilla"
-    if softmax != "vanilla":
-        raise PeakflatConfigError(flag, value, f"with --context-parallel-size {cp} it computes the vanilla softmax "
-                                  f"only, not --softmax-type {softmax}", f"drop --softmax-type, or {te}")
+    uncovered = _sdpa_uncovered(args)
+    if uncovered:
+        problem, drop = uncovered
+        raise PeakflatConfigError(flag, value, f"with --context-parallel-size {cp} {problem}", f"drop {drop}, or {te}")
     if _get(args, "multi_latent_attention"):
         raise PeakflatConfigError(flag, value, f"with --context-parallel-size {cp} it gathers K and V of one shape, "
                                   "and multi-latent attention's keys and values differ in head size",
