@@ -23,7 +23,7 @@ from ..optimizer.config import OptimizerConfig
 from ..recompute.config import SCOConfig
 from ..vocab.config import VocabConfig
 from .megatron_args import MEGATRON_DEFAULTS, is_command_line
-from .model import GIB, Plan, Row, RunConfig, plan, vocab_block
+from .model import GIB, Plan, Row, RunConfig, plan, vocab_block, vocab_ring_size
 from .shapes import ModelShape
 
 __all__ = ["Recommendation", "recommend", "blockers", "startup_namespace", "layout_flags", "FLOORS"]
@@ -65,9 +65,10 @@ def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
         if cfg.dispatch.max_chunks != DispatchConfig().max_chunks:
             out += [flag_name(DispatchConfig, "max_chunks"), str(cfg.dispatch.max_chunks)]
     if cfg.vocab.impl != "megatron":
-        out += [flag_name(VocabConfig, "impl"), cfg.vocab.impl,
-                flag_name(VocabConfig, "schedule"), plan_.vocab_schedule,
-                flag_name(VocabConfig, "block_size"),
+        out += [flag_name(VocabConfig, "impl"), cfg.vocab.impl]
+        if vocab_ring_size(plan_.run, cfg) > 1:  # one rank holding the whole vocabulary runs no schedule
+            out += [flag_name(VocabConfig, "schedule"), plan_.vocab_schedule]
+        out += [flag_name(VocabConfig, "block_size"),
                 str(cfg.vocab.block_size or vocab_block(plan_.run.tp_tokens, plan_.run.w, 0))]
     if cfg.sco.enabled:
         out += [flag_name(SCOConfig, "enabled"), flag_name(SCOConfig, "budget"), f"{cfg.sco.budget / GIB:.0f}GiB",
