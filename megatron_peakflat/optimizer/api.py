@@ -544,9 +544,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         if len(self._measured) >= _AUTO_MEASURE_STEPS:
             self._gpu_fraction = self._measured_fraction()
             stats.record("optimizer", "auto_gpu_fraction", round(self._gpu_fraction, 4))
-            log.info("peakflat optimizer: engine=auto sends %.1f%% of the buckets through the GPU, the rest to the "
-                     "host kernel (measured over %d steps)", 100 * self._gpu_fraction, len(self._measured),
-                     extra={"per_rank": True})
+            log.info("peakflat optimizer: engine=auto sends %.1f%% of the buckets of its %s parameters through the "
+                     "GPU, the rest to the host kernel (measured over %d steps)", 100 * self._gpu_fraction,
+                     f"{self._layout.total:,}", len(self._measured), extra={"per_rank": True})
 
     # ----------------------------------------------------------------------------------------------
     # Megatron's HybridDeviceOptimizer contract
