@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Train a small MoE GPT with Megatron-Core, peakflat off or on. Mock data unless DATA_PATH is set.
 #
-#   examples/pretrain_moe.sh            # PEAKFLAT=on (default): every peakflat component on
-#   PEAKFLAT=off examples/pretrain_moe.sh
+#   examples/pretrain_moe.sh            # PEAKFLAT=auto (default): --peakflat auto, the planner's components
+#   PEAKFLAT=on examples/pretrain_moe.sh   # every component (PEAKFLAT_COMPONENTS picks)
+#   PEAKFLAT=off examples/pretrain_moe.sh  # Megatron alone
 #   sbatch examples/pretrain_moe.sh     # under SLURM: one srun task per node, torchrun per node
 #   sbatch --nodes 4 /abs/path/to/examples/pretrain_moe.sh   # from any directory
 #   CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:25.01-py3 sbatch examples/pretrain_moe.sh   # in an NGC container
@@ -13,9 +14,10 @@
 # HEADS [8], FFN [2816], MOE_FFN [704], EXPERTS [8], TOPK [2], EP [GPUS_PER_NODE*NNODES, capped at EXPERTS],
 # TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8, or MICRO_BATCH x data-parallel ranks when more], TRAIN_ITERS [20], VOCAB [32768], UNTIE [1] (0: output
 # layer tied to the embedding), GROUPED_GEMM [auto: 1 when Transformer Engine imports, adding --moe-grouped-gemm; 0],
-# PEAKFLAT [on], PEAKFLAT_COMPONENTS [dispatch,vocab,sco,optimizer; vocab-ep in place of vocab also shards the
+# PEAKFLAT [auto: start-up runs the planner on this command line and turns on what it recommends; on; off],
+# PEAKFLAT_COMPONENTS [with PEAKFLAT=on: dispatch,vocab,sco,optimizer; vocab-ep in place of vocab also shards the
 # output layer over the EP group; sco and optimizer cost PCIe time every step, so take only the components that
-# `python -m megatron_peakflat.plan --megatron-args "..."` recommends], CHUNK_CAP [4096, so that this small model chunks;
+# `python -m megatron_peakflat.plan --megatron-args "..."` recommends, which is what auto does], CHUNK_CAP [4096, so that this small model chunks;
 # auto: 8192 x TOPK pairs, at least 32768], DATA_PATH,
 # TOKENIZER_MODEL, PYTHON [python3],
 # MEGATRON_ARGS [none: more Megatron flags, split on spaces, e.g. "--optimizer-cpu-offload --use-precision-aware-optimizer"].
@@ -68,8 +70,8 @@ DP=$(( WORLD / TP ))
 GLOBAL_BATCH=${GLOBAL_BATCH:-$(( MICRO_BATCH * DP > 8 ? MICRO_BATCH * DP : 8 ))}  # at least one micro-batch per DP rank
 TRAIN_ITERS=${TRAIN_ITERS:-20}
 VOCAB=${VOCAB:-32768}
-PEAKFLAT=${PEAKFLAT:-on}
-if [[ -z "${CHUNK_CAP:-}" && -n "${HIDDEN:-}${SEQ_LEN:-}${EXPERTS:-}${TOPK:-}${MICRO_BATCH:-}" ]]; then
+PEAKFLAT=${PEAKFLAT:-auto}
+if [[ "$PEAKFLAT" == on && -z "${CHUNK_CAP:-}" && -n "${HIDDEN:-}${SEQ_LEN:-}${EXPERTS:-}${TOPK:-}${MICRO_BATCH:-}" ]]; then
   echo "note: CHUNK_CAP defaults to 4096 token-expert pairs, sized so that this script's small default model chunks;" \
        "for another model pass CHUNK_CAP=auto (8192 x TOPK, at least 32768) or the planner's value" >&2
 fi
@@ -125,6 +127,7 @@ else
 fi
 PF=()
 case "$PEAKFLAT" in
+  auto) PF+=(--peakflat auto --peakflat-report-peaks) ;;
   on)
     IFS=, read -ra COMPS <<< "${PEAKFLAT_COMPONENTS:-dispatch,vocab,sco,optimizer}"
     for c in "${COMPS[@]}"; do
@@ -139,7 +142,7 @@ case "$PEAKFLAT" in
     done
     PF+=(--peakflat-report-peaks) ;;
   off) ;;
-  *) echo "PEAKFLAT must be on or off, not '$PEAKFLAT'" >&2; exit 2 ;;
+  *) echo "PEAKFLAT must be auto, on or off, not '$PEAKFLAT'" >&2; exit 2 ;;
 esac
 
 read -ra USER_ARGS <<< "${MEGATRON_ARGS:-}"

@@ -40,6 +40,13 @@ def test_off_passes_no_peakflat_flag():
     assert value(argv, "--expert-model-parallel-size") == "2" and value(argv, "--seq-length") == "4096"
 
 
+def test_auto_is_the_default_and_passes_the_one_flag():
+    for argv in (command(), command(PEAKFLAT="auto")):
+        assert value(argv, "--peakflat") == "auto" and "--peakflat-report-peaks" in argv
+        assert not [a for a in argv if a.startswith("--peakflat-") and a != "--peakflat-report-peaks"], argv
+        assert "--optimizer-cpu-offload" not in argv  # auto adds what the plan needs at start-up
+
+
 def test_on_passes_each_component_and_the_flags_it_needs():
     argv = command(PEAKFLAT="on", CHUNK_CAP="65536")
     assert value(argv, "--peakflat-dispatch") == "pipelined-llep"
@@ -89,7 +96,7 @@ def test_user_flags_come_last_so_that_they_win():
     assert value(argv, "--num-experts") == "64" and value(argv, "--num-layers") == "2"
 
 
-@pytest.mark.parametrize("bad, words", [(dict(PEAKFLAT="maybe"), "PEAKFLAT must be on or off"),
+@pytest.mark.parametrize("bad, words", [(dict(PEAKFLAT="maybe"), "PEAKFLAT must be auto, on or off"),
                                         (dict(PEAKFLAT="on", PEAKFLAT_COMPONENTS="dispatch,bogus"),
                                          "unknown component 'bogus'")])
 def test_bad_environment_is_refused_with_its_value(bad, words):
