@@ -69,6 +69,8 @@ MICRO_BATCH=${MICRO_BATCH:-1}
 DP=$(( WORLD / TP ))
 GLOBAL_BATCH=${GLOBAL_BATCH:-$(( MICRO_BATCH * DP > 8 ? MICRO_BATCH * DP : 8 ))}  # at least one micro-batch per DP rank
 TRAIN_ITERS=${TRAIN_ITERS:-20}
+[[ "$TRAIN_ITERS" =~ ^[1-9][0-9]*$ ]] || { echo "TRAIN_ITERS must be a positive integer, not '$TRAIN_ITERS'" >&2; exit 2; }
+WARMUP=$(( TRAIN_ITERS > 2 ? 2 : TRAIN_ITERS - 1 ))  # Megatron needs fewer warm-up iterations than iterations
 VOCAB=${VOCAB:-32768}
 PEAKFLAT=${PEAKFLAT:-auto}
 if [[ "$PEAKFLAT" == on && -z "${CHUNK_CAP:-}" && -n "${HIDDEN:-}${SEQ_LEN:-}${EXPERTS:-}${TOPK:-}${MICRO_BATCH:-}" ]]; then
@@ -107,7 +109,7 @@ PARALLEL=(
 # sample in host memory (megatron_peakflat.apply rejects that at start-up).
 TRAIN=(
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
-  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0
   --bf16 --seed 1234
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
   --log-interval 1 --eval-iters 0 --eval-interval 1000000

@@ -47,6 +47,12 @@ def test_auto_is_the_default_and_passes_the_one_flag():
         assert "--optimizer-cpu-offload" not in argv  # auto adds what the plan needs at start-up
 
 
+def test_short_runs_warm_up_for_fewer_iterations_than_they_train():
+    assert value(command(), "--lr-warmup-iters") == "2"
+    assert value(command(TRAIN_ITERS="2"), "--lr-warmup-iters") == "1"
+    assert value(command(TRAIN_ITERS="1"), "--lr-warmup-iters") == "0"
+
+
 def test_on_passes_each_component_and_the_flags_it_needs():
     argv = command(PEAKFLAT="on", CHUNK_CAP="65536")
     assert value(argv, "--peakflat-dispatch") == "pipelined-llep"
@@ -97,6 +103,7 @@ def test_user_flags_come_last_so_that_they_win():
 
 
 @pytest.mark.parametrize("bad, words", [(dict(PEAKFLAT="maybe"), "PEAKFLAT must be auto, on or off"),
+                                        (dict(TRAIN_ITERS="0"), "TRAIN_ITERS must be a positive integer, not '0'"),
                                         (dict(PEAKFLAT="on", PEAKFLAT_COMPONENTS="dispatch,bogus"),
                                          "unknown component 'bogus'")])
 def test_bad_environment_is_refused_with_its_value(bad, words):
