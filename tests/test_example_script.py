@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from megatron_peakflat.testing.subproc import ROOT
+from megatron_peakflat.testing.subproc import ROOT, logged, run_module
+from tests.conftest import needs_pretrain_entry
 
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_moe.sh")
 
@@ -242,3 +243,17 @@ def test_multi_node_from_any_submit_directory(tmp_path):
     assert out.returncode == 0, out.stderr
     srun = shlex.split(out.stdout.splitlines()[-1])
     assert srun[-1].startswith("PEAKFLAT_IN_SRUN=1 NODE_RANK=$SLURM_NODEID ") and f"{SCRIPT} --seed 5" in srun[-1]
+
+
+@needs_pretrain_entry
+def test_the_default_line_trains_through_the_pretrain_entry_on_cpu():
+    """The example's default (PEAKFLAT=auto), shrunk, through the pretrain entry's CPU dry run: start-up plans,
+    adds its flags and trains every iteration."""
+    argv = command(NUM_LAYERS="2", HIDDEN="64", HEADS="4", FFN="128", MOE_FFN="64", EXPERTS="4", SEQ_LEN="256",
+                   TRAIN_ITERS="3", VOCAB="1024", GPUS_PER_NODE="1")
+    flags = argv[argv.index("megatron_peakflat.pretrain") + 1:]
+    out = run_module("megatron_peakflat.testing.pretrain_dryrun", *flags, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "peakflat auto: planned for 1 GPU(s)" in text and "added: --peakflat-dispatch pipelined-llep" in text
+    assert len(logged(text, "lm loss")) == 3
