@@ -51,7 +51,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.pretrain_compare import loss_gap, oom_of, run_in_session  # noqa: E402
+from bench.pretrain_compare import DRAIN_S, loss_gap, oom_of, run_in_session  # noqa: E402
 from megatron_peakflat.config_base import PeakflatConfigError  # noqa: E402
 from megatron_peakflat.testing.subproc import logged, memory_reports  # noqa: E402
 
@@ -249,7 +249,7 @@ class Driver:
     def attempt(self, flags: list[str], env: dict[str, str], iters: int) -> Attempt:
         full_env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                     "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONUNBUFFERED": "1", **env}
-        left = self.deadline - time.monotonic()
+        left = self.deadline - time.monotonic() - DRAIN_S  # a killed run's output is read for up to DRAIN_S more
         if left < 30:
             raise BudgetSpent()
         t0 = time.time()

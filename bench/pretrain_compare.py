@@ -117,18 +117,32 @@ def parse_log(text: str) -> dict:
     }
 
 
-def run_in_session(cmd: list[str], env: dict[str, str], timeout: float | None) -> tuple[int, str]:
+DRAIN_S = 10.0
+"""Seconds ``run_in_session`` reads a killed run's output before it gives up on processes outside the session."""
+
+
+def run_in_session(cmd: list[str], env: dict[str, str], timeout: float | None,
+                   drain: float = DRAIN_S) -> tuple[int, str]:
     """(exit status, stdout and stderr) of ``cmd`` run in a session of its own, so that a timeout kills
-    every process it started (torchrun's ranks too), not the launcher alone; 124 on a timeout."""
+    every process it started (torchrun's ranks too), not the launcher alone; 124 on a timeout. After the kill
+    the output is read for at most ``drain`` seconds more: a process that left the session (a worker that called
+    setsid) may hold the pipe open, and the caller's own time budget must not wait on it."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as first:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return 124, out + f"\n[pretrain_compare] killed after --timeout {timeout} s\n"
+        note = f"\n[pretrain_compare] killed after --timeout {timeout} s\n"
+        try:
+            out, _ = proc.communicate(timeout=drain)
+        except subprocess.TimeoutExpired as held:
+            partial = held.output or first.output or ""
+            out = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+            note += f"[pretrain_compare] output not closed {drain:g} s after the kill; the rest is lost\n"
+            proc.stdout.close()
+        return 124, out + note
 
 
 def _machine() -> dict:

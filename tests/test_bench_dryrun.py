@@ -131,6 +131,23 @@ def test_pretrain_compare_timeout_kills_the_whole_session():
     assert run_in_session(["bash", "-c", "echo fine"], dict(os.environ), 10.0) == (0, "fine\n")
 
 
+def test_pretrain_compare_timeout_does_not_wait_on_a_process_that_left_the_session():
+    """A grandchild that called setsid survives the session's kill and holds the output pipe: the call still
+    returns within the drain time, 124, with a line saying the rest of the output is lost."""
+    import subprocess
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.pretrain_compare import run_in_session
+
+    t0 = time.monotonic()
+    rc, out = run_in_session(["bash", "-c", "echo started; setsid sleep 30 & sleep 60"], dict(os.environ), 1.0,
+                             drain=1.0)
+    assert rc == 124 and "killed after --timeout" in out and "the rest is lost" in out
+    assert time.monotonic() - t0 < 10
+    subprocess.run(["pkill", "-f", "^sleep 30$"], check=False)
+
+
 def test_memory_peak_replays_a_snapshot_to_its_highest_point():
     """bench/memory_peak.py walks the allocator's events back from the live state: the peak inside the window
     and the blocks alive there (a block freed before the snapshot included), charged to their first frame in
