@@ -152,6 +152,8 @@ class Attempt:
     auto: dict[str, Any]
     oom: dict[str, Any] | None
     tail: str
+    command: str = ""
+    """The command line that ran (its master port is drawn per process)."""
 
 
 _PEAKS = re.compile(r"peakflat peaks iter \d+ .*?measured/predicted: (.*)$", re.M)
@@ -253,12 +255,13 @@ class Driver:
         if left < 30:
             raise BudgetSpent()
         t0 = time.time()
-        rc, text = self.runner(self.command(flags), full_env, min(self.timeout, left))
+        cmd = self.command(flags)
+        rc, text = self.runner(cmd, full_env, min(self.timeout, left))
         if rc == 124 and left < self.timeout:
             raise BudgetSpent()
         if os.environ.get("OUT") and not self.dry_run:
             Path(os.environ["OUT"], "e2e_last.log").write_text(text[-200_000:])
-        return parse(text, rc, time.time() - t0, iters)
+        return dataclasses.replace(parse(text, rc, time.time() - t0, iters), command=shlex.join(cmd))
 
     def flags(self, seq: int, stock: Stock, extra: list[str], iters: int) -> list[str]:
         spec = TE_FLAGS if self.spec == "te" else ["--transformer-impl", "local", "--peakflat-attention", "sdpa"]
@@ -303,20 +306,13 @@ class Driver:
     def _row(self, method: str, seq: int, stock: Stock, flags: list[str], a: Attempt,
              attempts: list[dict[str, Any]]) -> dict[str, Any]:
         mem = a.memory_mib
+        top, measured = _measured(seq, a)
         extra: dict[str, Any] = {
             "outcome": a.outcome, "config": stock.name, "attempts": attempts, "iters": self.iters,
-            "tokens_per_s": round(seq / (a.ms / 1000), 1) if a.ms and a.outcome == "ok" else None,
-            "reserved_gib": round(mem["max_reserved"] / 1024, 3) if mem else None,
             "allocated_after_gib": round(mem["allocated"] / 1024, 3) if mem else None,
-            "planner_gib": self._planner_gib(method, flags, a), "component_peaks_gib": a.peaks or None,
-            "losses": a.losses, "grad_norms": a.grad_norms, "wall_s": a.wall_s,
-            "command": shlex.join(self.command(flags)), **_where(),
+            "planner_gib": self._planner_gib(method, flags, a), **measured,
         }
-        if a.auto:
-            extra["auto"] = a.auto
-        return {"case": self.case(seq), "method": method,
-                "peak_gib": round(mem["max_allocated"] / 1024, 3) if mem else None,
-                "ms": a.ms if a.outcome == "ok" else None, "exact": None, "extra": extra}
+        return {"case": self.case(seq), "method": method, **top, "extra": extra}
 
     def _planner_gib(self, method: str, flags: list[str], a: Attempt) -> float | None:
         """The planner's allocated bytes for this run, as the runtime report compares them: the report's own figure
@@ -449,16 +445,10 @@ class Driver:
                            done["ms"], {}, {}, {}, None, "")
         print(f"=== {case}: {method} config={stock.name}", flush=True)
         a = self.attempt(flags, dict(stock.env), iters)
-        seq = int(re.search(r"seq=(\d+)", case).group(1))
-        times = {"tokens_per_s": round(seq / (a.ms / 1000), 1) if a.ms and a.outcome == "ok" else None}
-        row = {"case": case, "method": method, "peak_gib": round(a.memory_mib["max_allocated"] / 1024, 3)
-               if a.memory_mib else None, "ms": a.ms if a.outcome == "ok" else None, "exact": None,
-               "extra": {"outcome": a.outcome, "config": stock.name, "iters": iters, **times,
-                         "reserved_gib": round(a.memory_mib["max_reserved"] / 1024, 3) if a.memory_mib else None,
-                         "component_peaks_gib": a.peaks or None, "losses": a.losses, "grad_norms": a.grad_norms,
-                         "wall_s": a.wall_s, "command": shlex.join(self.command(flags)), **_where(),
-                         **({"auto": a.auto} if a.auto else {}), **({"tail": a.tail} if a.outcome != "ok" else {})}}
-        self.put(row)
+        top, measured = _measured(int(re.search(r"seq=(\d+)", case).group(1)), a)
+        self.put({"case": case, "method": method, **top,
+                  "extra": {"outcome": a.outcome, "config": stock.name, "iters": iters, **measured,
+                            **({"tail": a.tail} if a.outcome != "ok" else {})}})
         print(f"    {a.outcome} in {a.wall_s:.0f} s: {a.ms} ms/iter, losses {a.losses[:2]}...{a.losses[-2:]}",
               flush=True)
         return a
@@ -520,6 +510,21 @@ class Driver:
             self.put(row)
             print(f"    {method}: {row['extra']['tokens_per_s_vs_megatron_te']}x megatron-te's tokens/s at {seq}",
                   flush=True)
+
+
+def _measured(seq: int, a: Attempt) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What every row of one process records: its peak and time (the row's own fields), and for ``extra`` its
+    tokens/s, reserved memory, peak report, losses, grad norms, wall time, command, where it ran and, under
+    ``--peakflat auto``, the decision."""
+    mem = a.memory_mib
+    top = {"peak_gib": round(mem["max_allocated"] / 1024, 3) if mem else None,
+           "ms": a.ms if a.outcome == "ok" else None, "exact": None}
+    extra = {"tokens_per_s": round(seq / (a.ms / 1000), 1) if a.ms and a.outcome == "ok" else None,
+             "reserved_gib": round(mem["max_reserved"] / 1024, 3) if mem else None,
+             "component_peaks_gib": a.peaks or None, "losses": a.losses, "grad_norms": a.grad_norms,
+             "wall_s": a.wall_s, "command": a.command, **_where(),
+             **({"auto": a.auto} if a.auto else {})}
+    return top, extra
 
 
 def _gpu_bytes() -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -235,6 +236,7 @@ def test_the_time_phase_reruns_each_method_on_its_search_configuration_and_takes
     assert "--optimizer-cpu-offload" in fake.flags[-1] and "--peakflat-report-peaks" in fake.flags[-1]
     row = d.row(f"time,seq={48 * K},spec=te,iters=5", "peakflat-auto")
     assert row["ms"] == (100.0 + 48) * 0.5 and row["extra"]["tokens_per_s_vs_megatron_te"] == 2.0
+    assert row["extra"]["command"] == shlex.join(fake.flags[-1])  # the command that ran, its port included
     te = d.row(f"time,seq={48 * K},spec=te,iters=5", "megatron-te")
     te["extra"]["card"] = "another card"
     d.put(te)
