@@ -82,11 +82,13 @@ def _run(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     """One rank: train with peakflat off, then on, from the same weights and data."""
     import warnings
 
+    from ._ext import quiet_cpp_extension
+
     # Megatron warns at length about absent TE/apex (the header says which are absent), lists its gradient
-    # buckets at INFO, and torch notes the absent CUDA runtime on import: none of it is the demo's
+    # buckets at INFO, and torch notes the absent CUDA runtime when Megatron imports cpp_extension: none of it is
+    # the demo's
     warnings.filterwarnings("ignore")
-    if not opts["cuda"]:
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    quiet_cpp_extension()
     import megatron_peakflat
     from megatron_peakflat import stats
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
