@@ -104,8 +104,7 @@ def _plan(shape: Any, run: Any, cfg: Any) -> Any:
 def _why(name: str, rec: Any, user: tuple[str, ...] | None) -> str:
     if user is not None:
         return f"set on the command line ({' '.join(user)})"
-    words = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO", "optimizer": "optimizer"}[name]
-    said = [r for r in rec.reasons if words in r or (name == "optimizer" and "OffloadStreamAdamW" in r)]
+    said = [r for r in rec.reasons if _NAMES[name] in r or (name == "optimizer" and "optimizer" in r)]
     if said:
         return said[0]
     if rec.config.enabled[name]:
