@@ -251,6 +251,26 @@ def test_meter_tracks_autograd_saved_tensors():
     assert m.peak >= 2 * 64 * 16 * 4
 
 
+def test_meter_waits_for_a_storage_that_another_thread_lets_go_of():
+    """The shape of gloo's late release: the last reference dies on a worker thread after the caller moved on."""
+    import threading
+    import time
+
+    with LiveBytesMeter() as m:
+        box = [torch.empty(100)]  # 400 B, held only by the box
+    releaser = threading.Timer(0.2, box.clear)
+    releaser.start()
+    started = time.monotonic()
+    assert m.live == 400
+    assert m.wait_for(lambda: m.live == 0, timeout_s=5.0) and m.live == 0
+    assert 0.1 < time.monotonic() - started < 5.0
+    releaser.join()
+    with LiveBytesMeter() as m:
+        kept = torch.empty(10)  # really kept: the wait gives up and says so
+    assert not m.wait_for(lambda: m.live == 0, timeout_s=0.05) and m.live == 40
+    del kept
+
+
 def test_meter_live_since_counts_by_order_not_by_key():
     with LiveBytesMeter() as m:
         a = torch.empty(10)  # 40 B

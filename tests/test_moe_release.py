@@ -66,11 +66,16 @@ def _run(rank: int, world: int) -> list[dict]:
                                 handle.remove()
                             del loss
                             gc.collect()
-                            after = alive(meter.allocations)
                             # every storage the step left, but the parameters' gradients and the loss's value
                             kept = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
                             kept.add(value.untyped_storage()._cdata)
-                            left = sum(n for k, (n, _) in meter._tracked.items() if k not in kept)
+
+                            def left_behind() -> int:
+                                return sum(n for k, (n, _) in meter._tracked.items() if k not in kept)
+
+                            if fix:  # the last collective's buffers die on gloo's thread, a moment late
+                                meter.wait_for(lambda: left_behind() < TH)
+                            after, left = alive(meter.allocations), left_behind()
                     finally:
                         if fix:
                             registry.remove_patches()

@@ -16,8 +16,10 @@ Guarantees:
 
 from __future__ import annotations
 
+import gc
+import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -58,6 +60,21 @@ class LiveBytesMeter(TorchDispatchMode):
         storage key (``UntypedStorage._cdata``) -> bytes. By count, not by key: a freed storage's key can
         come back on a new one."""
         return {k: nbytes for k, (nbytes, born) in self._tracked.items() if born > allocations}
+
+    def wait_for(self, condition: Callable[[], bool], timeout_s: float = 2.0) -> bool:
+        """Poll ``condition`` (a count over this meter) until it holds or ``timeout_s`` passes; return it.
+
+        gloo's worker thread drops its references to a collective's tensors a moment after the caller's
+        ``wait()`` returns, so a storage that the code under test let go of can die late, on that thread. A
+        count taken right after a collective waits for that here; a storage that really is kept stays counted.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+            gc.collect()
+        return True
 
     def _release(self, key: int) -> None:
         nbytes, _ = self._tracked.pop(key, (0, 0))
