@@ -46,12 +46,18 @@ def _run(rank: int, world: int) -> list[dict]:
                             def alive(born_by: int) -> int:
                                 return sum(1 for n, born in meter._tracked.values() if n == TH and born <= born_by)
 
+                            def settled(born_by: int, most: int) -> int:
+                                # a collective's buffers die on gloo's worker thread, a moment after it returns
+                                meter.wait_for(lambda: alive(born_by) <= most)
+                                return alive(born_by)
+
                             def watch(_m, _args, output):
                                 h = output[0] if isinstance(output, tuple) else output
                                 if torch.is_grad_enabled() and h.requires_grad:  # the recompute, in backward
                                     # [tokens, hidden] storages from the forward still alive when layer 0's backward
                                     # begins: its own checkpoint input, and what the layers above failed to free
-                                    h.register_hook(lambda g: held.append(alive(forward_end)))
+                                    h.register_hook(lambda g: held.append(
+                                        settled(forward_end, 1 if fix else LAYERS)))
 
                             forward_end = 0
                             layer0 = model.decoder.layers[0]
@@ -73,9 +79,10 @@ def _run(rank: int, world: int) -> list[dict]:
                             def left_behind() -> int:
                                 return sum(n for k, (n, _) in meter._tracked.items() if k not in kept)
 
-                            if fix:  # the last collective's buffers die on gloo's thread, a moment late
+                            after = settled(meter.allocations, 0 if fix else 2 * LAYERS)
+                            if fix:
                                 meter.wait_for(lambda: left_behind() < TH)
-                            after, left = alive(meter.allocations), left_behind()
+                            left = left_behind()
                     finally:
                         if fix:
                             registry.remove_patches()
