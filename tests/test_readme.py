@@ -1,0 +1,121 @@
+"""The README says what the software prints and what was measured: its quick start is the planner's own output
+and launch line, and every figure of its results section is the one in ``bench/results/e2e.json``. A change to
+the planner or a new measurement that leaves the README behind fails here."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+E2E = json.loads((ROOT / "bench" / "results" / "e2e.json").read_text())["rows"]
+
+
+def _fenced_after(marker: str) -> str:
+    """The first fenced block after ``marker``."""
+    at = README.index(marker)
+    start = README.index("```", at)
+    start = README.index("\n", start) + 1
+    return README[start:README.index("```", start)]
+
+
+def _results() -> str:
+    return README[README.index("<!-- results-table: begin -->"):README.index("<!-- results-table: end -->")]
+
+
+def _row(method: str, case: str) -> dict:
+    (row,) = [r for r in E2E if r["method"] == method and r["case"] == case]
+    return row
+
+
+def test_quick_start_shows_the_planners_output_and_launches_its_recommended_flags(capsys):
+    from megatron_peakflat.planner.plan import main
+
+    command = _fenced_after("**1. Ask the planner**").splitlines()[0]
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "megatron_peakflat.plan"], command
+    assert main(argv[3:]) == 0
+    printed = [ln.rstrip() for ln in capsys.readouterr().out.splitlines()]
+    shown = [ln.rstrip() for ln in _fenced_after("It prints every term per rank").strip("\n").splitlines()]
+    assert len(shown) >= 4 and printed[-len(shown):] == shown, "\n".join(printed[-len(shown):])
+
+    recommended = shlex.split(next(ln for ln in shown if ln.lstrip().startswith("--")))
+    launch = _fenced_after("**3. Launch**").replace("\\\n", " ")
+    assert shlex.split(launch.split("<your model, data and training flags>")[1]) == recommended
+
+
+def _gib(method: str, tokens: int) -> str:
+    return f"{_row(method, f'seq={tokens},spec=te')['peak_gib']:.1f} GiB"
+
+
+CONFIGS = {"gpu-optimizer": "optimizer on the GPU", "cpu-offload": "optimizer offloaded"}
+
+
+def test_results_table_is_the_measured_rows():
+    lines = [ln for ln in _results().splitlines() if re.match(r"\| \d+K \|", ln)]
+    assert len(lines) >= 8
+    for line in lines:
+        k, te, auto = (c.strip().replace("**", "") for c in line.strip("|").split("|"))
+        tokens = int(k[:-1]) * 1024
+        for method, cell in (("megatron-te", te), ("peakflat-auto", auto)):
+            rows = [r for r in E2E if r["method"] == method and r["case"] == f"seq={tokens},spec=te"]
+            if not cell:
+                assert not rows or method == "peakflat-auto", (k, method)  # megatron-te shows every length it tried
+                continue
+            (row,) = rows
+            extra = row["extra"]
+            if cell.startswith("OOM"):
+                assert extra["outcome"] == "oom" and row["peak_gib"] is None, (k, method)
+                if "activation offloading" in cell:
+                    assert "activation-offload" in extra["config"], (k, method)
+                continue
+            assert extra["outcome"] == "ok" and cell.startswith(_gib(method, tokens)), (k, method, cell)
+            if "(" in cell:
+                assert CONFIGS[extra["config"]] in cell, (k, method, cell)
+
+
+def test_results_figures_are_the_measured_ones():
+    text = " ".join(_results().split())
+    te, auto = _row("megatron-te", "time,seq=49152,spec=te,iters=5"), _row("peakflat-auto", "time,seq=49152,spec=te,iters=5")
+    assert f"{te['ms'] / 1000:.2f} s/iter" in text and f"{auto['ms'] / 1000:.2f} s/iter" in text
+    speed = auto["extra"]["tokens_per_s"] / te["extra"]["tokens_per_s"]
+    assert f"{speed:.2f}x its tokens/s in {auto['peak_gib'] / te['peak_gib']:.2f}x its memory" in text
+    whole = [f"{int(r['extra']['tokens_per_s'] + 0.5):,}" for r in (auto, te)]  # half up, as written
+    assert f"({whole[0]} against {whole[1]} tokens/s)" in text
+
+    reach = {m: _row(m, "reach,spec=te")["reach_tokens"] for m in ("megatron-te", "peakflat-auto")}
+    assert f"**Reach: {reach['peakflat-auto'] // reach['megatron-te']}x.**" in text
+    assert f"Megatron trains {reach['megatron-te'] // 1024}K tokens" in text
+    assert f"trains {reach['peakflat-auto'] // 1024}K, the largest length tried" in text
+
+    errors = [(r["peak_gib"] - r["extra"]["planner_gib"]) / r["peak_gib"] for r in E2E
+              if r["method"] == "peakflat-auto" and r["case"].startswith("seq=") and r["peak_gib"]]
+    # the report's error, predicted against measured, as the README words it
+    worst_over, worst_under = -min(errors), -max(errors)
+    assert f"within {worst_over:+.1%} to {worst_under:.1%} of the measured one" in text
+
+
+@pytest.mark.parametrize("method, label", [
+    ("megatron-te-control", "megatron-te, optimizer offloaded (Megatron against itself)"),
+    ("peakflat-auto", "peakflat-auto"),
+    ("peakflat-all", "peakflat-all (every component)"),
+])
+def test_same_loss_table_is_the_measured_gaps(method, label):
+    from bench.pretrain_compare import loss_gap
+
+    ref = _row("megatron-te", "same_loss,seq=8192,spec=te,iters=50")["extra"]["losses"]
+    mine = _row(method, "same_loss,seq=8192,spec=te,iters=50")["extra"]["losses"]
+    assert len(ref) == len(mine) == 50
+    (line,) = [ln for ln in _results().splitlines() if ln.strip().startswith(f"| {label} |")]
+    equal, first5, above, worst = (c.strip() for c in line.strip().strip("|").split("|")[1:])
+    same = next(i for i, (a, b) in enumerate(zip(ref, mine)) if a != b)
+    assert equal == f"{same} iterations"
+    assert first5 == f"{loss_gap(ref[:5], mine[:5])['max_rel_diff']:.1e}".replace("e-0", "e-")
+    gap = loss_gap(ref, mine)
+    assert above == f"iteration {gap['first_above_1e-3']}"
+    assert worst == f"{gap['max_rel_diff']:.1%}"
