@@ -63,7 +63,7 @@ class AutoChoice:
                  f"  {'component':20s} {'choice':6s} {'peak term, GiB: Megatron -> peakflat':38s} why"]
         for name in ("dispatch", "vocab", "sco", "optimizer"):
             row = st.rows.get(_ROWS[name])
-            user = next((g for g in given if g[0] == _SWITCHES[name]), None)
+            user = next((g for g in given if _flag_set(g[0]) == _SWITCHES[name]), None)
             choice = "on" if on[name] else "off"
             if row is not None:
                 term = f"{row.baseline / 2**30:8.2f} -> {row.peakflat / 2**30:8.2f}"
@@ -82,7 +82,7 @@ class AutoChoice:
         lines.append("  added: " + (" ".join(self.added) or "nothing"))
         if self.kept:
             names = {g[0] for g in _flag_groups(self.kept)}
-            mine = [" ".join(g) for g in given if g[0] in names]
+            mine = [" ".join(g) for g in given if _flag_set(g[0]) in names]
             lines.append("  recommended but set on the command line (kept as given): " + " ".join(dict.fromkeys(mine)))
         return "\n".join(lines)
 
@@ -123,8 +123,14 @@ def wants_auto(argv: Sequence[str]) -> bool:
     return value == "auto"
 
 
+def _flag_set(word: str) -> str:
+    """The flag a word sets: ``--x=1`` sets ``--x``, an off switch (``--no-peakflat-sco``) its switch."""
+    name = word.split("=", 1)[0]
+    return "--" + name[len("--no-"):] if name.startswith("--no-peakflat-") else name
+
+
 def _given_flags(argv: Sequence[str]) -> set[str]:
-    return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    return {_flag_set(a) for a in argv if a.startswith("--")}
 
 
 def _flag_groups(flags: Sequence[str]) -> list[tuple[str, ...]]:
@@ -156,10 +162,11 @@ def _without_auto(argv: Sequence[str]) -> list[str]:
 
 def planner_argv(argv: Sequence[str], *, gpus: int, gpus_per_node: int, hbm_bytes: int,
                  host_bytes_per_node: int) -> list[str]:
-    """The arguments of ``python -m megatron_peakflat.plan`` that plan this Megatron command line on this machine."""
+    """The arguments of ``python -m megatron_peakflat.plan`` that plan this Megatron command line on this machine,
+    in the parallel layout the line runs (``--layout given``: Megatron's sizes where it sets none)."""
     return ["--megatron-args", shlex.join(_without_auto(argv)), "--gpus", str(gpus),
             "--gpus-per-node", str(gpus_per_node), "--hbm-gib", repr(hbm_bytes / 2**30),
-            "--host-gib", repr(host_bytes_per_node / 2**30)]
+            "--host-gib", repr(host_bytes_per_node / 2**30), "--layout", "given"]
 
 
 def _machine() -> tuple[int, int, int, int]:
@@ -213,9 +220,9 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
                                   f"fix {e.flag}, or pass the --peakflat-* flags yourself in place of {FLAG} auto") from e
     rec = recommend(shape, run, pf, ns.megatron_namespace)
     if not rec.fits:
-        raise PeakflatConfigError(FLAG, "auto", "nothing fits: " + "; ".join(rec.reasons),
-                                  "apply one of the fixes above (python -m megatron_peakflat.plan "
-                                  f"{shlex.join(args)} shows the figures)")
+        raise PeakflatConfigError(FLAG, "auto", f"nothing fits in this command line's layout ({_layout(run)}): " +
+                                  "; ".join(rec.reasons), "apply one of the fixes above" + _picked_layout(args) +
+                                  f" (python -m megatron_peakflat.plan {shlex.join(args)} shows the figures)")
     given = _given_flags(argv)
     user_switched = {name for name, switch in _SWITCHES.items() if switch in given}
     added: list[str] = []
@@ -227,6 +234,24 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
         else:
             added.extend(group)
     return AutoChoice(added, kept, rec, args, list(argv))
+
+
+def _layout(run: Any) -> str:
+    return f"TP{run.tp} PP{run.pp} CP{run.cp} DP{run.dp} EP{run.ep}"
+
+
+def _picked_layout(args: list[str]) -> str:
+    """Where the layout the planner would pick for these GPUs fits, that layout's flags, as a fix."""
+    from .planner.cli import build
+    from .planner.recommend import recommend
+
+    pick = list(args)
+    pick[pick.index("--layout") + 1] = "pick"
+    shape, run, pf, ns, _ = build(pick)
+    rec = recommend(shape, run, pf, ns.megatron_namespace)
+    if not rec.fits:
+        return ""
+    return f", or train in a layout that fits on these GPUs: {' '.join(rec.layout_flags)}"
 
 
 def auto_argv(argv: Sequence[str]) -> list[str]:

@@ -341,7 +341,7 @@ def check_command_line(argv: Sequence[str]) -> int:
     print(f"peakflat flags: accepted; components on: {', '.join(on) or 'none (Megatron runs unchanged)'}")
     for line in notes:
         print(f"note: {line}")
-    planner = ["--megatron-args", shlex.join(flags), "--gpus", str(world)]
+    planner = ["--megatron-args", shlex.join(flags), "--gpus", str(world), "--layout", "given"]
     for flag, value in (("--gpus-per-node", own.gpus_per_node), ("--hbm-gib", own.hbm_gib),
                         ("--host-gib", own.host_gib)):
         if value is not None:

@@ -51,7 +51,8 @@ def test_the_choice_is_what_the_planner_cli_recommends_for_that_line(capsys, lin
     assert not {g[0] for g in _groups(choice.added)} & given
     # the planner read the line as written: its --megatron-args is the line without --peakflat auto
     assert shlex.split(choice.planner_args[1]) == shlex.split(line)
-    assert choice.planner_args[2:] == ["--gpus", "1", "--gpus-per-node", "1", "--hbm-gib", "79.0", "--host-gib", "128.0"]
+    assert choice.planner_args[2:] == ["--gpus", "1", "--gpus-per-node", "1", "--hbm-gib", "79.0", "--host-gib", "128.0",
+                                       "--layout", "given"]
 
 
 def test_a_long_context_turns_on_the_dispatch_and_vocabulary_components():
@@ -79,6 +80,33 @@ def test_explicit_flags_win_over_the_choice():
     assert not any(f.startswith("--peakflat-dispatch") for f in added)  # the user switched PipelinedLLEP off
     assert "--peakflat-dispatch" in choice.kept and "--peakflat-vocab-block-size" in choice.kept
     assert "set on the command line (--peakflat-dispatch megatron)" in choice.table()
+
+
+LONG = MODEL.replace("--num-layers 2", "--num-layers 24").replace(" --global-batch-size 1", "") + " --seq-length 524288"
+NODE = {"gpus": 8, "gpus_per_node": 8, "hbm_bytes": 80 * GIB, "host_bytes_per_node": 2048 * GIB}
+
+
+def test_the_plan_is_in_the_lines_own_layout_and_a_layout_that_fits_is_the_fix():
+    """auto adds no parallel sizes: it plans the layout Megatron will run, its defaults where the line sets none.
+    Where that does not fit and the planner's own layout for these GPUs would, the refusal names that layout."""
+    with pytest.raises(PeakflatConfigError) as e:
+        auto.resolve(shlex.split(LONG), **NODE)
+    assert "nothing fits in this command line's layout (TP1 PP1 CP1 DP8 EP1)" in e.value.problem
+    layout = "--tensor-model-parallel-size 1 --context-parallel-size 4 --expert-model-parallel-size 8"
+    assert f"or train in a layout that fits on these GPUs: {layout}" in e.value.fix
+    choice = auto.resolve(shlex.split(LONG + " --context-parallel-size 4 --expert-model-parallel-size 8"), **NODE)
+    run = choice.recommendation.plan.run
+    assert (run.tp, run.pp, run.cp, run.dp, run.ep) == (1, 1, 4, 2, 8) and choice.recommendation.fits
+    assert "(TP1 PP1 CP4 DP2 EP8)" in choice.table()
+    assert not any(f.endswith("-parallel-size") for f in choice.added)
+
+
+def test_an_off_switch_on_the_line_wins():
+    line = LONG + " --context-parallel-size 4 --expert-model-parallel-size 8"
+    assert "--peakflat-sco" in auto.resolve(shlex.split(line), **NODE).added  # the planner wants SCO here
+    choice = auto.resolve(shlex.split(line + " --no-peakflat-sco"), **NODE)
+    assert not any(f.startswith("--peakflat-sco") for f in choice.added)
+    assert "set on the command line (--no-peakflat-sco)" in choice.table()
 
 
 def test_nothing_fits_is_refused_with_the_planners_reason_and_fix():

@@ -81,11 +81,26 @@ MODEL_FLAGS = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --gro
 """A model given as a Megatron command line (whose omitted flags take Megatron's defaults), not a preset."""
 
 
+REPLICATED_OPTIMIZER = (
+    "--num-layers 24 --hidden-size 7168 --num-attention-heads 64 --group-query-attention --num-query-groups 1 "
+    "--ffn-hidden-size 14336 --num-experts 32 --moe-router-topk 8 --moe-ffn-hidden-size 512 --vocab-size 128256 "
+    "--swiglu --seq-length 4096 --micro-batch-size 3 --global-batch-size 12 --bf16 --moe-token-dispatcher-type alltoall "
+    "--disable-bias-linear --recompute-granularity selective")
+FP32 = ("--num-layers 13 --hidden-size 2880 --num-attention-heads 64 --kv-channels 128 --ffn-hidden-size 2880 "
+        "--num-experts 32 --moe-router-topk 2 --moe-ffn-hidden-size 256 --vocab-size 151936 --swiglu "
+        "--untie-embeddings-and-output-weights --seq-length 65536 --micro-batch-size 2 --moe-token-dispatcher-type "
+        "alltoall --disable-bias-linear --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+
+
 @pytest.mark.parametrize("argv, model", [
     (("--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16"), ""),
     (("--preset", "gpt-oss-20b", "--seq-len", "256K", "--gpus", "32", "--tp", "2"), ""),
     (("--preset", "gpt-oss-120b", "--seq-len", "512K", "--gpus", "64", "--pp", "2", "--etp", "1", "--tp", "2"), ""),
     (("--gpus", "16", "--cp", "4", "--hbm-gib", "40"), MODEL_FLAGS),
+    # OffloadStreamAdamW recommended for a line without the distributed optimizer, which its flags turn on
+    (("--gpus", "4", "--hbm-gib", "94"), REPLICATED_OPTIMIZER),
+    # fp32: Megatron's offloaded optimizer would refuse it, OffloadStreamAdamW in its place does not
+    (("--gpus", "1", "--hbm-gib", "94"), FP32),
 ])
 def test_the_recommended_line_reproduces_the_plan(capsys, argv, model):
     """Plan, paste the printed line back as --megatron-args (beside the same preset, or after the same Megatron

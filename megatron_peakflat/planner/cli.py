@@ -116,7 +116,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--host-gib", type=float, help="host RAM per node; default: this machine's when it has a GPU, "
                                                   "else 2048 (a DGX H100/H200 node)")
     for name in ("tp", "pp", "ep", "cp"):
-        g.add_argument(f"--{name}", type=int, help=f"{name.upper()} size (default: chosen from --gpus)")
+        g.add_argument(f"--{name}", type=int,
+                       help=f"{name.upper()} size (default: the command line's, else " +
+                            ("chosen from --gpus; see --layout)" if name in ("ep", "cp") else "1)"))
+    g.add_argument("--layout", choices=["pick", "given"], default="pick",
+                   help="the CP and EP sizes that neither these flags nor --megatron-args set: 'pick' chooses them "
+                        "for --gpus (CP to bring each rank to 128K tokens, EP as large as the experts allow); 'given' "
+                        "takes Megatron's default, 1, as a run of that command line would (--peakflat auto and "
+                        "peakflat-check plan so). TP and PP are 1 unless set. Default: pick")
     g.add_argument("--etp", type=int, help="expert tensor parallel size (default: --expert-tensor-parallel-size, else "
                                            "the TP size, as Megatron; PipelinedLLEP needs 1)")
     g.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: --micro-batch-size, else 1)")
@@ -235,6 +242,8 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
             raise _err(f"--{k}", v, "must be a positive integer", f"pass --{k} 1 or more")
     if seq < 1:
         raise _err("--seq-len", seq, "must be a positive integer", "pass the sequence length in tokens, e.g. 131072")
+    if ns.layout == "given":  # Megatron's defaults for what the line leaves out: the layout a run of it gets
+        given = {k: v if v is not None or k == "etp" else 1 for k, v in given.items()}
     gpus = ns.gpus
     if gpus is None:
         if all(given.get(k) for k in ("tp", "pp", "cp")):

@@ -161,6 +161,9 @@ def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> di
     plan never turns on, nor a recommendation names, a component that start-up would refuse. Without
     ``megatron_args`` (a preset) only the model and run decide."""
     ns = startup_namespace(shape, run, megatron_args)
+    # Megatron's own offloaded optimizer is no component's blocker: where the line asks for it, the recommendation
+    # puts OffloadStreamAdamW in its place, and otherwise start-up judges it whatever the components
+    ns.optimizer_cpu_offload = False
     alone = {"dispatch": PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep")),
              "vocab": PeakflatConfig(vocab=VocabConfig(impl="ring-dtp")),
              "sco": PeakflatConfig(sco=SCOConfig(enabled=True))}
@@ -236,6 +239,9 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
                               bucket=STARTS["bucket"], slots=3)
     sco_cfg = dataclasses.replace(base.sco, enabled=sco and "sco" not in blocked, budget=None)
     cfg = PeakflatConfig(dispatch=disp, vocab=voc, sco=sco_cfg, optimizer=opt, general=base.general)
+    asked = run
+    if optimizer:  # its flags (OptimizerConfig.MEGATRON_FLAGS) make Megatron's optimizer the distributed one
+        run = dataclasses.replace(run, distributed_optimizer=True)
 
     probe = plan(shape, run, cfg)
     opt_host = max(s.rows["optimizer"].host_peakflat for s in probe.stages) if optimizer else 0.0
@@ -251,7 +257,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
                        f"{format_bytes(run.host_bytes_per_rank)} available: the optimizer stays on the GPU")
         opt_host = 0.0
     if cfg.optimizer.impl == "megatron":  # on the GPU: not Megatron's own CPU offload either
-        run = dataclasses.replace(run, optimizer_offload_fraction=0.0)
+        run = dataclasses.replace(asked, optimizer_offload_fraction=0.0)
     if cfg.sco.enabled:
         need = max(s.rows["boundaries"].baseline for s in probe.stages)
         avail = max(0.0, run.host_bytes_per_rank - opt_host)
