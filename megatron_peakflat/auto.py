@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import shlex
 from typing import Any, Sequence
 
@@ -203,6 +204,7 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
     from this process (``_machine``). Raises PeakflatConfigError naming ``--peakflat auto`` when nothing fits,
     with the planner's reasons and fixes, or when the planner cannot read the command line."""
     from .planner.cli import build
+    from .planner.megatron_args import MissingModelFlags
     from .planner.recommend import recommend
 
     if None in (gpus, gpus_per_node, hbm_bytes, host_bytes_per_node):
@@ -215,9 +217,15 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
                         host_bytes_per_node=host_bytes_per_node)
     try:
         shape, run, pf, ns, _ = build(args)
+    except MissingModelFlags as e:
+        raise PeakflatConfigError(FLAG, "auto", f"the command line names no {' '.join(e.missing)}, so the planner "
+                                  "has no model to plan", "add them, or drop --peakflat auto") from e
     except PeakflatConfigError as e:
-        raise PeakflatConfigError(FLAG, "auto", f"the planner cannot read this command line ({e})",
-                                  f"fix {e.flag}, or pass the --peakflat-* flags yourself in place of {FLAG} auto") from e
+        flag = _TRAINING_FLAGS.get(e.flag, e.flag)
+        value = "" if e.value is None else f"={e.value!r}"
+        raise PeakflatConfigError(FLAG, "auto", f"the planner cannot read this command line: {flag}{value} "
+                                  f"{_training_words(e.problem)}", f"{_training_words(e.fix)}; or pass the "
+                                  f"--peakflat-* flags yourself in place of {FLAG} auto") from e
     rec = recommend(shape, run, pf, ns.megatron_namespace)
     if not rec.fits:
         raise PeakflatConfigError(FLAG, "auto", f"nothing fits in this command line's layout ({_layout(run)}): " +
@@ -234,6 +242,19 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
         else:
             added.extend(group)
     return AutoChoice(added, kept, rec, args, list(argv))
+
+
+_TRAINING_FLAGS = {"--tp": "--tensor-model-parallel-size", "--pp": "--pipeline-model-parallel-size",
+                   "--cp": "--context-parallel-size", "--ep": "--expert-model-parallel-size",
+                   "--etp": "--expert-tensor-parallel-size", "--seq-len": "--seq-length",
+                   "--micro-batch": "--micro-batch-size", "--global-batch": "--global-batch-size",
+                   "--gpus": "the world size"}
+"""The planner's own flags, which auto sets from the training command line, by the training flag they stand for."""
+
+
+def _training_words(text: str) -> str:
+    """The planner's message in the training command line's words: its own flags named by the training flags."""
+    return re.sub(r"--[a-z-]+", lambda m: _TRAINING_FLAGS.get(m.group(0), m.group(0)), text)
 
 
 def _layout(run: Any) -> str:

@@ -37,11 +37,12 @@ __all__ = [
 
 
 class PeakflatConfigError(ValueError):
-    """A bad flag value or combination. The message names the flag, the value and the fix."""
+    """A bad flag value or combination. The message names the flag, the value (``None``: a flag that is missing
+    or takes none) and the fix."""
 
     def __init__(self, flag: str, value: Any, problem: str, fix: str) -> None:
         self.flag, self.value, self.problem, self.fix = flag, value, problem, fix
-        super().__init__(f"{flag}={value!r}: {problem}. Fix: {fix}")
+        super().__init__(f"{flag}{'' if value is None else f'={value!r}'}: {problem}. Fix: {fix}")
 
 
 class Bytes(int):

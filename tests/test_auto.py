@@ -121,7 +121,12 @@ def test_nothing_fits_is_refused_with_the_planners_reason_and_fix():
 def test_a_line_the_planner_cannot_read_is_refused_naming_the_flag():
     with pytest.raises(PeakflatConfigError) as e:
         auto.resolve(["--num-layers", "2", "--peakflat", "auto"], **MACHINE)
-    assert e.value.flag == "--peakflat" and "--hidden-size" in e.value.problem
+    assert e.value.flag == "--peakflat" and "--hidden-size" in e.value.problem and "--preset" not in str(e.value)
+    with pytest.raises(PeakflatConfigError) as e:  # the planner's --ep, in the training line's words
+        auto.resolve(shlex.split(MODEL + " --seq-length 8192 --expert-model-parallel-size 8"),
+                     **{**MACHINE, "gpus": 6, "gpus_per_node": 6})
+    assert "--expert-model-parallel-size=8 EPxETP = 8 does not divide" in e.value.problem
+    assert "--ep" not in str(e.value).replace("--ep-", "")
 
 
 def test_auto_argv_adds_the_flags_and_logs_the_table_once_on_rank_zero(monkeypatch, caplog):

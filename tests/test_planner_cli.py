@@ -1103,6 +1103,11 @@ def test_a_megatron_command_line_takes_megatrons_defaults_for_the_checked_flags(
     (["--gpus-per-node", "0"], "--gpus-per-node"),
     (["--megatron-args", "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --peakflat-dispatch-chunkcap 4096"],
      "--peakflat-dispatch-chunkcap"),
+    # a misspelt flag that changes memory would plan Megatron's default for it (here 4096 tokens, not 1M)
+    (["--megatron-args", "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-lenght 1048576"],
+     "did you mean --seq-length?"),
+    (["--megatron-args", "--num-layer 4 --hidden-size 64 --num-attention-heads 4"], "did you mean --num-layers?"),
+    (["--megatron-args", '--num-layers 4 --hidden-size 64 --num-attention-heads 4 "unbalanced'], "balance its quotes"),
 ])
 def test_the_planner_refuses_what_would_give_a_traceback_or_a_meaningless_table(argv, flag, capsys):
     """Each is exit status 2 with the flag named on stderr, never a traceback or a table of nan; a mistyped peakflat
@@ -1111,6 +1116,29 @@ def test_the_planner_refuses_what_would_give_a_traceback_or_a_meaningless_table(
     assert main(base + argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and flag in err, err
+
+
+def test_no_megatron_flag_is_taken_for_a_typo_of_one_the_planner_reads():
+    """Every flag of the installed megatron-core that the planner does not read is further than TYPO_CUTOFF from
+    every flag it reads, so a real flag is never refused as a misspelling."""
+    import difflib
+
+    from megatron_peakflat.planner.megatron_args import TYPO_CUTOFF, megatron_parser
+
+    pytest.importorskip("megatron.training.arguments")
+    import argparse
+
+    from megatron.training import arguments
+
+    whole = argparse.ArgumentParser(allow_abbrev=False)
+    groups = [fn for name, fn in vars(arguments).items() if name.startswith("_add_") and name.endswith("_args")]
+    for add in groups:
+        add(whole)
+    megatron = {o for o in whole._option_string_actions if o.startswith("--")}
+    read = [o for o in megatron_parser()._option_string_actions if o.startswith("--")]
+    assert len(megatron) > 500 and {"--seq-length", "--num-layers", "--expert-model-parallel-size"} <= set(read)
+    near = {o: difflib.get_close_matches(o, read, n=1, cutoff=TYPO_CUTOFF) for o in megatron - set(read)}
+    assert not {o: m for o, m in near.items() if m}
 
 
 def test_the_planner_runs_as_a_module_of_its_own():

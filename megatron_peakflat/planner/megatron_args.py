@@ -9,6 +9,7 @@ namespace at run time (used by integration/peaks.py).
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import re
 import shlex
@@ -85,10 +86,41 @@ def is_command_line(ns: Any) -> bool:
     return any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size"))
 
 
+class MissingModelFlags(PeakflatConfigError):
+    """The command line names no model size that the planner needs (``missing``), and no preset gives it."""
+
+    def __init__(self, missing: list[str]) -> None:
+        self.missing = missing
+        super().__init__("--megatron-args", " ".join(missing), "these model flags are missing and no --preset "
+                         "supplies them", "pass them in --megatron-args or add --preset NAME")
+
+
+TYPO_CUTOFF = 0.9
+"""How alike (difflib's ratio) an unread flag and a read one must be for the unread one to be taken as a typo.
+No other flag of megatron-core 0.19.2 comes this close to one the planner reads (tests/test_planner_cli.py)."""
+
+
 def parse_megatron_args(text: str) -> tuple[argparse.Namespace, list[str]]:
-    """Parse a Megatron command-line fragment; returns (namespace, ignored flags)."""
-    ns, unknown = megatron_parser().parse_known_args(shlex.split(text))
-    return ns, [u for u in unknown if u.startswith("--")]
+    """Parse a Megatron command-line fragment; returns (namespace, ignored flags). The planner reads only the
+    flags that change memory and leaves the others out, so a misspelt one of those would silently plan
+    Megatron's default: a flag one letter or two from a flag it reads is refused as a typo, naming that flag."""
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise PeakflatConfigError("--megatron-args", text if len(text) <= 60 else text[:57] + "...",
+                                  f"cannot be split into words as a shell would ({e})",
+                                  "balance its quotes, or pass the flags without quotes inside") from None
+    parser = megatron_parser()
+    ns, unknown = parser.parse_known_args(words)
+    ignored = [u for u in unknown if u.startswith("--")]
+    read = [o for o in parser._option_string_actions if o.startswith("--")]
+    for flag in ignored:
+        name = flag.split("=", 1)[0]
+        close = difflib.get_close_matches(name, read, n=1, cutoff=TYPO_CUTOFF)
+        if close:
+            raise PeakflatConfigError(name, None, f"is not a Megatron flag, and {close[0]} is one that changes memory",
+                                      f"did you mean {close[0]}? (Megatron would refuse {name} too)")
+    return ns, ignored
 
 
 def _moe_pattern(freq: Any, layers: int) -> tuple[bool, ...]:
@@ -141,8 +173,7 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
     missing = [f for f, v in (("--hidden-size", hidden), ("--num-layers", layers), ("--num-attention-heads", heads))
                if v is None]
     if missing:
-        raise PeakflatConfigError("--megatron-args", " ".join(missing), "these model flags are missing and no "
-                                  "--preset supplies them", "pass them in --megatron-args or add --preset NAME")
+        raise MissingModelFlags(missing)
     # Megatron reads --num-query-groups only under --group-query-attention (argument_utils.py); its parsed
     # args carry num_query_groups=1 by default, which without the flag means nothing.
     gqa = getattr(ns, "group_query_attention", None)
