@@ -31,8 +31,10 @@ import os
 import platform
 import shlex
 import sys
+import traceback
 import warnings
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 from . import __version__, auto
 from .config import PeakflatConfig
@@ -272,8 +274,9 @@ def _megatron_args(flags: list[str], gpus: int | None) -> tuple[argparse.Namespa
     world = gpus or _smallest_world(args)
     args.world_size, args.rank = world, 0
     chatter = io.StringIO()
-    with contextlib.redirect_stdout(chatter), _AsIfHopper() as assumed:  # validate_args prints every argument
-        validate_args(args, {})
+    with contextlib.redirect_stdout(chatter), _AsIfHopper() as assumed, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Could not determine rank")  # no process group here, by design
+        validate_args(args, {})  # it prints every argument
     return args, world, ("parsed and validated by Megatron's parse_args and validate_args"
                          + (" (as on a Hopper GPU: none is visible here)" if assumed else ""))
 
@@ -308,6 +311,31 @@ class _AsIfHopper:
             os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
 
 
+def _said(e: BaseException) -> str:
+    """An error's message; for a bare ``assert`` (Megatron's checks have many), the asserting line and where."""
+    if str(e):
+        return str(e)
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return "(no message)"
+    last = frames[-1]
+    return f"{(last.line or '').strip()} ({Path(last.filename).name}:{last.lineno})"
+
+
+@contextlib.contextmanager
+def _local_ranks(n: int) -> Iterator[None]:
+    """LOCAL_WORLD_SIZE as torchrun gives each rank of the job, for the start-up checks that read it."""
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(n)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+
+
 def check_command_line(argv: Sequence[str]) -> int:
     """Check a training command line without a GPU; prints the planner's table and the verdict; returns the
     exit status (0 fits, ``REFUSED``, ``DOES_NOT_FIT``)."""
@@ -315,6 +343,13 @@ def check_command_line(argv: Sequence[str]) -> int:
     from .planner.model import plan
 
     own, flags = _own_parser().parse_known_args(list(argv))
+    for flag, value, fix in (("--gpus", own.gpus, "pass the run's total GPU count, e.g. --gpus 16"),
+                             ("--gpus-per-node", own.gpus_per_node, "pass the GPUs of one node, e.g. 8"),
+                             ("--hbm-gib", own.hbm_gib, "pass the GPU memory in GiB, e.g. --hbm-gib 80"),
+                             ("--host-gib", own.host_gib, "pass the node's RAM in GiB, e.g. --host-gib 2048")):
+        if value is not None and not 0 < value < math.inf:
+            print(f"error: {PeakflatConfigError(flag, value, 'must be a positive number', fix)}", file=sys.stderr)
+            return REFUSED
     auto_table = None
     try:
         if auto.wants_auto(flags):  # resolved before Megatron parses, as pretraining does
@@ -326,10 +361,11 @@ def check_command_line(argv: Sequence[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return REFUSED
     except Exception as e:  # noqa: BLE001 - Megatron's own checks (assertions mostly): as they are
-        print(f"error: Megatron refused the command line: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: Megatron refused the command line: {type(e).__name__}: {_said(e)}", file=sys.stderr)
         return REFUSED
     try:
-        cfg = PeakflatConfig.from_args(args)
+        with _local_ranks(min(own.gpus_per_node or 8, world)):  # start-up reads them from the launcher
+            cfg = PeakflatConfig.from_args(args)
         notes = _startup_notes(args, cfg)
     except PeakflatConfigError as e:
         print(f"error: {e}", file=sys.stderr)

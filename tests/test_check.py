@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from megatron_peakflat import _ext, check
 from megatron_peakflat.integration.registry import CHECKED_ON
 
@@ -64,6 +66,7 @@ def test_an_accepted_command_line_prints_the_plan_and_fits(capsys):
     assert "peakflat plan: custom  seq 8,192  GPUs 8 (TP1 PP1 CP1 DP8 EP8)" in out  # the planner's table
     verdict = out.strip().splitlines()[-1]
     assert verdict.startswith("this command line (dispatch, vocab on):") and verdict.endswith("-> fits"), verdict
+    assert "Could not determine rank" not in captured.err  # validate_args's note on the missing process group
 
 
 def test_the_same_line_on_a_smaller_gpu_does_not_fit(capsys):
@@ -101,6 +104,33 @@ def test_megatrons_own_checks_come_through_as_they_are(capsys):
     err = capsys.readouterr().err
     assert _error(err).startswith("error: Megatron refused the command line: AssertionError: ")
     assert "world size (3) is not divisible by" in err
+
+
+def test_a_bare_megatron_assert_names_its_line(capsys):
+    # Megatron asserts args.micro_batch_size with no message: the error says which check it was
+    line = [a for a in MODEL if a not in ("--micro-batch-size", "1")]
+    assert line == MODEL[:10] + MODEL[12:]
+    assert check.main([*line, *FIXED]) == 2
+    err = _error(capsys.readouterr().err)
+    assert "micro_batch_size is not None (arguments.py:" in err, err
+
+
+@pytest.mark.parametrize("flag, value", [("--gpus", "0"), ("--gpus", "-8"), ("--gpus-per-node", "0"),
+                                         ("--hbm-gib", "nan"), ("--host-gib", "-1")])
+def test_the_checks_own_sizes_are_refused_when_not_positive(capsys, flag, value):
+    fixed = [a for i, a in enumerate(FIXED) if flag not in (a, FIXED[i - 1] if i else None)]
+    assert check.main([*MODEL, *fixed, flag, value]) == 2
+    err = _error(capsys.readouterr().err)
+    assert err.startswith(f"error: {flag}=") and "must be a positive number" in err, err
+
+
+def test_a_check_that_reads_the_ranks_per_host_sees_gpus_per_node(capsys):
+    # the copy engines need an EP group on one host: start-up refuses EP 16 over nodes of 8 (LOCAL_WORLD_SIZE)
+    line = [*MODEL, "--expert-model-parallel-size", "16", "--num-experts", "16", *PEAKFLAT,
+            "--peakflat-dispatch-transport", "copy-engine", *FIXED]
+    assert check.main([*line, "--gpus", "16", "--gpus-per-node", "8"]) == 2
+    assert "is more than the 8 ranks per host" in _error(capsys.readouterr().err)
+    assert check.main([*line, "--gpus", "16", "--gpus-per-node", "16"]) in (0, 3)
 
 
 def test_tensor_parallel_lines_validate_without_a_gpu(capsys):
