@@ -97,6 +97,9 @@ def _apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
             log.info(advice)
     if not components:
         log.info("peakflat: no component enabled; Megatron runs unchanged")
+    elif components == {"attention"}:
+        log.info("peakflat: no component enabled; Megatron runs with its local spec's core attention on torch's "
+                 "SDPA (--peakflat-attention auto without Transformer Engine; 'local' keeps Megatron's)")
     return cfg
 
 

@@ -311,6 +311,13 @@ class _AsIfHopper:
             os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
 
 
+def _attention_is_sdpa(args: Any, cfg: PeakflatConfig) -> bool:
+    """Whether start-up would put the SDPA core attention in Megatron's local spec for this line."""
+    from . import _attention_wanted
+
+    return getattr(args, "transformer_impl", "transformer_engine") == "local" and _attention_wanted(cfg)
+
+
 def _said(e: BaseException) -> str:
     """An error's message; for a bare ``assert`` (Megatron's checks have many), the asserting line and where."""
     if str(e):
@@ -374,7 +381,10 @@ def check_command_line(argv: Sequence[str]) -> int:
         print(auto_table)
     print(f"Megatron flags: {note}; {world} GPUs")
     on = [name for name, enabled in cfg.enabled.items() if enabled]
-    print(f"peakflat flags: accepted; components on: {', '.join(on) or 'none (Megatron runs unchanged)'}")
+    alone = "none (Megatron runs unchanged)"
+    if not on and _attention_is_sdpa(args, cfg):
+        alone = "none (Megatron runs with its local spec's core attention on torch's SDPA: --peakflat-attention auto)"
+    print(f"peakflat flags: accepted; components on: {', '.join(on) or alone}")
     for line in notes:
         print(f"note: {line}")
     planner = ["--megatron-args", shlex.join(flags), "--gpus", str(world), "--layout", "given"]

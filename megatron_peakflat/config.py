@@ -560,7 +560,9 @@ def flags_document() -> str:
     return ("# Flags\n\n"
             "Every `--peakflat-*` flag, generated from the config dataclasses in `megatron_peakflat/config.py` and\n"
             "the components' own config files (regenerate with `python -m megatron_peakflat.config > docs/flags.md`).\n"
-            "Every component is off by default: a command line without these flags runs Megatron unchanged. A bad\n"
+            "Every component is off by default: a command line without these flags runs Megatron's own dispatch,\n"
+            "loss, recompute and optimizer. One default acts alone: without Transformer Engine, `--peakflat-attention\n"
+            "auto` makes the core attention of Megatron's local spec torch's SDPA (`local` keeps Megatron's). A bad\n"
             "value or a combination that cannot run fails at start-up, naming the flag, the value and the fix.\n"
             "Sizes take units (`16GiB`, `512MiB`, `2e9`); counts take suffixes (`50M`, `2.5B`).\n\n"
             + flags_markdown() + "\n")

@@ -106,6 +106,18 @@ def test_megatrons_own_checks_come_through_as_they_are(capsys):
     assert "world size (3) is not divisible by" in err
 
 
+def test_a_line_without_components_says_what_still_changes(capsys, monkeypatch):
+    """Without Transformer Engine, --peakflat-attention auto puts SDPA in Megatron's local spec: the check says so
+    rather than 'Megatron runs unchanged', and says 'unchanged' where it is."""
+    from megatron_peakflat.integration import attention
+
+    for te, words in ((False, "components on: none (Megatron runs with its local spec's core attention on torch's "
+                              "SDPA"), (True, "components on: none (Megatron runs unchanged)")):
+        monkeypatch.setattr(attention, "transformer_engine_available", lambda te=te: te)
+        assert check.main([*MODEL, "--transformer-impl", "local", *FIXED]) == 0
+        assert words in capsys.readouterr().out
+
+
 def test_a_bare_megatron_assert_names_its_line(capsys):
     # Megatron asserts args.micro_batch_size with no message: the error says which check it was
     line = [a for a in MODEL if a not in ("--micro-batch-size", "1")]
