@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Bring Transformer Engine to an offline GPU machine whose transfers are capped (64 MiB a run here) and
-# build its PyTorch extension there. How tests/gpu/test_te_gpu.py got TE 2.20.2 onto the H200.
+# Bring Transformer Engine to an offline GPU machine that takes at most 64 MiB of files per command, and
+# build its PyTorch extension there (TE 2.20.2 by default, for tests/gpu/test_te_gpu.py and bench/e2e.py).
 #
 #   here:   bash tools/te_to_device.sh fetch      # .tep1 ... .tep5 (ignored): TE's 276 MB core wheel in 5 parts,
 #                                                 # its torch extension's sdist and the wheels TE needs
