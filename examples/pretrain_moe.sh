@@ -6,12 +6,12 @@
 #   PEAKFLAT=off examples/pretrain_moe.sh  # Megatron alone
 #   sbatch examples/pretrain_moe.sh     # under SLURM: one srun task per node, torchrun per node
 #   sbatch --nodes 4 /abs/path/to/examples/pretrain_moe.sh   # from any directory
-#   CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:25.01-py3 sbatch examples/pretrain_moe.sh   # in an NGC container
+#   CONTAINER_IMAGE=/images/pytorch-megatron.sqsh sbatch examples/pretrain_moe.sh   # in a container (pyxis)
 #   SAVE_DIR=/ckpt/run1 TB_DIR=/tb/run1 examples/pretrain_moe.sh   # checkpoints (resumed from), TensorBoard
 #   examples/pretrain_moe.sh --seq-length 8192 --lr 1e-4   # extra flags go to Megatron, last, so they win
 #
-# Environment (defaults in brackets): GPUS_PER_NODE [all visible], NUM_LAYERS [4], HIDDEN [1024],
-# HEADS [8], FFN [2816], MOE_FFN [704], EXPERTS [8], TOPK [2], EP [GPUS_PER_NODE*NNODES, capped at EXPERTS],
+# Environment (defaults in brackets): GPUS_PER_NODE [Slurm's GPUs on the node, else nvidia-smi's, else torch's], NUM_LAYERS [4], HIDDEN [1024],
+# HEADS [8], FFN [2816], MOE_FFN [704], EXPERTS [8], TOPK [2], EP [the largest size that divides both EXPERTS and the data-parallel ranks],
 # TP [1], SEQ_LEN [4096], MICRO_BATCH [1], GLOBAL_BATCH [8, or MICRO_BATCH x data-parallel ranks when more], TRAIN_ITERS [20], VOCAB [32768], UNTIE [1] (0: output
 # layer tied to the embedding), GROUPED_GEMM [auto: 1 when Transformer Engine imports, adding --moe-grouped-gemm; 0],
 # PEAKFLAT [auto: start-up runs the planner on this command line and turns on what it recommends; on; off],
@@ -27,7 +27,7 @@
 # SLURM: one task per node runs torchrun for its node. The tasks run the submitted script, found from its absolute
 # path, `scontrol show job` or SLURM_SUBMIT_DIR, so sbatch works from any directory; PEAKFLAT_SCRIPT
 # [/abs/path/examples/pretrain_moe.sh] overrides. Container (pyxis/enroot): CONTAINER_IMAGE [none: an image for
-# srun --container-image, e.g. nvcr.io#nvidia/pytorch:25.01-py3 or a .sqsh file; the image needs megatron-core,
+# srun --container-image: a registry image or a .sqsh file, e.g. an NGC PyTorch image with megatron-core installed;
 # and peakflat is imported from this repository, mounted at its own path and put on PYTHONPATH], CONTAINER_MOUNTS
 # [none: more src:dst mounts, comma-separated; the repository, DATA_PATH's, SAVE_DIR's, LOAD_DIR's and TB_DIR's
 # directories are mounted already].
@@ -44,7 +44,17 @@
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
-GPUS_PER_NODE=${GPUS_PER_NODE:-$($PYTHON -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
+# The GPUs of this node, without importing torch where the batch host lacks it (a container job's tasks count again)
+count_gpus() {
+  if [[ "${SLURM_GPUS_ON_NODE:-}" =~ ^[1-9][0-9]*$ ]]; then echo "$SLURM_GPUS_ON_NODE"; return; fi
+  local n=0
+  if command -v nvidia-smi >/dev/null 2>&1; then n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true); fi
+  if [[ "$n" -gt 0 ]]; then echo "$n"; return; fi
+  "$PYTHON" -c 'import torch; print(max(torch.cuda.device_count(), 1))' 2>/dev/null || echo 1
+}
+GPUS_PER_NODE=${GPUS_PER_NODE:-$(count_gpus)}
+[[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]] || { echo "GPUS_PER_NODE must be a positive integer, not '$GPUS_PER_NODE'" >&2; exit 2; }
+MODEL_GIVEN="${HIDDEN:-}${SEQ_LEN:-}${EXPERTS:-}${TOPK:-}${MICRO_BATCH:-}${NUM_LAYERS:-}${MOE_FFN:-}"
 NNODES=${SLURM_NNODES:-${NNODES:-1}}
 NODE_RANK=${SLURM_NODEID:-${NODE_RANK:-0}}
 if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
@@ -63,7 +73,10 @@ MOE_FFN=${MOE_FFN:-704}
 EXPERTS=${EXPERTS:-8}
 TOPK=${TOPK:-2}
 TP=${TP:-1}
-EP=${EP:-$(( WORLD / TP < EXPERTS ? WORLD / TP : EXPERTS ))}
+if [[ -z "${EP:-}" ]]; then  # the largest size that divides both the experts and the data-parallel ranks
+  EP=$(( WORLD / TP < EXPERTS ? WORLD / TP : EXPERTS ))
+  while (( EP > 1 && (EXPERTS % EP || (WORLD / TP) % EP) )); do EP=$(( EP - 1 )); done
+fi
 SEQ_LEN=${SEQ_LEN:-4096}
 MICRO_BATCH=${MICRO_BATCH:-1}
 DP=$(( WORLD / TP ))
@@ -73,7 +86,7 @@ TRAIN_ITERS=${TRAIN_ITERS:-20}
 WARMUP=$(( TRAIN_ITERS > 2 ? 2 : TRAIN_ITERS - 1 ))  # Megatron needs fewer warm-up iterations than iterations
 VOCAB=${VOCAB:-32768}
 PEAKFLAT=${PEAKFLAT:-auto}
-if [[ "$PEAKFLAT" == on && -z "${CHUNK_CAP:-}" && -n "${HIDDEN:-}${SEQ_LEN:-}${EXPERTS:-}${TOPK:-}${MICRO_BATCH:-}" ]]; then
+if [[ "$PEAKFLAT" == on && -z "${CHUNK_CAP:-}" && -n "$MODEL_GIVEN" ]]; then
   echo "note: CHUNK_CAP defaults to 4096 token-expert pairs, sized so that this script's small default model chunks;" \
        "for another model pass CHUNK_CAP=auto (8192 x TOPK, at least 32768) or the planner's value" >&2
 fi
@@ -139,7 +152,8 @@ case "$PEAKFLAT" in
         vocab-ep)  PF+=(--peakflat-vocab ring-dtp --peakflat-vocab-shard-over-ep) ;;  # TP=1, EP > 1, UNTIE=1
         sco)       PF+=(--peakflat-sco) ;;
         optimizer) PF+=(--peakflat-optimizer offload-stream --optimizer-cpu-offload --use-precision-aware-optimizer) ;;
-        *) echo "unknown component '$c' in PEAKFLAT_COMPONENTS" >&2; exit 2 ;;
+        *) echo "unknown component '$c' in PEAKFLAT_COMPONENTS: take dispatch, vocab, vocab-ep, sco or optimizer" >&2
+           exit 2 ;;
       esac
     done
     PF+=(--peakflat-report-peaks) ;;
@@ -155,7 +169,15 @@ LAUNCH=(
   -m megatron_peakflat.pretrain "${MODEL[@]}" "${PARALLEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${OUTPUTS[@]}" "${PF[@]}"
   "${USER_ARGS[@]}" "$@"
 )
-echo "peakflat=$PEAKFLAT nodes=$NNODES gpus/node=$GPUS_PER_NODE tp=$TP ep=$EP seq=$SEQ_LEN layers=$NUM_LAYERS experts=$EXPERTS"
+SHOWN_SEQ=$SEQ_LEN  # the last --seq-length given wins, as in Megatron's parser
+ALL=("${USER_ARGS[@]}" "$@")
+for i in "${!ALL[@]}"; do
+  case "${ALL[$i]}" in
+    --seq-length) SHOWN_SEQ=${ALL[$((i + 1))]:-$SHOWN_SEQ} ;;
+    --seq-length=*) SHOWN_SEQ=${ALL[$i]#--seq-length=} ;;
+  esac
+done
+echo "peakflat=$PEAKFLAT nodes=$NNODES gpus/node=$GPUS_PER_NODE tp=$TP ep=$EP seq=$SHOWN_SEQ layers=$NUM_LAYERS experts=$EXPERTS"
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # This script's own path, for the per-node tasks (and the container) to run. Under sbatch $0 is Slurm's spool copy,
 # which only the batch node has: then the submitted script, from `scontrol show job` (its absolute path) or the

@@ -106,10 +106,11 @@ def test_user_flags_come_last_so_that_they_win():
 @pytest.mark.parametrize("bad, words", [(dict(PEAKFLAT="maybe"), "PEAKFLAT must be auto, on or off"),
                                         (dict(TRAIN_ITERS="0"), "TRAIN_ITERS must be a positive integer, not '0'"),
                                         (dict(PEAKFLAT="on", PEAKFLAT_COMPONENTS="dispatch,bogus"),
-                                         "unknown component 'bogus'")])
+                                         "unknown component 'bogus' in PEAKFLAT_COMPONENTS: take dispatch, vocab"),
+                                        (dict(GPUS_PER_NODE="0"), "GPUS_PER_NODE must be a positive integer, not '0'")])
 def test_bad_environment_is_refused_with_its_value(bad, words):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEAKFLAT")}
-    env.update(GPUS_PER_NODE="1", PYTHON="echo", **bad)
+    env.update({"GPUS_PER_NODE": "1", "PYTHON": "echo", **bad})
     out = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and words in out.stderr, out.stderr
 
@@ -207,6 +208,36 @@ def test_container_runs_the_tasks_in_the_image_with_the_paths_mounted(tmp_path):
     assert argv[:2] == ["-m", "torch.distributed.run"] and value(argv, "--save") == "/ckpt/run1"
     i = argv.index("--data-path")  # a weighted blend reaches Megatron as its words
     assert argv[i + 1:i + 5] == ["0.5", "/data/a/text_document", "0.5", "/data/b/text_document"], argv
+
+
+def test_a_container_job_submits_from_a_batch_host_without_torch(tmp_path):
+    """The batch host of a container job need not have torch: the GPU count comes from Slurm or nvidia-smi, and
+    the tasks in the image count again."""
+    python = tmp_path / "python-without-torch"
+    python.write_text('#!/usr/bin/env bash\necho "ModuleNotFoundError: No module named torch" >&2; exit 1\n')
+    python.chmod(0o755)
+    env = _slurm_env(tmp_path, SLURM_NNODES="1", SLURM_SUBMIT_DIR=ROOT, CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:25.01-py3",
+                     PYTHON=str(python), SLURM_GPUS_ON_NODE="4")
+    env.pop("GPUS_PER_NODE")
+    out = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "gpus/node=4" in out.stdout, out.stderr
+    assert out.stdout.splitlines()[-1].startswith("--ntasks-per-node=1"), out.stdout
+
+
+def test_the_default_expert_parallel_size_divides_the_experts_and_the_ranks():
+    assert value(command(GPUS_PER_NODE="8", EXPERTS="6", PEAKFLAT="off"), "--expert-model-parallel-size") == "2"
+    assert value(command(GPUS_PER_NODE="8", EXPERTS="8", PEAKFLAT="off"), "--expert-model-parallel-size") == "8"
+    assert value(command(GPUS_PER_NODE="6", EXPERTS="8", PEAKFLAT="off"), "--expert-model-parallel-size") == "2"
+
+
+def test_the_banner_shows_the_sequence_that_runs_and_the_chunk_note_only_for_another_model():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PEAKFLAT", "SLURM", "MEGATRON_ARGS"))}
+    env.update(GPUS_PER_NODE="2", PYTHON="echo")
+    for extra, note in ((dict(PEAKFLAT="on"), False), (dict(PEAKFLAT="on", HIDDEN="4096"), True)):
+        out = subprocess.run(["bash", SCRIPT, "--seq-length", "8192"], env={**env, **extra}, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0 and "seq=8192" in out.stdout, out.stdout
+        assert ("CHUNK_CAP defaults to 4096" in out.stderr) == note, out.stderr
 
 
 def test_a_container_outside_slurm_is_refused_with_the_fix():
