@@ -217,9 +217,26 @@ def _setup_logging(argv: list[str]) -> None:
     install_rank_filter("--peakflat-log-all-ranks" in argv)
 
 
+def _check_gpus() -> None:
+    """Megatron's pretraining asserts CUDA deep in its start-up, once per rank with a traceback: say it first,
+    with what runs without a GPU. The CPU test shim (``testing.megatron_cpu``) stands in for CUDA on purpose."""
+    import torch
+
+    shim = sys.modules.get("megatron_peakflat.testing.megatron_cpu")
+    if torch.cuda.is_available() or getattr(shim, "_INSTALLED", False):
+        return
+    raise SystemExit("megatron-peakflat: Megatron's pretraining needs CUDA GPUs, and this process sees none. Fix: "
+                     "launch it on GPU nodes (torchrun, or sbatch examples/pretrain_moe.sh); without a GPU, "
+                     "peakflat-check <the same flags> --gpus N checks the command line and the planner's fit, and "
+                     "make demo trains a small model on CPU")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse Megatron's and peakflat's flags, apply the patches, and run Megatron's pretrain loop."""
-    _setup_logging(list(sys.argv[1:] if argv is None else argv))
+    words = list(sys.argv[1:] if argv is None else argv)
+    _setup_logging(words)
+    if not {"-h", "--help"} & set(words):
+        _check_gpus()
     try:
         flags = megatron_peakflat.auto_argv(_default_argv(list(sys.argv[1:] if argv is None else argv)))
     except megatron_peakflat.PeakflatConfigError as e:

@@ -24,6 +24,20 @@ def test_help_lists_megatron_and_peakflat_flags():
         assert flag in out.stdout, flag
 
 
+def test_without_a_gpu_the_entry_point_stops_first_naming_what_runs_on_cpu():
+    """Megatron asserts CUDA deep in its start-up, with a traceback per rank: the entry says it at once."""
+    import subprocess
+    import sys
+
+    from megatron_peakflat.testing.subproc import ROOT, child_env
+
+    out = subprocess.run([sys.executable, "-m", "megatron_peakflat.pretrain", *TINY], capture_output=True, text=True,
+                         env=child_env(CUDA_VISIBLE_DEVICES=""), cwd=ROOT, timeout=300)  # no GPU, here or on a GPU host
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "needs CUDA GPUs, and this process sees none" in out.stderr and "peakflat-check" in out.stderr
+    assert "Traceback" not in out.stderr and MODEL_BUILT not in out.stdout + out.stderr
+
+
 def test_an_older_megatron_without_the_config_builders_stops_the_entry_point_naming_the_fix(monkeypatch):
     # megatron-core 0.18.2's pretrain() takes a model_provider that only Megatron-LM's pretrain_gpt.py has.
     import megatron.training.argument_utils as argument_utils

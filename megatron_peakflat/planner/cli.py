@@ -229,7 +229,7 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     unknown = [u.split("=")[0] for u in ignored if u.startswith("--peakflat")]
     if unknown:
         raise _err(unknown[0], None, "is not a peakflat flag (pretraining would refuse it too)",
-                   "check its spelling against the flags in README.md or --help")
+                   "check its spelling against docs/flags.md or --help")
     if base is None and not ns.megatron_args:
         raise _err("--preset", None, "no model given", f"pass --preset ({', '.join(PRESETS)}) or --megatron-args")
     shape = shape_from_namespace(mns, base) if ns.megatron_args else base
