@@ -163,3 +163,14 @@ def test_apply_refuses_an_auto_that_nothing_resolved(monkeypatch):
     with pytest.raises(PeakflatConfigError) as e:
         megatron_peakflat.apply(ns)
     assert e.value.flag == "--peakflat" and "auto_argv" in e.value.fix
+
+
+def test_the_reason_says_when_the_bound_costs_more_than_megatrons_balanced_term():
+    from types import SimpleNamespace
+
+    choice = auto.resolve(shlex.split(MODEL + " --seq-length 131072"), **MACHINE)
+    rec = choice.recommendation
+    assert rec.config.enabled["dispatch"]
+    larger, smaller = SimpleNamespace(baseline=0.09, peakflat=0.16), SimpleNamespace(baseline=2.0, peakflat=0.5)
+    assert "Megatron's is smaller here with balanced routing" in auto._why("dispatch", rec, None, larger)
+    assert auto._why("dispatch", rec, None, smaller) == "bounds this peak at no loss of exactness"
