@@ -186,6 +186,8 @@ class ComponentConfig:
             elif tp in _PARSERS:
                 parse, kw["metavar"] = _PARSERS[tp]
                 kw["type"] = _or_auto(parse, optional)
+                if optional:
+                    kw["metavar"] += "|auto"
             else:
                 raise TypeError(f"{cls.__name__}.{f.name}: unsupported flag type {tp}")
             if optional:
