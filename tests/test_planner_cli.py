@@ -1044,10 +1044,6 @@ def test_a_megatron_command_line_without_a_global_batch_runs_one_micro_batch():
     assert run.num_micro == 8
 
 
-_RUN = ("--num-layers 8 --hidden-size 512 --num-attention-heads 8 --num-experts 8 --moe-router-topk 2 --seq-length 8192 "
-        "--bf16 --use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
-        "--recompute-num-layers 1 --moe-token-dispatcher-type alltoall --disable-bias-linear")
-
 
 @pytest.mark.parametrize("extra, component, why", [
     (" --moe-token-dispatcher-type allgather", "dispatch", "--moe-token-dispatcher-type alltoall"),
@@ -1092,6 +1088,11 @@ def test_a_megatron_command_line_takes_megatrons_defaults_for_the_checked_flags(
     assert blockers(shape, run, ns.megatron_namespace) == {}
 
 
+_RUN = ("--num-layers 8 --hidden-size 512 --num-attention-heads 8 --num-experts 8 --moe-router-topk 2 --seq-length 8192 "
+        "--bf16 --use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
+        "--recompute-num-layers 1 --moe-token-dispatcher-type alltoall --disable-bias-linear")
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--hbm-gib", "nan"], "--hbm-gib"),
     (["--host-gib", "inf"], "--host-gib"),
@@ -1108,6 +1109,10 @@ def test_a_megatron_command_line_takes_megatrons_defaults_for_the_checked_flags(
      "did you mean --seq-length?"),
     (["--megatron-args", "--num-layer 4 --hidden-size 64 --num-attention-heads 4"], "did you mean --num-layers?"),
     (["--megatron-args", '--num-layers 4 --hidden-size 64 --num-attention-heads 4 "unbalanced'], "balance its quotes"),
+    # the training line's own --peakflat-* flags, where start-up would refuse them
+    (["--megatron-args", _RUN.replace("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+                                      "") + " --peakflat-sco"], "--peakflat-sco=True: SCO offloads"),
+    (["--megatron-args", _RUN + " --peakflat-optimizer offload-stream"], "--peakflat-optimizer='offload-stream'"),
 ])
 def test_the_planner_refuses_what_would_give_a_traceback_or_a_meaningless_table(argv, flag, capsys):
     """Each is exit status 2 with the flag named on stderr, never a traceback or a table of nan; a mistyped peakflat

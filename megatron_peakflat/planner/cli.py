@@ -27,9 +27,10 @@ from typing import Any, Sequence
 
 from ..config import PeakflatConfig, add_args
 from ..config_base import PeakflatConfigError
-from .megatron_args import fused_adam_importable, parse_megatron_args, run_fields_from_namespace, shape_from_namespace
+from .megatron_args import (fused_adam_importable, is_command_line, parse_megatron_args, run_fields_from_namespace,
+                            shape_from_namespace)
 from .model import COMPONENTS, GIB, Plan, RunConfig, pipeline_split, plan
-from .recommend import Recommendation, blockers, recommend
+from .recommend import Recommendation, blockers, recommend, startup_namespace
 from .shapes import PRESETS, ModelShape, preset
 
 __all__ = ["main", "build", "default_parallel"]
@@ -280,6 +281,9 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
             setattr(merged, k, v)
     pf = PeakflatConfig.from_args(merged, validate=False).validate()
     ns.megatron_namespace = mns if ns.megatron_args else None
+    if ns.megatron_args and is_command_line(mns):  # its own --peakflat-* flags, refused as start-up would
+        own = argparse.Namespace(**{k: v for k, v in vars(mns).items() if k.startswith("peakflat_")})
+        PeakflatConfig.from_args(own, validate=False).validate(startup_namespace(shape, run, mns))
     pf = _all_on(pf, shape, run, ns.megatron_namespace)
     return shape, run, pf, ns, ignored
 

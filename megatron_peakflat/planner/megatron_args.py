@@ -50,7 +50,6 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-modules", nargs="*", default=None)
     p.add_argument("--moe-layer-freq", default=None)
     p.add_argument("--pipeline-model-parallel-layout", default=None)
-    p.add_argument("--optimizer", default=None)
     # Flags that peakflat's start-up checks read (config.py), absent unless given: ``startup_namespace`` adds
     # Megatron's defaults for a command line, so the plan leaves off what such a run would refuse.
     for flag, kw in _CHECKED_FLAGS:
@@ -61,6 +60,7 @@ def megatron_parser() -> argparse.ArgumentParser:
 
 _CHECKED_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--moe-token-dispatcher-type", {}),
+    ("--optimizer", {}),
     ("--disable-bias-linear", {"dest": "add_bias_linear", "action": "store_false"}),
     ("--fp8-format", {"dest": "fp8"}),
     ("--fp4-format", {"dest": "fp4"}),
@@ -73,11 +73,12 @@ _CHECKED_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     "--moe-pad-expert-input-to-capacity", "--moe-router-padding-for-quantization", "--delay-wgrad-compute",
     "--overlap-dispatch-backward-with-experts-wgrad", "--enable-cuda-graph", "--use-te-activation-func",
     "--use-transformer-engine-op-fuser", "--moe-single-grouped-weight", "--moe-single-grouped-bias",
-    "--fine-grained-activation-offloading", "--distribute-saved-activations"))
+    "--fine-grained-activation-offloading", "--distribute-saved-activations", "--use-precision-aware-optimizer"))
 
-MEGATRON_DEFAULTS: dict[str, Any] = {"moe_token_dispatcher_type": "allgather", "add_bias_linear": True}
-"""Megatron's defaults (arguments.py) among the checked flags that a start-up check refuses: a command line
-that leaves them out runs the allgather dispatcher and experts with biases."""
+MEGATRON_DEFAULTS: dict[str, Any] = {"moe_token_dispatcher_type": "allgather", "add_bias_linear": True,
+                                     "optimizer": "adam"}
+"""Megatron's defaults (arguments.py) among the checked flags that a start-up check reads: a command line
+that leaves them out runs the allgather dispatcher, experts with biases, and Adam."""
 
 
 def is_command_line(ns: Any) -> bool:
