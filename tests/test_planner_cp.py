@@ -86,6 +86,12 @@ REPLICATED_OPTIMIZER = (
     "--ffn-hidden-size 14336 --num-experts 32 --moe-router-topk 8 --moe-ffn-hidden-size 512 --vocab-size 128256 "
     "--swiglu --seq-length 4096 --micro-batch-size 3 --global-batch-size 12 --bf16 --moe-token-dispatcher-type alltoall "
     "--disable-bias-linear --recompute-granularity selective")
+MANY_CHUNKS = ("--num-layers 16 --hidden-size 2048 --num-attention-heads 8 --kv-channels 64 --ffn-hidden-size 2880 "
+               "--num-experts 8 --moe-router-topk 5 --moe-ffn-hidden-size 768 --vocab-size 128256 --swiglu "
+               "--untie-embeddings-and-output-weights --seq-length 1048576 --micro-batch-size 4 "
+               "--moe-token-dispatcher-type alltoall --disable-bias-linear --use-distributed-optimizer "
+               "--expert-model-parallel-size 1 --recompute-granularity full --recompute-method uniform "
+               "--recompute-num-layers 1")
 FP32 = ("--num-layers 13 --hidden-size 2880 --num-attention-heads 64 --kv-channels 128 --ffn-hidden-size 2880 "
         "--num-experts 32 --moe-router-topk 2 --moe-ffn-hidden-size 256 --vocab-size 151936 --swiglu "
         "--untie-embeddings-and-output-weights --seq-length 65536 --micro-batch-size 2 --moe-token-dispatcher-type "
@@ -101,6 +107,8 @@ FP32 = ("--num-layers 13 --hidden-size 2880 --num-attention-heads 64 --kv-channe
     (("--gpus", "4", "--hbm-gib", "94"), REPLICATED_OPTIMIZER),
     # fp32: Megatron's offloaded optimizer would refuse it, OffloadStreamAdamW in its place does not
     (("--gpus", "1", "--hbm-gib", "94"), FP32),
+    # a shrunk chunk cap that needs more chunks than the default allows: the pasted max-chunks must not change it
+    (("--gpus", "4", "--hbm-gib", "96", "--gpus-per-node", "1"), MANY_CHUNKS),
 ])
 def test_the_recommended_line_reproduces_the_plan(capsys, argv, model):
     """Plan, paste the printed line back as --megatron-args (beside the same preset, or after the same Megatron

@@ -232,7 +232,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
     A component in ``blocked`` stays off."""
     base = base or PeakflatConfig()
     disp = dataclasses.replace(base.dispatch, impl="megatron" if "dispatch" in blocked else "pipelined-llep",
-                               chunk_cap=STARTS["chunk_cap"])
+                               chunk_cap=STARTS["chunk_cap"], max_chunks=DispatchConfig().max_chunks)
     voc = dataclasses.replace(base.vocab, impl="megatron" if "vocab" in blocked else "ring-dtp",
                               block_size=STARTS["block_size"])
     opt = dataclasses.replace(base.optimizer, impl="offload-stream" if optimizer else "megatron",
