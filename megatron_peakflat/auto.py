@@ -273,7 +273,10 @@ def _picked_layout(args: list[str]) -> str:
 
     pick = list(args)
     pick[pick.index("--layout") + 1] = "pick"
-    shape, run, pf, ns, _ = build(pick)
+    try:
+        shape, run, pf, ns, _ = build(pick)
+    except PeakflatConfigError:  # the picked layout does not suit this line (a sequence CP does not divide, ...)
+        return ""
     rec = recommend(shape, run, pf, ns.megatron_namespace)
     if not rec.fits:
         return ""

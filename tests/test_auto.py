@@ -94,6 +94,9 @@ def test_the_plan_is_in_the_lines_own_layout_and_a_layout_that_fits_is_the_fix()
     assert "nothing fits in this command line's layout (TP1 PP1 CP1 DP8 EP1)" in e.value.problem
     layout = "--tensor-model-parallel-size 1 --context-parallel-size 4 --expert-model-parallel-size 8"
     assert f"or train in a layout that fits on these GPUs: {layout}" in e.value.fix
+    with pytest.raises(PeakflatConfigError) as e:  # CP 4 does not divide this sequence: no layout to offer
+        auto.resolve(shlex.split(LONG.replace("524288", "524290")), **NODE)
+    assert "nothing fits in this command line's layout" in e.value.problem and "layout that fits" not in e.value.fix
     choice = auto.resolve(shlex.split(LONG + " --context-parallel-size 4 --expert-model-parallel-size 8"), **NODE)
     run = choice.recommendation.plan.run
     assert (run.tp, run.pp, run.cp, run.dp, run.ep) == (1, 1, 4, 2, 8) and choice.recommendation.fits
