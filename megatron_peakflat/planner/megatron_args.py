@@ -120,7 +120,7 @@ def parse_megatron_args(text: str) -> tuple[argparse.Namespace, list[str]]:
         close = difflib.get_close_matches(name, read, n=1, cutoff=TYPO_CUTOFF)
         if close:
             raise PeakflatConfigError(name, None, f"is not a Megatron flag, and {close[0]} is one that changes memory",
-                                      f"did you mean {close[0]}? (Megatron would refuse {name} too)")
+                                      f"did you mean {close[0]}?")
     return ns, ignored
 
 
