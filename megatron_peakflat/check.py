@@ -34,9 +34,10 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from . import __version__, auto
+from ._environ import environment
 from .config import PeakflatConfig
 from .config_base import PeakflatConfigError
 
@@ -329,20 +330,6 @@ def _said(e: BaseException) -> str:
     return f"{(last.line or '').strip()} ({Path(last.filename).name}:{last.lineno})"
 
 
-@contextlib.contextmanager
-def _local_ranks(n: int) -> Iterator[None]:
-    """LOCAL_WORLD_SIZE as torchrun gives each rank of the job, for the start-up checks that read it."""
-    saved = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = str(n)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = saved
-
-
 def check_command_line(argv: Sequence[str]) -> int:
     """Check a training command line without a GPU; prints the planner's table and the verdict; returns the
     exit status (0 fits, ``REFUSED``, ``DOES_NOT_FIT``)."""
@@ -371,7 +358,8 @@ def check_command_line(argv: Sequence[str]) -> int:
         print(f"error: Megatron refused the command line: {type(e).__name__}: {_said(e)}", file=sys.stderr)
         return REFUSED
     try:
-        with _local_ranks(min(own.gpus_per_node or 8, world)):  # start-up reads them from the launcher
+        # the ranks per host, which start-up reads from the launcher
+        with environment({"LOCAL_WORLD_SIZE": str(min(own.gpus_per_node or 8, world))}):
             cfg = PeakflatConfig.from_args(args)
         notes = _startup_notes(args, cfg)
     except PeakflatConfigError as e:

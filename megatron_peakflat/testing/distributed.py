@@ -25,7 +25,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import random
@@ -33,10 +32,12 @@ import socket
 import sys
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .._environ import environment
 
 __all__ = ["run_distributed", "DistributedTestError", "free_port", "port_taken", "PORT_ATTEMPTS"]
 
@@ -176,21 +177,6 @@ def _end_children(timeout_s: float = 10.0) -> None:
         child.join(timeout_s)
 
 
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``values`` set for the block (spawned processes inherit it), then as it was."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, backend: str = "gloo",
     cuda: bool | None = None,
@@ -243,7 +229,7 @@ def _rank_context(hidden: bool) -> tuple[Any, dict[str, str] | None]:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["megatron_peakflat.testing.rank_preload"])
-    with _environ(_HIDDEN):
+    with environment(_HIDDEN):
         forkserver.ensure_running()  # a no-op once it runs; it starts with os.environ as it is here
     return ctx, {**os.environ, **_HIDDEN}
 
@@ -263,7 +249,7 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], ti
         )
         for r in range(world_size)
     ]
-    with _environ(_HIDDEN if hidden else {}):
+    with environment(_HIDDEN if hidden else {}):
         for p in procs:
             p.start()
     import time
