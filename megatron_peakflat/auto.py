@@ -226,7 +226,7 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
         raise PeakflatConfigError(FLAG, "auto", f"the command line names no {' '.join(e.missing)}, so the planner "
                                   "has no model to plan", "add them, or drop --peakflat auto") from e
     except PeakflatConfigError as e:
-        flag = _TRAINING_FLAGS.get(e.flag, e.flag)
+        flag = _training_flags().get(e.flag, e.flag)
         value = "" if e.value is None else f"={e.value!r}"
         raise PeakflatConfigError(FLAG, "auto", f"the planner cannot read this command line: {flag}{value} "
                                   f"{_training_words(e.problem)}", f"{_training_words(e.fix)}; or pass the "
@@ -249,17 +249,19 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
     return AutoChoice(added, kept, rec, args, list(argv))
 
 
-_TRAINING_FLAGS = {"--tp": "--tensor-model-parallel-size", "--pp": "--pipeline-model-parallel-size",
-                   "--cp": "--context-parallel-size", "--ep": "--expert-model-parallel-size",
-                   "--etp": "--expert-tensor-parallel-size", "--seq-len": "--seq-length",
-                   "--micro-batch": "--micro-batch-size", "--global-batch": "--global-batch-size",
-                   "--gpus": "the world size"}
-"""The planner's own flags, which auto sets from the training command line, by the training flag they stand for."""
+def _training_flags() -> dict[str, str]:
+    """The planner's own flags (its RunConfig fields' names: ``--tp``, ``--seq-len``), which auto sets from the
+    training command line, by the training flag they stand for."""
+    from .planner.megatron_args import RUN_FIELDS
+
+    out = {"--" + field.replace("_", "-"): "--" + dest.replace("_", "-") for dest, field in RUN_FIELDS.items()}
+    return {**out, "--gpus": "the world size"}
 
 
 def _training_words(text: str) -> str:
     """The planner's message in the training command line's words: its own flags named by the training flags."""
-    return re.sub(r"--[a-z-]+", lambda m: _TRAINING_FLAGS.get(m.group(0), m.group(0)), text)
+    names = _training_flags()
+    return re.sub(r"--[a-z-]+", lambda m: names.get(m.group(0), m.group(0)), text)
 
 
 def _layout(run: Any) -> str:

@@ -20,7 +20,7 @@ from ..config_base import PeakflatConfigError
 from .shapes import MLA, ModelShape
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
-           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS"]
+           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS"]
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -214,20 +214,25 @@ def fused_adam_importable() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
 
 
+RUN_FIELDS: dict[str, str] = {
+    "seq_length": "seq_len", "micro_batch_size": "micro_batch", "global_batch_size": "global_batch",
+    "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
+    "expert_model_parallel_size": "ep", "context_parallel_size": "cp", "expert_tensor_parallel_size": "etp",
+    "recompute_method": "recompute_method", "recompute_num_layers": "recompute_num_layers",
+    "optimizer_offload_fraction": "optimizer_offload_fraction",
+    "decoder_first_pipeline_num_layers": "first_stage_layers", "decoder_last_pipeline_num_layers": "last_stage_layers",
+    "account_for_embedding_in_pipeline_split": "embedding_in_split",
+    "account_for_loss_in_pipeline_split": "loss_in_split", "make_vocab_size_divisible_by": "vocab_divisible_by",
+    "num_virtual_stages_per_pipeline_rank": "vpp", "num_layers_per_virtual_pipeline_stage": "layers_per_virtual_stage",
+    "microbatch_group_size_per_vp_stage": "vp_group",
+    "microbatch_group_size_per_virtual_pipeline_stage": "vp_group"}
+"""Megatron's args (dests) that set a RunConfig field, by that field; the planner's own flags are the fields' names
+(``--tp``, ``--micro-batch``, ``--seq-len``)."""
+
+
 def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
     """RunConfig fields that Megatron flags set (only those present)."""
-    m = {"seq_length": "seq_len", "micro_batch_size": "micro_batch", "global_batch_size": "global_batch",
-         "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
-         "expert_model_parallel_size": "ep", "context_parallel_size": "cp", "expert_tensor_parallel_size": "etp",
-         "recompute_method": "recompute_method", "recompute_num_layers": "recompute_num_layers",
-         "optimizer_offload_fraction": "optimizer_offload_fraction",
-         "decoder_first_pipeline_num_layers": "first_stage_layers", "decoder_last_pipeline_num_layers": "last_stage_layers",
-         "account_for_embedding_in_pipeline_split": "embedding_in_split",
-         "account_for_loss_in_pipeline_split": "loss_in_split", "make_vocab_size_divisible_by": "vocab_divisible_by",
-         "num_virtual_stages_per_pipeline_rank": "vpp", "num_layers_per_virtual_pipeline_stage": "layers_per_virtual_stage",
-         "microbatch_group_size_per_vp_stage": "vp_group",
-         "microbatch_group_size_per_virtual_pipeline_stage": "vp_group"}
-    out: dict[str, Any] = {dst: getattr(ns, src) for src, dst in m.items() if getattr(ns, src, None) is not None}
+    out: dict[str, Any] = {dst: getattr(ns, src) for src, dst in RUN_FIELDS.items() if getattr(ns, src, None) is not None}
     if "virtual_pipeline_model_parallel_size" in vars(ns):  # Megatron's validated args: what it derived, None for 1
         out["vpp"] = getattr(ns, "virtual_pipeline_model_parallel_size") or 1
     layout = getattr(ns, "pipeline_model_parallel_layout", None)
