@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     if not {"-h", "--help"} & set(words):
         _check_gpus()
     try:
-        flags = megatron_peakflat.auto_argv(_default_argv(list(sys.argv[1:] if argv is None else argv)))
+        flags = megatron_peakflat.auto_argv(_default_argv(words))
     except megatron_peakflat.PeakflatConfigError as e:
         raise SystemExit(f"megatron-peakflat: {e}") from None
     sys.argv = [sys.argv[0], *flags]
