@@ -377,7 +377,7 @@ def test_write_merges_rows_by_case_and_method(tmp_path, monkeypatch):
 
 
 def test_trace_gaps_finds_idle_stretches_and_charges_the_host_frames_inside_them():
-    from bench.probes.trace_gaps import charge, gpu_gaps
+    from tools.probes.trace_gaps import charge, gpu_gaps
 
     k = lambda ts, dur: {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur}  # noqa: E731
     host = lambda name, ts, dur: {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur}  # noqa: E731

@@ -372,7 +372,7 @@ def test_vocab_baseline_splits_the_vocabulary_over_tp():
 
 @pytest.mark.parametrize("seq", [32768, 131072])
 def test_attention_backward_against_the_h200_measurement(seq):
-    """torch SDPA's causal backward on one H200 (bench/results/probes/attention_backward_peak.txt, 32 heads of 128):
+    """torch SDPA's causal backward on one H200 (docs/evidence/probes/attention_backward_peak.txt, 32 heads of 128):
     dq, dk, dv and flash's fp32 dQ accumulator came to 5.02 units of [s, hidden] bf16 beside the inputs, and
     13.02 under deterministic algorithms (ceil(132 SMs / 32 heads) = 5 accumulators). The planner's transient
     adds dO and the rotated q and k (3 units) to those, so it is 8 and 16 units."""
@@ -822,7 +822,7 @@ def test_embedding_gradient_row_follows_the_uses():
 def test_flash_dq_accumulators_follow_the_head_count(heads, units):
     """Under deterministic algorithms flash's backward keeps ceil(132 SMs / heads) fp32 dQ accumulators: measured
     on one H200 at 32K tokens, 37.02 / 21.02 / 13.02 / 9.02 units of [s, hidden] bf16 for 8 / 16 / 32 / 64 heads of
-    128 (bench/results/probes/attention_backward_heads.txt and probes/attention_backward_peak.txt), which is dq, dk, dv (3)
+    128 (docs/evidence/probes/attention_backward_heads.txt and probes/attention_backward_peak.txt), which is dq, dk, dv (3)
     plus 2 units per accumulator; without them, 5.02 at every head count. The planner adds dO and the rotated
     q and k (3 units)."""
     shape = ModelShape(name="h", hidden=heads * 128, layers=1, heads=heads, kv_heads=heads, head_dim=128, ffn=1,

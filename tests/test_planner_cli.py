@@ -149,7 +149,7 @@ def test_prediction_tracks_the_measured_h200_runs(results, run_name):
     its reserve) within 2% of Megatron's max allocated (measured: -0.5% to +0.0%), and the fit verdict (with
     the reserve, 8.95 GiB here) above it.
 
-    Where the peaks are: at 128K in attention's backward (bench/results/memory_peak_128k.txt), whose flash
+    Where the peaks are: at 128K in attention's backward (docs/evidence/memory_peak_128k.txt), whose flash
     backward under deterministic algorithms keeps 5 fp32 dQ accumulators (probes/attention_backward_peak.txt); with
     every component on at 16K and 32K, the model build (memory_peak_16k.txt: Megatron's DDP buffers beside
     the module's own parameters, 2 x 9.57 + 19.14 GiB); with Megatron's optimizer on the GPU and no TE or

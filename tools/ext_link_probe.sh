@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Second probe: how setup.py links megatron_peakflat._C on the H200 image, and which link throws cleanly:
 # as is, with LDSHARED="$CXX -shared", with CC and CXX unset, and the JIT build. Results:
-# bench/results/ext_cxx_runtime.txt (run before the fix; after it, every build links torch's runtime).
+# docs/evidence/ext_cxx_runtime.txt (run before the fix; after it, every build links torch's runtime).
 # It rebuilds megatron_peakflat._C in place four times (rm -rf build first).
 set -u
 cd "$(dirname "$0")/.."

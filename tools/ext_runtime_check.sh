@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The extension built by setup.py and by the JIT path on the H200 image (CXX=/opt/gcc/bin/g++), after the
 # fix: which C++ runtime it needs, tests/test_ext.py and the GPU optimizer/SCO tests, and a JIT build that
-# throws. Needs .whl/ in the tree (tools/gpu_run.sh setup). Results: bench/results/ext_cxx_runtime.txt.
+# throws. Needs .whl/ in the tree (tools/gpu_run.sh setup). Results: docs/evidence/ext_cxx_runtime.txt.
 set -u
 cd "$(dirname "$0")/.."
 S=$(date +%s)

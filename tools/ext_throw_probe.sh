@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Why does an exception thrown by megatron_peakflat._C kill the interpreter on the H200 image?
 # The toolchain, the C++ runtime a torch process loads, the extension's links, four throwing calls in fresh
-# interpreters, and four minimal load_inline extensions that throw. Results: bench/results/ext_cxx_runtime.txt.
+# interpreters, and four minimal load_inline extensions that throw. Results: docs/evidence/ext_cxx_runtime.txt.
 # Run on the GPU machine after `python3 setup.py build_ext --inplace` (as it was, before the fix).
 set -u
 cd "$(dirname "$0")/.."

@@ -382,7 +382,7 @@ def attention_activations(s: ModelShape, run: RunConfig) -> float:
 def flash_dq_splits(s: ModelShape, run: RunConfig) -> int:
     """Copies of the fp32 dQ accumulator in flash attention's backward: one, or under deterministic algorithms
     ceil(SMs / (batch x heads)) (flash_api.cpp mha_bwd), e.g. 5 for 32 heads on an H200. Measured with torch
-    2.11's SDPA at 32K and 128K tokens (bench/results/probes/attention_backward_peak.txt): 5.02 units of [s, hidden]
+    2.11's SDPA at 32K and 128K tokens (docs/evidence/probes/attention_backward_peak.txt): 5.02 units of [s, hidden]
     bf16 beside the inputs without, 13.02 with; at 8, 16 and 64 heads 37.02, 21.02 and 9.02 with
     (probes/attention_backward_heads.txt), 3 + 2 x this count each time."""
     if not run.deterministic:
@@ -394,7 +394,7 @@ def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
     """What core attention's backward holds beside the layer's saved tensors, where a long-context layer
     peaks: dQ, dK, dV, flash attention's fp32 dQ accumulator(s) and dO, plus the rotated copies of q and k
     that RoPE makes in the (re)computed forward. Measured at 128K tokens on one H200
-    (bench/results/memory_peak_128k.txt, under --deterministic-mode): the run's peak sat in this backward."""
+    (docs/evidence/memory_peak_128k.txt, under --deterministic-mode): the run's peak sat in this backward."""
     t, w = run.tp, run.w
     T = run.tokens
     if s.mla is None:
@@ -1089,7 +1089,7 @@ def _parameter_rows(rows: dict[str, Row], run: RunConfig, g: _Stage) -> None:
                              source="param_and_grad_buffer.py _ParamAndGradBuffer.param_data (w bytes/param)")
     # Megatron's DDP allocates its param and grad buffers while the model's own parameters are alive,
     # then copies each in and frees it: at 16K and 32K tokens on one H200 this was the run's peak
-    # (38.28 GiB = 2 x 9.57 + 19.14, bench/results/memory_peak_16k.txt).
+    # (38.28 GiB = 2 x 9.57 + 19.14, docs/evidence/memory_peak_16k.txt).
     rows["model build"] = Row("model build", params * w, params_pf * w, phase="build",
                               source="distributed_data_parallel.py: the module's parameters, alive while "
                                      "_ParamAndGradBuffer is built and filled")

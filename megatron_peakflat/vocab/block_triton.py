@@ -7,7 +7,7 @@ No fp32 copy of a block is made. Imported lazily: only on CUDA.
 
 The fold keeps one running max per row, raised once per column chunk, so each logit costs one
 ``exp`` (a per-element running max costs two, and the exponentials, not the memory, then bound the
-pass). Launch shapes: ``bench/probes/vocab_kernels.py`` (results in bench/results/probes/vocab_kernels.json).
+pass). Launch shapes: ``tools/probes/vocab_kernels.py`` (results in docs/evidence/probes/vocab_kernels.json).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _fold_grad_kernel(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, kee
                       BACKWARD: tl.constexpr):
     # BACKWARD: the gradient pass starts at the columns the fold read last, the likeliest still in L2. The
     # same bits either way, and no faster: on an H200 the kernel ran 0.997x the forward walk's speed over 7
-    # rounds in turn (1.046x in an earlier single round; bench/results/probes/vocab_fold_l2_probe.txt), the whole
+    # rounds in turn (1.046x in an earlier single round; docs/evidence/probes/vocab_fold_l2_probe.txt), the whole
     # call 0.999x its time (probes/vocab_fold_ab.txt).
     _fold_grad_row(z_ptr, stride_z, lab_ptr, ws_ptr, state_ptr, n, ncols, keep, spread, tl.program_id(0), COLS,
                    BACKWARD)

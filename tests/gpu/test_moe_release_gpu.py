@@ -57,7 +57,7 @@ def _after_backward(dispatcher: str, recompute: str, fix: bool) -> tuple[int, li
 @pytest.fixture(scope="module")
 def warm_process() -> None:
     """One discarded step first: the process's first forward and backward allocate what every later step reuses.
-    On the H200 (bench/results/moe_release_gpu.txt) the first case, run without this, measured 69,288,448 bytes
+    On the H200 (docs/evidence/moe_release_gpu.txt) the first case, run without this, measured 69,288,448 bytes
     between the two calls: the 8 [tokens, hidden] tensors (2,097,152), 82,432 bytes within the dispatcher-state
     bound, and 67,108,864, exactly two 32 MiB blocks (the size of a cuBLAS workspace on sm90; read as the forward's and
     autograd's). The three cases after it passed."""

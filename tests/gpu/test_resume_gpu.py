@@ -7,12 +7,12 @@ moment, master and the step count: both must equal the uninterrupted run's. Mega
 as the mean of the first two resumed iterations (``training_log`` does not reset its loss sums after a
 run's first report), which a run that trains exactly reproduces too.
 
-On one H200 (``bench/results/resume_gpu.txt``, ``pytest -rP`` prints the losses): straight
+On one H200 (``docs/evidence/resume_gpu.txt``, ``pytest -rP`` prints the losses): straight
 5.553538 .. 5.262894; resumed 5.401217, 5.343194 = (5.401217 + 5.285172) / 2, 5.262894.
 
 With Transformer Engine importable the model builds on TE's spec and Megatron's DistributedOptimizer keeps
 Adam's step only in its param groups; this test caught the resumed step restarting at 0 there (2x H200 with
-TE 2.20.2 built) and passed after the fix (``bench/results/te_same_loss.txt``).
+TE 2.20.2 built) and passed after the fix (``docs/evidence/te_same_loss.txt``).
 """
 
 from __future__ import annotations

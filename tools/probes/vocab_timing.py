@@ -5,7 +5,7 @@ and launch gaps are hidden: GPU time alone) and ``profiler`` (under torch.profil
 bench/vocab_parts.py --profile runs it). Asks whether a ratio between the two calls comes from the
 GPU's work or from the host.
 
-    python bench/probes/vocab_timing.py        # needs liger-kernel; about 30 s on an H200
+    python tools/probes/vocab_timing.py        # needs liger-kernel; about 30 s on an H200
 """
 import statistics
 import sys

@@ -11,7 +11,7 @@ process on the same tensors:
 - ``overlap-s<N>``: chunk j's fold_grad on a side stream while the main stream runs chunk j-1's dX and dW
   (two logits buffers), the GEMMs with ``torch._C._set_sm_carveout_experimental(N)`` (N=0: no carveout).
 
-    python bench/probes/vocab_overlap_probe.py --chunk 4096 --carveouts 0,8,16,32
+    python tools/probes/vocab_overlap_probe.py --chunk 4096 --carveouts 0,8,16,32
 """
 
 from __future__ import annotations

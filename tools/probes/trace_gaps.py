@@ -1,7 +1,7 @@
 """What the host was doing while the GPU idled: GPU gaps in a Chrome trace, attributed to host frames.
 
-    torchrun --nproc-per-node 2 bench/probes/profile_dispatch.py --methods llep-unchunked,peakflat --steps 1 --trace /tmp/t
-    python3 bench/probes/trace_gaps.py /tmp/t/peakflat.rank0.json --min-gap-ms 0.2 --top 40
+    torchrun --nproc-per-node 2 tools/probes/profile_dispatch.py --methods llep-unchunked,peakflat --steps 1 --trace /tmp/t
+    python3 tools/probes/trace_gaps.py /tmp/t/peakflat.rank0.json --min-gap-ms 0.2 --top 40
 
 A gap is the time between one GPU event (kernel, copy, memset) ending and the next starting, when it is
 longer than ``--min-gap-ms``. Every host event (Python frame, ATen op, annotation) is charged the part of

@@ -3,9 +3,9 @@ and its upload of the schedule's host arrays, at K=1 and with more chunks.
 
 On the GPU that span is idle GPU time (the device waits for the host's first kernel after the copy). It is
 the numpy of ``dispatch/schedule.py`` (plan, routes, flow cuts, upload packing), timed here with the copy
-and the upload marked by wrapping them; median of 7 calls. Results: ``bench/results/probes/schedule_host_time.txt``.
+and the upload marked by wrapping them; median of 7 calls. Results: ``docs/evidence/probes/schedule_host_time.txt``.
 
-    python3 bench/probes/schedule_host_time.py
+    python3 tools/probes/schedule_host_time.py
 """
 
 from __future__ import annotations

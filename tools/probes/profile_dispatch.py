@@ -2,8 +2,8 @@
 ``torch.profiler``, one table of kernels per method, so that a time gap between methods can be
 attributed to kernels (GEMMs, permutation, atomics, copies) rather than guessed.
 
-    python3 bench/probes/profile_dispatch.py                          # H=4096, 32K tokens, full recompute
-    python3 bench/probes/profile_dispatch.py --tokens 65536 --skew 95 --methods llep-unchunked,peakflat
+    python3 tools/probes/profile_dispatch.py                          # H=4096, 32K tokens, full recompute
+    python3 tools/probes/profile_dispatch.py --tokens 65536 --skew 95 --methods llep-unchunked,peakflat
 
 Prints, per method, the step time (CUDA events), the GPU busy time the profiler saw, and the top
 kernels by total GPU time with their call counts; no results file (this is a diagnostic).

@@ -1,14 +1,14 @@
 """What torch SDPA's causal backward allocates at long context, as ``integration/attention.py`` calls it:
 q, k, v handed over as permuted views of Megatron's [s, b, heads, head_dim] tensors, the output permuted
 back and reshaped to [s, b, hidden]. The planner's ``attention_backward_transient`` counts this; the 128K
-run on one H200 peaked inside it (bench/results/memory_peak_128k.txt) under ``--deterministic-mode``, which
+run on one H200 peaked inside it (docs/evidence/memory_peak_128k.txt) under ``--deterministic-mode``, which
 calls ``torch.use_deterministic_algorithms(True)``.
 
 Per case: the peak allocated above what is alive before ``backward`` (q, k, v, the output, dO), in GiB and
 in units of one [s, b, hidden] bf16 tensor, with deterministic algorithms off and on, for torch's default
 backend choice and each backend forced.
 
-    python bench/probes/attention_backward_peak.py --seqs 32768,131072
+    python tools/probes/attention_backward_peak.py --seqs 32768,131072
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ of them once per round, in turn):
   SMs x K rows in flight, 132 x 402 KB = 53 MB at K=1.
 
 Every variant's gradient and state must equal the forward walk's bit for bit (same arithmetic, same
-order). Prints a line per variant; nothing is merged into bench/results. Run at 2ab9fef
+order). Prints a line per variant; nothing is merged into bench/results/. Run at 2ab9fef
 (``vocab_fold_l2_probe.txt``), whose baseline was the committed forward walk; block_triton then took the
 reversed pass, and both walks are now its ``_fold_grad_kernel`` (``BACKWARD`` False or True).
-    python3 bench/probes/vocab_fold_l2_probe.py [--rows 4096 --cols 201088 --reps 10 --rounds 1 --walks-only]
+    python3 tools/probes/vocab_fold_l2_probe.py [--rows 4096 --cols 201088 --reps 10 --rounds 1 --walks-only]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--walks-only", action="store_true", help="only the forward and the reversed walk")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench/probes/vocab_fold_l2_probe.py needs a CUDA device")
+        raise SystemExit("tools/probes/vocab_fold_l2_probe.py needs a CUDA device")
     n, V = args.rows, args.cols
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -2,10 +2,10 @@
 they replace: fold (log-sum-exp pass), grad (in-place softmax gradient) and fold_grad (both in one
 kernel, for a single rank's whole vocabulary), on one in-forward chunk of bf16 logits.
 
-    python bench/probes/vocab_kernels.py                          # 4096 x 201088 (N=32768's chunk at TP=1)
-    python bench/probes/vocab_kernels.py --rows 2048 --cols 128256
+    python tools/probes/vocab_kernels.py                          # 4096 x 201088 (N=32768's chunk at TP=1)
+    python tools/probes/vocab_kernels.py --rows 2048 --cols 128256
 
-Rows (bench/results/probes/vocab_kernels.json): ``ms`` per call (CUDA events, median of ``--reps``), ``extra``
+Rows (docs/evidence/probes/vocab_kernels.json): ``ms`` per call (CUDA events, median of ``--reps``), ``extra``
 the GB/s over the bytes the pass must move and the largest difference from the previous kernels'
 results (log-sum-exp relative, gradient in bf16 ulps of the largest value). ``fold+grad`` rows are the two-kernel sums.
 """
@@ -22,7 +22,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.harness import RESULTS, Row, measure, write  # noqa: E402
+from bench.harness import Row, measure, write  # noqa: E402
 from megatron_peakflat.vocab import block_triton as bt  # noqa: E402
 from megatron_peakflat.vocab.ring import new_state  # noqa: E402
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench/probes/vocab_kernels.py needs a CUDA device")
+        raise SystemExit("tools/probes/vocab_kernels.py needs a CUDA device")
     n, V = args.rows, args.cols
     case = f"rows={n},V={V},bf16"
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         if ms < best.get("fold_grad", (1e9,))[0]:
             best["fold_grad"] = (ms, shape)
     print("fastest fold_grad:", best["fold_grad"])
-    write("vocab_kernels", rows, merge=False, out=RESULTS / "probes" / "vocab_kernels.json")
+    evidence = Path(__file__).resolve().parents[2] / "docs" / "evidence" / "probes"
+    write("vocab_kernels", rows, merge=False, out=evidence / "vocab_kernels.json")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ scaled down in place instead, so that dX and dW read gradient-sized values): log
 after the transposed one. Then the logits GEMM alone in both layouts. One GPU; medians of 3 (loops) and
 5 (single GEMMs) timed runs after one warm-up. A diagnostic: it prints, it writes no results file.
 
-    python3 bench/probes/vocab_gemm_layout.py
+    python3 tools/probes/vocab_gemm_layout.py
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _loop(x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor, chunk: int,
 
 def main() -> None:
     if not torch.cuda.is_available():
-        raise SystemExit("bench/probes/vocab_gemm_layout.py needs a CUDA device")
+        raise SystemExit("tools/probes/vocab_gemm_layout.py needs a CUDA device")
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=g)
     w = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)

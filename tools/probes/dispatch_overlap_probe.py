@@ -3,9 +3,9 @@
 At EP=1 nothing travels, so chunking's own costs (a row gather per chunk, the combine's per-chunk
 gather-sum) are not hidden behind communication. This times one chunk's grouped GEMMs (with the SwiGLU
 between them) and one such memory-bound kernel alone, one after the other, and on two streams (CUDA
-events, median of 20). Results: ``bench/results/probes/dispatch_overlap_probe.txt``.
+events, median of 20). Results: ``docs/evidence/probes/dispatch_overlap_probe.txt``.
 
-    python3 bench/probes/dispatch_overlap_probe.py
+    python3 tools/probes/dispatch_overlap_probe.py
 """
 
 from __future__ import annotations
@@ -77,5 +77,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     if not torch.cuda.is_available():
-        raise SystemExit("bench/probes/dispatch_overlap_probe.py needs a CUDA device")
+        raise SystemExit("tools/probes/dispatch_overlap_probe.py needs a CUDA device")
     main()

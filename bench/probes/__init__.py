@@ -1,1 +1,0 @@
-"""One-off probes and studies behind design decisions; see bench/README.md."""

@@ -1,0 +1,1 @@
+"""Repository tools: GPU run scripts and one-off probes (not part of the package)."""

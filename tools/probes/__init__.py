@@ -1,0 +1,1 @@
+"""One-off probes behind design decisions; see tools/probes/README.md."""
