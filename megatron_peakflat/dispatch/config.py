@@ -42,8 +42,7 @@ class DispatchConfig(ComponentConfig):
     The expert working set of a chunk is at most EP * c rows, whatever the routing. 'auto': 8192 x
     --moe-router-topk, at least 32768 (65536 at top-8, 32768 at top-4 and below), so that a call of 32K
     tokens per rank is cut into 4 chunks at top-4 as at top-8, and chunks never get so small that
-    per-chunk overheads dominate (measured on 2 H200s, 128 experts top-4, 32K tokens per rank: 0.29-0.35x
-    one chunk's peak at EP=1 and 2, where a cap of 65536 gave 0.50-0.55x). With
+    per-chunk overheads dominate. With
     --peakflat-dispatch-membership strided each chunk also reads every local expert's weights and adds
     their gradients once, so smaller caps cost time in proportion to K."""
     membership: Literal["auto", "expert", "strided", "hybrid"] = "auto"
@@ -51,10 +50,8 @@ class DispatchConfig(ComponentConfig):
     source rank sends one destination rank) sorted by expert and cut into K even slices, slice j of
     every flow forming chunk j: each chunk computes a few experts per destination, so an expert's
     weights are read and its gradient accumulated in about one chunk, and every destination gets 1/K of
-    every flow in every chunk however hot an expert is (measured on 2 H200s, EP=2, H=4096, the same
-    run: 0.97-1.03x the speed of one chunk at 32K and 64K tokens per rank, balanced and 95% skewed,
-    against 0.93-1.02x with 'hybrid'). 'strided': token i joins chunk i mod K, so every chunk reads
-    every expert's weights and adds to every expert's gradient (0.85-0.90x one chunk on one H200).
+    every flow in every chunk however hot an expert is. 'strided': token i joins chunk i mod K, so every
+    chunk reads every expert's weights and adds to every expert's gradient.
     'hybrid': the pairs of cold experts (under 3/4 of the mean load) expert-major, the others strided.
     The same cap either way (hybrid may need a chunk more to keep it)."""
     max_chunks: int = 64
@@ -95,17 +92,11 @@ class DispatchConfig(ComponentConfig):
     """N: at EP > 1 a layer call that the cap splits (K >= 2) overlaps its all-to-alls and is cut into
     at least min(N, 2K) chunks, so the two chunks in flight hold at most 2/N of its rows while no
     chunk drops under half the cap. 0: K is the cap's alone and only --peakflat-dispatch-overlap
-    overlaps. Measured on 2 H200s at EP=2, H=4096, 64 experts top-8, 'expert' chunks, over NCCL (before
-    --peakflat-dispatch-transport), the same run:
-    at 32K tokens per rank (the cap's K=4, here 8 overlapped) 1.00x / 1.02x the speed of one chunk
-    (balanced / 95% skewed; 0.97-1.00x / 0.97-1.02x over four runs) at 0.31x / 0.34x its peak,
-    against 0.97x / 1.02x at 0.28x / 0.32x with K=4 and no overlap, and 1.01x / 1.05x at 0.58x /
-    0.62x with K=4 overlapped. Every rank of the EP group sees the same K and decides alike."""
+    overlaps. Every rank of the EP group sees the same K and decides alike."""
     pack_collectives: bool = True
     """At EP > 1, send each chunk's hidden rows, probabilities and (in backward) output-gradient rows as
     one buffer in one all-to-all, and its results home in one: one all-to-all each way per chunk instead
-    of up to three, the same bytes (exact: the pieces are copied bit for bit). Measured on 2 H200s at
-    EP=2, H=4096: 0-3 ms faster per layer (124.4 against 127.4 ms at 32K tokens per rank, balanced).
+    of up to three, the same bytes (exact: the pieces are copied bit for bit).
     --no-peakflat-dispatch-pack-collectives sends each piece on its own."""
     transport: Literal["auto", "nccl", "copy-engine"] = "auto"
     """What carries an overlapped call's packed all-to-alls. 'copy-engine': the GPUs' copy engines,
@@ -113,11 +104,9 @@ class DispatchConfig(ComponentConfig):
     memory), so the all-to-alls take no SM from the GEMMs they overlap; needs every EP rank on one host.
     It holds 2 slots of symmetric memory, each sized to the largest exchange seen (one hidden row per
     pair: wider buffers travel as several exchanges), in place of the send buffers an overlapped call
-    keeps in flight (counted in the benchmarks' peaks). Measured on 2 H200s at EP=2, 64 experts top-8,
-    full recompute, the same run: 1.09x / 1.09x the speed of one chunk at 32K tokens per rank, H=4096
-    (balanced / 95% skewed), 1.12x / 1.13x at 64K, against 1.00x / 1.00x and 1.01x / 1.02x over NCCL,
-    at 0.27x / 0.30x one chunk's peak. 'nccl': NCCL's all-to-all. 'auto': the copy engines where they
-    can run (CUDA, one host), else NCCL, logged. Calls that do not overlap use NCCL either way."""
+    keeps in flight (counted in the benchmarks' peaks). 'nccl': NCCL's all-to-all. 'auto': the copy
+    engines where they can run (CUDA, one host), else NCCL, logged. Calls that do not overlap use NCCL
+    either way."""
     grouped_gemm: bool = True
     """Run each chunk's experts as grouped GEMMs (torch._grouped_mm: bf16 on sm80+ GPUs) on strided
     views of their weights, with no weight copy; --no-peakflat-dispatch-grouped-gemm runs one expert
