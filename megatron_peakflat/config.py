@@ -16,8 +16,9 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
+from . import components
 from .config_base import ComponentConfig, PeakflatConfigError, read_dash_values, shown_default
 from .dispatch.config import DispatchConfig
 from .optimizer.config import OptimizerConfig
@@ -46,23 +47,31 @@ class GeneralConfig(ComponentConfig):
     rank, prefixed with theirs."""
 
 
-_COMPONENTS: dict[str, type[ComponentConfig]] = {
-    "dispatch": DispatchConfig,
-    "vocab": VocabConfig,
-    "sco": SCOConfig,
-    "optimizer": OptimizerConfig,
-    "general": GeneralConfig,
-}
+def _component_configs() -> dict[str, type[ComponentConfig]]:
+    """Each component's config class (``components.COMPONENTS``), then ``general``: the parts of ``PeakflatConfig``,
+    in order."""
+    return {**{c.name: c.config_class for c in components.COMPONENTS}, "general": GeneralConfig}
+
+
+_COMPONENTS: dict[str, type[ComponentConfig]] = _component_configs()
+
+_ComponentFields = dataclasses.make_dataclass(
+    "_ComponentFields", [(c.name, c.config_class, field(default_factory=c.config_class)) for c in components.COMPONENTS],
+    kw_only=True)
+"""One field per row of ``components.COMPONENTS``, of its config class, defaulting to its defaults (off)."""
 
 
 @dataclass(kw_only=True)
-class PeakflatConfig:
-    """All knobs. Every component is off by default: an empty command line changes nothing."""
+class PeakflatConfig(_ComponentFields):  # type: ignore[misc,valid-type]
+    """All knobs: one field per component (``components.COMPONENTS``: dispatch, vocab, sco, optimizer), then
+    ``general``. Every component is off by default: an empty command line changes nothing."""
 
-    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
-    vocab: VocabConfig = field(default_factory=VocabConfig)
-    sco: SCOConfig = field(default_factory=SCOConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    if TYPE_CHECKING:  # the table's fields as type checkers see them (tests/test_components.py checks them)
+        dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+        vocab: VocabConfig = field(default_factory=VocabConfig)
+        sco: SCOConfig = field(default_factory=SCOConfig)
+        optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
     general: GeneralConfig = field(default_factory=GeneralConfig)
 
     @property
@@ -73,17 +82,12 @@ class PeakflatConfig:
 
     @property
     def enabled(self) -> dict[str, bool]:
-        """Which components replace a Megatron part."""
-        return {
-            "dispatch": self.dispatch.impl != "megatron",
-            "vocab": self.vocab.impl != "megatron",
-            "sco": self.sco.enabled,
-            "optimizer": self.optimizer.impl != "megatron",
-        }
+        """Which components replace a Megatron part, by name, in table order."""
+        return {c.name: c.is_on(getattr(self, c.name)) for c in components.COMPONENTS}
 
     def validate(self, megatron_args: Any | None = None) -> "PeakflatConfig":
         """Check each field, then the combinations with Megatron's flags when they are given."""
-        for name in _COMPONENTS:
+        for name in _component_configs():
             getattr(self, name).validate()
         if megatron_args is not None:
             _check_against_megatron(self, megatron_args)
@@ -92,7 +96,7 @@ class PeakflatConfig:
     @classmethod
     def from_args(cls, args: Any, *, validate: bool = True) -> "PeakflatConfig":
         """Build from a namespace holding the ``peakflat_*`` dests (Megatron's parsed args)."""
-        cfg = cls(**{name: comp.from_namespace(args) for name, comp in _COMPONENTS.items()})
+        cfg = cls(**{name: comp.from_namespace(args) for name, comp in _component_configs().items()})
         if validate:
             cfg.validate(args)
         return cfg
@@ -103,20 +107,15 @@ class PeakflatConfig:
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every ``--peakflat-*`` flag. Usable as Megatron's ``extra_args_provider``."""
-    titles = {
-        "dispatch": "peakflat: PipelinedLLEP expert dispatch",
-        "vocab": "peakflat: Ring-DTP vocabulary projection",
-        "sco": "peakflat: SCO checkpoint-boundary offload",
-        "optimizer": "peakflat: OffloadStreamAdamW",
-        "general": "peakflat: general",
-    }
-    groups = {name: parser.add_argument_group(titles[name]) for name in _COMPONENTS}
+    parts = _component_configs()
+    titles = {**{c.name: c.title for c in components.COMPONENTS}, "general": "general"}
+    groups = {name: parser.add_argument_group("peakflat: " + titles[name]) for name in parts}
     groups["general"].add_argument(
         "--peakflat", choices=["auto", "manual"], default="manual", dest="peakflat",
         help="auto: turn on the components and knobs that the peak planner recommends for this run on this "
              "machine (GPU memory, host memory, world size), and log the decision; --peakflat-* flags given "
              "alongside win. manual: exactly the --peakflat-* flags given. (default: manual)")
-    for name, comp in _COMPONENTS.items():
+    for name, comp in parts.items():
         comp.add_flags(groups[name])
     read_dash_values(parser)
     return parser
@@ -250,7 +249,7 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
         _check_offload_stream_megatron_knobs(flag, cfg.optimizer.impl, args)
     elif _get(args, "optimizer_cpu_offload", False) and not (_get(args, "bf16") or _get(args, "fp16")):
         _check_megatron_offload_fp32()
-    for name in _COMPONENTS:
+    for name in _component_configs():
         for note in getattr(cfg, name).unused_flag_notes():
             log.warning(note)
     for note in _sub_flag_notes(cfg):

@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_peakflat.components import COMPONENTS
+
 ROOT = Path(__file__).resolve().parents[1] / "megatron_peakflat"
-ALGORITHMS = ("dispatch", "vocab", "recompute", "optimizer")
+ALGORITHMS = tuple(dict.fromkeys(c.package for c in COMPONENTS))
+"""Each component's algorithm package (``components.COMPONENTS``): dispatch, vocab, recompute, optimizer."""
 
 
 def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:

@@ -29,12 +29,17 @@ from typing import Any, Callable
 
 from . import state
 
-__all__ = ["Patch", "PATCHES", "apply_patches", "remove_patches", "applied", "PeakflatIntegrationError",
+__all__ = ["Patch", "PATCHES", "OTHER_OWNERS", "apply_patches", "remove_patches", "applied", "PeakflatIntegrationError",
            "CHECKED_ON", "megatron_core_version", "unchecked_version_warning", "check_megatron_version"]
 
 log = logging.getLogger("megatron_peakflat")
 
 CHECKED_ON = ("0.18.2", "0.19.2")
+
+OTHER_OWNERS = ("attention", "report", "moe-release", "wheel-fixes")
+"""The patch owners that are no component: the SDPA core attention (``--peakflat-attention``), the peak report
+(``--peakflat-report-peaks``), moe-release (the fix to Megatron's own dispatchers, with any component on) and
+wheel-fixes (``python -m megatron_peakflat.pretrain`` on the megatron-core wheel)."""
 
 
 class PeakflatIntegrationError(ImportError):
@@ -44,8 +49,7 @@ class PeakflatIntegrationError(ImportError):
 @dataclass(frozen=True)
 class Patch:
     component: str
-    """Which part owns it: dispatch, vocab, sco, optimizer, attention, report (peak log), moe-release (with any
-    component on) or wheel-fixes."""
+    """Which part owns it: a component's name (``components.COMPONENTS``) or one of ``OTHER_OWNERS``."""
     module: str
     """Module in which the name is bound, e.g. ``megatron.core.transformer.moe.moe_layer``."""
     attr: str
