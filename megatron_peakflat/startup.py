@@ -8,7 +8,7 @@ from typing import Any
 
 from .config import PeakflatConfig, PeakflatConfigError
 
-__all__ = ["apply", "remove", "auto_argv"]
+__all__ = ["apply", "remove", "auto_argv", "config_from_args"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -48,7 +48,7 @@ def _apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
     if isinstance(config, PeakflatConfig):
         cfg = config.validate()
     else:
-        cfg = PeakflatConfig.from_args(config)
+        cfg = config_from_args(config)
     components = {name for name, on in cfg.enabled.items() if on}
     if _attention_wanted(cfg):
         components.add("attention")
@@ -91,6 +91,17 @@ def _apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
     elif components == {"attention"}:
         log.info("peakflat: no component enabled; Megatron runs with its local spec's core attention on torch's "
                  "SDPA (--peakflat-attention auto without Transformer Engine; 'local' keeps Megatron's)")
+    return cfg
+
+
+def config_from_args(args: Any) -> PeakflatConfig:
+    """The config in Megatron's parsed ``args``, with every start-up check: its own and those against Megatron's
+    flags (``PeakflatConfig.from_args``), and what the installed megatron-core release fails on by itself
+    (``integration.compat.check_args``). Raises PeakflatConfigError naming the flag and the fix."""
+    from .integration import compat
+
+    cfg = PeakflatConfig.from_args(args)
+    compat.check_args(cfg, args)
     return cfg
 
 

@@ -100,6 +100,11 @@ class TileConfig(ComponentConfig):
     tile_rows: int = 128
     """Rows per tile."""
 
+    def check_against_megatron(self, args: Any) -> None:
+        if self.impl != "megatron" and getattr(args, "seq_length", 0) % self.tile_rows:
+            raise PeakflatConfigError(self.flag("tile_rows"), self.tile_rows, "it does not divide --seq-length",
+                                      "pass a divisor")
+
 
 ROW = components.Component("tile", "Tiled", "tiled attention", TileConfig, "tiling", on="tiled",
                            planner_terms=("tiles",), meters=("tiles",), meter_aliases=("tile",))
@@ -129,6 +134,15 @@ with registered(ROW):
     assert cfg.enabled == dict(dispatch=False, vocab=False, sco=False, optimizer=False, tile=True), cfg.enabled
     assert model.COMPONENTS[-1] == "tiles", model.COMPONENTS
     assert report_name("tile") == "tiles"
+    ns.seq_length = 100
+    try:
+        PeakflatConfig.from_args(ns)
+    except PeakflatConfigError as e:
+        assert e.flag == "--peakflat-tile-tile-rows", e
+    else:
+        raise AssertionError("the new component's start-up check did not run")
+    ns.seq_length = 128
+    PeakflatConfig.from_args(ns)
 assert components.COMPONENTS[-1].name == "optimizer"
 print("picked up")
 '''
@@ -136,7 +150,7 @@ print("picked up")
 
 def test_a_new_row_is_picked_up_with_no_other_edit(tmp_path):
     """A 'tile' row added to the table (in a fresh process, before anything reads the table; restored after):
-    its flags and --help group, its PeakflatConfig field, ``enabled``, the planner's component
+    its flags and --help group, its PeakflatConfig field, ``enabled``, its start-up check, the planner's component
     rows and the peak report's names."""
     script = tmp_path / "dummy_component.py"
     script.write_text(textwrap.dedent(DUMMY))

@@ -19,6 +19,7 @@ from typing import Any
 from .. import components
 from ..config import PeakflatConfig
 from ..config_base import PeakflatConfigError, flag_name, format_bytes, shown_default
+from ..integration import compat
 from ..dispatch.config import DispatchConfig
 from ..optimizer.config import OptimizerConfig
 from ..recompute.config import SCOConfig
@@ -194,6 +195,7 @@ def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> di
     for name, cfg in alone.items():
         try:
             cfg.validate(ns)
+            compat.check_args(cfg, ns)
         except PeakflatConfigError as e:
             out[name] = f"{e.problem} (fix: {e.fix})"
     return out
