@@ -21,6 +21,7 @@ import re
 import shlex
 from typing import Any, Sequence
 
+from . import components
 from .config import _COMPONENTS
 from .config_base import PeakflatConfigError, flag_name, format_bytes
 
@@ -33,8 +34,6 @@ _SWITCHES = {name: flag_name(cls, cls.MODE_FIELD) for name, cls in _COMPONENTS.i
 """Each component's switch (``--peakflat-dispatch``, ..., ``--peakflat-optimizer``), from its config class."""
 _COMPONENT_PREFIXES = {name: (_SWITCHES[name], f"--peakflat-{_COMPONENTS[name].PREFIX}-") for name in _SWITCHES}
 """The flags of each component: its switch and its knobs (``--peakflat-<PREFIX>-*``)."""
-_NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO", "optimizer": "OffloadStreamAdamW"}
-_ROWS = {"dispatch": "dispatch", "vocab": "vocab", "sco": "boundaries", "optimizer": "optimizer"}
 _resolved: list["AutoChoice"] = []
 
 
@@ -62,8 +61,9 @@ class AutoChoice:
                  f"(TP{run.tp} PP{run.pp} CP{run.cp} DP{run.dp} EP{run.ep}), "
                  f"{format_bytes(run.host_bytes_per_rank)} of host memory per rank, sequence {run.seq_len:,}",
                  f"  {'component':20s} {'choice':6s} {'peak term, GiB: Megatron -> peakflat':38s} why"]
-        for name in ("dispatch", "vocab", "sco", "optimizer"):
-            row = st.rows.get(_ROWS[name])
+        for comp in components.COMPONENTS:
+            name = comp.name
+            row = next((st.rows[t] for t in comp.planner_terms if t in st.rows), None)
             user = next((g for g in given if _flag_set(g[0]) == _SWITCHES[name]), None)
             choice = "on" if on[name] else "off"
             if row is not None:
@@ -71,7 +71,7 @@ class AutoChoice:
             else:
                 term = "-"
             why = _why(name, rec, user, row)
-            lines.append(f"  {_NAMES[name]:20s} {choice:6s} {term:38s} {why}")
+            lines.append(f"  {comp.label:20s} {choice:6s} {term:38s} {why}")
         guaranteed = max(s.total("peakflat", guaranteed=True) for s in pl.stages)
         base = pl.worst("baseline").total("baseline")
         lines.append(f"  predicted peak {st.total('peakflat') / 2**30:.1f} GiB per GPU ({guaranteed / 2**30:.1f} "
@@ -105,7 +105,7 @@ def _plan(shape: Any, run: Any, cfg: Any) -> Any:
 def _why(name: str, rec: Any, user: tuple[str, ...] | None, row: Any = None) -> str:
     if user is not None:
         return f"set on the command line ({' '.join(user)})"
-    said = [r for r in rec.reasons if _NAMES[name] in r or (name == "optimizer" and "optimizer" in r)]
+    said = [r for r in rec.reasons if components.get(name).label in r or (name == "optimizer" and "optimizer" in r)]
     if said:
         return said[0]
     if rec.config.enabled[name]:

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 from . import __version__, auto
 from ._environ import environment
 from .config import PeakflatConfig
+from .startup import config_from_args
 from .config_base import PeakflatConfigError
 
 __all__ = ["main", "report", "check_command_line", "REFUSED", "DOES_NOT_FIT"]
@@ -141,7 +142,7 @@ def report() -> str:
     import torch
 
     from . import _ext
-    from .integration.registry import CHECKED_ON, megatron_core_version
+    from .integration.compat import CHECKED_ON, REQUIREMENT, megatron_core_version
     from .planner.megatron_args import fused_adam_importable
 
     lines = [f"megatron-peakflat {__version__}   python {platform.python_version()}   torch {torch.__version__} "
@@ -161,7 +162,7 @@ def report() -> str:
     lines.append(f"triton             {shown(triton)}")
     if mcore is None:
         lines.append(f"megatron-core      not installed (checked on {', '.join(CHECKED_ON)}): pip install "
-                     f"'megatron-core>={CHECKED_ON[0]},<0.20'")
+                     f"'{REQUIREMENT}'")
     else:
         base = mcore.split("+")[0]
         verdict = "checked" if base in CHECKED_ON else f"NOT among the versions checked ({', '.join(CHECKED_ON)})"
@@ -360,7 +361,7 @@ def check_command_line(argv: Sequence[str]) -> int:
     try:
         # the ranks per host, which start-up reads from the launcher
         with environment({"LOCAL_WORLD_SIZE": str(min(own.gpus_per_node or 8, world))}):
-            cfg = PeakflatConfig.from_args(args)
+            cfg = config_from_args(args)
         notes = _startup_notes(args, cfg)
     except PeakflatConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -33,6 +33,8 @@ __all__ = [
     "flag_name",
     "shown_default",
     "ComponentConfig",
+    "megatron_arg",
+    "cuda_graph_flag",
 ]
 
 
@@ -160,7 +162,12 @@ class ComponentConfig:
     MODE_FLAG: typing.ClassVar[str] = ""
 
     def validate(self) -> None:
-        """Check field values on their own. Cross-component and Megatron checks live in config.py."""
+        """Check field values on their own. Cross-component checks live in config.py."""
+
+    def check_against_megatron(self, args: Any) -> None:
+        """Refuse, at start-up, Megatron flags that this part cannot run beside (``PeakflatConfigError`` naming the
+        flag and the fix). ``args``: Megatron's parsed args, read as a plain namespace (``megatron_arg``); a
+        component that is off usually has nothing to check. Run by ``PeakflatConfig.validate(args)``."""
 
     def flag(self, field: str) -> str:
         return flag_name(type(self), field)
@@ -235,6 +242,20 @@ class ComponentConfig:
             if hasattr(ns, d):
                 kw[f.name] = getattr(ns, d)
         return cls(**kw)
+
+
+def megatron_arg(args: Any, name: str, default: Any = None) -> Any:
+    """Megatron's parsed flag ``name`` (its dest) from ``args``, a plain namespace; ``default`` where it has none."""
+    return getattr(args, name, default)
+
+
+def cuda_graph_flag(args: Any) -> str:
+    """The Megatron flag that captures the layers in CUDA graphs, as the user wrote it, or ''. ``args``: Megatron's
+    parsed args or its TransformerConfig (the same two fields)."""
+    impl = megatron_arg(args, "cuda_graph_impl", "none") or "none"
+    if impl != "none":
+        return f"--cuda-graph-impl {impl}"
+    return "--enable-cuda-graph" if megatron_arg(args, "enable_cuda_graph") else ""
 
 
 class Switch(argparse.BooleanOptionalAction):

@@ -27,16 +27,13 @@ from typing import Any
 
 import torch
 
+from .components import COMPONENTS
 from .config_base import format_bytes
 
 log = logging.getLogger("megatron_peakflat")
 
-PEAKS = [
-    ("expert dispatch", "MoELayer alltoall dispatcher", "dispatch", "PipelinedLLEP"),
-    ("vocabulary projection", "output layer + cross-entropy", "vocab", "Ring-DTP"),
-    ("checkpoint boundaries", "full-recompute boundary inputs", "sco", "SCO"),
-    ("optimizer state", "Adam state on the GPU / HybridDeviceOptimizer", "optimizer", "OffloadStreamAdamW"),
-]
+PEAKS = [(c.peak, c.replaces, c.name, c.label) for c in COMPONENTS]
+"""(the peak, the Megatron part that holds it, the component, its label), one per component."""
 
 
 def available_components() -> dict[str, str | None]:
@@ -44,7 +41,7 @@ def available_components() -> dict[str, str | None]:
     from .integration.registry import PATCHES
 
     out: dict[str, str | None] = {}
-    for comp in ("dispatch", "vocab", "sco", "optimizer"):
+    for comp in (c.name for c in COMPONENTS):
         reason = None
         for p in PATCHES:
             if p.component != comp:
@@ -93,12 +90,9 @@ def _run(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     from megatron_peakflat import stats
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
     from megatron_peakflat.dispatch.config import DispatchConfig
-    from megatron_peakflat.optimizer.config import OptimizerConfig
-    from megatron_peakflat.recompute.config import SCOConfig
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
     from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, init_megatron_parallel, tiny_transformer_config
     from megatron_peakflat.testing.train_loop import build_training, train_steps
-    from megatron_peakflat.vocab.config import VocabConfig
 
     cuda = opts["cuda"]
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -113,12 +107,10 @@ def _run(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     def one_run(peakflat: bool) -> dict[str, Any]:
         megatron_peakflat.remove()
         stats.reset()
+        base = {"dispatch": DispatchConfig(chunk_cap=opts["chunk_cap"])}  # each component off, at the demo's knobs
         cfg = PeakflatConfig(
-            dispatch=DispatchConfig(impl="pipelined-llep" if peakflat and "dispatch" in on else "megatron",
-                                    chunk_cap=opts["chunk_cap"]),
-            vocab=VocabConfig(impl="ring-dtp" if peakflat and "vocab" in on else "megatron"),
-            sco=SCOConfig(enabled=peakflat and "sco" in on),
-            optimizer=OptimizerConfig(impl="offload-stream" if peakflat and "optimizer" in on else "megatron"),
+            **{c.name: c.turned_on(base.get(c.name)) if peakflat and c.name in on else base.get(c.name, c.config_class())
+               for c in COMPONENTS},
             general=GeneralConfig(attention="sdpa"),
         )
         megatron_peakflat.apply(cfg)

@@ -181,7 +181,8 @@ def train_valid_test_datasets_provider(num_samples: list[int], vp_stage: int | N
 
 
 def _config_builders() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """Megatron's builders of the GPT config and of pretrain()'s config container (megatron-core >= 0.19).
+    """Megatron's builders of the GPT config and of pretrain()'s config container (from the megatron-core release
+    ``compat.PRETRAIN_ENTRY_FROM`` on).
 
     An older megatron-core's pretrain() takes a model_provider from Megatron-LM's pretrain_gpt.py, which its
     wheel does not ship; so this entry point stops here, before parsing or building anything, and says
@@ -192,11 +193,15 @@ def _config_builders() -> tuple[Callable[..., Any], Callable[..., Any]]:
     except ImportError:
         from megatron.core import __version__ as version
 
+        from .integration import compat
+
+        since = ".".join(map(str, compat.PRETRAIN_ENTRY_FROM))
         raise SystemExit(
-            f"megatron-peakflat: python -m megatron_peakflat.pretrain needs megatron-core >= 0.19 (its pretrain() "
+            f"megatron-peakflat: python -m megatron_peakflat.pretrain needs megatron-core >= {since} (its pretrain() "
             f"builds the GPT from gpt_config_from_args), and this is megatron-core {version}. Fix: pip install "
-            f"'megatron-core>=0.19,<0.20', or keep Megatron-LM's pretrain_gpt.py and add megatron_peakflat.add_args "
-            f"and megatron_peakflat.apply(args) to it (README, 'Use it with Megatron'; the patches run on 0.18.2)"
+            f"{compat.pip_spec(compat.PRETRAIN_ENTRY_FROM)}, or keep Megatron-LM's pretrain_gpt.py and add "
+            f"megatron_peakflat.add_args and megatron_peakflat.apply(args) to it (README, 'Use it with Megatron'; the "
+            f"patches run on {compat.CHECKED_ON[0]})"
         ) from None
     return gpt_config_from_args, pretrain_cfg_container_from_args
 

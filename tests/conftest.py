@@ -34,10 +34,9 @@ def triton_interpreter():
 
 def _megatron_core_at_least(version: tuple[int, ...]) -> bool:
     """From the installed distribution's metadata, without importing Megatron into the test process."""
-    from megatron_peakflat.config import _megatron_core_version
+    from megatron_peakflat.integration import compat
 
-    installed = _megatron_core_version()
-    return installed is not None and installed >= version
+    return compat.at_least(version)
 
 
 needs_pretrain_entry = pytest.mark.skipif(

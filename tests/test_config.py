@@ -8,6 +8,7 @@ import torch
 
 from megatron_peakflat import PeakflatConfig, PeakflatConfigError, add_args
 from megatron_peakflat.config_base import field_docs, parse_count, parse_size
+from megatron_peakflat.startup import config_from_args
 from megatron_peakflat.dispatch.config import DispatchConfig
 
 
@@ -268,51 +269,51 @@ def test_offload_stream_names_exactly_the_missing_megatron_flag(dest, flag):
 def test_megatron_offload_runs_in_half_precision_and_offload_stream_in_fp32(monkeypatch):
     """The fp32 refusal of Megatron's own offloaded optimizer (megatron-core 0.19) stops at fp32: with
     --bf16 or --fp16 Megatron's runs, and OffloadStreamAdamW runs fp32 too."""
-    import megatron_peakflat.config as config
+    from megatron_peakflat.integration import compat
 
-    monkeypatch.setattr(config, "_megatron_core_version", lambda: (0, 19, 2))
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.19.2")
     for argv, megatron in [([], dict(bf16=True)), ([], dict(bf16=False, fp16=True)),
                            (["--peakflat-optimizer", "offload-stream"], dict(bf16=False))]:
         ns = parse_with_megatron(*argv, **megatron)
-        cfg = PeakflatConfig.from_args(ns)  # no refusal, and the optimizer asked for
+        cfg = config_from_args(ns)  # no refusal, and the optimizer asked for
         assert cfg.optimizer.impl == ("offload-stream" if argv else "megatron"), (argv, megatron)
 
 
 def test_the_fp32_refusal_stops_at_the_last_megatron_core_checked(monkeypatch):
     """Only megatron-core releases up to 0.19.2, where the failure was seen, are refused; later ones carry
     Megatron-LM's fix (PR 6982) or their own error."""
-    import megatron_peakflat.config as config
+    from megatron_peakflat.integration import compat
 
     ns = parse_with_megatron(bf16=False)
-    for version, refused in [((0, 19, 2), True), ((0, 17, 0), True), ((0, 19, 3), False), ((0, 20, 0), False),
+    for version, refused in [("0.19.2", True), ("0.17.0", True), ("0.19.3", False), ("0.20.0", False),
                              (None, False)]:
-        monkeypatch.setattr(config, "_megatron_core_version", lambda v=version: v)
+        monkeypatch.setattr(compat, "megatron_core_version", lambda v=version: v)
         if refused:
             with pytest.raises(PeakflatConfigError) as e:
-                PeakflatConfig.from_args(ns)
+                config_from_args(ns)
             assert e.value.flag == "--optimizer-cpu-offload" and "non-leaf" in e.value.problem
             assert e.value.fix == "add --bf16, or add --peakflat-optimizer offload-stream (which runs fp32 parameters)"
         else:
-            PeakflatConfig.from_args(ns)
+            config_from_args(ns)
 
 
 def test_mtp_under_full_recompute_is_refused_where_megatron_core_cannot_run_it(monkeypatch):
     """megatron-core 0.18.2's MTP layer raises a TypeError at the first step under full recompute (its forward
     passes padding_mask to _checkpointed_forward); 0.19 runs it. Refused at start-up, naming the fix."""
-    import megatron_peakflat.config as config
+    from megatron_peakflat.integration import compat
 
     ns = parse_with_megatron(mtp_num_layers=1, recompute_granularity="full")
-    for version, refused in [((0, 18, 2), True), ((0, 19, 0), False), ((0, 19, 2), False), (None, False)]:
-        monkeypatch.setattr(config, "_megatron_core_version", lambda v=version: v)
+    for version, refused in [("0.18.2", True), ("0.19.0", False), ("0.19.2", False), (None, False)]:
+        monkeypatch.setattr(compat, "megatron_core_version", lambda v=version: v)
         if refused:
             with pytest.raises(PeakflatConfigError) as e:
-                PeakflatConfig.from_args(ns)
+                config_from_args(ns)
             assert e.value.flag == "--mtp-num-layers" and "padding_mask" in e.value.problem
             assert e.value.fix.startswith("install megatron-core 0.19"), e.value.fix
         else:
-            PeakflatConfig.from_args(ns)
-    monkeypatch.setattr(config, "_megatron_core_version", lambda: (0, 18, 2))
-    PeakflatConfig.from_args(parse_with_megatron(mtp_num_layers=1, recompute_granularity="selective"))
+            config_from_args(ns)
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.18.2")
+    config_from_args(parse_with_megatron(mtp_num_layers=1, recompute_granularity="selective"))
 
 
 def test_deterministic_mode_pins_the_optimizer_engine():

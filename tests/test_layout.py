@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_peakflat.components import COMPONENTS
+
 ROOT = Path(__file__).resolve().parents[1] / "megatron_peakflat"
-ALGORITHMS = ("dispatch", "vocab", "recompute", "optimizer")
+ALGORITHMS = tuple(dict.fromkeys(c.package for c in COMPONENTS))
+"""Each component's algorithm package (``components.COMPONENTS``): dispatch, vocab, recompute, optimizer."""
 
 
 def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
@@ -37,7 +40,8 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
 def package_imports(package: str) -> dict[str, set[str]]:
     """``{module: imported module names}`` for every module under ``megatron_peakflat/<package>/``."""
     out = {}
-    for path in sorted((ROOT / package).rglob("*.py")):
+    where = ROOT / package
+    for path in sorted(where.rglob("*.py") if where.is_dir() else [where.with_suffix(".py")]):
         rel = path.relative_to(ROOT.parent).with_suffix("")
         name = ".".join(rel.parts)
         is_package = path.name == "__init__.py"
@@ -90,3 +94,53 @@ def test_the_algorithms_reach_the_runtime_helpers():
     assert "megatron_peakflat.runtime.meter" in imports
     assert "megatron_peakflat.runtime.host" in imports
     assert not (ROOT / "memory").exists()
+
+
+ENTRY_POINTS = ("auto", "check", "demo", "plan", "pretrain", "startup")
+"""The modules that run the package (command lines, start-up): nothing below them imports them."""
+PURE = ("config", "config_base", "components")
+"""The config modules: importable without Megatron, the planner or integration/ (whose compat they do not ask)."""
+
+
+def all_imports() -> dict[str, set[str]]:
+    """``{module: the package's modules it imports}`` for the whole package (a package counts as its __init__)."""
+    graph = package_imports(".")
+    return {m: {i for i in imps if i in graph and i != m} for m, imps in graph.items()}
+
+
+def test_the_package_import_graph_has_no_cycle():
+    graph = all_imports()
+    assert "megatron_peakflat.config" in graph and "megatron_peakflat.integration.registry" in graph
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            assert state.get(n) != 1, "import cycle: " + " -> ".join(path[path.index(n):] + [m, n])
+            if n not in state:
+                visit(n, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+
+
+def test_the_graph_holds_lazy_and_type_checking_imports():
+    """The cycle check is not vacuous: it sees the imports made inside functions and under TYPE_CHECKING (the
+    registry -> state -> config path, which config -> registry closed into a cycle before compat.py)."""
+    graph = all_imports()
+    assert "megatron_peakflat.integration.peaks" in graph["megatron_peakflat.startup"]  # inside _apply
+    assert "megatron_peakflat.integration.state" in graph["megatron_peakflat.integration.registry"]
+    assert "megatron_peakflat.config" in graph["megatron_peakflat.integration.state"]  # under TYPE_CHECKING
+
+
+@pytest.mark.parametrize("package", [*PURE, *ALGORITHMS, "runtime"])
+def test_config_runtime_and_algorithms_import_no_integration_planner_or_entry_point(package):
+    graph = {m: i for m, i in all_imports().items()
+             if _under(m, f"megatron_peakflat.{package}")}
+    assert graph, package
+    banned = ["megatron_peakflat.integration", "megatron_peakflat.planner",
+              *(f"megatron_peakflat.{e}" for e in ENTRY_POINTS)]
+    bad = {m: sorted(i for i in imps if any(_under(i, b) for b in banned)) for m, imps in graph.items()}
+    assert not any(bad.values()), {m: b for m, b in bad.items() if b}

@@ -1,6 +1,6 @@
 """What the integration layer assumes of the installed megatron-core beyond its symbols' names.
 
-- ``apply()`` compares the installed megatron-core with the checked range (``registry.CHECKED_ON``) and, outside
+- ``apply()`` compares the installed megatron-core with the checked range (``compat.CHECKED_ON``) and, outside
   it, logs one warning naming both; it never fails for it.
 - Every place where a replacement reads Megatron's arguments by position, or reaches a private name or instance
   attribute, is checked here against the real classes and functions of the megatron-core installed now: a
@@ -22,7 +22,7 @@ import types
 import pytest
 
 from megatron_peakflat import PeakflatConfig, apply, remove
-from megatron_peakflat.integration import registry
+from megatron_peakflat.integration import compat, registry
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -31,12 +31,12 @@ from megatron_peakflat.integration import registry
 
 @pytest.mark.parametrize("version", ["0.18.2", "0.19.0", "0.19.2", "0.19.2+cu130", "0.19.2rc1"])
 def test_versions_inside_the_checked_range_get_no_warning(version):
-    assert registry.unchecked_version_warning(version) is None
+    assert compat.unchecked_version_warning(version) is None
 
 
 @pytest.mark.parametrize("version", ["0.17.1", "0.19.3", "0.20.0", "1.0.0", "0.18.2rc0", "not-a-version", None])
 def test_versions_outside_it_get_a_warning_naming_it_and_the_range(version):
-    note = registry.unchecked_version_warning(version)
+    note = compat.unchecked_version_warning(version)
     assert note is not None
     assert ("could not be read" if version is None else f"megatron-core is {version},") in note
     assert "megatron-core 0.18.2 to 0.19.2 (tested on 0.18.2, 0.19.2)" in note
@@ -45,10 +45,10 @@ def test_versions_outside_it_get_a_warning_naming_it_and_the_range(version):
 def test_the_installed_version_is_read_and_inside_the_range():
     import importlib.metadata
 
-    assert registry.megatron_core_version() == importlib.metadata.version("megatron-core")
-    assert registry.unchecked_version_warning(registry.megatron_core_version()) is None, (
-        f"the CPU suite runs on megatron-core {registry.megatron_core_version()}, outside CHECKED_ON "
-        f"{registry.CHECKED_ON}: add it there once the suite passes on it")
+    assert compat.megatron_core_version() == importlib.metadata.version("megatron-core")
+    assert compat.unchecked_version_warning(compat.megatron_core_version()) is None, (
+        f"the CPU suite runs on megatron-core {compat.megatron_core_version()}, outside CHECKED_ON "
+        f"{compat.CHECKED_ON}: add it there once the suite passes on it")
 
 
 def test_a_source_checkout_without_metadata_is_read_from_package_info_by_every_reader(monkeypatch):
@@ -58,7 +58,6 @@ def test_a_source_checkout_without_metadata_is_read_from_package_info_by_every_r
 
     from megatron.core import package_info
 
-    from megatron_peakflat import config
 
     real = importlib.metadata.version
 
@@ -68,14 +67,14 @@ def test_a_source_checkout_without_metadata_is_read_from_package_info_by_every_r
         return real(dist)
 
     monkeypatch.setattr(importlib.metadata, "version", no_megatron_metadata)
-    assert registry.megatron_core_version() == str(package_info.__version__)
+    assert compat.megatron_core_version() == str(package_info.__version__)
     major, minor = (int(x) for x in str(package_info.__version__).split(".")[:2])
-    assert config._megatron_core_version()[:2] == (major, minor)
+    assert compat.version_tuple()[:2] == (major, minor)
 
 
 @pytest.fixture
 def fresh_guard(monkeypatch):
-    monkeypatch.setattr(registry, "_version_warned", False)
+    monkeypatch.setattr(compat, "_version_warned", False)
     yield
     remove()
 
@@ -85,7 +84,7 @@ def _warnings(caplog) -> list[str]:
 
 
 def test_apply_warns_once_outside_the_checked_range_and_goes_on(monkeypatch, caplog, fresh_guard):
-    monkeypatch.setattr(registry, "megatron_core_version", lambda: "0.21.0")
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.21.0")
     caplog.set_level(logging.INFO, logger="megatron_peakflat")
     cfg = apply(PeakflatConfig())  # no failure
     apply(cfg)  # idempotent: no second warning
@@ -96,7 +95,7 @@ def test_apply_warns_once_outside_the_checked_range_and_goes_on(monkeypatch, cap
 
 
 def test_apply_inside_the_range_logs_no_version_warning(monkeypatch, caplog, fresh_guard):
-    monkeypatch.setattr(registry, "megatron_core_version", lambda: "0.19.2")
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.19.2")
     caplog.set_level(logging.INFO, logger="megatron_peakflat")
     apply(PeakflatConfig())
     assert _warnings(caplog) == []
@@ -160,7 +159,7 @@ def test_compute_mtp_acceptance_counts_exists_and_takes_logits_labels_mask_first
     import megatron.core.transformer.multi_token_prediction as mtp
 
     symbol = "megatron.core.transformer.multi_token_prediction._compute_mtp_acceptance_counts"
-    version = Version(Version(registry.megatron_core_version()).public)
+    version = Version(Version(compat.megatron_core_version()).public)
     if not hasattr(mtp, "_compute_mtp_acceptance_counts"):
         assert version < Version("0.19"), f"{symbol} is gone in megatron-core {version}: MTP acceptance counts " \
                                           "would be computed from Ring-DTP's stand-in logits"

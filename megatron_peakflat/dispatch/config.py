@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+import os
+from typing import Any, ClassVar, Literal
 
-from ..config_base import ComponentConfig, PeakflatConfigError
+from ..config_base import ComponentConfig, PeakflatConfigError, cuda_graph_flag, megatron_arg as _get
 
 AUTO_CAP_TOKENS = 8192
 """--peakflat-dispatch-chunk-cap auto: this many tokens' token-expert pairs per source rank and chunk..."""
@@ -25,6 +26,29 @@ def resolve_membership(membership: str) -> str:
     """The chunk membership a schedule uses: ``"auto"`` is ``"expert"`` (cut per flow) at any EP size.
     Here, free of torch, so that the planner asks the same question as the schedule."""
     return "expert" if membership == "auto" else membership
+
+
+_DISPATCH_CONFLICTS: tuple[tuple[str, str, str], ...] = (
+    # (Megatron dest, what it does that PipelinedLLEP cannot, the fix)
+    ("add_bias_linear", "experts with biases (Megatron's default unless --disable-bias-linear); PipelinedLLEP's "
+     "experts are bias-free", "pass --disable-bias-linear"),
+    ("fp8", "fp8 experts (--fp8-format)", "drop --fp8-format"),
+    ("fp4", "fp4 experts (--fp4-format)", "drop --fp4-format"),
+    ("moe_router_padding_for_quantization", "router padding for quantized experts",
+     "drop --moe-router-padding-for-quantization"),
+    ("delay_wgrad_compute", "delayed expert weight gradients", "drop --delay-wgrad-compute"),
+    ("overlap_dispatch_backward_with_experts_wgrad", "Megatron's own dispatch/wgrad overlap",
+     "drop --overlap-dispatch-backward-with-experts-wgrad"),
+    ("moe_latent_size", "latent MoE projections", "drop --moe-latent-size"),
+    ("use_te_activation_func", "Transformer Engine activation modules in the experts",
+     "drop --use-te-activation-func"),
+    ("use_transformer_engine_op_fuser", "TE's fused grouped MLP", "drop --use-transformer-engine-op-fuser"),
+    ("moe_single_grouped_weight", "one grouped weight tensor per projection (PipelinedLLEP reads TE's weight0.."
+     "weightN layout)", "drop --moe-single-grouped-weight"),
+    ("moe_single_grouped_bias", "grouped expert biases", "drop --moe-single-grouped-bias"),
+    ("moe_mlp_glu_interleave_size", "interleaved GLU weights", "drop --moe-mlp-glu-interleave-size"),
+)
+"""Megatron flags (dests) whose MoE layers PipelinedLLEP would hand back to Megatron's dispatcher, refused at start-up."""
 
 
 @dataclass(kw_only=True)
@@ -165,3 +189,68 @@ class DispatchConfig(ComponentConfig):
                                       "max/mean load is never below 1, so a threshold under 1 (or NaN) would always "
                                       "rebalance, and an infinite one leaves the planner's bound undefined",
                                       "pass a finite lambda >= 1.0, e.g. --peakflat-dispatch-imbalance-threshold 1.3")
+
+    def check_against_megatron(self, args: Any) -> None:
+        """Refuse, at start-up, the Megatron flags beside which PipelinedLLEP cannot run (Megatron's parsed args)."""
+        if self.impl == "megatron":
+            return
+        num_experts = _get(args, "num_experts")
+        flag = self.flag("impl")
+        if not num_experts:
+            raise PeakflatConfigError(flag, self.impl, "the model has no MoE layers to dispatch for",
+                                      "add --num-experts N, or drop " + flag)
+        freq = _get(args, "moe_layer_freq", 1)
+        if isinstance(freq, (list, tuple)) and not any(freq):
+            raise PeakflatConfigError(flag, self.impl,
+                                      f"--moe-layer-freq {list(freq)} makes every layer dense, so the model has no "
+                                      "MoE layers to dispatch for", "put a 1 in --moe-layer-freq, or drop " + flag)
+        if _get(args, "moe_token_dispatcher_type", "alltoall") != "alltoall":
+            raise PeakflatConfigError(flag, self.impl,
+                                      f"it replaces the alltoall dispatcher, but --moe-token-dispatcher-type is "
+                                      f"{_get(args, 'moe_token_dispatcher_type')!r}",
+                                      "pass --moe-token-dispatcher-type alltoall")
+        etp = _get(args, "expert_tensor_parallel_size", 1) or 1
+        if etp > 1:
+            raise PeakflatConfigError(flag, self.impl,
+                                      f"expert tensor parallelism ({etp}) is not supported by PipelinedLLEP yet",
+                                      "pass --expert-tensor-parallel-size 1")
+        if _get(args, "moe_pad_expert_input_to_capacity", False):
+            raise PeakflatConfigError(flag, self.impl,
+                                      "--moe-pad-expert-input-to-capacity pads the dispatcher's buffers, which "
+                                      "PipelinedLLEP replaces (it is dropless and never pads)",
+                                      "drop --moe-pad-expert-input-to-capacity, or drop " + flag)
+        ep = _get(args, "expert_model_parallel_size", 1) or 1
+        if num_experts % ep:
+            raise PeakflatConfigError(flag, self.impl,
+                                      f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}",
+                                      "choose an EP size that divides the number of experts")
+        self._check_experts(args)
+        hosts_ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if self.transport == "copy-engine" and hosts_ranks.isdigit() and ep > int(hosts_ranks):
+            raise PeakflatConfigError(self.flag("transport"), self.transport,
+                                      f"the copy engines need every rank of an expert-parallel group on one host, and "
+                                      f"--expert-model-parallel-size {ep} is more than the {hosts_ranks} ranks per host "
+                                      "(LOCAL_WORLD_SIZE)",
+                                      "pass --peakflat-dispatch-transport auto (NCCL where a group spans hosts) or nccl")
+
+    def _check_experts(self, args: Any) -> None:
+        """Reject the Megatron flags whose MoE layers PipelinedLLEP would hand back to Megatron's dispatcher
+        (``integration.dispatch.unsupported_reason``), so that the choice fails at start-up, not silently."""
+        flag = self.flag("impl")
+        for dest, what, fix in _DISPATCH_CONFLICTS:
+            if _get(args, dest):
+                raise PeakflatConfigError(flag, self.impl, f"it does not support {what}",
+                                          f"{fix}, or drop {flag}")
+        graphs = cuda_graph_flag(args)
+        if graphs:
+            raise PeakflatConfigError(flag, self.impl, f"{graphs} captures the layers, and PipelinedLLEP's chunk "
+                                      "sizes follow the routing", f"drop {graphs.split()[0]}, or drop {flag}")
+        if _get(args, "transformer_impl") == "inference_optimized":
+            raise PeakflatConfigError(flag, self.impl, "--transformer-impl inference_optimized builds inference "
+                                      "experts", f"use --transformer-impl transformer_engine or local, or drop {flag}")
+        offloaded = {"expert_fc1", "moe_act"} & set(_get(args, "offload_modules", None) or [])
+        if _get(args, "fine_grained_activation_offloading") and offloaded:
+            raise PeakflatConfigError(flag, self.impl,
+                                      f"--offload-modules {' '.join(sorted(offloaded))} offloads activations inside "
+                                      "Megatron's expert modules, which PipelinedLLEP does not call",
+                                      f"drop {' '.join(sorted(offloaded))} from --offload-modules, or drop {flag}")

@@ -6,8 +6,9 @@
 
     report(iteration, args, writer=tb_writer, wandb_writer=wandb_writer)
 
-Components measure their region with ``runtime.meter.component_region(name)``, ``name`` one of
-``dispatch``, ``vocab``, ``boundaries`` (SCO; ``sco`` is accepted too) and ``optimizer``. The
+Components measure their region with ``runtime.meter.component_region(name)``, ``name`` one of their
+``components.Component.meters`` or ``meter_aliases`` (``dispatch``, ``vocab``, ``boundaries`` for SCO, which
+takes ``sco`` too, and ``optimizer``). The
 prediction per component is the planner's peakflat row when the component is on and its baseline
 row when it is off, for this rank's pipeline stage, from Megatron's parsed args.
 """
@@ -18,6 +19,7 @@ import logging
 import os
 from typing import Any
 
+from .. import components
 from ..runtime import meter
 from ..planner.model import GIB, Plan, RunConfig, plan
 from .. import stats
@@ -27,8 +29,13 @@ __all__ = ["setup", "report", "prediction", "advise", "allocated_prediction"]
 
 log = logging.getLogger("megatron_peakflat")
 
-_ALIASES = {"sco": "boundaries", "recompute": "boundaries"}
 _cache: dict[str, Any] = {}
+
+
+def report_name(meter_name: str) -> str:
+    """The name a region measured as ``meter_name`` is reported under: its component's planner row
+    (``components.Component.meters``; ``sco`` and ``recompute`` report as ``boundaries``); other names as they are."""
+    return components.meter_names().get(meter_name, meter_name)
 
 
 def _config(args: Any) -> Any:
@@ -242,7 +249,7 @@ def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = No
     on = cfg.enabled
     out: dict[str, dict[str, float]] = {}
     for name, peak in meter.measured().items():
-        comp = _ALIASES.get(name, name)
+        comp = report_name(name)
         row = st.rows.get(comp)
         predicted = row.peakflat if row is not None else None  # baseline for components that are off
         out[comp] = {"measured_gib": peak.delta / GIB, "predicted_gib": (predicted or 0.0) / GIB,

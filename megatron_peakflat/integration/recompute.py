@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..recompute import BoundaryOffloader, build_offloader
-from . import state
+from . import compat, state
 
 __all__ = ["wrap_checkpointed_forward", "offloader", "get_offloader", "reset"]
 
@@ -102,7 +102,7 @@ def wrap_checkpointed_forward(original: Callable[..., Any]) -> Callable[..., Any
     module = sys.modules[original.__module__]
     if not hasattr(module, "tensor_parallel"):
         raise ImportError(f"{original.__module__}.checkpointed_forward no longer calls tensor_parallel.checkpoint "
-                          "through its module's name; SCO was checked on megatron-core 0.19.2")
+                          f"through its module's name; SCO was checked on megatron-core {', '.join(compat.CHECKED_ON)}")
 
     @functools.wraps(original)
     def checkpointed_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

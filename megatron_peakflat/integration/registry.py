@@ -10,31 +10,31 @@ A Megatron that moved or renamed a symbol, whose function lacks a keyword a repl
 passes (``Patch.needs_params``), or whose leading parameters are no longer those a replacement reads
 by position (``Patch.positional``), fails here, at start-up, with an error naming the symbol and the
 megatron-core versions the entry was checked on: not with a TypeError, or a wrong argument, at the
-first step. A megatron-core outside the checked range (``CHECKED_ON``) gets one warning naming both
-(``check_megatron_version``): the names can all be there while what they mean has changed.
-
-Checked on: the CPU suite (``make test``) passes on every version of ``CHECKED_ON``; the GPU tests
-and benchmarks ran on 0.19.2. megatron-core 0.17.1 lacks ``megatron.core.recompute`` and
-``GPTModel.forward(output_processor=...)``, which these entries catch.
+first step. A megatron-core outside the checked range (``compat.CHECKED_ON``) gets one warning naming both
+(``compat.check_megatron_version``): the names can all be there while what they mean has changed. The versions
+themselves live in ``compat`` (re-exported here).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import state
+from .compat import CHECKED_ON, check_megatron_version, checked_since, megatron_core_version, unchecked_version_warning
 
-__all__ = ["Patch", "PATCHES", "apply_patches", "remove_patches", "applied", "PeakflatIntegrationError",
+__all__ = ["Patch", "PATCHES", "OTHER_OWNERS", "apply_patches", "remove_patches", "applied", "PeakflatIntegrationError",
            "CHECKED_ON", "megatron_core_version", "unchecked_version_warning", "check_megatron_version"]
 
 log = logging.getLogger("megatron_peakflat")
 
-CHECKED_ON = ("0.18.2", "0.19.2")
+OTHER_OWNERS = ("attention", "report", "moe-release", "wheel-fixes")
+"""The patch owners that are no component: the SDPA core attention (``--peakflat-attention``), the peak report
+(``--peakflat-report-peaks``), moe-release (the fix to Megatron's own dispatchers, with any component on) and
+wheel-fixes (``python -m megatron_peakflat.pretrain`` on the megatron-core wheel)."""
 
 
 class PeakflatIntegrationError(ImportError):
@@ -44,8 +44,7 @@ class PeakflatIntegrationError(ImportError):
 @dataclass(frozen=True)
 class Patch:
     component: str
-    """Which part owns it: dispatch, vocab, sco, optimizer, attention, report (peak log), moe-release (with any
-    component on) or wheel-fixes."""
+    """Which part owns it: a component's name (``components.COMPONENTS``) or one of ``OTHER_OWNERS``."""
     module: str
     """Module in which the name is bound, e.g. ``megatron.core.transformer.moe.moe_layer``."""
     attr: str
@@ -99,7 +98,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("vocab", "megatron.core.transformer.multi_token_prediction", "_compute_mtp_acceptance_counts",
           "megatron_peakflat.integration.vocab:wrap_mtp_acceptance_counts",
           "counts the MTP acceptance from the argmaxes Ring-DTP kept (0.18.2 has no such counts)",
-          checked_on=("0.19.2",), optional=True, positional=("mtp_logits", "mtp_labels", "loss_mask")),
+          checked_on=checked_since((0, 19)), optional=True, positional=("mtp_logits", "mtp_labels", "loss_mask")),
     Patch("sco", "megatron.core.recompute", "checkpointed_forward",
           "megatron_peakflat.integration.recompute:wrap_checkpointed_forward",
           "keeps full-recompute boundary inputs in pinned host memory"),
@@ -203,53 +202,6 @@ def _leads_with(fn: Any, names: tuple[str, ...]) -> bool:
         elif q.name != want or q.kind not in by_position:
             return False
     return True
-
-
-def megatron_core_version() -> str | None:
-    """The installed megatron-core's version: its distribution's, else ``megatron.core.package_info``'s (a
-    source checkout on PYTHONPATH); None when neither can be read."""
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        return str(importlib.import_module("megatron.core.package_info").__version__)
-    except (ImportError, AttributeError):
-        return None
-
-
-def unchecked_version_warning(version: str | None) -> str | None:
-    """The warning for a megatron-core ``version`` outside the checked range, from the lowest to the highest of
-    ``CHECKED_ON`` (a local suffix such as ``+cu130`` ignored), or unreadable; None inside the range."""
-    from packaging.version import InvalidVersion, Version
-
-    lo, hi = min(CHECKED_ON, key=Version), max(CHECKED_ON, key=Version)
-    checked = f"{lo} to {hi} (tested on {', '.join(CHECKED_ON)})"
-    try:
-        inside = version is not None and Version(lo) <= Version(Version(version).public) <= Version(hi)
-    except InvalidVersion:
-        inside = False
-    if inside:
-        return None
-    what = "could not be read" if version is None else f"is {version}"
-    return (f"peakflat: the installed megatron-core {what}, outside the range these patches were checked on: "
-            f"megatron-core {checked}. Each patched symbol is looked up and its signature checked at start-up, but "
-            f"a patch may rely on behaviour that changed with no change of name or signature; install a "
-            f"megatron-core in that range, or run the package's CPU tests against this one before training on it.")
-
-
-_version_warned = False
-
-
-def check_megatron_version() -> str | None:
-    """Compare the installed megatron-core with ``CHECKED_ON``; outside the checked range, log one warning per
-    process (never an error) and return it."""
-    global _version_warned
-    note = unchecked_version_warning(megatron_core_version())
-    if note and not _version_warned:
-        _version_warned = True
-        log.warning(note)
-    return note
 
 
 def _accepts(fn: Any, keyword: str) -> bool:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from ..config_base import Count, ComponentConfig, PeakflatConfigError
+from ..config_base import Count, ComponentConfig, PeakflatConfigError, megatron_arg as _get
+
+log = logging.getLogger("megatron_peakflat")
 
 
 @dataclass(kw_only=True)
@@ -45,3 +48,64 @@ class OptimizerConfig(ComponentConfig):
         if self.host_threads is not None and self.host_threads < 1:
             raise PeakflatConfigError(self.flag("host_threads"), self.host_threads, "at least one thread is needed",
                                       "pass a positive integer or 'auto'")
+
+    def check_against_megatron(self, args: Any) -> None:
+        """Refuse, at start-up, the Megatron flags beside which OffloadStreamAdamW cannot run (Megatron's parsed
+        args); under --deterministic-mode, resolve engine 'auto' to 'gpu'."""
+        if self.impl == "megatron":
+            return
+        flag = self.flag("impl")
+        if _get(args, "optimizer", "adam") != "adam":
+            raise PeakflatConfigError(flag, self.impl,
+                                      f"OffloadStreamAdamW implements Adam(W), not --optimizer {_get(args, 'optimizer')}",
+                                      "pass --optimizer adam")
+        # Megatron builds HybridDeviceOptimizer, the class OffloadStreamAdamW takes the place of, only inside
+        # its DistributedOptimizer under --optimizer-cpu-offload, which it ties to
+        # --use-precision-aware-optimizer. The user passes all three.
+        needed = self.MEGATRON_FLAGS
+        missing = [f for f in needed if not _get(args, f.lstrip("-").replace("-", "_"), False)]
+        if missing:
+            raise PeakflatConfigError(flag, self.impl,
+                                      "it takes the place of the offloaded optimizer that Megatron builds only with "
+                                      f"{' '.join(needed)}", "add " + " ".join(missing))
+        if _get(args, "deterministic_mode", False) and self.engine == "auto":
+            self.engine = "gpu"
+            log.info("peakflat optimizer: --deterministic-mode: --peakflat-opt-engine auto -> gpu (auto splits buckets "
+                     "between the GPU and host kernels by measured speed, and the two round a few parameters' last "
+                     "bit differently, so runs would not repeat bit for bit)")
+        if not _get(args, "decoupled_weight_decay", True):
+            raise PeakflatConfigError(flag, self.impl, "it implements AdamW (decoupled weight decay)",
+                                      "drop --no-decoupled-weight-decay")
+        _check_offload_stream_megatron_knobs(flag, self.impl, args)
+
+
+def _is_fp32(dtype: Any) -> bool:
+    """Megatron's dtype flags hold 'fp32' before its validation and torch.float32 after it."""
+    return dtype is None or str(dtype) in ("fp32", "torch.float32")
+
+
+def _check_offload_stream_megatron_knobs(flag: str, impl: str, args: Any) -> None:
+    """Megatron flags of the offloaded optimizer that OffloadStreamAdamW would otherwise ignore or fail on."""
+    if _get(args, "optimizer_cuda_graph", False):
+        raise PeakflatConfigError(flag, impl,
+                                  "--optimizer-cuda-graph records the optimizer step as a CUDA graph, and "
+                                  "OffloadStreamAdamW's step streams buckets through the host (host work and "
+                                  "host-to-device copies a graph cannot replay)", f"drop --optimizer-cuda-graph, or drop {flag}")
+    fraction = _get(args, "optimizer_offload_fraction", 1.0)
+    if fraction is not None and fraction != 1.0:
+        raise PeakflatConfigError(flag, impl,
+                                  f"it keeps the whole optimizer shard on the host (--optimizer-offload-fraction is "
+                                  f"{fraction}); where Adam's math runs is --peakflat-opt-engine's choice",
+                                  "drop --optimizer-offload-fraction (or set it to 1.0)")
+    for dest in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if not _is_fp32(_get(args, dest, None)):
+            name = "--" + dest.replace("_", "-")
+            raise PeakflatConfigError(flag, impl,
+                                      f"it keeps fp32 master weights and moments ({name} is {_get(args, dest)})",
+                                      f"drop {name}, or drop {flag}")
+    clip = _get(args, "clip_grad", 1.0)
+    if _get(args, "fp16") and not _get(args, "accumulate_allreduce_grads_in_fp32") and clip:
+        raise PeakflatConfigError(flag, impl,
+                                  f"with --fp16 Megatron keeps fp16 gradients, and its gradient clipping (--clip-grad "
+                                  f"{clip}) refuses fp16 gradients of an offloaded optimizer at the first step",
+                                  "add --accumulate-allreduce-grads-in-fp32, or train with --bf16 (or --clip-grad 0)")

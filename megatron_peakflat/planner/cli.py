@@ -26,6 +26,7 @@ from fractions import Fraction
 from typing import Any, Sequence
 
 from ..config import PeakflatConfig, add_args
+from ..integration import compat
 from ..config_base import PeakflatConfigError
 from .megatron_args import (fused_adam_importable, is_command_line, parse_megatron_args, run_fields_from_namespace,
                             shape_from_namespace)
@@ -283,7 +284,8 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     ns.megatron_namespace = mns if ns.megatron_args else None
     if ns.megatron_args and is_command_line(mns):  # its own --peakflat-* flags, refused as start-up would
         own = argparse.Namespace(**{k: v for k, v in vars(mns).items() if k.startswith("peakflat_")})
-        PeakflatConfig.from_args(own, validate=False).validate(startup_namespace(shape, run, mns))
+        startup = startup_namespace(shape, run, mns)
+        compat.check_args(PeakflatConfig.from_args(own, validate=False).validate(startup), startup)
     pf = _all_on(pf, shape, run, ns.megatron_namespace)
     return shape, run, pf, ns, ignored
 

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence
 
+from .. import components
 from ..config import PeakflatConfig
 from ..config_base import PeakflatConfigError
 from ..dispatch.bound import (auto_max_foreign, chunk_count, flow_chunk_rows, overlap_on, split_floor,
@@ -54,8 +55,9 @@ RESERVE_FIXED = 2 * GIB
 """CUDA context, NCCL/gloo buffers and cuBLAS workspaces (measured ~1-2 GiB on H200 nodes)."""
 RESERVE_FRACTION = 0.05
 """Caching-allocator fragmentation, as a share of HBM."""
-COMPONENTS = ("dispatch", "vocab", "boundaries", "optimizer")
-"""The rows that a peakflat component bounds."""
+COMPONENTS = components.planner_terms()
+"""The rows that a peakflat component bounds (``components.COMPONENTS``' planner terms: dispatch, vocab,
+boundaries, optimizer)."""
 
 
 @dataclass(frozen=True)
@@ -1067,10 +1069,11 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
             _vocab_row(rows, s, run, pf)
         # A component that is off leaves Megatron's path: its peakflat value is the baseline.
         # (The optimizer row decided this itself: the output layer's shard changes Megatron's optimizer too.)
-        for row_name, comp in (("dispatch", "dispatch"), ("vocab", "vocab"), ("boundaries", "sco")):
-            if row_name in rows and not pf.enabled[comp]:
-                row = rows[row_name]
-                row.peakflat, row.host_peakflat, row.bound = row.baseline, row.host_baseline, None
+        for comp in components.COMPONENTS:
+            for row_name in comp.planner_terms if comp.off_term_is_baseline and not pf.enabled[comp.name] else ():
+                if row_name in rows:
+                    row = rows[row_name]
+                    row.peakflat, row.host_peakflat, row.bound = row.baseline, row.host_baseline, None
         reserve = RESERVE_FIXED + RESERVE_FRACTION * run.hbm_bytes
         rows["reserve"] = Row("reserve", reserve, reserve,
                               source="CUDA context, NCCL buffers, allocator fragmentation (2 GiB + 5% HBM)")

@@ -16,8 +16,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import components
 from ..config import PeakflatConfig
 from ..config_base import PeakflatConfigError, flag_name, format_bytes, shown_default
+from ..integration import compat
 from ..dispatch.config import DispatchConfig
 from ..optimizer.config import OptimizerConfig
 from ..recompute.config import SCOConfig
@@ -55,29 +57,53 @@ def _chunks_needed(shape: ModelShape, run: RunConfig, cap: int) -> int:
     return int(-(-r // max(1, cap // max(1, shape.topk))))
 
 
+def _dispatch_flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
+    out = [flag_name(DispatchConfig, "impl"), cfg.dispatch.impl,
+           flag_name(DispatchConfig, "chunk_cap"), str(shown_default(cfg.dispatch.chunk_cap))]
+    if cfg.dispatch.max_chunks != DispatchConfig().max_chunks:
+        out += [flag_name(DispatchConfig, "max_chunks"), str(cfg.dispatch.max_chunks)]
+    return out
+
+
+def _vocab_flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
+    out = [flag_name(VocabConfig, "impl"), cfg.vocab.impl]
+    if vocab_ring_size(plan_.run, cfg) > 1:  # one rank holding the whole vocabulary runs no schedule
+        out += [flag_name(VocabConfig, "schedule"), plan_.vocab_schedule]
+    return out + [flag_name(VocabConfig, "block_size"),
+                  str(cfg.vocab.block_size or vocab_block(plan_.run.tp_tokens, plan_.run.w, 0))]
+
+
+def _sco_flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
+    return [flag_name(SCOConfig, "enabled"), flag_name(SCOConfig, "budget"), f"{cfg.sco.budget / GIB:.0f}GiB",
+            "--recompute-granularity", "full", "--recompute-method", plan_.run.recompute_method,
+            "--recompute-num-layers", str(plan_.run.recompute_num_layers)]
+
+
+def _optimizer_flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
+    return [flag_name(OptimizerConfig, "impl"), cfg.optimizer.impl,
+            flag_name(OptimizerConfig, "bucket"), f"{cfg.optimizer.bucket / 1_000_000:g}M",
+            flag_name(OptimizerConfig, "slots"), str(cfg.optimizer.slots), *OptimizerConfig.MEGATRON_FLAGS]
+
+
+_FLAG_WRITERS = {"dispatch": _dispatch_flags, "vocab": _vocab_flags, "sco": _sco_flags, "optimizer": _optimizer_flags}
+"""The knobs the recommendation sizes, per component; a component without one is written as its switch."""
+
+
+def _switch_flags(component: components.Component, cfg: PeakflatConfig) -> list[str]:
+    """A component's switch as a command line writes it: the flag alone for a boolean, else with its value."""
+    value = getattr(getattr(cfg, component.name), component.config_class.MODE_FIELD)
+    return [component.switch] if value is True else [component.switch, str(value)]
+
+
 def _flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
-    """The command line of ``cfg``: its --peakflat-* flags, plus the Megatron flags that SCO (the full recompute
-    the plan counts boundaries for) and 'offload-stream' need to pass start-up's checks."""
+    """The command line of ``cfg``: the --peakflat-* flags of each component it turns on (``components.COMPONENTS``),
+    plus the Megatron flags that SCO (the full recompute the plan counts boundaries for) and 'offload-stream' need to
+    pass start-up's checks."""
     out: list[str] = []
-    if cfg.dispatch.impl != "megatron":
-        out += [flag_name(DispatchConfig, "impl"), cfg.dispatch.impl,
-                flag_name(DispatchConfig, "chunk_cap"), str(shown_default(cfg.dispatch.chunk_cap))]
-        if cfg.dispatch.max_chunks != DispatchConfig().max_chunks:
-            out += [flag_name(DispatchConfig, "max_chunks"), str(cfg.dispatch.max_chunks)]
-    if cfg.vocab.impl != "megatron":
-        out += [flag_name(VocabConfig, "impl"), cfg.vocab.impl]
-        if vocab_ring_size(plan_.run, cfg) > 1:  # one rank holding the whole vocabulary runs no schedule
-            out += [flag_name(VocabConfig, "schedule"), plan_.vocab_schedule]
-        out += [flag_name(VocabConfig, "block_size"),
-                str(cfg.vocab.block_size or vocab_block(plan_.run.tp_tokens, plan_.run.w, 0))]
-    if cfg.sco.enabled:
-        out += [flag_name(SCOConfig, "enabled"), flag_name(SCOConfig, "budget"), f"{cfg.sco.budget / GIB:.0f}GiB",
-                "--recompute-granularity", "full", "--recompute-method", plan_.run.recompute_method,
-                "--recompute-num-layers", str(plan_.run.recompute_num_layers)]
-    if cfg.optimizer.impl != "megatron":
-        out += [flag_name(OptimizerConfig, "impl"), cfg.optimizer.impl,
-                flag_name(OptimizerConfig, "bucket"), f"{cfg.optimizer.bucket / 1_000_000:g}M",
-                flag_name(OptimizerConfig, "slots"), str(cfg.optimizer.slots), *OptimizerConfig.MEGATRON_FLAGS]
+    for c in components.COMPONENTS:
+        if cfg.enabled[c.name]:
+            write = _FLAG_WRITERS.get(c.name)
+            out += write(cfg, plan_) if write is not None else _switch_flags(c, cfg)
     return out
 
 
@@ -137,8 +163,6 @@ def _guaranteed(r: Row) -> float:
     return max(r.peakflat, r.bound or 0.0)
 
 
-_NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO"}
-
 
 def startup_namespace(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> argparse.Namespace:
     """The Megatron flags that peakflat's start-up checks read, for this run: Megatron's defaults where a
@@ -171,6 +195,7 @@ def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> di
     for name, cfg in alone.items():
         try:
             cfg.validate(ns)
+            compat.check_args(cfg, ns)
         except PeakflatConfigError as e:
             out[name] = f"{e.problem} (fix: {e.fix})"
     return out
@@ -250,7 +275,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
     for name, why in blocked.items():
         if (name == "dispatch" and not shape.experts) or (name == "sco" and (not sco or run.recompute != "full")):
             continue
-        reasons.append(f"{_NAMES[name]} left off: {why}")
+        reasons.append(f"{components.get(name).label} left off: {why}")
     if opt_host > run.host_bytes_per_rank:
         cfg.optimizer = dataclasses.replace(cfg.optimizer, impl="megatron")
         reasons.append(f"optimizer offload needs {format_bytes(opt_host)} host per rank, more than the "

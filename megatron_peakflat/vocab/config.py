@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from ..config_base import ComponentConfig, PeakflatConfigError
+from ..config_base import ComponentConfig, PeakflatConfigError, megatron_arg as _get
 
 
 @dataclass(kw_only=True)
@@ -77,3 +77,47 @@ class VocabConfig(ComponentConfig):
         if self.block_size and self.block_size < 16:
             raise PeakflatConfigError(self.flag("block_size"), self.block_size, "blocks under 16 rows waste the GPU",
                                       "pass 0 (automatic) or a block of 1024-16384 rows, e.g. --peakflat-vocab-block-size 4096")
+
+    def check_against_megatron(self, args: Any) -> None:
+        """Refuse, at start-up, the layouts in which --peakflat-vocab-shard-over-ep would not train as the whole
+        output layer (Megatron's parsed args)."""
+        if self.shard_over_ep:
+            self._check_shard_over_ep(args)
+
+    def _check_shard_over_ep(self, args: Any) -> None:
+        """Refuse the layouts in which the EP-sharded output layer would not train as the whole one.
+
+        The shard's gradient sums the tokens of the expert-parallel ring, then DDP reduces it, as an expert
+        parameter, over the expert data-parallel group only. Those two groups cover every data-parallel rank
+        only at --expert-tensor-parallel-size 1: at ETP > 1 (with TP=1) the expert-tensor-parallel ranks hold
+        other tokens and the same rows, their gradients are never summed, and the replicas drift apart.
+        """
+        flag = self.flag("shard_over_ep")
+        ep = _get(args, "expert_model_parallel_size", 1) or 1
+        tp = _get(args, "tensor_model_parallel_size", 1) or 1
+        etp = _get(args, "expert_tensor_parallel_size", 1) or 1
+        pp = _get(args, "pipeline_model_parallel_size", 1) or 1
+        need = [
+            (self.impl == "ring-dtp", "it shards the output layer for the Ring-DTP loss",
+             "add --peakflat-vocab ring-dtp"),
+            (ep > 1, f"there is no expert-parallel group to shard over (--expert-model-parallel-size {ep})",
+             "use it with --expert-model-parallel-size > 1, or drop " + flag),
+            (tp == 1, f"--tensor-model-parallel-size is {tp}: the output layer is already vocab-parallel over the "
+             "tensor-parallel group", "drop " + flag + " (Ring-DTP rings over the tensor-parallel group)"),
+            (etp == 1, f"--expert-tensor-parallel-size is {etp}: the shard's gradient is summed over the expert-parallel "
+             "group and reduced over the expert data-parallel group, which leave out the tokens of the other "
+             f"{etp - 1} expert-tensor-parallel rank(s), so the shard would train on part of the batch and its "
+             "copies drift apart", "pass --expert-tensor-parallel-size 1, or drop " + flag),
+            (pp == 1, f"--pipeline-model-parallel-size is {pp}: pipeline parallelism is not supported yet",
+             "pass --pipeline-model-parallel-size 1, or drop " + flag),
+            (bool(_get(args, "untie_embeddings_and_output_weights", False)),
+             "a tied output layer is the input embedding, which stays whole on every rank",
+             "add --untie-embeddings-and-output-weights, or drop " + flag),
+            ((_get(args, "make_vocab_size_divisible_by", 128) or 1) * tp % ep == 0,
+             f"the padded vocabulary must split evenly over EP={ep} (--make-vocab-size-divisible-by "
+             f"{_get(args, 'make_vocab_size_divisible_by', 128)})",
+             f"pass --make-vocab-size-divisible-by a multiple of {ep}"),
+        ]
+        for ok, why, fix in need:
+            if not ok:
+                raise PeakflatConfigError(flag, True, why, fix)
