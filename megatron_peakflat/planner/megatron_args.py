@@ -20,7 +20,8 @@ from ..config_base import PeakflatConfigError
 from .shapes import MLA, ModelShape
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
-           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS"]
+           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS",
+           "PRESET_MARK"]
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -75,6 +76,10 @@ _CHECKED_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     "--use-transformer-engine-op-fuser", "--moe-single-grouped-weight", "--moe-single-grouped-bias",
     "--fine-grained-activation-offloading", "--distribute-saved-activations", "--use-precision-aware-optimizer"))
 
+PRESET_MARK = "planner_preset"
+"""The attribute the planner sets on the flags it parsed beside a --preset (the preset's name): they override
+the preset, not stand for a command line of their own."""
+
 MEGATRON_DEFAULTS: dict[str, Any] = {"moe_token_dispatcher_type": "allgather", "add_bias_linear": True,
                                      "optimizer": "adam"}
 """Megatron's defaults (arguments.py) among the checked flags that a start-up check reads: a command line
@@ -83,7 +88,10 @@ that leaves them out runs the allgather dispatcher, experts with biases, and Ada
 
 def is_command_line(ns: Any) -> bool:
     """Whether ``ns`` holds a Megatron command line (it names the model), whose omitted flags take Megatron's
-    defaults, rather than a few flags beside a preset."""
+    defaults, rather than a few flags beside a preset (``PRESET_MARK``: a flag that names the model, such as
+    --num-layers, overrides that one size of the preset and keeps its other settings)."""
+    if getattr(ns, PRESET_MARK, None):
+        return False
     return any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size"))
 
 
