@@ -18,6 +18,7 @@ from typing import Any
 from ..config import add_args
 from ..config_base import PeakflatConfigError
 from .shapes import MLA, ModelShape
+from .tokenizer import vocab_from_flags
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
            "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS",
@@ -46,6 +47,8 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None)
     p.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default=None)
     p.add_argument("--optimizer-offload-fraction", type=float, default=None)
+    for name in ("tokenizer-type", "tokenizer-model", "vocab-file", "merge-file"):  # they set the vocabulary
+        p.add_argument("--" + name, default=None)
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     p.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     p.add_argument("--recompute-modules", nargs="*", default=None)
@@ -192,9 +195,7 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
     # Megatron's default width (arguments.py): 4h, or for swiglu 8h/3 rounded down to a multiple of 64
     ffn = get("ffn_hidden_size", b.ffn if b else (int((4 * hidden * 2 / 3) / 64) * 64 if gated else 4 * hidden))
     experts = get("num_experts", b.experts if b else 0) or 0
-    vocab = get("padded_vocab_size", get("vocab_size", b.vocab if b else None))
-    if vocab is None:
-        vocab = 50304
+    vocab, _ = vocab_from_flags(ns, b.vocab if b else None)
     mla = b.mla if b else None
     if getattr(ns, "multi_latent_attention", None):
         mla = MLA(q_lora_rank=get("q_lora_rank", None), kv_lora_rank=get("kv_lora_rank", 512),
