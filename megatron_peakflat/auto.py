@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from .config import _COMPONENTS
 from .config_base import PeakflatConfigError, flag_name, format_bytes
 
-__all__ = ["AutoChoice", "resolve", "auto_argv", "wants_auto", "planner_argv", "resolved_in_this_process"]
+__all__ = ["AutoChoice", "NothingFits", "NOTHING_FITS", "resolve", "auto_argv", "wants_auto", "planner_argv", "resolved_in_this_process"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -36,6 +36,14 @@ _COMPONENT_PREFIXES = {name: (_SWITCHES[name], f"--peakflat-{_COMPONENTS[name].P
 _NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO", "optimizer": "OffloadStreamAdamW"}
 _ROWS = {"dispatch": "dispatch", "vocab": "vocab", "sco": "boundaries", "optimizer": "optimizer"}
 _resolved: list["AutoChoice"] = []
+
+NOTHING_FITS = 3
+"""The exit status where nothing fits (the planner's and peakflat-check's, with or without --peakflat auto)."""
+
+
+class NothingFits(PeakflatConfigError):
+    """``--peakflat auto`` found no configuration that fits: not a refused flag, so its exit status is
+    ``NOTHING_FITS`` (3), as the planner's and peakflat-check's are for the same run without auto."""
 
 
 @dataclasses.dataclass
@@ -233,7 +241,7 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
                                   f"--peakflat-* flags yourself in place of {FLAG} auto") from e
     rec = recommend(shape, run, pf, ns.megatron_namespace)
     if not rec.fits:
-        raise PeakflatConfigError(FLAG, "auto", f"nothing fits in this command line's layout ({_layout(run)}): " +
+        raise NothingFits(FLAG, "auto", f"nothing fits in this command line's layout ({_layout(run)}): " +
                                   "; ".join(rec.reasons), "apply one of the fixes above" + _picked_layout(args) +
                                   f" (python -m megatron_peakflat.plan {shlex.join(args)} shows the figures)")
     given = _given_flags(argv)

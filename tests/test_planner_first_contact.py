@@ -104,3 +104,38 @@ def test_auto_and_check_refuse_an_unknown_vocabulary_naming_vocab_size(capsys):
                      host_bytes_per_node=2048 * 2**30)
     assert check.main([*line, "--gpus", "8", "--hbm-gib", "80", "--host-gib", "2048"]) == check.REFUSED
     assert "pass --vocab-size" in capsys.readouterr().err
+
+
+CHECK_MODEL = ("--num-layers 24 --hidden-size 2880 --num-attention-heads 64 --group-query-attention --num-query-groups 8 "
+               "--kv-channels 64 --ffn-hidden-size 2880 --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 2880 "
+               "--swiglu --vocab-size 201088 --untie-embeddings-and-output-weights --micro-batch-size 1 "
+               "--global-batch-size 1 --bf16 --moe-token-dispatcher-type alltoall --disable-bias-linear "
+               "--use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
+               "--recompute-num-layers 1 --seq-length 8192 --max-position-embeddings 8192 --lr 1e-4 --train-iters 10 "
+               "--no-create-attention-mask-in-dataloader").split()
+
+
+def test_nothing_fits_exits_3_with_and_without_auto(capsys):
+    from megatron_peakflat import auto, check
+
+    small = ["--gpus", "1", "--gpus-per-node", "1", "--hbm-gib", "16", "--host-gib", "64"]
+    assert check.main([*CHECK_MODEL, "--peakflat-dispatch", "pipelined-llep", *small]) == check.DOES_NOT_FIT == 3
+    assert check.main([*CHECK_MODEL, "--peakflat", "auto", *small]) == 3
+    assert "nothing fits" in capsys.readouterr().err
+    with pytest.raises(auto.NothingFits):
+        auto.resolve([*CHECK_MODEL, "--peakflat", "auto"], gpus=1, gpus_per_node=1, hbm_bytes=16 * 2**30,
+                     host_bytes_per_node=64 * 2**30)
+
+
+def test_pretraining_exits_3_where_auto_finds_nothing_that_fits(monkeypatch, capsys):
+    from megatron_peakflat import auto, pretrain
+
+    def nothing(argv):
+        raise auto.NothingFits("--peakflat", "auto", "nothing fits in this command line's layout", "more GPUs")
+
+    monkeypatch.setattr(pretrain, "_check_gpus", lambda: None)
+    monkeypatch.setattr(pretrain.megatron_peakflat, "auto_argv", nothing)
+    with pytest.raises(SystemExit) as e:
+        pretrain.main([*CHECK_MODEL, "--peakflat", "auto"])
+    assert e.value.code == 3
+    assert "nothing fits" in capsys.readouterr().err
