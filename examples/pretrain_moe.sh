@@ -163,20 +163,26 @@ esac
 
 read -ra USER_ARGS <<< "${MEGATRON_ARGS:-}"
 
-LAUNCH=(
-  "$PYTHON" -m torch.distributed.run --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-  -m megatron_peakflat.pretrain "${MODEL[@]}" "${PARALLEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${OUTPUTS[@]}" "${PF[@]}"
-  "${USER_ARGS[@]}" "$@"
-)
 SHOWN_SEQ=$SEQ_LEN  # the last --seq-length given wins, as in Megatron's parser
 ALL=("${USER_ARGS[@]}" "$@")
 for i in "${!ALL[@]}"; do
   case "${ALL[$i]}" in
     --seq-length) SHOWN_SEQ=${ALL[$((i + 1))]:-$SHOWN_SEQ} ;;
     --seq-length=*) SHOWN_SEQ=${ALL[$i]#--seq-length=} ;;
+    --max-position-embeddings|--max-position-embeddings=*) POS_GIVEN=1 ;;
   esac
 done
+# the position embeddings follow a --seq-length given on the command line, unless it sets them too
+POSITIONS=()
+if [[ -z "${POS_GIVEN:-}" && "$SHOWN_SEQ" != "$SEQ_LEN" ]]; then
+  POSITIONS=(--max-position-embeddings "$SHOWN_SEQ")
+fi
+LAUNCH=(
+  "$PYTHON" -m torch.distributed.run --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+  -m megatron_peakflat.pretrain "${MODEL[@]}" "${PARALLEL[@]}" "${TRAIN[@]}" "${DATA[@]}" "${OUTPUTS[@]}" "${PF[@]}"
+  "${POSITIONS[@]}" "${USER_ARGS[@]}" "$@"
+)
 echo "peakflat=$PEAKFLAT nodes=$NNODES gpus/node=$GPUS_PER_NODE tp=$TP ep=$EP seq=$SHOWN_SEQ layers=$NUM_LAYERS experts=$EXPERTS"
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # This script's own path, for the per-node tasks (and the container) to run. Under sbatch $0 is Slurm's spool copy,

@@ -25,7 +25,7 @@ from . import components
 from .config import _COMPONENTS
 from .config_base import PeakflatConfigError, flag_name, format_bytes
 
-__all__ = ["AutoChoice", "resolve", "auto_argv", "wants_auto", "planner_argv", "resolved_in_this_process"]
+__all__ = ["AutoChoice", "NothingFits", "NOTHING_FITS", "resolve", "auto_argv", "wants_auto", "planner_argv", "resolved_in_this_process"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -35,6 +35,14 @@ _SWITCHES = {name: flag_name(cls, cls.MODE_FIELD) for name, cls in _COMPONENTS.i
 _COMPONENT_PREFIXES = {name: (_SWITCHES[name], f"--peakflat-{_COMPONENTS[name].PREFIX}-") for name in _SWITCHES}
 """The flags of each component: its switch and its knobs (``--peakflat-<PREFIX>-*``)."""
 _resolved: list["AutoChoice"] = []
+
+NOTHING_FITS = 3
+"""The exit status where nothing fits (the planner's and peakflat-check's, with or without --peakflat auto)."""
+
+
+class NothingFits(PeakflatConfigError):
+    """``--peakflat auto`` found no configuration that fits: not a refused flag, so its exit status is
+    ``NOTHING_FITS`` (3), as the planner's and peakflat-check's are for the same run without auto."""
 
 
 @dataclasses.dataclass
@@ -233,7 +241,7 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
                                   f"--peakflat-* flags yourself in place of {FLAG} auto") from e
     rec = recommend(shape, run, pf, ns.megatron_namespace)
     if not rec.fits:
-        raise PeakflatConfigError(FLAG, "auto", f"nothing fits in this command line's layout ({_layout(run)}): " +
+        raise NothingFits(FLAG, "auto", f"nothing fits in this command line's layout ({_layout(run)}): " +
                                   "; ".join(rec.reasons), "apply one of the fixes above" + _picked_layout(args) +
                                   f" (python -m megatron_peakflat.plan {shlex.join(args)} shows the figures)")
     given = _given_flags(argv)

@@ -352,6 +352,9 @@ def check_command_line(argv: Sequence[str]) -> int:
         args, world, note = _megatron_args(flags, own.gpus)
     except SystemExit as e:  # argparse's error, printed already
         return int(e.code) if isinstance(e.code, int) and e.code else REFUSED
+    except auto.NothingFits as e:  # the line is accepted; it does not fit, as without --peakflat auto
+        print(f"error: {e}", file=sys.stderr)
+        return DOES_NOT_FIT
     except PeakflatConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return REFUSED

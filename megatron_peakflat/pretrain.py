@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 import megatron_peakflat
+from megatron_peakflat.auto import NOTHING_FITS, NothingFits
 from megatron_peakflat.integration.attention import transformer_engine_available
 
 log = logging.getLogger("megatron_peakflat")
@@ -244,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
         _check_gpus()
     try:
         flags = megatron_peakflat.auto_argv(_default_argv(words))
+    except NothingFits as e:  # the planner's and peakflat-check's status for a run that does not fit
+        print(f"megatron-peakflat: {e}", file=sys.stderr)
+        raise SystemExit(NOTHING_FITS) from None
     except megatron_peakflat.PeakflatConfigError as e:
         raise SystemExit(f"megatron-peakflat: {e}") from None
     sys.argv = [sys.argv[0], *flags]

@@ -197,6 +197,6 @@ def test_peakflat_auto_is_resolved_for_the_gpus_given_then_checked(capsys, monke
     added = next(line for line in out.splitlines() if line.startswith("  added: "))
     assert "--peakflat-dispatch pipelined-llep" in added  # what training start-up would add, then checked
     assert "components on: dispatch" in out and out.strip().splitlines()[-1].endswith("-> fits")
-    # where nothing fits, auto refuses at start-up: so does the check
-    assert check.main([*MODEL, "--peakflat", "auto", "--hbm-gib", "1", "--host-gib", "2048"]) == 2
+    # where nothing fits, auto refuses at start-up: so does the check, with the status of a line that does not fit
+    assert check.main([*MODEL, "--peakflat", "auto", "--hbm-gib", "1", "--host-gib", "2048"]) == check.DOES_NOT_FIT
     assert _error(capsys.readouterr().err).startswith("error: --peakflat='auto': nothing fits")

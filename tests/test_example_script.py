@@ -288,3 +288,17 @@ def test_the_default_line_trains_through_the_pretrain_entry_on_cpu():
     assert out.returncode == 0, text[-3000:]
     assert "peakflat auto: planned for 1 GPU(s)" in text and "added: --peakflat-dispatch pipelined-llep" in text
     assert len(logged(text, "lm loss")) == 3
+
+
+def _last(argv: list[str], flag: str) -> str:
+    """The value of the last ``flag``: the one Megatron's parser keeps."""
+    return argv[len(argv) - argv[::-1].index(flag)]
+
+
+def test_the_position_embeddings_follow_a_sequence_length_given_on_the_command_line():
+    argv = command(PEAKFLAT="off", ARGV="--seq-length 8192 --lr 1e-4")  # the script's own header example
+    assert _last(argv, "--seq-length") == _last(argv, "--max-position-embeddings") == "8192", argv
+    argv = command(PEAKFLAT="off", MEGATRON_ARGS="--seq-length 16384")
+    assert _last(argv, "--max-position-embeddings") == "16384", argv
+    argv = command(PEAKFLAT="off", ARGV="--seq-length 8192 --max-position-embeddings 32768")  # given: kept
+    assert _last(argv, "--max-position-embeddings") == "32768", argv

@@ -15,6 +15,7 @@ row when it is off, for this rank's pipeline stage, from Megatron's parsed args.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from typing import Any
@@ -92,7 +93,7 @@ def prediction(args: Any) -> tuple[Plan, str]:
         from ..planner.cli import local_host_gib
         from ..planner.megatron_args import run_fields_from_namespace, shape_from_namespace
 
-        shape = shape_from_namespace(args)
+        shape = _shape(args, shape_from_namespace)
         fields = run_fields_from_namespace(args)
         fields.setdefault("seq_len", getattr(args, "seq_length", 4096))
         tp, pp, cp = fields.get("tp", 1), fields.get("pp", 1), fields.get("cp", 1)
@@ -107,6 +108,23 @@ def prediction(args: Any) -> tuple[Plan, str]:
         _cache["plan"] = plan(shape, run, _as_run(_config(args)))
         _cache["stage"] = _stage_name(_cache["plan"])
     return _cache["plan"], _cache["stage"]
+
+
+def _shape(args: Any, shape_from_namespace: Any) -> Any:
+    """The model's shape from Megatron's args. Before Megatron has built its tokenizer (start-up, where
+    ``padded_vocab_size`` is still unset) a tokenizer whose files this process cannot read leaves the vocabulary
+    unknown: the plan then takes --vocab-size, else GPT-2's, and says so, rather than stopping a run that
+    Megatron itself can start."""
+    from ..config_base import PeakflatConfigError
+
+    try:
+        return shape_from_namespace(args)
+    except PeakflatConfigError as e:
+        if e.flag != "--tokenizer-type":
+            raise
+        log.warning("peakflat: the peak report's plan cannot read the tokenizer's vocabulary here (%s); it plans "
+                    "--vocab-size, else GPT-2's vocabulary. Fix: pass --vocab-size with the tokenizer's", e.problem)
+        return shape_from_namespace(argparse.Namespace(**{**vars(args), "tokenizer_type": None, "vocab_file": None}))
 
 
 def _as_run(cfg: Any) -> Any:

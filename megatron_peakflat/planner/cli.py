@@ -28,8 +28,8 @@ from typing import Any, Sequence
 from ..config import PeakflatConfig, add_args
 from ..integration import compat
 from ..config_base import PeakflatConfigError
-from .megatron_args import (fused_adam_importable, is_command_line, parse_megatron_args, run_fields_from_namespace,
-                            shape_from_namespace)
+from .megatron_args import (PRESET_MARK, fused_adam_importable, is_command_line, parse_megatron_args,
+                            run_fields_from_namespace, shape_from_namespace)
 from .model import COMPONENTS, GIB, Plan, RunConfig, pipeline_split, plan
 from .recommend import Recommendation, blockers, recommend, startup_namespace
 from .shapes import PRESETS, ModelShape, preset
@@ -228,6 +228,8 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
         except KeyError:
             raise _err("--preset", ns.preset, "unknown preset", f"use one of {', '.join(PRESETS)}") from None
     mns, ignored = parse_megatron_args(ns.megatron_args) if ns.megatron_args else (argparse.Namespace(), [])
+    if base is not None:  # flags beside a preset override it; the preset's other settings stay
+        setattr(mns, PRESET_MARK, base.name)
     unknown = [u.split("=")[0] for u in ignored if u.startswith("--peakflat")]
     if unknown:
         raise _err(unknown[0], None, "is not a peakflat flag (pretraining would refuse it too)",

@@ -18,9 +18,11 @@ from typing import Any
 from ..config import add_args
 from ..config_base import PeakflatConfigError
 from .shapes import MLA, ModelShape
+from .tokenizer import vocab_from_flags
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
-           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS"]
+           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS",
+           "PRESET_MARK"]
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -45,6 +47,8 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None)
     p.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default=None)
     p.add_argument("--optimizer-offload-fraction", type=float, default=None)
+    for name in ("tokenizer-type", "tokenizer-model", "vocab-file", "merge-file"):  # they set the vocabulary
+        p.add_argument("--" + name, default=None)
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     p.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     p.add_argument("--recompute-modules", nargs="*", default=None)
@@ -75,6 +79,10 @@ _CHECKED_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     "--use-transformer-engine-op-fuser", "--moe-single-grouped-weight", "--moe-single-grouped-bias",
     "--fine-grained-activation-offloading", "--distribute-saved-activations", "--use-precision-aware-optimizer"))
 
+PRESET_MARK = "planner_preset"
+"""The attribute the planner sets on the flags it parsed beside a --preset (the preset's name): they override
+the preset, not stand for a command line of their own."""
+
 MEGATRON_DEFAULTS: dict[str, Any] = {"moe_token_dispatcher_type": "allgather", "add_bias_linear": True,
                                      "optimizer": "adam"}
 """Megatron's defaults (arguments.py) among the checked flags that a start-up check reads: a command line
@@ -83,7 +91,10 @@ that leaves them out runs the allgather dispatcher, experts with biases, and Ada
 
 def is_command_line(ns: Any) -> bool:
     """Whether ``ns`` holds a Megatron command line (it names the model), whose omitted flags take Megatron's
-    defaults, rather than a few flags beside a preset."""
+    defaults, rather than a few flags beside a preset (``PRESET_MARK``: a flag that names the model, such as
+    --num-layers, overrides that one size of the preset and keeps its other settings)."""
+    if getattr(ns, PRESET_MARK, None):
+        return False
     return any(getattr(ns, k, None) is not None for k in ("num_layers", "hidden_size"))
 
 
@@ -184,9 +195,7 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
     # Megatron's default width (arguments.py): 4h, or for swiglu 8h/3 rounded down to a multiple of 64
     ffn = get("ffn_hidden_size", b.ffn if b else (int((4 * hidden * 2 / 3) / 64) * 64 if gated else 4 * hidden))
     experts = get("num_experts", b.experts if b else 0) or 0
-    vocab = get("padded_vocab_size", get("vocab_size", b.vocab if b else None))
-    if vocab is None:
-        vocab = 50304
+    vocab, _ = vocab_from_flags(ns, b.vocab if b else None)
     mla = b.mla if b else None
     if getattr(ns, "multi_latent_attention", None):
         mla = MLA(q_lora_rank=get("q_lora_rank", None), kv_lora_rank=get("kv_lora_rank", 512),

@@ -1,0 +1,141 @@
+"""What a user meets first with the planner, peakflat-check and --peakflat auto: the figures follow the training
+line (its tokenizer, its implementation), flags beside a preset keep the preset's settings, the exit status is
+the same with and without auto, and every line the tools print says what it is."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_peakflat.planner.cli import build
+
+
+def _run(argv: list[str]):
+    shape, run, pf, ns, _ = build(argv)
+    return shape, run
+
+
+@pytest.mark.parametrize("override, field, value", [
+    ("--num-layers 4", "layers", 4),
+    ("--num-experts 64", "experts", 64),
+    ("--hidden-size 2048 --num-attention-heads 32", "hidden", 2048),
+])
+def test_a_model_flag_beside_a_preset_keeps_the_presets_other_settings(override, field, value):
+    base = ["--preset", "gpt-oss-20b", "--seq-len", "32K", "--gpus", "8", "--hbm-gib", "80", "--host-gib", "2048"]
+    shape0, run0 = _run(base)
+    shape, run = _run(base + ["--megatron-args", override])
+    assert getattr(shape, field) == value
+    assert dataclasses.replace(run, fused_adam=run0.fused_adam) == run0  # precision, recompute, optimizer, batches
+    assert run.precision == "bf16" and run.recompute == "full" and run.distributed_optimizer
+
+
+GPT_OSS_20B = ("--num-layers 24 --hidden-size 2880 --num-attention-heads 64 --group-query-attention --num-query-groups 8 "
+               "--kv-channels 64 --ffn-hidden-size 2880 --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 2880 "
+               "--swiglu --untie-embeddings-and-output-weights --bf16 --use-distributed-optimizer "
+               "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --seq-length 131072")
+
+
+def _hf_tokenizer(tmp_path, vocab: int, added: int) -> str:
+    """A Hugging Face tokenizer directory with a tokenizer.json of ``vocab`` BPE tokens and ``added`` more."""
+    import json
+
+    doc = {"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(vocab)}, "merges": []},
+           "added_tokens": [{"id": vocab + i, "content": f"<|s{i}|>", "special": True} for i in range(added)]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(doc))
+    return str(tmp_path)
+
+
+def test_the_vocabulary_is_read_from_a_hugging_face_tokenizers_files(tmp_path):
+    path = _hf_tokenizer(tmp_path, 200_000, 1_088)
+    line = f"{GPT_OSS_20B} --tokenizer-type HuggingFaceTokenizer --tokenizer-model {path}"
+    shape, _ = _run(["--megatron-args", line, "--gpus", "8"])
+    assert shape.vocab == 201_088
+    # --vocab-size stands in only where the tokenizer's own files are not readable: Megatron ignores it here
+    shape, _ = _run(["--megatron-args", line + " --vocab-size 1000", "--gpus", "8"])
+    assert shape.vocab == 201_088
+
+
+def test_a_gpt2_vocab_file_gives_its_vocabulary(tmp_path):
+    import json
+
+    (tmp_path / "vocab.json").write_text(json.dumps({f"t{i}": i for i in range(32_000)}))
+    line = f"{GPT_OSS_20B} --tokenizer-type GPT2BPETokenizer --vocab-file {tmp_path / 'vocab.json'}"
+    assert _run(["--megatron-args", line, "--gpus", "8"])[0].vocab == 32_000
+
+
+@pytest.mark.parametrize("tokenizer", ["--tokenizer-type HuggingFaceTokenizer --tokenizer-model /no/such/tokenizer",
+                                       "--tokenizer-type SentencePieceTokenizer --tokenizer-model /no/such.model",
+                                       "--tokenizer-type NullTokenizer"])
+def test_a_tokenizer_whose_vocabulary_is_unknown_is_refused_naming_vocab_size(tokenizer, capsys):
+    from megatron_peakflat.planner.cli import main
+
+    argv = ["--megatron-args", f"{GPT_OSS_20B} {tokenizer}", "--gpus", "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--tokenizer-type" in err and "pass --vocab-size" in err, err
+    argv[1] += " --vocab-size 201088"  # the fix it names
+    assert main(argv) in (0, 3)
+    assert "201088" in str(_run(argv)[0].vocab)
+
+
+def test_with_the_vocabulary_known_the_vocab_term_is_the_tokenizers(tmp_path):
+    """gpt-oss-20b at 128K: Megatron's cross-entropy holds T x V x 6 B; the 50304 the planner took before was a
+    quarter of the 201088 of the tokenizer."""
+    from megatron_peakflat.planner.model import GIB, plan
+
+    path = _hf_tokenizer(tmp_path, 200_000, 1_088)
+    shape, run, pf, _, _ = build(["--megatron-args", f"{GPT_OSS_20B} --tokenizer-type HuggingFaceTokenizer "
+                                  f"--tokenizer-model {path}", "--gpus", "8"])
+    vocab = plan(shape, run, pf).stages[0].rows["vocab"].baseline / GIB
+    assert vocab == pytest.approx(131072 * 201088 * 6 / GIB)
+
+
+def test_auto_and_check_refuse_an_unknown_vocabulary_naming_vocab_size(capsys):
+    from megatron_peakflat import auto, check
+    from megatron_peakflat.config_base import PeakflatConfigError
+
+    line = (GPT_OSS_20B + " --tokenizer-type HuggingFaceTokenizer --tokenizer-model /no/such/tokenizer "
+            "--moe-token-dispatcher-type alltoall --disable-bias-linear --max-position-embeddings 131072 "
+            "--lr 1e-4 --train-iters 10 --no-create-attention-mask-in-dataloader --expert-model-parallel-size 8 "
+            "--micro-batch-size 1").split()
+    with pytest.raises(PeakflatConfigError, match="--vocab-size"):
+        auto.resolve(line + ["--peakflat", "auto"], gpus=8, gpus_per_node=8, hbm_bytes=80 * 2**30,
+                     host_bytes_per_node=2048 * 2**30)
+    assert check.main([*line, "--gpus", "8", "--hbm-gib", "80", "--host-gib", "2048"]) == check.REFUSED
+    assert "pass --vocab-size" in capsys.readouterr().err
+
+
+CHECK_MODEL = ("--num-layers 24 --hidden-size 2880 --num-attention-heads 64 --group-query-attention --num-query-groups 8 "
+               "--kv-channels 64 --ffn-hidden-size 2880 --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 2880 "
+               "--swiglu --vocab-size 201088 --untie-embeddings-and-output-weights --micro-batch-size 1 "
+               "--global-batch-size 1 --bf16 --moe-token-dispatcher-type alltoall --disable-bias-linear "
+               "--use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
+               "--recompute-num-layers 1 --seq-length 8192 --max-position-embeddings 8192 --lr 1e-4 --train-iters 10 "
+               "--no-create-attention-mask-in-dataloader").split()
+
+
+def test_nothing_fits_exits_3_with_and_without_auto(capsys):
+    from megatron_peakflat import auto, check
+
+    small = ["--gpus", "1", "--gpus-per-node", "1", "--hbm-gib", "16", "--host-gib", "64"]
+    assert check.main([*CHECK_MODEL, "--peakflat-dispatch", "pipelined-llep", *small]) == check.DOES_NOT_FIT == 3
+    assert check.main([*CHECK_MODEL, "--peakflat", "auto", *small]) == 3
+    assert "nothing fits" in capsys.readouterr().err
+    with pytest.raises(auto.NothingFits):
+        auto.resolve([*CHECK_MODEL, "--peakflat", "auto"], gpus=1, gpus_per_node=1, hbm_bytes=16 * 2**30,
+                     host_bytes_per_node=64 * 2**30)
+
+
+def test_pretraining_exits_3_where_auto_finds_nothing_that_fits(monkeypatch, capsys):
+    from megatron_peakflat import auto, pretrain
+
+    def nothing(argv):
+        raise auto.NothingFits("--peakflat", "auto", "nothing fits in this command line's layout", "more GPUs")
+
+    monkeypatch.setattr(pretrain, "_check_gpus", lambda: None)
+    monkeypatch.setattr(pretrain.megatron_peakflat, "auto_argv", nothing)
+    with pytest.raises(SystemExit) as e:
+        pretrain.main([*CHECK_MODEL, "--peakflat", "auto"])
+    assert e.value.code == 3
+    assert "nothing fits" in capsys.readouterr().err
