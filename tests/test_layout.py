@@ -1,5 +1,5 @@
 """The package's import graph follows its layers: the algorithm packages (dispatch/, vocab/, recompute/,
-optimizer/) and the runtime helpers they share (runtime/) never import the planner (planner/, which imports
+optimizer/, tiling/) and the runtime helpers they share (runtime/) never import the planner (planner/, which imports
 the algorithms for their size rules), and the algorithms never import Megatron (integration/ does). Checked
 on the source with ast, every import statement at any depth (lazy imports inside functions count too)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "megatron_peakflat"
-ALGORITHMS = ("dispatch", "vocab", "recompute", "optimizer")
+ALGORITHMS = ("dispatch", "vocab", "recompute", "optimizer", "tiling")
 
 
 def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
