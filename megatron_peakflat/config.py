@@ -22,6 +22,7 @@ from .config_base import ComponentConfig, PeakflatConfigError, read_dash_values,
 from .dispatch.config import DispatchConfig
 from .optimizer.config import OptimizerConfig
 from .recompute.config import SCOConfig
+from .tiling.config import TileConfig
 from .vocab.config import VocabConfig
 
 log = logging.getLogger("megatron_peakflat")
@@ -51,6 +52,9 @@ _COMPONENTS: dict[str, type[ComponentConfig]] = {
     "vocab": VocabConfig,
     "sco": SCOConfig,
     "optimizer": OptimizerConfig,
+    # --- component "tile" (tiled attention sublayer): its registration is this entry, the PeakflatConfig
+    # field and `enabled` entry below, its title in add_args and _check_tile in _check_against_megatron ---
+    "tile": TileConfig,
     "general": GeneralConfig,
 }
 
@@ -63,6 +67,7 @@ class PeakflatConfig:
     vocab: VocabConfig = field(default_factory=VocabConfig)
     sco: SCOConfig = field(default_factory=SCOConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    tile: TileConfig = field(default_factory=TileConfig)
     general: GeneralConfig = field(default_factory=GeneralConfig)
 
     @property
@@ -79,6 +84,7 @@ class PeakflatConfig:
             "vocab": self.vocab.impl != "megatron",
             "sco": self.sco.enabled,
             "optimizer": self.optimizer.impl != "megatron",
+            "tile": self.tile.enabled,
         }
 
     def validate(self, megatron_args: Any | None = None) -> "PeakflatConfig":
@@ -108,6 +114,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "vocab": "peakflat: Ring-DTP vocabulary projection",
         "sco": "peakflat: SCO checkpoint-boundary offload",
         "optimizer": "peakflat: OffloadStreamAdamW",
+        "tile": "peakflat: tiled attention sublayer",
         "general": "peakflat: general",
     }
     groups = {name: parser.add_argument_group(titles[name]) for name in _COMPONENTS}
@@ -222,6 +229,8 @@ def _check_against_megatron(cfg: PeakflatConfig, args: Any) -> None:
                                       "boundary for SCO to offload (SCO would hand every captured layer back to "
                                       "Megatron's recompute)", f"drop {graphs.split()[0]}, or drop {flag}")
         _check_sco_budget(cfg, args)
+    if cfg.tile.enabled:
+        _check_tile(cfg, args)
     if cfg.general.attention == "sdpa" or _auto_sdpa_under_cp(cfg, args):
         _check_sdpa_attention(cfg, args)
     if cfg.optimizer.impl != "megatron":
@@ -354,6 +363,52 @@ def _sub_flag_notes(cfg: PeakflatConfig) -> list[str]:
         notes.append(f"peakflat: {o.flag('host_threads')}={o.host_threads} has no effect: {o.flag('engine')} gpu runs "
                      f"every bucket on the GPU. Fix: drop {o.flag('host_threads')}, or pass {o.flag('engine')} auto")
     return notes
+
+
+def _check_tile(cfg: PeakflatConfig, args: Any) -> None:
+    """What the tiled attention sublayer cannot run: a sequence split over ranks (context or sequence
+    parallelism), dropout (backward recomputes each tile and must draw the same numbers), Megatron's local
+    DotProductAttention (it materialises the causal mask square, not aligned to a tile's prefix), and
+    multi-latent attention (other projections)."""
+    flag, value = cfg.tile.flag("enabled"), True
+    cp = _get(args, "context_parallel_size", 1) or 1
+    if cp > 1:
+        raise PeakflatConfigError(flag, value, f"--context-parallel-size {cp} splits the sequence over ranks, and "
+                                  "the tiles cut the whole sequence of one rank", "pass --context-parallel-size 1, "
+                                  f"or drop {flag}")
+    if _get(args, "sequence_parallel", False):
+        raise PeakflatConfigError(flag, value, "--sequence-parallel splits the layer's input over the tensor-parallel "
+                                  "ranks, and the tiles cut the whole sequence",
+                                  f"drop --sequence-parallel, or drop {flag}")
+    for dest, name in (("hidden_dropout", "--hidden-dropout"), ("attention_dropout", "--attention-dropout")):
+        p = _get(args, dest, 0.0) or 0.0
+        if p > 0:
+            raise PeakflatConfigError(flag, value, f"{name} is {p} (Megatron's default is 0.1), and backward "
+                                      "recomputes each tile, which would draw other dropout masks than the forward",
+                                      f"pass {name} 0, or drop {flag}")
+    if _get(args, "multi_latent_attention", False):
+        raise PeakflatConfigError(flag, value, "multi-latent attention projects queries, keys and values "
+                                  "differently from the self-attention it tiles", f"drop --multi-latent-attention, "
+                                  f"or drop {flag}")
+    graphs = cuda_graph_flag(args)
+    if graphs:
+        raise PeakflatConfigError(flag, value, f"{graphs} captures the layers, whose tiled sublayer recomputes in "
+                                  "backward outside any graph", f"drop {graphs.split()[0]}, or drop {flag}")
+    if _get(args, "transformer_impl") == "local" and not _local_spec_runs_sdpa(cfg):
+        raise PeakflatConfigError(flag, value, "Megatron's local DotProductAttention (--transformer-impl local with "
+                                  f"--peakflat-attention {cfg.general.attention}) builds the causal mask for as many "
+                                  "queries as keys, and a tile's queries are the last of its keys",
+                                  "pass --peakflat-attention sdpa (torch SDPA aligns the mask to the tile), or use "
+                                  "--transformer-impl transformer_engine")
+
+
+def _local_spec_runs_sdpa(cfg: PeakflatConfig) -> bool:
+    """Whether Megatron's local spec gets the SDPA core attention (``apply``'s choice for 'auto')."""
+    if cfg.general.attention != "auto":
+        return cfg.general.attention == "sdpa"
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is None
 
 
 def _check_dispatch_experts(cfg: PeakflatConfig, args: Any) -> None:

@@ -11,8 +11,8 @@ import torch
 
 from megatron_peakflat.testing.live_bytes import LiveBytesMeter
 from megatron_peakflat.tiling.attention import TileOps, TiledSelfAttention, tile_starts, tiled_self_attention
-from megatron_peakflat.tiling.bound import (AUTO_MIN_TILE, auto_tile_tokens, tiled_attention_peak_bytes,
-                                            tiled_attention_terms)
+from megatron_peakflat.tiling.bound import (AUTO_MAX_TILE, AUTO_MIN_TILE, auto_tile_tokens,
+                                            tiled_attention_peak_bytes, tiled_attention_terms)
 from megatron_peakflat.tiling.reference import ReferenceAttentionLayer, causal_attention
 from tests._flash_double import FlashDouble, workspace_bytes
 
@@ -213,7 +213,7 @@ def test_bound_terms_scale():
 def test_auto_tile_tokens():
     assert auto_tile_tokens(100) == 100 and auto_tile_tokens(AUTO_MIN_TILE) == AUTO_MIN_TILE
     assert auto_tile_tokens(8192) == 4096  # seq/4 = 2048 is below the floor
-    assert auto_tile_tokens(2**20) == 2**18 and auto_tile_tokens(2**20 - 1) == 2**17
-    assert auto_tile_tokens(393216) == 65536  # 384K: 96K rounds down to 64K
+    assert auto_tile_tokens(40000) == 8192  # a quarter is 10000: 8192 below it
+    assert auto_tile_tokens(65536) == auto_tile_tokens(2**20) == AUTO_MAX_TILE == 16384
     with pytest.raises(ValueError):
         auto_tile_tokens(0)

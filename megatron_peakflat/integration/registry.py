@@ -44,7 +44,7 @@ class PeakflatIntegrationError(ImportError):
 @dataclass(frozen=True)
 class Patch:
     component: str
-    """Which part owns it: dispatch, vocab, sco, optimizer, attention, report (peak log), moe-release (with any
+    """Which part owns it: dispatch, vocab, sco, optimizer, tile, attention, report (peak log), moe-release (with any
     component on) or wheel-fixes."""
     module: str
     """Module in which the name is bound, e.g. ``megatron.core.transformer.moe.moe_layer``."""
@@ -118,6 +118,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch("attention", "megatron.core.models.backends", "LocalSpecProvider.core_attention",
           "megatron_peakflat.integration.attention:wrap_local_core_attention",
           "local-spec core attention through torch SDPA (no s x s scores)"),
+    Patch("tile", "megatron.core.transformer.transformer_layer", "TransformerLayer._forward_attention",
+          "megatron_peakflat.integration.tiling:wrap_forward_attention",
+          "runs the self-attention sublayer over query tiles (only K and V whole over the sequence)",
+          needs_params=("hidden_states", "attention_mask", "context", "rotary_pos_emb", "rotary_pos_cos",
+                        "rotary_pos_sin", "attention_bias", "inference_context", "packed_seq_params"),
+          positional=("self", "hidden_states")),
     Patch("report", "megatron.training.training", "training_log",
           "megatron_peakflat.integration.peaks:wrap_training_log",
           "logs each component's measured peak beside the planner's every log interval"),

@@ -24,11 +24,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = ["TileTerms", "tiled_attention_terms", "tiled_attention_peak_bytes", "auto_tile_tokens",
-           "AUTO_MIN_TILE", "attention_param_count"]
+           "AUTO_MIN_TILE", "AUTO_MAX_TILE", "attention_param_count"]
 
 AUTO_MIN_TILE = 4096
-"""The smallest tile ``auto_tile_tokens`` picks (below it the per-tile kernels run short and the recompute's
-fixed costs dominate); a shorter sequence is one tile."""
+"""The smallest tile ``auto_tile_tokens`` picks, so that each tile's GEMMs and attention stay large (a floor
+chosen, not measured); a shorter sequence is one tile."""
+AUTO_MAX_TILE = 16384
+"""The largest tile ``auto_tile_tokens`` picks: the tile terms grow with the tile and the whole-sequence terms do
+not, so a quarter of a long sequence would keep a quarter of the untiled working set alive (at 1M tokens of a
+gpt-oss-20b layer, bf16, this bound's tile terms come to 31.6 GiB at 256K tokens, 2.0 GiB at 16K, beside 19.4 GiB of
+whole-sequence terms). The attention's work is the same for any tile (each query attends its own prefix)."""
 
 
 @dataclass(frozen=True)
@@ -115,13 +120,13 @@ def tiled_attention_peak_bytes(tile: int, seq: int, micro_batch: int, hidden: in
 
 def auto_tile_tokens(seq: int) -> int:
     """The tile ``--peakflat-tile-tokens auto`` picks (provisional, until the planner chooses it): the largest
-    power of two not above seq / 4, and at least ``AUTO_MIN_TILE`` tokens; a sequence shorter than that is
-    one tile."""
+    power of two not above seq / 4, within ``AUTO_MIN_TILE`` .. ``AUTO_MAX_TILE`` tokens; a sequence of at most
+    ``AUTO_MIN_TILE`` tokens is one tile."""
     if seq < 1:
         raise ValueError(f"seq must be at least 1, got {seq}")
     if seq <= AUTO_MIN_TILE:
         return seq
     tile = AUTO_MIN_TILE
-    while tile * 2 <= seq // 4:
+    while tile * 2 <= min(seq // 4, AUTO_MAX_TILE):
         tile *= 2
     return tile
