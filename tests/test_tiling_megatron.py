@@ -7,7 +7,7 @@ every parameter's gradient with ``--peakflat-tile`` on, at tiles that do not div
 same model with it off, at world sizes 1, 2 and 3 (EP over the ranks; 3 and 6 experts at world 3; and TP=2
 without sequence parallelism, dense, at world 2); with
 PipelinedLLEP, Ring-DTP and SCO on in both runs; with an MTP layer (world 1). Also: the SDPA core attention's
-bottom-right alignment, and the hand-backs to Megatron's sublayer (an explicit mask, Megatron's local
+bottom-right alignment, Megatron DDP with overlapped gradient reduction (world 2), and the hand-backs to Megatron's sublayer (an explicit mask, Megatron's local
 DotProductAttention), logged and exact.
 """
 
@@ -104,6 +104,53 @@ def _case(rank: int, world: int, name: str, *, experts: int, tile: int, others: 
     return name, _compare(f"{name} rank {rank}", got, ref)
 
 
+def _ddp_case(rank: int, world: int) -> tuple[str, float]:
+    """Megatron DDP with overlapped gradient reduction in small buckets, full recompute, 2 iterations: each
+    parameter's gradient reaches DDP's hook once per step (a second arrival fails in Megatron's bucket), and
+    main_grad after finish_grad_sync matches the untiled model's."""
+    import megatron_peakflat
+    from megatron_peakflat.config import GeneralConfig, PeakflatConfig
+    from megatron_peakflat.testing import megatron_cpu as mc
+    from megatron_peakflat.tiling.config import TileConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+    megatron_peakflat.remove()
+    mc.init_megatron_parallel(ep=world, seed=1234)
+    config = mc.tiny_transformer_config(num_moe_experts=4, num_attention_heads=8, num_query_groups=2,
+                                        recompute_granularity="full", recompute_method="uniform",
+                                        recompute_num_layers=1)
+    off = PeakflatConfig(general=GeneralConfig(attention="sdpa"))
+    on = PeakflatConfig(general=GeneralConfig(attention="sdpa"), tile=TileConfig(enabled=True, tokens=5))
+    megatron_peakflat.apply(off)
+    try:
+        torch.manual_seed(3)
+        inner = [mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ) for _ in range(2)]
+        inner[1].load_state_dict(inner[0].state_dict())
+        ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True, bucket_size=4000)
+        models = [DistributedDataParallel(config, ddp_cfg, m) for m in inner]
+        assert len(models[1].buffers[0].buckets) > 3
+        worst = 0.0
+        for it in range(2):
+            batch = _batch(40 + it + rank)
+            grads = []
+            for m, cfg in zip(models, (off, on)):
+                megatron_peakflat.apply(cfg)
+                m.zero_grad_buffer()
+                m.train()
+                mc.gpt_loss(m, batch).backward()
+                m.finish_grad_sync()
+                grads.append({n: p.main_grad.clone() for n, p in m.module.named_parameters()})
+            for n, g in grads[0].items():
+                e = max_rel_error(grads[1][n], g)
+                assert e <= 1e-5, ("ddp", it, n, e)
+                worst = max(worst, e)
+    finally:
+        megatron_peakflat.remove()
+    return "ddp-overlap,full-recompute", worst
+
+
 def _sdpa_bottom_right(rank: int) -> tuple[str, float]:
     """SDPAttention with ``causal_bottom_right``: the last t queries over all keys as in the whole causal
     attention, for t < L, and plain causal at t = L."""
@@ -160,6 +207,7 @@ def _worker(rank: int, world: int) -> list[tuple[str, float]]:
     elif world == 2:
         out.append(_case(rank, world, "ep2,gqa4,tile5", experts=4, tile=5))
         out.append(_case(rank, world, "ep2,all-components,tile9", experts=4, tile=9, others=others))
+        out.append(_ddp_case(rank, world))
         # TP=2 without sequence parallelism: heads split over the ranks, the output projection reduced per tile
         out.append(_case(rank, world, "tp2,gqa4,tile7", experts=None, tile=7, tp=2, sequence_parallel=False,
                          num_layers=1))
