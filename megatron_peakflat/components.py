@@ -100,6 +100,10 @@ COMPONENTS: tuple[Component, ...] = (
               "megatron_peakflat.optimizer.config:OptimizerConfig", "optimizer", on="offload-stream",
               planner_terms=("optimizer",), off_term_is_baseline=False, meters=("optimizer",),
               peak="optimizer state", replaces="Adam state on the GPU / HybridDeviceOptimizer"),
+    Component("tile", "TiledAttention", "tiled attention sublayer",
+              "megatron_peakflat.tiling.config:TileConfig", "tiling", on=True,
+              planner_terms=("attention backward",), meters=("attention backward",),
+              peak="layer working set", replaces="attention sublayer over the whole sequence"),
 )
 """Every component, in the order flags, tables and logs list them."""
 

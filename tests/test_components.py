@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_names_are_unique_and_each_row_names_its_package_and_config():
-    assert len(set(components.names())) == len(COMPONENTS) == 4
+    assert len(set(components.names())) == len(COMPONENTS) == 5
     for c in COMPONENTS:
         cls = c.config_class
         assert cls.__module__.startswith(f"megatron_peakflat.{c.package}."), (c.name, cls.__module__)
@@ -69,7 +69,7 @@ def test_planner_and_peak_report_names_follow_the_table():
     from megatron_peakflat.integration.peaks import report_name
     from megatron_peakflat.planner.model import COMPONENTS as PLANNED
 
-    assert PLANNED == ("dispatch", "vocab", "boundaries", "optimizer")
+    assert PLANNED == ("dispatch", "vocab", "boundaries", "optimizer", "attention backward")
     assert report_name("sco") == report_name("recompute") == report_name("boundaries") == "boundaries"
     assert report_name("dispatch") == "dispatch" and report_name("elsewhere") == "elsewhere"
 
@@ -90,24 +90,24 @@ from megatron_peakflat.config_base import ComponentConfig, PeakflatConfigError
 
 
 @dataclass(kw_only=True)
-class TileConfig(ComponentConfig):
-    PREFIX: ClassVar[str] = "tile"
+class SketchConfig(ComponentConfig):
+    PREFIX: ClassVar[str] = "sketch"
     MODE_FIELD: ClassVar[str] = "impl"
-    MODE_FLAG: ClassVar[str] = "tile"
+    MODE_FLAG: ClassVar[str] = "sketch"
 
-    impl: Literal["megatron", "tiled"] = "megatron"
-    """Tiled attention."""
-    tile_rows: int = 128
-    """Rows per tile."""
+    impl: Literal["megatron", "sketched"] = "megatron"
+    """Sketched attention."""
+    sketch_rows: int = 128
+    """Rows per sketch."""
 
     def check_against_megatron(self, args: Any) -> None:
-        if self.impl != "megatron" and getattr(args, "seq_length", 0) % self.tile_rows:
-            raise PeakflatConfigError(self.flag("tile_rows"), self.tile_rows, "it does not divide --seq-length",
+        if self.impl != "megatron" and getattr(args, "seq_length", 0) % self.sketch_rows:
+            raise PeakflatConfigError(self.flag("sketch_rows"), self.sketch_rows, "it does not divide --seq-length",
                                       "pass a divisor")
 
 
-ROW = components.Component("tile", "Tiled", "tiled attention", TileConfig, "tiling", on="tiled",
-                           planner_terms=("tiles",), meters=("tiles",), meter_aliases=("tile",))
+ROW = components.Component("sketch", "Sketched", "sketched attention", SketchConfig, "sketching", on="sketched",
+                           planner_terms=("sketches",), meters=("sketches",), meter_aliases=("sketch",))
 
 
 @contextlib.contextmanager
@@ -127,29 +127,29 @@ with registered(ROW):
     from megatron_peakflat.planner import model
 
     parser = add_args(argparse.ArgumentParser())
-    assert "peakflat: tiled attention" in {g.title for g in parser._action_groups}
-    ns = parser.parse_args(["--peakflat-tile", "tiled", "--peakflat-tile-tile-rows", "64"])
+    assert "peakflat: sketched attention" in {g.title for g in parser._action_groups}
+    ns = parser.parse_args(["--peakflat-sketch", "sketched", "--peakflat-sketch-sketch-rows", "64"])
     cfg = PeakflatConfig.from_args(ns, validate=False)
-    assert cfg.tile == TileConfig(impl="tiled", tile_rows=64), cfg.tile
-    assert cfg.enabled == dict(dispatch=False, vocab=False, sco=False, optimizer=False, tile=True), cfg.enabled
-    assert model.COMPONENTS[-1] == "tiles", model.COMPONENTS
-    assert report_name("tile") == "tiles"
+    assert cfg.sketch == SketchConfig(impl="sketched", sketch_rows=64), cfg.sketch
+    assert cfg.enabled == dict(dispatch=False, vocab=False, sco=False, optimizer=False, tile=False, sketch=True), cfg.enabled
+    assert model.COMPONENTS[-1] == "sketches", model.COMPONENTS
+    assert report_name("sketch") == "sketches"
     ns.seq_length = 100
     try:
         PeakflatConfig.from_args(ns)
     except PeakflatConfigError as e:
-        assert e.flag == "--peakflat-tile-tile-rows", e
+        assert e.flag == "--peakflat-sketch-sketch-rows", e
     else:
         raise AssertionError("the new component's start-up check did not run")
     ns.seq_length = 128
     PeakflatConfig.from_args(ns)
-assert components.COMPONENTS[-1].name == "optimizer"
+assert components.COMPONENTS[-1].name == "tile"
 print("picked up")
 '''
 
 
 def test_a_new_row_is_picked_up_with_no_other_edit(tmp_path):
-    """A 'tile' row added to the table (in a fresh process, before anything reads the table; restored after):
+    """A dummy 'sketch' row added to the table (in a fresh process, before anything reads the table; restored after):
     its flags and --help group, its PeakflatConfig field, ``enabled``, its start-up check, the planner's component
     rows and the peak report's names."""
     script = tmp_path / "dummy_component.py"

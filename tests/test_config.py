@@ -60,13 +60,15 @@ def test_flags_round_trip_into_config():
                              "--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule", "weights",
                              "--peakflat-sco", "--peakflat-sco-budget", "32GiB",
                              "--peakflat-optimizer", "offload-stream", "--peakflat-opt-bucket", "100M",
-                             "--peakflat-attention", "sdpa", "--peakflat-report-peaks")
+                             "--peakflat-attention", "sdpa", "--peakflat-report-peaks",
+                             "--peakflat-tile", "--peakflat-tile-tokens", "8192")
     cfg = PeakflatConfig.from_args(ns)
     assert cfg.dispatch.impl == "pipelined-llep" and cfg.dispatch.chunk_cap == 4096
     assert cfg.vocab.impl == "ring-dtp" and cfg.vocab.schedule == "weights"
     assert cfg.sco.enabled and cfg.sco.budget == 32 * 2**30
     assert cfg.optimizer.impl == "offload-stream" and cfg.optimizer.bucket == 100_000_000
     assert cfg.general.attention == "sdpa" and cfg.general.report_peaks
+    assert cfg.tile.enabled and cfg.tile.tokens == 8192
     assert all(cfg.enabled.values())
 
 

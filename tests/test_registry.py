@@ -12,6 +12,7 @@ from megatron_peakflat.config import GeneralConfig
 from megatron_peakflat.integration import registry, state
 from megatron_peakflat.optimizer.config import OptimizerConfig
 from megatron_peakflat.recompute.config import SCOConfig
+from megatron_peakflat.tiling.config import TileConfig
 from megatron_peakflat.vocab.config import VocabConfig
 
 
@@ -38,6 +39,7 @@ def all_on() -> PeakflatConfig:
         vocab=VocabConfig(impl="ring-dtp"),
         sco=SCOConfig(enabled=True),
         optimizer=OptimizerConfig(impl="offload-stream"),
+        tile=TileConfig(enabled=True),
         general=GeneralConfig(attention="sdpa", report_peaks=True),
     )
 

@@ -6,6 +6,9 @@ context is out of reach before any of the four peaks matters. ``SDPAttention`` k
 DotProductAttention's constructor, parameters and checkpoint layout and replaces only its forward:
 
 - causal with no explicit mask -> ``is_causal=True`` (flash / memory-efficient kernels, O(s) memory);
+- ``AttnMaskType.causal_bottom_right`` with fewer queries than keys (the tiled attention sublayer: the queries
+  are the last positions of the keys) -> torch's ``causal_lower_right`` bias (memory-efficient kernel, no mask
+  built on GPU); with as many queries as keys it is plain causal;
 - an explicit bool mask (True = masked out) -> the same additive -10000 fill that Megatron's
   ``attention_mask_func`` applies, so fully masked rows behave as in Megatron;
 - configurations it does not cover (packed sequences, sliding windows, non-vanilla softmax) hand
@@ -28,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..attention.context_parallel import context_parallel_attention
 from ..config_base import PeakflatConfigError
@@ -160,7 +164,10 @@ def sdpa_core_attention_class() -> type:
             mask = None
             is_causal = False
             if attention_mask is None:
-                is_causal = mask_type == AttnMaskType.causal
+                is_causal = mask_type == AttnMaskType.causal or (mask_type == AttnMaskType.causal_bottom_right
+                                                                 and sq == k.shape[2])
+                if mask_type == AttnMaskType.causal_bottom_right and not is_causal:
+                    mask = causal_lower_right(sq, k.shape[2])  # the queries are the last sq keys' positions
             else:
                 mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
                 mask.masked_fill_(attention_mask.to(torch.bool), _MASK_FILL)

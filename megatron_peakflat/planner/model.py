@@ -37,6 +37,7 @@ from ..config_base import PeakflatConfigError
 from ..dispatch.bound import (auto_max_foreign, chunk_count, flow_chunk_rows, overlap_on, split_floor,
                               weight_sends_bound, working_set_bound)
 from ..dispatch.config import resolve_membership
+from ..tiling.bound import auto_tile_tokens, tiled_attention_peak_bytes
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
@@ -450,6 +451,29 @@ def cp_gathered_kv_backward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -
         return 0.0
     whole = run.seq_len * run.micro_batch
     return (whole + whole / run.cp) * _kv_rows_per_token(s, run) * run.w
+
+
+def tiles_attention(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> bool:
+    """Whether the tiled attention sublayer (``--peakflat-tile``) runs the layers' self-attention: on, and a
+    configuration its start-up check admits (no CP, no sequence parallelism, no multi-latent attention)."""
+    return bool(pf.enabled.get("tile")) and run.cp == 1 and not run.sp and s.mla is None
+
+
+def tile_tokens(run: RunConfig, pf: PeakflatConfig) -> int:
+    """The tile the sublayer runs with on this rank's sequence (``--peakflat-tile-tokens``, or its 'auto')."""
+    seq = run.seq_len // run.cp
+    return min(seq, pf.tile.tokens if pf.tile.tokens is not None else auto_tile_tokens(seq))
+
+
+def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
+    """The tiled sublayer's backward peak of one layer on one rank (``tiling.bound.tiled_attention_peak_bytes``):
+    whole-sequence K, V and their gradient sums, the incoming gradient and dx, and one tile's working set, with
+    flash attention's fp32 dQ accumulator counted once per split (``flash_dq_splits``)."""
+    seq = run.seq_len // run.cp
+    tile = tile_tokens(run, pf)
+    extra_dq = (flash_dq_splits(s, run) - 1) * tile * run.micro_batch * s.heads / run.tp * s.head_dim * 4
+    return tiled_attention_peak_bytes(tile, seq, run.micro_batch, s.hidden, max(1, s.heads // run.tp),
+                                      max(1, s.kv_heads // run.tp), s.head_dim, run.w) + extra_dq
 
 
 MODELLED_RECOMPUTE_MODULES = ("core_attn", "moe", "moe_act", "mlp", "shared_experts")
@@ -1173,19 +1197,26 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
     """Rows ``activations``, ``layer working set``, ``embedding gradient`` and ``attention backward``; returns
     (checkpoints, stored layers) for the rows that follow."""
     attn = attention_activations(s, run) + cp_gathered_kv(s, run, pf)
+    tiled = tiles_attention(s, run, pf)
+    # the tiled sublayer saves only its input, the layer's (checkpoint) input, which the boundaries row counts
+    attn_pf = 0.0 if tiled else attn
     layer_act = [attn + mlp_activations(s, run, s.ffn)] * g.n_dense + [attn + moe_nondispatch_activations(s, run)] * g.n_moe
+    layer_act_pf = ([attn_pf + mlp_activations(s, run, s.ffn)] * g.n_dense
+                    + [attn_pf + moe_nondispatch_activations(s, run)] * g.n_moe)
     # The working set of the layers being (re)computed and backpropagated: their saved tensors, and beside
     # them (not saved, so not part of stored layers below) either one attention's backward or one MoE's.
     one_layer = max(layer_act) if layer_act else 0.0
+    one_layer_pf = max(layer_act_pf) if layer_act_pf else 0.0
     n_ckpt, stored_layers, work_layers = _checkpointing(run, g.n_layers)
     saved = g.inflight * stored_layers * (sum(layer_act) / max(1, g.n_layers))
+    saved_pf = g.inflight * stored_layers * (sum(layer_act_pf) / max(1, g.n_layers))
     # 'selective' recomputes core attention only; with SDPA/flash it saves no s x s scores, so
     # it frees nothing the model counts and is treated like 'none'.
-    rows["activations"] = Row("activations", saved, saved,
+    rows["activations"] = Row("activations", saved, saved_pf,
                               source="saved tensors per layer (model.py attention/mlp/moe_nondispatch), "
                                      f"{stored_layers} stored layers x {g.inflight} micro-batches in flight")
     rows["layer working set"] = Row(
-        "layer working set", work_layers * one_layer, work_layers * one_layer, phase="layer",
+        "layer working set", work_layers * one_layer, work_layers * one_layer_pf, phase="layer",
         source="one recompute chunk re-materialised in backward (recompute.py checkpointed_forward)"
         if run.recompute == "full" else "the layer in backward")
     emb_grad = s.vocab / run.tp * s.hidden * run.w
@@ -1200,10 +1231,13 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
     attn_bwd = attention_backward_transient(s, run) + cp_gathered_kv_backward(s, run, pf) if layer_act else 0.0
     gathered = (f"; at CP {run.cp} the whole sequence's gathered K/V gradients (cp_gathered_kv_backward), and "
                 "each stored layer keeps the gathered K and V (cp_gathered_kv)") if cp_gathers_kv(run, pf) else ""
+    tiled_bwd = tiled_attention_bytes(s, run, pf) if tiled and layer_act else attn_bwd
     rows["attention backward"] = Row(
-        "attention backward", attn_bwd, attn_bwd, phase="attention",
+        "attention backward", attn_bwd, tiled_bwd, bound=tiled_bwd if tiled else None, phase="attention",
         source="dQ, dK, dV, fp32 dQ accumulator x flash_dq_splits, dO, rotated q and k "
-               f"(model.py attention_backward_transient){gathered}; never alive with the MoE's backward")
+               f"(model.py attention_backward_transient){gathered}; never alive with the MoE's backward"
+               + (f"; tiled sublayer: whole K, V, their fp32 gradient sums, the incoming gradient and dx, plus one "
+                  f"tile of {tile_tokens(run, pf)} tokens (tiling/bound.py)" if tiled else ""))
     return n_ckpt, stored_layers
 
 

@@ -23,14 +23,15 @@ from ..integration import compat
 from ..dispatch.config import DispatchConfig
 from ..optimizer.config import OptimizerConfig
 from ..recompute.config import SCOConfig
+from ..tiling.config import TileConfig
 from ..vocab.config import VocabConfig
 from .megatron_args import MEGATRON_DEFAULTS, is_command_line
-from .model import GIB, Plan, Row, RunConfig, plan, vocab_block, vocab_ring_size
+from .model import GIB, Plan, Row, RunConfig, plan, tile_tokens, vocab_block, vocab_ring_size
 from .shapes import ModelShape
 
 __all__ = ["Recommendation", "recommend", "blockers", "startup_namespace", "layout_flags", "FLOORS"]
 
-FLOORS = {"chunk_cap": 1024, "block_size": 256, "bucket": 5_000_000}
+FLOORS = {"chunk_cap": 1024, "block_size": 256, "bucket": 5_000_000, "tile_tokens": 2048}
 STARTS = {"chunk_cap": DispatchConfig().chunk_cap, "block_size": VocabConfig().block_size,
           "bucket": OptimizerConfig().bucket}
 """The components' own defaults (chunk_cap None: 'auto', 8192 x top-k; block_size 0: Ring-DTP's automatic
@@ -85,7 +86,14 @@ def _optimizer_flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
             flag_name(OptimizerConfig, "slots"), str(cfg.optimizer.slots), *OptimizerConfig.MEGATRON_FLAGS]
 
 
-_FLAG_WRITERS = {"dispatch": _dispatch_flags, "vocab": _vocab_flags, "sco": _sco_flags, "optimizer": _optimizer_flags}
+def _tile_flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
+    """The switch, and the tile where the recommendation chose one ('auto' otherwise)."""
+    out = [cfg.tile.flag("enabled")]
+    return out + ([cfg.tile.flag("tokens"), str(cfg.tile.tokens)] if cfg.tile.tokens is not None else [])
+
+
+_FLAG_WRITERS = {"dispatch": _dispatch_flags, "vocab": _vocab_flags, "sco": _sco_flags, "optimizer": _optimizer_flags,
+                 "tile": _tile_flags}
 """The knobs the recommendation sizes, per component; a component without one is written as its switch."""
 
 
@@ -190,7 +198,8 @@ def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> di
     ns.optimizer_cpu_offload = False
     alone = {"dispatch": PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep")),
              "vocab": PeakflatConfig(vocab=VocabConfig(impl="ring-dtp")),
-             "sco": PeakflatConfig(sco=SCOConfig(enabled=True))}
+             "sco": PeakflatConfig(sco=SCOConfig(enabled=True)),
+             "tile": PeakflatConfig(tile=TileConfig(enabled=True))}
     out: dict[str, str] = {}
     for name, cfg in alone.items():
         try:
@@ -216,15 +225,20 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
     to ask whether the run would fit with no offload at all.
     """
     blocked = blockers(shape, run, megatron_args)
-    full = _fit(shape, run, base, blocked, optimizer=True, sco=True)
-    if not full.fits:
-        return full
+    full = _fit(shape, run, base, blocked, optimizer=True, sco=True, tile=False)
+    if not full.fits:  # the tiled sublayer costs an attention forward per layer: only where nothing fits without
+        if "tile" in blocked:
+            return full
+        full = _fit(shape, run, base, blocked, optimizer=True, sco=True, tile=True)
+        if not full.fits:
+            return full
     options: tuple[tuple[bool, bool], ...] = ((False, False), (False, True), (True, False))
     replaced = replace_offload and bool(getattr(megatron_args, "optimizer_cpu_offload", None))
     if replaced:
         options = ((True, False),)
+    tile = full.config.tile.enabled
     for optimizer, sco in options:
-        rec = _fit(shape, run, base, blocked, optimizer=optimizer, sco=sco)
+        rec = _fit(shape, run, base, blocked, optimizer=optimizer, sco=sco, tile=tile)
         if rec.fits and all(a >= b for a, b in zip(_knobs(rec.config, shape.topk), _knobs(full.config, shape.topk))):
             if not optimizer and full.config.optimizer.impl != "megatron":
                 rec.reasons.append("optimizer offload left off: the run fits with Megatron's optimizer on the GPU "
@@ -245,13 +259,14 @@ OFFLOAD_REPLACED = ("OffloadStreamAdamW in place of Megatron's offloaded optimiz
                     "the optimizer state in host memory, and it steps that state as a bucketed pipeline")
 
 
-def _knobs(cfg: PeakflatConfig, topk: int) -> tuple[int, int]:
-    """The knobs that cost time as they shrink (dispatch chunk cap, vocabulary block; 0: automatic, largest)."""
-    return (cfg.dispatch.cap(topk), cfg.vocab.block_size or 1 << 62)
+def _knobs(cfg: PeakflatConfig, topk: int) -> tuple[int, int, int]:
+    """The knobs that cost time as they shrink (dispatch chunk cap, vocabulary block, attention tile; 0 or None:
+    automatic, largest)."""
+    return (cfg.dispatch.cap(topk), cfg.vocab.block_size or 1 << 62, cfg.tile.tokens or 1 << 62)
 
 
 def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked: dict[str, str], *,
-         optimizer: bool, sco: bool) -> Recommendation:
+         optimizer: bool, sco: bool, tile: bool = False) -> Recommendation:
     """Component defaults (``optimizer``: offload-stream, ``sco``: on under full recompute), then the largest
     shrinkable row of the binding stage halved until the total fits whatever the routing, or all are at floor.
     A component in ``blocked`` stays off."""
@@ -263,7 +278,8 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
     opt = dataclasses.replace(base.optimizer, impl="offload-stream" if optimizer else "megatron",
                               bucket=STARTS["bucket"], slots=3)
     sco_cfg = dataclasses.replace(base.sco, enabled=sco and "sco" not in blocked, budget=None)
-    cfg = PeakflatConfig(dispatch=disp, vocab=voc, sco=sco_cfg, optimizer=opt, general=base.general)
+    tile_cfg = dataclasses.replace(base.tile, enabled=tile and "tile" not in blocked)
+    cfg = PeakflatConfig(dispatch=disp, vocab=voc, sco=sco_cfg, optimizer=opt, tile=tile_cfg, general=base.general)
     asked = run
     if optimizer:  # its flags (OptimizerConfig.MEGATRON_FLAGS) make Megatron's optimizer the distributed one
         run = dataclasses.replace(run, distributed_optimizer=True)
@@ -273,7 +289,8 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
     reasons: list[str] = []
     # Without experts there is nothing to dispatch, and without full recompute SCO has nothing to keep: no news.
     for name, why in blocked.items():
-        if (name == "dispatch" and not shape.experts) or (name == "sco" and (not sco or run.recompute != "full")):
+        if (name == "dispatch" and not shape.experts) or (name == "sco" and (not sco or run.recompute != "full")) \
+                or (name == "tile" and not tile):
             continue
         reasons.append(f"{components.get(name).label} left off: {why}")
     if opt_host > run.host_bytes_per_rank:
@@ -305,6 +322,8 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
             candidates.append((_guaranteed(st.rows["vocab"]), "block_size"))
         if cfg.optimizer.impl != "megatron" and (cfg.optimizer.bucket > FLOORS["bucket"] or cfg.optimizer.slots > 2):
             candidates.append((_guaranteed(st.rows["optimizer"]), "bucket"))
+        if cfg.tile.enabled and tile_tokens(run, cfg) > FLOORS["tile_tokens"] and "attention" in live:
+            candidates.append((_guaranteed(st.rows["attention backward"]), "tile_tokens"))
         if not candidates:
             break
         _, knob = max(candidates)
@@ -312,6 +331,8 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
             cap = max(FLOORS["chunk_cap"], cfg.dispatch.cap(shape.topk) // 2)
             cfg.dispatch = dataclasses.replace(cfg.dispatch, chunk_cap=cap,
                                                max_chunks=max(cfg.dispatch.max_chunks, _chunks_needed(shape, run, cap)))
+        elif knob == "tile_tokens":
+            cfg.tile = dataclasses.replace(cfg.tile, tokens=max(FLOORS["tile_tokens"], tile_tokens(run, cfg) // 2))
         elif knob == "block_size":
             cfg.vocab = dataclasses.replace(cfg.vocab, block_size=max(FLOORS["block_size"], block // 2))
         elif cfg.optimizer.bucket > FLOORS["bucket"]:

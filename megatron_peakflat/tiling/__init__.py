@@ -1,0 +1,19 @@
+"""The tiled attention sublayer (no Megatron import).
+
+- ``attention.py``: ``TileOps`` and the autograd Function ``TiledSelfAttention`` (query tiles along the sequence;
+  only K, V and their gradient sums whole);
+- ``bound.py``: the bytes the schedule keeps alive at its peak, and the provisional automatic tile size, as
+  torch-free arithmetic (also the planner's);
+- ``config.py``: ``TileConfig`` (``--peakflat-tile``, ``--peakflat-tile-tokens``);
+- ``reference.py``: a plain-PyTorch sublayer and its ``TileOps``, for the tests.
+"""
+
+from .._lazy import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "TileOps": ".attention",
+    "TiledSelfAttention": ".attention",
+    "tiled_self_attention": ".attention",
+    "tiled_attention_peak_bytes": ".bound",
+    "auto_tile_tokens": ".bound",
+})

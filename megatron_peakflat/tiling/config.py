@@ -1,0 +1,84 @@
+"""Knobs of the tiled attention sublayer: ``--peakflat-tile`` and ``--peakflat-tile-tokens``."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..config_base import ComponentConfig, PeakflatConfigError, cuda_graph_flag, megatron_arg as _get
+
+
+@dataclass(kw_only=True)
+class TileConfig(ComponentConfig):
+    PREFIX: ClassVar[str] = "tile"
+    MODE_FIELD: ClassVar[str] = "enabled"
+    MODE_FLAG: ClassVar[str] = "tile"
+
+    enabled: bool = False
+    """Run each layer's self-attention sublayer (input norm, QKV, RoPE, attention, output projection, residual)
+    over query tiles of the sequence: only K and V (and their gradients) stay whole, every other
+    sequence-sized tensor lives for one tile. Costs one more attention forward per layer and step (three
+    forwards and one backward under full recompute) and one more QKV projection. The router and the MLP run
+    whole (MoE layers are chunked by --peakflat-dispatch)."""
+    tokens: int | None = None
+    """Tokens per query tile. 'auto' (provisional): the largest power of two not above a quarter of the
+    sequence, from 4096 to 16384 tokens (a sequence of at most 4096 tokens is one tile)."""
+
+    def validate(self) -> None:
+        if self.tokens is not None and self.tokens < 1:
+            raise PeakflatConfigError(self.flag("tokens"), self.tokens, "a tile holds at least one token",
+                                      "pass a positive count such as --peakflat-tile-tokens 16384, or 'auto'")
+
+    def tile_tokens(self, seq: int) -> int:
+        """The tile for a sequence of ``seq`` tokens on this rank: the flag's value, or the automatic one."""
+        from .bound import auto_tile_tokens
+
+        return self.tokens if self.tokens is not None else auto_tile_tokens(seq)
+
+
+    def check_against_megatron(self, args: Any) -> None:
+        """Refuse, at start-up, what the tiled sublayer cannot run: a sequence split over ranks (context or sequence
+        parallelism), dropout (backward recomputes each tile and must draw the same numbers), Megatron's local
+        DotProductAttention (it builds the causal mask square, not aligned to a tile's prefix), multi-latent
+        attention (other projections) and CUDA graphs."""
+        if not self.enabled:
+            return
+        flag, value = self.flag("enabled"), True
+        cp = _get(args, "context_parallel_size", 1) or 1
+        if cp > 1:
+            raise PeakflatConfigError(flag, value, f"--context-parallel-size {cp} splits the sequence over ranks, "
+                                      "and the tiles cut the whole sequence of one rank",
+                                      f"pass --context-parallel-size 1, or drop {flag}")
+        if _get(args, "sequence_parallel", False):
+            raise PeakflatConfigError(flag, value, "--sequence-parallel splits the layer's input over the "
+                                      "tensor-parallel ranks, and the tiles cut the whole sequence",
+                                      f"drop --sequence-parallel, or drop {flag}")
+        for dest, name in (("hidden_dropout", "--hidden-dropout"), ("attention_dropout", "--attention-dropout")):
+            p = _get(args, dest, 0.0) or 0.0
+            if p > 0:
+                raise PeakflatConfigError(flag, value, f"{name} is {p} (Megatron's default is 0.1), and backward "
+                                          "recomputes each tile, which would draw other dropout masks than the "
+                                          "forward", f"pass {name} 0, or drop {flag}")
+        if _get(args, "multi_latent_attention", False):
+            raise PeakflatConfigError(flag, value, "multi-latent attention projects queries, keys and values "
+                                      "differently from the self-attention it tiles",
+                                      f"drop --multi-latent-attention, or drop {flag}")
+        graphs = cuda_graph_flag(args)
+        if graphs:
+            raise PeakflatConfigError(flag, value, f"{graphs} captures the layers, whose tiled sublayer recomputes "
+                                      "in backward outside any graph", f"drop {graphs.split()[0]}, or drop {flag}")
+        attention = _get(args, "peakflat_attention", "auto") or "auto"
+        if _get(args, "transformer_impl") == "local" and not _local_spec_runs_sdpa(attention):
+            raise PeakflatConfigError(flag, value, "Megatron's local DotProductAttention (--transformer-impl local "
+                                      f"with --peakflat-attention {attention}) builds the causal mask for as many "
+                                      "queries as keys, and a tile's queries are the last of its keys",
+                                      "pass --peakflat-attention sdpa (torch SDPA aligns the mask to the tile), or "
+                                      "use --transformer-impl transformer_engine")
+
+
+def _local_spec_runs_sdpa(attention: str) -> bool:
+    """Whether Megatron's local spec gets the SDPA core attention (``apply``'s choice for 'auto': no TE)."""
+    if attention != "auto":
+        return attention == "sdpa"
+    return importlib.util.find_spec("transformer_engine") is None

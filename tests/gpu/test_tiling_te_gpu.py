@@ -1,0 +1,92 @@
+"""The tiled attention sublayer on Transformer Engine's layer (one GPU): TE's attention with the bottom-right
+causal mask, its norm fused into the QKV projection, GQA, RoPE, against TE's untiled layer.
+
+One Megatron ``TransformerLayer`` built from ``get_gpt_layer_with_transformer_engine_spec`` (dense MLP), run
+forward and backward with ``--peakflat-tile`` off and on, the same weights and inputs. fp32: the output, dx and
+every parameter's gradient within 1e-5 (relative to each tensor's largest entry) of the untiled layer. bf16:
+each no further from the fp32 untiled layer than the untiled bf16 layer is, plus one bf16 epsilon (2^-8): the
+tiles sum in another order than the whole sequence, and a wrong mask or position is off by O(1).
+CPU: skipped (Transformer Engine runs on CUDA; tests/test_tiling_megatron.py runs the SDPA path on CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_peakflat.integration.attention import transformer_engine_available
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU runs the SDPA path "
+                                 "in tests/test_tiling_megatron.py)"),
+              pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine")]
+
+SEQ, MB, HIDDEN, HEADS, GROUPS, TILE = 1000, 2, 256, 8, 2, 256  # 4 tiles, the last one shorter
+
+
+def _layer_run(layer, x, rope, dy):  # noqa: ANN001
+    for p in layer.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
+    out.backward(dy)
+    return [out.detach().float(), x.grad.float()] + [p.grad.float() for p in layer.parameters()]
+
+
+def _worker(rank: int, world: int) -> dict:
+    import megatron_peakflat
+    from megatron_peakflat import stats
+    from megatron_peakflat.config import PeakflatConfig
+    from megatron_peakflat.testing.megatron_cpu import init_megatron_parallel
+    from megatron_peakflat.tiling.config import TileConfig
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    init_megatron_parallel(cpu=False, seed=1234)
+    layers, runs = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                   num_query_groups=GROUPS, ffn_hidden_size=4 * HIDDEN, hidden_dropout=0.0,
+                                   attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                                   gradient_accumulation_fusion=False, add_bias_linear=True, add_qkv_bias=True)
+        torch.manual_seed(5)
+        layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config, layer_number=1).cuda()
+        if dtype == torch.bfloat16:  # the fp32 layer's weights, rounded
+            layer.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                                   for k, v in layers[torch.float32].state_dict().items()})
+        layers[dtype] = layer.train()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(SEQ, MB, HIDDEN, generator=g).cuda()
+    dy = torch.randn(SEQ, MB, HIDDEN, generator=g).cuda()
+    rope = RotaryEmbedding(kv_channels=HIDDEN // HEADS, rotary_percent=1.0)(SEQ).cuda()
+    for dtype, layer in layers.items():
+        runs[(dtype, False)] = _layer_run(layer, x.to(dtype), rope, dy.to(dtype))
+        megatron_peakflat.apply(PeakflatConfig(tile=TileConfig(enabled=True, tokens=TILE)))
+        stats.reset()
+        try:
+            runs[(dtype, True)] = _layer_run(layer, x.to(dtype), rope, dy.to(dtype))
+            assert stats.snapshot().get("tile", {}).get("tiled_calls") == 1, stats.snapshot()
+        finally:
+            megatron_peakflat.remove()
+    core = layers[torch.float32].self_attention.core_attention
+    assert type(core).__name__ == "TEDotProductAttention", type(core).__name__
+
+    def err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    want = runs[(torch.float32, False)]
+    fp32 = [err(a, b) for a, b in zip(runs[(torch.float32, True)], want)]
+    bf16 = [(err(a, w), err(r, w)) for a, r, w in zip(runs[(torch.bfloat16, True)], runs[(torch.bfloat16, False)],
+                                                       want)]
+    return {"fp32": fp32, "bf16": bf16, "tensors": len(want)}
+
+
+def test_te_tiled_layer_matches_te_untiled_layer():
+    from megatron_peakflat.testing.distributed import run_distributed
+
+    (out,) = run_distributed(_worker, 1, backend="nccl", timeout=300)
+    assert out["tensors"] > 6
+    assert max(out["fp32"]) <= 1e-5, out["fp32"]
+    for tiled, untiled in out["bf16"]:
+        assert tiled <= untiled + 2**-8, out["bf16"]
