@@ -35,7 +35,7 @@ Usage (one H200, no TE):
     python -m bench.dispatch                      # H=4096 grid + H=7168 at 32K/64K, ~4-5 min
     python -m bench.dispatch --hidden 4096 --tokens 32768 --skews 0,95 --regimes full
     python -m bench.dispatch --dry-run            # tiny shapes on CPU (gloo, Megatron CPU shim): checks only
-    python -m bench.dispatch --rounds 3 ...       # every method of a case timed three times in turn (medians)
+    python -m bench.dispatch --repeats 5 ...      # every method of a case timed five times in turn (default 3)
     torchrun --nproc-per-node 2 bench/dispatch.py --hidden 4096 --tokens 32768,65536 --skews 0,95   # EP=2
     python -m bench.dispatch --experts-impl te ...   # with TE: every method on TE's grouped experts
 """
@@ -238,9 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ffn", type=int, default=1536)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="time every method of a case this many times in turn; ms is the median of the rounds' "
-                         "medians (default: %(default)s)")
+    harness.repeats_arg(ap)
     ap.add_argument("--tol", type=float, default=2e-2, help="relative error for exact=True (bf16 level)")
     ap.add_argument("--no-check", action="store_true", help="skip the exactness step (exact=None)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, no timing: checks the setup")
@@ -364,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
     print(f"total {time.time() - t0:.0f}s")
     if not cpu and rank == 0:
+        harness.print_ratio_summary(rows)
         harness.write("dispatch", rows, merge=True)
     megatron_peakflat.remove()
     harness.finish_distributed()

@@ -16,20 +16,35 @@ micro-batch 1), all on Transformer Engine's layers (TE attention, ``--moe-groupe
 - ``peakflat-all``: the offloaded configuration plus every component.
 
 Reach: for each method, the longest sequence that trains ``--iters`` iterations (2): doubling from ``--min-seq``, then
-bisecting at ``--granularity``, up to ``--max-seq``. Every length runs in its own process, so an OOM ends only
-that length, and every row is written to the results file as soon as it is measured; a second invocation
-resumes from the rows already there. Same loss: the three methods train ``--same-loss-iters`` iterations at
-``--same-loss-seq`` with ``--deterministic-mode``; the largest relative difference of the loss and grad norm
-against megatron-te is recorded, beside a control: megatron-te in its other optimizer configuration, the spread
-that bf16 rounding alone makes between two computations of one training step. Time: each method at
-megatron-te's reach (or ``--time-seq``) for ``--time-iters`` iterations on the configuration it trained with
-there, timed as the median of all iterations but the first. ``--dry-run`` runs the whole driver on CPU with tiny
-shapes (Megatron's local spec through the CPU shim) and writes ``e2e_dryrun.json``.
+bisecting at ``--granularity``, up to ``--max-seq``; or, with ``--lengths 512K,768K,1M``, those lengths only, shortest
+first. Every length runs in its own process, so an OOM ends only that length, and every row is written to the results
+file as soon as it is measured; a second invocation resumes from the rows already there. ``--background`` starts the
+command as a detached process and returns (its rows go into ``--background-dir``); ``--collect`` prints what it has
+done and copies its results file back, so a length longer than one shell command can run across several.
+
+Same loss: the three methods train ``--same-loss-iters`` iterations at ``--same-loss-seq`` with
+``--deterministic-mode``; the largest relative difference of the loss and grad norm against megatron-te is recorded.
+In bf16, beside a control: megatron-te in its other optimizer configuration, the spread that bf16 rounding alone
+makes between two computations of one training step. With ``--dtype fp32`` (TF32 off), beside the targets
+``FP32_TARGETS``; where Transformer Engine refuses fp32, ``--spec local`` runs every method on Megatron's local spec.
+A case names its dtype and learning rate where they are not bf16 at 3e-4.
+
+Time: each method at each of ``--time-seqs`` (8K, 16K, 32K, 48K) for ``--time-iters`` iterations, ``--repeats`` (3)
+times, each run its own process and the methods in turn; megatron-te on its fastest configuration that fits there,
+peakflat on megatron-te's. A run's time is the median of its iterations but the first; the row's ``ms`` is the median
+of the runs (each in ``extra.runs_ms``, their spread in ``extra.spread``), and the ratio to megatron-te's median is
+flagged where the runs' range holds 1.0x. ``peakflat-tile`` is peakflat-auto plus ``--peakflat-tile`` (refused
+until megatron_peakflat defines that flag); ``--extra-flags METHOD=FLAGS`` appends flags to one method's command line.
+``--dry-run`` runs the whole driver on CPU with tiny shapes (Megatron's local spec through the CPU shim) and writes
+``e2e_dryrun.json``.
 
     python3 bench/e2e.py                          # the search, then the same-loss runs, then the plot
     python3 bench/e2e.py --phases reach --methods megatron-te --max-seq 512K
-    python3 bench/e2e.py --phases same-loss --same-loss-seq 8K --lr 1e-4 --lr-warmup-iters 10
-    python3 bench/e2e.py --phases time --methods megatron-te,peakflat-auto
+    python3 bench/e2e.py --phases same-loss --same-loss-seq 8K --lr 1e-5
+    python3 bench/e2e.py --phases same-loss --dtype fp32 --out e2e_fp32.json
+    python3 bench/e2e.py --phases time --methods megatron-te,peakflat-auto --repeats 3
+    python3 bench/e2e.py --phases reach --methods peakflat-auto --lengths 512K,1M --timeout 1500 --background
+    python3 bench/e2e.py --collect
     python3 bench/e2e.py --dry-run
 """
 
@@ -57,7 +72,15 @@ from megatron_peakflat.testing.subproc import logged, memory_reports  # noqa: E4
 
 RESULTS = ROOT / "bench" / "results"
 METHODS = ("megatron-te", "peakflat-auto", "peakflat-all")
+TILE_FLAG = "--peakflat-tile"
+VARIANTS = {"peakflat-tile": ["--peakflat", "auto", TILE_FLAG]}
+"""Further methods: a variant of peakflat-auto with the flags it adds (run on peakflat-auto's configuration)."""
+ALL_METHODS = METHODS + tuple(VARIANTS)
 CONTROL = "megatron-te-control"
+DEFAULT_LR = 3e-4
+"""The learning rate of the reach and time phases; a same-loss case at another one names it."""
+FP32_TARGETS = {"loss": 1e-5, "grad_norm": 1e-4}
+"""fp32 same-loss: the largest relative loss and grad-norm gaps against megatron-te that rounding explains."""
 """Same loss only: megatron-te in its other stock memory configuration."""
 GIB = 2**30
 
@@ -76,7 +99,7 @@ class Model:
     moe_ffn: int = 2880
     vocab: int = 201088
     bf16: bool = True
-    lr: float = 3e-4
+    lr: float = DEFAULT_LR
     warmup: int = 1
 
     def flags(self, seq: int) -> list[str]:
@@ -114,8 +137,27 @@ ALL_ON = ["--peakflat-dispatch", "pipelined-llep", "--peakflat-vocab", "ring-dtp
 
 def method_flags(method: str) -> list[str]:
     """What a method adds to its stock configuration's flags."""
-    added = {"megatron-te": [], CONTROL: [], "peakflat-auto": ["--peakflat", "auto"], "peakflat-all": ALL_ON}
+    added = {"megatron-te": [], CONTROL: [], "peakflat-auto": ["--peakflat", "auto"], "peakflat-all": ALL_ON,
+             **VARIANTS}
     return list(added[method])
+
+
+def peakflat_flag_exists(flag: str) -> bool:
+    """Whether this version of megatron_peakflat defines ``flag`` (its ``add_args`` parser knows it)."""
+    import argparse
+
+    from megatron_peakflat.config import add_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_args(parser)
+    return flag in parser._option_string_actions
+
+
+def missing_variant_flags(methods: list[str]) -> list[str]:
+    """One line per method asked for whose flag this version of megatron_peakflat lacks."""
+    return [f"method {m} runs peakflat-auto with {TILE_FLAG}, which this version of megatron_peakflat does not "
+            f"define; drop {m} from --methods until it does" for m in methods
+            if m in VARIANTS and not peakflat_flag_exists(TILE_FLAG)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +196,36 @@ class Attempt:
     tail: str
     command: str = ""
     """The command line that ran (its master port is drawn per process)."""
+    error_lines: list[str] = dataclasses.field(default_factory=list)
+    """A failed run's own error: the lines up to and just after its first exception or CUDA error."""
+
+
+_ERROR = re.compile(r"(^|\s|\]:\s?)([\w.]*(Error|Exception)\b(?!:?\s*$)|Traceback \(most recent call last\)|"
+                    r"CUDA error|illegal memory access|device-side assert|Segmentation fault|core dumped|"
+                    r"terminate called|Fatal Python error)")
+_LAUNCHER = re.compile(r"ChildFailedError|torch\.distributed\.elastic|torch/distributed/run\.py|torchrun|"
+                       r"Root Cause|error_file|exitcode|To enable traceback|elastic/multiprocessing|"
+                       r"^\s*(time|host|rank|local_rank)\s*:|^=+$|Failures:")
+
+
+def error_lines(text: str, lines: int = 30) -> list[str]:
+    """The failing rank's own error, not the launcher's summary after it: up to ``lines`` lines ending a few
+    lines after the first exception or CUDA error line that torchrun's report did not write, after the first
+    traceback of the run's own (a warning naming an ImportError before it is not the failure), with that
+    traceback above it; the last ``lines`` lines where none is found."""
+    all_lines = text.splitlines()
+    own = [i for i, ln in enumerate(all_lines) if not _LAUNCHER.search(ln)]
+    traceback = next((i for i in own if "Traceback (most recent call last)" in all_lines[i]), -1)
+    final = next((i for i in own if i > traceback and re.search(r"(^|\s|\]:\s?)[\w.]*(Error|Exception)\b:|CUDA error|"
+                                               r"illegal memory access|device-side assert|Segmentation fault|"
+                                               r"Fatal Python error|terminate called", all_lines[i])), None)
+    if final is None:
+        final = next((i for i in reversed(own) if _ERROR.search(all_lines[i])), None)
+    if final is None:
+        return all_lines[-lines:]
+    begin = traceback if 0 <= traceback <= final and final - traceback < lines - 4 else max(0, final - lines + 4)
+    keep = [ln for ln in all_lines[begin:final + 4] if ln.strip() and not _LAUNCHER.search(ln)]
+    return keep[:lines]
 
 
 _PEAKS = re.compile(r"peakflat peaks iter \d+ .*?measured/predicted: (.*)$", re.M)
@@ -191,7 +263,8 @@ def parse(text: str, rc: int, wall: float, iters: int) -> Attempt:
     timed = times[1:] if len(times) > 1 else times  # the first iteration holds the warm-up
     ms = statistics.median(timed) if timed else None
     return Attempt(outcome, round(wall, 1), losses, logged(text, "grad norm"), ms, mem,
-                   peaks, auto, oom, "" if outcome == "ok" else text[-2500:])
+                   peaks, auto, oom, "" if outcome == "ok" else text[-2500:],
+                   error_lines=error_lines(text) if outcome in ("error", "timeout") else [])
 
 
 class BudgetSpent(Exception):
@@ -214,6 +287,8 @@ class Driver:
     deadline: float = float("inf")
     iters: int = 2
     """Iterations per length: a length trains when all of them do; the time is the median of all but the first."""
+    extra_flags: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    """Flags appended to a method's command line (``--extra-flags METHOD=FLAGS``), recorded in its rows."""
 
     def __post_init__(self) -> None:
         if self.out.exists():
@@ -250,7 +325,7 @@ class Driver:
 
     def attempt(self, flags: list[str], env: dict[str, str], iters: int) -> Attempt:
         full_env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                    "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONUNBUFFERED": "1", **env}
+                    "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONUNBUFFERED": "1", **self.dtype_env(), **env}
         left = self.deadline - time.monotonic() - DRAIN_S  # a killed run's output is read for up to DRAIN_S more
         if left < 30:
             raise BudgetSpent()
@@ -263,9 +338,15 @@ class Driver:
             Path(os.environ["OUT"], "e2e_last.log").write_text(text[-200_000:])
         return dataclasses.replace(parse(text, rc, time.time() - t0, iters), command=shlex.join(cmd))
 
-    def flags(self, seq: int, stock: Stock, extra: list[str], iters: int) -> list[str]:
+    def dtype_env(self) -> dict[str, str]:
+        """fp32 training: TF32 off in cuBLAS (``NVIDIA_TF32_OVERRIDE=0``) for every method alike, so that a matmul
+        is fp32 whichever library calls it and the same-loss gaps show the methods, not TF32's 10-bit mantissa."""
+        return {} if self.model.bf16 else {"NVIDIA_TF32_OVERRIDE": "0"}
+
+    def flags(self, seq: int, stock: Stock, extra: list[str], iters: int, method: str | None = None) -> list[str]:
         spec = TE_FLAGS if self.spec == "te" else ["--transformer-impl", "local", "--peakflat-attention", "sdpa"]
-        return [*self.model.flags(seq), *spec, *stock.flags, *extra, "--train-iters", str(iters)]
+        added = self.extra_flags.get(method, []) if method else []
+        return [*self.model.flags(seq), *spec, *stock.flags, *extra, *added, "--train-iters", str(iters)]
 
     # a length, per method -----------------------------------------------------------------------------
     def case(self, seq: int) -> str:
@@ -283,14 +364,18 @@ class Driver:
         else:
             stocks = [self._peakflat_base(seq, method)]
             extra = [*method_flags(method), "--peakflat-report-peaks"]
+        if method in VARIANTS and not peakflat_flag_exists(TILE_FLAG):
+            raise PeakflatConfigError("--methods", method, f"runs peakflat-auto with {TILE_FLAG}, which this version "
+                                      "of megatron_peakflat does not define", f"drop {method} from --methods")
         attempts = list((done or {"extra": {"attempts": []}})["extra"]["attempts"])
         row: dict[str, Any] = {}
         for stock in stocks:
-            flags = self.flags(seq, stock, extra, self.iters)
+            flags = self.flags(seq, stock, extra, self.iters, method)
             print(f"=== {method} seq={seq} config={stock.name}", flush=True)
             a = self.attempt(flags, dict(stock.env), self.iters)
             attempts.append({"config": stock.name, "outcome": a.outcome, "wall_s": a.wall_s,
-                             **({"oom": a.oom} if a.oom else {}), **({"tail": a.tail} if a.outcome == "error" else {})})
+                             **({"oom": a.oom} if a.oom else {}), **({"tail": a.tail} if a.outcome == "error" else {}),
+                             **({"error_lines": a.error_lines} if a.error_lines else {})})
             row = self._row(method, seq, stock, flags, a, attempts)
             print(f"    {a.outcome} in {a.wall_s:.0f} s; peak {row['peak_gib']} GiB, {row['ms']} ms/iter", flush=True)
             if a.outcome in ("ok", "timeout"):
@@ -311,8 +396,14 @@ class Driver:
             "outcome": a.outcome, "config": stock.name, "attempts": attempts, "iters": self.iters,
             "allocated_after_gib": round(mem["allocated"] / 1024, 3) if mem else None,
             "planner_gib": self._planner_gib(method, flags, a), **measured,
+            **({"error_lines": a.error_lines} if a.error_lines else {}), **self._added(method),
         }
         return {"case": self.case(seq), "method": method, **top, "extra": extra}
+
+    def _added(self, method: str) -> dict[str, Any]:
+        """What a row records of ``--extra-flags`` and of the fp32 environment."""
+        return {**({"extra_flags": self.extra_flags[method]} if self.extra_flags.get(method) else {}),
+                **({"env": self.dtype_env()} if self.dtype_env() else {})}
 
     def _planner_gib(self, method: str, flags: list[str], a: Attempt) -> float | None:
         """The planner's allocated bytes for this run, as the runtime report compares them: the report's own figure
@@ -348,7 +439,7 @@ class Driver:
         peakflat-all: the offloaded one (OffloadStreamAdamW takes the place of Megatron's offloaded optimizer)."""
         stock = next((s for s in LADDER if s.name == "cpu-offload"))
         te = self.row(self.case(seq), "megatron-te")
-        if method == "peakflat-auto" and te is not None and te["extra"]["outcome"] == "ok" \
+        if method in ("peakflat-auto", *VARIANTS) and te is not None and te["extra"]["outcome"] == "ok" \
                 and te["extra"]["config"] in PEAKFLAT_BASES:
             stock = next(s for s in LADDER if s.name == te["extra"]["config"])
         return stock
@@ -380,6 +471,15 @@ class Driver:
             else:
                 bad = mid
         return self.reach_row(method, {"min": lo, "max": hi, "step": step}, time_bound=limit == "time")
+
+    def reach_lengths(self, method: str, lengths: list[int]) -> dict[str, Any]:
+        """``method`` at each of ``lengths`` (shortest first, instead of the doubling search), stopping at the first
+        that does not train; then the reach row from every row measured."""
+        for seq in sorted(lengths):
+            if self.measure(method, seq)["extra"]["outcome"] != "ok":
+                break
+        search = {"min": min(lengths), "max": max(lengths), "step": 0, "lengths": sorted(lengths)}
+        return self.reach_row(method, search)
 
     def lengths(self, method: str) -> dict[int, str]:
         """Each length measured for ``method`` and its outcome ('ok', 'oom', 'error', 'timeout', 'pending')."""
@@ -448,26 +548,43 @@ class Driver:
         top, measured = _measured(int(re.search(r"seq=(\d+)", case).group(1)), a)
         self.put({"case": case, "method": method, **top,
                   "extra": {"outcome": a.outcome, "config": stock.name, "iters": iters, **measured,
-                            **({"tail": a.tail} if a.outcome != "ok" else {})}})
+                            **({"tail": a.tail} if a.outcome != "ok" else {}),
+                            **({"error_lines": a.error_lines} if a.error_lines else {}), **self._added(method)}})
         print(f"    {a.outcome} in {a.wall_s:.0f} s: {a.ms} ms/iter, losses {a.losses[:2]}...{a.losses[-2:]}",
               flush=True)
         return a
 
+    def same_loss_case(self, seq: int, iters: int) -> str:
+        """The same-loss case: its length, spec and iterations, then ``dtype`` and ``lr`` where either differs from
+        the bf16 run at the default learning rate (whose rows keep the shorter name)."""
+        case = f"same_loss,seq={seq},spec={self.spec},iters={iters}"
+        dtype = "bf16" if self.model.bf16 else "fp32"
+        if dtype != "bf16" or self.model.lr != DEFAULT_LR:
+            case += f",dtype={dtype}"
+        if self.model.lr != DEFAULT_LR:
+            case += f",lr={self.model.lr:g}"
+        return case
+
     def same_loss(self, seq: int, iters: int) -> None:
-        """The three methods, and megatron-te's control, at one length for ``iters`` iterations with
+        """The three methods, and in bf16 megatron-te's control, at one length for ``iters`` iterations with
         ``--deterministic-mode``; each one's largest relative loss and grad-norm difference against megatron-te.
         The control (megatron-te in another of its own configurations) is the spread that bf16 rounding alone
-        gives between two computations of the same step: a method within it is as exact as Megatron is with itself."""
-        case = f"same_loss,seq={seq},spec={self.spec},iters={iters}"
+        gives between two computations of the same step: a method within it is as exact as Megatron is with itself.
+        In fp32 (TF32 off) rounding hides far less: each gap is recorded beside ``FP32_TARGETS``."""
+        case = self.same_loss_case(seq, iters)
         runs: dict[str, Attempt] = {}
-        methods = [*METHODS, CONTROL]
-        if self.dry_run and self._control_stock(seq).name == "cpu-offload":
+        methods = [*METHODS, CONTROL] if self.model.bf16 else list(METHODS)
+        if self.dry_run and CONTROL in methods and self._control_stock(seq).name == "cpu-offload":
             print("    no control in a dry run: Megatron's offloaded optimizer needs CUDA", flush=True)
             methods.remove(CONTROL)
         for method in methods:
             stock = self._control_stock(seq) if method == CONTROL else self.stock_at(seq, method)
-            flags = self.flags(seq, stock, [*method_flags(method), "--deterministic-mode"], iters)
+            flags = self.flags(seq, stock, [*method_flags(method), "--deterministic-mode"], iters, method)
             runs[method] = self._fixed(case, method, stock, flags, iters)
+            if method == "megatron-te" and runs[method].outcome == "error" and not self.model.bf16 \
+                    and self.spec == "te":
+                print("    megatron-te did not train in fp32 on Transformer Engine's layers (its error is in the row's "
+                      "error_lines): run this phase with --spec local", flush=True)
         ref = runs["megatron-te"]
         control = None
         if ref.losses and CONTROL in runs and runs[CONTROL].losses:
@@ -483,33 +600,143 @@ class Driver:
                 continue
             loss, norm = loss_gap(ref.losses, runs[method].losses), loss_gap(ref.grad_norms, runs[method].grad_norms)
             complete = loss["iterations"] == iters and loss["max_rel_diff"] is not None
-            row["exact"] = bool(complete and loss["max_rel_diff"] <= 5e-4)
             row["extra"]["vs_megatron_te"] = {"loss": loss, "grad_norm": norm}
+            if self.model.bf16:
+                row["exact"] = bool(complete and loss["max_rel_diff"] <= 5e-4)
+            else:
+                within = bool(complete and norm["max_rel_diff"] is not None
+                              and loss["max_rel_diff"] <= FP32_TARGETS["loss"]
+                              and norm["max_rel_diff"] <= FP32_TARGETS["grad_norm"])
+                row["exact"] = within
+                row["extra"]["targets"] = dict(FP32_TARGETS)
+                row["extra"]["within_targets"] = within
             if control is not None and control["max_rel_diff"] is not None:
                 row["extra"]["within_control"] = bool(complete and loss["max_rel_diff"] <= control["max_rel_diff"])
             self.put(row)
             print(f"    {method} vs megatron-te: loss {loss}, grad norm {norm}", flush=True)
 
-    def timing(self, seq: int, methods: list[str], iters: int) -> None:
-        """Each method at ``seq`` for ``iters`` iterations on the configuration it trained with in the search; the
-        time is the median of all iterations but the first, so one-time costs (allocator growth, the first
-        offloaded step) stay out of it."""
-        case = f"time,seq={seq},spec={self.spec},iters={iters}"
-        for method in methods:
-            stock = self.stock_at(seq, method)
-            extra = method_flags(method) + (["--peakflat-report-peaks"] if method.startswith("peakflat") else [])
-            self._fixed(case, method, stock, self.flags(seq, stock, extra, iters), iters)
-        rows = {m: self.row(case, m) for m in methods}
-        base = rows.get("megatron-te")
-        for method, row in rows.items():
-            if method == "megatron-te" or row is None or base is None or not (row["ms"] and base["ms"]):
+    def timing(self, seqs: int | list[int], methods: list[str], iters: int, repeats: int = 1) -> None:
+        """Each method at each length of ``seqs`` for ``iters`` iterations, ``repeats`` times, each run its own
+        process, the methods in turn (so a drift of the GPU's clocks falls on each alike). megatron-te takes the
+        fastest of its configurations that fits there (the one it trained with in the search, else it climbs its
+        ladder on the first run); the others take theirs from it (``_peakflat_base``); a length where megatron-te
+        fits in none is skipped. A run's time is the median of all its iterations but the first, so one-time costs
+        (allocator growth, the first offloaded step) stay out of it; the row's ``ms`` is the median of the runs,
+        each in ``extra.runs_ms``, their (max - min) / median in ``extra.spread``."""
+        for seq in [seqs] if isinstance(seqs, int) else seqs:
+            case = f"time,seq={seq},spec={self.spec},iters={iters}"
+            order = sorted(methods, key=lambda m: (m != "megatron-te", ALL_METHODS.index(m)))
+            for r in range(repeats):
+                for method in order:
+                    if method != "megatron-te" and "megatron-te" in order and not self._timed_ok(case, "megatron-te"):
+                        break  # megatron-te fits in none of its configurations here: nothing to compare with
+                    self._time_run(case, seq, method, iters, repeats)
+            if "megatron-te" in order and not self._timed_ok(case, "megatron-te"):
+                print(f"    {seq}: megatron-te fits in none of its configurations; the others are not timed here",
+                      flush=True)
                 continue
-            if row["extra"]["card"] != base["extra"]["card"]:
+            self._time_ratios(case, order)
+
+    def _timed_ok(self, case: str, method: str) -> bool:
+        row = self.row(case, method)
+        return row is not None and bool(row["extra"].get("runs_ms"))
+
+    def _time_run(self, case: str, seq: int, method: str, iters: int, repeats: int) -> None:
+        """One more run of ``method`` in ``case`` unless its row has ``repeats`` runs (or ended in a failure)."""
+        row = self.row(case, method)
+        if row is not None and "runs" not in row["extra"]:
+            row = None  # a row of one run, written before rows kept their runs: measured again
+        runs = list(row["extra"]["runs"]) if row else []
+        if len(runs) >= repeats or (row and row["extra"]["outcome"] not in ("ok", "pending")):
+            return
+        attempts = list(row["extra"].get("attempts", [])) if row else []
+        if method == "megatron-te":
+            if row and row["extra"].get("config"):
+                stocks = [next(s for s in LADDER if s.name == row["extra"]["config"])]
+            else:
+                searched = self.row(self.case(seq), "megatron-te")
+                if searched and searched["extra"]["outcome"] == "ok":
+                    stocks = [self.stock_at(seq, method)]
+                else:
+                    tried = {x["config"] for x in attempts}
+                    stocks = [s for s in LADDER[self._first_stock(seq):] if s.name not in tried]
+            extra: list[str] = []
+        else:
+            te = self.row(case, "megatron-te")
+            if te is not None and te["extra"].get("runs_ms") and te["extra"]["config"] in PEAKFLAT_BASES \
+                    and method in ("peakflat-auto", *VARIANTS):
+                stocks = [next(s for s in LADDER if s.name == te["extra"]["config"])]
+            else:
+                stocks = [self._peakflat_base(seq, method)]
+            extra = [*method_flags(method), "--peakflat-report-peaks"]
+        a, stock, flags = None, stocks[0], []
+        for stock in stocks:
+            flags = self.flags(seq, stock, extra, iters, method)
+            print(f"=== {case}: {method} config={stock.name} run {len(runs) + 1} of {repeats}", flush=True)
+            a = self.attempt(flags, dict(stock.env), iters)
+            if not runs:
+                attempts.append({"config": stock.name, "outcome": a.outcome, "wall_s": a.wall_s,
+                                 **({"oom": a.oom} if a.oom else {}),
+                                 **({"error_lines": a.error_lines} if a.error_lines else {})})
+            print(f"    {a.outcome} in {a.wall_s:.0f} s: {a.ms} ms/iter", flush=True)
+            if a.outcome != "oom":
+                break
+        if a is None:
+            return
+        top, measured = _measured(seq, a)
+        if a.outcome == "ok":
+            runs.append({"ms": a.ms, "peak_gib": top["peak_gib"], "wall_s": a.wall_s, "command": a.command,
+                         "losses": a.losses})
+        outcome = ("ok" if len(runs) >= repeats else "pending") if a.outcome == "ok" else a.outcome
+        out = {"case": case, "method": method, **top, "extra": {
+            **measured, "outcome": outcome, "config": stock.name, "iters": iters, "repeats": repeats,
+            "runs": runs, "attempts": attempts, **self._added(method),
+            **({"error_lines": a.error_lines} if a.error_lines else {}),
+            **({"tail": a.tail} if a.outcome not in ("ok", "oom") else {})}}
+        if runs:
+            ms = [x["ms"] for x in runs]
+            out["ms"] = round(statistics.median(ms), 3)
+            out["peak_gib"] = max((x["peak_gib"] for x in runs if x["peak_gib"] is not None), default=None)
+            out["extra"]["runs_ms"] = ms
+            out["extra"]["spread"] = round((max(ms) - min(ms)) / statistics.median(ms), 4) if ms else None
+            out["extra"]["tokens_per_s"] = round(seq / (out["ms"] / 1000), 1)
+        self.put(out)
+
+    def _time_ratios(self, case: str, methods: list[str]) -> None:
+        """Each method's tokens/s against megatron-te's, between medians of one card, with the range the runs give
+        (``harness.ratio_checks``): a range that holds 1.0x is flagged, the runs not telling the two apart."""
+        from bench.harness import ratio_checks
+
+        base = self.row(case, "megatron-te")
+        if base is None or not base["ms"]:
+            return
+        for method in methods:
+            row = self.row(case, method)
+            if method == "megatron-te" or row is None or not row["ms"]:
+                continue
+            checks = ratio_checks([row, base], ours=lambda m, me=method: m == me, peers=lambda m: m == "megatron-te")
+            if not checks:
+                row["extra"].pop("tokens_per_s_vs_megatron_te", None)
+                self.put(row)
                 continue  # a ratio only between rows of one card
+            c = checks[0]
             row["extra"]["tokens_per_s_vs_megatron_te"] = round(base["ms"] / row["ms"], 3)
+            row["extra"]["tokens_per_s_vs_megatron_te_range"] = [round(1 / c.high, 3), round(1 / c.low, 3)]
+            row["extra"]["overlaps_1x"] = c.overlaps_one
+            row["extra"]["megatron_te_config"] = base["extra"]["config"]
             self.put(row)
-            print(f"    {method}: {row['extra']['tokens_per_s_vs_megatron_te']}x megatron-te's tokens/s at {seq}",
+            print(f"    {method}: {row['extra']['tokens_per_s_vs_megatron_te']}x megatron-te's tokens/s at "
+                  f"{case} (range {row['extra']['tokens_per_s_vs_megatron_te_range']}"
+                  f"{', overlaps 1.0x' if c.overlaps_one else ''}; megatron-te on {base['extra']['config']})",
                   flush=True)
+
+    def time_summary(self) -> list[Any]:
+        """Print the time rows' ratios (``harness.print_ratio_summary``: ours against megatron-te, one card) and
+        return the checks."""
+        from bench.harness import print_ratio_summary
+
+        rows = [r for r in self.doc["rows"] if r["case"].startswith("time,")]
+        return print_ratio_summary(rows, peers=lambda m: m == "megatron-te")
 
 
 def _measured(seq: int, a: Attempt) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -565,7 +792,7 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
         return False
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     cards = sorted({r["extra"].get("card", "?") for r in doc["rows"] if r["case"].startswith("seq=")})
-    for method in METHODS:
+    for method in ALL_METHODS:
         rows = sorted(((int(re.match(r"seq=(\d+)", r["case"]).group(1)), r) for r in doc["rows"]
                        if r["method"] == method and r["case"].startswith("seq=")), key=lambda x: x[0])
         ok = [(s, r) for s, r in rows if r["extra"]["outcome"] == "ok"]
@@ -613,30 +840,149 @@ def tokens(text: str) -> int:
     return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()]
 
 
+def tokens_list(text: str) -> list[int]:
+    """Comma-separated lengths in tokens (``8K,16K,1M``)."""
+    return [tokens(t) for t in text.split(",") if t.strip()]
+
+
+def method_flag_pairs(items: list[str], known: tuple[str, ...]) -> dict[str, list[str]]:
+    """``--extra-flags METHOD=FLAGS`` items as {method: flags}, FLAGS split as a shell would; repeated methods add."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        method, sep, flags = item.partition("=")
+        if not sep or method not in known:
+            raise argparse.ArgumentTypeError(
+                f"--extra-flags {item!r}: expected METHOD=FLAGS with METHOD one of {', '.join(known)}, "
+                "e.g. --extra-flags \"peakflat-auto=--peakflat-dispatch-chunk-cap 32768\"")
+        out.setdefault(method, []).extend(shlex.split(flags))
+    return out
+
+
+BACKGROUND_DIR = Path("/tmp/peakflat_e2e_background")
+"""Where ``--background`` keeps its results file, log and process record: outside the repository, so that a fresh
+copy of the working tree (a remote machine's next command) leaves a running length and its rows alone."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def background(argv: list[str], out: Path, where: Path) -> int:
+    """Start this command, less ``--background``, as a detached process (its own session: it outlives the shell
+    that started it) writing its rows into ``where/<out name>``, seeded from ``out``; its log and pid in ``where``.
+    Refused while an earlier one on the same results file still runs."""
+    import shutil
+    import subprocess
+
+    where.mkdir(parents=True, exist_ok=True)
+    record, log, results = where / f"{out.stem}.json", where / f"{out.stem}.log", where / out.name
+    if record.exists():
+        old = json.loads(record.read_text())
+        if _alive(old["pid"]):
+            print(f"a background run on {out.name} is still going (pid {old['pid']}, started {old['started']}): "
+                  f"see python3 bench/e2e.py --collect --out {out.name}", flush=True)
+            return 1
+    if out.exists() and not results.exists():
+        shutil.copy(out, results)
+    child = [a for a in argv if a != "--background"]
+    child = [*_without_option(child, "--out"), "--out", str(results)]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}  # $OUT belongs to the command that started it
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *child], cwd=ROOT, env=env,
+                                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    record.write_text(json.dumps({"pid": proc.pid, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                  "argv": child, "log": str(log), "results": str(results)}, indent=1) + "\n")
+    print(f"started in the background: pid {proc.pid}, log {log}, rows into {results}; "
+          f"python3 bench/e2e.py --collect --out {out.name} reads them", flush=True)
+    return 0
+
+
+def collect(out: Path, where: Path, lines: int = 25) -> int:
+    """What a ``--background`` run has done: whether it still runs, its log's last lines, and every row of its
+    results file (copied to ``out`` and to $OUT). Exit status 0 once it has ended, 3 while it runs, 1 without one."""
+    record, results = where / f"{out.stem}.json", where / out.name
+    if not record.exists():
+        print(f"no background run on {out.name} in {where}", flush=True)
+        return 1
+    info = json.loads(record.read_text())
+    running = _alive(info["pid"])
+    print(f"background run pid {info['pid']} (started {info['started']}): {'running' if running else 'ended'}")
+    log = Path(info["log"])
+    if log.exists():
+        print("".join(log.read_text(errors="replace").splitlines(keepends=True)[-lines:]), end="", flush=True)
+    if results.exists():
+        text = results.read_text()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], out.name).write_text(text)
+            if log.exists():
+                Path(os.environ["OUT"], log.name).write_text(log.read_text(errors="replace")[-200_000:])
+        for r in json.loads(text)["rows"]:
+            if r["case"].startswith(("seq=", "reach,")):
+                outcome = r["extra"].get("outcome", r["extra"].get("limited_by"))
+                print(f"  {r['case']:24s} {r['method']:16s} {outcome!s:10s} peak {r['peak_gib']} GiB "
+                      f"{r['ms']} ms/iter" + (f" reach {r['reach_tokens']}" if "reach_tokens" in r else ""))
+        print(f"wrote {out}", flush=True)
+    return 3 if running else 0
+
+
+def _without_option(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        if not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, local spec: exercise the driver")
     ap.add_argument("--phases", default="reach,same-loss,plot",
-                    help="any of reach, same-loss, time (each method at --time-seq for --time-iters iterations), "
-                         "summary (the reach rows from the rows already measured, running nothing), plot (comma "
-                         "separated)")
-    ap.add_argument("--methods", default=",".join(METHODS), help="which methods' reach to search")
+                    help="any of reach, same-loss, time (each method at --time-seqs for --time-iters iterations, "
+                         "--repeats times), summary (the reach rows from the rows already measured and the time "
+                         "ratios, running nothing), plot (comma separated)")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"which methods to run, of {', '.join(ALL_METHODS)} (default: %(default)s)")
+    ap.add_argument("--extra-flags", action="append", default=[], metavar="METHOD=FLAGS",
+                    help="flags appended to METHOD's command line, recorded in its rows (repeatable), e.g. "
+                         "\"peakflat-auto=--peakflat-dispatch-chunk-cap 32768\"")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the model (default: 2)")
-    ap.add_argument("--fp32", action="store_true", help="train in fp32 (no --bf16): with --dry-run, the same-loss "
-                                                        "phase then shows the composition's exactness without bf16 rounding")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                    help="bf16 (--bf16) or fp32 (no --bf16, TF32 off: NVIDIA_TF32_OVERRIDE=0), for every method")
+    ap.add_argument("--fp32", dest="dtype", action="store_const", const="fp32", help="the same as --dtype fp32")
     ap.add_argument("--spec", choices=["te", "local"], default=None,
                     help="te: Transformer Engine's layers; local: Megatron's local spec with the SDPA attention for "
                          "every method (default: te when Transformer Engine imports)")
     ap.add_argument("--min-seq", type=tokens, default=None, help="first length (default: 8K; dry run 64)")
     ap.add_argument("--max-seq", type=tokens, default=None, help="last length (default: 1M; dry run 128)")
     ap.add_argument("--granularity", type=tokens, default=None, help="bisection step (default: 8K; dry run 64)")
+    ap.add_argument("--lengths", type=tokens_list, default=None,
+                    help="reach: these lengths only (e.g. 512K,768K,1M), shortest first, in place of the search")
     ap.add_argument("--same-loss-seq", type=tokens, default=None, help="default: --min-seq")
     ap.add_argument("--same-loss-iters", type=int, default=None, help="default: 50; dry run 3")
-    ap.add_argument("--time-seq", type=tokens, default=None,
-                    help="the time phase's length (default: megatron-te's reach, from the rows measured)")
+    ap.add_argument("--time-seqs", type=tokens_list, default=None,
+                    help="the time phase's lengths (default: 8K,16K,32K,48K; dry run 64)")
+    ap.add_argument("--time-seq", type=tokens, default=None, help="one length for the time phase (overrides --time-seqs)")
     ap.add_argument("--time-iters", type=int, default=5, help="the time phase's iterations (default: 5)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="time phase: runs of each method at each length, each its own process, the methods in turn; "
+                         "ms is their median (default: 3)")
     ap.add_argument("--timeout", type=float, default=480, help="seconds one length may take (default: 480)")
-    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4; min-lr a tenth of it)")
+    ap.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak learning rate (default: 3e-4; min-lr a tenth of it)")
     ap.add_argument("--lr-warmup-iters", type=int, default=1, help="warm-up iterations (default: 1)")
     ap.add_argument("--iters", type=int, default=2,
                     help="iterations per length (default: 2): it trains when all do, and its time is the median of "
@@ -644,32 +990,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds this invocation may run: a length that would run past it is left for the next "
                          "invocation, which resumes from the rows written (default: no limit)")
+    ap.add_argument("--background", action="store_true",
+                    help="start this command as a detached process (its own session) and return at once; its rows go "
+                         "into --background-dir, which --collect reads (for a length longer than one shell command)")
+    ap.add_argument("--collect", action="store_true",
+                    help="print what the --background run on --out has done and copy its results file to "
+                         "bench/results and $OUT (exit status 3 while it still runs)")
+    ap.add_argument("--background-dir", type=Path, default=BACKGROUND_DIR, help=f"default: {BACKGROUND_DIR}")
     ap.add_argument("--out", default=None, help="results file name under bench/results (default: e2e.json; dry run "
                                                 "e2e_dryrun.json)")
-    a = ap.parse_args(argv)
+    a = ap.parse_args(raw)
     dry = a.dry_run
     out = RESULTS / (a.out or ("e2e_dryrun.json" if dry else "e2e.json"))
-    kept = json.loads(out.read_text()).get("spec") if out.exists() else None  # a later invocation resumes that spec
-    spec = a.spec or kept or ("local" if dry or not _te_importable() else "te")
-    lo = a.min_seq or (64 if dry else 8192)
-    hi = a.max_seq or (128 if dry else 1024**2)
-    step = a.granularity or (64 if dry else 8192)
-    model = TINY if dry else Model(layers=a.layers)
-    driver = Driver(out, dataclasses.replace(model, bf16=not a.fp32, lr=a.lr, warmup=a.lr_warmup_iters), spec, dry,
-                    a.timeout)
+    if a.collect:
+        return collect(RESULTS / out.name, a.background_dir)
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    phases = {p.strip() for p in a.phases.split(",") if p.strip()}
+    unknown = sorted(set(methods) - set(ALL_METHODS)) + sorted(phases - {"reach", "same-loss", "time", "summary", "plot"})
+    if unknown:
+        ap.error(f"unknown method or phase: {', '.join(unknown)}")
+    missing = missing_variant_flags(methods)
+    if missing:
+        ap.error("; ".join(missing))
+    try:
+        extra_flags = method_flag_pairs(a.extra_flags, ALL_METHODS + (CONTROL,))
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats}: pass 1 or more (3 or more for a time whose spread is known)")
     if min(a.iters, a.time_iters) < 2:
         ap.error("--iters and --time-iters must be at least 2 (the first iteration is not timed)")
-    phases = {p.strip() for p in a.phases.split(",") if p.strip()}
     runs = {"reach": ("--iters", a.iters), "same-loss": ("--same-loss-iters", a.same_loss_iters or (3 if dry else 50)),
             "time": ("--time-iters", a.time_iters)}
     for flag, n in (runs[p] for p in sorted(phases & runs.keys())):
         if a.lr_warmup_iters >= n:
             ap.error(f"--lr-warmup-iters {a.lr_warmup_iters}: Megatron needs fewer warm-up iterations than the "
                      f"{n} of {flag}; lower --lr-warmup-iters below {n}, or run that phase in its own invocation")
-    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS)) + sorted(phases - {"reach", "same-loss", "time", "summary", "plot"})
-    if unknown:
-        ap.error(f"unknown method or phase: {', '.join(unknown)}")
+    if a.background:
+        return background(raw, out, a.background_dir)
+    kept = json.loads(out.read_text()).get("spec") if out.exists() else None  # a later invocation resumes that spec
+    spec = a.spec or kept or ("local" if dry or not _te_importable() else "te")
+    lo = a.min_seq or (64 if dry else 8192)
+    hi = a.max_seq or (128 if dry else 1024**2)
+    step = a.granularity or (64 if dry else 8192)
+    model = TINY if dry else Model(layers=a.layers)
+    driver = Driver(out, dataclasses.replace(model, bf16=a.dtype == "bf16", lr=a.lr, warmup=a.lr_warmup_iters), spec,
+                    dry, a.timeout, extra_flags=extra_flags)
     driver.iters = a.iters
     if a.budget is not None:
         driver.deadline = time.monotonic() + a.budget
@@ -678,21 +1044,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for phase in [p for p in ("reach", "same-loss", "time") if p in phases]:
             if phase == "reach":
-                for method in sorted(methods, key=METHODS.index):  # megatron-te first: the others use its configuration
-                    driver.reach(method, lo, hi, step)
+                for method in sorted(methods, key=ALL_METHODS.index):  # megatron-te first: the others use its configuration
+                    if a.lengths:
+                        driver.reach_lengths(method, a.lengths)
+                    else:
+                        driver.reach(method, lo, hi, step)
             elif phase == "same-loss":
                 driver.same_loss(a.same_loss_seq or lo, a.same_loss_iters or (3 if dry else 50))
             else:
-                seq = a.time_seq or driver.reach_row("megatron-te")["reach_tokens"]
-                if not seq:
-                    ap.error("the time phase needs --time-seq, or megatron-te's reach measured first")
-                driver.timing(seq, sorted(methods, key=METHODS.index), a.time_iters)
+                seqs = [a.time_seq] if a.time_seq else (a.time_seqs or ([64] if dry else [8192, 16384, 32768, 49152]))
+                driver.timing(seqs, sorted(methods, key=ALL_METHODS.index), a.time_iters, a.repeats)
     except BudgetSpent:
         print(f"--budget spent: run the same command again to resume from the rows in {out}", flush=True)
     if "summary" in phases:
-        for method in METHODS:
+        for method in ALL_METHODS:
             if driver.lengths(method):
                 driver.reach_row(method)
+    if "summary" in phases or "time" in phases:
+        driver.time_summary()
     if "plot" in phases:
         plot(driver.doc, out.with_suffix(".png"))
     print(f"wrote {out}")

@@ -208,9 +208,12 @@ def more_rounds(first: list[Row], step_of: Callable[[Row], Callable[[], Any]], r
     turn (``step_of(row)`` gives its step), and its ``ms`` becomes the median of its rounds' medians, each
     kept in ``extra.ms_rounds``. Methods timed in turn share any drift of the GPU's clocks, which between
     separate runs of one method reaches several percent. Under torchrun every rank must call this with the
-    same rows (after ``across_ranks``), and each round's time is the slowest rank's."""
+    same rows (after ``across_ranks``), and each round's time is the slowest rank's. Every timed row also gets
+    ``extra.runs_ms`` (its rounds) and ``extra.spread`` (``repeated``)."""
     timed = [row for row in first if row.ms is not None]
     if rounds <= 1 or not timed:
+        for row in timed:
+            repeated(row, [row.ms])
         return first
     for row in timed:
         row.extra["ms_rounds"] = [row.ms]
@@ -221,9 +224,123 @@ def more_rounds(first: list[Row], step_of: Callable[[Row], Callable[[], Any]], r
             row.extra["ms_rounds"].append(round(ms, 3))
             print(f"{row.case:{label}s} {row.method:28s} round {r}: ms={ms:.3f}", flush=True)
     for row in timed:
-        row.ms = round(statistics.median(row.extra["ms_rounds"]), 3)
-        print(f"{row.case:{label}s} {row.method:28s} median of {rounds} rounds: ms={row.ms}", flush=True)
+        repeated(row, row.extra["ms_rounds"])
+        print(f"{row.case:{label}s} {row.method:28s} median of {rounds} rounds: ms={row.ms} "
+              f"(spread {row.extra['spread']:.1%})", flush=True)
     return first
+
+
+DEFAULT_REPEATS = 3
+"""Every timed configuration runs at least this many times (``--repeats``); its ``ms`` is their median."""
+
+
+def repeats_arg(ap: Any, *, dest: str = "rounds", default: int = DEFAULT_REPEATS) -> None:
+    """Add ``--repeats`` (alias ``--rounds``) to a benchmark's parser: how many times each timed configuration
+    runs, the methods in turn; the row's ``ms`` is the median, ``extra.runs_ms`` every run, ``extra.spread``
+    (max - min) / median."""
+    ap.add_argument("--repeats", "--rounds", dest=dest, type=int, default=default,
+                    help=f"times each timed configuration runs, the methods in turn; ms is the median, every run in "
+                         f"extra.runs_ms (default: {default})")
+
+
+def spread(runs: list[float]) -> float:
+    """(max - min) / median of a configuration's runs: how far apart its repeats fell."""
+    med = statistics.median(runs)
+    return (max(runs) - min(runs)) / med if med else 0.0
+
+
+def repeated(row: Row, runs: list[float]) -> Row:
+    """``row`` with ``ms`` the median of ``runs`` (ms of separate runs of one configuration), every run in
+    ``extra.runs_ms`` and ``extra.spread`` their (max - min) / median."""
+    runs = [round(float(r), 3) for r in runs]
+    row.ms = round(statistics.median(runs), 3)
+    row.extra["runs_ms"] = runs
+    row.extra["spread"] = round(spread(runs), 4)
+    return row
+
+
+def runs_of(row: Row | dict[str, Any], key: str = "ms") -> list[float]:
+    """The runs behind a row's ``ms``: ``extra.runs_ms``, else ``extra.ms_rounds`` (older rows), else the one ``ms``."""
+    extra = row.extra if isinstance(row, Row) else row.get("extra", {})
+    value = row.ms if isinstance(row, Row) else row.get(key)
+    for name in ("runs_ms", "ms_rounds"):
+        if key == "ms" and extra.get(name):
+            return [float(x) for x in extra[name]]
+    return [] if value is None else [float(value)]
+
+
+def _card_any(row: Row | dict[str, Any]) -> str | None:
+    """A row's card: its own field (``harness`` rows) or ``extra.card`` (e2e rows)."""
+    return card_of(row) or (None if isinstance(row, Row) else row.get("extra", {}).get("card"))
+
+
+@dataclass
+class RatioCheck:
+    """One method's median time over a peer's, on one card, with the range its repeats allow."""
+
+    case: str
+    method: str
+    peer: str
+    card: str
+    ratio: float
+    """median(method) / median(peer): below 1, the method is faster."""
+    low: float
+    """min(method runs) / max(peer runs)."""
+    high: float
+    """max(method runs) / min(peer runs)."""
+    runs: tuple[int, int]
+
+    @property
+    def overlaps_one(self) -> bool:
+        """True when the repeats cannot tell the two apart: the range holds 1.0x."""
+        return self.low <= 1.0 <= self.high
+
+    def line(self) -> str:
+        flag = "  OVERLAPS 1.0x: not resolved by these runs" if self.overlaps_one else ""
+        few = f"  (fewer than {DEFAULT_REPEATS} runs)" if min(self.runs) < DEFAULT_REPEATS else ""
+        return (f"{self.case:44s} {self.method:24s} / {self.peer:24s} {self.ratio:6.3f}x "
+                f"[{self.low:.3f}, {self.high:.3f}] on {self.card}{flag}{few}")
+
+
+def ratio_checks(rows: list[Row] | list[dict[str, Any]], ours: Callable[[str], bool] | None = None,
+                 peers: Callable[[str], bool] | None = None) -> list[RatioCheck]:
+    """Every (method, peer) pair of timed rows of one case and one card: ``ours(method)`` (default: a name starting
+    with 'peakflat') against each row ``peers`` accepts (default: every other name). Ratios are between medians;
+    a row with no card or no time gives none (a ratio across cards compares the machines)."""
+    ours = ours or (lambda m: m.startswith("peakflat"))
+    peers = peers or (lambda m: not ours(m))
+    name = lambda r: r.method if isinstance(r, Row) else r["method"]  # noqa: E731
+    case = lambda r: r.case if isinstance(r, Row) else r["case"]  # noqa: E731
+    out: list[RatioCheck] = []
+    for a in rows:
+        if not ours(name(a)) or not runs_of(a):
+            continue
+        for b in rows:
+            if b is a or case(b) != case(a) or not peers(name(b)) or not runs_of(b):
+                continue
+            card = _card_any(a)
+            if card is None or card != _card_any(b):
+                continue
+            ra, rb = runs_of(a), runs_of(b)
+            ma, mb = statistics.median(ra), statistics.median(rb)
+            if not mb or not min(rb):
+                continue
+            out.append(RatioCheck(case(a), name(a), name(b), card, round(ma / mb, 4), round(min(ra) / max(rb), 4),
+                                  round(max(ra) / min(rb), 4), (len(ra), len(rb))))
+    return out
+
+
+def print_ratio_summary(rows: list[Row] | list[dict[str, Any]], **kw: Any) -> list[RatioCheck]:
+    """Print ``ratio_checks`` (time of ours over each peer, median and the range of the repeats), flagging every
+    ratio whose range holds 1.0x; returns the checks."""
+    checks = ratio_checks(rows, **kw)
+    if checks:
+        print("time ratios (median over median, [min/max, max/min] of the runs):", flush=True)
+        for c in checks:
+            print("  " + c.line(), flush=True)
+        unresolved = [c for c in checks if c.overlaps_one]
+        print(f"  {len(unresolved)} of {len(checks)} ratios overlap 1.0x", flush=True)
+    return checks
 
 
 def world() -> tuple[int, int]:
@@ -430,3 +547,23 @@ def largest_fitting(attempt: Callable[[int], Trial], *, step: int, start: int, l
     if hi is None and lo < top:
         complete = False
     return (lo * step or None), (hi * step if hi is not None else None), tries, complete
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.harness ratios FILE...``: the time ratios of each results file's rows (``print_ratio_summary``);
+    exit status 1 when any ratio's range holds 1.0x."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("what", choices=["ratios"])
+    ap.add_argument("files", nargs="+", type=Path)
+    a = ap.parse_args(argv)
+    unresolved = 0
+    for f in a.files:
+        print(f"== {f}")
+        unresolved += sum(c.overlaps_one for c in print_ratio_summary(json.loads(f.read_text())["rows"]))
+    return 1 if unresolved else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,8 +20,8 @@ per thread count (``host_kernel_rate``). Two figures per case come from them (``
 with one copy direction at a time (H2D and D2H bandwidths), and the duplex bound with both directions at
 once (the duplex bandwidth of each), each at its best GPU/host split, each the larger of the copies and the
 host kernel's share. Every time is the median of at least 5 repetitions with its min and max in ``extra``;
-the methods of a case are timed in ``--rounds`` rounds taken in turn, and a row's ``ms`` is the median of its
-rounds' medians (each in ``extra.ms_rounds``).
+the methods of a case are timed in ``--repeats`` rounds (default 3) taken in turn, and a row's ``ms`` is the median of its
+rounds' medians (each in ``extra.runs_ms``; ``extra.spread`` is (max - min) / median).
 
     python -m bench.optimizer                       # tens of minutes on one GPU (3 rounds; builds csrc/ if needed)
     PEAKFLAT_JIT=1 python -m bench.optimizer        # same, JIT-building csrc/ instead of setup.py
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
                                                       "megatron-hybrid-optimizer",
                                                       "megatron-hybrid-optimizer-nooverlap", "gpu-fused-adamw"])
     ap.add_argument("--reps", type=int, default=MIN_REPS, help=f"timed repetitions per round (at least {MIN_REPS})")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of every method, taken in turn")
+    harness.repeats_arg(ap)
     ap.add_argument("--copy-mib", type=int, default=1024, help="bytes per copy of the bandwidth measurement")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: tiny shapes (200K parameters, 50K-element tensors), 1 thread, the rows written to "
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--reps {args.reps}: every timed figure is the median of at least {MIN_REPS} repetitions; "
                  f"pass --reps {MIN_REPS} or more")
     if args.rounds < 1:
-        ap.error(f"--rounds {args.rounds}: pass 1 or more")
+        ap.error(f"--repeats {args.rounds}: pass 1 or more")
     tensor = TENSOR
     if args.dry_run:
         import tempfile
@@ -354,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
             _compare(rows, size, threads)
             del ps
             free_all()
+    harness.print_ratio_summary(rows)
     harness.write("optimizer", rows, merge=True, out=args.out)
     print(f"total {time.time() - t_start:.0f}s", flush=True)
 
@@ -447,6 +448,7 @@ def _run_case(args: argparse.Namespace, case: str, ps: list, bucket: int, thread
                      **snaps.get(method, {}))
         row = harness.Row(case, method, round(max(peaks), 4) if peaks else None, round(statistics.median(medians), 3),
                           exact.get(method), extra)
+        harness.repeated(row, medians)  # ms: the median of the rounds' medians, each in extra.runs_ms
         rows.append(harness.stamp([row])[0])  # now, while torch runs this case's host threads
         print(f"{case:48s} {method:28s} peak={row.peak_gib!s:>10} GiB  ms={row.ms} (median of {len(medians)} "
               f"rounds' medians, {args.reps} reps each)  exact={row.exact}", flush=True)

@@ -6,13 +6,14 @@ dX and dW (``torch.autograd.grad``), so the gradients count in the peak as they 
 the allocation above the inputs (bench/harness.py). ``exact`` says whether loss, dX and dW are within
 ``--tol`` (relative Frobenius norm) of an fp32 reference computed token-chunk by token-chunk; the errors
 themselves are in each row's extras (``err_loss``, ``err_dx``, ``err_dw``). At the H200's power limit
-a method's time drifts by 1-2% from one run to the next; ``--rounds R`` times every method of a case
-R times in turn (A, B, ..., A, B, ...) and reports the median of the R medians (each round's in
-``extra.ms_rounds``), so that a drift of the GPU's clock falls on every method alike.
+a method's time drifts by 1-2% from one run to the next; ``--repeats R`` (alias ``--rounds``, default 3) times
+every method of a case R times in turn (A, B, ..., A, B, ...) and reports the median of the R medians (each in
+``extra.runs_ms`` and ``extra.ms_rounds``, their (max - min) / median in ``extra.spread``), so that a drift of the
+GPU's clock falls on every method alike; the TP rows are timed the same way.
 
     python bench/vocab.py                      # default cases (about 2-3 minutes on an H200)
     python bench/vocab.py --cases 16384x4096x201088 --methods peakflat,peakflat-b4096,liger-flce
-    python bench/vocab.py --cases 32768x7168x201088 --methods peakflat-fwd-main-grad,liger-flce --rounds 3
+    python bench/vocab.py --cases 32768x7168x201088 --methods peakflat-fwd-main-grad,liger-flce --repeats 5
     torchrun --nproc-per-node 2 bench/vocab.py --cases 32768x7168x201088    # TP=2, SP: rows ``tp=2``
     torchrun --nproc-per-node 2 bench/vocab.py --dry-run                    # the TP path on CPU (gloo)
 
@@ -47,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import harness  # noqa: E402
 from bench.harness import (Row, across_ranks, finish_distributed, megatron_ce, more_rounds, run_row, world,  # noqa: E402
                            write)
 from megatron_peakflat.vocab import ring_linear_cross_entropy  # noqa: E402
@@ -352,11 +354,16 @@ def main_tp(args: argparse.Namespace) -> None:
             row.peak_gib, row.ms = across_ranks([row.peak_gib, row.ms])
             print(f"{'':36s} {'max over ' + str(P) + ' ranks':28s} peak={row.peak_gib} GiB  ms={row.ms}", flush=True)
             rows.append(row)
+        if not cpu:  # every rank takes the same rounds: each round's time is the slowest rank's
+            more_rounds([r for r in rows if r.case == case],
+                        lambda row, xwy=(x, w, y): _grad_step(meths[row.method], *xwy), args.rounds,
+                        warmup=args.warmup, reps=args.reps)
         del x, w, y, ref
     if cpu:
         assert rows and all(r.exact for r in rows), [(r.method, r.exact, r.extra) for r in rows]
         print("dry run: every method exact")
     elif rank == 0:
+        harness.print_ratio_summary(rows)
         write("vocab", rows, merge=True)
 
 
@@ -366,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default=ALL_METHODS, help="comma list (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=1, help="time every method this many times in turn (one GPU)")
+    harness.repeats_arg(ap)  # one GPU; the TP path times each method once per repeat too
     ap.add_argument("--tol", type=float, default=2e-2, help="relative error for exact=True (bf16 level)")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference (exact=None)")
     ap.add_argument("--dry-run", action="store_true", help="under torchrun on CPU: the TP path with tiny shapes, "
@@ -405,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
                             warmup=args.warmup, reps=args.reps)
         del x, w, y, ref
         torch.cuda.empty_cache()
+    harness.print_ratio_summary(rows)
     write("vocab", rows, merge=True)  # keeps the TP rows (and other cases) of earlier runs
 
 

@@ -226,6 +226,7 @@ def test_optimizer_benchmark_dry_run_on_cpu(tmp_path):
         e = r["extra"]
         assert r["exact"] is True and e["reps"] == 5 and e["rounds"] == 3 and len(e["ms_rounds"]) == 3, r
         assert e["ms_min"] <= r["ms"] <= e["ms_max"], r
+        assert e["runs_ms"] == e["ms_rounds"] and r["ms"] == sorted(e["runs_ms"])[1] and e["spread"] >= 0, r
         assert e["host_kernel_gparam_s_min"] <= e["host_kernel_gparam_s"] <= e["host_kernel_gparam_s_max"], r
         assert e["host_kernel_gparam_s_reps"] == 5 and "CUDA" in e["bandwidth_skipped"], r
         assert "roofline_ms" not in e and "duplex_bound_ms" not in e, r
