@@ -221,8 +221,8 @@ def error_lines(text: str, lines: int = 30) -> list[str]:
                                                r"Fatal Python error|terminate called", all_lines[i])), None)
     if final is None:
         final = next((i for i in reversed(own) if _ERROR.search(all_lines[i])), None)
-    if final is None:
-        return all_lines[-lines:]
+    if final is None:  # no exception line (a clean refusal): the last lines, less Python's warnings
+        return [ln for ln in all_lines if ln.strip() and "Warning:" not in ln and "warnings.warn(" not in ln][-lines:]
     begin = traceback if 0 <= traceback <= final and final - traceback < lines - 4 else max(0, final - lines + 4)
     keep = [ln for ln in all_lines[begin:final + 4] if ln.strip() and not _LAUNCHER.search(ln)]
     return keep[:lines]
@@ -579,6 +579,10 @@ class Driver:
             methods.remove(CONTROL)
         for method in methods:
             stock = self._control_stock(seq) if method == CONTROL else self.stock_at(seq, method)
+            te = self.row(case, "megatron-te")
+            if method in ("peakflat-auto", *VARIANTS) and te is not None and te["extra"]["outcome"] == "ok" \
+                    and te["extra"]["config"] in PEAKFLAT_BASES:  # megatron-te's configuration in this very case
+                stock = next(s for s in LADDER if s.name == te["extra"]["config"])
             flags = self.flags(seq, stock, [*method_flags(method), "--deterministic-mode"], iters, method)
             runs[method] = self._fixed(case, method, stock, flags, iters)
             if method == "megatron-te" and runs[method].outcome == "error" and not self.model.bf16 \
