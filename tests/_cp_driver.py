@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_peakflat.testing import max_rel_error
-from tests.test_context_parallel import MB, V, _batch, _gather_reduced_grads, _skew, _worst
+from tests.test_context_parallel import MB, V, _batch, _gather_reduced_grads, _worst
 from tests.test_context_parallel import Case as _CPCase
 
 BF16_SLACK = 2**-8
@@ -50,6 +50,24 @@ class Case:
     def cp_case(self) -> _CPCase:
         """The same batch cut as tests/test_context_parallel.py cuts it."""
         return _CPCase(self.name, cp=2, ep=self.ep, skew=self.skew, seq=self.seq)
+
+
+def _skew(model, bump: float) -> None:
+    """tests/test_context_parallel.py's skew (``bump`` on expert 1's router logit for every token) on the logits'
+    own device."""
+    if not bump:
+        return
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            def skewed(x, gating=m.gating):
+                logits = gating(x)
+                add = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+                add[1] = bump
+                return logits + add
+
+            m.gating = skewed
 
 
 def _components(spec: str):
@@ -260,7 +278,6 @@ def rank_main(rank: int, world: int, cases: list[Case], cpu: bool) -> dict:
     else:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
     return {case.name: run_case(case, rank, cpu) for case in cases}
 
 
