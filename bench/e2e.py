@@ -46,6 +46,13 @@ until megatron_peakflat defines that flag); ``--extra-flags METHOD=FLAGS`` appen
     python3 bench/e2e.py --phases reach --methods peakflat-auto --lengths 512K,1M --timeout 1500 --background
     python3 bench/e2e.py --collect
     python3 bench/e2e.py --dry-run
+    python3 bench/e2e.py --cp 2 --phases reach,time --methods megatron-te,peakflat-auto   # two GPUs: e2e_cp2.json
+    python3 bench/e2e.py --dry-run --cp 2 --phases reach --max-seq 64                     # the same, two gloo ranks
+
+``--cp N`` runs every length at ``--context-parallel-size N`` on N GPUs of one host (Transformer Engine's CP attention
+with ``--cp-comm-type p2p``; the local spec's SDPA attention): its rows record ``extra.gpus`` and go to a file of their
+own (``e2e_cp<N>.json``), and no ratio is taken between rows of two GPU counts. Every measured row records the
+planner's figure for its flags (``extra.planner_gib``) beside its peak.
 """
 
 from __future__ import annotations
@@ -289,6 +296,9 @@ class Driver:
     """Iterations per length: a length trains when all of them do; the time is the median of all but the first."""
     extra_flags: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     """Flags appended to a method's command line (``--extra-flags METHOD=FLAGS``), recorded in its rows."""
+    cp: int = 1
+    """Context-parallel size: each length runs on this many GPUs of one host (torchrun ranks), every row records it
+    as ``extra.gpus``, and a results file holds rows of one GPU count only."""
 
     def __post_init__(self) -> None:
         if self.out.exists():
@@ -296,6 +306,11 @@ class Driver:
         self.doc.setdefault("component", "e2e")
         self.doc.setdefault("rows", [])
         self.doc.setdefault("commands", [])
+        if self.doc["rows"] and self.doc.get("gpus", 1) != self.cp:
+            raise PeakflatConfigError("--cp", self.cp, f"{self.out} holds rows measured on {self.doc.get('gpus', 1)} "
+                                      "GPU(s), and rows of two GPU counts must not share a file (their ratios would "
+                                      "compare the machines)", "pass another --out, or the --cp of that file")
+        self.doc["gpus"] = self.cp
         # the shape only: the learning rate differs between phases, and each row's command holds its own
         self.doc["model"] = {k: v for k, v in dataclasses.asdict(self.model).items() if k not in ("lr", "warmup")}
         self.doc["spec"] = self.spec
@@ -306,6 +321,7 @@ class Driver:
 
     def put(self, row: dict[str, Any]) -> None:
         """Replace or add a row and write the file at once (a cut-off run keeps every row before it)."""
+        row["extra"].setdefault("gpus", self.cp)
         rows = [r for r in self.doc["rows"] if not (r["case"] == row["case"] and r["method"] == row["method"])]
         self.doc["rows"] = rows + [row]
         self.save()
@@ -318,10 +334,11 @@ class Driver:
 
     # one process --------------------------------------------------------------------------------------
     def command(self, flags: list[str]) -> list[str]:
-        if self.dry_run:
-            return [sys.executable, "-m", "megatron_peakflat.testing.pretrain_dryrun", *flags]
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                "--master-port", str(29500 + random.randrange(400)), "-m", "megatron_peakflat.pretrain", *flags]
+        entry = "megatron_peakflat.testing.pretrain_dryrun" if self.dry_run else "megatron_peakflat.pretrain"
+        if self.dry_run and self.cp == 1:
+            return [sys.executable, "-m", entry, *flags]
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.cp),
+                "--master-port", str(29500 + random.randrange(400)), "-m", entry, *flags]
 
     def attempt(self, flags: list[str], env: dict[str, str], iters: int) -> Attempt:
         full_env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
@@ -346,7 +363,9 @@ class Driver:
     def flags(self, seq: int, stock: Stock, extra: list[str], iters: int, method: str | None = None) -> list[str]:
         spec = TE_FLAGS if self.spec == "te" else ["--transformer-impl", "local", "--peakflat-attention", "sdpa"]
         added = self.extra_flags.get(method, []) if method else []
-        return [*self.model.flags(seq), *spec, *stock.flags, *extra, *added, "--train-iters", str(iters)]
+        cp = ["--context-parallel-size", str(self.cp), *(["--cp-comm-type", "p2p"] if self.spec == "te" else [])] \
+            if self.cp > 1 else []
+        return [*self.model.flags(seq), *spec, *cp, *stock.flags, *extra, *added, "--train-iters", str(iters)]
 
     # a length, per method -----------------------------------------------------------------------------
     def case(self, seq: int) -> str:
@@ -410,7 +429,7 @@ class Driver:
         where peakflat ran with it, else the planner's baseline column for these flags on this GPU."""
         if "total" in a.peaks:
             return a.peaks["total"][1]
-        if method != "megatron-te":
+        if method not in ("megatron-te", CONTROL):
             return None
         try:
             from megatron_peakflat.integration.peaks import allocated_prediction
@@ -418,7 +437,8 @@ class Driver:
             from megatron_peakflat.planner.model import plan
 
             hbm = _gpu_bytes() or 80 * GIB
-            shape, run, pf, _, _ = build(["--megatron-args", shlex.join(flags), "--gpus", "1", "--gpus-per-node", "1",
+            shape, run, pf, _, _ = build(["--megatron-args", shlex.join(flags), "--gpus", str(self.cp),
+                                          "--gpus-per-node", str(self.cp),
                                           "--hbm-gib", repr(hbm / GIB)])
             return round(allocated_prediction(plan(shape, run, pf), "baseline") / GIB, 3)
         except PeakflatConfigError as e:
@@ -548,6 +568,7 @@ class Driver:
         top, measured = _measured(int(re.search(r"seq=(\d+)", case).group(1)), a)
         self.put({"case": case, "method": method, **top,
                   "extra": {"outcome": a.outcome, "config": stock.name, "iters": iters, **measured,
+                            "planner_gib": self._planner_gib(method, flags, a),
                             **({"tail": a.tail} if a.outcome != "ok" else {}),
                             **({"error_lines": a.error_lines} if a.error_lines else {}), **self._added(method)}})
         print(f"    {a.outcome} in {a.wall_s:.0f} s: {a.ms} ms/iter, losses {a.losses[:2]}...{a.losses[-2:]}",
@@ -694,6 +715,7 @@ class Driver:
         outcome = ("ok" if len(runs) >= repeats else "pending") if a.outcome == "ok" else a.outcome
         out = {"case": case, "method": method, **top, "extra": {
             **measured, "outcome": outcome, "config": stock.name, "iters": iters, "repeats": repeats,
+            "planner_gib": self._planner_gib(method, flags, a),
             "runs": runs, "attempts": attempts, **self._added(method),
             **({"error_lines": a.error_lines} if a.error_lines else {}),
             **({"tail": a.tail} if a.outcome not in ("ok", "oom") else {})}}
@@ -964,6 +986,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-flags", action="append", default=[], metavar="METHOD=FLAGS",
                     help="flags appended to METHOD's command line, recorded in its rows (repeatable), e.g. "
                          "\"peakflat-auto=--peakflat-dispatch-chunk-cap 32768\"")
+    ap.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+                    help="context-parallel size: every length on this many GPUs of one host (TE: --cp-comm-type p2p); "
+                         "rows record the GPU count; default results file e2e_cp<N>.json (default: 1)")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the model (default: 2)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                     help="bf16 (--bf16) or fp32 (no --bf16, TF32 off: NVIDIA_TF32_OVERRIDE=0), for every method")
@@ -1005,7 +1030,10 @@ def main(argv: list[str] | None = None) -> int:
                                                 "e2e_dryrun.json)")
     a = ap.parse_args(raw)
     dry = a.dry_run
-    out = RESULTS / (a.out or ("e2e_dryrun.json" if dry else "e2e.json"))
+    if a.cp < 1:
+        ap.error(f"--cp {a.cp}: pass 1 or more")
+    suffix = f"_cp{a.cp}" if a.cp > 1 else ""
+    out = RESULTS / (a.out or (f"e2e_dryrun{suffix}.json" if dry else f"e2e{suffix}.json"))
     if a.collect:
         return collect(RESULTS / out.name, a.background_dir)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -1038,8 +1066,16 @@ def main(argv: list[str] | None = None) -> int:
     hi = a.max_seq or (128 if dry else 1024**2)
     step = a.granularity or (64 if dry else 8192)
     model = TINY if dry else Model(layers=a.layers)
-    driver = Driver(out, dataclasses.replace(model, bf16=a.dtype == "bf16", lr=a.lr, warmup=a.lr_warmup_iters), spec,
-                    dry, a.timeout, extra_flags=extra_flags)
+    bad = [n for n in [lo, hi, step, *(a.lengths or []), *(a.time_seqs or []), *([a.time_seq] if a.time_seq else [])]
+           if n % (2 * a.cp)]
+    if bad:
+        ap.error(f"--cp {a.cp}: every length must divide by 2 x CP = {2 * a.cp} (Megatron's load-balanced chunks); "
+                 f"{bad[0]} does not")
+    try:
+        driver = Driver(out, dataclasses.replace(model, bf16=a.dtype == "bf16", lr=a.lr, warmup=a.lr_warmup_iters),
+                        spec, dry, a.timeout, extra_flags=extra_flags, cp=a.cp)
+    except PeakflatConfigError as e:
+        ap.error(str(e))
     driver.iters = a.iters
     if a.budget is not None:
         driver.deadline = time.monotonic() + a.budget

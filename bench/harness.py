@@ -5,8 +5,8 @@ device. Time is the median of ``reps`` runs after ``warmup`` runs, each
 bracketed by CUDA events. A method that runs out of memory is recorded with ``peak_gib=None`` and
 ``error='OOM'`` instead of ending the benchmark.
 
-Every row written records where it ran: its card, the host threads and the commit (``stamp``); a ratio
-between rows is taken only between rows of the same card (``ratio``).
+Every row written records where it ran: its card, the GPUs, the host threads and the commit (``stamp``); a ratio
+between rows is taken only between rows of the same card and GPU count (``ratio``).
 
 ``write(..., merge=True)`` adds rows to an existing results file (replacing rows of the same case and
 method), so a separate invocation (e.g. ``bench/sco.py --max-seq``) keeps the rows of the main run.
@@ -45,6 +45,8 @@ class Row:
     """Host threads (``torch.get_num_threads()``) of the process that measured it."""
     commit: str | None = None
     """``git rev-parse --short HEAD`` of the tree that measured it, or 'unknown'."""
+    gpus: int | None = None
+    """GPUs the measurement ran on (the benchmark's ranks, ``world()``); a row without it ran on one."""
 
 
 def where_ran() -> dict[str, Any]:
@@ -65,7 +67,7 @@ def where_ran() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"card": card, "threads": torch.get_num_threads(), "commit": commit}
+    return {"card": card, "threads": torch.get_num_threads(), "commit": commit, "gpus": world()[0]}
 
 
 def stamp(rows: list[Row], where: dict[str, Any] | None = None) -> list[Row]:
@@ -85,6 +87,14 @@ def card_of(row: Row | dict[str, Any]) -> str | None:
     return row.card if isinstance(row, Row) else row.get("card")
 
 
+def gpus_of(row: Row | dict[str, Any]) -> int:
+    """The GPUs a row ran on: its own field, else ``extra.gpus`` (e2e rows), else 1 (rows written before rows
+    recorded it ran on one GPU)."""
+    if isinstance(row, Row):
+        return row.gpus or 1
+    return int(row.get("gpus") or row.get("extra", {}).get("gpus") or 1)
+
+
 def ratio(a: Row | dict[str, Any], b: Row | dict[str, Any], key: str = "ms") -> float:
     """``a[key] / b[key]``, only between two rows that record the same card: a ratio across cards (or with a
     row that records none) compares the machines, not the methods, so it raises ValueError naming both."""
@@ -93,6 +103,9 @@ def ratio(a: Row | dict[str, Any], b: Row | dict[str, Any], key: str = "ms") -> 
         name = lambda r: f"{r.method if isinstance(r, Row) else r['method']}@{card_of(r) or 'no card recorded'}"  # noqa: E731
         raise ValueError(f"no {key} ratio between rows of different cards: {name(a)} vs {name(b)}; "
                          "compare rows measured on the same card")
+    if gpus_of(a) != gpus_of(b):
+        raise ValueError(f"no {key} ratio between a row on {gpus_of(a)} GPU(s) and one on {gpus_of(b)}; compare rows "
+                         "measured on the same number of GPUs")
     va, vb = (getattr(r, key) if isinstance(r, Row) else r[key] for r in (a, b))
     if va is None or vb is None or not vb:
         raise ValueError(f"no {key} ratio: {va!r} / {vb!r}")
@@ -319,8 +332,8 @@ def ratio_checks(rows: list[Row] | list[dict[str, Any]], ours: Callable[[str], b
             if b is a or case(b) != case(a) or not peers(name(b)) or not runs_of(b):
                 continue
             card = _card_any(a)
-            if card is None or card != _card_any(b):
-                continue
+            if card is None or card != _card_any(b) or gpus_of(a) != gpus_of(b):
+                continue  # a ratio across cards or GPU counts compares the machines
             ra, rb = runs_of(a), runs_of(b)
             ma, mb = statistics.median(ra), statistics.median(rb)
             if not mb or not min(rb):

@@ -16,6 +16,9 @@ GPU's clock falls on every method alike; the TP rows are timed the same way.
     python bench/vocab.py --cases 32768x7168x201088 --methods peakflat-fwd-main-grad,liger-flce --repeats 5
     torchrun --nproc-per-node 2 bench/vocab.py --cases 32768x7168x201088    # TP=2, SP: rows ``tp=2``
     torchrun --nproc-per-node 2 bench/vocab.py --dry-run                    # the TP path on CPU (gloo)
+    torchrun --nproc-per-node 2 bench/vocab.py --cases 32768x7168x201088 --repeats 3 \
+        --methods peakflat-gather,peakflat-activations,peakflat-weights,megatron-native-ce,megatron-fused-ce
+                                        # the TP schedules against Megatron, on two GPUs (rows gpus=2)
 
 Under torchrun every rank is one tensor-parallel group (TP = world size) with sequence parallelism:
 each rank holds N/TP tokens and a contiguous V/TP slice of the vocabulary. Megatron's peers all-gather
@@ -362,9 +365,11 @@ def main_tp(args: argparse.Namespace) -> None:
     if cpu:
         assert rows and all(r.exact for r in rows), [(r.method, r.exact, r.extra) for r in rows]
         print("dry run: every method exact")
+        if args.out and rank == 0:  # the rows as a GPU run writes them, each with its card and GPU count
+            write("vocab", rows, out=Path(args.out), merge=True)
     elif rank == 0:
         harness.print_ratio_summary(rows)
-        write("vocab", rows, merge=True)
+        write("vocab", rows, merge=True, out=Path(args.out) if args.out else None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -378,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 reference (exact=None)")
     ap.add_argument("--dry-run", action="store_true", help="under torchrun on CPU: the TP path with tiny shapes, "
                                                            "exactness only")
+    ap.add_argument("--out", default=None, help="results file (default: bench/results/vocab.json; a dry run writes "
+                                                "its rows only here)")
     args = ap.parse_args(argv)
     if world()[0] > 1 or args.dry_run:
         if args.methods == ALL_METHODS:
@@ -413,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         del x, w, y, ref
         torch.cuda.empty_cache()
     harness.print_ratio_summary(rows)
-    write("vocab", rows, merge=True)  # keeps the TP rows (and other cases) of earlier runs
+    write("vocab", rows, merge=True, out=Path(args.out) if args.out else None)  # keeps the TP rows (and other cases) of earlier runs
 
 
 if __name__ == "__main__":
