@@ -167,7 +167,8 @@ def test_prediction_tracks_the_measured_h200_runs(results, run_name):
                                          chunk_cap=int(env["CHUNK_CAP"])),
         vocab=dataclasses.replace(pf.vocab, impl="ring-dtp" if "vocab" in on else "megatron"),
         sco=dataclasses.replace(pf.sco, enabled="sco" in on),
-        optimizer=dataclasses.replace(pf.optimizer, impl="offload-stream" if "optimizer" in on else "megatron"))
+        optimizer=dataclasses.replace(pf.optimizer, impl="offload-stream" if "optimizer" in on else "megatron"),
+        tile=dataclasses.replace(pf.tile, enabled="tile" in on))
     which = "peakflat" if on else "baseline"
     st = plan(shape, run, pf).stages[0]
     predicted = (st.total(which) - getattr(st.rows["reserve"], which)) / GIB
