@@ -102,7 +102,7 @@ COMPONENTS: tuple[Component, ...] = (
               peak="optimizer state", replaces="Adam state on the GPU / HybridDeviceOptimizer"),
     Component("tile", "TiledAttention", "tiled attention sublayer",
               "megatron_peakflat.tiling.config:TileConfig", "tiling", on=True,
-              planner_terms=("attention backward",), meters=("attention backward",),
+              planner_terms=("attention backward",), meters=("attention backward",), meter_aliases=("tile",),
               peak="layer working set", replaces="attention sublayer over the whole sequence"),
 )
 """Every component, in the order flags, tables and logs list them."""

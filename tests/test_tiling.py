@@ -218,3 +218,30 @@ def test_auto_tile_tokens():
     assert auto_tile_tokens(65536) == auto_tile_tokens(2**20) == AUTO_MAX_TILE == 16384
     with pytest.raises(ValueError):
         auto_tile_tokens(0)
+
+
+def test_peak_report_region():
+    """With the peak report on, forward and backward are measured as the region 'tile' (here on the live-bytes
+    meter as the allocator): two calls, the larger (backward) within the bound."""
+    from megatron_peakflat.runtime import meter as peak_meter
+
+    T, seq, b, nq, nkv, d, h, block = 16, 64, 2, 8, 2, 16, 64, 16
+    layer = ReferenceAttentionLayer(h, nq, nkv, d, seq, seed=2)
+    ops = TileOps(qkv=layer.qkv, attend=lambda q, k, v: FlashDouble.apply(q, k, v, block), project=layer.project)
+    x = torch.randn(seq, b, h, requires_grad=True)
+    dy = torch.randn(seq, b, h)
+    with LiveBytesMeter() as live:
+        peak_meter.set_backend(lambda: live.live, lambda: live.peak, live.reset_peak)
+        peak_meter.enable(True)
+        peak_meter.reset()
+        try:
+            TiledSelfAttention.apply(x, ops, T, *layer.parameters()).backward(dy)
+            got = peak_meter.measured()
+        finally:
+            peak_meter.enable(False)
+            peak_meter.set_backend(None)
+            peak_meter.reset()
+    assert set(got) == {"tile"} and got["tile"].calls == 2
+    bound = tiled_attention_peak_bytes(T, seq, b, h, nq, nkv, d, 4,
+                                       attention_workspace_bytes=workspace_bytes(T, b, nq, d, block, 4))
+    assert 0 < got["tile"].delta <= bound

@@ -62,6 +62,8 @@ def test_tile_tokens_without_the_tile_is_noted(caplog):
     (dict(multi_latent_attention=True), ["multi-latent", "drop --multi-latent-attention"]),
     (dict(cuda_graph_impl="local"), ["--cuda-graph-impl local", "drop --cuda-graph-impl"]),
     (dict(transformer_impl="local"), ["DotProductAttention", "pass --peakflat-attention sdpa"]),
+    (dict(create_attention_mask_in_dataloader=True), ["explicit attention mask",
+                                                      "pass --no-create-attention-mask-in-dataloader"]),
 ])
 def test_refusals_name_flag_value_and_fix(megatron, words):
     argv = ["--peakflat-tile"] + (["--peakflat-attention", "local"] if megatron.get("transformer_impl") == "local"

@@ -7,7 +7,8 @@ every parameter's gradient with ``--peakflat-tile`` on, at tiles that do not div
 same model with it off, at world sizes 1, 2 and 3 (EP over the ranks; 3 and 6 experts at world 3; and TP=2
 without sequence parallelism, dense, at world 2); with
 PipelinedLLEP, Ring-DTP and SCO on in both runs; with an MTP layer (world 1). Also: the SDPA core attention's
-bottom-right alignment, Megatron DDP with overlapped gradient reduction (world 2), and the hand-backs to Megatron's sublayer (an explicit mask, Megatron's local
+bottom-right alignment, Megatron DDP with overlapped gradient reduction (world 2), Megatron's pretrain loop
+(three iterations, same losses), and the hand-backs to Megatron's sublayer (an explicit mask, Megatron's local
 DotProductAttention), logged and exact.
 """
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from megatron_peakflat.testing import max_rel_error, run_distributed
+from tests.conftest import needs_pretrain_entry
 
 SEQ, MB, VOCAB = 24, 2, 64
 
@@ -222,3 +224,31 @@ def _worker(rank: int, world: int) -> list[tuple[str, float]]:
 def test_tiled_layer_matches_megatron(world: int) -> None:
     out = run_distributed(_worker, world, timeout=240)
     assert all(len(o) == len(out[0]) > 0 for o in out)
+
+
+@needs_pretrain_entry
+def test_pretrain_same_losses_with_the_tile_on():
+    """Through Megatron's own pretrain loop (CPU dry run, local spec with the SDPA core attention, full recompute,
+    MoE): three iterations with ``--peakflat-tile`` on (tiles of 7 of 32 tokens) give the losses and grad norms
+    of the run with it off; with the dataloader's mask left on, start-up refuses, naming the fix."""
+    from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged, run_module
+
+    args = [*TINY_GPT_ARGS, "--train-iters", "3", "--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--transformer-impl", "local", "--peakflat-attention", "sdpa", "--seed", "1234"]
+    tile = ["--peakflat-tile", "--peakflat-tile-tokens", "7"]
+    refused = run_module("megatron_peakflat.testing.pretrain_dryrun", *args, *tile)
+    text = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and MODEL_BUILT not in text
+    assert "--peakflat-tile=True" in text and "--no-create-attention-mask-in-dataloader" in text, text[-3000:]
+    runs = []
+    for extra in ([], tile):
+        out = run_module("megatron_peakflat.testing.pretrain_dryrun", *args, *extra,
+                         "--no-create-attention-mask-in-dataloader")
+        runs.append(out.stdout + out.stderr)
+        assert out.returncode == 0, runs[-1][-3000:]
+    off, on = runs
+    assert "attention sublayer over tiles of 7 of 32 tokens" in on and "runs where" not in on
+    assert len(logged(off, "lm loss")) == 3
+    assert logged(on, "lm loss") == pytest.approx(logged(off, "lm loss"), rel=1e-5)
+    assert logged(on, "grad norm") == pytest.approx(logged(off, "grad norm"), rel=1e-4)

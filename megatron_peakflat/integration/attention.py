@@ -7,8 +7,8 @@ DotProductAttention's constructor, parameters and checkpoint layout and replaces
 
 - causal with no explicit mask -> ``is_causal=True`` (flash / memory-efficient kernels, O(s) memory);
 - ``AttnMaskType.causal_bottom_right`` with fewer queries than keys (the tiled attention sublayer: the queries
-  are the last positions of the keys) -> torch's ``causal_lower_right`` bias (memory-efficient kernel, no mask
-  built on GPU); with as many queries as keys it is plain causal;
+  are the last positions of the keys) -> torch's ``causal_lower_right`` bias, grouped K/V heads not repeated
+  (``enable_gqa``), as the context-parallel path attends a chunk; with as many queries as keys it is plain causal;
 - an explicit bool mask (True = masked out) -> the same additive -10000 fill that Megatron's
   ``attention_mask_func`` applies, so fully masked rows behave as in Megatron;
 - configurations it does not cover (packed sequences, sliding windows, non-vanilla softmax) hand
@@ -31,8 +31,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
+from ..attention.context_parallel import _attend as attend_aligned
 from ..attention.context_parallel import context_parallel_attention
 from ..config_base import PeakflatConfigError
 
@@ -153,6 +153,10 @@ def sdpa_core_attention_class() -> type:
             if self.cp_group is not None:
                 return self._context_parallel(query, key, value, attention_mask, mask_type)
             sq, b, np_, hn = query.shape
+            if mask_type == AttnMaskType.causal_bottom_right and attention_mask is None:
+                if sq < key.shape[0]:
+                    return self._bottom_right(query, key, value)
+                mask_type = AttnMaskType.causal  # as many queries as keys: the same mask
             q = query.permute(1, 2, 0, 3)
             k = key.permute(1, 2, 0, 3)
             v = value.permute(1, 2, 0, 3)
@@ -164,10 +168,7 @@ def sdpa_core_attention_class() -> type:
             mask = None
             is_causal = False
             if attention_mask is None:
-                is_causal = mask_type == AttnMaskType.causal or (mask_type == AttnMaskType.causal_bottom_right
-                                                                 and sq == k.shape[2])
-                if mask_type == AttnMaskType.causal_bottom_right and not is_causal:
-                    mask = causal_lower_right(sq, k.shape[2])  # the queries are the last sq keys' positions
+                is_causal = mask_type == AttnMaskType.causal
             else:
                 mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
                 mask.masked_fill_(attention_mask.to(torch.bool), _MASK_FILL)
@@ -180,6 +181,17 @@ def sdpa_core_attention_class() -> type:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                      is_causal=is_causal, scale=scale)
             return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+        def _bottom_right(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            """The last ``sq`` positions' queries against all keys, causal, the mask aligned bottom right
+            (torch's ``causal_lower_right``: flash / memory-efficient kernels, no mask built where they apply),
+            grouped K/V heads not repeated (``enable_gqa``): the tiled attention sublayer's later tiles."""
+            sq, b, np_, hn = query.shape
+            p = self.attention_dropout.p if self.training else 0.0
+            fork = p > 0.0 and not self.config.sequence_parallel
+            with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+                out = attend_aligned(query, key, value, self._scale(), p)
+            return out.reshape(sq, b, np_ * hn)
 
         def _scale(self) -> float:
             """The scale DotProductAttention's scores get in the end: its softmax_scale, times the layer number under

@@ -23,7 +23,8 @@ Cost: under full recompute the sublayer's forward runs three times per step inst
 forward, the checkpoint's recompute, the recompute of (b)), plus one QKV projection of the whole sequence in
 (a); its backward runs once. With one tile covering the sequence the numbers are the untiled sublayer's.
 
-No Megatron import: the integration binds ``TileOps`` to a Megatron layer.
+With ``--peakflat-report-peaks`` forward and backward are measured as the region ``tile``
+(``runtime.meter``). No Megatron import: the integration binds ``TileOps`` to a Megatron layer.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+
+from ..runtime.meter import region
 
 __all__ = ["TileOps", "TiledSelfAttention", "tiled_self_attention", "tile_starts"]
 
@@ -90,6 +93,7 @@ class TiledSelfAttention(torch.autograd.Function):
     ``tile`` tokens. ``params``: every parameter that ``ops`` reads, so that backward returns their gradients."""
 
     @staticmethod
+    @region("tile")
     def forward(ctx: Any, x: torch.Tensor, ops: TileOps, tile: int, *params: torch.Tensor) -> torch.Tensor:
         s = x.shape[0]
         out = K = V = None
@@ -114,6 +118,7 @@ class TiledSelfAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @region("tile")
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
         ops, tile, params = ctx.ops, ctx.tile, ctx.params
@@ -136,7 +141,6 @@ class TiledSelfAttention(torch.autograd.Function):
         want = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
         sums: list[torch.Tensor | None] = [None] * len(params)
         placeholder: list[torch.Tensor | None] = [None] * len(params)
-        dy = dy.contiguous() if not dy.is_contiguous() else dy
         for start in reversed(starts):  # (b) later tiles first: dK/dV of this tile's rows are complete here
             end = min(s, start + tile)
             x_t = x[start:end].detach().requires_grad_(want_x)

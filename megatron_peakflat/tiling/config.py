@@ -68,6 +68,11 @@ class TileConfig(ComponentConfig):
         if graphs:
             raise PeakflatConfigError(flag, value, f"{graphs} captures the layers, whose tiled sublayer recomputes "
                                       "in backward outside any graph", f"drop {graphs.split()[0]}, or drop {flag}")
+        if _get(args, "create_attention_mask_in_dataloader", False):
+            raise PeakflatConfigError(flag, value, "Megatron's dataloader builds an explicit attention mask "
+                                      "(--create-attention-mask-in-dataloader, its default), and a layer given a mask "
+                                      "runs Megatron's own attention sublayer, untiled",
+                                      "pass --no-create-attention-mask-in-dataloader (a causal model needs no mask)")
         attention = _get(args, "peakflat_attention", "auto") or "auto"
         if _get(args, "transformer_impl") == "local" and not _local_spec_runs_sdpa(attention):
             raise PeakflatConfigError(flag, value, "Megatron's local DotProductAttention (--transformer-impl local "

@@ -53,8 +53,8 @@ def _worker(rank: int, world: int) -> dict:
         torch.manual_seed(5)
         layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config, layer_number=1).cuda()
         if dtype == torch.bfloat16:  # the fp32 layer's weights, rounded
-            layer.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
-                                   for k, v in layers[torch.float32].state_dict().items()})
+            layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+                                   for k, v in layers[torch.float32].state_dict().items()})  # TE's _extra_state
         layers[dtype] = layer.train()
     g = torch.Generator().manual_seed(7)
     x = torch.randn(SEQ, MB, HIDDEN, generator=g).cuda()
