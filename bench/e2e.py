@@ -337,8 +337,9 @@ class Driver:
         entry = "megatron_peakflat.testing.pretrain_dryrun" if self.dry_run else "megatron_peakflat.pretrain"
         if self.dry_run and self.cp == 1:
             return [sys.executable, "-m", entry, *flags]
+        capped = ["bench.hbm_cap"] if os.environ.get(HBM_CAP_ENV) and not self.dry_run else []
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.cp),
-                "--master-port", str(29500 + random.randrange(400)), "-m", entry, *flags]
+                "--master-port", str(29500 + random.randrange(400)), "-m", *capped, entry, *flags]
 
     def attempt(self, flags: list[str], env: dict[str, str], iters: int) -> Attempt:
         full_env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
@@ -780,13 +781,19 @@ def _measured(seq: int, a: Attempt) -> tuple[dict[str, Any], dict[str, Any]]:
     return top, extra
 
 
+HBM_CAP_ENV = "PEAKFLAT_BENCH_HBM_GIB"
+"""Set by ``--hbm-cap-gib``: every run goes through ``bench.hbm_cap``, which holds the allocator to that many GiB."""
+
+
 def _gpu_bytes() -> int | None:
     try:
         import torch
 
-        return int(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+        total = int(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
     except Exception:  # noqa: BLE001
         return None
+    cap = os.environ.get(HBM_CAP_ENV)
+    return min(total, int(float(cap) * GIB)) if total is not None and cap else total
 
 
 _WHERE: dict[str, Any] = {}
@@ -802,6 +809,8 @@ def _where() -> dict[str, Any]:
 
         ran = where_ran()
         _WHERE.update(card=ran["card"], host_threads=os.cpu_count(), commit=ran["commit"], torch=torch.__version__)
+        if os.environ.get(HBM_CAP_ENV):
+            _WHERE["hbm_cap_gib"] = float(os.environ[HBM_CAP_ENV])
     return dict(_WHERE)
 
 
@@ -1011,6 +1020,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time phase: runs of each method at each length, each its own process, the methods in turn; "
                          "ms is their median (default: 3)")
     ap.add_argument("--timeout", type=float, default=480, help="seconds one length may take (default: 480)")
+    ap.add_argument("--hbm-cap-gib", type=float, default=None,
+                    help="emulate a card with this much memory: each run's allocator is held to it and the planner "
+                         "sees it (bench/hbm_cap.py); rows record the cap beside the real card")
     ap.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak learning rate (default: 3e-4; min-lr a tenth of it)")
     ap.add_argument("--lr-warmup-iters", type=int, default=1, help="warm-up iterations (default: 1)")
     ap.add_argument("--iters", type=int, default=2,
@@ -1029,6 +1041,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="results file name under bench/results (default: e2e.json; dry run "
                                                 "e2e_dryrun.json)")
     a = ap.parse_args(raw)
+    if a.hbm_cap_gib is not None:
+        if a.hbm_cap_gib <= 0:
+            ap.error(f"--hbm-cap-gib {a.hbm_cap_gib}: a card holds a positive number of GiB")
+        os.environ[HBM_CAP_ENV] = repr(a.hbm_cap_gib)  # the runs inherit it; bench.hbm_cap reads it
     dry = a.dry_run
     if a.cp < 1:
         ap.error(f"--cp {a.cp}: pass 1 or more")
