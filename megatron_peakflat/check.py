@@ -87,12 +87,12 @@ def _gpus() -> list[str]:
 
 
 def _host_ram() -> tuple[float, float] | None:
-    """(MemTotal, MemAvailable) in GiB from /proc/meminfo; None where it is unreadable."""
-    from .planner.cli import local_host_gib
-    from .runtime.host import mem_available
+    """(MemTotal, MemAvailable) in GiB from /proc/meminfo; None where it is unreadable. MemAvailable is read
+    through ``runtime.host``, the figure the components size their pinned memory from."""
+    from .runtime import host, machine
 
-    total, available = local_host_gib(), mem_available()
-    return None if total is None else (total, math.nan if available is None else available / _GIB)
+    total, available = machine.mem_total(), host.mem_available()
+    return None if total is None else (total / _GIB, math.nan if available is None else available / _GIB)
 
 
 def _megatron_symbols() -> tuple[int, list[str]]:

@@ -347,19 +347,12 @@ def sigkill_then_resume(tmp_path, monkeypatch, module: str, args: list[str], *, 
     iterations straight; again with ``--save`` every ``saved_at``, SIGKILLed inside the forward of ``killed_at``;
     again with ``--load``. Every rank's iterations after ``saved_at`` equal the straight run's bit for bit: the loss
     and grad norm ``train_step`` returned, the batches read, the samples consumed and ``compared_rng``."""
-    from megatron_peakflat.testing.pretrain_hooks import KILL_AT, TRACE, read_trace
-    from megatron_peakflat.testing.subproc import run_module
+    from megatron_peakflat.testing.pretrain_hooks import read_trace
+    from tests._helpers import run_to_kill_or_end
 
     def run(trace: str, *extra: str, kill_at: int | None = None) -> str:
-        monkeypatch.setenv(TRACE, trace)
-        if kill_at is None:
-            monkeypatch.delenv(KILL_AT, raising=False)
-        else:
-            monkeypatch.setenv(KILL_AT, str(kill_at))
-        out = run_module(module, *args, *extra, nproc=2, timeout=timeout)
-        text = out.stdout + out.stderr
-        assert (out.returncode == 0) == (kill_at is None), text[-4000:]
-        return text
+        return run_to_kill_or_end(monkeypatch, module, *args, *extra, trace=trace, kill_at=kill_at, nproc=2,
+                                  timeout=timeout)
 
     ckpt = str(tmp_path / "ckpt")
     save = ("--save", ckpt, "--save-interval", str(saved_at))

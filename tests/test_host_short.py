@@ -25,8 +25,9 @@ import torch
 from megatron_peakflat.runtime import host
 from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool, checkpoint_chunks, resolve_budget
 from megatron_peakflat.recompute import pool as pool_module
-from megatron_peakflat.testing.pretrain_hooks import MEM_AVAILABLE, TRACE, read_trace
-from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged, run_module
+from megatron_peakflat.testing.pretrain_hooks import MEM_AVAILABLE, read_trace
+from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged
+from tests._helpers import run_traced
 from tests.conftest import needs_pretrain_entry
 from tests.test_sco import Chunk
 
@@ -191,12 +192,8 @@ TINY = [*TINY_GPT_ARGS, "--train-iters", "3", "--num-layers", "4", "--hidden-dro
 
 
 def _dryrun(monkeypatch: pytest.MonkeyPatch, trace: str, *extra: str, mem: int | None = None):
-    monkeypatch.setenv(TRACE, trace)
-    if mem is None:
-        monkeypatch.delenv(MEM_AVAILABLE, raising=False)
-    else:
-        monkeypatch.setenv(MEM_AVAILABLE, str(mem))
-    out = run_module("megatron_peakflat.testing.pretrain_dryrun", *TINY, *extra, timeout=300)
+    out = run_traced(monkeypatch, "megatron_peakflat.testing.pretrain_dryrun", *TINY, *extra, trace=trace,
+                     env={MEM_AVAILABLE: mem}, timeout=300)
     return out.returncode, out.stdout + out.stderr
 
 

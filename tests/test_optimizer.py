@@ -14,6 +14,7 @@ from megatron_peakflat import _ext, stats
 from megatron_peakflat.optimizer import HostMemoryError, OffloadStreamAdamW
 from megatron_peakflat.optimizer import host_memory
 from megatron_peakflat.optimizer.layout import plan_layout
+from megatron_peakflat.runtime import pinned
 from megatron_peakflat.testing import max_rel_error
 
 SHAPES = [(37, 5), (1000,), (3, 7, 11), (64, 64), (5,), (130, 3)]
@@ -691,7 +692,7 @@ def test_a_new_promise_replaces_the_owners_earlier_one() -> None:
 
 def test_optimizer_region_falls_back_to_pageable_memory_when_pinning_fails(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(host_memory, "register_host_memory", lambda ptr, n: "cudaHostRegister returned 2")
+    monkeypatch.setattr(pinned, "register_host_memory", lambda ptr, n: "cudaHostRegister returned 2")
     with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
         region = host_memory.HostRegion(4096, pin=True, ext=None)
     assert not region.pinned and region.pin_error == "cudaHostRegister returned 2"
@@ -718,7 +719,7 @@ def test_optimizer_region_does_not_pin_without_cuda(monkeypatch, caplog, native)
     """Without CUDA a region asked to pin does not try: it is pageable, with no pin error and no warning."""
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(host_memory, "register_host_memory", lambda ptr, n: calls.append(n) or "")
+    monkeypatch.setattr(pinned, "register_host_memory", lambda ptr, n: calls.append(n) or "")
     with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
         region = host_memory.HostRegion(4096, pin=True, ext=_ext.load() if native else None)
     assert not region.pinned and region.pin_error == "" and calls == []

@@ -29,8 +29,9 @@ import re
 
 import pytest
 
-from megatron_peakflat.testing.pretrain_hooks import KILL_AT, TRACE, read_trace
-from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, run_module
+from megatron_peakflat.testing.pretrain_hooks import read_trace
+from megatron_peakflat.testing.subproc import TINY_GPT_ARGS
+from tests._helpers import run_to_kill_or_end
 from tests.conftest import needs_pretrain_entry
 
 pytestmark = needs_pretrain_entry
@@ -49,18 +50,8 @@ RESTORED_RNG = ("python", "numpy", "tracker:model-parallel-rng", "tracker:data-p
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, trace: str, *extra: str, kill_at: int | None = None) -> str:
-    monkeypatch.setenv(TRACE, trace)
-    if kill_at is None:
-        monkeypatch.delenv(KILL_AT, raising=False)
-    else:
-        monkeypatch.setenv(KILL_AT, str(kill_at))
-    out = run_module("megatron_peakflat.testing.pretrain_dryrun", *ARGS, *extra, nproc=2, timeout=300)
-    text = out.stdout + out.stderr
-    if kill_at is None:
-        assert out.returncode == 0, text[-4000:]
-    else:
-        assert out.returncode != 0, text[-4000:]
-    return text
+    return run_to_kill_or_end(monkeypatch, "megatron_peakflat.testing.pretrain_dryrun", *ARGS, *extra, trace=trace,
+                              kill_at=kill_at, nproc=2, timeout=300)
 
 
 def _logged(text: str) -> dict[int, dict[str, str]]:

@@ -12,6 +12,7 @@ import torch
 from megatron_peakflat import stats
 from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool, checkpoint_chunks, make_pool, resolve_budget
 from megatron_peakflat.testing.live_bytes import LiveBytesMeter
+from tests._helpers import native_available
 
 S, B, H = 24, 3, 40  # odd shape; boundary = S*B*H*4 bytes
 BOUNDARY = S * B * H * 4
@@ -51,13 +52,7 @@ def _offloader(budget: int = 1 << 30, prefetch: int = 1, impl: str = "torch") ->
     return BoundaryOffloader(make_pool(budget, pin=False, impl=impl), prefetch=prefetch)
 
 
-def _native_available() -> bool:
-    from megatron_peakflat import _ext
-
-    return _ext.load() is not None
-
-
-POOLS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not _native_available(),
+POOLS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not native_available(),
                                                                    reason="megatron_peakflat._C not built"))]
 
 
@@ -461,7 +456,7 @@ def test_explicit_budget_is_kept_when_available_memory_is_unknown(monkeypatch, c
     assert resolve_budget(3 << 20, local_ranks=2) == 3 << 20
 
 
-@pytest.mark.skipif(not _native_available(), reason="megatron_peakflat._C not built")
+@pytest.mark.skipif(not native_available(), reason="megatron_peakflat._C not built")
 def test_native_pool_refuses_a_slot_that_would_not_fit_once_aligned():
     """The native region carves slots at 256-byte offsets: a request that fits the bytes left but not the space
     after the next aligned offset gets None (its boundary stays on the device), never an error."""

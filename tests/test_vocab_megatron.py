@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_peakflat.testing import max_rel_error, run_distributed
+from tests._helpers import no_logits
 
 V = 130  # V / TP = 65 rows per shard at TP=2: odd, not a multiple of the block size
 
@@ -42,10 +43,6 @@ def _same_grads(what: str, ours: dict[str, torch.Tensor], ref: dict[str, torch.T
     assert set(ours) == set(ref), (what, set(ours) ^ set(ref))
     for k in ref:
         assert max_rel_error(ours[k], ref[k]) < 1e-5, (what, k, max_rel_error(ours[k], ref[k]))
-
-
-def _no_logits(*args, **kwargs):
-    raise AssertionError("the output layer was called: logits were built")
 
 
 def _megatron_checks(rank: int, world: int) -> list[str]:
@@ -83,7 +80,7 @@ def _megatron_checks(rank: int, world: int) -> list[str]:
                 vocab = VocabConfig(impl="ring-dtp", schedule=schedule, block_size=16, grad=grad, chunk_tokens=128)
                 megatron_peakflat.apply(PeakflatConfig(vocab=vocab, general=GeneralConfig(attention="local")))
                 try:
-                    model.output_layer.forward = _no_logits
+                    model.output_layer.forward = no_logits
                     loss = gpt_loss(model, batch)
                     loss.backward()
                     ours = _grads(model)
@@ -150,7 +147,7 @@ def _mtp_checks(rank: int, world: int) -> list[str]:
                                                                        chunk_tokens=128),
                                                    general=GeneralConfig(attention="local")))
             try:
-                model.output_layer.forward = _no_logits
+                model.output_layer.forward = no_logits
                 loss = gpt_loss(model, batch)
                 loss.backward()
                 ours, metrics = _grads(model), mtp_metrics()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-import os
 from typing import Any, ClassVar, Literal
 
 from ..config_base import ComponentConfig, PeakflatConfigError, cuda_graph_flag, megatron_arg as _get
+from ..runtime import machine
 
 AUTO_CAP_TOKENS = 8192
 """--peakflat-dispatch-chunk-cap auto: this many tokens' token-expert pairs per source rank and chunk..."""
@@ -225,8 +225,8 @@ class DispatchConfig(ComponentConfig):
                                       f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}",
                                       "choose an EP size that divides the number of experts")
         self._check_experts(args)
-        hosts_ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
-        if self.transport == "copy-engine" and hosts_ranks.isdigit() and ep > int(hosts_ranks):
+        hosts_ranks = machine.local_world_size(default=None)  # unknown here: checked at the first call
+        if self.transport == "copy-engine" and hosts_ranks is not None and ep > hosts_ranks:
             raise PeakflatConfigError(self.flag("transport"), self.transport,
                                       f"the copy engines need every rank of an expert-parallel group on one host, and "
                                       f"--expert-model-parallel-size {ep} is more than the {hosts_ranks} ranks per host "

@@ -21,7 +21,6 @@ then again over each rank's shard) never allocates.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import math
 import weakref
@@ -32,7 +31,7 @@ import torch
 
 from .. import stats
 from ..config_base import format_bytes
-from ..runtime import host, meter
+from ..runtime import host, machine, meter
 from ..runtime.meter import region
 from .streamer import NativeStreamer
 from .engines import CpuEngineWorker, GroupHyper, HostSlot, Slot, Streams, run_gpu_engine
@@ -51,11 +50,7 @@ _UNSUPPORTED = ("amsgrad", "maximize")
 
 def _default_host_threads() -> int:
     """This rank's share of the cores it may run on (LOCAL_WORLD_SIZE ranks share a node)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, cores // host.local_ranks())
+    return max(1, machine.usable_cores() // host.local_ranks())
 
 
 def _refuse_unsupported(options: dict[str, Any], where: str) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from ..config_base import format_bytes
 from ..runtime import host
-from .._ext import carve_end, register_host_memory, unregister_host_memory
+from ..runtime.pinned import PinnedRegion
 
 __all__ = ["HostSlot", "HostPool", "TorchHostPool", "NativeHostPool", "make_pool", "resolve_budget"]
 
@@ -244,7 +244,8 @@ class TorchHostPool(_RecyclingPool):
 
 class NativeHostPool(_RecyclingPool):
     """``HostPool`` over the compiled pool (``megatron_peakflat._C.HostPool``): one host region of
-    ``budget`` bytes, registered (pinned) with CUDA once, carved into slots at exact sizes.
+    ``budget`` bytes (``runtime.pinned.PinnedRegion``), registered (pinned) with CUDA once, carved into slots
+    at exact sizes.
 
     Unlike ``TorchHostPool`` nothing is rounded up, but the whole budget is mapped, and pinned when
     ``pin``, when the pool is built. Slots are recycled like ``TorchHostPool``'s; a carved slot is
@@ -259,25 +260,15 @@ class NativeHostPool(_RecyclingPool):
         if budget <= 0:
             raise ValueError(f"budget must be > 0 bytes for the native pool, got {budget}")
         super().__init__()
-        self._region = module.HostPool(int(budget), bool(pin))
+        self._region = PinnedRegion(int(budget), pin=bool(pin), ext=module)
         self.budget = int(budget)
-        self.pinned = bool(self._region.pinned)
-        self._registered_ptr = 0
-        pin_error = str(self._region.pin_error)
-        if pin and not self.pinned and torch.cuda.is_available() and not getattr(module, "with_cuda", False):
-            ptr = int(self._region.base_address)
-            pin_error = register_host_memory(ptr, int(self._region.capacity))
-            self.pinned, self._registered_ptr = not pin_error, (0 if pin_error else ptr)
+        self.pinned = self._region.pinned
         if pin and not self.pinned:
             log.warning("peakflat SCO: native host pool is pageable (%s); copies will not overlap compute",
-                        pin_error, extra={"per_rank": True})
-
-    def __del__(self) -> None:
-        if getattr(self, "_registered_ptr", 0):
-            unregister_host_memory(self._registered_ptr)
+                        self._region.pin_error, extra={"per_rank": True})
 
     def _new_slot(self, nbytes: int) -> HostSlot | None:
-        if carve_end(self._region.used, nbytes) > self._region.capacity:
+        if not self._region.fits(nbytes):
             return None
         slot = HostSlot(self._region.carve(nbytes, torch.uint8), cost=nbytes)
         self.reserved = self._region.used

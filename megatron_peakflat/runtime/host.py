@@ -7,13 +7,15 @@ SCO has sized its pool in the first forward. So a component with a fixed need ``
 built and ``settle``s once it has allocated, and ``share`` subtracts what is promised. On the H200 node
 (126 GiB) SCO's default budget of the 128K run was 61.5 GiB beside the optimizer's 57.4 GiB before this.
 
-No torch import.
+No torch import. ``mem_available`` is ``runtime.machine``'s, named here because tests and the dry-run hooks
+fake it here, for ``share`` and every component that sizes itself from it.
 """
 
 from __future__ import annotations
 
-import os
 import threading
+
+from .machine import local_world_size, mem_available
 
 __all__ = ["mem_available", "local_ranks", "promise", "settle", "promised", "promised_by", "share", "reset"]
 
@@ -21,24 +23,10 @@ _lock = threading.Lock()
 _promised: dict[str, int] = {}
 
 
-def mem_available(path: str = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` in bytes, or None where /proc/meminfo cannot be read."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def local_ranks() -> int:
-    """The ranks sharing this node (torchrun's LOCAL_WORLD_SIZE; 1 when unset, empty or malformed)."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    except ValueError:
-        return 1
+    """The ranks sharing this node (torchrun's LOCAL_WORLD_SIZE; 1 when it does not say): host memory is sized
+    for one rank per node where torchrun did not start several."""
+    return local_world_size(default=1)
 
 
 def promise(owner: str, nbytes: int) -> None:

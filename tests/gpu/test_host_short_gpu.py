@@ -13,8 +13,9 @@ import torch
 from megatron_peakflat.runtime import host
 from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool
 from megatron_peakflat.recompute import pool as pool_module
-from megatron_peakflat.testing.pretrain_hooks import MEM_AVAILABLE, TRACE, read_trace
-from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged, run_module
+from megatron_peakflat.testing.pretrain_hooks import MEM_AVAILABLE, read_trace
+from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged
+from tests._helpers import run_traced
 
 from tests.test_host_short import BOUNDARY, _assert_exact
 from tests.test_host_short import _model as cpu_model
@@ -87,12 +88,8 @@ ARGS = [*TINY_GPT_ARGS, "--train-iters", "3", "--num-layers", "4", "--hidden-dro
 
 
 def _pretrain(monkeypatch: pytest.MonkeyPatch, trace: str, *extra: str, mem: int | None = None):
-    monkeypatch.setenv(TRACE, trace)
-    if mem is None:
-        monkeypatch.delenv(MEM_AVAILABLE, raising=False)
-    else:
-        monkeypatch.setenv(MEM_AVAILABLE, str(mem))
-    out = run_module("megatron_peakflat.testing.pretrain_hooks", *ARGS, *extra, launcher=True, timeout=400)
+    out = run_traced(monkeypatch, "megatron_peakflat.testing.pretrain_hooks", *ARGS, *extra, trace=trace,
+                     env={MEM_AVAILABLE: mem}, launcher=True, timeout=400)
     return out.returncode, out.stdout + out.stderr
 
 

@@ -16,8 +16,9 @@ import os
 import pytest
 import torch
 
-from megatron_peakflat.testing.pretrain_hooks import KILL_AT, TRACE, read_trace
-from megatron_peakflat.testing.subproc import TINY_GPT_ARGS, run_module
+from megatron_peakflat.testing.pretrain_hooks import read_trace
+from megatron_peakflat.testing.subproc import TINY_GPT_ARGS
+from tests._helpers import run_to_kill_or_end
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -34,15 +35,8 @@ COMPARED_RNG = ("python", "numpy", "cuda", "tracker:model-parallel-rng", "tracke
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, trace: str, *extra: str, kill_at: int | None = None) -> str:
-    monkeypatch.setenv(TRACE, trace)
-    if kill_at is None:
-        monkeypatch.delenv(KILL_AT, raising=False)
-    else:
-        monkeypatch.setenv(KILL_AT, str(kill_at))
-    out = run_module("megatron_peakflat.testing.pretrain_hooks", *ARGS, *extra, launcher=True, timeout=400)
-    text = out.stdout + out.stderr
-    assert (out.returncode == 0) == (kill_at is None), text[-4000:]
-    return text
+    return run_to_kill_or_end(monkeypatch, "megatron_peakflat.testing.pretrain_hooks", *ARGS, *extra, trace=trace,
+                              kill_at=kill_at, launcher=True, timeout=400)
 
 
 def test_sigkill_mid_iteration_then_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._helpers import native_available
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 S, B, H, L = 8192, 1, 2048, 8
@@ -51,14 +53,8 @@ def _run(model, x, off):
     return loss.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()}, peak
 
 
-def _native_available() -> bool:
-    from megatron_peakflat import _ext
-
-    return _ext.load() is not None
-
-
 @pytest.mark.parametrize("impl", ["torch", pytest.param("native", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() or not _native_available(), reason="megatron_peakflat._C not built"))])
+    not torch.cuda.is_available() or not native_available(), reason="megatron_peakflat._C not built"))])
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_plain_bf16_exact_and_peak_equals_offloaded(prefetch, impl):
     from megatron_peakflat.recompute import BoundaryOffloader, make_pool
