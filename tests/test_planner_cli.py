@@ -161,7 +161,9 @@ def test_prediction_tracks_the_measured_h200_runs(results, run_name):
         if components["PEAKFLAT"] == "on" else set()
     flags = " ".join([_h200_model_flags(env), *doc["extra"]])  # the runs' own extra flags: --deterministic-mode
     flags += " --optimizer-cpu-offload --use-precision-aware-optimizer" if "optimizer" in on else ""
-    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125"])
+    # the runs had neither Transformer Engine nor apex: Megatron's Adam was torch's
+    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125",
+                                  "--adam", "torch"])
     pf = dataclasses.replace(
         pf, dispatch=dataclasses.replace(pf.dispatch, impl="pipelined-llep" if "dispatch" in on else "megatron",
                                          chunk_cap=int(env["CHUNK_CAP"])),
@@ -223,7 +225,9 @@ def test_stock_run_keeps_what_its_dispatcher_holds_through_the_step():
     planner's 'probs at step' row counts, and PipelinedLLEP does not keep."""
     doc = _h200_results("pretrain_recommended_16k.json")
     flags = " ".join([_h200_model_flags(doc["env"]), *doc["extra"]])
-    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125"])
+    # the runs had neither Transformer Engine nor apex: Megatron's Adam was torch's
+    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125",
+                                  "--adam", "torch"])
     st = plan(shape, run, pf).stages[0]
     gap = (doc["runs"]["off"]["max_allocated_mib"] - doc["runs"]["rec"]["max_allocated_mib"]) / 1024
     assert st.binding("baseline") == "optimizer step"
@@ -234,7 +238,9 @@ def test_fused_adam_needs_no_step_temporary():
     """With TE's or apex's FusedAdam Megatron's step allocates nothing beyond its state: no step phase of its own
     (peakflat's column has none; Megatron's holds only what its dispatcher kept from the backward)."""
     flags = _h200_model_flags(_h200_results("pretrain_recommended_16k.json")["env"])
-    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125"])
+    # the runs had neither Transformer Engine nor apex: Megatron's Adam was torch's
+    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125",
+                                  "--adam", "torch"])
     torch_adam = plan(shape, dataclasses.replace(run, fused_adam=False), pf).stages[0]
     fused = plan(shape, dataclasses.replace(run, fused_adam=True), pf).stages[0]
     assert torch_adam.rows["optimizer step"].baseline == pytest.approx(4 * torch_adam.rows["parameters"].baseline / 2)

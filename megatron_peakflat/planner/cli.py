@@ -28,8 +28,8 @@ from typing import Any, Sequence
 from ..config import PeakflatConfig, add_args
 from ..integration import compat
 from ..config_base import PeakflatConfigError
-from .megatron_args import (PRESET_MARK, fused_adam_importable, is_command_line, parse_megatron_args,
-                            run_fields_from_namespace, shape_from_namespace)
+from .megatron_args import (PRESET_MARK, is_command_line, parse_megatron_args, run_fields_from_namespace,
+                            shape_from_namespace)
 from .model import COMPONENTS, GIB, Plan, RunConfig, pipeline_split, plan
 from .recommend import Recommendation, blockers, recommend, startup_namespace
 from .shapes import PRESETS, ModelShape, preset
@@ -137,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, help="layers per full-recompute checkpoint (default: 1)")
     g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="training precision (default: bf16, or "
                                                                          "what --megatron-args says)")
+    g.add_argument("--adam", choices=["fused", "torch"],
+                   help="the Adam Megatron runs: 'fused' (Transformer Engine's or apex's FusedAdam) or 'torch' "
+                        "(torch.optim.AdamW, whose step allocates a temporary the size of its shard). Default: fused "
+                        "for --transformer-impl transformer_engine (the training line's, Megatron's default), torch "
+                        "for local; the planning machine's installation is not read")
     g.add_argument("--routing-skew", type=float, default=None,
                    help="max/mean tokens received per EP rank for the baseline dispatch (1 = balanced)")
     g = p.add_argument_group("output")
@@ -273,7 +278,8 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     kw["hbm_bytes"] = int(hbm * GIB)
     kw["host_bytes_per_node"] = int(host * GIB)
     kw["gpus_per_node"] = ns.gpus_per_node
-    kw.setdefault("fused_adam", fused_adam_importable())
+    kw["transformer_impl"] = getattr(mns, "transformer_impl", None) or "transformer_engine"
+    kw["fused_adam"] = (ns.adam or ("fused" if kw["transformer_impl"] == "transformer_engine" else "torch")) == "fused"
     run = RunConfig(**kw)
     validate(shape, run, gpus)
     # --peakflat-* knobs: planner flags win over the ones inside --megatron-args.
@@ -316,6 +322,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                f"EP{r.ep}{' ETP' + str(r.etp) if r.etp > 1 else ''})  micro-batch {r.micro_batch}  {r.precision}  "
                f"recompute {r.recompute}  HBM {r.hbm_bytes / GIB:.0f} GiB  host {r.host_bytes_per_node / GIB:.0f} GiB/node "
                f"({r.host_bytes_per_rank / GIB:.0f} GiB/rank)")
+    out.append(f"assumed: --transformer-impl {r.transformer_impl}, Adam {'fused' if r.fused_adam else 'torch'} (--adam)")
     for st in pl.stages:
         out.append("")
         out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight:g} micro-batch(es) in flight;"

@@ -110,6 +110,8 @@ class RunConfig:
     """Megatron's Adam is Transformer Engine's or apex's FusedAdam. Without either Megatron falls back to
     torch.optim.AdamW, whose multi-tensor step allocates one fp32 tensor the size of its shard (the square
     roots of exp_avg_sq): 19.14 GiB for 5.14B parameters on one H200 (pretrain_recommended_16k.json)."""
+    transformer_impl: str = "transformer_engine"
+    """--transformer-impl: Transformer Engine's layers (Megatron's default) or Megatron's local ones."""
     routing_skew: float = 1.0
     """max/mean tokens received per expert-parallel rank (1: balanced)."""
     hbm_bytes: int = 80 * GIB

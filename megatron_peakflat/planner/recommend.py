@@ -133,7 +133,7 @@ def _why(p: Plan) -> list[str]:
         "model build": "raise --pipeline-model-parallel-size or --expert-model-parallel-size (Megatron's DDP "
                        "holds the parameters twice while it builds its buffers)",
         "optimizer step": "install Transformer Engine or apex (Megatron's Adam is then their FusedAdam, which "
-                          "needs no temporary), or shard the optimizer over more ranks",
+                          "needs no temporary; the planner's --adam fused), or shard the optimizer over more ranks",
         "boundaries": "the SCO budget cannot hold the boundaries: raise --host-gib or --context-parallel-size",
         "attention backward": "raise --context-parallel-size or --tensor-model-parallel-size (attention's backward "
                               "holds this rank's sequence and heads at once)",
