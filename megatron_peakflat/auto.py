@@ -94,6 +94,10 @@ class AutoChoice:
             lines.append(f"  warning: with the flags this command line sets itself, the run is predicted NOT to fit in "
                          f"{run.hbm_bytes / 2**30:.1f} GiB; the planner's own choice would")
         lines.append("  added: " + (" ".join(self.added) or "nothing"))
+        for group in _flag_groups(self.added):  # the Megatron flags the line needs beside the components, and why
+            said = next((r for r in rec.reasons if r.startswith(group[0] + ":")), None)
+            if said is not None:
+                lines.append(f"  added {said}")
         if self.kept:
             names = {g[0] for g in _flag_groups(self.kept)}
             mine = [" ".join(g) for g in given if _flag_set(g[0]) in names]

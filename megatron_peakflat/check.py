@@ -39,6 +39,7 @@ from typing import Any, Sequence
 from . import __version__, auto
 from ._environ import environment
 from .config import PeakflatConfig
+from .planner import te_limits
 from .startup import config_from_args
 from .config_base import PeakflatConfigError
 
@@ -386,6 +387,9 @@ def check_command_line(argv: Sequence[str]) -> int:
             planner += [flag, str(value)]
     try:
         shape, run, pf_all, ns, _ = cli.build(planner)
+        refusal = te_limits.line_refusal(shape, run, args)  # Megatron's validated args: fusion as it resolved it
+        if refusal is not None:
+            raise refusal
         pl_all = plan(shape, run, pf_all)
         rec = cli.recommend(shape, run, pf_all, ns.megatron_namespace)
     except PeakflatConfigError as e:
@@ -398,6 +402,10 @@ def check_command_line(argv: Sequence[str]) -> int:
     bound = max(s.total("peakflat", guaranteed=True) for s in mine.stages)
     host = max(s.host("peakflat") for s in mine.stages)
     fits = mine.fits("peakflat", guaranteed=True)
+    if not fits and run.unfused_attention and any("attention scores" in st.rows for st in mine.stages):
+        scores = max(st.rows["attention scores"].peakflat for st in mine.stages if "attention scores" in st.rows)
+        print(f"error: {te_limits.unfused_refusal(run.unfused_attention, scores, run.hbm_bytes)}", file=sys.stderr)
+        return REFUSED
     print()
     print(f"this command line ({', '.join(on) or 'no component'} on): {expected / _GIB:.1f} GiB per GPU expected, "
           f"{bound / _GIB:.1f} GiB whatever the routing, of {run.hbm_bytes / _GIB:.0f} GiB; {host / _GIB:.1f} GiB "

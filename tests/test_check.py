@@ -200,3 +200,52 @@ def test_peakflat_auto_is_resolved_for_the_gpus_given_then_checked(capsys, monke
     # where nothing fits, auto refuses at start-up: so does the check, with the status of a line that does not fit
     assert check.main([*MODEL, "--peakflat", "auto", "--hbm-gib", "1", "--host-gib", "2048"]) == check.DOES_NOT_FIT
     assert _error(capsys.readouterr().err).startswith("error: --peakflat='auto': nothing fits")
+
+
+# ---- what the planner recommends passes the check -----------------------------------------------
+
+def _preset_line(name: str, seq: int) -> list[str]:
+    """A Megatron command line of a preset's model with the settings it assumes (bf16, full recompute, the
+    distributed optimizer), RoPE, and the alltoall dispatcher."""
+    from megatron_peakflat.planner.shapes import preset
+
+    s = preset(name)
+    return (f"--num-layers {s.layers} --hidden-size {s.hidden} --num-attention-heads {s.heads} --group-query-attention "
+            f"--num-query-groups {s.kv_heads} --kv-channels {s.head_dim} --ffn-hidden-size {s.ffn} "
+            f"--num-experts {s.experts} --moe-router-topk {s.topk} --moe-ffn-hidden-size {s.moe_ffn} "
+            f"--vocab-size {s.vocab} --swiglu {'' if s.tied_embeddings else '--untie-embeddings-and-output-weights'} "
+            f"--position-embedding-type rope --bf16 --micro-batch-size 1 --seq-length {seq} "
+            f"--max-position-embeddings {seq} --lr 1e-4 --train-iters 10 --use-distributed-optimizer "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+            "--moe-token-dispatcher-type alltoall --disable-bias-linear").split()
+
+
+@pytest.mark.parametrize("name, seq, gpus, hbm, extra", [
+    ("gpt-oss-20b", 32768, 8, 80, []),
+    ("gpt-oss-20b", 131072, 8, 80, []),  # the README's quick start: the dataloader's mask
+    ("gpt-oss-20b", 458752, 8, 141, ["--cp", "1"]),  # past TE's fused RoPE limit
+    ("gpt-oss-120b", 131072, 16, 80, []),
+])
+def test_a_recommended_line_passes_the_check(capsys, name, seq, gpus, hbm, extra):
+    from megatron_peakflat.planner.cli import build
+    from megatron_peakflat.planner.recommend import recommend
+
+    machine = ["--gpus", str(gpus), "--hbm-gib", str(hbm), "--host-gib", "2048"]
+    shape, run, pf, ns, _ = build(["--preset", name, "--seq-len", str(seq), *machine, *extra])
+    rec = recommend(shape, run, pf, ns.megatron_namespace)
+    assert rec.fits
+    assert check.main([*_preset_line(name, seq), *rec.layout_flags, *rec.flags, *machine]) == 0, capsys.readouterr()
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("-> fits")
+
+
+def test_auto_completes_a_long_line_so_that_it_passes_the_check(capsys, monkeypatch):
+    from megatron_peakflat import auto
+
+    monkeypatch.setattr(auto, "_resolved", [])
+    line = _preset_line("gpt-oss-20b", 131072)  # Megatron's dataloader mask left on, as it is by default
+    machine = ["--gpus", "8", "--hbm-gib", "80", "--host-gib", "2048", "--expert-model-parallel-size", "8"]
+    assert check.main([*line, "--peakflat", "auto", *machine]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    added = next(ln for ln in out.splitlines() if ln.startswith("  added: "))
+    assert "--no-create-attention-mask-in-dataloader" in added
+

@@ -582,6 +582,8 @@ def _startup_namespace(flags: list[str]) -> argparse.Namespace:
     p = add_args(argparse.ArgumentParser(allow_abbrev=False))
     for name in ("use-distributed-optimizer", "optimizer-cpu-offload", "use-precision-aware-optimizer"):
         p.add_argument("--" + name, action="store_true")
+    for name in ("no-rope-fusion", "no-create-attention-mask-in-dataloader"):  # past TE's RoPE limit, and the mask's
+        p.add_argument("--" + name, action="store_false")
     ns = p.parse_args(flags)
     ns.num_experts, ns.optimizer, ns.recompute_granularity = 128, "adam", "full"
     return ns
@@ -1160,3 +1162,16 @@ def test_the_planner_runs_as_a_module_of_its_own():
     out = subprocess.run([sys.executable, "-m", "megatron_peakflat.planner.cli", "--list-presets"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "deepseek-v3" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("hbm, fits", [("80", True), ("20", False)])
+def test_every_flag_line_the_planner_prints_is_labelled(capsys, hbm, fits):
+    """A flag line with no label after 'does NOT fit' reads as one to paste: the recommendation's line says whether
+    its flags are to add or were tried and do not fit."""
+    from megatron_peakflat.planner.cli import FLAGS_LABEL, TRIED_LABEL, main
+
+    assert main(["--preset", "gpt-oss-20b", "--seq-len", "131072", "--gpus", "8", "--hbm-gib", hbm]) == (0 if fits else 3)
+    lines = capsys.readouterr().out.splitlines()
+    assert not [ln for ln in lines if ln.lstrip().startswith("--")]
+    labelled = [ln for ln in lines if ln.startswith(FLAGS_LABEL) or ln.startswith(TRIED_LABEL)]
+    assert len(labelled) == 1 and labelled[0].startswith(FLAGS_LABEL if fits else TRIED_LABEL), labelled

@@ -26,7 +26,7 @@ from ..planner.model import GIB, Plan, RunConfig, plan
 from .. import stats
 from .logs import PER_RANK
 
-__all__ = ["setup", "report", "prediction", "advise", "allocated_prediction"]
+__all__ = ["setup", "report", "prediction", "advise", "allocated_prediction", "check_transformer_engine"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -104,6 +104,9 @@ def prediction(args: Any) -> tuple[Plan, str]:
         fields["gpus_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", 8))
         fields["fused_adam"] = _megatron_fused_adam()
         fields["sm_count"] = _sm_count()
+        from ..planner.te_limits import te_run_fields
+
+        fields.update(te_run_fields(shape, args, precision=fields.get("precision", "bf16"), cp=cp))
         run = RunConfig(**fields)
         _cache["plan"] = plan(shape, run, _as_run(_config(args)))
         _cache["stage"] = _stage_name(_cache["plan"])
@@ -219,6 +222,26 @@ def check_optimizer_host(args: Any) -> str | None:
     if need > share * OPTIMIZER_HOST_MARGIN:
         raise PeakflatConfigError(cfg.optimizer.flag("impl"), cfg.optimizer.impl, problem, fix)
     return f"peakflat plan: {problem}; the optimizer will refuse at its first step if it does not fit. Fix: {fix}"
+
+
+def check_transformer_engine(args: Any) -> None:
+    """Before the model is built: refuse what Transformer Engine would fail on or run out of memory in
+    (``planner.te_limits``): its fused RoPE kernel past its 32-bit limit, and its unfused attention backend where
+    the plan with its s x s scores does not fit this GPU. A plan that cannot be made says nothing."""
+    from ..planner.te_limits import line_refusal, unfused_refusal
+
+    try:
+        pl, _ = prediction(args)
+    except Exception as e:  # noqa: BLE001
+        log.debug("peakflat plan: no Transformer Engine check (%s: %s)", type(e).__name__, e)
+        return
+    refusal = line_refusal(pl.shape, pl.run, args)
+    if refusal is not None:
+        raise refusal
+    which = "peakflat" if any(_config(args).enabled.values()) else "baseline"
+    scores = [st.rows["attention scores"].peakflat for st in pl.stages if "attention scores" in st.rows]
+    if pl.run.unfused_attention and scores and not pl.fits(which, guaranteed=True):  # type: ignore[arg-type]
+        raise unfused_refusal(pl.run.unfused_attention, max(scores), pl.run.hbm_bytes)
 
 
 def allocated_prediction(pl: Plan, which: str, stage: Any = None) -> float:

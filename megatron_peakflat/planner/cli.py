@@ -28,6 +28,7 @@ from typing import Any, Sequence
 from ..config import PeakflatConfig, add_args
 from ..integration import compat
 from ..config_base import PeakflatConfigError
+from . import te_limits
 from .megatron_args import (PRESET_MARK, is_command_line, parse_megatron_args, run_fields_from_namespace,
                             shape_from_namespace)
 from .model import COMPONENTS, GIB, Plan, RunConfig, pipeline_split, plan
@@ -278,7 +279,7 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     kw["hbm_bytes"] = int(hbm * GIB)
     kw["host_bytes_per_node"] = int(host * GIB)
     kw["gpus_per_node"] = ns.gpus_per_node
-    kw["transformer_impl"] = getattr(mns, "transformer_impl", None) or "transformer_engine"
+    kw.update(te_limits.te_run_fields(shape, mns, precision=kw.get("precision", "bf16"), cp=par["cp"]))
     kw["fused_adam"] = (ns.adam or ("fused" if kw["transformer_impl"] == "transformer_engine" else "torch")) == "fused"
     run = RunConfig(**kw)
     validate(shape, run, gpus)
@@ -322,13 +323,15 @@ def render(pl: Plan, rec: Recommendation) -> str:
                f"EP{r.ep}{' ETP' + str(r.etp) if r.etp > 1 else ''})  micro-batch {r.micro_batch}  {r.precision}  "
                f"recompute {r.recompute}  HBM {r.hbm_bytes / GIB:.0f} GiB  host {r.host_bytes_per_node / GIB:.0f} GiB/node "
                f"({r.host_bytes_per_rank / GIB:.0f} GiB/rank)")
-    out.append(f"assumed: --transformer-impl {r.transformer_impl}, Adam {'fused' if r.fused_adam else 'torch'} (--adam)")
+    out.append(f"assumed: --transformer-impl {r.transformer_impl}, Adam {'fused' if r.fused_adam else 'torch'} "
+               f"(--adam), attention {'unfused (' + r.unfused_attention + ')' if r.unfused_attention else 'flash/fused'}")
     for st in pl.stages:
         out.append("")
         out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight:g} micro-batch(es) in flight;"
                    "  GiB per rank")
         out.append(f"  {'term':18s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
         order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "attention backward",
+                 "attention scores",
                  "embedding gradient", "dispatcher probs", "dispatcher state", "boundaries", "dispatch", "vocab",
                  "reserve", "optimizer step", "probs at step", "model build"]
         for name in order + [n for n in st.rows if n not in order]:
@@ -365,10 +368,21 @@ def render(pl: Plan, rec: Recommendation) -> str:
                    f"binding peak '{rw.binding('peakflat')}'")
     else:
         out.append("recommended: nothing fits")
-    out.append("  " + " ".join([*rec.layout_flags, *rec.flags]))
+    out.append(flags_line(rec))
     for reason in rec.reasons:
         out.append(f"  why: {reason}")
     return "\n".join(out)
+
+
+FLAGS_LABEL = "  flags to add: "
+"""The label of the recommended flags' line where they fit."""
+TRIED_LABEL = "  tried, does NOT fit (not a line to run): "
+"""The label of the closest configuration's flags where nothing fits."""
+
+
+def flags_line(rec: Recommendation) -> str:
+    """The recommendation's flags on one labelled line: to add where they fit, else what was tried."""
+    return (FLAGS_LABEL if rec.fits else TRIED_LABEL) + " ".join([*rec.layout_flags, *rec.flags])
 
 
 def to_json(pl: Plan, rec: Recommendation) -> dict[str, Any]:
@@ -479,8 +493,14 @@ def _main(argv: Sequence[str] | None, status: list[int]) -> int:
                   f"experts {s.experts:3d} top-{s.topk}  moe-ffn {s.moe_ffn:5d}  ffn {s.ffn:5d}  vocab {s.vocab}  "
                   f"({s.source})")
         return 0
+    mns = ns.megatron_namespace
+    if mns is not None and is_command_line(mns):
+        refusal = te_limits.line_refusal(shape, run, mns)
+        if refusal is not None:
+            print(f"error: {refusal}", file=sys.stderr)
+            return 2
     pl = plan(shape, run, pf)
-    rec = recommend(shape, run, pf, ns.megatron_namespace)
+    rec = recommend(shape, run, pf, mns)
     status[0] = 0 if rec.fits else NOTHING_FITS
     if ns.json:
         doc = to_json(pl, rec)
