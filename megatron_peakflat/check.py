@@ -412,8 +412,27 @@ def check_command_line(argv: Sequence[str]) -> int:
           f"host per rank of {run.host_bytes_per_rank / _GIB:.0f} GiB -> {'fits' if fits else 'does NOT fit'}")
     if not fits:
         print("  the 'recommended' flags above are the planner's way to fit" if rec.fits else
-              "  nothing the planner tried fits: more GPUs, or more memory per GPU, are needed")
+              "  " + _closing(shape, run, pf_all, ns.megatron_namespace))
     return 0 if fits else DOES_NOT_FIT
+
+
+def _closing(shape: Any, run: Any, pf: PeakflatConfig, megatron_args: Any) -> str:
+    """The closing line where no recommendation fits the line's own settings: what the planner's fixes give.
+    Full recompute (the fix it names for activations) is tried on the same GPUs; where it fits, its flags."""
+    import dataclasses
+
+    from .planner import cli
+
+    if run.recompute != "full":
+        with_full = cli.recommend(shape, dataclasses.replace(run, recompute="full"), pf, megatron_args)
+        if with_full.fits:
+            flags = with_full.flags if "--recompute-granularity" in with_full.flags else \
+                ["--recompute-granularity", "full", *with_full.flags]
+            return ("nothing fits with this line's recompute; with --recompute-granularity full it fits on the same "
+                    "GPUs: " + " ".join([*with_full.layout_flags, *flags]))
+    return ("nothing the planner sizes fits" + ("" if run.recompute == "full" else ", full recompute included") +
+            ": apply one of the fixes the 'why' lines name (they change the layout, the GPU count or the GPU "
+            "memory)")
 
 
 def _resolve_auto(flags: list[str], own: argparse.Namespace) -> tuple[list[str], int, str]:

@@ -249,3 +249,26 @@ def test_auto_completes_a_long_line_so_that_it_passes_the_check(capsys, monkeypa
     added = next(ln for ln in out.splitlines() if ln.startswith("  added: "))
     assert "--no-create-attention-mask-in-dataloader" in added
 
+
+def test_the_closing_line_agrees_with_the_fixes_offered(capsys):
+    """Where the line does not fit without recompute and does with full recompute on the same GPUs, the check
+    says so and gives the flags, never that more GPUs are needed; those flags pass the check."""
+    line = ("--num-layers 16 --hidden-size 1024 --num-attention-heads 8 --seq-length 32768 --max-position-embeddings "
+            "32768 --micro-batch-size 1 --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 8 --bf16 "
+            "--use-distributed-optimizer --moe-token-dispatcher-type alltoall --disable-bias-linear --lr 1e-4 "
+            "--train-iters 10 --no-create-attention-mask-in-dataloader --peakflat-dispatch pipelined-llep").split()
+    machine = ["--hbm-gib", "8", "--host-gib", "2048"]
+    assert check.main([*line, *machine]) == check.DOES_NOT_FIT
+    out = capsys.readouterr().out
+    assert "fix: turn on --recompute-granularity full" in out
+    closing = out.strip().splitlines()[-1]
+    assert "more GPUs, or more memory per GPU, are needed" not in out
+    prefix = "  nothing fits with this line's recompute; with --recompute-granularity full it fits on the same GPUs: "
+    assert closing.startswith(prefix), closing
+    flags = closing[len(prefix):].split()
+    assert check.main([*[w for w in line if w != "--peakflat-dispatch" and w != "pipelined-llep"], *flags,
+                       *machine]) == 0
+    # where full recompute does not fit either, the closing line points at the fixes that change the GPUs
+    assert check.main([*line, "--hbm-gib", "2", "--host-gib", "2048"]) == check.DOES_NOT_FIT
+    closing = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "full recompute included" in closing and "'why' lines" in closing
