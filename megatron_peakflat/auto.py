@@ -55,6 +55,9 @@ class AutoChoice:
     recommendation: Any  # planner.recommend.Recommendation
     planner_args: list[str]
     argv: list[str] = dataclasses.field(default_factory=list)
+    adam_source: str = ""
+    """Where the planned Adam came from: this machine's installation (training start-up), else the planner's
+    default for the line's --transformer-impl."""
 
     def table(self) -> str:
         """The decision, a few lines: each component on or off, its peak term before and after, and why."""
@@ -67,7 +70,9 @@ class AutoChoice:
         given = _flag_groups(self.argv)
         lines = [f"peakflat auto: planned for {run.world} GPU(s) of {run.hbm_bytes / 2**30:.1f} GiB "
                  f"(TP{run.tp} PP{run.pp} CP{run.cp} DP{run.dp} EP{run.ep}), "
-                 f"{format_bytes(run.host_bytes_per_rank)} of host memory per rank, sequence {run.seq_len:,}",
+                 f"{format_bytes(run.host_bytes_per_rank)} of host memory per rank, sequence {run.seq_len:,}; "
+                 f"--transformer-impl {run.transformer_impl}, Adam {'fused' if run.fused_adam else 'torch'}"
+                 + (f" ({self.adam_source})" if self.adam_source else ""),
                  f"  {'component':20s} {'choice':6s} {'peak term, GiB: Megatron -> peakflat':38s} why"]
         for comp in components.COMPONENTS:
             name = comp.name
@@ -89,6 +94,10 @@ class AutoChoice:
             lines.append(f"  warning: with the flags this command line sets itself, the run is predicted NOT to fit in "
                          f"{run.hbm_bytes / 2**30:.1f} GiB; the planner's own choice would")
         lines.append("  added: " + (" ".join(self.added) or "nothing"))
+        for group in _flag_groups(self.added):  # the Megatron flags the line needs beside the components, and why
+            said = next((r for r in rec.reasons if r.startswith(group[0] + ":")), None)
+            if said is not None:
+                lines.append(f"  added {said}")
         if self.kept:
             names = {g[0] for g in _flag_groups(self.kept)}
             mine = [" ".join(g) for g in given if _flag_set(g[0]) in names]
@@ -212,10 +221,13 @@ def _machine() -> tuple[int, int, int, int]:
 
 
 def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int | None = None,
-            hbm_bytes: int | None = None, host_bytes_per_node: int | None = None) -> AutoChoice:
+            hbm_bytes: int | None = None, host_bytes_per_node: int | None = None,
+            installed_adam: bool = False) -> AutoChoice:
     """The planner's recommendation for ``argv`` and the flags to add to it. Machine figures left out are read
-    from this process (``_machine``). Raises PeakflatConfigError naming ``--peakflat auto`` when nothing fits,
-    with the planner's reasons and fixes, or when the planner cannot read the command line."""
+    from this process (``_machine``). ``installed_adam``: plan the Adam that Megatron finds installed here (the
+    training machine's truth: TE's or apex's FusedAdam, else torch's), not the planner's default. Raises
+    PeakflatConfigError naming ``--peakflat auto`` when nothing fits, with the planner's reasons and fixes, or when
+    the planner cannot read the command line."""
     from .planner.cli import build
     from .planner.megatron_args import MissingModelFlags
     from .planner.recommend import recommend
@@ -228,6 +240,14 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
         host_bytes_per_node = host if host_bytes_per_node is None else host_bytes_per_node
     args = planner_argv(argv, gpus=gpus, gpus_per_node=gpus_per_node, hbm_bytes=hbm_bytes,
                         host_bytes_per_node=host_bytes_per_node)
+    source = ""
+    if installed_adam:
+        from .planner.megatron_args import fused_adam_importable
+
+        fused = fused_adam_importable()
+        args += ["--adam", "fused" if fused else "torch"]
+        source = ("installed here: Transformer Engine's or apex's FusedAdam" if fused else
+                  "installed here: neither Transformer Engine nor apex, so torch.optim.AdamW")
     try:
         shape, run, pf, ns, _ = build(args)
     except MissingModelFlags as e:
@@ -254,7 +274,7 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
             kept.extend(group)
         else:
             added.extend(group)
-    return AutoChoice(added, kept, rec, args, list(argv))
+    return AutoChoice(added, kept, rec, args, list(argv), source)
 
 
 def _training_flags() -> dict[str, str]:
@@ -300,7 +320,7 @@ def auto_argv(argv: Sequence[str]) -> list[str]:
     argv = list(argv)
     if not wants_auto(argv):
         return argv
-    choice = resolve(argv)
+    choice = resolve(argv, installed_adam=True)
     _resolved.append(choice)
     if int(os.environ.get("RANK", "0") or 0) == 0:
         log.info("%s", choice.table())

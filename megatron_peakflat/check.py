@@ -39,6 +39,7 @@ from typing import Any, Sequence
 from . import __version__, auto
 from ._environ import environment
 from .config import PeakflatConfig
+from .planner import te_limits
 from .startup import config_from_args
 from .config_base import PeakflatConfigError
 
@@ -386,6 +387,9 @@ def check_command_line(argv: Sequence[str]) -> int:
             planner += [flag, str(value)]
     try:
         shape, run, pf_all, ns, _ = cli.build(planner)
+        refusal = te_limits.line_refusal(shape, run, args)  # Megatron's validated args: fusion as it resolved it
+        if refusal is not None:
+            raise refusal
         pl_all = plan(shape, run, pf_all)
         rec = cli.recommend(shape, run, pf_all, ns.megatron_namespace)
     except PeakflatConfigError as e:
@@ -398,14 +402,37 @@ def check_command_line(argv: Sequence[str]) -> int:
     bound = max(s.total("peakflat", guaranteed=True) for s in mine.stages)
     host = max(s.host("peakflat") for s in mine.stages)
     fits = mine.fits("peakflat", guaranteed=True)
+    if not fits and run.unfused_attention and any("attention scores" in st.rows for st in mine.stages):
+        scores = max(st.rows["attention scores"].peakflat for st in mine.stages if "attention scores" in st.rows)
+        print(f"error: {te_limits.unfused_refusal(run.unfused_attention, scores, run.hbm_bytes)}", file=sys.stderr)
+        return REFUSED
     print()
     print(f"this command line ({', '.join(on) or 'no component'} on): {expected / _GIB:.1f} GiB per GPU expected, "
           f"{bound / _GIB:.1f} GiB whatever the routing, of {run.hbm_bytes / _GIB:.0f} GiB; {host / _GIB:.1f} GiB "
           f"host per rank of {run.host_bytes_per_rank / _GIB:.0f} GiB -> {'fits' if fits else 'does NOT fit'}")
     if not fits:
         print("  the 'recommended' flags above are the planner's way to fit" if rec.fits else
-              "  nothing the planner tried fits: more GPUs, or more memory per GPU, are needed")
+              "  " + _closing(shape, run, pf_all, ns.megatron_namespace))
     return 0 if fits else DOES_NOT_FIT
+
+
+def _closing(shape: Any, run: Any, pf: PeakflatConfig, megatron_args: Any) -> str:
+    """The closing line where no recommendation fits the line's own settings: what the planner's fixes give.
+    Full recompute (the fix it names for activations) is tried on the same GPUs; where it fits, its flags."""
+    import dataclasses
+
+    from .planner import cli
+
+    if run.recompute != "full":
+        with_full = cli.recommend(shape, dataclasses.replace(run, recompute="full"), pf, megatron_args)
+        if with_full.fits:
+            flags = with_full.flags if "--recompute-granularity" in with_full.flags else \
+                ["--recompute-granularity", "full", *with_full.flags]
+            return ("nothing fits with this line's recompute; with --recompute-granularity full it fits on the same "
+                    "GPUs: " + " ".join([*with_full.layout_flags, *flags]))
+    return ("nothing the planner sizes fits" + ("" if run.recompute == "full" else ", full recompute included") +
+            ": apply one of the fixes the 'why' lines name (they change the layout, the GPU count or the GPU "
+            "memory)")
 
 
 def _resolve_auto(flags: list[str], own: argparse.Namespace) -> tuple[list[str], int, str]:

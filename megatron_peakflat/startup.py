@@ -81,6 +81,11 @@ def _apply(config: "PeakflatConfig | Any") -> PeakflatConfig:
             raise
         if note:
             log.warning(note)
+        try:
+            peaks.check_transformer_engine(config)  # raises, before anything is patched, where TE would fail
+        except Exception:
+            state.set_current(None)
+            raise
     registry.apply_patches(components)
     if from_args:
         advice = peaks.advise(config)

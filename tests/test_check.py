@@ -200,3 +200,75 @@ def test_peakflat_auto_is_resolved_for_the_gpus_given_then_checked(capsys, monke
     # where nothing fits, auto refuses at start-up: so does the check, with the status of a line that does not fit
     assert check.main([*MODEL, "--peakflat", "auto", "--hbm-gib", "1", "--host-gib", "2048"]) == check.DOES_NOT_FIT
     assert _error(capsys.readouterr().err).startswith("error: --peakflat='auto': nothing fits")
+
+
+# ---- what the planner recommends passes the check -----------------------------------------------
+
+def _preset_line(name: str, seq: int) -> list[str]:
+    """A Megatron command line of a preset's model with the settings it assumes (bf16, full recompute, the
+    distributed optimizer), RoPE, and the alltoall dispatcher."""
+    from megatron_peakflat.planner.shapes import preset
+
+    s = preset(name)
+    return (f"--num-layers {s.layers} --hidden-size {s.hidden} --num-attention-heads {s.heads} --group-query-attention "
+            f"--num-query-groups {s.kv_heads} --kv-channels {s.head_dim} --ffn-hidden-size {s.ffn} "
+            f"--num-experts {s.experts} --moe-router-topk {s.topk} --moe-ffn-hidden-size {s.moe_ffn} "
+            f"--vocab-size {s.vocab} --swiglu {'' if s.tied_embeddings else '--untie-embeddings-and-output-weights'} "
+            f"--position-embedding-type rope --bf16 --micro-batch-size 1 --seq-length {seq} "
+            f"--max-position-embeddings {seq} --lr 1e-4 --train-iters 10 --use-distributed-optimizer "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+            "--moe-token-dispatcher-type alltoall --disable-bias-linear").split()
+
+
+@pytest.mark.parametrize("name, seq, gpus, hbm, extra", [
+    ("gpt-oss-20b", 32768, 8, 80, []),
+    ("gpt-oss-20b", 131072, 8, 80, []),  # the README's quick start: the dataloader's mask
+    ("gpt-oss-20b", 458752, 8, 141, ["--cp", "1"]),  # past TE's fused RoPE limit
+    ("gpt-oss-120b", 131072, 16, 80, []),
+])
+def test_a_recommended_line_passes_the_check(capsys, name, seq, gpus, hbm, extra):
+    from megatron_peakflat.planner.cli import build
+    from megatron_peakflat.planner.recommend import recommend
+
+    machine = ["--gpus", str(gpus), "--hbm-gib", str(hbm), "--host-gib", "2048"]
+    shape, run, pf, ns, _ = build(["--preset", name, "--seq-len", str(seq), *machine, *extra])
+    rec = recommend(shape, run, pf, ns.megatron_namespace)
+    assert rec.fits
+    assert check.main([*_preset_line(name, seq), *rec.layout_flags, *rec.flags, *machine]) == 0, capsys.readouterr()
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("-> fits")
+
+
+def test_auto_completes_a_long_line_so_that_it_passes_the_check(capsys, monkeypatch):
+    from megatron_peakflat import auto
+
+    monkeypatch.setattr(auto, "_resolved", [])
+    line = _preset_line("gpt-oss-20b", 131072)  # Megatron's dataloader mask left on, as it is by default
+    machine = ["--gpus", "8", "--hbm-gib", "80", "--host-gib", "2048", "--expert-model-parallel-size", "8"]
+    assert check.main([*line, "--peakflat", "auto", *machine]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    added = next(ln for ln in out.splitlines() if ln.startswith("  added: "))
+    assert "--no-create-attention-mask-in-dataloader" in added
+
+
+def test_the_closing_line_agrees_with_the_fixes_offered(capsys):
+    """Where the line does not fit without recompute and does with full recompute on the same GPUs, the check
+    says so and gives the flags, never that more GPUs are needed; those flags pass the check."""
+    line = ("--num-layers 16 --hidden-size 1024 --num-attention-heads 8 --seq-length 32768 --max-position-embeddings "
+            "32768 --micro-batch-size 1 --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 8 --bf16 "
+            "--use-distributed-optimizer --moe-token-dispatcher-type alltoall --disable-bias-linear --lr 1e-4 "
+            "--train-iters 10 --no-create-attention-mask-in-dataloader --peakflat-dispatch pipelined-llep").split()
+    machine = ["--hbm-gib", "8", "--host-gib", "2048"]
+    assert check.main([*line, *machine]) == check.DOES_NOT_FIT
+    out = capsys.readouterr().out
+    assert "fix: turn on --recompute-granularity full" in out
+    closing = out.strip().splitlines()[-1]
+    assert "more GPUs, or more memory per GPU, are needed" not in out
+    prefix = "  nothing fits with this line's recompute; with --recompute-granularity full it fits on the same GPUs: "
+    assert closing.startswith(prefix), closing
+    flags = closing[len(prefix):].split()
+    assert check.main([*[w for w in line if w != "--peakflat-dispatch" and w != "pipelined-llep"], *flags,
+                       *machine]) == 0
+    # where full recompute does not fit either, the closing line points at the fixes that change the GPUs
+    assert check.main([*line, "--hbm-gib", "2", "--host-gib", "2048"]) == check.DOES_NOT_FIT
+    closing = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "full recompute included" in closing and "'why' lines" in closing

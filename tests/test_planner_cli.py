@@ -161,7 +161,9 @@ def test_prediction_tracks_the_measured_h200_runs(results, run_name):
         if components["PEAKFLAT"] == "on" else set()
     flags = " ".join([_h200_model_flags(env), *doc["extra"]])  # the runs' own extra flags: --deterministic-mode
     flags += " --optimizer-cpu-offload --use-precision-aware-optimizer" if "optimizer" in on else ""
-    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125"])
+    # the runs had neither Transformer Engine nor apex: Megatron's Adam was torch's
+    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125",
+                                  "--adam", "torch"])
     pf = dataclasses.replace(
         pf, dispatch=dataclasses.replace(pf.dispatch, impl="pipelined-llep" if "dispatch" in on else "megatron",
                                          chunk_cap=int(env["CHUNK_CAP"])),
@@ -224,7 +226,9 @@ def test_stock_run_keeps_what_its_dispatcher_holds_through_the_step():
     planner's 'probs at step' row counts, and PipelinedLLEP does not keep."""
     doc = _h200_results("pretrain_recommended_16k.json")
     flags = " ".join([_h200_model_flags(doc["env"]), *doc["extra"]])
-    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125"])
+    # the runs had neither Transformer Engine nor apex: Megatron's Adam was torch's
+    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125",
+                                  "--adam", "torch"])
     st = plan(shape, run, pf).stages[0]
     gap = (doc["runs"]["off"]["max_allocated_mib"] - doc["runs"]["rec"]["max_allocated_mib"]) / 1024
     assert st.binding("baseline") == "optimizer step"
@@ -235,7 +239,9 @@ def test_fused_adam_needs_no_step_temporary():
     """With TE's or apex's FusedAdam Megatron's step allocates nothing beyond its state: no step phase of its own
     (peakflat's column has none; Megatron's holds only what its dispatcher kept from the backward)."""
     flags = _h200_model_flags(_h200_results("pretrain_recommended_16k.json")["env"])
-    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125"])
+    # the runs had neither Transformer Engine nor apex: Megatron's Adam was torch's
+    shape, run, pf, _, _ = build(["--megatron-args", flags, "--gpus", "1", "--hbm-gib", "139", "--host-gib", "125",
+                                  "--adam", "torch"])
     torch_adam = plan(shape, dataclasses.replace(run, fused_adam=False), pf).stages[0]
     fused = plan(shape, dataclasses.replace(run, fused_adam=True), pf).stages[0]
     assert torch_adam.rows["optimizer step"].baseline == pytest.approx(4 * torch_adam.rows["parameters"].baseline / 2)
@@ -577,6 +583,8 @@ def _startup_namespace(flags: list[str]) -> argparse.Namespace:
     p = add_args(argparse.ArgumentParser(allow_abbrev=False))
     for name in ("use-distributed-optimizer", "optimizer-cpu-offload", "use-precision-aware-optimizer"):
         p.add_argument("--" + name, action="store_true")
+    for name in ("no-rope-fusion", "no-create-attention-mask-in-dataloader"):  # past TE's RoPE limit, and the mask's
+        p.add_argument("--" + name, action="store_false")
     ns = p.parse_args(flags)
     ns.num_experts, ns.optimizer, ns.recompute_granularity = 128, "adam", "full"
     return ns
@@ -1155,3 +1163,16 @@ def test_the_planner_runs_as_a_module_of_its_own():
     out = subprocess.run([sys.executable, "-m", "megatron_peakflat.planner.cli", "--list-presets"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "deepseek-v3" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("hbm, fits", [("80", True), ("20", False)])
+def test_every_flag_line_the_planner_prints_is_labelled(capsys, hbm, fits):
+    """A flag line with no label after 'does NOT fit' reads as one to paste: the recommendation's line says whether
+    its flags are to add or were tried and do not fit."""
+    from megatron_peakflat.planner.cli import FLAGS_LABEL, TRIED_LABEL, main
+
+    assert main(["--preset", "gpt-oss-20b", "--seq-len", "131072", "--gpus", "8", "--hbm-gib", hbm]) == (0 if fits else 3)
+    lines = capsys.readouterr().out.splitlines()
+    assert not [ln for ln in lines if ln.lstrip().startswith("--")]
+    labelled = [ln for ln in lines if ln.startswith(FLAGS_LABEL) or ln.startswith(TRIED_LABEL)]
+    assert len(labelled) == 1 and labelled[0].startswith(FLAGS_LABEL if fits else TRIED_LABEL), labelled

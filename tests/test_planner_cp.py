@@ -11,7 +11,7 @@ import pytest
 from megatron_peakflat import PeakflatConfig
 from megatron_peakflat.config import GeneralConfig
 from megatron_peakflat.planner import model as M
-from megatron_peakflat.planner.cli import build, main, render
+from megatron_peakflat.planner.cli import FLAGS_LABEL, TRIED_LABEL, build, main, render
 from megatron_peakflat.planner.recommend import layout_flags, recommend
 from megatron_peakflat.planner.shapes import preset
 
@@ -70,7 +70,8 @@ def test_layout_flags_name_every_size_and_etp_where_it_differs():
 def _recommended_line(out: str) -> list[str]:
     lines = out.splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("recommended"))
-    return shlex.split(lines[i + 1])
+    label = FLAGS_LABEL if lines[i + 1].startswith(FLAGS_LABEL) else TRIED_LABEL  # the flags' line is labelled
+    return shlex.split(lines[i + 1][len(label):])
 
 
 MODEL_FLAGS = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --group-query-attention "
@@ -160,7 +161,7 @@ def test_layout_flags_are_apart_from_the_knobs():
     assert not any(f in rec.flags for f in rec.layout_flags if f.startswith("--"))
     assert rec.layout_flags == layout_flags(run) and run.cp == 8 and run.ep == 16
     pl = M.plan(shape, run, pf)
-    assert "  " + " ".join([*rec.layout_flags, *rec.flags]) in render(pl, rec).splitlines()
+    assert FLAGS_LABEL + " ".join([*rec.layout_flags, *rec.flags]) in render(pl, rec).splitlines()
     assert to_json(pl, rec)["recommended"]["layout_flags"] == rec.layout_flags
 
 

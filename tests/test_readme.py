@@ -34,6 +34,7 @@ def _row(method: str, case: str) -> dict:
 
 
 def test_quick_start_shows_the_planners_output_and_launches_its_recommended_flags(capsys):
+    from megatron_peakflat.planner.cli import FLAGS_LABEL
     from megatron_peakflat.planner.plan import main
 
     command = _fenced_after("**1. Ask the planner**").splitlines()[0]
@@ -44,7 +45,8 @@ def test_quick_start_shows_the_planners_output_and_launches_its_recommended_flag
     shown = [ln.rstrip() for ln in _fenced_after("It prints every term per rank").strip("\n").splitlines()]
     assert len(shown) >= 4 and printed[-len(shown):] == shown, "\n".join(printed[-len(shown):])
 
-    recommended = shlex.split(next(ln for ln in shown if ln.lstrip().startswith("--")))
+    label = FLAGS_LABEL.strip()
+    recommended = shlex.split(next(ln for ln in shown if ln.lstrip().startswith(label)).split(label, 1)[1])
     launch = _fenced_after("**3. Launch**").replace("\\\n", " ")
     assert shlex.split(launch.split("<your model, data and training flags>")[1]) == recommended
 

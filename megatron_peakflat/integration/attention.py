@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ..attention.context_parallel import _attend as attend_aligned
 from ..attention.context_parallel import context_parallel_attention
 from ..config_base import PeakflatConfigError
+from ..planner.dataloader_mask import MASK_FAIL_BYTES, MASK_WARN_BYTES, check_dataloader_mask  # noqa: F401 (re-exported)
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -42,35 +43,6 @@ __all__ = ["transformer_engine_available", "wrap_local_core_attention", "sdpa_co
            "check_dataloader_mask"]
 
 _MASK_FILL = -10000.0
-
-MASK_WARN_BYTES = 256 * 2**20
-"""A dataloader attention mask per micro-batch from this size on (s >= 16384 at micro-batch 1) is worth a warning."""
-MASK_FAIL_BYTES = 4 * 2**30
-"""... and from this size on (s >= 65536 at micro-batch 1) a start-up error: the loader's workers each hold
-several such masks in host memory and are killed for it, minutes into the run."""
-
-
-def check_dataloader_mask(args: Any) -> str | None:
-    """Reject, or warn about, the [b, 1, s, s] attention mask Megatron's dataloader builds by default.
-
-    Megatron's loader creates it unless ``--no-create-attention-mask-in-dataloader``: s * s bytes per
-    sample, prefetched by every worker, then copied to the GPU, where it also keeps SDPA off its causal
-    flash kernel (an explicit mask). A causal model needs none. At 128K tokens on the H200 node the workers
-    were killed for host memory before the first step. Raises PeakflatConfigError (naming
-    the flag, the value and the fix) at MASK_FAIL_BYTES per micro-batch; returns a warning line from
-    MASK_WARN_BYTES; else None.
-    """
-    s = int(getattr(args, "seq_length", 0) or 0)
-    b = int(getattr(args, "micro_batch_size", 1) or 1)
-    if not getattr(args, "create_attention_mask_in_dataloader", False) or b * s * s < MASK_WARN_BYTES:
-        return None
-    size = b * s * s
-    problem = (f"at --seq-length {s} the dataloader builds a [{b}, 1, {s}, {s}] attention mask per micro-batch "
-               f"({size / 2**30:.2f} GiB of host memory for each one its workers prefetch, then copied to the GPU)")
-    fix = "pass --no-create-attention-mask-in-dataloader (a causal model needs no mask)"
-    if size >= MASK_FAIL_BYTES:
-        raise PeakflatConfigError("--create-attention-mask-in-dataloader", True, problem, fix)
-    return f"peakflat: --create-attention-mask-in-dataloader=True: {problem}. Fix: {fix}"
 
 
 def transformer_engine_available() -> bool:

@@ -26,7 +26,8 @@ from ..planner.model import GIB, Plan, RunConfig, plan
 from .. import stats
 from .logs import PER_RANK
 
-__all__ = ["setup", "report", "prediction", "advise", "allocated_prediction"]
+__all__ = ["setup", "report", "prediction", "advise", "allocated_prediction", "check_transformer_engine",
+           "check_against_plan", "GUARD_MARGIN", "GUARD_FROM_ITERATION"]
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -56,6 +57,7 @@ def setup(args: Any) -> bool:
     on = bool(_config(args).general.report_peaks)
     meter.enable(on)
     _cache.clear()
+    _guard["warned"] = False
     meter.reset()
     if on:
         log.info("peakflat: reporting each component's measured peak beside the planner's every log interval")
@@ -104,6 +106,9 @@ def prediction(args: Any) -> tuple[Plan, str]:
         fields["gpus_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", 8))
         fields["fused_adam"] = _megatron_fused_adam()
         fields["sm_count"] = _sm_count()
+        from ..planner.te_limits import te_run_fields
+
+        fields.update(te_run_fields(shape, args, precision=fields.get("precision", "bf16"), cp=cp))
         run = RunConfig(**fields)
         _cache["plan"] = plan(shape, run, _as_run(_config(args)))
         _cache["stage"] = _stage_name(_cache["plan"])
@@ -221,6 +226,64 @@ def check_optimizer_host(args: Any) -> str | None:
     return f"peakflat plan: {problem}; the optimizer will refuse at its first step if it does not fit. Fix: {fix}"
 
 
+def check_transformer_engine(args: Any) -> None:
+    """Before the model is built: refuse what Transformer Engine would fail on or run out of memory in
+    (``planner.te_limits``): its fused RoPE kernel past its 32-bit limit, and its unfused attention backend where
+    the plan with its s x s scores does not fit this GPU. A plan that cannot be made says nothing."""
+    from ..planner.te_limits import line_refusal, unfused_refusal
+
+    try:
+        pl, _ = prediction(args)
+    except Exception as e:  # noqa: BLE001
+        log.debug("peakflat plan: no Transformer Engine check (%s: %s)", type(e).__name__, e)
+        return
+    refusal = line_refusal(pl.shape, pl.run, args)
+    if refusal is not None:
+        raise refusal
+    which = "peakflat" if any(_config(args).enabled.values()) else "baseline"
+    scores = [st.rows["attention scores"].peakflat for st in pl.stages if "attention scores" in st.rows]
+    if pl.run.unfused_attention and scores and not pl.fits(which, guaranteed=True):  # type: ignore[arg-type]
+        raise unfused_refusal(pl.run.unfused_attention, max(scores), pl.run.hbm_bytes)
+
+
+GUARD_MARGIN = 1.05
+"""The measured peak may exceed the plan by this factor before the runtime guard warns."""
+GUARD_FROM_ITERATION = 2
+"""The guard compares from this iteration on: the first holds the model build and the allocator's warm-up."""
+_guard: dict[str, bool] = {"warned": False}
+
+
+def check_against_plan(iteration: int, measured: float, pl: Plan, stage: Any, which: str,
+                       terms: dict[str, float] | None = None) -> str | None:
+    """After the second iteration: the warning, once per process, where the measured peak (``measured``: bytes,
+    torch.cuda.max_memory_allocated) is more than ``GUARD_MARGIN`` over the plan's (``allocated_prediction``),
+    naming the term whose measurement (``terms``: bytes by planner row) exceeds its row the most, or, without
+    per-term figures, the plan's largest term. The plan's figure is the stage's peak, the model build's included,
+    less its reserve. None otherwise (and on every call after the warning)."""
+    if _guard["warned"] or iteration < GUARD_FROM_ITERATION:
+        return None
+    reserve = stage.rows.get("reserve")
+    # a lifetime peak: the model build's counts too, less the reserve that allocated bytes never show
+    planned = stage.total(which) - (getattr(reserve, which) if reserve is not None else 0.0)
+    if measured <= planned * GUARD_MARGIN:
+        return None
+    rows = {n: r for n, r in stage.rows.items() if n != "reserve"}
+    over = {n: v - getattr(rows[n], which) for n, v in (terms or {}).items() if n in rows}
+    over = {n: d for n, d in over.items() if d > 0}
+    if over:
+        name = max(over, key=over.__getitem__)
+        term = (f"the term that differs most is '{name}': measured {over[name] / GIB + getattr(rows[name], which) / GIB:.2f}"
+                f" GiB, planned {getattr(rows[name], which) / GIB:.2f}")
+    else:
+        name = max(rows, key=lambda n: getattr(rows[n], which))
+        term = (f"no term was measured on its own; the plan's largest is '{name}' "
+                f"({getattr(rows[name], which) / GIB:.2f} GiB)")
+    _guard["warned"] = True
+    return (f"peakflat plan: at iteration {iteration} the measured peak (max allocated) is {measured / GIB:.2f} GiB, "
+            f"{measured / planned - 1:.0%} over the plan's {planned / GIB:.2f} GiB ({stage.stage} stage); {term}. "
+            "The run's memory is not what was planned: check that term's flags before raising the length")
+
+
 def allocated_prediction(pl: Plan, which: str, stage: Any = None) -> float:
     """The planner's figure for a measured max-allocated peak: the steps' peak (training or optimizer step) of
     ``stage`` (default: the plan's worst for ``which``) less the reserve it keeps for the CUDA context and
@@ -295,6 +358,29 @@ def report(iteration: int, args: Any, writer: Any = None, wandb_writer: Any = No
     return out
 
 
+def _guard_step(iteration: int, args: Any) -> None:
+    """``check_against_plan`` for this iteration, logged as a warning from rank 0 (the same figures on every rank
+    of a stage would repeat it)."""
+    if _guard["warned"] or iteration < GUARD_FROM_ITERATION:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    try:
+        pl, stage_name = prediction(args)
+    except Exception as e:  # noqa: BLE001
+        log.debug("peakflat plan: no runtime guard (%s: %s)", type(e).__name__, e)
+        _guard["warned"] = True
+        return
+    st = next((s for s in pl.stages if s.stage == stage_name), pl.stages[-1])
+    which = "peakflat" if any(_config(args).enabled.values()) else "baseline"
+    terms = {report_name(n): float(p.delta) for n, p in meter.measured().items()}
+    note = check_against_plan(iteration, float(meter.lifetime_peak()), pl, st, which, terms)
+    if note:
+        log.warning(note)
+
+
 def wrap_training_log(original: Any) -> Any:
     """Replacement for Megatron's ``training_log``: after Megatron logs an interval, log the peaks too.
     Megatron's own memory report inside it gets the process's true peak as "max allocated" (the meter's
@@ -307,6 +393,7 @@ def wrap_training_log(original: Any) -> Any:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
         margs = get_args()
+        _guard_step(iteration, margs)
         if iteration % max(1, margs.log_interval) == 0:
             report(iteration, margs, writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer())
         return out

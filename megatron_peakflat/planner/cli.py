@@ -28,8 +28,9 @@ from typing import Any, Sequence
 from ..config import PeakflatConfig, add_args
 from ..integration import compat
 from ..config_base import PeakflatConfigError
-from .megatron_args import (PRESET_MARK, fused_adam_importable, is_command_line, parse_megatron_args,
-                            run_fields_from_namespace, shape_from_namespace)
+from . import te_limits
+from .megatron_args import (PRESET_MARK, is_command_line, parse_megatron_args, run_fields_from_namespace,
+                            shape_from_namespace)
 from .model import COMPONENTS, GIB, Plan, RunConfig, pipeline_split, plan
 from .recommend import Recommendation, blockers, recommend, startup_namespace
 from .shapes import PRESETS, ModelShape, preset
@@ -137,6 +138,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, help="layers per full-recompute checkpoint (default: 1)")
     g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], help="training precision (default: bf16, or "
                                                                          "what --megatron-args says)")
+    g.add_argument("--adam", choices=["fused", "torch"],
+                   help="the Adam Megatron runs: 'fused' (Transformer Engine's or apex's FusedAdam) or 'torch' "
+                        "(torch.optim.AdamW, whose step allocates a temporary the size of its shard). Default: fused "
+                        "for --transformer-impl transformer_engine (the training line's, Megatron's default), torch "
+                        "for local; the planning machine's installation is not read")
     g.add_argument("--routing-skew", type=float, default=None,
                    help="max/mean tokens received per EP rank for the baseline dispatch (1 = balanced)")
     g = p.add_argument_group("output")
@@ -273,7 +279,8 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     kw["hbm_bytes"] = int(hbm * GIB)
     kw["host_bytes_per_node"] = int(host * GIB)
     kw["gpus_per_node"] = ns.gpus_per_node
-    kw.setdefault("fused_adam", fused_adam_importable())
+    kw.update(te_limits.te_run_fields(shape, mns, precision=kw.get("precision", "bf16"), cp=par["cp"]))
+    kw["fused_adam"] = (ns.adam or ("fused" if kw["transformer_impl"] == "transformer_engine" else "torch")) == "fused"
     run = RunConfig(**kw)
     validate(shape, run, gpus)
     # --peakflat-* knobs: planner flags win over the ones inside --megatron-args.
@@ -317,12 +324,15 @@ def render(pl: Plan, rec: Recommendation) -> str:
                f"EP{r.ep}{' ETP' + str(r.etp) if r.etp > 1 else ''})  micro-batch {r.micro_batch}  {r.precision}  "
                f"recompute {r.recompute}  HBM {r.hbm_bytes / GIB:.0f} GiB  host {r.host_bytes_per_node / GIB:.0f} GiB/node "
                f"({r.host_bytes_per_rank / GIB:.0f} GiB/rank)")
+    out.append(f"assumed: --transformer-impl {r.transformer_impl}, Adam {'fused' if r.fused_adam else 'torch'} "
+               f"(--adam), attention {'unfused (' + r.unfused_attention + ')' if r.unfused_attention else 'flash/fused'}")
     for st in pl.stages:
         out.append("")
         out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight:g} micro-batch(es) in flight;"
                    "  GiB per rank")
         out.append(f"  {'term':18s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
         order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "attention backward",
+                 "attention scores",
                  "embedding gradient", "dispatcher probs", "dispatcher state", "boundaries", "dispatch", "vocab",
                  "reserve", "optimizer step", "probs at step", "model build"]
         for name in order + [n for n in st.rows if n not in order]:
@@ -359,10 +369,21 @@ def render(pl: Plan, rec: Recommendation) -> str:
                    f"binding peak '{rw.binding('peakflat')}'")
     else:
         out.append("recommended: nothing fits")
-    out.append("  " + " ".join([*rec.layout_flags, *rec.flags]))
+    out.append(flags_line(rec))
     for reason in rec.reasons:
         out.append(f"  why: {reason}")
     return "\n".join(out)
+
+
+FLAGS_LABEL = "  flags to add: "
+"""The label of the recommended flags' line where they fit."""
+TRIED_LABEL = "  tried, does NOT fit (not a line to run): "
+"""The label of the closest configuration's flags where nothing fits."""
+
+
+def flags_line(rec: Recommendation) -> str:
+    """The recommendation's flags on one labelled line: to add where they fit, else what was tried."""
+    return (FLAGS_LABEL if rec.fits else TRIED_LABEL) + " ".join([*rec.layout_flags, *rec.flags])
 
 
 def to_json(pl: Plan, rec: Recommendation) -> dict[str, Any]:
@@ -473,8 +494,14 @@ def _main(argv: Sequence[str] | None, status: list[int]) -> int:
                   f"experts {s.experts:3d} top-{s.topk}  moe-ffn {s.moe_ffn:5d}  ffn {s.ffn:5d}  vocab {s.vocab}  "
                   f"({s.source})")
         return 0
+    mns = ns.megatron_namespace
+    if mns is not None and is_command_line(mns):
+        refusal = te_limits.line_refusal(shape, run, mns)
+        if refusal is not None:
+            print(f"error: {refusal}", file=sys.stderr)
+            return 2
     pl = plan(shape, run, pf)
-    rec = recommend(shape, run, pf, ns.megatron_namespace)
+    rec = recommend(shape, run, pf, mns)
     status[0] = 0 if rec.fits else NOTHING_FITS
     if ns.json:
         doc = to_json(pl, rec)

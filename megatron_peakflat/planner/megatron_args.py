@@ -73,11 +73,19 @@ _CHECKED_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--cuda-graph-impl", {}),
     ("--transformer-impl", {}),
     ("--offload-modules", {"nargs": "+"}),
+    # what Transformer Engine runs (planner/te_limits.py) and the dataloader's mask (planner/dataloader_mask.py)
+    ("--position-embedding-type", {}),
+    ("--no-rope-fusion", {"dest": "apply_rope_fusion", "action": "store_false"}),
+    ("--softmax-type", {}),
+    ("--cp-comm-type", {"nargs": "+"}),
+    ("--no-create-attention-mask-in-dataloader", {"dest": "create_attention_mask_in_dataloader",
+                                                   "action": "store_false"}),
 ) + tuple((flag, {"action": "store_true"}) for flag in (
     "--moe-pad-expert-input-to-capacity", "--moe-router-padding-for-quantization", "--delay-wgrad-compute",
     "--overlap-dispatch-backward-with-experts-wgrad", "--enable-cuda-graph", "--use-te-activation-func",
     "--use-transformer-engine-op-fuser", "--moe-single-grouped-weight", "--moe-single-grouped-bias",
-    "--fine-grained-activation-offloading", "--distribute-saved-activations", "--use-precision-aware-optimizer"))
+    "--fine-grained-activation-offloading", "--distribute-saved-activations", "--use-precision-aware-optimizer",
+    "--use-rotary-position-embeddings"))
 
 PRESET_MARK = "planner_preset"
 """The attribute the planner sets on the flags it parsed beside a --preset (the preset's name): they override

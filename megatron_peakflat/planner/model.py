@@ -111,6 +111,13 @@ class RunConfig:
     """Megatron's Adam is Transformer Engine's or apex's FusedAdam. Without either Megatron falls back to
     torch.optim.AdamW, whose multi-tensor step allocates one fp32 tensor the size of its shard (the square
     roots of exp_avg_sq): 19.14 GiB for 5.14B parameters on one H200 (pretrain_recommended_16k.json)."""
+    transformer_impl: str = "transformer_engine"
+    """--transformer-impl: Transformer Engine's layers (Megatron's default) or Megatron's local ones."""
+    unfused_attention: str | None = None
+    """Why Transformer Engine runs its unfused attention backend for this line (``te_limits``), whose s x s
+    scores the plan then counts; None: flash or cuDNN's fused attention, which hold none."""
+    cp_comm_type: tuple[str, ...] = ("p2p",)
+    """--cp-comm-type (the unfused backend's scores under CP depend on it)."""
     routing_skew: float = 1.0
     """max/mean tokens received per expert-parallel rank (1: balanced)."""
     hbm_bytes: int = 80 * GIB
@@ -1196,7 +1203,10 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
                      g: _Stage) -> tuple[int, int]:
     """Rows ``activations``, ``layer working set``, ``embedding gradient`` and ``attention backward``; returns
     (checkpoints, stored layers) for the rows that follow."""
-    attn = attention_activations(s, run) + cp_gathered_kv(s, run, pf)
+    scores = unfused_scores(s, run)
+    # the unfused backend saves its softmax probabilities for backward, unless core attention is recomputed
+    attn = attention_activations(s, run) + cp_gathered_kv(s, run, pf) + \
+        (0.0 if recomputes(run, "core_attn") else scores / 2)
     tiled = tiles_attention(s, run, pf)
     # the tiled sublayer saves only its input, the layer's (checkpoint) input, which the boundaries row counts
     attn_pf = 0.0 if tiled else attn
@@ -1238,7 +1248,23 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
                f"(model.py attention_backward_transient){gathered}; never alive with the MoE's backward"
                + (f"; tiled sublayer: whole K, V, their fp32 gradient sums, the incoming gradient and dx, plus one "
                   f"tile of {tile_tokens(run, pf)} tokens (tiling/bound.py)" if tiled else ""))
+    if scores:
+        rows["attention scores"] = Row(
+            "attention scores", scores, scores, phase="attention",
+            source="Transformer Engine's unfused attention backend: [b, heads/TP, s, s] scores and softmax of the "
+                   f"layer in backward (te_limits.unfused_scores_bytes), because {run.unfused_attention}")
     return n_ckpt, stored_layers
+
+
+def unfused_scores(s: ModelShape, run: RunConfig) -> float:
+    """One layer's [b, heads/TP, s_q, s_k] scores and softmax under Transformer Engine's unfused attention
+    backend (``run.unfused_attention``); 0 where flash or fused attention runs."""
+    if not run.unfused_attention:
+        return 0.0
+    from .te_limits import unfused_scores_bytes
+
+    return unfused_scores_bytes(micro_batch=run.micro_batch, heads=s.heads, tp=run.tp, seq_len=run.seq_len,
+                                cp=run.cp, cp_comm=list(run.cp_comm_type), bytes_per_element=run.w)
 
 
 def _boundary_rows(rows: dict[str, Row], notes: list[str], s: ModelShape, run: RunConfig, pf: PeakflatConfig,

@@ -25,6 +25,7 @@ from ..optimizer.config import OptimizerConfig
 from ..recompute.config import SCOConfig
 from ..tiling.config import TileConfig
 from ..vocab.config import VocabConfig
+from . import dataloader_mask, te_limits
 from .megatron_args import MEGATRON_DEFAULTS, is_command_line
 from .model import GIB, Plan, Row, RunConfig, plan, tile_tokens, vocab_block, vocab_ring_size
 from .shapes import ModelShape
@@ -141,7 +142,8 @@ def _why(p: Plan) -> list[str]:
         "model build": "raise --pipeline-model-parallel-size or --expert-model-parallel-size (Megatron's DDP "
                        "holds the parameters twice while it builds its buffers)",
         "optimizer step": "install Transformer Engine or apex (Megatron's Adam is then their FusedAdam, which "
-                          "needs no temporary), or shard the optimizer over more ranks",
+                          "needs no temporary; the planner's --adam fused), or shard the optimizer over more ranks",
+        "attention scores": f"Transformer Engine runs its unfused attention backend here: {run.unfused_attention}",
         "boundaries": "the SCO budget cannot hold the boundaries: raise --host-gib or --context-parallel-size",
         "attention backward": "raise --context-parallel-size or --tensor-model-parallel-size (attention's backward "
                               "holds this rank's sequence and heads at once)",
@@ -212,6 +214,30 @@ def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> di
 
 def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None,
               megatron_args: Any = None, *, replace_offload: bool = True) -> Recommendation:
+    """``_recommend``'s knobs, plus the Megatron flags without which the line would not start or would crash:
+    ``--no-rope-fusion`` past Transformer Engine's fused RoPE limit (``te_limits``), and
+    ``--no-create-attention-mask-in-dataloader`` where start-up would warn of, or refuse, the dataloader's mask.
+    The line's position embedding and layers decide; a preset (no command line) is taken as a RoPE model. Both
+    flags are recommended whether or not the line already holds them, so that a recommended line planned again
+    gives the same recommendation (``--peakflat auto`` keeps what the line holds)."""
+    rec = _recommend(shape, run, base, megatron_args, replace_offload=replace_offload)
+    ns = argparse.Namespace(**vars(megatron_args)) if megatron_args is not None else argparse.Namespace()
+    ns.apply_rope_fusion = True  # Megatron's default: would the line need the flag
+    preset = megatron_args is None or not is_command_line(megatron_args)
+    rope = te_limits.line_refusal(shape, run, ns, preset=preset)
+    if rope is not None:
+        rec.flags.append(te_limits.NO_ROPE_FUSION)
+        rec.reasons.append(f"{te_limits.NO_ROPE_FUSION}: {rope.problem}")
+    if dataloader_mask.mask_bytes(run.seq_len, run.micro_batch) >= dataloader_mask.MASK_WARN_BYTES:
+        rec.flags.append(dataloader_mask.NO_MASK_FLAG)
+        rec.reasons.append(f"{dataloader_mask.NO_MASK_FLAG}: Megatron's dataloader would build a "
+                           f"[{run.micro_batch}, 1, {run.seq_len}, {run.seq_len}] mask per micro-batch "
+                           "(start-up warns from 256 MiB and refuses from 4 GiB); a causal model needs none")
+    return rec
+
+
+def _recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None,
+               megatron_args: Any = None, *, replace_offload: bool = True) -> Recommendation:
     """Knobs that make the worst stage fit ``run.hbm_bytes`` and the host share, with the fewest host components.
 
     Dispatch and vocabulary run whenever they apply. SCO and OffloadStreamAdamW move bytes over PCIe at
