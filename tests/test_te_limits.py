@@ -60,10 +60,13 @@ def test_the_tile_length_is_what_the_kernel_sees_where_the_tiled_layer_is_on():
     line = ns(position_embedding_type="rope")
     kw = dict(seq_len=448 * 1024, cp=1, micro_batch=1, **OSS20, tp=1)
     assert te_limits.fused_rope_refusal(line, **kw) is not None
-    tiled = ns(position_embedding_type="rope", peakflat_tile=True, peakflat_tile_tokens=65536)
+    tiled = ns(position_embedding_type="rope", peakflat_tile_enabled=True, peakflat_tile_tokens=65536)
     assert te_limits.rope_kernel_tokens(448 * 1024, 1, tiled) == 65536
     assert te_limits.fused_rope_refusal(tiled, **kw) is None
     assert te_limits.fused_rope_refusal(line, **{**kw, "cp": 2}) is None  # seq / CP
+    auto = ns(position_embedding_type="rope", peakflat_tile_enabled=True, peakflat_tile_tokens=None)
+    assert te_limits.rope_kernel_tokens(1 << 20, 1, auto) == 16384  # --peakflat-tile-tokens auto at 1M
+    assert te_limits.fused_rope_refusal(auto, **{**kw, "seq_len": 1 << 20}) is None
 
 
 def test_the_refusal_names_the_kernel_the_limit_and_the_fix():

@@ -223,6 +223,8 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
     rec = _recommend(shape, run, base, megatron_args, replace_offload=replace_offload)
     ns = argparse.Namespace(**vars(megatron_args)) if megatron_args is not None else argparse.Namespace()
     ns.apply_rope_fusion = True  # Megatron's default: would the line need the flag
+    # the tiled sublayer applies RoPE per tile: the kernel sees the recommended tile, not the sequence
+    ns.peakflat_tile_enabled, ns.peakflat_tile_tokens = rec.config.tile.enabled, rec.config.tile.tokens
     preset = megatron_args is None or not is_command_line(megatron_args)
     rope = te_limits.line_refusal(shape, run, ns, preset=preset)
     if rope is not None:

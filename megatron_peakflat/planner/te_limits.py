@@ -74,10 +74,11 @@ def rope_fusion_applies(args: Any, *, preset: bool = False) -> bool:
 
 def rope_kernel_tokens(seq_len: int, cp: int, args: Any) -> int:
     """The length RoPE is applied to at once: the tile length where ``--peakflat-tile`` is on, else seq / CP."""
-    if getattr(args, "peakflat_tile", None):
-        tile = getattr(args, "peakflat_tile_tokens", None)
-        if tile:
-            return min(int(tile), seq_len // cp)
+    if getattr(args, "peakflat_tile_enabled", None):
+        from ..tiling.bound import auto_tile_tokens
+
+        tile = getattr(args, "peakflat_tile_tokens", None) or auto_tile_tokens(seq_len // cp)
+        return min(int(tile), seq_len // cp)
     return seq_len // cp
 
 
