@@ -96,16 +96,13 @@ class TiledSelfAttention(torch.autograd.Function):
     @region("tile")
     def forward(ctx: Any, x: torch.Tensor, ops: TileOps, tile: int, *params: torch.Tensor) -> torch.Tensor:
         s = x.shape[0]
-        out = K = V = None
+        out = kv = None
         for start in tile_starts(s, tile):
             end = min(s, start + tile)
             q, k, v = ops.qkv(x[start:end], start)
-            if K is None:
-                K, V = _seq_buffer(k, s), _seq_buffer(v, s)
-            K[start:end].copy_(k)
-            V[start:end].copy_(v)
+            kv = _store_kv(kv, k, v, start, s)
             del k, v
-            o = ops.attend(q, K[:end], V[:end])
+            o = ops.attend(q, kv[0][:end], kv[1][:end])
             del q
             y = ops.project(o, x[start:end])
             del o
@@ -124,16 +121,14 @@ class TiledSelfAttention(torch.autograd.Function):
         ops, tile, params = ctx.ops, ctx.tile, ctx.params
         s = x.shape[0]
         starts = tile_starts(s, tile)
-        K = V = None
+        kv = None
         with torch.no_grad():  # (a) the whole sequence's K and V; q is dropped tile by tile
             for start in starts:
                 end = min(s, start + tile)
                 _, k, v = ops.qkv(x[start:end], start)
-                if K is None:
-                    K, V = _seq_buffer(k, s), _seq_buffer(v, s)
-                K[start:end].copy_(k)
-                V[start:end].copy_(v)
+                kv = _store_kv(kv, k, v, start, s)
                 del _, k, v
+        K, V = kv
         dK = torch.zeros(K.shape, dtype=torch.float32, device=K.device)
         dV = torch.zeros(V.shape, dtype=torch.float32, device=V.device)
         want_x = ctx.needs_input_grad[0]
@@ -180,6 +175,16 @@ class TiledSelfAttention(torch.autograd.Function):
         for p, acc, ph in zip(params, sums, placeholder):
             param_grads.append(acc.to(p.dtype) if acc is not None else ph)
         return (dx, None, None, *param_grads)
+
+
+def _store_kv(kv: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor, start: int,
+              s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tile's k and v written into the whole-sequence buffers (K, V), which the first tile allocates."""
+    if kv is None:
+        kv = (_seq_buffer(k, s), _seq_buffer(v, s))
+    kv[0][start:start + k.shape[0]].copy_(k)
+    kv[1][start:start + v.shape[0]].copy_(v)
+    return kv
 
 
 def _seq_buffer(like: torch.Tensor, s: int) -> torch.Tensor:
