@@ -344,7 +344,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                        f"{_gib(row.host_peakflat)}  {row.phase}")
         tb, tp_ = st.total("baseline"), st.total("peakflat")
         out.append(f"  {'total':18s} {_gib(tb)} {_gib(tp_)} {'':9s} {_gib(st.host('peakflat'))}"
-                   f"  = max(persistent + max(layer + max(attention, moe), loss), step, build)")
+                   f"  = max(persistent + max(layer + max(attention, moe, mlp), loss), step, build)")
         tg = st.total("peakflat", guaranteed=True)
         out.append(f"  binding peak: baseline '{st.binding('baseline')}' ({'fits' if tb <= r.hbm_bytes else 'OOM'}), "
                    f"peakflat '{st.binding('peakflat')}' ({'fits' if tp_ <= r.hbm_bytes else 'OOM'} as expected; "

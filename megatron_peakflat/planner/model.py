@@ -214,7 +214,7 @@ class Row:
     bound: float | None = None
     host_baseline: float = 0.0
     host_peakflat: float = 0.0
-    phase: Literal["persistent", "layer", "attention", "moe", "loss", "build", "step"] = "persistent"
+    phase: Literal["persistent", "layer", "attention", "moe", "mlp", "loss", "build", "step"] = "persistent"
     source: str = ""
 
 
@@ -248,7 +248,7 @@ class StagePlan:
 
     @staticmethod
     def _live(per: dict[str, float]) -> set[str]:
-        inner = "attention" if per["attention"] >= per["moe"] else "moe"
+        inner = max(("attention", "moe", "mlp"), key=lambda p: per[p])  # one of them at a time
         if per["layer"] + per[inner] >= per["loss"]:
             return {"persistent", "layer", inner}
         return {"persistent", "loss"}
@@ -284,7 +284,7 @@ class StagePlan:
         return max(rows, key=lambda r: getattr(r, which)).name
 
 
-PHASES = ("persistent", "layer", "attention", "moe", "loss", "build", "step")
+PHASES = ("persistent", "layer", "attention", "moe", "mlp", "loss", "build", "step")
 """When a row is alive: always; through a layer's backward (its saved tensors); in attention's backward; in
 the MoE's backward (the dispatch); in the loss; while the model is built; in the optimizer step."""
 
@@ -501,6 +501,13 @@ def mlp_activations(s: ModelShape, run: RunConfig, ffn: int) -> float:
     T, r = run.tokens, run.layer_rows
     inner = 0.0 if recomputes(run, "mlp") else T / t * ((2 if s.gated else 1) * ffn + ffn) * w
     return r * s.hidden * 2 * w + r * 4 + inner
+
+
+def mlp_backward_transient(s: ModelShape, run: RunConfig, ffn: int) -> float:
+    """What a dense MLP's backward builds beside the layer's saved tensors: the gradient of the activation's output
+    [T, ffn/TP] and of fc1's output [T, (2 if gated) x ffn/TP], in the model's dtype (mlp.py's linear_fc2 and
+    bias_swiglu backward). Never alive with attention's backward or a MoE's."""
+    return run.tokens / run.tp * ((2 if s.gated else 1) + 1) * ffn * run.w
 
 
 def moe_nondispatch_activations(s: ModelShape, run: RunConfig) -> float:
@@ -1248,6 +1255,12 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
                f"(model.py attention_backward_transient){gathered}; never alive with the MoE's backward"
                + (f"; tiled sublayer: whole K, V, their fp32 gradient sums, the incoming gradient and dx, plus one "
                   f"tile of {tile_tokens(run, pf)} tokens (tiling/bound.py)" if tiled else ""))
+    if g.n_dense:
+        mlp_bwd = mlp_backward_transient(s, run, s.ffn)
+        rows["mlp backward"] = Row(
+            "mlp backward", mlp_bwd, mlp_bwd, phase="mlp",
+            source="a dense MLP's backward: the gradients of its activation's and fc1's outputs "
+                   "(model.py mlp_backward_transient); never alive with attention's backward or a MoE's")
     if scores:
         rows["attention scores"] = Row(
             "attention scores", scores, scores, phase="attention",
