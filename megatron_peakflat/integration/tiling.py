@@ -48,10 +48,9 @@ def wrap_forward_attention(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         hidden_states = call["hidden_states"]
         tile = cfg.tile.tile_tokens(hidden_states.shape[0])
-        info_once(f"peakflat tile: attention sublayer over tiles of {min(tile, hidden_states.shape[0])} of "
-                  f"{hidden_states.shape[0]} tokens")
+        info_once(f"peakflat tile: attention sublayer over tiles of {tile} of {hidden_states.shape[0]} tokens")
         stats.add("tile", "tiled_calls", 1)
-        stats.record("tile", "tile_tokens", min(tile, hidden_states.shape[0]))
+        stats.record("tile", "tile_tokens", tile)
         out = tiled_self_attention(hidden_states, layer_ops(self, call.get("rotary_pos_emb")), tile,
                                    layer_params(self))
         return out, call.get("context")

@@ -37,7 +37,7 @@ from ..config_base import PeakflatConfigError
 from ..dispatch.bound import (auto_max_foreign, chunk_count, flow_chunk_rows, overlap_on, split_floor,
                               weight_sends_bound, working_set_bound)
 from ..dispatch.config import resolve_membership
-from ..tiling.bound import auto_tile_tokens, tiled_attention_peak_bytes
+from ..tiling.bound import tiled_attention_peak_bytes
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
@@ -468,8 +468,7 @@ def tiles_attention(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> bool:
 
 def tile_tokens(run: RunConfig, pf: PeakflatConfig) -> int:
     """The tile the sublayer runs with on this rank's sequence (``--peakflat-tile-tokens``, or its 'auto')."""
-    seq = run.seq_len // run.cp
-    return min(seq, pf.tile.tokens if pf.tile.tokens is not None else auto_tile_tokens(seq))
+    return pf.tile.tile_tokens(run.seq_len // run.cp)
 
 
 def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:

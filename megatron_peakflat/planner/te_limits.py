@@ -75,10 +75,9 @@ def rope_fusion_applies(args: Any, *, preset: bool = False) -> bool:
 def rope_kernel_tokens(seq_len: int, cp: int, args: Any) -> int:
     """The length RoPE is applied to at once: the tile length where ``--peakflat-tile`` is on, else seq / CP."""
     if getattr(args, "peakflat_tile_enabled", None):
-        from ..tiling.bound import auto_tile_tokens
+        from ..tiling.config import TileConfig
 
-        tile = getattr(args, "peakflat_tile_tokens", None) or auto_tile_tokens(seq_len // cp)
-        return min(int(tile), seq_len // cp)
+        return TileConfig(tokens=getattr(args, "peakflat_tile_tokens", None)).tile_tokens(seq_len // cp)
     return seq_len // cp
 
 

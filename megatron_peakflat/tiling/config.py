@@ -31,10 +31,11 @@ class TileConfig(ComponentConfig):
                                       "pass a positive count such as --peakflat-tile-tokens 16384, or 'auto'")
 
     def tile_tokens(self, seq: int) -> int:
-        """The tile for a sequence of ``seq`` tokens on this rank: the flag's value, or the automatic one."""
+        """The tile the sublayer runs over a sequence of ``seq`` tokens on this rank: the flag's value, or the
+        automatic one, and never more than the sequence (one tile)."""
         from .bound import auto_tile_tokens
 
-        return self.tokens if self.tokens is not None else auto_tile_tokens(seq)
+        return min(seq, self.tokens if self.tokens is not None else auto_tile_tokens(seq))
 
 
     def check_against_megatron(self, args: Any) -> None:
