@@ -344,13 +344,13 @@ class Calibration:
                  "card": self.machine.card, "hbm_gib": round(self.machine.hbm_bytes / GIB, 2),
                  "command": shlex.join(cmd), "flags": flags, "iters": self.iters,
                  "max_allocated_by_iteration_gib": {str(k): round(v["max_allocated"] / 1024, 3) for k, v in reports.items()},
-                 "wall_s": a.wall_s,
+                 "wall_s": a.wall_s, "iteration_ms_one_run": a.ms,
                  **({"peak_report": {k: list(v) for k, v in a.peaks.items()}} if a.peaks else {}),
                  **({"auto_logged": a.auto} if a.auto else {}),
                  **({"predicted_before_run_gib": before.gib} if pred is not before else {}),
                  **({"oom": a.oom} if a.oom else {}), **({"error_lines": a.error_lines} if a.error_lines else {})}
         self.put({"case": job.case, "method": job.method, "predicted_gib": pred.gib, "measured_gib": measured_gib,
-                  "peak_gib": measured_gib, "ms": a.ms, "exact": None, "extra": extra})
+                  "peak_gib": measured_gib, "ms": None, "exact": None, "extra": extra})  # a memory row: one run is no timing
         print(f"    {a.outcome} in {a.wall_s:.0f} s: measured {measured_gib} GiB, predicted {pred.gib} GiB, "
               f"ratio {ratio}", flush=True)
         return True
