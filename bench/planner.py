@@ -263,7 +263,7 @@ def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096,
                 ddp.zero_grad_buffer()
                 x.grad = None
                 # Measure a layer's first recompute, the run's peak: it computes the MoE output, which the
-                # later ones skip once the assumed gradient is confirmed (integration/fused_recompute.py).
+                # later ones skip once the assumed gradient is confirmed (integration/dispatch_recompute.py).
                 layer.token_dispatcher._bank.assumed_grad_confirmed = False
                 stats.reset()
                 measured = peak_of(step)
@@ -281,8 +281,8 @@ def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096,
                                 within_bound=measured <= bound, boundary_gib=round(held / GIB, 4),
                                 chunk_cap=pf.dispatch.cap(topk), chunks=snap.get("chunks"), chunks_planned=K,
                                 max_chunk_rows=snap.get("max_chunk_rows"), rows_planned=c,
-                                experts_path=snap.get("experts"), fused_recompute=M.llep_fused(run, pf),
-                                fused_recompute_calls=snap.get("fused_recompute_calls", 0)))
+                                experts_path=snap.get("experts"), dispatch_recompute=M.llep_fused(run, pf),
+                                dispatch_recompute_calls=snap.get("dispatch_recompute_calls", 0)))
                 del x, gout, step
                 ddp.zero_grad_buffer()
                 gc.collect()

@@ -83,7 +83,7 @@ def peakflat_configs(budget: int | None = None, prefetch: int = 1, pool: str = "
     """(SCO on, SCO off) configs, both with torch-SDPA attention for the local spec."""
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
-    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.sco.config import SCOConfig
 
     on = PeakflatConfig(sco=SCOConfig(enabled=True, budget=budget, prefetch=prefetch, pool=pool),
                         general=GeneralConfig(attention="sdpa"))
@@ -172,7 +172,7 @@ def main() -> None:
         return
     import megatron_peakflat
     from megatron_peakflat.config_base import parse_size
-    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.integration import sco as sco_integration
     from megatron_peakflat.integration import state
 
     setup()
@@ -280,7 +280,7 @@ def _gib(x: float | None) -> str:
 def max_seq_main(args: Any) -> None:
     """--max-seq (and --dry-run): search each method's largest sequence, merge the rows into sco.json."""
     import megatron_peakflat
-    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.integration import sco as sco_integration
     from megatron_peakflat.integration import state
 
     cpu = args.dry_run

@@ -93,7 +93,7 @@ COMPONENTS: tuple[Component, ...] = (
               planner_terms=("vocab",), meters=("vocab",),
               peak="vocabulary projection", replaces="output layer + cross-entropy"),
     Component("sco", "SCO", "SCO checkpoint-boundary offload",
-              "megatron_peakflat.recompute.config:SCOConfig", "recompute", on=True,
+              "megatron_peakflat.sco.config:SCOConfig", "sco", on=True,
               planner_terms=("boundaries",), meters=("boundaries",), meter_aliases=("sco", "recompute"),
               peak="checkpoint boundaries", replaces="full-recompute boundary inputs"),
     Component("optimizer", "OffloadStreamAdamW", "OffloadStreamAdamW",
@@ -101,7 +101,7 @@ COMPONENTS: tuple[Component, ...] = (
               planner_terms=("optimizer",), off_term_is_baseline=False, meters=("optimizer",),
               peak="optimizer state", replaces="Adam state on the GPU / HybridDeviceOptimizer"),
     Component("tile", "TiledAttention", "tiled attention sublayer",
-              "megatron_peakflat.tiling.config:TileConfig", "tiling", on=True,
+              "megatron_peakflat.tile.config:TileConfig", "tile", on=True,
               planner_terms=("attention backward",), meters=("attention backward",), meter_aliases=("tile",),
               peak="layer working set", replaces="attention sublayer over the whole sequence"),
 )

@@ -23,7 +23,7 @@ from .config_base import (ComponentConfig, PeakflatConfigError, cuda_graph_flag,
 if TYPE_CHECKING:
     from .dispatch.config import DispatchConfig
     from .optimizer.config import OptimizerConfig
-    from .recompute.config import SCOConfig
+    from .sco.config import SCOConfig
     from .vocab.config import VocabConfig
 
 log = logging.getLogger("megatron_peakflat")

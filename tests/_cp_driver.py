@@ -75,7 +75,7 @@ def _components(spec: str):
     from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.dispatch.config import DispatchConfig
     from megatron_peakflat.optimizer.config import OptimizerConfig
-    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.sco.config import SCOConfig
     from megatron_peakflat.vocab.config import VocabConfig
 
     return PeakflatConfig(
@@ -204,7 +204,7 @@ def _run(case: Case, rank: int, cp: int, dtype: str, patch, offload: bool, cpu: 
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_peakflat import stats
-    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.integration import sco as sco_integration
     from megatron_peakflat.integration.dispatch import PeakflatDispatcher
     from megatron_peakflat.optimizer import OffloadStreamAdamW
 

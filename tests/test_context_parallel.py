@@ -82,7 +82,7 @@ def _components():
     from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.dispatch.config import DispatchConfig
     from megatron_peakflat.optimizer.config import OptimizerConfig
-    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.sco.config import SCOConfig
     from megatron_peakflat.vocab.config import VocabConfig
 
     return PeakflatConfig(
@@ -225,7 +225,7 @@ def _run_case(rank: int, case: Case, ckpt_dir: str) -> dict:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_peakflat import stats
-    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.integration import sco as sco_integration
     from megatron_peakflat.integration.dispatch import PeakflatDispatcher
     from megatron_peakflat.optimizer import OffloadStreamAdamW
 

@@ -746,7 +746,7 @@ def test_grouped_gemm_on_a_reversed_shared_buffer(monkeypatch):
 
 @pytest.mark.parametrize("need_output", [True, False])
 @pytest.mark.parametrize("grouped", [True, False])
-def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped, need_output):
+def test_dispatch_recompute_exact_with_the_right_or_a_wrong_gradient(grouped, need_output):
     """Given the output gradient up front, forward runs each chunk's backward too; backward returns the
     result when the gradient matches and corrects it (by linearity) when it does not: exact both ways.
     need_output=False spares the output (zeros come back) and changes no gradient; it needs out_grad.
@@ -782,9 +782,9 @@ def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped, need_
         for a, b in zip(got, want):
             assert max_rel_error(a, b) <= 1e-5, (skew, wrong)
         snap = stats.snapshot()["dispatch"]
-        assert snap["chunks"] > 1 and snap["fused_recompute_calls"] == 1
-        assert snap.get("fused_recompute_output_skipped", 0) == int(not need_output)
-        assert snap.get("fused_recompute_corrections", 0) == int(wrong)
+        assert snap["chunks"] > 1 and snap["dispatch_recompute_calls"] == 1
+        assert snap.get("dispatch_recompute_output_skipped", 0) == int(not need_output)
+        assert snap.get("dispatch_recompute_corrections", 0) == int(wrong)
         assert getattr(bank, "assumed_grad_confirmed", False) == (not wrong)
         assert getattr(bank, "assumed_grad_mismatch", False) == wrong
     if not need_output:
@@ -792,7 +792,7 @@ def test_fused_recompute_exact_with_the_right_or_a_wrong_gradient(grouped, need_
             llep_moe(x, probs, rmap, bank, None, DispatchConfig(chunk_cap=8), need_output=False)
 
 
-def test_fused_recompute_check_reads_nothing_when_the_gradient_is_the_assumed_tensor(monkeypatch):
+def test_dispatch_recompute_check_reads_nothing_when_the_gradient_is_the_assumed_tensor(monkeypatch):
     """The residual add hands the MoE the checkpoint's output gradient itself: backward then knows it is the
     assumed one without comparing values (no host sync), and the result is exact. Another tensor of equal
     values is compared, and one of other values corrected, as before."""
@@ -822,8 +822,8 @@ def test_fused_recompute_check_reads_nothing_when_the_gradient_is_the_assumed_te
             assert max_rel_error(a, b) <= 1e-5
         snap = stats.snapshot()["dispatch"]
         assert len(compared) == n_compared
-        assert snap.get("fused_recompute_checks_unsynced", 0) == unsynced
-        assert snap.get("fused_recompute_corrections", 0) == corrections
+        assert snap.get("dispatch_recompute_checks_unsynced", 0) == unsynced
+        assert snap.get("dispatch_recompute_corrections", 0) == corrections
 
 
 def test_working_set_bound_covers_top8_metadata():
@@ -982,11 +982,11 @@ def fused_disagree_worker(rank: int, world: int) -> list[float]:
     out = llep_moe(x, probs, rmap, bank, dist.group.WORLD, DispatchConfig(chunk_cap=8, min_spill=0),
                    out_grad=assumed)
     errs, _ = _errors_vs_reference(out, x, probs, rmap, bank, fc1, fc2, gout, rank)
-    assert stats.snapshot()["dispatch"]["fused_recompute_corrections"] == 1  # on both ranks
+    assert stats.snapshot()["dispatch"]["dispatch_recompute_corrections"] == 1  # on both ranks
     return errs
 
 
-def test_fused_recompute_ranks_agree_on_the_correction():
+def test_dispatch_recompute_ranks_agree_on_the_correction():
     for errs in run_distributed(fused_disagree_worker, 2, timeout=120):
         assert max(errs) <= 1e-5, errs
 
@@ -1021,7 +1021,7 @@ def fused_confirmed_worker(rank: int, world: int) -> list[str]:
                 p.grad = None
         assert max(errs) <= 1e-5, (call, errs)
         assert bank.assumed_grad_confirmed
-        seen.append(f"call{call}:unsynced={stats.snapshot()['dispatch'].get('fused_recompute_checks_unsynced', 0)}")
+        seen.append(f"call{call}:unsynced={stats.snapshot()['dispatch'].get('dispatch_recompute_checks_unsynced', 0)}")
     # call 3, confirmed: rank 1 is handed other values
     out = llep_moe(x, probs, rmap, bank, dist.group.WORLD, cfg, out_grad=gout if rank == 0 else gout * 0.5)
     try:
@@ -1033,7 +1033,7 @@ def fused_confirmed_worker(rank: int, world: int) -> list[str]:
     return seen
 
 
-def test_fused_recompute_after_confirmation_needs_no_collective():
+def test_dispatch_recompute_after_confirmation_needs_no_collective():
     assert run_distributed(fused_confirmed_worker, 2, timeout=120) == [
         ["call0:unsynced=0", "call1:unsynced=1", "call2:ok"],
         ["call0:unsynced=0", "call1:unsynced=0", "call2:raised"]]

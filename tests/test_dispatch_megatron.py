@@ -86,12 +86,12 @@ def _steps(ref, model, skew: str, router_seed: int, batch_seed: int, extra: dict
 
     losses = _both_steps(ref, model, skew, router_seed, batch_seed)
     if extra.get("recompute_granularity") == "full":
-        assert stats.snapshot()["dispatch"].get("fused_recompute_output_skipped") is None
+        assert stats.snapshot()["dispatch"].get("dispatch_recompute_output_skipped") is None
         losses = _both_steps(ref, model, skew, router_seed, batch_seed + 100)
         snap = stats.snapshot()["dispatch"]
-        assert snap.get("fused_recompute_output_skipped") == num_layers
+        assert snap.get("dispatch_recompute_output_skipped") == num_layers
         # Megatron's residual add passes the checkpoint's output gradient on as it is: no layer's check syncs
-        assert snap.get("fused_recompute_checks_unsynced") == num_layers, snap
+        assert snap.get("dispatch_recompute_checks_unsynced") == num_layers, snap
     return losses
 
 
@@ -147,10 +147,10 @@ def megatron_worker(rank: int, world: int) -> list[tuple[str, float, int]]:
             assert snap.get("chunks") == K, (K, snap)
         assert snap.get("experts") == ("grouped" if plain else "per-expert"), snap
         if "recompute_granularity" in extra:  # each layer's recompute ran its chunks' backward, as assumed
-            assert snap.get("fused_recompute_calls") == config.num_layers, snap
-            assert "fused_recompute_corrections" not in snap, snap
+            assert snap.get("dispatch_recompute_calls") == config.num_layers, snap
+            assert "dispatch_recompute_corrections" not in snap, snap
         else:
-            assert "fused_recompute_calls" not in snap, snap
+            assert "dispatch_recompute_calls" not in snap, snap
         name = f"{skew},K={K},{'+'.join(k for k in extra if k != 'recompute_method')},overlap={overlap},rank={rank}"
         out.append((name, _check_grads(name, ref_model, model, losses), int(snap.get("spilled_experts", 0))))
         megatron_peakflat.remove()
@@ -332,7 +332,7 @@ def test_te_grouped_experts_exact_against_megatron(world):
     _assert_exact(per_rank, world, lambda name: ",all," in name)
 
 
-def fused_recompute_worker(rank: int, world: int, extra: dict) -> tuple[list[dict], list[bool], float, list[str]]:
+def dispatch_recompute_worker(rank: int, world: int, extra: dict) -> tuple[list[dict], list[bool], float, list[str]]:
     """Two steps of both models under full recompute with ``extra``: each step's dispatch stats, whether each
     MoE layer stopped fusing, the largest loss/gradient error (nan with dropout, whose masks the two models
     draw apart), and the log lines."""
@@ -367,27 +367,27 @@ def fused_recompute_worker(rank: int, world: int, extra: dict) -> tuple[list[dic
     return snaps, off, err, lines
 
 
-def test_fused_recompute_with_two_moe_layers_in_one_checkpoint():
+def test_dispatch_recompute_with_two_moe_layers_in_one_checkpoint():
     """With both MoE layers in one checkpoint (--recompute-num-layers 2) the last one gets the checkpoint's
     output gradient: one fused recompute per checkpoint and step, never corrected, the output skipped from
     the second step on, and the gradients exact."""
-    snaps, off, err, _ = run_distributed(fused_recompute_worker, 1, {"recompute_num_layers": 2}, timeout=300)[0]
+    snaps, off, err, _ = run_distributed(dispatch_recompute_worker, 1, {"recompute_num_layers": 2}, timeout=300)[0]
     assert err <= 1e-5, err
     assert off == [False, False]
     for step, snap in enumerate(snaps):
-        assert snap.get("fused_recompute_calls") == 1, (step, snap)
-        assert "fused_recompute_corrections" not in snap, (step, snap)
-    assert snaps[1].get("fused_recompute_output_skipped") == 1, snaps[1]
+        assert snap.get("dispatch_recompute_calls") == 1, (step, snap)
+        assert "dispatch_recompute_corrections" not in snap, (step, snap)
+    assert snaps[1].get("dispatch_recompute_output_skipped") == 1, snaps[1]
 
 
-def test_fused_recompute_is_off_under_hidden_dropout():
+def test_dispatch_recompute_is_off_under_hidden_dropout():
     """Dropout after the MoE scales its output gradient: with hidden_dropout > 0 no layer fuses its recompute,
     and the log says why."""
-    snaps, off, _, lines = run_distributed(fused_recompute_worker, 1,
+    snaps, off, _, lines = run_distributed(dispatch_recompute_worker, 1,
                                            {"recompute_num_layers": 1, "hidden_dropout": 0.1}, timeout=300)[0]
     assert off == [True, True]
     for step, snap in enumerate(snaps):
-        assert "fused_recompute_calls" not in snap, (step, snap)
+        assert "dispatch_recompute_calls" not in snap, (step, snap)
     assert any("fused recompute off" in line and "hidden_dropout=0.1" in line for line in lines), lines
 
 

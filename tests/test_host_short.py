@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from megatron_peakflat.runtime import host
-from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool, checkpoint_chunks, resolve_budget
-from megatron_peakflat.recompute import pool as pool_module
+from megatron_peakflat.sco import BoundaryOffloader, TorchHostPool, checkpoint_chunks, resolve_budget
+from megatron_peakflat.sco import pool as pool_module
 from megatron_peakflat.testing.pretrain_hooks import MEM_AVAILABLE, read_trace
 from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged
 from tests._helpers import run_traced
@@ -69,7 +69,7 @@ def test_explicit_sco_budget_past_the_share_is_clamped_once_and_training_stays_e
     share (two boundaries of 11.25 KiB fit, not three), one warning names the request, what is available and
     the shortfall; of the 5 boundaries each step could offload, 2 go to the host and the rest stay on the
     device; loss and every gradient equal plain full recompute bitwise, step after step."""
-    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.integration import sco as sco_integration
 
     monkeypatch.setattr(host, "mem_available", lambda path="/proc/meminfo": 32 * KIB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")

@@ -1,5 +1,5 @@
-"""The package's import graph follows its layers: the algorithm packages (dispatch/, vocab/, recompute/,
-optimizer/) and the runtime helpers they share (runtime/) never import the planner (planner/, which imports
+"""The package's import graph follows its layers: the algorithm packages (dispatch/, vocab/, sco/,
+optimizer/, tile/) and the runtime helpers they share (runtime/) never import the planner (planner/, which imports
 the algorithms for their size rules), and the algorithms never import Megatron (integration/ does). Checked
 on the source with ast, every import statement at any depth (lazy imports inside functions count too)."""
 
@@ -14,7 +14,7 @@ from megatron_peakflat.components import COMPONENTS
 
 ROOT = Path(__file__).resolve().parents[1] / "megatron_peakflat"
 ALGORITHMS = tuple(dict.fromkeys(c.package for c in COMPONENTS))
-"""Each component's algorithm package (``components.COMPONENTS``): dispatch, vocab, recompute, optimizer."""
+"""Each component's algorithm package (``components.COMPONENTS``): dispatch, vocab, sco, optimizer, tile."""
 
 
 def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:

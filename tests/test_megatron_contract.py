@@ -119,8 +119,8 @@ def _leading(fn) -> list[str]:
     return out
 
 
-def test_checkpoint_function_forward_and_backward_take_what_fused_recompute_passes_by_position():
-    """``fused_recompute.wrap_checkpoint_forward`` calls ``original(ctx, run_function, distribute_saved_activations,
+def test_checkpoint_function_forward_and_backward_take_what_dispatch_recompute_passes_by_position():
+    """``dispatch_recompute.wrap_checkpoint_forward`` calls ``original(ctx, run_function, distribute_saved_activations,
     *args)`` and ``wrap_checkpoint_backward`` reads ``grads[0]`` of ``original(ctx, *grads)`` as the output's
     gradient."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
@@ -132,12 +132,12 @@ def test_checkpoint_function_forward_and_backward_take_what_fused_recompute_pass
     got = _leading(fwd)
     assert got[:3] == ["ctx", "run_function", "distribute_saved_activations"] and got[3:4] and got[3].startswith("*"), (
         f"megatron.core.tensor_parallel.random.CheckpointFunction.forward changed its signature: "
-        f"{inspect.signature(fwd.__func__)}; integration/fused_recompute.py passes (ctx, run_function, "
+        f"{inspect.signature(fwd.__func__)}; integration/dispatch_recompute.py passes (ctx, run_function, "
         f"distribute_saved_activations, *args)")
     got = _leading(bwd)
     assert got[:1] == ["ctx"] and len(got) == 2 and got[1].startswith("*"), (
         f"megatron.core.tensor_parallel.random.CheckpointFunction.backward changed its signature: "
-        f"{inspect.signature(bwd.__func__)}; integration/fused_recompute.py passes (ctx, *grads)")
+        f"{inspect.signature(bwd.__func__)}; integration/dispatch_recompute.py passes (ctx, *grads)")
 
 
 def test_gpt_model_forward_takes_labels_fifth_after_self():

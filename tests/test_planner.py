@@ -20,7 +20,7 @@ from megatron_peakflat.optimizer.config import OptimizerConfig
 from megatron_peakflat.planner import model as M
 from megatron_peakflat.planner.model import GIB, RunConfig, plan
 from megatron_peakflat.planner.shapes import PRESETS, ModelShape
-from megatron_peakflat.recompute.config import SCOConfig
+from megatron_peakflat.sco.config import SCOConfig
 from megatron_peakflat.testing.live_bytes import LiveBytesMeter
 
 
@@ -262,8 +262,8 @@ def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens,
                     step()
                 out[regime + ("-steady" if steady else ""), T] = m.peak
                 snap = stats.snapshot()["dispatch"]
-                assert snap.get("fused_recompute_calls", 0) == (regime == "full")
-                assert snap.get("fused_recompute_output_skipped", 0) == steady
+                assert snap.get("dispatch_recompute_calls", 0) == (regime == "full")
+                assert snap.get("dispatch_recompute_output_skipped", 0) == steady
     megatron_peakflat.remove()
     return out
 

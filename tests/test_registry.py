@@ -11,8 +11,8 @@ from megatron_peakflat.dispatch.config import DispatchConfig
 from megatron_peakflat.config import GeneralConfig
 from megatron_peakflat.integration import registry, state
 from megatron_peakflat.optimizer.config import OptimizerConfig
-from megatron_peakflat.recompute.config import SCOConfig
-from megatron_peakflat.tiling.config import TileConfig
+from megatron_peakflat.sco.config import SCOConfig
+from megatron_peakflat.tile.config import TileConfig
 from megatron_peakflat.vocab.config import VocabConfig
 
 
@@ -112,7 +112,7 @@ def test_only_enabled_components_are_patched():
 
 def test_a_moved_symbol_fails_naming_it_and_patches_nothing(monkeypatch):
     bogus = registry.Patch("sco", "megatron.core.recompute", "checkpointed_forward_v2",
-                           "megatron_peakflat.integration.recompute:wrap_checkpointed_forward", "test entry")
+                           "megatron_peakflat.integration.sco:wrap_checkpointed_forward", "test entry")
     before = snapshot()
     monkeypatch.setattr(registry, "PATCHES", registry.PATCHES + (bogus,))
     with pytest.raises(registry.PeakflatIntegrationError) as e:
@@ -129,7 +129,7 @@ def test_a_function_without_a_keyword_the_patch_passes_fails_naming_it_and_patch
     vocab_forward = next(p for p in registry.PATCHES if p.symbol.endswith("GPTModel.forward"))
     assert "output_processor" in vocab_forward.needs_params
     bogus = registry.Patch("sco", "megatron.core.recompute", "checkpointed_forward",
-                           "megatron_peakflat.integration.recompute:wrap_checkpointed_forward", "test entry",
+                           "megatron_peakflat.integration.sco:wrap_checkpointed_forward", "test entry",
                            needs_params=("no_such_keyword",))
     before = snapshot()
     monkeypatch.setattr(registry, "PATCHES", (bogus,))
@@ -252,7 +252,7 @@ def test_a_moved_class_fails_naming_it_even_for_its_dunder_methods(monkeypatch):
     """An entry like ``MoELayer.__init__`` whose class this megatron-core lacks fails at start-up naming the
     symbol (``None`` has an ``__init__`` too, so the missing class must be caught, not the missing attribute)."""
     bogus = registry.Patch("sco", "megatron.core.recompute", "NoSuchLayer.__init__",
-                           "megatron_peakflat.integration.recompute:wrap_checkpointed_forward", "test entry")
+                           "megatron_peakflat.integration.sco:wrap_checkpointed_forward", "test entry")
     monkeypatch.setattr(registry, "PATCHES", (bogus,))
     with pytest.raises(registry.PeakflatIntegrationError, match=r"megatron\.core\.recompute\.NoSuchLayer\.__init__"):
         megatron_peakflat.apply(PeakflatConfig(sco=SCOConfig(enabled=True), general=GeneralConfig(attention="local")))

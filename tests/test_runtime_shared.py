@@ -74,7 +74,7 @@ def test_a_cxx_only_region_is_registered_through_torch_once_and_unregistered_whe
     """Both owners' regions are one class: where CUDA is and the extension cannot pin, the whole region is
     registered through torch in one call, and unregistered when the owner lets it go."""
     from megatron_peakflat.optimizer.host_memory import HostRegion
-    from megatron_peakflat.recompute import NativeHostPool
+    from megatron_peakflat.sco import NativeHostPool
 
     ext = _cxx_only_extension()
     registered, unregistered = [], []
@@ -98,7 +98,7 @@ def test_a_cxx_only_region_is_registered_through_torch_once_and_unregistered_whe
                                          ("sco", "peakflat SCO: native host pool is pageable")])
 def test_a_failed_registration_leaves_the_region_pageable_and_each_owner_says_so(monkeypatch, caplog, owner, says):
     from megatron_peakflat.optimizer.host_memory import HostRegion
-    from megatron_peakflat.recompute import NativeHostPool
+    from megatron_peakflat.sco import NativeHostPool
 
     ext = _cxx_only_extension()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_peakflat import stats
-from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool, checkpoint_chunks, make_pool, resolve_budget
+from megatron_peakflat.sco import BoundaryOffloader, TorchHostPool, checkpoint_chunks, make_pool, resolve_budget
 from megatron_peakflat.testing.live_bytes import LiveBytesMeter
 from tests._helpers import native_available
 
@@ -447,7 +447,7 @@ def test_pinned_slot_cost_is_the_next_power_of_two_not_beyond():
 def test_explicit_budget_is_kept_when_available_memory_is_unknown(monkeypatch, caplog):
     """Without /proc/meminfo the default budget is 0 (logged) but an explicit --peakflat-sco-budget is used as
     given: there is nothing to clamp it against."""
-    from megatron_peakflat.recompute import pool as pool_module
+    from megatron_peakflat.sco import pool as pool_module
 
     monkeypatch.setattr(pool_module.host, "mem_available", lambda *a, **k: None)
     with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
@@ -461,7 +461,7 @@ def test_native_pool_refuses_a_slot_that_would_not_fit_once_aligned():
     """The native region carves slots at 256-byte offsets: a request that fits the bytes left but not the space
     after the next aligned offset gets None (its boundary stays on the device), never an error."""
     from megatron_peakflat import _ext
-    from megatron_peakflat.recompute import NativeHostPool
+    from megatron_peakflat.sco import NativeHostPool
 
     pool = NativeHostPool(1024, pin=False, module=_ext.load())
     assert pool.acquire(100) is not None
@@ -572,9 +572,9 @@ def test_integration_wrapper_mechanics(caplog):
     import types
 
     from megatron_peakflat import PeakflatConfig
-    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.integration import sco as sco_integration
     from megatron_peakflat.integration import state
-    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.sco.config import SCOConfig
 
     mod = types.ModuleType("fake_megatron_recompute")
     real_tp = types.SimpleNamespace(
@@ -625,7 +625,7 @@ def test_integration_wrapper_mechanics(caplog):
 def test_integration_offloader_is_rebuilt_when_the_budget_changes():
     """The process keeps one offloader (its pool lives across steps) while the settings stay the same;
     another budget gets a new offloader over a pool of that budget."""
-    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.integration import sco as sco_integration
 
     cpu = torch.device("cpu")
     sco_integration.reset()
@@ -641,7 +641,7 @@ def test_integration_offloader_is_rebuilt_when_the_budget_changes():
 
 def test_config_rejects_bad_values():
     from megatron_peakflat import PeakflatConfigError
-    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.sco.config import SCOConfig
 
     for bad, flag in ((dict(prefetch=-1), "--peakflat-sco-prefetch"), (dict(budget=-5), "--peakflat-sco-budget"),
                       (dict(pool="cuda"), "--peakflat-sco-pool")):

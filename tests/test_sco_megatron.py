@@ -44,8 +44,8 @@ def _one_run(config, model, batches, pp: int):
 def _case(rank, pp, *, layers, method, rnl, microbatches, budget=None, moe=True, skew="balanced"):
     import megatron_peakflat
     from megatron_peakflat import PeakflatConfig
-    from megatron_peakflat.integration import recompute as sco_integration
-    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.integration import sco as sco_integration
+    from megatron_peakflat.sco.config import SCOConfig
     from megatron_peakflat.config import GeneralConfig
     from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, gpt_batch, skew_router, tiny_transformer_config
     from megatron.core import parallel_state
@@ -118,8 +118,8 @@ def _case_interleaved(rank, *, layers, microbatches):
     import megatron_peakflat
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
-    from megatron_peakflat.integration import recompute as sco_integration
-    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.integration import sco as sco_integration
+    from megatron_peakflat.sco.config import SCOConfig
     from megatron_peakflat.testing.megatron_cpu import gpt_batch, tiny_transformer_config
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -162,8 +162,8 @@ def _live_after_forward(layers: int, sco: bool) -> int:
     import megatron_peakflat
     from megatron_peakflat import PeakflatConfig
     from megatron_peakflat.config import GeneralConfig
-    from megatron_peakflat.integration import recompute as sco_integration
-    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.integration import sco as sco_integration
+    from megatron_peakflat.sco.config import SCOConfig
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
     from megatron_peakflat.testing.megatron_cpu import build_tiny_gpt, gpt_batch, gpt_loss, tiny_transformer_config
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker

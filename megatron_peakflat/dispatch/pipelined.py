@@ -447,7 +447,7 @@ def _assumed_grad_differs(grad_out: torch.Tensor, g0: torch.Tensor, group: dist.
     multi = comm.group_size(group) > 1
     confirmed = getattr(bank, "assumed_grad_confirmed", False)
     if same and (confirmed or not multi):
-        stats.add("dispatch", "fused_recompute_checks_unsynced", 1)
+        stats.add("dispatch", "dispatch_recompute_checks_unsynced", 1)
         return False
     if not multi or confirmed:
         differs = not torch.equal(grad_out, g0)
@@ -480,7 +480,7 @@ class _PipelinedMoE(torch.autograd.Function):
         gx, gp = torch.zeros_like(x), torch.zeros_like(probs)
         g0 = out_grad.contiguous()
         if not need_output:
-            stats.add("dispatch", "fused_recompute_output_skipped", 1)
+            stats.add("dispatch", "dispatch_recompute_output_skipped", 1)
         chunks.backward(x, probs, g0, gx, gp, out=out if need_output else None)
         ctx.chunks = chunks  # keeps the gradients of experts without main_grad until backward
         ctx.save_for_backward(x, probs, g0, gx, gp)
@@ -494,10 +494,10 @@ class _PipelinedMoE(torch.autograd.Function):
             x, probs, g0, gx, gp = ctx.saved_tensors
             chunks: _Chunks = ctx.chunks
             ctx.chunks = None
-            stats.add("dispatch", "fused_recompute_calls", 1)
+            stats.add("dispatch", "dispatch_recompute_calls", 1)
             if _assumed_grad_differs(grad_out, g0, ctx.group, ctx.bank):
                 # Not the gradient assumed: add the chunks' backward of the difference (exact by linearity).
-                stats.add("dispatch", "fused_recompute_corrections", 1)
+                stats.add("dispatch", "dispatch_recompute_corrections", 1)
                 ctx.bank.assumed_grad_mismatch = True  # callers may stop assuming for this bank
                 chunks.backward(x, probs, grad_out - g0, gx, gp)
             else:

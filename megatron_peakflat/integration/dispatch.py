@@ -38,7 +38,7 @@ from ..dispatch.api import llep_moe
 from ..dispatch.bound import overlap_on
 from ..dispatch.grouped import GroupedExperts, grouped_supported, pack_expert_weights
 from ..dispatch.config import DispatchConfig, resolve_membership
-from . import fused_recompute, state
+from . import dispatch_recompute, state
 from .logs import info_once
 
 __all__ = ["wrap_moe_layer_init", "wrap_routed_experts_compute", "PeakflatDispatcher", "ExpertMath",
@@ -358,15 +358,15 @@ class PeakflatDispatcher:  # the real base (MoETokenDispatcher) is mixed in lazi
                           "in place")
         stats.record("dispatch", "experts", "grouped" if use_grouped else "per-expert")
         group = self.ep_group if self.ep_size > 1 else None
-        fused_recompute.record_call(self)
+        dispatch_recompute.record_call(self)
         out_grad = None
-        if cfg.fuse_recompute and torch.is_grad_enabled() and fused_recompute.in_recompute():
+        if cfg.fuse_recompute and torch.is_grad_enabled() and dispatch_recompute.in_recompute():
             if self.config.hidden_dropout > 0:
-                fused_recompute.disable(self, f"hidden_dropout={self.config.hidden_dropout} scales its output gradient")
+                dispatch_recompute.disable(self, f"hidden_dropout={self.config.hidden_dropout} scales its output gradient")
             elif getattr(bank, "assumed_grad_mismatch", False):
-                fused_recompute.disable(self, "its output gradient differed from the checkpoint's (corrected exactly)")
+                dispatch_recompute.disable(self, "its output gradient differed from the checkpoint's (corrected exactly)")
             else:
-                out_grad = fused_recompute.known_output_grad(self, hidden_states)
+                out_grad = dispatch_recompute.known_output_grad(self, hidden_states)
         # Once a fused call of this layer found the assumed gradient exact, the recomputed output is known
         # to reach nothing but the checkpoint's output, whose values the recompute discards.
         need_output = out_grad is None or not getattr(bank, "assumed_grad_confirmed", False)

@@ -37,7 +37,7 @@ from ..config_base import PeakflatConfigError
 from ..dispatch.bound import (auto_max_foreign, chunk_count, flow_chunk_rows, overlap_on, split_floor,
                               weight_sends_bound, working_set_bound)
 from ..dispatch.config import resolve_membership
-from ..tiling.bound import tiled_attention_peak_bytes
+from ..tile.bound import tiled_attention_peak_bytes
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
 
@@ -472,7 +472,7 @@ def tile_tokens(run: RunConfig, pf: PeakflatConfig) -> int:
 
 
 def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
-    """The tiled sublayer's backward peak of one layer on one rank (``tiling.bound.tiled_attention_peak_bytes``):
+    """The tiled sublayer's backward peak of one layer on one rank (``tile.bound.tiled_attention_peak_bytes``):
     whole-sequence K, V and their gradient sums, the incoming gradient and dx, and one tile's working set, with
     flash attention's fp32 dQ accumulator counted once per split (``flash_dq_splits``)."""
     seq = run.seq_len // run.cp
@@ -616,7 +616,7 @@ def llep_grouped(run: RunConfig, pf: PeakflatConfig) -> bool:
 
 def llep_fused(run: RunConfig, pf: PeakflatConfig) -> bool:
     """Whether PipelinedLLEP runs each chunk's forward and backward together in the checkpoint's recompute
-    (``--peakflat-dispatch-fuse-recompute`` under full recompute; integration/fused_recompute.py)."""
+    (``--peakflat-dispatch-fuse-recompute`` under full recompute; integration/dispatch_recompute.py)."""
     return bool(getattr(pf.dispatch, "fuse_recompute", False)) and run.recompute == "full"
 
 
@@ -649,7 +649,7 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     ``--peakflat-dispatch-fuse-recompute`` (``llep_fused``) each chunk's forward runs inside its
     backward, in the checkpoint's recompute: from its fc2 GEMM on, the chunk also holds its output
     ([R, H]) in each layer's first recompute, the run's peak (later ones skip the output once its
-    assumed gradient is confirmed, integration/fused_recompute.py). At EP > 1 with overlap (``llep_overlaps``) the next chunk's dispatch (rows and output gradient, sent and received) and the
+    assumed gradient is confirmed, integration/dispatch_recompute.py). At EP > 1 with overlap (``llep_overlaps``) the next chunk's dispatch (rows and output gradient, sent and received) and the
     previous chunk's combine (dX and output, sent and received) are in flight: 8 [R, H] more, from the
     code, not measured on GPUs.
     The per-expert path (grouped GEMMs off, or not bf16) keeps the chunk's concatenated output, the
@@ -1253,7 +1253,7 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
         source="dQ, dK, dV, fp32 dQ accumulator x flash_dq_splits, dO, rotated q and k "
                f"(model.py attention_backward_transient){gathered}; never alive with the MoE's backward"
                + (f"; tiled sublayer: whole K, V, their fp32 gradient sums, the incoming gradient and dx, plus one "
-                  f"tile of {tile_tokens(run, pf)} tokens (tiling/bound.py)" if tiled else ""))
+                  f"tile of {tile_tokens(run, pf)} tokens (tile/bound.py)" if tiled else ""))
     if g.n_dense:
         mlp_bwd = mlp_backward_transient(s, run, s.ffn)
         rows["mlp backward"] = Row(

@@ -22,8 +22,8 @@ from ..config_base import PeakflatConfigError, flag_name, format_bytes, shown_de
 from ..integration import compat
 from ..dispatch.config import DispatchConfig
 from ..optimizer.config import OptimizerConfig
-from ..recompute.config import SCOConfig
-from ..tiling.config import TileConfig
+from ..sco.config import SCOConfig
+from ..tile.config import TileConfig
 from ..vocab.config import VocabConfig
 from . import dataloader_mask, te_limits
 from .megatron_args import MEGATRON_DEFAULTS, is_command_line

@@ -75,7 +75,7 @@ def rope_fusion_applies(args: Any, *, preset: bool = False) -> bool:
 def rope_kernel_tokens(seq_len: int, cp: int, args: Any) -> int:
     """The length RoPE is applied to at once: the tile length where ``--peakflat-tile`` is on, else seq / CP."""
     if getattr(args, "peakflat_tile_enabled", None):
-        from ..tiling.config import TileConfig
+        from ..tile.config import TileConfig
 
         return TileConfig(tokens=getattr(args, "peakflat_tile_tokens", None)).tile_tokens(seq_len // cp)
     return seq_len // cp

@@ -224,7 +224,7 @@ def test_nccl_ep_packed_bit_for_bit_and_bf16_within_twice_an_unchunked_moe():
             assert err <= 2 * err_naive + 1e-3, (name, err, err_naive)
 
 
-def test_fused_recompute_check_reads_nothing_in_a_gpt(megatron_gpu, monkeypatch):
+def test_dispatch_recompute_check_reads_nothing_in_a_gpt(megatron_gpu, monkeypatch):
     """A Megatron GPT in bf16 under full recompute, Megatron's bias-dropout-add compiled by torch.compile
     (``bias_dropout_fusion``): the residual add hands each MoE layer the checkpoint's output gradient
     itself, so no layer's check reads it (no host sync), and the loss and every gradient equal those of
@@ -249,12 +249,12 @@ def test_fused_recompute_check_reads_nothing_in_a_gpt(megatron_gpu, monkeypatch)
         return [loss.detach(), *[p.grad for p in model.parameters()]], stats.snapshot()["dispatch"]
 
     same, snap = two_steps()
-    assert snap["fused_recompute_calls"] == 2 and snap.get("fused_recompute_checks_unsynced") == 2, snap
-    assert snap.get("fused_recompute_output_skipped") == 2, snap
+    assert snap["dispatch_recompute_calls"] == 2 and snap.get("dispatch_recompute_checks_unsynced") == 2, snap
+    assert snap.get("dispatch_recompute_output_skipped") == 2, snap
     monkeypatch.setattr(pipelined, "_same_memory", lambda a, b: False)
     compared, snap = two_steps()
-    assert snap["fused_recompute_calls"] == 2 and "fused_recompute_checks_unsynced" not in snap, snap
-    assert "fused_recompute_corrections" not in snap, snap
+    assert snap["dispatch_recompute_calls"] == 2 and "dispatch_recompute_checks_unsynced" not in snap, snap
+    assert "dispatch_recompute_corrections" not in snap, snap
     for a, b in zip(same, compared):
         assert max_rel_error(a.float(), b.float()) <= 1e-5
 

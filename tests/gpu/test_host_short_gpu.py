@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_peakflat.runtime import host
-from megatron_peakflat.recompute import BoundaryOffloader, TorchHostPool
-from megatron_peakflat.recompute import pool as pool_module
+from megatron_peakflat.sco import BoundaryOffloader, TorchHostPool
+from megatron_peakflat.sco import pool as pool_module
 from megatron_peakflat.testing.pretrain_hooks import MEM_AVAILABLE, read_trace
 from megatron_peakflat.testing.subproc import MODEL_BUILT, TINY_GPT_ARGS, logged
 from tests._helpers import run_traced
@@ -37,7 +37,7 @@ def _step(model, offloader):
 def test_sco_budget_past_the_share_is_clamped_once_pinned_and_exact(monkeypatch, caplog):
     """48 KiB free: a 1 GiB request is clamped to 43.2 KiB (two pinned 16 KiB blocks), one warning; two of the
     five boundaries each step could offload leave the GPU, the rest stay; bitwise equal to plain recompute."""
-    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.integration import sco as sco_integration
 
     monkeypatch.setattr(host, "mem_available", lambda path="/proc/meminfo": 48 * KIB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")

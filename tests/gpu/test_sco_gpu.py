@@ -29,7 +29,7 @@ class Chunk(torch.nn.Module):
 
 
 def _run(model, x, off):
-    from megatron_peakflat.recompute import checkpoint_chunks
+    from megatron_peakflat.sco import checkpoint_chunks
 
     # gradients exist before the measurement and accumulate in place (0 + g == g bitwise), so every
     # chunk's backward has the same non-boundary working set and the peak sits at the last chunk's
@@ -57,7 +57,7 @@ def _run(model, x, off):
     not torch.cuda.is_available() or not native_available(), reason="megatron_peakflat._C not built"))])
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_plain_bf16_exact_and_peak_equals_offloaded(prefetch, impl):
-    from megatron_peakflat.recompute import BoundaryOffloader, make_pool
+    from megatron_peakflat.sco import BoundaryOffloader, make_pool
 
     torch.manual_seed(0)
     model = torch.nn.ModuleList(Chunk() for _ in range(L)).cuda().bfloat16()
@@ -87,7 +87,7 @@ def megatron_gpu():
 
 def test_megatron_gpt_bf16_bitwise(megatron_gpu):
     import megatron_peakflat
-    from megatron_peakflat.integration import recompute as sco_integration
+    from megatron_peakflat.integration import sco as sco_integration
     from megatron_peakflat.integration import state
 
     on, off = megatron_gpu.peakflat_configs(budget=1 << 33)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..recompute import BoundaryOffloader, build_offloader
+from ..sco import BoundaryOffloader, build_offloader
 from . import compat, state
 
 __all__ = ["wrap_checkpointed_forward", "offloader", "get_offloader", "reset"]

@@ -6,7 +6,7 @@ forward and backward with ``--peakflat-tile`` off and on, the same weights and i
 every parameter's gradient within 1e-5 (relative to each tensor's largest entry) of the untiled layer. bf16:
 each no further from the fp32 untiled layer than the untiled bf16 layer is, plus one bf16 epsilon (2^-8): the
 tiles sum in another order than the whole sequence, and a wrong mask or position is off by O(1).
-CPU: skipped (Transformer Engine runs on CUDA; tests/test_tiling_megatron.py runs the SDPA path on CPU).
+CPU: skipped (Transformer Engine runs on CUDA; tests/test_tile_megatron.py runs the SDPA path on CPU).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from megatron_peakflat.integration.attention import transformer_engine_available
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU runs the SDPA path "
-                                 "in tests/test_tiling_megatron.py)"),
+                                 "in tests/test_tile_megatron.py)"),
               pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine")]
 
 SEQ, MB, HIDDEN, HEADS, GROUPS, TILE = 1000, 2, 256, 8, 2, 256  # 4 tiles, the last one shorter
@@ -37,7 +37,7 @@ def _worker(rank: int, world: int) -> dict:
     from megatron_peakflat import stats
     from megatron_peakflat.config import PeakflatConfig
     from megatron_peakflat.testing.megatron_cpu import init_megatron_parallel
-    from megatron_peakflat.tiling.config import TileConfig
+    from megatron_peakflat.tile.config import TileConfig
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.spec_utils import build_module

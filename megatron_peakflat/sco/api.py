@@ -3,7 +3,7 @@
 ``build_offloader`` resolves the budget (default: a safe share of free host RAM per local rank) and
 picks pinned memory when the device is a GPU. ``checkpoint_chunks`` is the plain-PyTorch use:
 full recompute over a sequence of chunks, each boundary offloaded; Megatron's integration
-(``integration/recompute.py``) does the same around ``tensor_parallel.checkpoint``.
+(``integration/sco.py``) does the same around ``tensor_parallel.checkpoint``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``TransformerLayer._forward_attention`` over query tiles (``--peakflat-tile``): ``tiling.TiledSelfAttention``
+"""``TransformerLayer._forward_attention`` over query tiles (``--peakflat-tile``): ``tile.TiledSelfAttention``
 bound to the layer's own modules.
 
 The ops are Megatron's: ``input_layernorm`` then ``self_attention.get_query_key_value_tensors`` (the QKV
@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .. import stats
-from ..tiling.attention import TileOps, tiled_self_attention
+from ..tile.attention import TileOps, tiled_self_attention
 from . import state
 from .logs import info_once
 

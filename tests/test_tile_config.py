@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_peakflat.config import PeakflatConfig, PeakflatConfigError, add_args
-from megatron_peakflat.tiling.bound import auto_tile_tokens
-from megatron_peakflat.tiling.config import TileConfig
+from megatron_peakflat.tile.bound import auto_tile_tokens
+from megatron_peakflat.tile.config import TileConfig
 
 
 def _parse(*argv: str) -> argparse.Namespace:

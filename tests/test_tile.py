@@ -1,8 +1,8 @@
-"""The tiled attention sublayer (``tiling.TiledSelfAttention``) against a plain-PyTorch sublayer run whole: the
+"""The tiled attention sublayer (``tile.TiledSelfAttention``) against a plain-PyTorch sublayer run whole: the
 output, dx and every parameter's gradient on odd shapes (sequence not a multiple of the tile, tile 1, tile
 longer than the sequence, GQA ratios 1, 4 and 8, batch 2); one tile over the sequence equals the whole layer bit
 for bit; bottom-right causal alignment; each parameter's gradient arrives once; and the live-bytes bound
-(``tiling.bound``) holds, with a working set that stops growing with the number of tiles."""
+(``tile.bound``) holds, with a working set that stops growing with the number of tiles."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megatron_peakflat.testing.live_bytes import LiveBytesMeter
-from megatron_peakflat.tiling.attention import TileOps, TiledSelfAttention, tile_starts, tiled_self_attention
-from megatron_peakflat.tiling.bound import (AUTO_MAX_TILE, AUTO_MIN_TILE, auto_tile_tokens,
+from megatron_peakflat.tile.attention import TileOps, TiledSelfAttention, tile_starts, tiled_self_attention
+from megatron_peakflat.tile.bound import (AUTO_MAX_TILE, AUTO_MIN_TILE, auto_tile_tokens,
                                             tiled_attention_peak_bytes, tiled_attention_terms)
-from megatron_peakflat.tiling.reference import ReferenceAttentionLayer, causal_attention
+from megatron_peakflat.tile.reference import ReferenceAttentionLayer, causal_attention
 from tests._flash_double import FlashDouble, workspace_bytes
 
 H, D = 24, 6

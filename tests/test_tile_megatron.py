@@ -66,7 +66,7 @@ def _case(rank: int, world: int, name: str, *, experts: int, tile: int, others: 
     from megatron_peakflat import stats
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
     from megatron_peakflat.testing import megatron_cpu as mc
-    from megatron_peakflat.tiling.config import TileConfig
+    from megatron_peakflat.tile.config import TileConfig
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     destroy_moe_metrics_tracker()
@@ -113,7 +113,7 @@ def _ddp_case(rank: int, world: int) -> tuple[str, float]:
     import megatron_peakflat
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
     from megatron_peakflat.testing import megatron_cpu as mc
-    from megatron_peakflat.tiling.config import TileConfig
+    from megatron_peakflat.tile.config import TileConfig
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
@@ -186,7 +186,7 @@ def _sdpa_bottom_right(rank: int) -> tuple[str, float]:
 
 def _worker(rank: int, world: int) -> list[tuple[str, float]]:
     from megatron_peakflat.dispatch.config import DispatchConfig
-    from megatron_peakflat.recompute.config import SCOConfig
+    from megatron_peakflat.sco.config import SCOConfig
     from megatron_peakflat.testing import megatron_cpu as mc
     from megatron_peakflat.vocab.config import VocabConfig
 
