@@ -59,6 +59,38 @@ def test_gathered_kv_rows():
     assert "cp_gathered_kv" in with_kv["attention backward"].source
 
 
+def test_tiled_attention_under_cp_counts_the_gathered_sequence():
+    """--peakflat-tile at CP 4 (gpt-oss-120b, 1M tokens): each rank's two chunks are tiled, so the tile is at most
+    a chunk (s / 2CP), and attention's backward is tile/bound.py's at cp=4: K, V, their fp32 gradient sums and the
+    attention's prefix gradients of the whole gathered sequence, the rank's reduce-scattered dK and dV and one
+    chunk of the collectives' reordering, beside the rank's own incoming gradient and dx."""
+    from megatron_peakflat.tile.bound import tiled_attention_peak_bytes, tiled_attention_terms
+    from megatron_peakflat.tile.config import TileConfig
+
+    shape = preset("gpt-oss-120b")
+    S = 2**20
+    run = M.RunConfig(seq_len=S, cp=4, tp=1, precision="bf16")
+    pf = PeakflatConfig(tile=TileConfig(enabled=True, tokens=S))  # asked longer than a chunk
+    assert M.tiles_attention(shape, run, pf) and M.tile_tokens(run, pf) == S // 8
+    row = M.plan(shape, run, pf).stages[0].rows["attention backward"]
+    want = tiled_attention_peak_bytes(S // 8, S // 4, 1, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+                                      2, cp=4)
+    assert row.peakflat == row.bound == want and "gathered sequence" in row.source
+    kv = shape.kv_heads * shape.head_dim  # elements of K (or V) per token
+    terms = tiled_attention_terms(S // 8, S // 4, 1, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, 2,
+                                  cp=4)
+    rank = tiled_attention_terms(S // 8, S // 4, 1, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, 2)
+    assert terms.whole["K and V"] == 2 * S * kv * 2 == 4 * rank.whole["K and V"]
+    assert terms.whole["dK and dV fp32 sums"] == 2 * S * kv * 4
+    assert terms.whole["attention's dK and dV over a tile's prefix"] == 2 * S * kv * 2
+    assert terms.whole["rank's dK and dV fp32 after the reduce-scatter"] == 2 * (S // 4) * kv * 4
+    assert terms.whole["a chunk held while the collectives reorder the layout"] == (S // 8) * kv * 4
+    assert terms.whole["dx"] == rank.whole["dx"] == (S // 4) * shape.hidden * 2  # the rank's own rows
+    assert terms.tile == rank.tile  # a tile of s / 2CP tokens either way
+    # sequence parallelism and multi-latent attention are still not tiled
+    assert not M.tiles_attention(shape, dataclasses.replace(run, tp=2, sequence_parallel=True), pf)
+
+
 def test_layout_flags_name_every_size_and_etp_where_it_differs():
     run = M.RunConfig(seq_len=4096, tp=2, cp=4, ep=8, pp=2, etp=2, dp=2)
     flags = layout_flags(run)

@@ -55,7 +55,8 @@ def test_tile_tokens_without_the_tile_is_noted(caplog):
 
 
 @pytest.mark.parametrize("megatron, words", [
-    (dict(context_parallel_size=2), ["--context-parallel-size 2", "pass --context-parallel-size 1"]),
+    (dict(context_parallel_size=3, seq_length=65536), ["--context-parallel-size 3",
+                                                        "pass a --seq-length that is a multiple of 6 (e.g. 65538)"]),
     (dict(sequence_parallel=True), ["--sequence-parallel", "drop --sequence-parallel"]),
     (dict(hidden_dropout=0.1), ["--hidden-dropout is 0.1", "pass --hidden-dropout 0"]),
     (dict(attention_dropout=0.1), ["--attention-dropout is 0.1", "pass --attention-dropout 0"]),
@@ -80,6 +81,16 @@ def test_local_spec_with_sdpa_is_accepted():
     cfg = PeakflatConfig.from_args(_with(_parse("--peakflat-tile", "--peakflat-attention", "sdpa"),
                                          transformer_impl="local"))
     assert cfg.tile.enabled
+
+
+def test_context_parallelism_is_accepted():
+    """CP > 1 runs (tiles within each rank's two chunks) where the sequence splits into 2 x CP chunks; a tile
+    never spans the two chunks of a rank."""
+    cfg = PeakflatConfig.from_args(_with(_parse("--peakflat-tile", "--peakflat-tile-tokens", "16384"),
+                                         context_parallel_size=4, seq_length=65536))
+    assert cfg.tile.enabled
+    assert cfg.tile.tile_tokens(16384, cp=4) == 8192 and cfg.tile.tile_tokens(65536, cp=2) == 16384
+    assert TileConfig(tokens=None).tile_tokens(65536, cp=2) == auto_tile_tokens(65536) == 16384
 
 
 def test_component_config_alone():

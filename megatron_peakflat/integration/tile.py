@@ -8,8 +8,15 @@ with ``AttnMaskType.causal_bottom_right`` (plain ``causal`` when the tile's quer
 ``self_attention.linear_proj`` and ``self_attn_bda``. The parameters of the norm and the attention are the
 Function's inputs, so each gets its gradient once per step (DDP's hooks, overlapped reduction included).
 
+Under context parallelism (``--context-parallel-size`` > 1) the layer's input is the rank's two chunks of the
+sequence (Megatron's load-balanced layout) and ``tile.context_parallel`` runs: tiles within each chunk, K and V
+all-gathered over the CP group and dK, dV reduce-scattered by the sublayer itself, so the core attention runs each
+call with no CP group of its own (its ``cp_group`` cleared for the call: SDPAttention then takes the bottom-right
+mask, Transformer Engine's attention sees a group of one), whatever ``--cp-comm-type`` says. The rotary table
+Megatron passes is already the rank's rows (``get_pos_emb_on_this_cp_rank``).
+
 Where a layer's call is not plain causal self-attention over the whole local sequence (a mask or bias, packed
-sequences, inference, cross-attention, dropout in training, sequence or context parallelism, an output gate,
+sequences, inference, cross-attention, dropout in training, sequence parallelism, an output gate,
 fine-grained activation offloading, sliding windows, other softmaxes, another core attention), Megatron's own
 ``_forward_attention`` runs, with one log line per reason. The start-up check refuses the flags behind most of
 these (``TileConfig.check_against_megatron``). The pre-MLP norm, the router and the MLP run as before, over the whole sequence.
@@ -17,18 +24,20 @@ these (``TileConfig.check_against_megatron``). The pre-MLP norm, the router and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .. import stats
 from ..tile.attention import TileOps, tiled_self_attention
+from ..tile.context_parallel import group_size
 from . import state
 from .logs import info_once
 
-__all__ = ["wrap_forward_attention", "unsupported_reason", "layer_ops", "layer_params"]
+__all__ = ["wrap_forward_attention", "unsupported_reason", "layer_ops", "layer_params", "cp_group"]
 
 
 def wrap_forward_attention(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -47,12 +56,20 @@ def wrap_forward_attention(original: Callable[..., Any]) -> Callable[..., Any]:
             stats.add("tile", "untiled_calls", 1)
             return original(self, *args, **kwargs)
         hidden_states = call["hidden_states"]
-        tile = cfg.tile.tile_tokens(hidden_states.shape[0])
-        info_once(f"peakflat tile: attention sublayer over tiles of {tile} of {hidden_states.shape[0]} tokens")
+        group = cp_group(self)
+        cp = group_size(group)
+        n = hidden_states.shape[0]
+        tile = cfg.tile.tile_tokens(n, cp)
+        if cp > 1:
+            info_once(f"peakflat tile: attention sublayer over tiles of {tile} tokens within each of the rank's two "
+                      f"chunks of {n // 2} tokens (context parallelism {cp}: K and V all-gathered, dK and dV "
+                      "reduce-scattered by the sublayer)")
+        else:
+            info_once(f"peakflat tile: attention sublayer over tiles of {tile} of {n} tokens")
         stats.add("tile", "tiled_calls", 1)
         stats.record("tile", "tile_tokens", tile)
         out = tiled_self_attention(hidden_states, layer_ops(self, call.get("rotary_pos_emb")), tile,
-                                   layer_params(self))
+                                   layer_params(self), group)
         return out, call.get("context")
 
     return _forward_attention
@@ -86,8 +103,6 @@ def unsupported_reason(layer: Any, call: dict[str, Any]) -> str | None:
         return "dropout is on in training (backward recomputes each tile)"
     if cfg.sequence_parallel:
         return "sequence parallelism splits the sequence"
-    if (cfg.context_parallel_size or 1) > 1:
-        return "context parallelism splits the sequence"
     if cfg.fp32_residual_connection:
         return "the residual is kept in fp32"
     if getattr(cfg, "attention_output_gate", False):
@@ -131,14 +146,15 @@ def layer_ops(layer: Any, rotary_pos_emb: Any) -> TileOps:
     if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
         rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
     mscale = getattr(sa, "_yarn_concentration_factor", 1.0)
-    cp_group = getattr(getattr(sa, "pg_collection", None), "cp", None)
+    group = getattr(getattr(sa, "pg_collection", None), "cp", None)
+    gathered = group_size(cp_group(layer)) > 1  # the sublayer passes the gathered sequence's keys
 
     def rope(t: torch.Tensor, freqs: Any, start: int) -> torch.Tensor:
         if freqs is None:
             return t
         kw = {"mscale": mscale} if mscale != 1.0 else {}
         return apply_rotary_pos_emb(t, freqs[start:start + t.shape[0]], config=cfg, cu_seqlens=None,
-                                    cp_group=cp_group, **kw)
+                                    cp_group=group, **kw)
 
     def qkv(x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         normed = layer.input_layernorm(x)
@@ -151,12 +167,38 @@ def layer_ops(layer: Any, rotary_pos_emb: Any) -> TileOps:
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         mask = AttnMaskType.causal if q.shape[0] == k.shape[0] else AttnMaskType.causal_bottom_right
-        return sa.core_attention(q, k, v, None, attn_mask_type=mask, attention_bias=None, packed_seq_params=None)
+        with _without_cp_group(sa.core_attention) if gathered else contextlib.nullcontext():
+            return sa.core_attention(q, k, v, None, attn_mask_type=mask, attention_bias=None,
+                                     packed_seq_params=None)
 
     def project(o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return layer.self_attn_bda(layer.training, cfg.bias_dropout_fusion)(sa.linear_proj(o), x, layer.hidden_dropout)
 
     return TileOps(qkv=qkv, attend=attend, project=project)
+
+
+def cp_group(layer: Any) -> Any:
+    """The layer's context-parallel group where ``--context-parallel-size`` > 1, else None."""
+    if (layer.config.context_parallel_size or 1) <= 1:
+        return None
+    group = getattr(getattr(layer.self_attention, "pg_collection", None), "cp", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    return group
+
+
+@contextlib.contextmanager
+def _without_cp_group(core: Any) -> Iterator[None]:
+    """``core`` (SDPAttention or Transformer Engine's DotProductAttention, each of which runs context parallelism
+    only through its ``cp_group``) with no CP group for one call: the tiled sublayer gathers K and V itself."""
+    saved = core.cp_group
+    core.cp_group = None
+    try:
+        yield
+    finally:
+        core.cp_group = saved
 
 
 def layer_params(layer: Any) -> list[torch.Tensor]:

@@ -462,24 +462,27 @@ def cp_gathered_kv_backward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -
 
 def tiles_attention(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> bool:
     """Whether the tiled attention sublayer (``--peakflat-tile``) runs the layers' self-attention: on, and a
-    configuration its start-up check admits (no CP, no sequence parallelism, no multi-latent attention)."""
-    return bool(pf.enabled.get("tile")) and run.cp == 1 and not run.sp and s.mla is None
+    configuration its start-up check admits (no sequence parallelism, no multi-latent attention; under context
+    parallelism it tiles each rank's two chunks)."""
+    return bool(pf.enabled.get("tile")) and not run.sp and s.mla is None
 
 
 def tile_tokens(run: RunConfig, pf: PeakflatConfig) -> int:
-    """The tile the sublayer runs with on this rank's sequence (``--peakflat-tile-tokens``, or its 'auto')."""
-    return pf.tile.tile_tokens(run.seq_len // run.cp)
+    """The tile the sublayer runs with on this rank's sequence (``--peakflat-tile-tokens``, or its 'auto'; under
+    CP at most one of the rank's two chunks)."""
+    return pf.tile.tile_tokens(run.seq_len // run.cp, run.cp)
 
 
 def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     """The tiled sublayer's backward peak of one layer on one rank (``tile.bound.tiled_attention_peak_bytes``):
-    whole-sequence K, V and their gradient sums, the incoming gradient and dx, and one tile's working set, with
-    flash attention's fp32 dQ accumulator counted once per split (``flash_dq_splits``)."""
+    whole-sequence K, V and their gradient sums (under CP the gathered sequence's, with the rank's reduce-scattered
+    dK and dV and a chunk the collectives' reordering holds), the incoming gradient and dx, and one tile's working
+    set, with flash attention's fp32 dQ accumulator counted once per split (``flash_dq_splits``)."""
     seq = run.seq_len // run.cp
     tile = tile_tokens(run, pf)
     extra_dq = (flash_dq_splits(s, run) - 1) * tile * run.micro_batch * s.heads / run.tp * s.head_dim * 4
     return tiled_attention_peak_bytes(tile, seq, run.micro_batch, s.hidden, max(1, s.heads // run.tp),
-                                      max(1, s.kv_heads // run.tp), s.head_dim, run.w) + extra_dq
+                                      max(1, s.kv_heads // run.tp), s.head_dim, run.w, cp=run.cp) + extra_dq
 
 
 MODELLED_RECOMPUTE_MODULES = ("core_attn", "moe", "moe_act", "mlp", "shared_experts")
@@ -1253,7 +1256,9 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
         source="dQ, dK, dV, fp32 dQ accumulator x flash_dq_splits, dO, rotated q and k "
                f"(model.py attention_backward_transient){gathered}; never alive with the MoE's backward"
                + (f"; tiled sublayer: whole K, V, their fp32 gradient sums, the incoming gradient and dx, plus one "
-                  f"tile of {tile_tokens(run, pf)} tokens (tile/bound.py)" if tiled else ""))
+                  f"tile of {tile_tokens(run, pf)} tokens (tile/bound.py)" if tiled else "")
+               + (f"; at CP {run.cp} K, V and their gradient sums are the gathered sequence's, with the rank's "
+                  "reduce-scattered dK and dV" if tiled and run.cp > 1 else ""))
     if g.n_dense:
         mlp_bwd = mlp_backward_transient(s, run, s.ffn)
         rows["mlp backward"] = Row(

@@ -77,7 +77,7 @@ def rope_kernel_tokens(seq_len: int, cp: int, args: Any) -> int:
     if getattr(args, "peakflat_tile_enabled", None):
         from ..tile.config import TileConfig
 
-        return TileConfig(tokens=getattr(args, "peakflat_tile_tokens", None)).tile_tokens(seq_len // cp)
+        return TileConfig(tokens=getattr(args, "peakflat_tile_tokens", None)).tile_tokens(seq_len // cp, cp)
     return seq_len // cp
 
 

@@ -2,6 +2,8 @@
 
 - ``attention.py``: ``TileOps`` and the autograd Function ``TiledSelfAttention`` (query tiles along the sequence;
   only K, V and their gradient sums whole);
+- ``context_parallel.py``: ``TiledSelfAttentionCP``, the same under context parallelism (tiles within each rank's
+  two chunks, K and V all-gathered over the CP group, dK and dV reduce-scattered);
 - ``bound.py``: the bytes the schedule keeps alive at its peak, and the provisional automatic tile size, as
   torch-free arithmetic (also the planner's);
 - ``config.py``: ``TileConfig`` (``--peakflat-tile``, ``--peakflat-tile-tokens``);
@@ -14,6 +16,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "TileOps": ".attention",
     "TiledSelfAttention": ".attention",
     "tiled_self_attention": ".attention",
+    "TiledSelfAttentionCP": ".context_parallel",
     "tiled_attention_peak_bytes": ".bound",
     "auto_tile_tokens": ".bound",
 })

@@ -14,6 +14,11 @@ the output projection with its residual add) allocates, named after it. Two kind
   accumulator, the cast dK/dV rows of the tile and the tile's k/v gradients, the mixed QKV's, the norm's and
   the tile's dx), plus the tile's parameter gradients in the parameter dtype before they are summed.
 
+Under context parallelism (``context_parallel.py``, ``cp`` > 1; ``seq`` is then the rank's 2c tokens of a sequence
+of ``cp x seq``) K, V, dK, dV and the attention's prefix gradients are the whole sequence's (gathered), and two
+terms join: the rank's dK and dV in fp32 after the reduce-scatter (its 2c rows), and the one chunk of c rows
+(fp32 at most) that the collectives' reordering holds while it swaps two chunks. A tile is then at most c tokens.
+
 Every term is counted at once (they are not all alive together), so the total is an upper bound. An attention
 kernel's scratch beyond these (scores it materialises, a GQA expansion of K and V) is not the schedule's and is
 passed in as ``attention_workspace_bytes`` (0 for flash and cuDNN kernels, which keep scores on chip).
@@ -64,16 +69,19 @@ def attention_param_count(hidden: int, q_heads: int, kv_heads: int, head_dim: in
 
 
 def tiled_attention_terms(tile: int, seq: int, micro_batch: int, hidden: int, q_heads: int, kv_heads: int,
-                          head_dim: int, dtype_bytes: int, *, attention_workspace_bytes: int = 0) -> TileTerms:
+                          head_dim: int, dtype_bytes: int, *, attention_workspace_bytes: int = 0,
+                          cp: int = 1) -> TileTerms:
     """The terms of ``tiled_attention_peak_bytes`` (same arguments), by name."""
     for name, value in (("tile", tile), ("seq", seq), ("micro_batch", micro_batch), ("hidden", hidden),
                         ("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                        ("dtype_bytes", dtype_bytes)):
+                        ("dtype_bytes", dtype_bytes), ("cp", cp)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
+    if cp > 1 and seq % 2:
+        raise ValueError(f"a context-parallel rank holds two equal chunks; {seq} tokens do not split")
     e, b, fp32 = dtype_bytes, micro_batch, 4
-    t = min(tile, seq)
-    kv_whole = seq * b * kv_heads * head_dim  # elements of K (or V) over the sequence
+    t = min(tile, seq if cp == 1 else seq // 2)
+    kv_whole = cp * seq * b * kv_heads * head_dim  # elements of K (or V) over the (gathered) sequence
     x_whole = seq * b * hidden
     params = attention_param_count(hidden, q_heads, kv_heads, head_dim)
     x_t, q_t, kv_t = t * b * hidden, t * b * q_heads * head_dim, t * b * kv_heads * head_dim
@@ -86,6 +94,10 @@ def tiled_attention_terms(tile: int, seq: int, micro_batch: int, hidden: int, q_
         "dx": x_whole * e,
         "parameter gradient fp32 sums": params * fp32,
     }
+    if cp > 1:
+        kv_mine = seq * b * kv_heads * head_dim
+        whole["rank's dK and dV fp32 after the reduce-scatter"] = 2 * kv_mine * fp32
+        whole["a chunk held while the collectives reorder the layout"] = kv_mine // 2 * max(e, fp32)
     tile_terms = {
         "norm output": x_t * e + t * b * fp32,  # and its fp32 reciprocal RMS
         "mixed QKV": mixed_t * e,
@@ -106,16 +118,18 @@ def tiled_attention_terms(tile: int, seq: int, micro_batch: int, hidden: int, q_
 
 
 def tiled_attention_peak_bytes(tile: int, seq: int, micro_batch: int, hidden: int, q_heads: int, kv_heads: int,
-                               head_dim: int, dtype_bytes: int, *, attention_workspace_bytes: int = 0) -> int:
+                               head_dim: int, dtype_bytes: int, *, attention_workspace_bytes: int = 0,
+                               cp: int = 1) -> int:
     """Upper bound on the bytes the tiled sublayer of one layer allocates and holds at its peak (its backward),
     beyond its input x and the parameters.
 
-    ``tile``, ``seq``: tokens; ``micro_batch``: sequences per micro-batch; ``hidden``: the model's hidden size;
+    ``tile``, ``seq``: tokens (``seq``: this rank's); ``micro_batch``: sequences per micro-batch; ``hidden``: the model's hidden size;
     ``q_heads``, ``kv_heads``: attention heads of this rank (after tensor parallelism); ``head_dim``: per head;
     ``dtype_bytes``: the activations' element size (2 for bf16). ``attention_workspace_bytes``: scratch of the
-    attention kernel per tile beyond its output, dq accumulator and log-sum-exp (0 for flash/cuDNN)."""
+    attention kernel per tile beyond its output, dq accumulator and log-sum-exp (0 for flash/cuDNN). ``cp``: the
+    context-parallel size (``seq`` is then the rank's two chunks of a sequence of ``cp x seq`` tokens)."""
     return tiled_attention_terms(tile, seq, micro_batch, hidden, q_heads, kv_heads, head_dim, dtype_bytes,
-                                 attention_workspace_bytes=attention_workspace_bytes).total
+                                 attention_workspace_bytes=attention_workspace_bytes, cp=cp).total
 
 
 def auto_tile_tokens(seq: int) -> int:

@@ -30,27 +30,33 @@ class TileConfig(ComponentConfig):
             raise PeakflatConfigError(self.flag("tokens"), self.tokens, "a tile holds at least one token",
                                       "pass a positive count such as --peakflat-tile-tokens 16384, or 'auto'")
 
-    def tile_tokens(self, seq: int) -> int:
-        """The tile the sublayer runs over a sequence of ``seq`` tokens on this rank: the flag's value, or the
-        automatic one, and never more than the sequence (one tile)."""
+    def tile_tokens(self, seq: int, cp: int = 1) -> int:
+        """The tile the sublayer runs over ``seq`` tokens on this rank: the flag's value, or the automatic one (of
+        ``seq``), and never more than the sequence (one tile); under context parallelism (``cp`` > 1) the rank's
+        tokens are two chunks of the sequence and a tile never spans both, so never more than ``seq // 2``."""
         from .bound import auto_tile_tokens
 
-        return min(seq, self.tokens if self.tokens is not None else auto_tile_tokens(seq))
+        most = seq if cp == 1 else seq // 2
+        return min(most, self.tokens if self.tokens is not None else auto_tile_tokens(seq))
 
 
     def check_against_megatron(self, args: Any) -> None:
-        """Refuse, at start-up, what the tiled sublayer cannot run: a sequence split over ranks (context or sequence
-        parallelism), dropout (backward recomputes each tile and must draw the same numbers), Megatron's local
-        DotProductAttention (it builds the causal mask square, not aligned to a tile's prefix), multi-latent
-        attention (other projections) and CUDA graphs."""
+        """Refuse, at start-up, what the tiled sublayer cannot run: sequence parallelism (the layer's input split
+        over the tensor-parallel ranks), dropout (backward recomputes each tile and must draw the same numbers),
+        Megatron's local DotProductAttention (it builds the causal mask square, not aligned to a tile's prefix),
+        multi-latent attention (other projections), CUDA graphs, and under context parallelism a sequence that does
+        not split into 2 x CP equal chunks. Context parallelism itself runs: tiles within each rank's two chunks, K
+        and V gathered over the group (``context_parallel.py``)."""
         if not self.enabled:
             return
         flag, value = self.flag("enabled"), True
-        cp = _get(args, "context_parallel_size", 1) or 1
-        if cp > 1:
-            raise PeakflatConfigError(flag, value, f"--context-parallel-size {cp} splits the sequence over ranks, "
-                                      "and the tiles cut the whole sequence of one rank",
-                                      f"pass --context-parallel-size 1, or drop {flag}")
+        cp, seq = _get(args, "context_parallel_size", 1) or 1, _get(args, "seq_length")
+        if cp > 1 and seq and seq % (2 * cp):
+            raise PeakflatConfigError(flag, value, f"with --context-parallel-size {cp} each rank holds 2 of 2 x {cp} "
+                                      f"= {2 * cp} equal chunks of the sequence, whose tiles it cuts, and "
+                                      f"--seq-length {seq} does not split into them",
+                                      f"pass a --seq-length that is a multiple of {2 * cp} (e.g. "
+                                      f"{-(-seq // (2 * cp)) * 2 * cp}), or another --context-parallel-size")
         if _get(args, "sequence_parallel", False):
             raise PeakflatConfigError(flag, value, "--sequence-parallel splits the layer's input over the "
                                       "tensor-parallel ranks, and the tiles cut the whole sequence",

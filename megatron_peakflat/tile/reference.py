@@ -73,11 +73,14 @@ class ReferenceAttentionLayer(torch.nn.Module):
         self.b_o = rand(hidden, scale=0.1) if bias else None
         self.register_buffer("freqs", rope_freqs(seq, head_dim), persistent=False)
 
-    def qkv(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor, start: int, freqs: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the rows ``x``, the first of which is row ``start`` of the rotary table ``freqs`` (the
+        layer's, positions 0 .. seq-1, by default)."""
         t, b, _ = x.shape
         mixed = F.linear(self.norm(x), self.w_qkv, self.b_qkv)
         q, k, v = mixed.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
-        freqs = self.freqs[start:start + t]
+        freqs = (self.freqs if freqs is None else freqs)[start:start + t]
         q = apply_rope(q.reshape(t, b, self.nq, self.d), freqs)
         k = apply_rope(k.reshape(t, b, self.nkv, self.d), freqs)
         return q, k, v.reshape(t, b, self.nkv, self.d)
@@ -94,3 +97,11 @@ class ReferenceAttentionLayer(torch.nn.Module):
 
     def ops(self) -> TileOps:
         return TileOps(qkv=self.qkv, attend=self.attend, project=self.project)
+
+    def cp_ops(self, cp: int, rank: int) -> TileOps:
+        """``TileOps`` for context-parallel rank ``rank``'s share of the sequence (chunks r and 2CP-1-r): the
+        rotary table cut to the rank's rows, as Megatron's ``get_pos_emb_on_this_cp_rank`` cuts it."""
+        from ..attention.context_parallel import split_sequence
+
+        freqs = split_sequence(self.freqs, cp, rank)
+        return TileOps(qkv=lambda x, start: self.qkv(x, start, freqs), attend=self.attend, project=self.project)
