@@ -111,7 +111,8 @@ def parse_log(text: str) -> dict:
         "max_allocated_mib": mem[1] if mem else None,
         "peakflat_lines": list(dict.fromkeys(  # what the components said they did, once each
             ln for ln in (_LOG_PREFIX.sub("", raw.strip()) for raw in text.splitlines())
-            if ln.startswith(("peakflat dispatch:", "peakflat vocab:", "peakflat SCO", "peakflat optimizer:", "peakflat peaks"))))[:16],
+            if ln.startswith(("peakflat dispatch:", "peakflat vocab:", "peakflat sco", "peakflat SCO",  # logs of 0.1.0
+                              "peakflat optimizer:", "peakflat peaks"))))[:16],
         "oom": oom_of(text),
         "timers_ms": timers_of(text),
     }

@@ -22,7 +22,7 @@ import shlex
 from typing import Any, Sequence
 
 from . import components
-from .config import _COMPONENTS
+from .config import _COMPONENTS, current_spelling
 from .config_base import PeakflatConfigError, flag_name, format_bytes
 
 __all__ = ["AutoChoice", "NothingFits", "NOTHING_FITS", "resolve", "auto_argv", "wants_auto", "planner_argv", "resolved_in_this_process"]
@@ -32,8 +32,11 @@ log = logging.getLogger("megatron_peakflat")
 FLAG = "--peakflat"
 _SWITCHES = {name: flag_name(cls, cls.MODE_FIELD) for name, cls in _COMPONENTS.items() if cls.MODE_FIELD}
 """Each component's switch (``--peakflat-dispatch``, ..., ``--peakflat-optimizer``), from its config class."""
-_COMPONENT_PREFIXES = {name: (_SWITCHES[name], f"--peakflat-{_COMPONENTS[name].PREFIX}-") for name in _SWITCHES}
-"""The flags of each component: its switch and its knobs (``--peakflat-<PREFIX>-*``)."""
+_COMPONENT_PREFIXES = {name: (_SWITCHES[name], *(f"--peakflat-{p}-" for p in (_COMPONENTS[name].PREFIX,
+                                                                               *_COMPONENTS[name].FORMER_PREFIXES)))
+                       for name in _SWITCHES}
+"""The flags of each component: its switch and its knobs (``--peakflat-<PREFIX>-*``, and their former spellings,
+``FORMER_PREFIXES``, which a user's command line may still hold)."""
 _resolved: list["AutoChoice"] = []
 
 NOTHING_FITS = 3
@@ -147,8 +150,9 @@ def wants_auto(argv: Sequence[str]) -> bool:
 
 
 def _flag_set(word: str) -> str:
-    """The flag a word sets: ``--x=1`` sets ``--x``, an off switch (``--no-peakflat-sco``) its switch."""
-    name = word.split("=", 1)[0]
+    """The flag a word sets, as it is spelt today: ``--x=1`` sets ``--x``, an off switch (``--no-peakflat-sco``) its
+    switch, a former spelling (``--peakflat-opt-bucket``) the current flag (``--peakflat-optimizer-bucket``)."""
+    name = current_spelling(word.split("=", 1)[0])
     return "--" + name[len("--no-"):] if name.startswith("--no-peakflat-") else name
 
 

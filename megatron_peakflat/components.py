@@ -30,9 +30,9 @@ class Component:
     name: str
     """The one name everywhere: ``PeakflatConfig``'s field, ``enabled``'s key, the registry's ``Patch.component``."""
     label: str
-    """What logs and tables call it (``PipelinedLLEP``)."""
+    """What tables and messages call its algorithm (``PipelinedLLEP``); its log lines begin ``peakflat <name>:``."""
     title: str
-    """Its --help group, after 'peakflat: '."""
+    """Its --help group's heading, after 'peakflat <name>: '."""
     config: str | type
     """Its config class (a ``config_base.ComponentConfig``), or its ``module:Class`` path, imported on first use."""
     package: str

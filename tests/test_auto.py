@@ -82,6 +82,21 @@ def test_explicit_flags_win_over_the_choice():
     assert "set on the command line (--peakflat-dispatch megatron)" in choice.table()
 
 
+@pytest.mark.parametrize("spelling", ["--peakflat-optimizer-bucket", "--peakflat-opt-bucket"])
+def test_a_knob_the_line_sets_is_kept_in_its_current_or_former_spelling(spelling):
+    """The user's --peakflat-optimizer-bucket, or its former spelling --peakflat-opt-bucket, is the user's own
+    setting: auto adds no bucket of its own (which, coming after it, would override it) and reports it kept as
+    written."""
+    choice = auto.resolve(shlex.split(MODEL + " --seq-length 131072" + OFFLOAD + f" {spelling} 20M"), **MACHINE)
+    added = dict((g[0], g[1:]) for g in _groups(choice.added))
+    assert added["--peakflat-optimizer"] == ("offload-stream",)
+    assert not any("bucket" in f for f in added), added
+    assert "--peakflat-optimizer-bucket" in choice.kept
+    assert choice.final_config().optimizer.bucket == 20_000_000
+    kept = next(ln for ln in choice.table().splitlines() if "(kept as given):" in ln)
+    assert kept.endswith(f" {spelling} 20M"), kept
+
+
 LONG = MODEL.replace("--num-layers 2", "--num-layers 24").replace(" --global-batch-size 1", "") + " --seq-length 524288"
 NODE = {"gpus": 8, "gpus_per_node": 8, "hbm_bytes": 80 * GIB, "host_bytes_per_node": 2048 * GIB}
 

@@ -147,11 +147,13 @@ def test_bench_reads_peakflat_lines_under_megatrons_format_and_rank_prefix():
         "INFO:megatron_peakflat:peakflat: patched megatron.core.optimizer.HybridDeviceOptimizer: ...",
         "INFO:megatron_peakflat:[rank 0] peakflat dispatch: first MoE layer call: 4096 tokens here, K=2 chunks",
         "INFO:megatron_peakflat:[rank 1] peakflat dispatch: first MoE layer call: 4096 tokens here, K=2 chunks",
-        "WARNING:megatron_peakflat:[rank 1] peakflat SCO: --peakflat-sco-budget 8 GiB exceeds 4 GiB; clamped",
+        "WARNING:megatron_peakflat:[rank 1] peakflat sco: --peakflat-sco-budget 8 GiB exceeds 4 GiB; clamped",
         "peakflat vocab: Ring-DTP loss (schedule=auto, block=auto, kernel=auto); logits are not built",
+        "INFO:megatron_peakflat:peakflat SCO: TorchHostPool host pool (a log of 0.1.0)",
     ])
     assert parse_log(text)["peakflat_lines"] == [
         "peakflat dispatch: first MoE layer call: 4096 tokens here, K=2 chunks",
-        "peakflat SCO: --peakflat-sco-budget 8 GiB exceeds 4 GiB; clamped",
+        "peakflat sco: --peakflat-sco-budget 8 GiB exceeds 4 GiB; clamped",
         "peakflat vocab: Ring-DTP loss (schedule=auto, block=auto, kernel=auto); logits are not built",
+        "peakflat SCO: TorchHostPool host pool (a log of 0.1.0)",
     ]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megatron_peakflat.config_base import PeakflatConfigError
+from megatron_peakflat.config_base import PeakflatConfigError, parse_count
 from megatron_peakflat.runtime import meter
 from megatron_peakflat.planner.cli import build, main
 from megatron_peakflat.planner.model import GIB, RunConfig, plan
@@ -611,6 +611,25 @@ def test_recommended_flags_pass_startup_checks(capsys):
     rec = recommend(shape, run, pf)
     assert rec.config.optimizer.impl == "megatron"
     assert not any(f in rec.flags for f in megatron_flags + ["--peakflat-optimizer"]), rec.flags
+
+
+@pytest.mark.parametrize("where", ["planner", "megatron-args"])
+def test_the_optimizers_knobs_are_read_in_their_current_and_former_spelling(capsys, where):
+    """--peakflat-optimizer-bucket and its former spelling --peakflat-opt-bucket plan alike, as planner flags or
+    inside --megatron-args; the recommendation writes the current spelling."""
+    model = ["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16", "--hbm-gib", "141", "--host-gib", "2048"]
+    cfgs = []
+    for flag in ("--peakflat-optimizer-bucket", "--peakflat-opt-bucket"):
+        knob = [flag, "20M", flag.replace("bucket", "slots"), "2"]
+        _, _, pf, _, _ = build(model + (knob if where == "planner" else ["--megatron-args", " ".join(knob)]))
+        cfgs.append(pf.optimizer)
+    assert cfgs[0] == cfgs[1] and (cfgs[0].bucket, cfgs[0].slots) == (20_000_000, 2)
+    rc, out, _ = run_cli(capsys, *model, "--json")
+    doc = json.loads(out)
+    assert rc == 0 and "--peakflat-optimizer-bucket" in doc["recommended"]["flags"]
+    assert not [f for f in doc["recommended"]["flags"] if f.startswith("--peakflat-opt-")]
+    flags = doc["recommended"]["flags"]
+    assert doc["recommended"]["optimizer_bucket"] == parse_count(flags[flags.index("--peakflat-optimizer-bucket") + 1])
 
 
 def test_plot_writes_png(tmp_path, capsys):

@@ -20,7 +20,7 @@ def test_help_lists_megatron_and_peakflat_flags():
     out = run("megatron_peakflat.pretrain", "--help")
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in ("--num-experts", "--recompute-granularity", "--peakflat-dispatch", "--peakflat-vocab",
-                 "--peakflat-sco", "--peakflat-optimizer", "--peakflat-opt-bucket", "--peakflat-attention"):
+                 "--peakflat-sco", "--peakflat-optimizer", "--peakflat-optimizer-bucket", "--peakflat-attention"):
         assert flag in out.stdout, flag
 
 

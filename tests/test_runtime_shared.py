@@ -95,7 +95,7 @@ def test_a_cxx_only_region_is_registered_through_torch_once_and_unregistered_whe
 
 
 @pytest.mark.parametrize("owner, says", [("optimizer", "peakflat optimizer: pinning 4.00 KiB of host memory failed"),
-                                         ("sco", "peakflat SCO: native host pool is pageable")])
+                                         ("sco", "peakflat sco: native host pool is pageable")])
 def test_a_failed_registration_leaves_the_region_pageable_and_each_owner_says_so(monkeypatch, caplog, owner, says):
     from megatron_peakflat.optimizer.host_memory import HostRegion
     from megatron_peakflat.sco import NativeHostPool

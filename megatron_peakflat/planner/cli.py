@@ -408,7 +408,7 @@ def to_json(pl: Plan, rec: Recommendation) -> dict[str, Any]:
         "recommended": {"fits": rec.fits, "flags": rec.flags, "layout_flags": rec.layout_flags, "reasons": rec.reasons,
                         "chunk_cap": rec.config.dispatch.cap(pl.shape.topk), "vocab_block_size": rec.config.vocab.block_size,
                         "vocab_schedule": rec.plan.vocab_schedule, "sco_budget_gib": (rec.config.sco.budget or 0) / GIB,
-                        "opt_bucket": rec.config.optimizer.bucket, "opt_slots": rec.config.optimizer.slots,
+                        "optimizer_bucket": rec.config.optimizer.bucket, "optimizer_slots": rec.config.optimizer.slots,
                         "total_gib": rec.plan.worst("peakflat").total("peakflat") / GIB,
                         "guaranteed_total_gib": max(x.total("peakflat", guaranteed=True)
                                                     for x in rec.plan.stages) / GIB,
