@@ -91,7 +91,8 @@ class AutoChoice:
         guaranteed = max(s.total("peakflat", guaranteed=True) for s in pl.stages)
         base = pl.worst("baseline").total("baseline")
         lines.append(f"  predicted peak {st.total('peakflat') / 2**30:.1f} GiB per GPU ({guaranteed / 2**30:.1f} "
-                     f"whatever the routing), binding '{st.binding('peakflat')}'; Megatron alone "
+                     f"whatever the routing), binding '{components.term_label(st.binding('peakflat'))}'; "
+                     f"Megatron alone "
                      f"{base / 2**30:.1f} GiB ({'fits' if pl.fits('baseline') else 'does not fit'})")
         if not pl.fits("peakflat", guaranteed=True):
             lines.append(f"  warning: with the flags this command line sets itself, the run is predicted NOT to fit in "

@@ -96,9 +96,20 @@ def test_planner_and_peak_report_names_follow_the_table():
     from megatron_peakflat.integration.peaks import report_name
     from megatron_peakflat.planner.model import COMPONENTS as PLANNED
 
-    assert PLANNED == ("dispatch", "vocab", "boundaries", "optimizer", "attention backward")
-    assert report_name("sco") == report_name("recompute") == report_name("boundaries") == "boundaries"
+    assert PLANNED == ("dispatch", "vocab", "sco", "optimizer", "tile")
+    for c in COMPONENTS:  # each component-bound row, and the report's row, carries the component's name
+        assert c.planner_terms == (c.name,) and c.meters == (c.name,), c
+    # the rows' former names, under which a region may still be measured, report under the component's
+    assert report_name("sco") == report_name("recompute") == report_name("boundaries") == "sco"
+    assert report_name("tile") == report_name("attention backward") == "tile"
     assert report_name("dispatch") == "dispatch" and report_name("elsewhere") == "elsewhere"
+
+
+def test_a_component_row_prints_with_its_peak_where_its_name_does_not_say_it():
+    assert components.term_label("sco") == "sco (checkpoint boundaries)"
+    assert components.term_label("tile") == "tile (attention working set)"
+    assert [components.term_label(n) for n in ("dispatch", "vocab", "optimizer", "gradients")] == [
+        "dispatch", "vocab", "optimizer", "gradients"]
 
 
 def test_demo_and_auto_list_every_component():

@@ -29,7 +29,7 @@ def test_each_preset_runs(capsys, name):
     rc, out, _ = run_cli(capsys, "--preset", name, "--seq-len", "131072", "--gpus", "64")
     assert rc == (3 if "recommended: nothing fits" in out else 0)  # 3: NOTHING_FITS
     assert "binding peak" in out and "recommended" in out
-    for row in ("parameters", "optimizer", "boundaries", "dispatch", "vocab"):
+    for row in ("parameters", "optimizer", "sco (checkpoint boundaries)", "dispatch", "vocab"):
         assert row in out
 
 
@@ -57,7 +57,7 @@ def test_json_output_and_fit_logic(capsys):
     assert doc["run"]["seq_len"] == 65536 and doc["model"]["experts"] == 32
     st = doc["stages"][0]
     assert st["total_peakflat_gib"] < st["total_baseline_gib"]
-    assert set(st["rows"]) >= {"parameters", "gradients", "optimizer", "boundaries", "dispatch", "vocab"}
+    assert set(st["rows"]) >= {"parameters", "gradients", "optimizer", "sco", "dispatch", "vocab"}
     assert doc["recommended"]["fits"] is True and doc["recommended"]["total_gib"] <= 80
 
 
@@ -524,7 +524,7 @@ def test_sco_budget_is_the_boundaries_rounded_up_to_a_whole_gib():
     rec = recommend(shape, run)
     assert rec.config.sco.enabled and rec.config.sco.budget == 17 * GIB
     assert "17GiB" in rec.flags
-    assert rec.plan.stages[0].rows["boundaries"].host_peakflat == need
+    assert rec.plan.stages[0].rows["sco"].host_peakflat == need
 
 
 def test_sco_stays_on_where_the_run_fits_without_it_only_at_smaller_knobs():
@@ -685,7 +685,7 @@ def test_region_is_free_when_off(fake):
 def test_nested_regions_measure_true_peaks(fake):
     meter.enable(True)
     fake.alloc(1000)  # already allocated before any region
-    with meter.component_region("boundaries"):
+    with meter.component_region("sco"):
         fake.alloc(50)
         fake.free(50)           # outer transient of 50 before the inner region resets the counter
         with meter.component_region("dispatch"):
@@ -695,7 +695,7 @@ def test_nested_regions_measure_true_peaks(fake):
     with meter.component_region("dispatch"):
         fake.alloc(5)
     got = meter.measured()
-    assert got["boundaries"].delta == 50 and got["boundaries"].absolute == 1050
+    assert got["sco"].delta == 50 and got["sco"].absolute == 1050
     assert got["dispatch"].delta == 30 and got["dispatch"].calls == 2
     assert meter.process_peak() == 1050
     meter.reset()
@@ -1047,7 +1047,7 @@ def test_interleaving_holds_more_in_flight_and_its_flags_are_read():
     flat = plan(shape, RunConfig(seq_len=4096, pp=4, dp=1, global_batch=8))
     inter = plan(shape, RunConfig(seq_len=4096, pp=4, dp=1, global_batch=8, vpp=2))
     assert (flat.stages[0].inflight, inter.stages[0].inflight) == (4, 5.5)
-    assert inter.stages[0].rows["boundaries"].baseline == pytest.approx(flat.stages[0].rows["boundaries"].baseline * 5.5 / 4)
+    assert inter.stages[0].rows["sco"].baseline == pytest.approx(flat.stages[0].rows["sco"].baseline * 5.5 / 4)
     assert any("VPP=2" in n for n in inter.stages[0].notes)
     for flags, vpp in (("--num-virtual-stages-per-pipeline-rank 3", 3), ("--num-layers-per-virtual-pipeline-stage 2", 3),
                        ("--pipeline-model-parallel-layout 'E(t|)*23,tL'", 6)):

@@ -54,9 +54,9 @@ def test_gathered_kv_rows():
     assert n_work == pytest.approx(1.0)  # full recompute, one layer per checkpoint
     assert with_kv["layer working set"].peakflat - without["layer working set"].peakflat == pytest.approx(
         (S - T) * per_token)
-    assert with_kv["attention backward"].peakflat - without["attention backward"].peakflat == pytest.approx(
+    assert with_kv["tile"].peakflat - without["tile"].peakflat == pytest.approx(
         (S + S / 16 + 3 * S / 16 - 2 * S / 16) * per_token)
-    assert "cp_gathered_kv" in with_kv["attention backward"].source
+    assert "cp_gathered_kv" in with_kv["tile"].source
 
 
 def test_layout_flags_name_every_size_and_etp_where_it_differs():
@@ -185,7 +185,7 @@ def test_the_runtime_report_plans_per_rank_tokens_and_the_attention_that_runs(mo
         peaks._cache.clear()
         pl, _ = peaks.prediction(ns)
         assert pl.run.cp == 4 and pl.run.tokens == 32768 / 4 and pl.run.dp == 2
-        got[patched] = pl.stages[0].rows["attention backward"].peakflat
+        got[patched] = pl.stages[0].rows["tile"].peakflat
     shape = peaks.prediction(ns)[0].shape
     assert got[True] - got[False] == pytest.approx(M.cp_gathered_kv_backward(shape, peaks.prediction(ns)[0].run,
                                                                              _pf("sdpa")))

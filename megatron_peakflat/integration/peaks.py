@@ -7,8 +7,9 @@
     report(iteration, args, writer=tb_writer, wandb_writer=wandb_writer)
 
 Components measure their region with ``runtime.meter.component_region(name)``, ``name`` one of their
-``components.Component.meters`` or ``meter_aliases`` (``dispatch``, ``vocab``, ``boundaries`` for SCO, which
-takes ``sco`` too, and ``optimizer``). The
+``components.Component.meters`` or ``meter_aliases`` (each component's name, its planner row's: ``dispatch``,
+``vocab``, ``sco``, ``optimizer``, ``tile``; SCO takes ``boundaries`` and ``recompute`` too, the tile
+``attention backward``, their rows' former names). The
 prediction per component is the planner's peakflat row when the component is on and its baseline
 row when it is off, for this rank's pipeline stage, from Megatron's parsed args.
 """
@@ -36,7 +37,8 @@ _cache: dict[str, Any] = {}
 
 def report_name(meter_name: str) -> str:
     """The name a region measured as ``meter_name`` is reported under: its component's planner row
-    (``components.Component.meters``; ``sco`` and ``recompute`` report as ``boundaries``); other names as they are."""
+    (``components.Component.meters``; ``boundaries`` and ``recompute`` report as ``sco``, ``attention backward`` as
+    ``tile``); other names as they are."""
     return components.meter_names().get(meter_name, meter_name)
 
 

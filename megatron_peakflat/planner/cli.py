@@ -25,6 +25,7 @@ import sys
 from fractions import Fraction
 from typing import Any, Sequence
 
+from ..components import term_label
 from ..config import PeakflatConfig, add_args
 from ..integration import compat
 from ..config_base import PeakflatConfigError
@@ -330,34 +331,38 @@ def render(pl: Plan, rec: Recommendation) -> str:
         out.append("")
         out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight:g} micro-batch(es) in flight;"
                    "  GiB per rank")
-        out.append(f"  {'term':18s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
-        order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "attention backward",
+        width = max(18, *(len(term_label(n)) for n in st.rows))
+        out.append(f"  {'term':{width}s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
+        order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "tile",
                  "attention scores",
-                 "embedding gradient", "dispatcher probs", "dispatcher state", "boundaries", "dispatch", "vocab",
+                 "embedding gradient", "dispatcher probs", "dispatcher state", "sco", "dispatch", "vocab",
                  "reserve", "optimizer step", "probs at step", "model build"]
         for name in order + [n for n in st.rows if n not in order]:
             if name not in st.rows:
                 continue
             row = st.rows[name]
             mark = "*" if name in COMPONENTS else " "
-            out.append(f" {mark}{name:18s} {_gib(row.baseline)} {_gib(row.peakflat)} {_gib(row.bound)} "
-                       f"{_gib(row.host_peakflat)}  {row.phase}")
+            out.append(f" {mark}{term_label(name):{width}s} {_gib(row.baseline)} {_gib(row.peakflat)} "
+                       f"{_gib(row.bound)} {_gib(row.host_peakflat)}  {row.phase}")
         tb, tp_ = st.total("baseline"), st.total("peakflat")
-        out.append(f"  {'total':18s} {_gib(tb)} {_gib(tp_)} {'':9s} {_gib(st.host('peakflat'))}"
+        out.append(f"  {'total':{width}s} {_gib(tb)} {_gib(tp_)} {'':9s} {_gib(st.host('peakflat'))}"
                    f"  = max(persistent + max(layer + max(attention, moe, mlp), loss), step, build)")
         tg = st.total("peakflat", guaranteed=True)
-        out.append(f"  binding peak: baseline '{st.binding('baseline')}' ({'fits' if tb <= r.hbm_bytes else 'OOM'}), "
-                   f"peakflat '{st.binding('peakflat')}' ({'fits' if tp_ <= r.hbm_bytes else 'OOM'} as expected; "
+        out.append(f"  binding peak: baseline '{term_label(st.binding('baseline'))}' "
+                   f"({'fits' if tb <= r.hbm_bytes else 'OOM'}), "
+                   f"peakflat '{term_label(st.binding('peakflat'))}' "
+                   f"({'fits' if tp_ <= r.hbm_bytes else 'OOM'} as expected; "
                    f"{_gib(tg).strip()} GiB whatever the routing: {'fits' if tg <= r.hbm_bytes else 'OOM'})")
         for n in st.notes:
             out.append(f"  note: {n}")
     wb, wp = pl.worst("baseline"), pl.worst("peakflat")
     out.append("")
-    out.append(f"baseline: {wb.total('baseline') / GIB:.1f} GiB per GPU, binding peak '{wb.binding('baseline')}' -> "
+    out.append(f"baseline: {wb.total('baseline') / GIB:.1f} GiB per GPU, "
+               f"binding peak '{term_label(wb.binding('baseline'))}' -> "
                f"{'fits' if pl.fits('baseline') else 'does NOT fit'} in {r.hbm_bytes / GIB:.0f} GiB")
     guar = max(x.total("peakflat", guaranteed=True) for x in pl.stages)
     out.append(f"peakflat (every component that applies, at the knobs given or their defaults): "
-               f"{wp.total('peakflat') / GIB:.1f} GiB expected, binding peak '{wp.binding('peakflat')}'; "
+               f"{wp.total('peakflat') / GIB:.1f} GiB expected, binding peak '{term_label(wp.binding('peakflat'))}'; "
                f"{guar / GIB:.1f} GiB whatever the routing -> "
                f"{'fits' if pl.fits('peakflat', guaranteed=True) else 'does NOT fit'}")
     rw = rec.plan.worst("peakflat")
@@ -366,7 +371,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                    f"{max(x.total('peakflat', guaranteed=True) for x in rec.plan.stages) / GIB:.1f} GiB whatever "
                    "the routing, "
                    f"{max(x.host('peakflat') for x in rec.plan.stages) / GIB:.1f} GiB host per rank; "
-                   f"binding peak '{rw.binding('peakflat')}'")
+                   f"binding peak '{term_label(rw.binding('peakflat'))}'")
     else:
         out.append("recommended: nothing fits")
     out.append(flags_line(rec))
