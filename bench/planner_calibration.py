@@ -153,7 +153,7 @@ class Machine:
         """This process's GPU 0 (80 GiB and 132 SMs without one: what ``--peakflat auto`` assumes on CPU)."""
         import torch
 
-        from megatron_peakflat.planner.cli import local_host_gib
+        from megatron_peakflat.planner.build import local_host_gib
 
         host = int((local_host_gib() or 2048.0) * GIB)
         if torch.cuda.is_available():
@@ -179,7 +179,7 @@ def predict(flags: list[str], machine: Machine, added: list[str] | None = None) 
     from megatron_peakflat.auto import planner_argv, resolve, wants_auto
     from megatron_peakflat.config import PeakflatConfig
     from megatron_peakflat.integration.peaks import allocated_prediction
-    from megatron_peakflat.planner.cli import build
+    from megatron_peakflat.planner.build import build
     from megatron_peakflat.planner.megatron_args import megatron_parser
     from megatron_peakflat.planner.model import plan
 

@@ -204,7 +204,7 @@ def _machine() -> tuple[int, int, int, int]:
     Megatron selects next; without a GPU the planner's default (80 GiB) stands in and is logged. Host memory
     is the node's MemTotal: identical on every node of a homogeneous job, so every rank plans alike.
     """
-    from .planner.cli import local_host_gib
+    from .planner.build import local_host_gib
 
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
@@ -233,7 +233,7 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
     training machine's truth: TE's or apex's FusedAdam, else torch's), not the planner's default. Raises
     PeakflatConfigError naming ``--peakflat auto`` when nothing fits, with the planner's reasons and fixes, or when
     the planner cannot read the command line."""
-    from .planner.cli import build
+    from .planner.build import build
     from .planner.megatron_args import MissingModelFlags
     from .planner.recommend import recommend
 
@@ -303,7 +303,7 @@ def _layout(run: Any) -> str:
 
 def _picked_layout(args: list[str]) -> str:
     """Where the layout the planner would pick for these GPUs fits, that layout's flags, as a fix."""
-    from .planner.cli import build
+    from .planner.build import build
     from .planner.recommend import recommend
 
     pick = list(args)

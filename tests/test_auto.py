@@ -10,7 +10,7 @@ import pytest
 
 from megatron_peakflat import auto
 from megatron_peakflat.config_base import PeakflatConfigError
-from megatron_peakflat.planner.cli import main as plan_main
+from megatron_peakflat.cli.plan import main as plan_main
 
 GIB = 2**30
 MODEL = ("--num-layers 2 --hidden-size 2880 --num-attention-heads 64 --group-query-attention --num-query-groups 8 "

@@ -113,7 +113,7 @@ def test_a_component_row_prints_with_its_peak_where_its_name_does_not_say_it():
 
 
 def test_demo_and_auto_list_every_component():
-    from megatron_peakflat import demo
+    from megatron_peakflat.cli import demo
 
     assert [p[2] for p in demo.PEAKS] == list(components.names())
 

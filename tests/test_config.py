@@ -561,7 +561,7 @@ def test_a_value_starting_with_a_dash_meets_the_flags_own_check(argv, message, c
     argument"; peakflat's flags take it as they take '--peakflat-sco-budget=-1GiB', and their check names it."""
     from megatron.training.arguments import parse_args
 
-    from megatron_peakflat.pretrain import extra_args_provider
+    from megatron_peakflat.cli.pretrain import extra_args_provider
 
     monkeypatch.setattr("sys.argv", ["pretrain", *argv])
     with pytest.raises(SystemExit):
@@ -573,7 +573,7 @@ def test_a_value_starting_with_a_dash_meets_the_flags_own_check(argv, message, c
 def test_a_negative_number_reaches_the_config_check_and_other_flags_keep_argparses_rules(capsys, monkeypatch):
     from megatron.training.arguments import parse_args
 
-    from megatron_peakflat.pretrain import extra_args_provider
+    from megatron_peakflat.cli.pretrain import extra_args_provider
 
     monkeypatch.setattr("sys.argv", ["pretrain", "--peakflat-dispatch-alpha", "-1e3", "--lr", "1e-4"])
     args = parse_args(extra_args_provider)

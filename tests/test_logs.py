@@ -122,7 +122,7 @@ def test_a_refused_apply_leaves_logging_as_it_was():
 def test_pretrain_logs_in_megatrons_format_from_rank_0_only():
     """``python -m megatron_peakflat.pretrain`` sets up logging as Megatron's training does (its handler on stdout,
     ``LEVEL:logger:message``) with the rank filter already on, so that its first lines come from rank 0 only."""
-    code = ("import logging; from megatron_peakflat import pretrain; pretrain._setup_logging([]); "
+    code = ("import logging; from megatron_peakflat.cli import pretrain; pretrain._setup_logging([]); "
             "log = logging.getLogger('megatron_peakflat'); log.info('peakflat: shared'); "
             "log.info('peakflat: mine', extra={'per_rank': True})")
     out = {}

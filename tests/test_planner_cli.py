@@ -11,7 +11,8 @@ import pytest
 
 from megatron_peakflat.config_base import PeakflatConfigError, parse_count
 from megatron_peakflat.runtime import meter
-from megatron_peakflat.planner.cli import build, main
+from megatron_peakflat.cli.plan import main
+from megatron_peakflat.planner.build import build
 from megatron_peakflat.planner.model import GIB, RunConfig, plan
 from megatron_peakflat.planner.recommend import recommend
 from megatron_peakflat.planner.shapes import PRESETS, ModelShape
@@ -912,7 +913,7 @@ def test_startup_advises_leaving_off_the_host_components_the_run_fits_without(mo
     ns = megatron_parser().parse_known_args(argv)[0]
     ns.world_size, ns.data_parallel_size = 1, 1
     monkeypatch.setattr(peaks, "_hbm_bytes", lambda: hbm_gib * GIB)
-    monkeypatch.setattr("megatron_peakflat.planner.cli.local_host_gib", lambda: 126.0)
+    monkeypatch.setattr("megatron_peakflat.planner.build.local_host_gib", lambda: 126.0)
     state.set_current(PeakflatConfig.from_args(ns, validate=False))
     peaks._cache.clear()
     line = peaks.advise(ns)
@@ -1174,13 +1175,14 @@ def test_no_megatron_flag_is_taken_for_a_typo_of_one_the_planner_reads():
     assert not {o: m for o, m in near.items() if m}
 
 
-def test_the_planner_runs_as_a_module_of_its_own():
-    """``python -m megatron_peakflat.planner.cli`` is the planner too (as ``python -m megatron_peakflat.plan``)."""
+@pytest.mark.parametrize("module", ["megatron_peakflat.plan", "megatron_peakflat.cli.plan"])
+def test_the_planner_runs_as_a_module_of_its_own(module):
+    """``python -m megatron_peakflat.plan`` (the short spelling) and ``python -m megatron_peakflat.cli.plan`` (where
+    its code lives) are the same planner."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "megatron_peakflat.planner.cli", "--list-presets"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", module, "--list-presets"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "deepseek-v3" in out.stdout, out.stderr[-2000:]
 
 
@@ -1188,7 +1190,7 @@ def test_the_planner_runs_as_a_module_of_its_own():
 def test_every_flag_line_the_planner_prints_is_labelled(capsys, hbm, fits):
     """A flag line with no label after 'does NOT fit' reads as one to paste: the recommendation's line says whether
     its flags are to add or were tried and do not fit."""
-    from megatron_peakflat.planner.cli import FLAGS_LABEL, TRIED_LABEL, main
+    from megatron_peakflat.planner.report import FLAGS_LABEL, TRIED_LABEL
 
     assert main(["--preset", "gpt-oss-20b", "--seq-len", "131072", "--gpus", "8", "--hbm-gib", hbm]) == (0 if fits else 3)
     lines = capsys.readouterr().out.splitlines()

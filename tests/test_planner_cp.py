@@ -11,7 +11,9 @@ import pytest
 from megatron_peakflat import PeakflatConfig
 from megatron_peakflat.config import GeneralConfig
 from megatron_peakflat.planner import model as M
-from megatron_peakflat.planner.cli import FLAGS_LABEL, TRIED_LABEL, build, main, render
+from megatron_peakflat.cli.plan import main
+from megatron_peakflat.planner.build import build
+from megatron_peakflat.planner.report import FLAGS_LABEL, TRIED_LABEL, render
 from megatron_peakflat.planner.recommend import layout_flags, recommend
 from megatron_peakflat.planner.shapes import preset
 
@@ -153,7 +155,7 @@ def test_the_recommended_line_reproduces_the_plan(capsys, argv, model):
 def test_layout_flags_are_apart_from_the_knobs():
     """``rec.flags`` stays the list of flags a run adds (the knobs and what they need); the layout is its own list,
     printed first on the same line, and in the JSON beside the flags."""
-    from megatron_peakflat.planner.cli import to_json
+    from megatron_peakflat.planner.report import to_json
 
     shape, run, pf, ns, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16", "--hbm-gib", "80",
                                    "--host-gib", "1024"])

@@ -94,7 +94,7 @@ def prediction(args: Any) -> tuple[Plan, str]:
     """The planner's plan for this run (cached) and this rank's stage name ('only', 'first', 'last', or the
     'middle N' stage the plan holds)."""
     if "plan" not in _cache:
-        from ..planner.cli import local_host_gib
+        from ..planner.build import local_host_gib
         from ..planner.megatron_args import run_fields_from_namespace, shape_from_namespace
 
         shape = _shape(args, shape_from_namespace)
