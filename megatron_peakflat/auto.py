@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from . import components
 from .config import _COMPONENTS, current_spelling
 from .config_base import PeakflatConfigError, flag_name, format_bytes
+from .runtime import machine
 
 __all__ = ["AutoChoice", "NothingFits", "NOTHING_FITS", "resolve", "auto_argv", "wants_auto", "planner_argv", "resolved_in_this_process"]
 
@@ -204,10 +205,8 @@ def _machine() -> tuple[int, int, int, int]:
     Megatron selects next; without a GPU the planner's default (80 GiB) stands in and is logged. Host memory
     is the node's MemTotal: identical on every node of a homogeneous job, so every rank plans alike.
     """
-    from .planner.build import local_host_gib
-
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local = machine.local_world_size(default=1)
     hbm = None
     try:
         import torch
@@ -221,8 +220,8 @@ def _machine() -> tuple[int, int, int, int]:
     if hbm is None:
         log.info("peakflat auto: no GPU visible; planning for 80 GiB per GPU")
         hbm = 80 * 2**30
-    host = local_host_gib()
-    return world, local, hbm, int((host if host is not None else 2048.0) * 2**30)
+    host = machine.mem_total()
+    return world, local, hbm, host if host is not None else 2048 * 2**30
 
 
 def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int | None = None,

@@ -913,7 +913,7 @@ def test_startup_advises_leaving_off_the_host_components_the_run_fits_without(mo
     ns = megatron_parser().parse_known_args(argv)[0]
     ns.world_size, ns.data_parallel_size = 1, 1
     monkeypatch.setattr(peaks, "_hbm_bytes", lambda: hbm_gib * GIB)
-    monkeypatch.setattr("megatron_peakflat.planner.build.local_host_gib", lambda: 126.0)
+    monkeypatch.setattr("megatron_peakflat.runtime.machine.mem_total", lambda path=None: 126 * GIB)
     state.set_current(PeakflatConfig.from_args(ns, validate=False))
     peaks._cache.clear()
     line = peaks.advise(ns)

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from ..config import PeakflatConfig, add_args
 from ..config_base import PeakflatConfigError
 from ..integration import compat
+from ..runtime import machine
 from . import te_limits
 from .megatron_args import PRESET_MARK, is_command_line, parse_megatron_args, run_fields_from_namespace, \
     shape_from_namespace
@@ -54,15 +55,10 @@ def local_hbm_gib() -> float | None:
 
 
 def local_host_gib() -> float | None:
-    """MemTotal of this machine in GiB (no torch import); None where /proc/meminfo is unreadable."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        return None
-    return None
+    """MemTotal of this machine in GiB (``runtime.machine.mem_total``: no torch import); None where /proc/meminfo
+    is unreadable."""
+    total = machine.mem_total()
+    return None if total is None else total / GIB
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
