@@ -310,7 +310,18 @@ def flags_document() -> str:
             "auto` makes the core attention of Megatron's local spec torch's SDPA (`local` keeps Megatron's). A bad\n"
             "value or a combination that cannot run fails at start-up, naming the flag, the value and the fix.\n"
             "Sizes take units (`16GiB`, `512MiB`, `2e9`); counts take suffixes (`50M`, `2.5B`).\n\n"
-            + flags_markdown() + "\n")
+            + flags_markdown() + "\n" + _former_note())
+
+
+def _former_note() -> str:
+    """docs/flags.md's closing note: the former spellings still read (``FORMER_PREFIXES``), by component."""
+    renamed = {f"`--peakflat-{old}-*`": f"`--peakflat-{comp.PREFIX}-*`" for comp in _component_configs().values()
+               for old in comp.FORMER_PREFIXES}
+    if not renamed:
+        return ""
+    pairs = ", ".join(f"{old} (now {new})" for old, new in renamed.items())
+    return (f"\nFormer spellings, still read with one warning each per process: {pairs}. They are left out of "
+            "`--help`.\n")
 
 
 if __name__ == "__main__":

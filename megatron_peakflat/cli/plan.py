@@ -54,7 +54,7 @@ def _main(argv: Sequence[str] | None, status: list[int]) -> int:
         shape, run, pf, ns, ignored = build(argv)
         if ns.plot and not plot_available():
             raise PeakflatConfigError("--plot", ns.plot, "needs matplotlib, which is not installed here",
-                       "pip install 'megatron-peakflat[plot]' (or pip install matplotlib), or drop --plot")
+                                      "pip install 'megatron-peakflat[plot]' (or pip install matplotlib), or drop --plot")
     except PeakflatConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
