@@ -434,7 +434,7 @@ class Driver:
             return None
         try:
             from megatron_peakflat.integration.peaks import allocated_prediction
-            from megatron_peakflat.planner.cli import build
+            from megatron_peakflat.planner.build import build
             from megatron_peakflat.planner.model import plan
 
             hbm = _gpu_bytes() or 80 * GIB

@@ -11,7 +11,8 @@ from ``megatron_peakflat.planner.model`` itself (``plan`` or the term's function
 typed here. Terms (``--terms``):
 
 - ``state``: parameters + gradients + Adam state of a small fp32 torch model shaped like the planner's layers;
-- ``boundaries``: checkpoint boundaries of a bf16 block stack under ``torch.utils.checkpoint`` (full recompute);
+- ``sco``: checkpoint boundaries of a bf16 block stack under ``torch.utils.checkpoint`` (full recompute), the
+  planner's ``sco`` row (rows written before the planner's rows took their component's name say ``boundaries``);
 - ``vocab``: Megatron's ``vocab_parallel_cross_entropy`` on a 1-rank group (native and fused), and
   Ring-DTP (``megatron_peakflat.vocab``);
 - ``dispatch``: forward + backward of one Megatron MoELayer (local spec, SequentialMLP, bf16, SwiGLU)
@@ -22,7 +23,7 @@ typed here. Terms (``--terms``):
   forward and backward into the recompute). Measured: the step's peak above the inputs (the layer
   output is held through backward). Predicted: the plan's dispatch row for that recompute setting
   (``peakflat``: ``llep_expected_working_set``; ``extra.bound_gib``: ``working_set_bound``), plus,
-  under full recompute, the plan's boundaries row of this one layer (its no-grad output, alive while
+  under full recompute, the plan's sco row (boundaries) of this one layer (its no-grad output, alive while
   it recomputes). The measurement also holds the router's [T, E] tensors, which the planner counts in
   its 'layer working set' row (~3% here);
 - ``optimizer``: one step of ``OffloadStreamAdamW(engine='gpu')`` on a ~70M-parameter bf16 model after
@@ -57,7 +58,7 @@ from megatron_peakflat.planner.shapes import ModelShape  # noqa: E402
 DEV = torch.device("cuda")
 DRY = False
 """--dry-run: CPU tensors, LiveBytesMeter instead of the CUDA allocator's statistics."""
-TERMS = ("state", "boundaries", "vocab", "dispatch", "optimizer")
+TERMS = ("state", "sco", "vocab", "dispatch", "optimizer")
 
 
 def peak_of(fn: Callable[[], Any]) -> float:
@@ -145,7 +146,7 @@ def bench_model_state(s: ModelShape) -> list[Row]:
     return rows
 
 
-def bench_boundaries(S: int = 32768, h: int = 4096, L: int = 8, b: int = 1) -> list[Row]:
+def bench_sco(S: int = 32768, h: int = 4096, L: int = 8, b: int = 1) -> list[Row]:
     from torch.utils.checkpoint import checkpoint
 
     shape = ModelShape(name="ckpt", hidden=h, layers=L, heads=32, kv_heads=32, head_dim=128, ffn=4 * h, vocab=1000,
@@ -163,8 +164,8 @@ def bench_boundaries(S: int = 32768, h: int = 4096, L: int = 8, b: int = 1) -> l
 
     live = kept_by(forward)
     held.clear()
-    pred = plan(shape, RunConfig(seq_len=S, micro_batch=b, recompute="full")).stages[0].rows["boundaries"].baseline
-    return [row(f"S={S},H={h},L={L},bf16", "megatron-full-recompute", live, pred, "boundaries")]
+    pred = plan(shape, RunConfig(seq_len=S, micro_batch=b, recompute="full")).stages[0].rows["sco"].baseline
+    return [row(f"S={S},H={h},L={L},bf16", "megatron-full-recompute", live, pred, "sco")]
 
 
 def _one_rank_group():  # noqa: ANN202
@@ -271,8 +272,8 @@ def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096,
                 run = RunConfig(seq_len=T, precision="bf16", recompute=regime)
                 pr = plan(shape, run, pf).stages[0].rows
                 # Under full recompute the layer's no-grad output (the next checkpoint boundary, the plan's
-                # 'boundaries' row for this one layer) is alive while the layer recomputes.
-                held = pr["boundaries"].baseline if regime == "full" else 0.0
+                # 'sco' row for this one layer) is alive while the layer recomputes.
+                held = pr["sco"].baseline if regime == "full" else 0.0
                 predicted, bound = pr["dispatch"].peakflat + held, pr["dispatch"].bound + held
                 K, c = M.llep_chunks(shape, run, pf)
                 measured_at[T] = (measured, predicted, bound)
@@ -389,8 +390,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             if term == "state":
                 rows += bench_model_state(STATE_DRY if DRY else STATE)
-            elif term == "boundaries":
-                rows += bench_boundaries(256, 64, 4, 2) if DRY else bench_boundaries()
+            elif term == "sco":
+                rows += bench_sco(256, 64, 4, 2) if DRY else bench_sco()
             elif term == "vocab":
                 rows += bench_vocab(512, 64, 4096) if DRY else bench_vocab()
             elif term == "dispatch":

@@ -153,9 +153,9 @@ class Machine:
         """This process's GPU 0 (80 GiB and 132 SMs without one: what ``--peakflat auto`` assumes on CPU)."""
         import torch
 
-        from megatron_peakflat.planner.cli import local_host_gib
+        from megatron_peakflat.runtime.machine import mem_total
 
-        host = int((local_host_gib() or 2048.0) * GIB)
+        host = mem_total() or 2048 * GIB
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
             return Machine(props.name, int(torch.cuda.mem_get_info(0)[1]), host, props.multi_processor_count)
@@ -179,7 +179,7 @@ def predict(flags: list[str], machine: Machine, added: list[str] | None = None) 
     from megatron_peakflat.auto import planner_argv, resolve, wants_auto
     from megatron_peakflat.config import PeakflatConfig
     from megatron_peakflat.integration.peaks import allocated_prediction
-    from megatron_peakflat.planner.cli import build
+    from megatron_peakflat.planner.build import build
     from megatron_peakflat.planner.megatron_args import megatron_parser
     from megatron_peakflat.planner.model import plan
 

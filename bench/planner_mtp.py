@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_peakflat.config import PeakflatConfig  # noqa: E402
-from megatron_peakflat.planner.cli import build  # noqa: E402
+from megatron_peakflat.planner.build import build  # noqa: E402
 from megatron_peakflat.planner.model import GIB, StagePlan, plan  # noqa: E402
 from megatron_peakflat.vocab.config import VocabConfig  # noqa: E402
 

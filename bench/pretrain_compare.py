@@ -111,7 +111,8 @@ def parse_log(text: str) -> dict:
         "max_allocated_mib": mem[1] if mem else None,
         "peakflat_lines": list(dict.fromkeys(  # what the components said they did, once each
             ln for ln in (_LOG_PREFIX.sub("", raw.strip()) for raw in text.splitlines())
-            if ln.startswith(("peakflat dispatch:", "peakflat vocab:", "peakflat SCO", "peakflat optimizer:", "peakflat peaks"))))[:16],
+            if ln.startswith(("peakflat dispatch:", "peakflat vocab:", "peakflat sco", "peakflat SCO",  # logs of 0.1.0
+                              "peakflat optimizer:", "peakflat peaks"))))[:16],
         "oom": oom_of(text),
         "timers_ms": timers_of(text),
     }
@@ -149,8 +150,10 @@ def _machine() -> dict:
     """Where the runs ran: the harness's device and versions, GPU count and host memory."""
     import torch
 
-    mem = re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text()) if Path("/proc/meminfo").exists() else None
-    return {**environment(), "gpus": torch.cuda.device_count(), "host_mem_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None}
+    from megatron_peakflat.runtime.machine import mem_total
+
+    mem = mem_total()
+    return {**environment(), "gpus": torch.cuda.device_count(), "host_mem_gib": round(mem / 2**30, 1) if mem else None}
 
 
 def _write(results: dict, name: str) -> Path:

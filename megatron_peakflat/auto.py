@@ -22,8 +22,9 @@ import shlex
 from typing import Any, Sequence
 
 from . import components
-from .config import _COMPONENTS
+from .config import _COMPONENTS, current_spelling
 from .config_base import PeakflatConfigError, flag_name, format_bytes
+from .runtime import machine
 
 __all__ = ["AutoChoice", "NothingFits", "NOTHING_FITS", "resolve", "auto_argv", "wants_auto", "planner_argv", "resolved_in_this_process"]
 
@@ -32,8 +33,11 @@ log = logging.getLogger("megatron_peakflat")
 FLAG = "--peakflat"
 _SWITCHES = {name: flag_name(cls, cls.MODE_FIELD) for name, cls in _COMPONENTS.items() if cls.MODE_FIELD}
 """Each component's switch (``--peakflat-dispatch``, ..., ``--peakflat-optimizer``), from its config class."""
-_COMPONENT_PREFIXES = {name: (_SWITCHES[name], f"--peakflat-{_COMPONENTS[name].PREFIX}-") for name in _SWITCHES}
-"""The flags of each component: its switch and its knobs (``--peakflat-<PREFIX>-*``)."""
+_COMPONENT_PREFIXES = {name: (_SWITCHES[name], *(f"--peakflat-{p}-" for p in (_COMPONENTS[name].PREFIX,
+                                                                               *_COMPONENTS[name].FORMER_PREFIXES)))
+                       for name in _SWITCHES}
+"""The flags of each component: its switch and its knobs (``--peakflat-<PREFIX>-*``, and their former spellings,
+``FORMER_PREFIXES``, which a user's command line may still hold)."""
 _resolved: list["AutoChoice"] = []
 
 NOTHING_FITS = 3
@@ -88,7 +92,8 @@ class AutoChoice:
         guaranteed = max(s.total("peakflat", guaranteed=True) for s in pl.stages)
         base = pl.worst("baseline").total("baseline")
         lines.append(f"  predicted peak {st.total('peakflat') / 2**30:.1f} GiB per GPU ({guaranteed / 2**30:.1f} "
-                     f"whatever the routing), binding '{st.binding('peakflat')}'; Megatron alone "
+                     f"whatever the routing), binding '{components.term_label(st.binding('peakflat'))}'; "
+                     f"Megatron alone "
                      f"{base / 2**30:.1f} GiB ({'fits' if pl.fits('baseline') else 'does not fit'})")
         if not pl.fits("peakflat", guaranteed=True):
             lines.append(f"  warning: with the flags this command line sets itself, the run is predicted NOT to fit in "
@@ -147,8 +152,9 @@ def wants_auto(argv: Sequence[str]) -> bool:
 
 
 def _flag_set(word: str) -> str:
-    """The flag a word sets: ``--x=1`` sets ``--x``, an off switch (``--no-peakflat-sco``) its switch."""
-    name = word.split("=", 1)[0]
+    """The flag a word sets, as it is spelt today: ``--x=1`` sets ``--x``, an off switch (``--no-peakflat-sco``) its
+    switch, a former spelling (``--peakflat-opt-bucket``) the current flag (``--peakflat-optimizer-bucket``)."""
+    name = current_spelling(word.split("=", 1)[0])
     return "--" + name[len("--no-"):] if name.startswith("--no-peakflat-") else name
 
 
@@ -199,10 +205,8 @@ def _machine() -> tuple[int, int, int, int]:
     Megatron selects next; without a GPU the planner's default (80 GiB) stands in and is logged. Host memory
     is the node's MemTotal: identical on every node of a homogeneous job, so every rank plans alike.
     """
-    from .planner.cli import local_host_gib
-
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local = machine.local_world_size(default=1)
     hbm = None
     try:
         import torch
@@ -216,8 +220,8 @@ def _machine() -> tuple[int, int, int, int]:
     if hbm is None:
         log.info("peakflat auto: no GPU visible; planning for 80 GiB per GPU")
         hbm = 80 * 2**30
-    host = local_host_gib()
-    return world, local, hbm, int((host if host is not None else 2048.0) * 2**30)
+    host = machine.mem_total()
+    return world, local, hbm, host if host is not None else 2048 * 2**30
 
 
 def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int | None = None,
@@ -228,7 +232,7 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
     training machine's truth: TE's or apex's FusedAdam, else torch's), not the planner's default. Raises
     PeakflatConfigError naming ``--peakflat auto`` when nothing fits, with the planner's reasons and fixes, or when
     the planner cannot read the command line."""
-    from .planner.cli import build
+    from .planner.build import build
     from .planner.megatron_args import MissingModelFlags
     from .planner.recommend import recommend
 
@@ -298,7 +302,7 @@ def _layout(run: Any) -> str:
 
 def _picked_layout(args: list[str]) -> str:
     """Where the layout the planner would pick for these GPUs fits, that layout's flags, as a fix."""
-    from .planner.cli import build
+    from .planner.build import build
     from .planner.recommend import recommend
 
     pick = list(args)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config_base import ComponentConfig
 
-__all__ = ["Component", "COMPONENTS", "names", "get", "planner_terms", "meter_names"]
+__all__ = ["Component", "COMPONENTS", "names", "get", "planner_terms", "meter_names", "term_label"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +30,9 @@ class Component:
     name: str
     """The one name everywhere: ``PeakflatConfig``'s field, ``enabled``'s key, the registry's ``Patch.component``."""
     label: str
-    """What logs and tables call it (``PipelinedLLEP``)."""
+    """What tables and messages call its algorithm (``PipelinedLLEP``); its log lines begin ``peakflat <name>:``."""
     title: str
-    """Its --help group, after 'peakflat: '."""
+    """Its --help group's heading, after 'peakflat <name>: '."""
     config: str | type
     """Its config class (a ``config_base.ComponentConfig``), or its ``module:Class`` path, imported on first use."""
     package: str
@@ -40,7 +40,7 @@ class Component:
     on: Any
     """The value of the config's mode field (``MODE_FIELD``, the ``--peakflat-<MODE_FLAG>`` switch) that turns it on."""
     planner_terms: tuple[str, ...] = ()
-    """The planner's rows that it bounds (``planner.model``)."""
+    """The planner's rows that it bounds (``planner.model``), named for it: ``(name,)``."""
     off_term_is_baseline: bool = True
     """Whether the planner sets its rows' peakflat column to Megatron's baseline while it is off (the optimizer row
     decides that itself: the output layer's EP shard changes Megatron's optimizer too)."""
@@ -48,9 +48,11 @@ class Component:
     """The names it measures under in ``runtime.meter`` and reports under in the runtime peak report (a planner row's
     name, so the report sets the prediction beside it)."""
     meter_aliases: tuple[str, ...] = ()
-    """Other names a region of it may be measured under, reported as ``meters[0]``."""
+    """Other names a region of it may be measured under, reported as ``meters[0]`` (its planner rows' former
+    names among them: ``boundaries`` for SCO, ``attention backward`` for the tile)."""
     peak: str = ""
-    """The memory peak it bounds, in the demo's table."""
+    """The memory peak it bounds, in the demo's table, and beside its planner row's name where the name alone does
+    not say it (``term_label``)."""
     replaces: str = ""
     """The Megatron part whose peak that is, in the demo's table."""
 
@@ -94,7 +96,7 @@ COMPONENTS: tuple[Component, ...] = (
               peak="vocabulary projection", replaces="output layer + cross-entropy"),
     Component("sco", "SCO", "SCO checkpoint-boundary offload",
               "megatron_peakflat.sco.config:SCOConfig", "sco", on=True,
-              planner_terms=("boundaries",), meters=("boundaries",), meter_aliases=("sco", "recompute"),
+              planner_terms=("sco",), meters=("sco",), meter_aliases=("boundaries", "recompute"),
               peak="checkpoint boundaries", replaces="full-recompute boundary inputs"),
     Component("optimizer", "OffloadStreamAdamW", "OffloadStreamAdamW",
               "megatron_peakflat.optimizer.config:OptimizerConfig", "optimizer", on="offload-stream",
@@ -102,8 +104,8 @@ COMPONENTS: tuple[Component, ...] = (
               peak="optimizer state", replaces="Adam state on the GPU / HybridDeviceOptimizer"),
     Component("tile", "TiledAttention", "tiled attention sublayer",
               "megatron_peakflat.tile.config:TileConfig", "tile", on=True,
-              planner_terms=("attention backward",), meters=("attention backward",), meter_aliases=("tile",),
-              peak="layer working set", replaces="attention sublayer over the whole sequence"),
+              planner_terms=("tile",), meters=("tile",), meter_aliases=("attention backward",),
+              peak="attention working set", replaces="attention sublayer over the whole sequence"),
 )
 """Every component, in the order flags, tables and logs list them."""
 
@@ -124,6 +126,16 @@ def get(name: str) -> Component:
 def planner_terms() -> tuple[str, ...]:
     """The planner rows that some component bounds, in table order."""
     return tuple(t for c in COMPONENTS for t in c.planner_terms)
+
+
+def term_label(term: str) -> str:
+    """A planner row as tables and messages print it: a component's row (named for the component) with the peak it
+    bounds beside the name where the name does not already say it (``sco (checkpoint boundaries)``; ``dispatch``
+    stays ``dispatch``); any other row as it is."""
+    for c in COMPONENTS:
+        if term in c.planner_terms and c.peak and c.name not in c.peak:
+            return f"{term} ({c.peak})"
+    return term
 
 
 def meter_names() -> dict[str, str]:

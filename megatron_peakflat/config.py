@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
 from . import components
-from .config_base import (ComponentConfig, PeakflatConfigError, cuda_graph_flag, megatron_arg, read_dash_values,
-                          shown_default)
+from .config_base import (ComponentConfig, PeakflatConfigError, cuda_graph_flag, former_flags, megatron_arg,
+                          read_dash_values, shown_default)
 
 if TYPE_CHECKING:
     from .dispatch.config import DispatchConfig
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("megatron_peakflat")
 
-__all__ = ["PeakflatConfig", "GeneralConfig", "add_args", "PeakflatConfigError"]
+__all__ = ["PeakflatConfig", "GeneralConfig", "add_args", "PeakflatConfigError", "current_spelling"]
 
 
 @dataclass(kw_only=True)
@@ -111,11 +112,28 @@ class PeakflatConfig(_ComponentFields):  # type: ignore[misc,valid-type]
         return dataclasses.asdict(self)
 
 
+def current_spelling(flag: str) -> str:
+    """The flag ``flag`` is today: a former spelling of a component's knob (``FORMER_PREFIXES``: ``--peakflat-opt-
+    bucket``, or ``--no-`` before one) as its current one, any other flag unchanged."""
+    negative = flag.startswith("--no-peakflat-")
+    name = "--" + flag[len("--no-"):] if negative else flag
+    now = _former_spellings().get(name)
+    if now is None:
+        return flag
+    return "--no-" + now[2:] if negative else now
+
+
+@functools.cache
+def _former_spellings() -> dict[str, str]:
+    return {old: new for comp in _component_configs().values() for old, new in former_flags(comp).items()}
+
+
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every ``--peakflat-*`` flag. Usable as Megatron's ``extra_args_provider``."""
+    """Add every ``--peakflat-*`` flag. Usable as Megatron's ``extra_args_provider``. Each component's flags form
+    one --help group, headed by its name (``peakflat optimizer: OffloadStreamAdamW``)."""
     parts = _component_configs()
-    titles = {**{c.name: c.title for c in components.COMPONENTS}, "general": "general"}
-    groups = {name: parser.add_argument_group("peakflat: " + titles[name]) for name in parts}
+    titles = {**{c.name: f"peakflat {c.name}: {c.title}" for c in components.COMPONENTS}, "general": "peakflat: general"}
+    groups = {name: parser.add_argument_group(titles[name]) for name in parts}
     groups["general"].add_argument(
         "--peakflat", choices=["auto", "manual"], default="manual", dest="peakflat",
         help="auto: turn on the components and knobs that the peak planner recommends for this run on this "
@@ -272,7 +290,7 @@ def flags_markdown() -> str:
     parser = add_args(argparse.ArgumentParser(add_help=False))
     rows = ["| flag | default | what it does |", "|---|---|---|"]
     for action in parser._actions:
-        if not action.option_strings:
+        if not action.option_strings or action.help == argparse.SUPPRESS:  # a former spelling's alias
             continue
         flag = " / ".join(f"`{o}`" for o in action.option_strings)
         choices = f" ({', '.join(map(str, action.choices))})" if action.choices else ""
@@ -292,7 +310,18 @@ def flags_document() -> str:
             "auto` makes the core attention of Megatron's local spec torch's SDPA (`local` keeps Megatron's). A bad\n"
             "value or a combination that cannot run fails at start-up, naming the flag, the value and the fix.\n"
             "Sizes take units (`16GiB`, `512MiB`, `2e9`); counts take suffixes (`50M`, `2.5B`).\n\n"
-            + flags_markdown() + "\n")
+            + flags_markdown() + "\n" + _former_note())
+
+
+def _former_note() -> str:
+    """docs/flags.md's closing note: the former spellings still read (``FORMER_PREFIXES``), by component."""
+    renamed = {f"`--peakflat-{old}-*`": f"`--peakflat-{comp.PREFIX}-*`" for comp in _component_configs().values()
+               for old in comp.FORMER_PREFIXES}
+    if not renamed:
+        return ""
+    pairs = ", ".join(f"{old} (now {new})" for old, new in renamed.items())
+    return (f"\nFormer spellings, still read with one warning each per process: {pairs}. They are left out of "
+            "`--help`.\n")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import logging
 import math
+import os
 import re
 import sys
 import textwrap
@@ -31,6 +33,7 @@ __all__ = [
     "format_bytes",
     "field_docs",
     "flag_name",
+    "former_flags",
     "shown_default",
     "ComponentConfig",
     "megatron_arg",
@@ -131,7 +134,70 @@ def flag_name(cfg_cls: type["ComponentConfig"], field: str) -> str:
     """The command-line flag of one field: the mode field gets the bare component flag."""
     if field == cfg_cls.MODE_FIELD:
         return f"--peakflat-{cfg_cls.MODE_FLAG}"
-    return f"--peakflat-{cfg_cls.PREFIX}-{field.replace('_', '-')}" if cfg_cls.PREFIX else f"--peakflat-{field.replace('_', '-')}"
+    return _spelt(cfg_cls.PREFIX, field)
+
+
+def _spelt(prefix: str, field: str) -> str:
+    """``--peakflat-<prefix>-<field>`` (``--peakflat-<field>`` without a prefix), underscores as dashes."""
+    return f"--peakflat-{prefix}-{field.replace('_', '-')}" if prefix else f"--peakflat-{field.replace('_', '-')}"
+
+
+def former_flags(cfg_cls: type["ComponentConfig"]) -> dict[str, str]:
+    """``{former spelling: flag}`` for every field of ``cfg_cls`` but its mode field, one entry per name in
+    ``FORMER_PREFIXES`` (``--peakflat-opt-bucket`` -> ``--peakflat-optimizer-bucket``)."""
+    out: dict[str, str] = {}
+    for old in cfg_cls.FORMER_PREFIXES:
+        for f in dataclasses.fields(cfg_cls):
+            if f.name != cfg_cls.MODE_FIELD:
+                out[_spelt(old, f.name)] = flag_name(cfg_cls, f.name)
+    return out
+
+
+_log = logging.getLogger("megatron_peakflat")
+_warned_former: set[str] = set()
+
+
+def _rank_zero() -> bool:
+    """Whether this process is rank 0: torch.distributed's rank where it is already initialised (torch is not
+    imported for it), else torchrun's RANK. Flags are parsed before Megatron sets up its process groups."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+        return int(os.environ.get("RANK", "0") or 0) == 0
+    except (ValueError, RuntimeError):
+        return True
+
+
+def warn_former_flag(former: str, flag: str) -> None:
+    """Log, once per former flag and process and from rank 0, that ``former`` is an earlier spelling of ``flag``
+    (``--no-x`` counts as ``--x``)."""
+    key = "--" + former[len("--no-"):] if former.startswith("--no-") else former
+    if key in _warned_former:
+        return
+    _warned_former.add(key)
+    if _rank_zero():
+        _log.warning("peakflat: %s is deprecated: it is now spelt %s, and the old spelling will be removed. Fix: "
+                     "write %s", former, flag, flag)
+
+
+@cache
+def _former_action(action: type[argparse.Action]) -> type[argparse.Action]:
+    """``action`` for a former spelling of a flag: it logs ``warn_former_flag`` naming the current flag
+    (``current``, set on the action by ``add_flags``), then acts as ``action`` does, on the same dest."""
+
+    class Former(action):  # type: ignore[valid-type,misc]
+        current: str = ""
+
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                     option_string: str | None = None) -> None:
+            said = option_string or self.option_strings[0]
+            now = "--no-" + self.current[2:] if said.startswith("--no-") else self.current
+            warn_former_flag(said, now)
+            super().__call__(parser, namespace, values, option_string)
+
+    Former.__name__ = Former.__qualname__ = f"Former{action.__name__}"
+    return Former
 
 
 def field_default(f: dataclasses.Field) -> Any:
@@ -160,6 +226,9 @@ class ComponentConfig:
     PREFIX: typing.ClassVar[str] = ""
     MODE_FIELD: typing.ClassVar[str | None] = None
     MODE_FLAG: typing.ClassVar[str] = ""
+    FORMER_PREFIXES: typing.ClassVar[tuple[str, ...]] = ()
+    """Earlier spellings of ``PREFIX``: each ``--peakflat-<former>-<field>`` still parses, into the same dest, as
+    an alias hidden from --help that logs one deprecation warning per flag and process, naming the current flag."""
 
     def validate(self) -> None:
         """Check field values on their own. Cross-component checks live in config.py."""
@@ -200,7 +269,14 @@ class ComponentConfig:
             if optional:
                 help_text += " ('auto' or omitted: chosen at start-up.)"
             kw["help"] = f"{help_text} (default: {shown_default(default)})".replace("%", "%%")
-            group.add_argument(flag_name(cls, f.name), **kw)
+            action = group.add_argument(flag_name(cls, f.name), **kw)
+            if f.name == cls.MODE_FIELD:
+                continue
+            for old in cls.FORMER_PREFIXES:
+                alias = group.add_argument(_spelt(old, f.name),
+                                           **{**kw, "action": _former_action(kw.get("action", action.__class__)),
+                                              "help": argparse.SUPPRESS, "default": argparse.SUPPRESS})
+                alias.current = flag_name(cls, f.name)
 
     def unused_flag_notes(self) -> list[str]:
         """One warning per sub-flag set away from its default while the component is off (the mode field at its

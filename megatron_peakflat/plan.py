@@ -1,13 +1,9 @@
-"""``python -m megatron_peakflat.plan``: the peak planner's command line (entry planner/plan.py, the command
-line in planner/cli.py)."""
-
-from __future__ import annotations
+"""``python -m megatron_peakflat.plan``: the peak planner's command line (console script ``peakflat-plan``).
+Its code lives in ``cli/plan.py``; this module keeps the short spelling."""
 
 import sys
 
-from .planner.plan import main
-
-__all__ = ["main"]
+from .cli.plan import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -173,7 +173,7 @@ def _step(config, ddp, opt, batch: dict, device: torch.device):
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_peakflat.pretrain import loss_func
+    from megatron_peakflat.cli.pretrain import loss_func
 
     batch = {k: (None if v is None else v.to(device)) for k, v in batch.items()}
 

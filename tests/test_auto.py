@@ -10,7 +10,7 @@ import pytest
 
 from megatron_peakflat import auto
 from megatron_peakflat.config_base import PeakflatConfigError
-from megatron_peakflat.planner.cli import main as plan_main
+from megatron_peakflat.cli.plan import main as plan_main
 
 GIB = 2**30
 MODEL = ("--num-layers 2 --hidden-size 2880 --num-attention-heads 64 --group-query-attention --num-query-groups 8 "
@@ -80,6 +80,21 @@ def test_explicit_flags_win_over_the_choice():
     assert not any(f.startswith("--peakflat-dispatch") for f in added)  # the user switched PipelinedLLEP off
     assert "--peakflat-dispatch" in choice.kept and "--peakflat-vocab-block-size" in choice.kept
     assert "set on the command line (--peakflat-dispatch megatron)" in choice.table()
+
+
+@pytest.mark.parametrize("spelling", ["--peakflat-optimizer-bucket", "--peakflat-opt-bucket"])
+def test_a_knob_the_line_sets_is_kept_in_its_current_or_former_spelling(spelling):
+    """The user's --peakflat-optimizer-bucket, or its former spelling --peakflat-opt-bucket, is the user's own
+    setting: auto adds no bucket of its own (which, coming after it, would override it) and reports it kept as
+    written."""
+    choice = auto.resolve(shlex.split(MODEL + " --seq-length 131072" + OFFLOAD + f" {spelling} 20M"), **MACHINE)
+    added = dict((g[0], g[1:]) for g in _groups(choice.added))
+    assert added["--peakflat-optimizer"] == ("offload-stream",)
+    assert not any("bucket" in f for f in added), added
+    assert "--peakflat-optimizer-bucket" in choice.kept
+    assert choice.final_config().optimizer.bucket == 20_000_000
+    kept = next(ln for ln in choice.table().splitlines() if "(kept as given):" in ln)
+    assert kept.endswith(f" {spelling} 20M"), kept
 
 
 LONG = MODEL.replace("--num-layers 2", "--num-layers 24").replace(" --global-batch-size 1", "") + " --seq-length 524288"

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from megatron_peakflat import _ext, check
+from megatron_peakflat import _ext
+from megatron_peakflat.cli import check
 from megatron_peakflat.integration.registry import CHECKED_ON
 
 MODEL = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 8192 --max-position-embeddings 8192 "
@@ -227,7 +228,7 @@ def _preset_line(name: str, seq: int) -> list[str]:
     ("gpt-oss-120b", 131072, 16, 80, []),
 ])
 def test_a_recommended_line_passes_the_check(capsys, name, seq, gpus, hbm, extra):
-    from megatron_peakflat.planner.cli import build
+    from megatron_peakflat.planner.build import build
     from megatron_peakflat.planner.recommend import recommend
 
     machine = ["--gpus", str(gpus), "--hbm-gib", str(hbm), "--host-gib", "2048"]

@@ -37,10 +37,37 @@ def test_config_flags_and_enabled_follow_the_table():
     titles = {g.title for g in parser._action_groups}
     options = {o for a in parser._actions for o in a.option_strings}
     for c in COMPONENTS:
-        assert f"peakflat: {c.title}" in titles
+        assert f"peakflat {c.name}: {c.title}" in titles
         assert c.switch in options
         cfg = PeakflatConfig(**{c.name: c.turned_on()})
         assert [n for n, on in cfg.enabled.items() if on] == [c.name]
+
+
+def test_each_component_has_one_name_in_its_flags_help_group_and_log_lines():
+    """A component's switch, knobs, --help group and log lines all carry its name (``--peakflat-optimizer``,
+    ``--peakflat-optimizer-bucket``, 'peakflat optimizer: OffloadStreamAdamW', 'peakflat optimizer: ...'); its
+    algorithm's name (the label) may describe it, but no flag or log line is named for it. Former spellings of the
+    knobs parse, hidden from --help."""
+    from megatron_peakflat.config import add_args
+
+    parser = add_args(argparse.ArgumentParser())
+    groups = {g.title: g for g in parser._action_groups}
+    for c in COMPONENTS:
+        cls = c.config_class
+        assert cls.PREFIX == c.name and cls.MODE_FLAG == c.name, (c.name, cls.PREFIX, cls.MODE_FLAG)
+        group = groups[f"peakflat {c.name}: {c.title}"]
+        shown = [o for a in group._group_actions if a.help != argparse.SUPPRESS for o in a.option_strings]
+        assert shown and all(o.startswith((f"--peakflat-{c.name}", f"--no-peakflat-{c.name}")) for o in shown), shown
+        hidden = [o for a in group._group_actions if a.help == argparse.SUPPRESS for o in a.option_strings]
+        assert bool(hidden) == bool(cls.FORMER_PREFIXES), (c.name, hidden)
+        assert all(any(o.startswith(f"--peakflat-{p}-") or o.startswith(f"--no-peakflat-{p}-")
+                       for p in cls.FORMER_PREFIXES) for o in hidden), (c.name, hidden)
+    seconds = {c.name: [f"peakflat {n}" for n in {c.label, c.label.lower(), c.name.upper()} if n != c.name]
+               for c in COMPONENTS}
+    root = Path(components.__file__).parent
+    said = {(c, path.relative_to(root).as_posix(), s) for path in root.rglob("*.py")
+            for c, names in seconds.items() for s in names if f'"{s}:' in path.read_text() or f'"{s} (' in path.read_text()}
+    assert not said, sorted(said)
 
 
 def test_type_checkers_see_the_table_fields():
@@ -69,13 +96,24 @@ def test_planner_and_peak_report_names_follow_the_table():
     from megatron_peakflat.integration.peaks import report_name
     from megatron_peakflat.planner.model import COMPONENTS as PLANNED
 
-    assert PLANNED == ("dispatch", "vocab", "boundaries", "optimizer", "attention backward")
-    assert report_name("sco") == report_name("recompute") == report_name("boundaries") == "boundaries"
+    assert PLANNED == ("dispatch", "vocab", "sco", "optimizer", "tile")
+    for c in COMPONENTS:  # each component-bound row, and the report's row, carries the component's name
+        assert c.planner_terms == (c.name,) and c.meters == (c.name,), c
+    # the rows' former names, under which a region may still be measured, report under the component's
+    assert report_name("sco") == report_name("recompute") == report_name("boundaries") == "sco"
+    assert report_name("tile") == report_name("attention backward") == "tile"
     assert report_name("dispatch") == "dispatch" and report_name("elsewhere") == "elsewhere"
 
 
+def test_a_component_row_prints_with_its_peak_where_its_name_does_not_say_it():
+    assert components.term_label("sco") == "sco (checkpoint boundaries)"
+    assert components.term_label("tile") == "tile (attention working set)"
+    assert [components.term_label(n) for n in ("dispatch", "vocab", "optimizer", "gradients")] == [
+        "dispatch", "vocab", "optimizer", "gradients"]
+
+
 def test_demo_and_auto_list_every_component():
-    from megatron_peakflat import demo
+    from megatron_peakflat.cli import demo
 
     assert [p[2] for p in demo.PEAKS] == list(components.names())
 
@@ -127,7 +165,7 @@ with registered(ROW):
     from megatron_peakflat.planner import model
 
     parser = add_args(argparse.ArgumentParser())
-    assert "peakflat: sketched attention" in {g.title for g in parser._action_groups}
+    assert "peakflat sketch: sketched attention" in {g.title for g in parser._action_groups}
     ns = parser.parse_args(["--peakflat-sketch", "sketched", "--peakflat-sketch-sketch-rows", "64"])
     cfg = PeakflatConfig.from_args(ns, validate=False)
     assert cfg.sketch == SketchConfig(impl="sketched", sketch_rows=64), cfg.sketch

@@ -59,7 +59,7 @@ def test_flags_round_trip_into_config():
     ns = parse_with_megatron("--peakflat-dispatch", "pipelined-llep", "--peakflat-dispatch-chunk-cap", "4096",
                              "--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule", "weights",
                              "--peakflat-sco", "--peakflat-sco-budget", "32GiB",
-                             "--peakflat-optimizer", "offload-stream", "--peakflat-opt-bucket", "100M",
+                             "--peakflat-optimizer", "offload-stream", "--peakflat-optimizer-bucket", "100M",
                              "--peakflat-attention", "sdpa", "--peakflat-report-peaks",
                              "--peakflat-tile", "--peakflat-tile-tokens", "8192")
     cfg = PeakflatConfig.from_args(ns)
@@ -84,12 +84,12 @@ def test_every_field_has_a_flag_with_its_docstring():
 
 @pytest.mark.parametrize("argv, words", [
     (["--peakflat-sco-budget", "lots"], ["--peakflat-sco-budget", "'lots' is not a size", "16GiB"]),
-    (["--peakflat-opt-bucket", "3 parsecs"], ["--peakflat-opt-bucket", "unknown unit"]),
+    (["--peakflat-optimizer-bucket", "3 parsecs"], ["--peakflat-optimizer-bucket", "unknown unit"]),
     (["--peakflat-dispatch-chunk-cap", "big"], ["--peakflat-dispatch-chunk-cap", "'big' is not an integer"]),
     (["--peakflat-sco-budget", "1e400"], ["--peakflat-sco-budget", "'1e400' is not a finite size"]),
-    (["--peakflat-opt-bucket", "1e400"], ["--peakflat-opt-bucket", "'1e400' is not a finite count"]),
+    (["--peakflat-optimizer-bucket", "1e400"], ["--peakflat-optimizer-bucket", "'1e400' is not a finite count"]),
     (["--peakflat-sco-budget", "1e300TiB"], ["--peakflat-sco-budget", "'1e300TiB' is not a finite size"]),
-    (["--peakflat-opt-bucket", "0.3"], ["--peakflat-opt-bucket", "'0.3' rounds to 0", "100M"]),
+    (["--peakflat-optimizer-bucket", "0.3"], ["--peakflat-optimizer-bucket", "'0.3' rounds to 0", "100M"]),
     (["--peakflat-sco-budget", "0.5B"], ["--peakflat-sco-budget", "'0.5B' rounds to 0", "16GiB"]),
 ])
 def test_unparsable_values_name_the_flag_and_the_expected_form(argv, words, capsys):
@@ -123,8 +123,8 @@ def test_unknown_choice_is_rejected_by_argparse(capsys):
          "--peakflat-dispatch-transport"),
         (["--peakflat-vocab-block-size", "4"], "--peakflat-vocab-block-size"),
         (["--peakflat-sco-prefetch", "-1"], "--peakflat-sco-prefetch"),
-        (["--peakflat-opt-slots", "5"], "--peakflat-opt-slots"),
-        (["--peakflat-opt-bucket", "0"], "--peakflat-opt-bucket"),
+        (["--peakflat-optimizer-slots", "5"], "--peakflat-optimizer-slots"),
+        (["--peakflat-optimizer-bucket", "0"], "--peakflat-optimizer-bucket"),
     ],
 )
 def test_bad_values_name_flag_value_and_fix(argv, flag):
@@ -250,10 +250,10 @@ def test_parsed_flags_hold_only_builtin_values():
     """Megatron saves its args in every checkpoint, and --ckpt-format torch loads them with
     torch.load(weights_only=True), which refuses any class of ours: defaults and parsed sizes and counts
     are plain ints."""
-    for argv in ([], ["--peakflat-sco-budget", "2GiB", "--peakflat-opt-bucket", "20M"]):
+    for argv in ([], ["--peakflat-sco-budget", "2GiB", "--peakflat-optimizer-bucket", "20M"]):
         ns = parse(*argv)
         values = {k: v for k, v in vars(ns).items() if k.startswith("peakflat_")}
-        assert values["peakflat_opt_bucket"] in (50_000_000, 20_000_000)
+        assert values["peakflat_optimizer_bucket"] in (50_000_000, 20_000_000)
         for k, v in values.items():
             assert type(v) in (int, float, str, bool, type(None)), (k, type(v))
 
@@ -323,9 +323,9 @@ def test_deterministic_mode_pins_the_optimizer_engine():
     Megatron's --deterministic-mode resolves it to 'gpu' at start-up, and an explicit choice stays."""
     ns = parse_with_megatron("--peakflat-optimizer", "offload-stream", deterministic_mode=True)
     assert PeakflatConfig.from_args(ns).optimizer.engine == "gpu"
-    ns.peakflat_opt_engine = "cpu"
+    ns.peakflat_optimizer_engine = "cpu"
     assert PeakflatConfig.from_args(ns).optimizer.engine == "cpu"
-    ns.deterministic_mode, ns.peakflat_opt_engine = False, "auto"
+    ns.deterministic_mode, ns.peakflat_optimizer_engine = False, "auto"
     assert PeakflatConfig.from_args(ns).optimizer.engine == "auto"
 
 
@@ -364,11 +364,11 @@ def test_format_bytes_switches_unit_exactly_at_each_power_of_two():
 def test_auto_is_taken_only_by_fields_chosen_at_start_up(capsys):
     """'auto' or 'none' (any case) leaves an optional field to start-up; a field without an automatic choice
     refuses the word as an argument error naming the flag."""
-    ns = parse("--peakflat-sco-budget", "auto", "--peakflat-dispatch-chunk-cap", "AUTO", "--peakflat-opt-host-threads",
+    ns = parse("--peakflat-sco-budget", "auto", "--peakflat-dispatch-chunk-cap", "AUTO", "--peakflat-optimizer-host-threads",
                "none")
     assert ns.peakflat_sco_budget is None and ns.peakflat_dispatch_chunk_cap is None
-    assert ns.peakflat_opt_host_threads is None
-    for flag, words in (("--peakflat-opt-bucket", "'auto' is not a count"),
+    assert ns.peakflat_optimizer_host_threads is None
+    for flag, words in (("--peakflat-optimizer-bucket", "'auto' is not a count"),
                         ("--peakflat-dispatch-max-chunks", "'auto' is not an integer")):
         with pytest.raises(SystemExit):
             parse(flag, "auto")
@@ -511,24 +511,24 @@ def test_combinations_that_would_only_fail_or_do_nothing_later_are_refused(argv,
 
 def test_a_sub_flag_another_sub_flag_makes_useless_is_named_with_its_fix(caplog):
     """With the component on, --peakflat-vocab-chunk-tokens under --peakflat-vocab-grad recompute and
-    --peakflat-opt-host-threads under --peakflat-opt-engine gpu change nothing: one warning each, naming the
+    --peakflat-optimizer-host-threads under --peakflat-optimizer-engine gpu change nothing: one warning each, naming the
     flag, its value and the fix. With the sub-flags that use them, nothing is said."""
     caplog.set_level("WARNING", logger="megatron_peakflat")
     PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-grad", "recompute",
                                                  "--peakflat-vocab-chunk-tokens", "4096",
-                                                 "--peakflat-optimizer", "offload-stream", "--peakflat-opt-engine",
-                                                 "gpu", "--peakflat-opt-host-threads", "8"))
+                                                 "--peakflat-optimizer", "offload-stream", "--peakflat-optimizer-engine",
+                                                 "gpu", "--peakflat-optimizer-host-threads", "8"))
     notes = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
     assert len(notes) == 2, notes
     assert notes[0].startswith("peakflat: --peakflat-vocab-chunk-tokens=4096 has no effect: --peakflat-vocab-grad "
                                "recompute") and "Fix: drop --peakflat-vocab-chunk-tokens" in notes[0]
-    assert notes[1].startswith("peakflat: --peakflat-opt-host-threads=8 has no effect: --peakflat-opt-engine gpu") \
-        and "Fix: drop --peakflat-opt-host-threads" in notes[1]
+    assert notes[1].startswith("peakflat: --peakflat-optimizer-host-threads=8 has no effect: --peakflat-optimizer-engine gpu") \
+        and "Fix: drop --peakflat-optimizer-host-threads" in notes[1]
     caplog.clear()
     PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-grad", "in-forward",
                                                  "--peakflat-vocab-chunk-tokens", "4096",
-                                                 "--peakflat-optimizer", "offload-stream", "--peakflat-opt-engine",
-                                                 "cpu", "--peakflat-opt-host-threads", "8"))
+                                                 "--peakflat-optimizer", "offload-stream", "--peakflat-optimizer-engine",
+                                                 "cpu", "--peakflat-optimizer-host-threads", "8"))
     assert not [r for r in caplog.records if "has no effect" in r.getMessage()]
 
 
@@ -554,14 +554,14 @@ def test_an_on_off_flag_refuses_any_other_value_by_name(argv, message, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--peakflat-sco-budget", "-1GiB"], "argument --peakflat-sco-budget: '-1GiB' is not a size"),
-    (["--peakflat-opt-bucket", "-5M"], "argument --peakflat-opt-bucket: "),
+    (["--peakflat-optimizer-bucket", "-5M"], "argument --peakflat-optimizer-bucket: "),
 ])
 def test_a_value_starting_with_a_dash_meets_the_flags_own_check(argv, message, capsys, monkeypatch):
     """Through Megatron's own parse_args: argparse alone reads '-1GiB' as a flag and says only "expected one
     argument"; peakflat's flags take it as they take '--peakflat-sco-budget=-1GiB', and their check names it."""
     from megatron.training.arguments import parse_args
 
-    from megatron_peakflat.pretrain import extra_args_provider
+    from megatron_peakflat.cli.pretrain import extra_args_provider
 
     monkeypatch.setattr("sys.argv", ["pretrain", *argv])
     with pytest.raises(SystemExit):
@@ -573,7 +573,7 @@ def test_a_value_starting_with_a_dash_meets_the_flags_own_check(argv, message, c
 def test_a_negative_number_reaches_the_config_check_and_other_flags_keep_argparses_rules(capsys, monkeypatch):
     from megatron.training.arguments import parse_args
 
-    from megatron_peakflat.pretrain import extra_args_provider
+    from megatron_peakflat.cli.pretrain import extra_args_provider
 
     monkeypatch.setattr("sys.argv", ["pretrain", "--peakflat-dispatch-alpha", "-1e3", "--lr", "1e-4"])
     args = parse_args(extra_args_provider)
@@ -605,3 +605,64 @@ def test_vocab_schedule_names_what_runs():
         cfg = PeakflatConfig.from_args(parse_with_megatron("--peakflat-vocab", "ring-dtp", "--peakflat-vocab-schedule",
                                                            schedule, "--peakflat-vocab-grad", grad))
         assert (cfg.vocab.schedule, cfg.vocab.grad) == (schedule, grad)
+
+
+OLD_OPTIMIZER_FLAGS = (("--peakflat-opt-bucket", "20M"), ("--peakflat-opt-engine", "cpu"),
+                       ("--peakflat-opt-slots", "2"), ("--peakflat-opt-host-threads", "4"))
+"""The optimizer's knobs as they were spelt before they took its name (``OptimizerConfig.FORMER_PREFIXES``)."""
+
+
+@pytest.fixture
+def fresh_deprecations(monkeypatch):
+    """A process in which no former spelling has been warned about yet (the warnings are once per process)."""
+    from megatron_peakflat import config_base
+
+    monkeypatch.setattr(config_base, "_warned_former", set())
+    monkeypatch.delenv("RANK", raising=False)
+
+
+def test_a_former_spelling_gives_the_config_of_the_current_one_and_one_warning_per_flag(caplog, fresh_deprecations):
+    """--peakflat-opt-* (the optimizer's knobs before they were --peakflat-optimizer-*) parse into the same config
+    as the current spelling; each old flag logs one warning per process, naming the flag to write instead, however
+    often it is parsed. The current spelling logs nothing."""
+    caplog.set_level("WARNING", logger="megatron_peakflat")
+    new = [w.replace("--peakflat-opt-", "--peakflat-optimizer-") for pair in OLD_OPTIMIZER_FLAGS for w in pair]
+    current = PeakflatConfig.from_args(parse_with_megatron("--peakflat-optimizer", "offload-stream", *new))
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert (current.optimizer.bucket, current.optimizer.engine, current.optimizer.slots,
+            current.optimizer.host_threads) == (20_000_000, "cpu", 2, 4)
+    old = [w for pair in OLD_OPTIMIZER_FLAGS for w in pair]
+    for _ in range(2):
+        assert PeakflatConfig.from_args(parse_with_megatron("--peakflat-optimizer", "offload-stream", *old)) == current
+    said = [r for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(said) == len(OLD_OPTIMIZER_FLAGS), [r.getMessage() for r in said]
+    for (flag, _), record in zip(sorted(OLD_OPTIMIZER_FLAGS), sorted(said, key=lambda r: r.getMessage())):
+        now = flag.replace("--peakflat-opt-", "--peakflat-optimizer-")
+        assert record.name == "megatron_peakflat" and record.levelname == "WARNING"
+        assert record.getMessage() == (f"peakflat: {flag} is deprecated: it is now spelt {now}, and the old spelling "
+                                       f"will be removed. Fix: write {now}")
+
+
+def test_a_former_spelling_warns_from_rank_0_only(caplog, fresh_deprecations, monkeypatch):
+    caplog.set_level("WARNING", logger="megatron_peakflat")
+    monkeypatch.setenv("RANK", "1")
+    assert parse("--peakflat-opt-bucket", "20M").peakflat_optimizer_bucket == 20_000_000
+    assert not caplog.records
+
+
+def test_a_former_spelling_is_hidden_from_help_and_the_flags_doc_and_checks_its_value(capsys, fresh_deprecations):
+    from megatron_peakflat.config import current_spelling, flags_markdown
+
+    parser = add_args(argparse.ArgumentParser())
+    assert "--peakflat-opt-" not in parser.format_help() and "--peakflat-optimizer-bucket" in parser.format_help()
+    assert "--peakflat-opt-" not in flags_markdown()
+    with pytest.raises(SystemExit):
+        parse("--peakflat-opt-bucket", "3 parsecs")
+    assert "argument --peakflat-opt-bucket: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a value that starts with '-' meets the flag's own check, as the current one's
+        parse("--peakflat-opt-bucket", "-5M")
+    assert "argument --peakflat-opt-bucket: '-5M' is not a count" in capsys.readouterr().err
+    assert parse("--peakflat-opt-bucket", "1M", "--peakflat-optimizer-bucket", "7M").peakflat_optimizer_bucket == 7_000_000
+    assert current_spelling("--peakflat-opt-host-threads") == "--peakflat-optimizer-host-threads"
+    assert current_spelling("--peakflat-optimizer-slots") == "--peakflat-optimizer-slots"
+    assert current_spelling("--peakflat-sco-budget") == "--peakflat-sco-budget"

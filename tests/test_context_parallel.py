@@ -177,7 +177,7 @@ def _step(case: Case, config, ddp, opt, batch: dict) -> tuple[float, dict, dict]
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_peakflat.pretrain import loss_func
+    from megatron_peakflat.cli.pretrain import loss_func
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_peakflat.demo import loss_table, write_loss_curves
+from megatron_peakflat.cli.demo import loss_table, write_loss_curves
 from megatron_peakflat.testing.subproc import ROOT
 
 

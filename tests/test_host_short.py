@@ -110,7 +110,7 @@ def test_default_budget_with_no_host_memory_left_is_zero_with_one_warning(caplog
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megatron_peakflat"):
         assert resolve_budget(None, available=48 * KIB, local_ranks=1) == 24 * KIB
-    assert not _warnings(caplog, "peakflat SCO")
+    assert not _warnings(caplog, "peakflat sco")
 
 
 def _failing_pins(monkeypatch: pytest.MonkeyPatch, succeed: int) -> list[bool]:

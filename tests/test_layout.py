@@ -96,8 +96,11 @@ def test_the_algorithms_reach_the_runtime_helpers():
     assert not (ROOT / "memory").exists()
 
 
-ENTRY_POINTS = ("auto", "check", "demo", "plan", "pretrain", "startup")
-"""The modules that run the package (command lines, start-up): nothing below them imports them."""
+SHIMS = ("check", "demo", "plan", "pretrain")
+"""The short spellings of the command lines (``python -m megatron_peakflat.<name>``): each runs ``cli/<name>.py``."""
+ENTRY_POINTS = ("cli", *SHIMS, "auto", "startup")
+"""The modules that run the package (the command lines in cli/ and their short spellings, start-up and its
+``--peakflat auto``): nothing below them imports them."""
 PURE = ("config", "config_base", "components")
 """The config modules: importable without Megatron, the planner or integration/ (whose compat they do not ask)."""
 
@@ -144,3 +147,20 @@ def test_config_runtime_and_algorithms_import_no_integration_planner_or_entry_po
               *(f"megatron_peakflat.{e}" for e in ENTRY_POINTS)]
     bad = {m: sorted(i for i in imps if any(_under(i, b) for b in banned)) for m, imps in graph.items()}
     assert not any(bad.values()), {m: b for m, b in bad.items() if b}
+
+
+def test_the_command_lines_are_the_top_layer():
+    """Nothing imports cli/ or a short spelling but cli/ itself, the short spellings (each its own command line and
+    nothing else of the package) and testing/, which drives the pretrain entry in tests. The libraries the command
+    lines use (the planner's build and report, start-up, auto) import no command line."""
+    graph = all_imports()
+    top = ["megatron_peakflat.cli", *(f"megatron_peakflat.{s}" for s in SHIMS)]
+    assert "megatron_peakflat.cli.plan" in graph and "megatron_peakflat.planner.build" in graph
+    allowed = ("megatron_peakflat.cli", "megatron_peakflat.testing", *top)
+    bad = {m: sorted(i for i in imps if any(_under(i, t) for t in top))
+           for m, imps in graph.items() if not any(_under(m, a) for a in allowed)}
+    assert not any(bad.values()), {m: b for m, b in bad.items() if b}
+    for name in SHIMS:
+        assert graph[f"megatron_peakflat.{name}"] == {f"megatron_peakflat.cli.{name}"}, name
+    assert graph["megatron_peakflat.auto"] & {"megatron_peakflat.planner.build"}  # the rule above is not vacuous
+    assert not (ROOT / "planner" / "cli.py").exists() and not (ROOT / "planner" / "plan.py").exists()

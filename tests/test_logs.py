@@ -122,7 +122,7 @@ def test_a_refused_apply_leaves_logging_as_it_was():
 def test_pretrain_logs_in_megatrons_format_from_rank_0_only():
     """``python -m megatron_peakflat.pretrain`` sets up logging as Megatron's training does (its handler on stdout,
     ``LEVEL:logger:message``) with the rank filter already on, so that its first lines come from rank 0 only."""
-    code = ("import logging; from megatron_peakflat import pretrain; pretrain._setup_logging([]); "
+    code = ("import logging; from megatron_peakflat.cli import pretrain; pretrain._setup_logging([]); "
             "log = logging.getLogger('megatron_peakflat'); log.info('peakflat: shared'); "
             "log.info('peakflat: mine', extra={'per_rank': True})")
     out = {}
@@ -147,11 +147,13 @@ def test_bench_reads_peakflat_lines_under_megatrons_format_and_rank_prefix():
         "INFO:megatron_peakflat:peakflat: patched megatron.core.optimizer.HybridDeviceOptimizer: ...",
         "INFO:megatron_peakflat:[rank 0] peakflat dispatch: first MoE layer call: 4096 tokens here, K=2 chunks",
         "INFO:megatron_peakflat:[rank 1] peakflat dispatch: first MoE layer call: 4096 tokens here, K=2 chunks",
-        "WARNING:megatron_peakflat:[rank 1] peakflat SCO: --peakflat-sco-budget 8 GiB exceeds 4 GiB; clamped",
+        "WARNING:megatron_peakflat:[rank 1] peakflat sco: --peakflat-sco-budget 8 GiB exceeds 4 GiB; clamped",
         "peakflat vocab: Ring-DTP loss (schedule=auto, block=auto, kernel=auto); logits are not built",
+        "INFO:megatron_peakflat:peakflat SCO: TorchHostPool host pool (a log of 0.1.0)",
     ])
     assert parse_log(text)["peakflat_lines"] == [
         "peakflat dispatch: first MoE layer call: 4096 tokens here, K=2 chunks",
-        "peakflat SCO: --peakflat-sco-budget 8 GiB exceeds 4 GiB; clamped",
+        "peakflat sco: --peakflat-sco-budget 8 GiB exceeds 4 GiB; clamped",
         "peakflat vocab: Ring-DTP loss (schedule=auto, block=auto, kernel=auto); logits are not built",
+        "peakflat SCO: TorchHostPool host pool (a log of 0.1.0)",
     ]

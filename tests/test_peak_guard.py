@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from megatron_peakflat.integration import peaks
-from megatron_peakflat.planner.cli import build
+from megatron_peakflat.planner.build import build
 from megatron_peakflat.planner.model import GIB, plan
 
 

@@ -95,18 +95,18 @@ def test_boundaries_sco_and_optimizer_by_hand():
     boundary = (1024 / 2 / 2) * 64 * 2  # [s/cp/tp, b, h] in bf16
     off = plan(TINY, run, PeakflatConfig())
     st = off.stages[0]
-    assert st.rows["boundaries"].baseline == pytest.approx(4 * boundary)
+    assert st.rows["sco"].baseline == pytest.approx(4 * boundary)
     # SCO with a budget holding everything: 1 + prefetch boundaries stay on the GPU.
     on = PeakflatConfig(sco=SCOConfig(enabled=True, budget=10**9, prefetch=1))
-    row = plan(TINY, run, on).stages[0].rows["boundaries"]
+    row = plan(TINY, run, on).stages[0].rows["sco"]
     assert row.peakflat == pytest.approx(2 * boundary) and row.host_peakflat == pytest.approx(4 * boundary)
     # A budget of 2.5 boundaries holds 2 whole ones: 2 stay + 2 brought back.
     on = PeakflatConfig(sco=SCOConfig(enabled=True, budget=int(2.5 * boundary), prefetch=1))
-    row = plan(TINY, run, on).stages[0].rows["boundaries"]
+    row = plan(TINY, run, on).stages[0].rows["sco"]
     assert row.peakflat == pytest.approx(4 * boundary) and row.host_peakflat == pytest.approx(2 * boundary)
     # No budget: nothing offloaded, and the bound is still 1 + prefetch boundaries.
     on = PeakflatConfig(sco=SCOConfig(enabled=True, budget=0))
-    row = plan(TINY, run, on).stages[0].rows["boundaries"]
+    row = plan(TINY, run, on).stages[0].rows["sco"]
     assert row.peakflat == pytest.approx(4 * boundary) and row.bound == pytest.approx(2 * boundary)
     # Optimizer: 12 B/param over DPxCP (dense) and expert-DP (experts); OffloadStreamAdamW: 3 x bucket x 16 B.
     dense, expert = M.stage_params(TINY, run, 1, 3, True, True)
@@ -286,7 +286,7 @@ def test_llep_expected_working_set_against_a_megatron_moe_layer():
         if regime == "full-steady":
             continue
         rows = plan(s, RunConfig(seq_len=T, recompute=regime), pf).stages[0].rows
-        held = rows["boundaries"].baseline  # full recompute: the layer's no-grad output is alive in its recompute
+        held = rows["sco"].baseline  # full recompute: the layer's no-grad output is alive in its recompute
         predicted, bound = rows["dispatch"].peakflat + held, rows["dispatch"].bound + held
         assert abs(got - predicted) / predicted < 0.10, (regime, T, got, predicted)
         assert got <= bound, (regime, T, got, bound)
@@ -394,7 +394,7 @@ def test_layer_backward_meets_attention_or_moe_never_both():
     run = RunConfig(seq_len=131072, recompute="full")
     st = plan(PRESETS["gpt-oss-20b"], run).stages[0]
     per = st._phases("baseline")
-    assert st.rows["dispatch"].phase == "moe" and st.rows["attention backward"].phase == "attention"
+    assert st.rows["dispatch"].phase == "moe" and st.rows["tile"].phase == "attention"
     assert st.training("baseline") == pytest.approx(
         per["persistent"] + max(per["layer"] + max(per["attention"], per["moe"]), per["loss"]))
     assert per["attention"] > 0 and per["moe"] > 0
@@ -524,7 +524,7 @@ def test_pipeline_inflight_is_capped_by_the_micro_batches():
     first, last = plan(TINY, run).stages[0], plan(TINY, run).stages[-1]
     assert run.num_micro == 2 and first.layers == 1
     assert first.inflight == 2 and last.inflight == 1
-    assert first.rows["boundaries"].baseline == pytest.approx(2 * 4096 * 64 * 2)
+    assert first.rows["sco"].baseline == pytest.approx(2 * 4096 * 64 * 2)
 
 
 def test_last_stage_holds_its_copy_of_tied_embeddings():
@@ -635,7 +635,7 @@ def test_checkpoint_boundaries_against_live_bytes():
         live_after_forward = m.live
         y.sum().backward()
     run = RunConfig(seq_len=s, micro_batch=b, precision="fp32", recompute="full")
-    predicted = plan(shape, run).stages[0].rows["boundaries"].baseline
+    predicted = plan(shape, run).stages[0].rows["sco"].baseline
     assert abs(live_after_forward - predicted) / predicted < 0.10, (live_after_forward, predicted)
     # Without recompute the same blocks keep far more: the model says so too.
     assert plan(shape, dataclasses.replace(run, recompute="none")).stages[0].rows["activations"].baseline > 2 * predicted
@@ -705,7 +705,8 @@ def test_ring_dtp_single_rank_within_bound():
 def test_planner_modules_do_not_import_torch_at_top_level():
     root = Path(__file__).resolve().parents[1] / "megatron_peakflat"
     for rel in ("planner/model.py", "planner/shapes.py", "planner/recommend.py", "planner/megatron_args.py",
-                "planner/cli.py", "runtime/meter.py", "plan.py", "dispatch/bound.py", "vocab/sizes.py"):
+                "planner/build.py", "planner/report.py", "cli/plan.py", "runtime/meter.py", "runtime/machine.py",
+                "plan.py", "dispatch/bound.py", "vocab/sizes.py"):
         tree = ast.parse((root / rel).read_text())
         for node in tree.body:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_peakflat.planner import megatron_args
-from megatron_peakflat.planner.cli import build, main
+from megatron_peakflat.cli.plan import main
+from megatron_peakflat.planner.build import build
 from megatron_peakflat.planner.model import GIB, plan
 
 OSS120 = ["--preset", "gpt-oss-120b", "--seq-len", "128K", "--gpus", "16", "--hbm-gib", "80", "--host-gib", "2048"]

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from megatron_peakflat.config_base import PeakflatConfigError
+from megatron_peakflat.config_base import PeakflatConfigError, parse_count
 from megatron_peakflat.runtime import meter
-from megatron_peakflat.planner.cli import build, main
+from megatron_peakflat.cli.plan import main
+from megatron_peakflat.planner.build import build
 from megatron_peakflat.planner.model import GIB, RunConfig, plan
 from megatron_peakflat.planner.recommend import recommend
 from megatron_peakflat.planner.shapes import PRESETS, ModelShape
@@ -29,7 +30,7 @@ def test_each_preset_runs(capsys, name):
     rc, out, _ = run_cli(capsys, "--preset", name, "--seq-len", "131072", "--gpus", "64")
     assert rc == (3 if "recommended: nothing fits" in out else 0)  # 3: NOTHING_FITS
     assert "binding peak" in out and "recommended" in out
-    for row in ("parameters", "optimizer", "boundaries", "dispatch", "vocab"):
+    for row in ("parameters", "optimizer", "sco (checkpoint boundaries)", "dispatch", "vocab"):
         assert row in out
 
 
@@ -57,7 +58,7 @@ def test_json_output_and_fit_logic(capsys):
     assert doc["run"]["seq_len"] == 65536 and doc["model"]["experts"] == 32
     st = doc["stages"][0]
     assert st["total_peakflat_gib"] < st["total_baseline_gib"]
-    assert set(st["rows"]) >= {"parameters", "gradients", "optimizer", "boundaries", "dispatch", "vocab"}
+    assert set(st["rows"]) >= {"parameters", "gradients", "optimizer", "sco", "dispatch", "vocab"}
     assert doc["recommended"]["fits"] is True and doc["recommended"]["total_gib"] <= 80
 
 
@@ -524,7 +525,7 @@ def test_sco_budget_is_the_boundaries_rounded_up_to_a_whole_gib():
     rec = recommend(shape, run)
     assert rec.config.sco.enabled and rec.config.sco.budget == 17 * GIB
     assert "17GiB" in rec.flags
-    assert rec.plan.stages[0].rows["boundaries"].host_peakflat == need
+    assert rec.plan.stages[0].rows["sco"].host_peakflat == need
 
 
 def test_sco_stays_on_where_the_run_fits_without_it_only_at_smaller_knobs():
@@ -613,6 +614,25 @@ def test_recommended_flags_pass_startup_checks(capsys):
     assert not any(f in rec.flags for f in megatron_flags + ["--peakflat-optimizer"]), rec.flags
 
 
+@pytest.mark.parametrize("where", ["planner", "megatron-args"])
+def test_the_optimizers_knobs_are_read_in_their_current_and_former_spelling(capsys, where):
+    """--peakflat-optimizer-bucket and its former spelling --peakflat-opt-bucket plan alike, as planner flags or
+    inside --megatron-args; the recommendation writes the current spelling."""
+    model = ["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16", "--hbm-gib", "141", "--host-gib", "2048"]
+    cfgs = []
+    for flag in ("--peakflat-optimizer-bucket", "--peakflat-opt-bucket"):
+        knob = [flag, "20M", flag.replace("bucket", "slots"), "2"]
+        _, _, pf, _, _ = build(model + (knob if where == "planner" else ["--megatron-args", " ".join(knob)]))
+        cfgs.append(pf.optimizer)
+    assert cfgs[0] == cfgs[1] and (cfgs[0].bucket, cfgs[0].slots) == (20_000_000, 2)
+    rc, out, _ = run_cli(capsys, *model, "--json")
+    doc = json.loads(out)
+    assert rc == 0 and "--peakflat-optimizer-bucket" in doc["recommended"]["flags"]
+    assert not [f for f in doc["recommended"]["flags"] if f.startswith("--peakflat-opt-")]
+    flags = doc["recommended"]["flags"]
+    assert doc["recommended"]["optimizer_bucket"] == parse_count(flags[flags.index("--peakflat-optimizer-bucket") + 1])
+
+
 def test_plot_writes_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "peaks.png"
@@ -666,7 +686,7 @@ def test_region_is_free_when_off(fake):
 def test_nested_regions_measure_true_peaks(fake):
     meter.enable(True)
     fake.alloc(1000)  # already allocated before any region
-    with meter.component_region("boundaries"):
+    with meter.component_region("sco"):
         fake.alloc(50)
         fake.free(50)           # outer transient of 50 before the inner region resets the counter
         with meter.component_region("dispatch"):
@@ -676,7 +696,7 @@ def test_nested_regions_measure_true_peaks(fake):
     with meter.component_region("dispatch"):
         fake.alloc(5)
     got = meter.measured()
-    assert got["boundaries"].delta == 50 and got["boundaries"].absolute == 1050
+    assert got["sco"].delta == 50 and got["sco"].absolute == 1050
     assert got["dispatch"].delta == 30 and got["dispatch"].calls == 2
     assert meter.process_peak() == 1050
     meter.reset()
@@ -893,7 +913,7 @@ def test_startup_advises_leaving_off_the_host_components_the_run_fits_without(mo
     ns = megatron_parser().parse_known_args(argv)[0]
     ns.world_size, ns.data_parallel_size = 1, 1
     monkeypatch.setattr(peaks, "_hbm_bytes", lambda: hbm_gib * GIB)
-    monkeypatch.setattr("megatron_peakflat.planner.cli.local_host_gib", lambda: 126.0)
+    monkeypatch.setattr("megatron_peakflat.runtime.machine.mem_total", lambda path=None: 126 * GIB)
     state.set_current(PeakflatConfig.from_args(ns, validate=False))
     peaks._cache.clear()
     line = peaks.advise(ns)
@@ -1028,7 +1048,7 @@ def test_interleaving_holds_more_in_flight_and_its_flags_are_read():
     flat = plan(shape, RunConfig(seq_len=4096, pp=4, dp=1, global_batch=8))
     inter = plan(shape, RunConfig(seq_len=4096, pp=4, dp=1, global_batch=8, vpp=2))
     assert (flat.stages[0].inflight, inter.stages[0].inflight) == (4, 5.5)
-    assert inter.stages[0].rows["boundaries"].baseline == pytest.approx(flat.stages[0].rows["boundaries"].baseline * 5.5 / 4)
+    assert inter.stages[0].rows["sco"].baseline == pytest.approx(flat.stages[0].rows["sco"].baseline * 5.5 / 4)
     assert any("VPP=2" in n for n in inter.stages[0].notes)
     for flags, vpp in (("--num-virtual-stages-per-pipeline-rank 3", 3), ("--num-layers-per-virtual-pipeline-stage 2", 3),
                        ("--pipeline-model-parallel-layout 'E(t|)*23,tL'", 6)):
@@ -1155,13 +1175,14 @@ def test_no_megatron_flag_is_taken_for_a_typo_of_one_the_planner_reads():
     assert not {o: m for o, m in near.items() if m}
 
 
-def test_the_planner_runs_as_a_module_of_its_own():
-    """``python -m megatron_peakflat.planner.cli`` is the planner too (as ``python -m megatron_peakflat.plan``)."""
+@pytest.mark.parametrize("module", ["megatron_peakflat.plan", "megatron_peakflat.cli.plan"])
+def test_the_planner_runs_as_a_module_of_its_own(module):
+    """``python -m megatron_peakflat.plan`` (the short spelling) and ``python -m megatron_peakflat.cli.plan`` (where
+    its code lives) are the same planner."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "megatron_peakflat.planner.cli", "--list-presets"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", module, "--list-presets"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "deepseek-v3" in out.stdout, out.stderr[-2000:]
 
 
@@ -1169,7 +1190,7 @@ def test_the_planner_runs_as_a_module_of_its_own():
 def test_every_flag_line_the_planner_prints_is_labelled(capsys, hbm, fits):
     """A flag line with no label after 'does NOT fit' reads as one to paste: the recommendation's line says whether
     its flags are to add or were tried and do not fit."""
-    from megatron_peakflat.planner.cli import FLAGS_LABEL, TRIED_LABEL, main
+    from megatron_peakflat.planner.report import FLAGS_LABEL, TRIED_LABEL
 
     assert main(["--preset", "gpt-oss-20b", "--seq-len", "131072", "--gpus", "8", "--hbm-gib", hbm]) == (0 if fits else 3)
     lines = capsys.readouterr().out.splitlines()

@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from megatron_peakflat.planner import cli
-from megatron_peakflat.planner.cli import NOTHING_FITS, build, main, token_count
+from megatron_peakflat.cli import plan as cli
+from megatron_peakflat.cli.plan import NOTHING_FITS, main
+from megatron_peakflat.planner import report
+from megatron_peakflat.planner.build import build, token_count
 
 FIXED = ["--hbm-gib", "80", "--host-gib", "2048"]  # no dependence on this machine's GPU or RAM
 
@@ -93,8 +95,8 @@ def test_plot_without_matplotlib_is_refused_before_planning(monkeypatch, capsys,
 
 
 def test_plot_availability_is_read_without_importing_matplotlib():
-    code = ("import sys; from megatron_peakflat.planner import cli; "
-            "print(cli.plot_available(), 'matplotlib' in sys.modules)")
+    code = ("import sys; from megatron_peakflat.planner import report; "
+            "print(report.plot_available(), 'matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     have = __import__("importlib").util.find_spec("matplotlib") is not None
@@ -128,10 +130,10 @@ def test_the_figure_shows_each_columns_total(monkeypatch, tmp_path):
     pl = cli.plan(shape, run, pf)
     st = pl.worst("baseline")
     out = tmp_path / "peaks.png"
-    cli.plot(pl, str(out))
+    report.plot(pl, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert shown["ticks"][-1][-1] == "total (peak)"
-    totals = (st.total("baseline") / cli.GIB, st.total("peakflat") / cli.GIB)
+    totals = (st.total("baseline") / report.GIB, st.total("peakflat") / report.GIB)
     assert [b[-1] for b in shown["bars"]] == pytest.approx(list(totals))
     assert shown["labels"] == [f"{t:.1f}" for t in totals]
 

@@ -11,7 +11,9 @@ import pytest
 from megatron_peakflat import PeakflatConfig
 from megatron_peakflat.config import GeneralConfig
 from megatron_peakflat.planner import model as M
-from megatron_peakflat.planner.cli import FLAGS_LABEL, TRIED_LABEL, build, main, render
+from megatron_peakflat.cli.plan import main
+from megatron_peakflat.planner.build import build
+from megatron_peakflat.planner.report import FLAGS_LABEL, TRIED_LABEL, render
 from megatron_peakflat.planner.recommend import layout_flags, recommend
 from megatron_peakflat.planner.shapes import preset
 
@@ -54,9 +56,9 @@ def test_gathered_kv_rows():
     assert n_work == pytest.approx(1.0)  # full recompute, one layer per checkpoint
     assert with_kv["layer working set"].peakflat - without["layer working set"].peakflat == pytest.approx(
         (S - T) * per_token)
-    assert with_kv["attention backward"].peakflat - without["attention backward"].peakflat == pytest.approx(
+    assert with_kv["tile"].peakflat - without["tile"].peakflat == pytest.approx(
         (S + S / 16 + 3 * S / 16 - 2 * S / 16) * per_token)
-    assert "cp_gathered_kv" in with_kv["attention backward"].source
+    assert "cp_gathered_kv" in with_kv["tile"].source
 
 
 def test_tiled_attention_under_cp_counts_the_gathered_sequence():
@@ -185,7 +187,7 @@ def test_the_recommended_line_reproduces_the_plan(capsys, argv, model):
 def test_layout_flags_are_apart_from_the_knobs():
     """``rec.flags`` stays the list of flags a run adds (the knobs and what they need); the layout is its own list,
     printed first on the same line, and in the JSON beside the flags."""
-    from megatron_peakflat.planner.cli import to_json
+    from megatron_peakflat.planner.report import to_json
 
     shape, run, pf, ns, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "1M", "--gpus", "16", "--hbm-gib", "80",
                                    "--host-gib", "1024"])
@@ -217,7 +219,7 @@ def test_the_runtime_report_plans_per_rank_tokens_and_the_attention_that_runs(mo
         peaks._cache.clear()
         pl, _ = peaks.prediction(ns)
         assert pl.run.cp == 4 and pl.run.tokens == 32768 / 4 and pl.run.dp == 2
-        got[patched] = pl.stages[0].rows["attention backward"].peakflat
+        got[patched] = pl.stages[0].rows["tile"].peakflat
     shape = peaks.prediction(ns)[0].shape
     assert got[True] - got[False] == pytest.approx(M.cp_gathered_kv_backward(shape, peaks.prediction(ns)[0].run,
                                                                              _pf("sdpa")))

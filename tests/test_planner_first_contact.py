@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from megatron_peakflat.planner.cli import build
+from megatron_peakflat.planner.build import build
 
 
 def _run(argv: list[str]):
@@ -68,7 +68,7 @@ def test_a_gpt2_vocab_file_gives_its_vocabulary(tmp_path):
                                        "--tokenizer-type SentencePieceTokenizer --tokenizer-model /no/such.model",
                                        "--tokenizer-type NullTokenizer"])
 def test_a_tokenizer_whose_vocabulary_is_unknown_is_refused_naming_vocab_size(tokenizer, capsys):
-    from megatron_peakflat.planner.cli import main
+    from megatron_peakflat.cli.plan import main
 
     argv = ["--megatron-args", f"{GPT_OSS_20B} {tokenizer}", "--gpus", "8"]
     assert main(argv) == 2
@@ -92,7 +92,8 @@ def test_with_the_vocabulary_known_the_vocab_term_is_the_tokenizers(tmp_path):
 
 
 def test_auto_and_check_refuse_an_unknown_vocabulary_naming_vocab_size(capsys):
-    from megatron_peakflat import auto, check
+    from megatron_peakflat import auto
+    from megatron_peakflat.cli import check
     from megatron_peakflat.config_base import PeakflatConfigError
 
     line = (GPT_OSS_20B + " --tokenizer-type HuggingFaceTokenizer --tokenizer-model /no/such/tokenizer "
@@ -116,7 +117,8 @@ CHECK_MODEL = ("--num-layers 24 --hidden-size 2880 --num-attention-heads 64 --gr
 
 
 def test_nothing_fits_exits_3_with_and_without_auto(capsys):
-    from megatron_peakflat import auto, check
+    from megatron_peakflat import auto
+    from megatron_peakflat.cli import check
 
     small = ["--gpus", "1", "--gpus-per-node", "1", "--hbm-gib", "16", "--host-gib", "64"]
     assert check.main([*CHECK_MODEL, "--peakflat-dispatch", "pipelined-llep", *small]) == check.DOES_NOT_FIT == 3
@@ -128,7 +130,8 @@ def test_nothing_fits_exits_3_with_and_without_auto(capsys):
 
 
 def test_pretraining_exits_3_where_auto_finds_nothing_that_fits(monkeypatch, capsys):
-    from megatron_peakflat import auto, pretrain
+    from megatron_peakflat import auto
+    from megatron_peakflat.cli import pretrain
 
     def nothing(argv):
         raise auto.NothingFits("--peakflat", "auto", "nothing fits in this command line's layout", "more GPUs")

@@ -26,7 +26,7 @@ def test_a_dense_stage_plans_it_in_its_own_phase_and_binds_on_it():
     st = plan(DENSE, RunConfig(seq_len=65536), PeakflatConfig(vocab=VocabConfig(impl="ring-dtp"))).stages[0]
     row = st.rows["mlp backward"]
     assert row.phase == "mlp" and row.baseline == mlp_backward_transient(DENSE, RunConfig(seq_len=65536), 8192)
-    assert row.baseline > st.rows["attention backward"].baseline  # 1.5 GiB against the GQA attention's backward
+    assert row.baseline > st.rows["tile"].baseline  # 1.5 GiB against the GQA attention's backward
     # with the loss bounded by Ring-DTP, the layer's backward binds, on the MLP's side
     assert "mlp" in st.live_phases("peakflat") and "attention" not in st.live_phases("peakflat")
 

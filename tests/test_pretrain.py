@@ -20,7 +20,7 @@ def test_help_lists_megatron_and_peakflat_flags():
     out = run("megatron_peakflat.pretrain", "--help")
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in ("--num-experts", "--recompute-granularity", "--peakflat-dispatch", "--peakflat-vocab",
-                 "--peakflat-sco", "--peakflat-optimizer", "--peakflat-opt-bucket", "--peakflat-attention"):
+                 "--peakflat-sco", "--peakflat-optimizer", "--peakflat-optimizer-bucket", "--peakflat-attention"):
         assert flag in out.stdout, flag
 
 
@@ -42,7 +42,7 @@ def test_an_older_megatron_without_the_config_builders_stops_the_entry_point_nam
     # megatron-core 0.18.2's pretrain() takes a model_provider that only Megatron-LM's pretrain_gpt.py has.
     import megatron.training.argument_utils as argument_utils
 
-    from megatron_peakflat import pretrain
+    from megatron_peakflat.cli import pretrain
 
     assert pretrain._config_builders()[0] is argument_utils.gpt_config_from_args
     monkeypatch.delattr(argument_utils, "gpt_config_from_args")
@@ -278,7 +278,7 @@ def test_defaults_added_without_transformer_engine_never_override_a_flag_the_use
     """Without Transformer Engine the entry point adds --transformer-impl local, --no-rope-fusion and
     --no-persist-layer-norm; a flag the user passed, in either spelling (``--flag value`` or ``--flag=value``,
     ``--rope-fusion`` or ``--no-rope-fusion``), is left as given and nothing is appended for it."""
-    from megatron_peakflat import pretrain
+    from megatron_peakflat.cli import pretrain
 
     monkeypatch.setattr(pretrain, "transformer_engine_available", lambda: False)
     assert pretrain._default_argv([])[:4] == ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm"]

@@ -34,8 +34,8 @@ def _row(method: str, case: str) -> dict:
 
 
 def test_quick_start_shows_the_planners_output_and_launches_its_recommended_flags(capsys):
-    from megatron_peakflat.planner.cli import FLAGS_LABEL
-    from megatron_peakflat.planner.plan import main
+    from megatron_peakflat.plan import main
+    from megatron_peakflat.planner.report import FLAGS_LABEL
 
     command = _fenced_after("**1. Ask the planner**").splitlines()[0]
     argv = shlex.split(command)

@@ -52,6 +52,45 @@ def test_host_sizes_for_one_rank_per_node_where_torchrun_does_not_say(monkeypatc
     assert host.mem_available is machine.mem_available  # one reader; tests and dry-run hooks fake it in host
 
 
+@pytest.mark.parametrize("total", [96 * 2**30, None])
+@pytest.mark.parametrize("ranks, auto_local, planned_node", [(None, 1, 8), ("4", 4, 4), ("0", 1, 8), ("x", 1, 8)])
+def test_auto_the_planner_and_the_peak_report_read_the_machine_through_the_one_probe(monkeypatch, total, ranks,
+                                                                                     auto_local, planned_node):
+    """``--peakflat auto``, the planner's machine figures and the runtime peak report read host memory and the ranks
+    per node from ``runtime.machine``, each with its own default where it says nothing: auto one rank per node and
+    2048 GiB, the planner (on a GPU machine) 2048 GiB, the peak report a node of 8 GPUs and 1024 GiB."""
+    import argparse
+
+    from megatron_peakflat import auto
+    from megatron_peakflat.integration import peaks
+    from megatron_peakflat.planner import build
+    from megatron_peakflat.planner.megatron_args import megatron_parser
+
+    gib = 2**30
+    monkeypatch.setattr(machine, "meminfo_bytes", lambda field, path=machine.MEMINFO: total)
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    world, local, _, host_bytes = auto._machine()
+    assert (world, local, host_bytes) == (2, auto_local, total if total is not None else 2048 * gib)
+    assert build.local_host_gib() == (None if total is None else 96.0)
+    monkeypatch.setattr(build, "local_hbm_gib", lambda: 80.0)  # on a GPU machine the planner takes its RAM
+    assert build.machine_gib(None, None) == (80.0, 96.0 if total is not None else 2048.0)
+    ns = megatron_parser().parse_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 256 "
+                                      "--vocab-size 512 --micro-batch-size 1".split())
+    ns.world_size, ns.data_parallel_size = 1, 1
+    monkeypatch.setattr(peaks, "_hbm_bytes", lambda: 80 * gib)
+    monkeypatch.setattr(peaks, "_config", lambda args: __import__("megatron_peakflat").PeakflatConfig())
+    peaks._cache.clear()
+    try:
+        run = peaks.prediction(argparse.Namespace(**vars(ns)))[0].run
+    finally:
+        peaks._cache.clear()
+    assert (run.host_bytes_per_node, run.gpus_per_node) == (total if total is not None else 1024 * gib, planned_node)
+
+
 def test_usable_cores_follow_the_affinity_mask_else_every_core(monkeypatch):
     if hasattr(os, "sched_getaffinity"):
         assert machine.usable_cores() == len(os.sched_getaffinity(0))
@@ -95,7 +134,7 @@ def test_a_cxx_only_region_is_registered_through_torch_once_and_unregistered_whe
 
 
 @pytest.mark.parametrize("owner, says", [("optimizer", "peakflat optimizer: pinning 4.00 KiB of host memory failed"),
-                                         ("sco", "peakflat SCO: native host pool is pageable")])
+                                         ("sco", "peakflat sco: native host pool is pageable")])
 def test_a_failed_registration_leaves_the_region_pageable_and_each_owner_says_so(monkeypatch, caplog, owner, says):
     from megatron_peakflat.optimizer.host_memory import HostRegion
     from megatron_peakflat.sco import NativeHostPool

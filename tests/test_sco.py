@@ -341,7 +341,7 @@ def test_stats_and_log(caplog):
     with caplog.at_level(logging.INFO, logger="megatron_peakflat"):
         for _ in range(2):
             _step(model, _x(), off)
-    lines = [r.getMessage() for r in caplog.records if "SCO (first backward" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "sco (first backward" in r.getMessage()]
     assert len(lines) == 1 and "6 boundaries" not in lines[0] and "3 boundaries packed, 2 offloaded" in lines[0]
     snap = stats.snapshot()["sco"]
     assert snap["boundaries_packed"] == 6 and snap["boundaries_offloaded"] == 4
@@ -355,7 +355,7 @@ def test_summary_waits_for_the_backward_of_every_group_in_flight(caplog):
     model = _model(3)
 
     def summaries():
-        return [r.getMessage() for r in caplog.records if "SCO (first backward" in r.getMessage()]
+        return [r.getMessage() for r in caplog.records if "sco (first backward" in r.getMessage()]
 
     with caplog.at_level(logging.INFO, logger="megatron_peakflat"):
         outs = [checkpoint_chunks(list(model), _x(seed).requires_grad_(True), off) for seed in (1, 2)]

@@ -8,10 +8,11 @@ import argparse
 
 import pytest
 
-from megatron_peakflat import check
+from megatron_peakflat.cli import check
 from megatron_peakflat.config_base import PeakflatConfigError
 from megatron_peakflat.planner import te_limits
-from megatron_peakflat.planner.cli import build, main as plan_main
+from megatron_peakflat.cli.plan import main as plan_main
+from megatron_peakflat.planner.build import build
 from megatron_peakflat.planner.model import GIB, plan
 
 # gpt-oss-20b's attention: 64 heads, 8 kv heads of 64 -> (64 + 16) x 64 = 5120 elements a token

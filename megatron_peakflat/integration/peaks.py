@@ -7,8 +7,9 @@
     report(iteration, args, writer=tb_writer, wandb_writer=wandb_writer)
 
 Components measure their region with ``runtime.meter.component_region(name)``, ``name`` one of their
-``components.Component.meters`` or ``meter_aliases`` (``dispatch``, ``vocab``, ``boundaries`` for SCO, which
-takes ``sco`` too, and ``optimizer``). The
+``components.Component.meters`` or ``meter_aliases`` (each component's name, its planner row's: ``dispatch``,
+``vocab``, ``sco``, ``optimizer``, ``tile``; SCO takes ``boundaries`` and ``recompute`` too, the tile
+``attention backward``, their rows' former names). The
 prediction per component is the planner's peakflat row when the component is on and its baseline
 row when it is off, for this rank's pipeline stage, from Megatron's parsed args.
 """
@@ -17,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from typing import Any
 
 from .. import components
-from ..runtime import meter
+from ..runtime import machine, meter
 from ..planner.model import GIB, Plan, RunConfig, plan
 from .. import stats
 from .logs import PER_RANK
@@ -36,7 +36,8 @@ _cache: dict[str, Any] = {}
 
 def report_name(meter_name: str) -> str:
     """The name a region measured as ``meter_name`` is reported under: its component's planner row
-    (``components.Component.meters``; ``sco`` and ``recompute`` report as ``boundaries``); other names as they are."""
+    (``components.Component.meters``; ``boundaries`` and ``recompute`` report as ``sco``, ``attention backward`` as
+    ``tile``); other names as they are."""
     return components.meter_names().get(meter_name, meter_name)
 
 
@@ -92,7 +93,6 @@ def prediction(args: Any) -> tuple[Plan, str]:
     """The planner's plan for this run (cached) and this rank's stage name ('only', 'first', 'last', or the
     'middle N' stage the plan holds)."""
     if "plan" not in _cache:
-        from ..planner.cli import local_host_gib
         from ..planner.megatron_args import run_fields_from_namespace, shape_from_namespace
 
         shape = _shape(args, shape_from_namespace)
@@ -102,8 +102,8 @@ def prediction(args: Any) -> tuple[Plan, str]:
         world = getattr(args, "world_size", None) or tp * pp * cp
         fields["dp"] = getattr(args, "data_parallel_size", None) or max(1, world // (tp * pp * cp))
         fields["hbm_bytes"] = _hbm_bytes()
-        fields["host_bytes_per_node"] = int((local_host_gib() or 1024) * GIB)
-        fields["gpus_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", 8))
+        fields["host_bytes_per_node"] = machine.mem_total() or 1024 * GIB
+        fields["gpus_per_node"] = machine.local_world_size(default=8)
         fields["fused_adam"] = _megatron_fused_adam()
         fields["sm_count"] = _sm_count()
         from ..planner.te_limits import te_run_fields

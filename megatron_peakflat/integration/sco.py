@@ -113,7 +113,7 @@ def wrap_checkpointed_forward(original: Callable[..., Any]) -> Callable[..., Any
         if reason is not None:
             if reason not in _handed_back:
                 _handed_back.add(reason)
-                log.warning("peakflat SCO: handing back to Megatron's full recompute: %s", reason)
+                log.warning("peakflat sco: handing back to Megatron's full recompute: %s", reason)
             return original(self, hidden_states, *args, **kwargs)
         off = get_offloader(cfg.sco.budget, cfg.sco.prefetch, hidden_states.device, cfg.sco.pool)
         # A pipeline stage's received input is also held by the schedule until backward: moving it

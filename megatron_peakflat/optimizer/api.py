@@ -358,7 +358,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         log.info("peakflat optimizer: OffloadStreamAdamW holds %s parameters in %d bucket%s of <= %s (%d staging slot%s%s), "
                  "%s of %s host memory (%s), engine=%s, host kernel=%s, stream engine=%s", f"{n:,}",
                  nb, "" if nb == 1 else "s", f"{B:,}", self._n_slots, "" if self._n_slots == 1 else "s",
-                 f" of --peakflat-opt-slots {self.slots}: no more than buckets" if self._n_slots < self.slots else "",
+                 f" of --peakflat-optimizer-slots {self.slots}: no more than buckets" if self._n_slots < self.slots else "",
                  format_bytes(need),
                  "pinned" if self._region.pinned else "pageable", self._region.backend, self.engine,
                  "native" if self._ext is not None else "torch", self.stream_impl, extra={"per_rank": True})

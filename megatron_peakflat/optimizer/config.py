@@ -1,4 +1,4 @@
-"""Knobs of OffloadStreamAdamW: ``--peakflat-optimizer`` and ``--peakflat-opt-*``."""
+"""Knobs of OffloadStreamAdamW: ``--peakflat-optimizer`` and ``--peakflat-optimizer-*``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ log = logging.getLogger("megatron_peakflat")
 
 @dataclass(kw_only=True)
 class OptimizerConfig(ComponentConfig):
-    PREFIX: ClassVar[str] = "opt"
+    PREFIX: ClassVar[str] = "optimizer"
+    FORMER_PREFIXES: ClassVar[tuple[str, ...]] = ("opt",)
+    """``--peakflat-opt-*``, the knobs' spelling before they took the component's name: still read, with a
+    warning."""
     MODE_FIELD: ClassVar[str] = "impl"
     MODE_FLAG: ClassVar[str] = "optimizer"
     MEGATRON_FLAGS: ClassVar[tuple[str, ...]] = ("--use-distributed-optimizer", "--optimizer-cpu-offload",
@@ -41,10 +44,10 @@ class OptimizerConfig(ComponentConfig):
     def validate(self) -> None:
         if self.bucket < 1:
             raise PeakflatConfigError(self.flag("bucket"), self.bucket, "a bucket holds at least one parameter",
-                                      "pass a count such as --peakflat-opt-bucket 50M")
+                                      f"pass a count such as {self.flag('bucket')} 50M")
         if self.slots not in (2, 3):
             raise PeakflatConfigError(self.flag("slots"), self.slots, "the pipeline needs 2 or 3 staging slots",
-                                      "pass --peakflat-opt-slots 2 or 3")
+                                      f"pass {self.flag('slots')} 2 or 3")
         if self.host_threads is not None and self.host_threads < 1:
             raise PeakflatConfigError(self.flag("host_threads"), self.host_threads, "at least one thread is needed",
                                       "pass a positive integer or 'auto'")
@@ -70,7 +73,7 @@ class OptimizerConfig(ComponentConfig):
                                       f"{' '.join(needed)}", "add " + " ".join(missing))
         if _get(args, "deterministic_mode", False) and self.engine == "auto":
             self.engine = "gpu"
-            log.info("peakflat optimizer: --deterministic-mode: --peakflat-opt-engine auto -> gpu (auto splits buckets "
+            log.info(f"peakflat optimizer: --deterministic-mode: {self.flag('engine')} auto -> gpu (auto splits buckets "
                      "between the GPU and host kernels by measured speed, and the two round a few parameters' last "
                      "bit differently, so runs would not repeat bit for bit)")
         if not _get(args, "decoupled_weight_decay", True):
@@ -95,7 +98,7 @@ def _check_offload_stream_megatron_knobs(flag: str, impl: str, args: Any) -> Non
     if fraction is not None and fraction != 1.0:
         raise PeakflatConfigError(flag, impl,
                                   f"it keeps the whole optimizer shard on the host (--optimizer-offload-fraction is "
-                                  f"{fraction}); where Adam's math runs is --peakflat-opt-engine's choice",
+                                  f"{fraction}); where Adam's math runs is --peakflat-optimizer-engine's choice",
                                   "drop --optimizer-offload-fraction (or set it to 1.0)")
     for dest in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
         if not _is_fp32(_get(args, dest, None)):

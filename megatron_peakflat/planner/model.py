@@ -2,8 +2,9 @@
 
 ``plan(shape, run, peakflat)`` returns, for the first and the last pipeline stage (and each middle stage
 that no earlier one bounds), one ``Row`` per
-memory term: parameters, gradients, optimizer state, saved activations, the four peaks (expert
-dispatch, vocabulary projection, checkpoint boundaries, optimizer staging) and a runtime reserve.
+memory term: parameters, gradients, optimizer state, saved activations, the peaks that the components bound,
+each row named for its component (``dispatch``: expert dispatch, ``vocab``: vocabulary projection, ``sco``:
+checkpoint boundaries, ``optimizer``: optimizer staging, ``tile``: attention's backward) and a runtime reserve.
 Each row holds the baseline bytes (Megatron as flagged), the peakflat bytes (all four components
 on, with the knobs given), the bound that the component guarantees whatever the routing or token
 count, the pinned host bytes, and the source of the formula.
@@ -16,7 +17,7 @@ layers), else ``T``; ``R = r * topk * skew`` token-expert pairs a rank's experts
 
 The total of a stage is ``persistent + max(phase)``, not the sum of every row: the vocabulary
 projection (end of forward) and a layer's backward (recompute + dispatch) never overlap.
-``persistent`` = parameters + gradients + optimizer + boundaries + saved activations + reserve.
+``persistent`` = parameters + gradients + optimizer + sco (boundaries) + saved activations + reserve.
 
 Calibration: the dispatch and vocabulary baselines reproduce peaks measured on one H200 (Megatron's
 alltoall MoE layer 5.1/10.3/20.6 GiB at 16K/32K/64K tokens, H=4096, 64 experts top-8, F=1536; native / fused
@@ -57,8 +58,8 @@ RESERVE_FIXED = 2 * GIB
 RESERVE_FRACTION = 0.05
 """Caching-allocator fragmentation, as a share of HBM."""
 COMPONENTS = components.planner_terms()
-"""The rows that a peakflat component bounds (``components.COMPONENTS``' planner terms: dispatch, vocab,
-boundaries, optimizer)."""
+"""The rows that a peakflat component bounds (``components.COMPONENTS``' planner terms, each the component's name:
+dispatch, vocab, sco, optimizer, tile)."""
 
 
 @dataclass(frozen=True)
@@ -1210,14 +1211,15 @@ def _checkpointing(run: RunConfig, n_layers: int) -> tuple[int, int, int]:
 
 def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: PeakflatConfig,
                      g: _Stage) -> tuple[int, int]:
-    """Rows ``activations``, ``layer working set``, ``embedding gradient`` and ``attention backward``; returns
+    """Rows ``activations``, ``layer working set``, ``embedding gradient`` and ``tile`` (attention's backward, which
+    the tiled sublayer bounds); returns
     (checkpoints, stored layers) for the rows that follow."""
     scores = unfused_scores(s, run)
     # the unfused backend saves its softmax probabilities for backward, unless core attention is recomputed
     attn = attention_activations(s, run) + cp_gathered_kv(s, run, pf) + \
         (0.0 if recomputes(run, "core_attn") else scores / 2)
     tiled = tiles_attention(s, run, pf)
-    # the tiled sublayer saves only its input, the layer's (checkpoint) input, which the boundaries row counts
+    # the tiled sublayer saves only its input, the layer's (checkpoint) input, which the sco row counts
     attn_pf = 0.0 if tiled else attn
     layer_act = [attn + mlp_activations(s, run, s.ffn)] * g.n_dense + [attn + moe_nondispatch_activations(s, run)] * g.n_moe
     layer_act_pf = ([attn_pf + mlp_activations(s, run, s.ffn)] * g.n_dense
@@ -1251,8 +1253,8 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
     gathered = (f"; at CP {run.cp} the whole sequence's gathered K/V gradients (cp_gathered_kv_backward), and "
                 "each stored layer keeps the gathered K and V (cp_gathered_kv)") if cp_gathers_kv(run, pf) else ""
     tiled_bwd = tiled_attention_bytes(s, run, pf) if tiled and layer_act else attn_bwd
-    rows["attention backward"] = Row(
-        "attention backward", attn_bwd, tiled_bwd, bound=tiled_bwd if tiled else None, phase="attention",
+    rows["tile"] = Row(
+        "tile", attn_bwd, tiled_bwd, bound=tiled_bwd if tiled else None, phase="attention",
         source="dQ, dK, dV, fp32 dQ accumulator x flash_dq_splits, dO, rotated q and k "
                f"(model.py attention_backward_transient){gathered}; never alive with the MoE's backward"
                + (f"; tiled sublayer: whole K, V, their fp32 gradient sums, the incoming gradient and dx, plus one "
@@ -1286,11 +1288,11 @@ def unfused_scores(s: ModelShape, run: RunConfig) -> float:
 
 def _boundary_rows(rows: dict[str, Row], notes: list[str], s: ModelShape, run: RunConfig, pf: PeakflatConfig,
                    g: _Stage, n_ckpt: int) -> int:
-    """Row ``boundaries`` (full recompute's checkpoint inputs; SCO's pinned host share of them); returns SCO's
+    """Row ``sco`` (full recompute's checkpoint boundaries; SCO's pinned host share of them); returns SCO's
     host budget per rank (0 without full recompute). Reads the ``optimizer`` row's host bytes."""
     boundary = boundary_bytes(s, run)
     if run.recompute != "full":
-        rows["boundaries"] = Row("boundaries", 0.0, 0.0, bound=None,
+        rows["sco"] = Row("sco", 0.0, 0.0, bound=None,
                                  source="no full recompute: layers keep their activations (row 'activations')")
         notes.append("SCO needs --recompute-granularity full; without it the boundary peak is the activations row")
         return 0
@@ -1299,8 +1301,8 @@ def _boundary_rows(rows: dict[str, Row], notes: list[str], s: ModelShape, run: R
     on_host = min(total_b, (budget // boundary) * boundary) if boundary else 0
     resident = min(1 + pf.sco.prefetch, g.inflight * n_ckpt) * boundary
     gpu_pf = total_b - on_host + (resident if on_host else 0)
-    rows["boundaries"] = Row(
-        "boundaries", total_b, min(gpu_pf, total_b), bound=resident, host_peakflat=on_host,
+    rows["sco"] = Row(
+        "sco", total_b, min(gpu_pf, total_b), bound=resident, host_peakflat=on_host,
         source="CheckpointFunction saves the chunk input [s/tp, b, h] (tensor_parallel/random.py); "
                "SCO keeps them pinned on host up to its budget, 1+prefetch on GPU")
     if on_host < total_b:
@@ -1317,7 +1319,7 @@ def _dispatcher_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
     inputs, grads, at_step = dispatcher_held(*g.kinds, run)
     fixed = pf.releases_dispatcher_state
     if at_step and run.recompute == "full":
-        # the boundaries row holds every checkpoint input through the backward: count those beyond it. (Under
+        # the sco row holds every checkpoint input through the backward: count those beyond it. (Under
         # selective recompute the activations row holds every layer's saved tensors, more than 2 [T, H] each.)
         extra = grads + max(0, 1 + inputs - n_ckpt)
         rows["dispatcher probs"] = Row(

@@ -144,9 +144,9 @@ def _why(p: Plan) -> list[str]:
         "optimizer step": "install Transformer Engine or apex (Megatron's Adam is then their FusedAdam, which "
                           "needs no temporary; the planner's --adam fused), or shard the optimizer over more ranks",
         "attention scores": f"Transformer Engine runs its unfused attention backend here: {run.unfused_attention}",
-        "boundaries": "the SCO budget cannot hold the boundaries: raise --host-gib or --context-parallel-size",
-        "attention backward": "raise --context-parallel-size or --tensor-model-parallel-size (attention's backward "
-                              "holds this rank's sequence and heads at once)",
+        "sco": "the SCO budget cannot hold the boundaries: raise --host-gib or --context-parallel-size",
+        "tile": "raise --context-parallel-size or --tensor-model-parallel-size (attention's backward "
+                "holds this rank's sequence and heads at once)",
         "embedding gradient": "raise --tensor-model-parallel-size, or --pipeline-model-parallel-size so that the "
                               "MTP layers and a tied output layer sit on another stage than the embedding lookup",
         "dispatch": "raise --expert-model-parallel-size (a smaller --peakflat-dispatch-chunk-cap lowers only the MoE "
@@ -160,7 +160,7 @@ def _why(p: Plan) -> list[str]:
     rows = sorted((r for r in st.rows.values() if r.name != "reserve"), key=lambda r: -r.peakflat)
     for r in rows[:3]:
         if r.peakflat > 0:
-            out.append(f"{r.name}: {format_bytes(r.peakflat)}; fix: {fixes.get(r.name, '')}")
+            out.append(f"{components.term_label(r.name)}: {format_bytes(r.peakflat)}; fix: {fixes.get(r.name, '')}")
     host = max(s.host("peakflat") for s in p.stages)
     if host > run.host_bytes_per_rank:
         out.append(f"host: {format_bytes(host)} per rank needed, {format_bytes(run.host_bytes_per_rank)} available "
@@ -329,7 +329,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
     if cfg.optimizer.impl == "megatron":  # on the GPU: not Megatron's own CPU offload either
         run = dataclasses.replace(asked, optimizer_offload_fraction=0.0)
     if cfg.sco.enabled:
-        need = max(s.rows["boundaries"].baseline for s in probe.stages)
+        need = max(s.rows["sco"].baseline for s in probe.stages)
         avail = max(0.0, run.host_bytes_per_rank - opt_host)
         whole_gib = min(-(-need // GIB), avail // GIB)
         cfg.sco = dataclasses.replace(cfg.sco, budget=int(whole_gib) * GIB)
@@ -351,7 +351,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
         if cfg.optimizer.impl != "megatron" and (cfg.optimizer.bucket > FLOORS["bucket"] or cfg.optimizer.slots > 2):
             candidates.append((_guaranteed(st.rows["optimizer"]), "bucket"))
         if cfg.tile.enabled and tile_tokens(run, cfg) > FLOORS["tile_tokens"] and "attention" in live:
-            candidates.append((_guaranteed(st.rows["attention backward"]), "tile_tokens"))
+            candidates.append((_guaranteed(st.rows["tile"]), "tile_tokens"))
         if not candidates:
             break
         _, knob = max(candidates)

@@ -38,7 +38,7 @@ def build_offloader(budget: int | None = None, prefetch: int = 1, device: torch.
     device = torch.device(device) if device is not None else torch.device("cpu")
     nbytes = resolve_budget(budget)
     host = make_pool(nbytes, pin=device.type == "cuda", impl=pool)
-    log.info("peakflat SCO: %s host pool, budget %s per rank (%s), prefetch %d", type(host).__name__,
+    log.info("peakflat sco: %s host pool, budget %s per rank (%s), prefetch %d", type(host).__name__,
              format_bytes(nbytes), "pinned" if host.pinned else "pageable", prefetch, extra={"per_rank": True})
     return BoundaryOffloader(host, prefetch=prefetch, log_summary=log_summary)
 

@@ -307,7 +307,7 @@ class BoundaryOffloader:
             return
         self._log_pending = False
         s = self.summary()
-        log.info("peakflat SCO (first backward done): %d boundaries packed, %d offloaded, %s on host (%s), "
+        log.info("peakflat sco (first backward done): %d boundaries packed, %d offloaded, %s on host (%s), "
                  "%s saved on the device at peak, %.4f s waited on copies",
                  s["boundaries_packed"], s["boundaries_offloaded"], format_bytes(s["host_bytes"]),
                  "pinned" if s["pinned"] else "pageable", format_bytes(s["device_bytes_saved_peak"]),

@@ -87,28 +87,28 @@ def resolve_budget(requested: int | None, *, available: int | None = None, local
     ranks = host.local_ranks() if local_ranks is None else max(1, local_ranks)
     if available is None:
         if requested is None:
-            log.warning("peakflat SCO: cannot read MemAvailable; budget 0 (boundaries stay on the device); "
+            log.warning("peakflat sco: cannot read MemAvailable; budget 0 (boundaries stay on the device); "
                         "pass --peakflat-sco-budget", extra={"per_rank": True})
             return 0
         return int(requested)
     promised = host.promised()
     mine = host.share(available, ranks)
     if promised:
-        log.info("peakflat SCO: %s of host memory per rank, less %s that the optimizer will pin: %s to size the "
+        log.info("peakflat sco: %s of host memory per rank, less %s that the optimizer will pin: %s to size the "
                  "boundary pool from", format_bytes(available // ranks), format_bytes(promised), format_bytes(mine),
                  extra={"per_rank": True})
     less = f", less {format_bytes(promised)} the optimizer will pin" if promised else ""
     if requested is None:
         budget = int(mine * SAFE_FRACTION)
         if budget == 0:
-            log.warning("peakflat SCO: no host memory left for the boundary pool on this rank (MemAvailable %s / "
+            log.warning("peakflat sco: no host memory left for the boundary pool on this rank (MemAvailable %s / "
                         "LOCAL_WORLD_SIZE=%d%s = %s); budget 0, every boundary stays on the GPU. Fix: free host "
                         "memory, run fewer ranks per node, or drop --peakflat-sco", format_bytes(available), ranks,
                         less, format_bytes(mine), extra={"per_rank": True})
         return budget
     ceiling = int(mine * CLAMP_FRACTION)
     if requested > ceiling:
-        log.warning("peakflat SCO: --peakflat-sco-budget %s requested, %s available on this rank (%.0f%% of "
+        log.warning("peakflat sco: --peakflat-sco-budget %s requested, %s available on this rank (%.0f%% of "
                     "MemAvailable %s / LOCAL_WORLD_SIZE=%d%s): short by %s; budget clamped to %s, boundaries past it "
                     "stay on the GPU", format_bytes(requested), format_bytes(ceiling), CLAMP_FRACTION * 100,
                     format_bytes(available), ranks, less, format_bytes(requested - ceiling), format_bytes(ceiling),
@@ -221,17 +221,17 @@ class TorchHostPool(_RecyclingPool):
         except (RuntimeError, MemoryError) as e:  # cudaHostAlloc's failure is a RuntimeError (AcceleratorError)
             reason = (str(e).splitlines() or [type(e).__name__])[0]
             if self.pinned and self.reserved > 0:
-                self._warn_once("pinned", "peakflat SCO: pinning %s more host memory failed (%s); budget shrunk "
+                self._warn_once("pinned", "peakflat sco: pinning %s more host memory failed (%s); budget shrunk "
                                 "from %s to the %s already pinned, boundaries past it stay on the GPU",
                                 format_bytes(nbytes), reason, format_bytes(self.budget), format_bytes(self.reserved))
                 self.budget = self.reserved
                 return None
             if self.pinned:
-                self._warn_once("pinned", "peakflat SCO: pinned host memory unavailable (%s); using pageable memory, "
+                self._warn_once("pinned", "peakflat sco: pinned host memory unavailable (%s); using pageable memory, "
                                 "copies will not overlap compute", reason)
                 self.pinned = False
                 return self._allocate(nbytes)
-            self._warn_once("pageable", "peakflat SCO: host allocation of %s failed (%s); budget shrunk from %s to "
+            self._warn_once("pageable", "peakflat sco: host allocation of %s failed (%s); budget shrunk from %s to "
                             "%s, boundaries past it stay on the GPU", format_bytes(nbytes), reason,
                             format_bytes(self.budget), format_bytes(self.reserved))
             self.budget = self.reserved
@@ -264,7 +264,7 @@ class NativeHostPool(_RecyclingPool):
         self.budget = int(budget)
         self.pinned = self._region.pinned
         if pin and not self.pinned:
-            log.warning("peakflat SCO: native host pool is pageable (%s); copies will not overlap compute",
+            log.warning("peakflat sco: native host pool is pageable (%s); copies will not overlap compute",
                         self._region.pin_error, extra={"per_rank": True})
 
     def _new_slot(self, nbytes: int) -> HostSlot | None:
@@ -284,13 +284,13 @@ def make_pool(budget: int, *, pin: bool, impl: str = "torch") -> "TorchHostPool 
 
         module = _ext.load()
         if module is None:
-            log.warning("peakflat SCO: native host pool unavailable (%s); using torch pinned tensors", _ext.reason(),
+            log.warning("peakflat sco: native host pool unavailable (%s); using torch pinned tensors", _ext.reason(),
                         extra={"per_rank": True})
         else:
             try:
                 return NativeHostPool(budget, pin=pin, module=module)
             except RuntimeError as e:
-                log.warning("peakflat SCO: native host pool of %s failed (%s); using torch pinned tensors",
+                log.warning("peakflat sco: native host pool of %s failed (%s); using torch pinned tensors",
                             format_bytes(budget), str(e).splitlines()[0], extra={"per_rank": True})
     elif impl not in ("torch", "native"):
         raise ValueError(f"pool impl must be 'torch' or 'native', got {impl!r}")

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
         from megatron.core.optimizer import distrib_optimizer
 
         distrib_optimizer.HAVE_APEX_OR_TE = True
-    from megatron_peakflat import pretrain
+    from megatron_peakflat.cli import pretrain
 
     from .pretrain_hooks import install
 

@@ -133,7 +133,7 @@ def install() -> None:
     directory = directory or os.getcwd()
     from megatron.training import get_args, training
 
-    from megatron_peakflat import pretrain
+    from megatron_peakflat.cli import pretrain
 
     trace = _Trace(directory)
     real_get_batch, real_train_step = pretrain.get_batch, training.train_step
@@ -178,9 +178,9 @@ def read_trace(directory: str, rank: int = 0) -> dict[int, dict[str, Any]]:
 
 
 def main(argv: list[str]) -> None:
-    """``megatron_peakflat.pretrain.main(argv)`` with the hooks installed."""
+    """``megatron_peakflat.cli.pretrain.main(argv)`` with the hooks installed."""
     install()
-    from megatron_peakflat import pretrain
+    from megatron_peakflat.cli import pretrain
 
     pretrain.main(argv)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..pretrain import loss_func
+from ..cli.pretrain import loss_func
 
 __all__ = ["TrainSetup", "build_training", "train_steps", "make_batches"]
 

@@ -1,41 +1,47 @@
-"""``python -m megatron_peakflat.plan``: per-rank memory of a Megatron MoE run, peakflat off and on.
+"""The planner's arguments: ``build(argv)`` reads the planner's flags (``python -m megatron_peakflat.plan``'s, a
+Megatron command line in ``--megatron-args`` among them) into the model shape, the run and the peakflat knobs that
+``planner.model.plan`` and ``planner.recommend.recommend`` take, refusing impossible sizes with the flag, the value
+and the fix; and this machine's figures that stand in for the flags left out (``machine_gib``).
 
-Examples:
-
-    python -m megatron_peakflat.plan --preset gpt-oss-120b --seq-len 1M --gpus 16
-    python -m megatron_peakflat.plan --megatron-args "--num-layers 24 --hidden-size 2880 ..." --gpus 8 --json
-    python -m megatron_peakflat.plan --preset deepseek-v3 --seq-len 128K --gpus 256 --plot peaks.png
-
-(``peakflat-plan`` is the same command.) Precedence: explicit planner flags > --megatron-args > --preset > defaults
-chosen from --gpus. Answers in well under a second: no torch, no GPU, no process group. Exit status: 0 when the
-recommendation fits, 3 when nothing does, 2 for a bad flag.
+The library behind the planner's command line (``cli/plan.py``), ``--peakflat auto`` (``auto.py``),
+``peakflat-check`` and the runtime peak report. No torch import.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import json
 import math
-import os
 import re
 import subprocess
-import sys
 from fractions import Fraction
 from typing import Any, Sequence
 
 from ..config import PeakflatConfig, add_args
-from ..integration import compat
 from ..config_base import PeakflatConfigError
+from ..integration import compat
+from ..runtime import machine
 from . import te_limits
-from .megatron_args import (PRESET_MARK, is_command_line, parse_megatron_args, run_fields_from_namespace,
-                            shape_from_namespace)
-from .model import COMPONENTS, GIB, Plan, RunConfig, pipeline_split, plan
-from .recommend import Recommendation, blockers, recommend, startup_namespace
+from .megatron_args import PRESET_MARK, is_command_line, parse_megatron_args, run_fields_from_namespace, \
+    shape_from_namespace
+from .model import GIB, RunConfig, pipeline_split
+from .recommend import blockers, startup_namespace
 from .shapes import PRESETS, ModelShape, preset
 
-__all__ = ["main", "build", "default_parallel"]
+__all__ = ["build", "default_parallel", "validate", "machine_gib", "local_hbm_gib", "local_host_gib", "token_count",
+           "EXAMPLES"]
+
+EXAMPLES = """Examples:
+
+    python -m megatron_peakflat.plan --preset gpt-oss-120b --seq-len 1M --gpus 16
+    python -m megatron_peakflat.plan --megatron-args "--num-layers 24 --hidden-size 2880 ..." --gpus 8 --json
+    python -m megatron_peakflat.plan --preset deepseek-v3 --seq-len 128K --gpus 256 --plot peaks.png
+
+(peakflat-plan is the same command.) Precedence: explicit planner flags > --megatron-args > --preset > defaults
+chosen from --gpus. Answers in well under a second: no torch, no GPU, no process group. Exit status: 0 when the
+recommendation fits, 3 when nothing does, 2 for a bad flag.
+"""
+"""The planner's --help epilog."""
 
 
 def local_hbm_gib() -> float | None:
@@ -49,15 +55,10 @@ def local_hbm_gib() -> float | None:
 
 
 def local_host_gib() -> float | None:
-    """MemTotal of this machine in GiB (no torch import); None where /proc/meminfo is unreadable."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        return None
-    return None
+    """MemTotal of this machine in GiB (``runtime.machine.mem_total``: no torch import); None where /proc/meminfo
+    is unreadable."""
+    total = machine.mem_total()
+    return None if total is None else total / GIB
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -103,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m megatron_peakflat.plan",
         description="Analytic per-rank memory of a Megatron MoE run with peakflat off and on; names the binding "
                     "peak and recommends the knobs that fit.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=(__doc__ or "").replace("``", ""))
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     g = p.add_argument_group("model")
     g.add_argument("--preset", help=f"a public model shape: {', '.join(PRESETS)}")
     g.add_argument("--megatron-args", default="", metavar='"FLAGS"',
@@ -310,213 +311,3 @@ def _all_on(pf: PeakflatConfig, shape: ModelShape, run: RunConfig, megatron_args
         optimizer=dataclasses.replace(pf.optimizer, impl="offload-stream"),
         tile=dataclasses.replace(pf.tile, enabled="tile" not in off),
         general=pf.general)
-
-
-def _gib(x: float | None) -> str:
-    return f"{'-':>9s}" if x is None else f"{x / GIB:9.2f}"
-
-
-def render(pl: Plan, rec: Recommendation) -> str:
-    """The text report: each stage's rows, totals and binding peak, then the recommended flags and why."""
-    s, r = pl.shape, pl.run
-    out = []
-    out.append(f"peakflat plan: {s.name}  seq {r.seq_len:,}  GPUs {r.world} (TP{r.tp} PP{r.pp} CP{r.cp} DP{r.dp} "
-               f"EP{r.ep}{' ETP' + str(r.etp) if r.etp > 1 else ''})  micro-batch {r.micro_batch}  {r.precision}  "
-               f"recompute {r.recompute}  HBM {r.hbm_bytes / GIB:.0f} GiB  host {r.host_bytes_per_node / GIB:.0f} GiB/node "
-               f"({r.host_bytes_per_rank / GIB:.0f} GiB/rank)")
-    out.append(f"assumed: --transformer-impl {r.transformer_impl}, Adam {'fused' if r.fused_adam else 'torch'} "
-               f"(--adam), attention {'unfused (' + r.unfused_attention + ')' if r.unfused_attention else 'flash/fused'}")
-    for st in pl.stages:
-        out.append("")
-        out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight:g} micro-batch(es) in flight;"
-                   "  GiB per rank")
-        out.append(f"  {'term':18s} {'baseline':>9s} {'peakflat':>9s} {'bound':>9s} {'host':>9s}  phase")
-        order = ["parameters", "gradients", "optimizer", "activations", "layer working set", "attention backward",
-                 "attention scores",
-                 "embedding gradient", "dispatcher probs", "dispatcher state", "boundaries", "dispatch", "vocab",
-                 "reserve", "optimizer step", "probs at step", "model build"]
-        for name in order + [n for n in st.rows if n not in order]:
-            if name not in st.rows:
-                continue
-            row = st.rows[name]
-            mark = "*" if name in COMPONENTS else " "
-            out.append(f" {mark}{name:18s} {_gib(row.baseline)} {_gib(row.peakflat)} {_gib(row.bound)} "
-                       f"{_gib(row.host_peakflat)}  {row.phase}")
-        tb, tp_ = st.total("baseline"), st.total("peakflat")
-        out.append(f"  {'total':18s} {_gib(tb)} {_gib(tp_)} {'':9s} {_gib(st.host('peakflat'))}"
-                   f"  = max(persistent + max(layer + max(attention, moe, mlp), loss), step, build)")
-        tg = st.total("peakflat", guaranteed=True)
-        out.append(f"  binding peak: baseline '{st.binding('baseline')}' ({'fits' if tb <= r.hbm_bytes else 'OOM'}), "
-                   f"peakflat '{st.binding('peakflat')}' ({'fits' if tp_ <= r.hbm_bytes else 'OOM'} as expected; "
-                   f"{_gib(tg).strip()} GiB whatever the routing: {'fits' if tg <= r.hbm_bytes else 'OOM'})")
-        for n in st.notes:
-            out.append(f"  note: {n}")
-    wb, wp = pl.worst("baseline"), pl.worst("peakflat")
-    out.append("")
-    out.append(f"baseline: {wb.total('baseline') / GIB:.1f} GiB per GPU, binding peak '{wb.binding('baseline')}' -> "
-               f"{'fits' if pl.fits('baseline') else 'does NOT fit'} in {r.hbm_bytes / GIB:.0f} GiB")
-    guar = max(x.total("peakflat", guaranteed=True) for x in pl.stages)
-    out.append(f"peakflat (every component that applies, at the knobs given or their defaults): "
-               f"{wp.total('peakflat') / GIB:.1f} GiB expected, binding peak '{wp.binding('peakflat')}'; "
-               f"{guar / GIB:.1f} GiB whatever the routing -> "
-               f"{'fits' if pl.fits('peakflat', guaranteed=True) else 'does NOT fit'}")
-    rw = rec.plan.worst("peakflat")
-    if rec.fits:
-        out.append(f"recommended (the components this run needs, their defaults shrunk until they fit): {rw.total('peakflat') / GIB:.1f} GiB per GPU expected, "
-                   f"{max(x.total('peakflat', guaranteed=True) for x in rec.plan.stages) / GIB:.1f} GiB whatever "
-                   "the routing, "
-                   f"{max(x.host('peakflat') for x in rec.plan.stages) / GIB:.1f} GiB host per rank; "
-                   f"binding peak '{rw.binding('peakflat')}'")
-    else:
-        out.append("recommended: nothing fits")
-    out.append(flags_line(rec))
-    for reason in rec.reasons:
-        out.append(f"  why: {reason}")
-    return "\n".join(out)
-
-
-FLAGS_LABEL = "  flags to add: "
-"""The label of the recommended flags' line where they fit."""
-TRIED_LABEL = "  tried, does NOT fit (not a line to run): "
-"""The label of the closest configuration's flags where nothing fits."""
-
-
-def flags_line(rec: Recommendation) -> str:
-    """The recommendation's flags on one labelled line: to add where they fit, else what was tried."""
-    return (FLAGS_LABEL if rec.fits else TRIED_LABEL) + " ".join([*rec.layout_flags, *rec.flags])
-
-
-def to_json(pl: Plan, rec: Recommendation) -> dict[str, Any]:
-    """``render``'s content as a JSON-serialisable dict (GiB floats, the recommended flags as a list)."""
-    def stage(st: Any) -> dict[str, Any]:
-        return {"stage": st.stage, "layers": st.layers, "inflight": st.inflight,
-                "rows": {k: {"baseline_gib": v.baseline / GIB, "peakflat_gib": v.peakflat / GIB,
-                             "bound_gib": None if v.bound is None else v.bound / GIB,
-                             "host_gib": v.host_peakflat / GIB, "phase": v.phase, "source": v.source}
-                         for k, v in st.rows.items()},
-                "total_baseline_gib": st.total("baseline") / GIB, "total_peakflat_gib": st.total("peakflat") / GIB,
-                "host_peakflat_gib": st.host("peakflat") / GIB,
-                "binding_baseline": st.binding("baseline"), "binding_peakflat": st.binding("peakflat"),
-                "notes": st.notes}
-    return {
-        "model": dataclasses.asdict(pl.shape), "run": dataclasses.asdict(pl.run),
-        "stages": [stage(s) for s in pl.stages],
-        "baseline": {"fits": pl.fits("baseline"), "binding": pl.worst("baseline").binding("baseline"),
-                     "total_gib": pl.worst("baseline").total("baseline") / GIB},
-        "peakflat": {"fits": pl.fits("peakflat", guaranteed=True), "binding": pl.worst("peakflat").binding("peakflat"),
-                     "total_gib": pl.worst("peakflat").total("peakflat") / GIB},
-        "recommended": {"fits": rec.fits, "flags": rec.flags, "layout_flags": rec.layout_flags, "reasons": rec.reasons,
-                        "chunk_cap": rec.config.dispatch.cap(pl.shape.topk), "vocab_block_size": rec.config.vocab.block_size,
-                        "vocab_schedule": rec.plan.vocab_schedule, "sco_budget_gib": (rec.config.sco.budget or 0) / GIB,
-                        "opt_bucket": rec.config.optimizer.bucket, "opt_slots": rec.config.optimizer.slots,
-                        "total_gib": rec.plan.worst("peakflat").total("peakflat") / GIB,
-                        "guaranteed_total_gib": max(x.total("peakflat", guaranteed=True)
-                                                    for x in rec.plan.stages) / GIB,
-                        "binding": rec.plan.worst("peakflat").binding("peakflat")},
-    }
-
-
-def plot(pl: Plan, path: str) -> None:
-    """Bar chart of the binding stage: baseline vs peakflat per term, then each column's total (the peak, not
-    the sum of the terms: phases that do not overlap take their maximum), labelled in GiB; HBM as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    st = pl.worst("baseline")
-    names = [n for n in st.rows]
-    base = [st.rows[n].baseline / GIB for n in names]
-    pfl = [st.rows[n].peakflat / GIB for n in names]
-    totals = (st.total("baseline") / GIB, st.total("peakflat") / GIB)
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    xs = list(range(len(names)))
-    xt = len(names) + 0.5  # the totals, set apart from the terms
-    ax.bar([x - 0.2 for x in xs] + [xt - 0.2], base + [totals[0]], width=0.4, label="baseline", color="tab:blue")
-    ax.bar([x + 0.2 for x in xs] + [xt + 0.2], pfl + [totals[1]], width=0.4, label="peakflat", color="tab:orange")
-    for dx, total in zip((-0.2, 0.2), totals):
-        ax.annotate(f"{total:.1f}", (xt + dx, total), ha="center", va="bottom", fontsize=8)
-    ax.axvline(len(names) - 0.25, color="grey", linewidth=0.5)
-    ax.axhline(pl.run.hbm_bytes / GIB, color="red", linestyle="--", label=f"HBM {pl.run.hbm_bytes / GIB:.0f} GiB")
-    ax.set_xticks(xs + [xt], names + ["total (peak)"], rotation=30, ha="right")
-    ax.set_ylabel("GiB per rank")
-    ax.set_title(f"{pl.shape.name}, seq {pl.run.seq_len:,}, {pl.run.world} GPUs ({st.stage} stage): "
-                 f"total {totals[0]:.1f} -> {totals[1]:.1f} GiB")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-NOTHING_FITS = 3
-"""Exit status when no configuration fits the GPU (2 is a bad flag, as argparse's)."""
-
-
-def plot_available() -> bool:
-    """Whether ``--plot`` can draw: matplotlib is importable (checked without importing it)."""
-    return importlib.util.find_spec("matplotlib") is not None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the planner; returns the exit status: 0 when the recommendation fits, ``NOTHING_FITS`` (3) when
-    nothing does, 2 with the flag, value and fix on stderr for a bad flag. A reader that closes the pipe early
-    (``| head``) ends the output quietly."""
-    status = [0]  # set by _main before it prints, so that a closed pipe keeps the plan's status
-    try:
-        status[0] = _main(argv, status)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _quiet_stdout()
-    return status[0]
-
-
-def _quiet_stdout() -> None:
-    """Point stdout at /dev/null, so that the interpreter's own flush at exit meets no closed pipe."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (captured, replaced)
-        pass
-
-
-def _main(argv: Sequence[str] | None, status: list[int]) -> int:
-    try:
-        shape, run, pf, ns, ignored = build(argv)
-        if ns.plot and not plot_available():
-            raise _err("--plot", ns.plot, "needs matplotlib, which is not installed here",
-                       "pip install 'megatron-peakflat[plot]' (or pip install matplotlib), or drop --plot")
-    except PeakflatConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if ns.list_presets:
-        for name, s in PRESETS.items():
-            print(f"{name:18s} layers {s.layers:3d}  hidden {s.hidden:5d}  heads {s.heads:3d}/{s.kv_heads:<3d} "
-                  f"experts {s.experts:3d} top-{s.topk}  moe-ffn {s.moe_ffn:5d}  ffn {s.ffn:5d}  vocab {s.vocab}  "
-                  f"({s.source})")
-        return 0
-    mns = ns.megatron_namespace
-    if mns is not None and is_command_line(mns):
-        refusal = te_limits.line_refusal(shape, run, mns)
-        if refusal is not None:
-            print(f"error: {refusal}", file=sys.stderr)
-            return 2
-    pl = plan(shape, run, pf)
-    rec = recommend(shape, run, pf, mns)
-    status[0] = 0 if rec.fits else NOTHING_FITS
-    if ns.json:
-        doc = to_json(pl, rec)
-        doc["ignored_megatron_flags"] = ignored
-        print(json.dumps(doc, indent=2))
-    else:
-        print(render(pl, rec))
-        if ignored:
-            print(f"(Megatron flags the planner does not read, taken as not changing memory: {' '.join(ignored)})")
-    if ns.plot:
-        plot(pl, ns.plot)
-        if not ns.json:
-            print(f"wrote {ns.plot}")
-    return status[0]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
