@@ -74,7 +74,7 @@ def test_tiled_attention_under_cp_counts_the_gathered_sequence():
     run = M.RunConfig(seq_len=S, cp=4, tp=1, precision="bf16")
     pf = PeakflatConfig(tile=TileConfig(enabled=True, tokens=S))  # asked longer than a chunk
     assert M.tiles_attention(shape, run, pf) and M.tile_tokens(run, pf) == S // 8
-    row = M.plan(shape, run, pf).stages[0].rows["attention backward"]
+    row = M.plan(shape, run, pf).stages[0].rows["tile"]
     want = tiled_attention_peak_bytes(S // 8, S // 4, 1, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                                       2, cp=4)
     assert row.peakflat == row.bound == want and "gathered sequence" in row.source

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from megatron_peakflat.testing.live_bytes import LiveBytesMeter
-from megatron_peakflat.tile.attention import TileOps, TiledSelfAttention, tile_starts, tiled_self_attention
+from megatron_peakflat.tile.api import tiled_self_attention
+from megatron_peakflat.tile.attention import TiledSelfAttention
+from megatron_peakflat.tile.ops import TileOps, tile_starts
 from megatron_peakflat.tile.bound import (AUTO_MAX_TILE, AUTO_MIN_TILE, auto_tile_tokens,
                                             tiled_attention_peak_bytes, tiled_attention_terms)
 from megatron_peakflat.tile.reference import ReferenceAttentionLayer, causal_attention

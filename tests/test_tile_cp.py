@@ -35,7 +35,8 @@ def _errors(rank: int, world: int, c: int, b: int, nq: int, nkv: int, tile: int,
     import torch.distributed as dist
 
     from megatron_peakflat.attention.context_parallel import split_sequence
-    from megatron_peakflat.tile.attention import TileOps, tiled_self_attention
+    from megatron_peakflat.tile.api import tiled_self_attention
+    from megatron_peakflat.tile.ops import TileOps
     from megatron_peakflat.tile.reference import ReferenceAttentionLayer
 
     seq = 2 * world * c
@@ -69,7 +70,7 @@ def _measured_peak(rank: int, world: int, c: int, tile: int, dtype: torch.dtype,
 
     from megatron_peakflat.attention.context_parallel import split_sequence
     from megatron_peakflat.testing.live_bytes import LiveBytesMeter
-    from megatron_peakflat.tile.attention import TileOps
+    from megatron_peakflat.tile.ops import TileOps
     from megatron_peakflat.tile.context_parallel import TiledSelfAttentionCP
     from megatron_peakflat.tile.reference import ReferenceAttentionLayer
     from tests._flash_double import FlashDouble

@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import stats
-from ..tile.attention import TileOps, tiled_self_attention
+from ..tile.api import tiled_self_attention
+from ..tile.ops import TileOps
 from ..tile.context_parallel import group_size
 from . import state
 from .logs import info_once

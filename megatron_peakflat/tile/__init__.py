@@ -1,7 +1,9 @@
 """The tiled attention sublayer (no Megatron import).
 
-- ``attention.py``: ``TileOps`` and the autograd Function ``TiledSelfAttention`` (query tiles along the sequence;
-  only K, V and their gradient sums whole);
+- ``api.py``: ``tiled_self_attention``, the entry point (the CP schedule under a CP group of more than one rank);
+- ``ops.py``: ``TileOps`` (the sublayer's three parts) and what both schedules share;
+- ``attention.py``: the autograd Function ``TiledSelfAttention`` (query tiles along the sequence; only K, V and
+  their gradient sums whole);
 - ``context_parallel.py``: ``TiledSelfAttentionCP``, the same under context parallelism (tiles within each rank's
   two chunks, K and V all-gathered over the CP group, dK and dV reduce-scattered);
 - ``bound.py``: the bytes the schedule keeps alive at its peak, and the provisional automatic tile size, as
@@ -13,9 +15,9 @@
 from .._lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "TileOps": ".attention",
+    "TileOps": ".ops",
     "TiledSelfAttention": ".attention",
-    "tiled_self_attention": ".attention",
+    "tiled_self_attention": ".api",
     "TiledSelfAttentionCP": ".context_parallel",
     "tiled_attention_peak_bytes": ".bound",
     "auto_tile_tokens": ".bound",

@@ -23,47 +23,21 @@ Cost: under full recompute the sublayer's forward runs three times per step inst
 forward, the checkpoint's recompute, the recompute of (b)), plus one QKV projection of the whole sequence in
 (a); its backward runs once. With one tile covering the sequence the numbers are the untiled sublayer's.
 
-Under context parallelism ``context_parallel.TiledSelfAttentionCP`` runs instead (``tiled_self_attention`` picks
-it). With ``--peakflat-report-peaks`` forward and backward are measured as the region ``tile``
+Under context parallelism ``context_parallel.TiledSelfAttentionCP`` runs instead (``api.tiled_self_attention``
+picks it). With ``--peakflat-report-peaks`` forward and backward are measured as the region ``tile``
 (``runtime.meter``). No Megatron import: the integration binds ``TileOps`` to a Megatron layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..runtime.meter import region
+from .ops import TileOps, add_param_grads, param_grads, tile_starts
 
-__all__ = ["TileOps", "TiledSelfAttention", "tiled_self_attention", "tile_starts", "add_param_grads", "param_grads"]
-
-
-@dataclass(frozen=True)
-class TileOps:
-    """The three parts of a self-attention sublayer, on tiles of the sequence (dim 0 of [s, b, ...]).
-
-    - ``qkv(x_tile, start) -> (q [t, b, nq, d], k [t, b, nkv, d], v [t, b, nkv, d])``: input norm, QKV
-      projection and RoPE for rows start .. start + t - 1 of x (their positions; under context parallelism
-      the rows of the rank's share, whose rotary table Megatron has cut to them);
-    - ``attend(q, k, v) -> o [t, b, nq * d]``: the queries are the last t positions of k and v; causal,
-      aligned bottom right;
-    - ``project(o, x_tile) -> y_tile``: output projection, bias and residual add (x_tile is the residual).
-
-    Each must be deterministic given its inputs (no dropout in training): backward recomputes them.
-    """
-
-    qkv: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def tile_starts(seq: int, tile: int) -> list[int]:
-    """The first position of each tile of ``tile`` tokens over ``seq`` tokens (the last one may be shorter)."""
-    if tile < 1:
-        raise ValueError(f"tile must be at least 1 token, got {tile}")
-    return list(range(0, seq, tile))
+__all__ = ["TiledSelfAttention"]
 
 
 class _JoinKV(torch.autograd.Function):
@@ -168,27 +142,6 @@ class TiledSelfAttention(torch.autograd.Function):
         return (dx, None, None, *param_grads(params, sums, placeholder))
 
 
-def add_param_grads(params: Sequence[torch.Tensor], want: Sequence[int], got: Sequence[torch.Tensor | None],
-                    sums: list[torch.Tensor | None], placeholder: list[torch.Tensor | None]) -> None:
-    """Add one tile's gradients ``got`` of ``params[i] for i in want`` to their fp32 ``sums``; a parameter whose
-    gradient the op wrote into ``main_grad`` itself (``grad_added_to_main_grad``) keeps the op's placeholder."""
-    for i, g in zip(want, got):
-        if g is None:
-            continue
-        if getattr(params[i], "grad_added_to_main_grad", False):
-            placeholder[i] = g  # the op accumulated into main_grad itself; g is its placeholder
-        elif sums[i] is None:
-            sums[i] = g.to(torch.float32, copy=True)
-        else:
-            sums[i].add_(g)
-
-
-def param_grads(params: Sequence[torch.Tensor], sums: Sequence[torch.Tensor | None],
-                placeholder: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """Each parameter's gradient as backward returns it: its fp32 sum cast once to its dtype, or the placeholder."""
-    return [acc.to(p.dtype) if acc is not None else ph for p, acc, ph in zip(params, sums, placeholder)]
-
-
 def _store_kv(kv: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor, start: int,
               s: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A tile's k and v written into the whole-sequence buffers (K, V), which the first tile allocates."""
@@ -202,24 +155,3 @@ def _store_kv(kv: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: 
 def _seq_buffer(like: torch.Tensor, s: int) -> torch.Tensor:
     """An uninitialised whole-sequence buffer [s, *like.shape[1:]] of like's dtype and device."""
     return like.new_empty((s, *like.shape[1:]))
-
-
-def tiled_self_attention(x: torch.Tensor, ops: TileOps, tile: int, params: Sequence[torch.Tensor],
-                         cp_group: Any = None) -> torch.Tensor:
-    """``TiledSelfAttention.apply`` with the parameters deduplicated (a shared parameter is one input). With a
-    context-parallel group of more than one rank, x is this rank's share of the sequence in Megatron's
-    load-balanced layout and ``context_parallel.TiledSelfAttentionCP`` runs (tiles within each of its two
-    chunks, K and V gathered over the group)."""
-    if tile < 1:
-        raise ValueError(f"tile must be at least 1 token, got {tile}")
-    seen: set[int] = set()
-    unique = []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            unique.append(p)
-    from .context_parallel import TiledSelfAttentionCP, group_size
-
-    if group_size(cp_group) > 1:
-        return TiledSelfAttentionCP.apply(x, ops, int(tile), cp_group, *unique)
-    return TiledSelfAttention.apply(x, ops, int(tile), *unique)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..attention.context_parallel import chunks_of_rank
 from ..runtime.meter import region
-from .attention import TileOps, add_param_grads, param_grads, tile_starts
+from .ops import TileOps, add_param_grads, param_grads, tile_starts
 
 __all__ = ["TiledSelfAttentionCP", "cp_tile_spans", "gather_kv", "scatter_kv_grads", "group_size"]
 

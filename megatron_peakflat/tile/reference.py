@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from .attention import TileOps
+from .ops import TileOps
 
 __all__ = ["rope_freqs", "apply_rope", "causal_attention", "ReferenceAttentionLayer"]
 
