@@ -1,62 +1,98 @@
 #!/usr/bin/env bash
-# Run GPU steps on a CUDA machine from a checkout of this repository (the commands behind the
-# committed GPU results). Steps: setup, tests (or tests:<pytest args>), suite (the whole suite, tools/gpu_full_suite.sh), example, demo,
-# mtp-release (the MTP run of pretrain_mtp_32k.json again, with moe-release, against the planner),
-# e2e[:args] (bench/e2e.py; with TE from tools/te_to_device.sh on the PYTHONPATH),
-# bench-<component>[:args].
-#   bash tools/gpu_run.sh setup tests example bench-vocab bench-sco
-# Wheels missing on the machine (megatron-core, liger-kernel, cut-cross-entropy) are taken from .whl/
-# when present (downloaded beforehand on a machine with network access). Output goes to stdout and, when $OUT
-# is set, to $OUT/gpu_run.log; benchmark JSON lands in bench/results/ (and $OUT).
+# The GPU steps behind the committed GPU results, run from a checkout on a CUDA machine (one host; NCCL where there
+# are 2 GPUs). Steps run in the order given; a step that fails is logged and the next still runs (exit status 1 at
+# the end). Each step writes its result file as soon as it exists, so a machine taken back mid-way loses only the step
+# it was in, and the resumable ones (time, calibration, e2e-cp2-*) go on from their rows at the next call.
+#
+# Set-up, on every fresh machine (it keeps /tmp only while warm, so run these back to back; a run may carry at most
+# 64 MiB of files, hence one part of Transformer Engine's wheel at a time, from `bash tools/te_to_device.sh fetch`):
+#   bash tools/gpu_run.sh te-receive:1 setup            # with .tep1 and .whl/ beside the tree: wheels, the extension
+#   bash tools/gpu_run.sh te-receive:2 ... te-receive:4 # with only .tepN beside the tree
+#   bash tools/gpu_run.sh te-receive:5 te               # Transformer Engine 2.20.2's build (~2 min)
+# One GPU (rows record the card; on a card above 80 GB, E2E_ARGS="--hbm-cap-gib 79.18" answers for an H100):
+#   tests | tests:<pytest args>     tests/gpu                  suite        the whole CPU suite on this machine
+#   tile-tests                      the tiled sublayer on TE, and TE's bottom-right probe at a 16K tile against 1M keys
+#   reach-start, reach-collect      peakflat-auto at 512K, 768K, 1M in the background (~15 min), then its rows
+#   time                            e2e 8K-48K, megatron-te and peakflat-auto, 3 runs each -> bench/results/e2e_time.json
+#   same-loss-fp32, same-loss-bf16  50 iterations at 8K: fp32 (TF32 off), and bf16 at lr 1e-5 -> bench/results/e2e.json
+#   calibration                     bench/planner_calibration.py for BUDGET seconds
+#   example, demo, mtp-release, e2e[:args], bench-<component>[:args]
+# Two GPUs of one host:
+#   cp-tests                        tests/gpu/test_cp_gpu.py and test_tile_cp_gpu.py
+#   vocab-tp2                       bench/vocab.py at TP 2 -> bench/results/vocab.json (rows tp=2, gpus 2)
+#   e2e-cp2-reach, e2e-cp2-time     bench/e2e.py --cp 2 -> bench/results/e2e_cp2.json
+# Output: stdout, docs/evidence/gpu_<step>.log, and $OUT/ when set. Environment: PYTHON (python3), BUDGET (seconds a
+# resumable step may run, default 540), E2E_ARGS (added to every bench/e2e.py step). Wheels missing on the machine
+# (megatron-core, liger-kernel, cut-cross-entropy) come from .whl/ (../shared/tools/device-wheels.sh beforehand).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-LOG=${OUT:+$OUT/gpu_run.log}
-LOG=${LOG:-/dev/null}
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
+BUDGET=${BUDGET:-540}
+EVIDENCE=docs/evidence
+mkdir -p "$EVIDENCE" bench/results
 status=0
 step() {  # name, command...
   local name=$1; shift
-  echo "=== [$(date +%T)] $name: $*" | tee -a "$LOG"
+  local log=$EVIDENCE/gpu_$name.log
+  echo "=== [$(date +%T)] $name: $*" | tee "$log"
   local t0=$SECONDS
-  "$@" 2>&1 | tee -a "$LOG"
+  "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
+  [[ -n "${OUT:-}" ]] && cp "$log" "$OUT/"
   [[ $rc -eq 0 ]] || status=1
 }
+e2e() { step "$1" $PY bench/e2e.py "${@:2}" ${E2E_ARGS:-}; }
 for s in "$@"; do
   case "$s" in
+    te-receive:*) step "te_receive_${s#te-receive:}" bash tools/te_to_device.sh receive "${s#te-receive:}" ;;
+    te) step te bash tools/te_to_device.sh build ;;
     setup)
-      if [[ -d .whl ]]; then
-        step wheels $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-        export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-      fi
-      step build-ext $PY setup.py -q build_ext --inplace
-      export PYTHONPATH=$PWD:${PYTHONPATH:-}
-      step env $PY -c "import torch, megatron.core, triton; import megatron_peakflat._C as C; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count(), 'ext', C.__file__)"
+      shopt -s nullglob; wheels=(.whl/*.whl); shopt -u nullglob
+      (( ${#wheels[@]} )) && step wheels $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}"
+      step build_ext $PY setup.py -q build_ext --inplace
+      step env $PY -c "import torch, megatron.core, triton; import megatron_peakflat._C as C; n = torch.cuda.device_count(); print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'triton', triton.__version__, 'gpus', n, [torch.cuda.get_device_name(i) for i in range(n)], 'ext', C.__file__)"
       ;;
-    tests) step gpu-tests $PY -m pytest tests/gpu -q -ra -p no:cacheprovider ;;
-    tests:*) step gpu-tests $PY -m pytest ${s#tests:} -q -ra -p no:cacheprovider ;;
+    tests) step tests $PY -m pytest tests/gpu -q -ra -p no:cacheprovider ;;
+    tests:*) step tests $PY -m pytest ${s#tests:} -q -ra -p no:cacheprovider ;;
     suite) step suite env PYTHON=$PY bash tools/gpu_full_suite.sh ;;
+    tile-tests)
+      step tile_tests $PY -m pytest tests/gpu/test_tile_te_gpu.py -v -rA -p no:cacheprovider
+      step te_bottom_right $PY tools/probes/te_bottom_right.py 16384 1048576 ;;
+    reach-start) e2e reach_start --phases reach --methods peakflat-auto --lengths 512K,768K,1M --timeout 1500 --background ;;
+    reach-collect) step reach_collect $PY bench/e2e.py --collect ;;
+    time) e2e time --phases time,summary --methods megatron-te,peakflat-auto --repeats 3 --timeout 300 --budget "$BUDGET" \
+            --out e2e_time.json ;;
+    same-loss-fp32) e2e same_loss_fp32 --phases same-loss --dtype fp32 --same-loss-seq 8K --same-loss-iters 50 --budget "$BUDGET" ;;
+    same-loss-bf16) e2e same_loss_bf16 --phases same-loss --lr 1e-5 --same-loss-seq 8K --same-loss-iters 50 --budget "$BUDGET" ;;
+    calibration) step calibration $PY bench/planner_calibration.py --max-minutes $(( BUDGET / 60 )) ;;
     example)
       for pf in off on; do
-        step "example-$pf" env PEAKFLAT=$pf TRAIN_ITERS=${TRAIN_ITERS:-20} MASTER_PORT=$((29600 + RANDOM % 100)) bash examples/pretrain_moe.sh
+        step "example_$pf" env PEAKFLAT=$pf TRAIN_ITERS=${TRAIN_ITERS:-20} MASTER_PORT=$((29600 + RANDOM % 100)) bash examples/pretrain_moe.sh
       done ;;
     demo) step demo $PY -m megatron_peakflat.demo ;;
     mtp-release)
-      step mtp-release $PY bench/pretrain_compare.py --timeout 150 --out pretrain_mtp_32k_release.json \
+      step mtp_release $PY bench/pretrain_compare.py --timeout 150 --out pretrain_mtp_32k_release.json \
         --env "NUM_LAYERS=2,HIDDEN=2048,HEADS=16,FFN=5632,MOE_FFN=1408,EXPERTS=8,TOPK=2,VOCAB=201088,SEQ_LEN=32768,GLOBAL_BATCH=1,TRAIN_ITERS=4,CHUNK_CAP=auto" \
         --run "vocab:PEAKFLAT=on;PEAKFLAT_COMPONENTS=vocab" -- --deterministic-mode --mtp-num-layers 1
-      step planner-mtp $PY bench/planner_mtp.py ;;
-    e2e|e2e:*)
-      args=""; [[ "$s" == e2e:* ]] && args=${s#e2e:}
-      step e2e $PY bench/e2e.py $args ;;
+      step planner_mtp $PY bench/planner_mtp.py ;;
+    e2e) e2e e2e ;;
+    e2e:*) e2e e2e ${s#e2e:} ;;
     bench-*)
       spec=${s#bench-}; name=${spec%%:*}; args=""
       [[ "$spec" == *:* ]] && args=${spec#*:}
-      step "bench-$name" $PY bench/$name.py $args ;;
-    *) echo "unknown step $s" | tee -a "$LOG"; status=1 ;;
+      step "bench_$name" $PY bench/$name.py $args ;;
+    cp-tests) step cp_tests $PY -m pytest tests/gpu/test_cp_gpu.py tests/gpu/test_tile_cp_gpu.py -v -rA -p no:cacheprovider ;;
+    vocab-tp2)
+      step vocab_tp2 $PY -m torch.distributed.run --nproc-per-node 2 --master-port $((29600 + RANDOM % 100)) bench/vocab.py \
+        --cases 32768x7168x201088 --repeats 3 \
+        --methods peakflat-gather,peakflat-activations,peakflat-weights,megatron-native-ce,megatron-fused-ce ;;
+    e2e-cp2-reach) e2e e2e_cp2_reach --cp 2 --phases reach,summary --methods megatron-te,peakflat-auto --budget "$BUDGET" ;;
+    e2e-cp2-time) e2e e2e_cp2_time --cp 2 --phases time --methods megatron-te,peakflat-auto --repeats 3 --budget "$BUDGET" ;;
+    *) echo "unknown step $s: see the head of $0"; status=1 ;;
   esac
 done
 exit $status
