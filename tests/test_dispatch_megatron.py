@@ -203,12 +203,7 @@ def _ddp_case(rank: int, world: int, E: int, experts: str = "sequential") -> tup
     worst = 0.0
     for it in range(2):
         batch = mc.gpt_batch(SEQ, MB, VOCAB, seed=40 + it + rank)
-        grads = []
-        for m in models:
-            m.zero_grad_buffer()
-            mc.gpt_loss(m, batch).backward()
-            m.finish_grad_sync()
-            grads.append({n: p.main_grad.clone() for n, p in m.module.named_parameters()})
+        grads = [mc.ddp_main_grads(m, batch) for m in models]
         for n, g in grads[0].items():
             e = max_rel_error(grads[1][n], g)
             assert e <= 1e-5, ("ddp", it, n, e)

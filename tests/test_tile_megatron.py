@@ -139,11 +139,7 @@ def _ddp_case(rank: int, world: int) -> tuple[str, float]:
             grads = []
             for m, cfg in zip(models, (off, on)):
                 megatron_peakflat.apply(cfg)
-                m.zero_grad_buffer()
-                m.train()
-                mc.gpt_loss(m, batch).backward()
-                m.finish_grad_sync()
-                grads.append({n: p.main_grad.clone() for n, p in m.module.named_parameters()})
+                grads.append(mc.ddp_main_grads(m, batch))
             for n, g in grads[0].items():
                 e = max_rel_error(grads[1][n], g)
                 assert e <= 1e-5, ("ddp", it, n, e)

@@ -414,3 +414,14 @@ def gpt_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                    loss_mask=mask)
     return (losses.float() * mask).sum() / mask.sum()
+
+
+def ddp_main_grads(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One training step's gradients of a Megatron ``DistributedDataParallel`` model on ``batch``: its grad buffer
+    zeroed, forward and backward in train mode, the grad sync finished; each parameter's ``main_grad``, cloned, by
+    name (what the optimizer would read)."""
+    model.zero_grad_buffer()
+    model.train()
+    gpt_loss(model, batch).backward()
+    model.finish_grad_sync()
+    return {n: p.main_grad.clone() for n, p in model.module.named_parameters()}
