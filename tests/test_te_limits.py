@@ -6,6 +6,7 @@ act on them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -217,6 +218,16 @@ def test_a_tuned_hidden_size_counts_loads_where_the_rows_are_a_multiple_of_4():
     assert te_limits.norm_elements_per_offset("LayerNorm", "bf16", 2304, 4) == 2  # 4-byte loads in backward
     assert te_limits.norm_elements_per_offset("LayerNorm", "bf16", 5120, 4) == 8
     assert te_limits.norm_elements_per_offset("RMSNorm", "bf16", 5120, 4) == 1  # tuned for LayerNorm only
+
+
+def test_the_tuned_kernels_are_taken_only_where_megatron_aligns_the_norm_weight():
+    """TE's tuned kernels need 16-byte-aligned pointers; Megatron's parameter buffer starts each parameter on 64
+    elements under --use-distributed-optimizer only, so without it the general kernel's limit is planned."""
+    run = RunConfig(seq_len=1 << 20)  # 1M x 4096: 4.3e9 elements, 5.4e8 loads
+    assert te_limits.norm_refusal(QWEN, run, ns(**RMS)) is None
+    e = te_limits.norm_refusal(QWEN, dataclasses.replace(run, distributed_optimizer=False), ns(**RMS))
+    assert "rmsnorm_fwd_general_kernel" in e.problem and e.fix.startswith("add --use-distributed-optimizer")
+    assert te_limits.norm_elements_per_offset("RMSNorm", "bf16", 4096, 1 << 20, aligned=False) == 1
 
 
 @pytest.mark.parametrize("run, rows", [

@@ -24,7 +24,9 @@ what Megatron-Core's TE layers (``--transformer-impl transformer_engine``, Megat
   negative (out of bounds). The tuned kernels (``*_tuned_kernel``, same files) form ``index_t idx = row *
   Ktraits::VEC_COLS + c`` in int, counting vectors of BYTES_PER_LDG bytes; TE picks them only for the hidden sizes
   registered in ``*_cuda_kernel.cu`` (``TUNED_NORM_LOAD_BYTES``) and a row count that is a multiple of 4
-  (``is_tuned = is_aligned && (batch_size % 4 == 0)``, normalization/common.cpp). So ``rows x hidden`` (general) or
+  (``is_tuned = is_aligned && (batch_size % 4 == 0)``, normalization/common.cpp; ``is_ptr_aligned``: 16 bytes,
+  which Megatron's parameter buffer gives the norm weight under --use-distributed-optimizer, each parameter
+  starting on 64 elements; without it the planner takes the general kernel). So ``rows x hidden`` (general) or
   ``rows x hidden / elements per load`` (tuned) must stay within 2**31 - 1. Rows: the whole sequence on the rank
   for the pre-MLP and final norms (seq / CP x micro-batch, / TP under sequence parallelism) whatever the tile
   does, since they run outside the attention sublayer; the attention's tokens x micro-batch x heads / TP for the
@@ -252,31 +254,32 @@ _NORM_FILES = {"RMSNorm": ("rmsnorm", "normalization/rmsnorm/rmsnorm_{fwd,bwd}_k
                "LayerNorm": ("ln", "normalization/layernorm/ln_{fwd,bwd}_kernels.cuh")}
 
 
-def norm_kernel(normalization: str, precision: str, hidden: int, rows: int) -> str:
-    """The TE kernels that normalize ``rows`` rows of ``hidden``: the tuned pair where this hidden size has one and
-    the rows are a multiple of 4 (normalization/common.cpp ``is_tuned``), else the general pair."""
+def norm_kernel(normalization: str, precision: str, hidden: int, rows: int, aligned: bool = True) -> str:
+    """The TE kernels that normalize ``rows`` rows of ``hidden``: the tuned pair where this hidden size has one, the
+    rows are a multiple of 4 and the pointers ``aligned`` (normalization/common.cpp ``is_tuned``), else the general
+    pair."""
     prefix, where = _NORM_FILES[normalization]
-    kind = "tuned" if norm_elements_per_offset(normalization, precision, hidden, rows) > 1 else "general"
+    kind = "tuned" if norm_elements_per_offset(normalization, precision, hidden, rows, aligned) > 1 else "general"
     return (f"Transformer Engine {TE_VERSION}'s {prefix}_fwd_{kind}_kernel and {prefix}_bwd_{kind}_kernel "
             f"({where})")
 
 
-def norm_elements_per_offset(normalization: str, precision: str, hidden: int, rows: int) -> int:
+def norm_elements_per_offset(normalization: str, precision: str, hidden: int, rows: int, aligned: bool = True) -> int:
     """Elements per unit of the kernel's 32-bit offset: 1 for the general kernels (``row * params.cols + col``),
     BYTES_PER_LDG / element size for a tuned one (``row * Ktraits::VEC_COLS + c`` counts vectors)."""
     size = _DTYPE_BYTES.get(precision, 2)
     load = TUNED_NORM_LOAD_BYTES.get((normalization, size), {}).get(hidden)
-    return 1 if load is None or rows % 4 else load // size
+    return 1 if load is None or rows % 4 or not aligned else load // size
 
 
-def norm_offsets(rows: int, hidden: int, normalization: str, precision: str) -> int:
+def norm_offsets(rows: int, hidden: int, normalization: str, precision: str, aligned: bool = True) -> int:
     """The largest offset the norm kernels form for ``rows`` x ``hidden``, plus one, in their units."""
-    return rows * hidden // norm_elements_per_offset(normalization, precision, hidden, rows)
+    return rows * hidden // norm_elements_per_offset(normalization, precision, hidden, rows, aligned)
 
 
-def norm_fits(rows: int, hidden: int, normalization: str, precision: str) -> bool:
+def norm_fits(rows: int, hidden: int, normalization: str, precision: str, aligned: bool = True) -> bool:
     """Whether TE's norm kernels address every element of [rows, hidden] in 32-bit int."""
-    return norm_offsets(rows, hidden, normalization, precision) <= INT32_MAX
+    return norm_offsets(rows, hidden, normalization, precision, aligned) <= INT32_MAX
 
 
 def norm_max_rows(hidden: int, normalization: str, precision: str, *, tuned: bool = False) -> int:
@@ -335,14 +338,14 @@ def _whole_rows(run: Any, cp: int) -> int:
     return run.seq_len // cp * run.micro_batch // (run.tp if _sequence_parallel(run) else 1)
 
 
-def _cp_that_fits(run: Any, hidden: int, normalization: str, precision: str) -> int | None:
+def _cp_that_fits(run: Any, hidden: int, normalization: str, precision: str, aligned: bool) -> int | None:
     """The smallest --context-parallel-size above the line's at which the whole-sequence norms fit (None: none
     within reach)."""
-    tuned = hidden in TUNED_NORM_LOAD_BYTES.get((normalization, _DTYPE_BYTES.get(precision, 2)), {})
+    tuned = aligned and hidden in TUNED_NORM_LOAD_BYTES.get((normalization, _DTYPE_BYTES.get(precision, 2)), {})
     most = norm_max_rows(hidden, normalization, precision, tuned=tuned)
     start = max(run.cp + 1, -(-_whole_rows(run, 1) // max(1, most)))
     return next((cp for cp in range(start, start + 4096)
-                 if norm_fits(_whole_rows(run, cp), hidden, normalization, precision)), None)
+                 if norm_fits(_whole_rows(run, cp), hidden, normalization, precision, aligned)), None)
 
 
 def norm_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> PeakflatConfigError | None:
@@ -352,26 +355,31 @@ def norm_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> Pe
     if not te_norm_applies(args) or normalization not in _NORM_FILES:
         return None
     precision = getattr(run, "precision", "bf16")
+    aligned = bool(getattr(run, "distributed_optimizer", True))
     for i, (what, rows, hidden, name) in enumerate(norm_sites(shape, run, args)):
-        if norm_fits(rows, hidden, normalization, precision):
+        if norm_fits(rows, hidden, normalization, precision, aligned):
             continue
-        elements = norm_elements_per_offset(normalization, precision, hidden, rows)
+        elements = norm_elements_per_offset(normalization, precision, hidden, rows, aligned)
         limit = norm_max_rows(hidden, normalization, precision, tuned=elements > 1)
-        offsets = norm_offsets(rows, hidden, normalization, precision)
+        offsets = norm_offsets(rows, hidden, normalization, precision, aligned)
         counted = f"{offsets:,} elements" if elements == 1 else f" / {elements} elements a load = {offsets:,} loads"
-        problem = (f"{norm_kernel(normalization, precision, hidden, rows)} address [rows, hidden] in 32-bit int: "
-                   f"{what} x {name} {hidden}{' = ' if elements == 1 else ''}{counted}, past 2**31 - 1 (at most "
+        problem = (f"{norm_kernel(normalization, precision, hidden, rows, aligned)} address [rows, hidden] in 32-bit "
+                   f"int: {what} x {name} {hidden}{' = ' if elements == 1 else ''}{counted}, past 2**31 - 1 (at most "
                    f"{limit:,} rows at once here); the kernels would address out of bounds (illegal memory access)")
         if i > 0:
             fix = ("lower --peakflat-tile-tokens" if getattr(args, "peakflat_tile_enabled", None)
                    else "add --peakflat-tile (the query norm then runs per tile), or raise --context-parallel-size")
             return PeakflatConfigError("--qk-layernorm", True, problem, fix)
-        cp = _cp_that_fits(run, hidden, normalization, precision)
-        fix = (f"raise --context-parallel-size to {cp} or more" if cp else "raise --context-parallel-size")
+        fixes = []
+        if not aligned and norm_fits(rows, hidden, normalization, precision, True):
+            fixes.append("add --use-distributed-optimizer (its parameter buffer aligns the norm weight to 16 bytes, "
+                         "so TE runs its tuned kernels, which count loads)")
+        cp = _cp_that_fits(run, hidden, normalization, precision, aligned)
+        fixes.append(f"raise --context-parallel-size to {cp} or more" if cp else "raise --context-parallel-size")
         if run.micro_batch > 1:
-            fix += ", or lower --micro-batch-size"
-        fix += ("; no flag moves these norms out of Transformer Engine on Megatron's Transformer Engine layers "
-                "(TENorm for both --normalization choices)")
+            fixes.append("lower --micro-batch-size")
+        fix = (", or ".join(fixes) + "; no flag moves these norms out of Transformer Engine on Megatron's Transformer "
+               "Engine layers (TENorm for both --normalization choices)")
         return PeakflatConfigError("--seq-length", run.seq_len, problem, fix)
     return None
 
