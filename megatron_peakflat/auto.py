@@ -278,7 +278,21 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
             kept.extend(group)
         else:
             added.extend(group)
+    _check_transformer_engine(argv, added, rec)
     return AutoChoice(added, kept, rec, args, list(argv), source)
+
+
+def _check_transformer_engine(argv: Sequence[str], added: list[str], rec: Any) -> None:
+    """Raise the refusal of a Transformer Engine length limit that the line with the added flags still passes
+    (``planner.te_limits.line_refusal``: fused RoPE is switched off by ``--no-rope-fusion`` among the added flags;
+    no flag lifts the norms' or the fused router's and permutation's), before Megatron parses anything."""
+    from .planner import te_limits
+    from .planner.megatron_args import megatron_parser
+
+    ns, _ = megatron_parser().parse_known_args(_without_auto(list(argv)) + added)
+    refusal = te_limits.line_refusal(rec.plan.shape, rec.plan.run, ns)
+    if refusal is not None:
+        raise refusal
 
 
 def _training_flags() -> dict[str, str]:
@@ -301,7 +315,9 @@ def _layout(run: Any) -> str:
 
 
 def _picked_layout(args: list[str]) -> str:
-    """Where the layout the planner would pick for these GPUs fits, that layout's flags, as a fix."""
+    """Where the layout the planner would pick for these GPUs fits (and Transformer Engine runs it), that layout's
+    flags, as a fix."""
+    from .planner import te_limits
     from .planner.build import build
     from .planner.recommend import recommend
 
@@ -312,7 +328,7 @@ def _picked_layout(args: list[str]) -> str:
     except PeakflatConfigError:  # the picked layout does not suit this line (a sequence CP does not divide, ...)
         return ""
     rec = recommend(shape, run, pf, ns.megatron_namespace)
-    if not rec.fits:
+    if not rec.fits or te_limits.hard_refusal(shape, run, ns.megatron_namespace) is not None:
         return ""
     return f", or train in a layout that fits on these GPUs: {' '.join(rec.layout_flags)}"
 

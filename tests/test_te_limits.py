@@ -1,10 +1,12 @@
-"""Transformer Engine's limits (planner/te_limits.py): the fused RoPE kernel's 32-bit offsets and the unfused
-attention backend's s x s scores, each decision on CPU, and how the planner, ``--peakflat auto``, peakflat-check and
-start-up act on them."""
+"""Transformer Engine's limits (planner/te_limits.py): the 32-bit offsets of the fused RoPE kernel and of the norm
+kernels, the fused router's tokens x experts check, the fused permutation's row-id map, and the unfused attention
+backend's s x s scores, each decision on CPU, and how the planner, ``--peakflat auto``, peakflat-check and start-up
+act on them."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -13,7 +15,8 @@ from megatron_peakflat.config_base import PeakflatConfigError
 from megatron_peakflat.planner import te_limits
 from megatron_peakflat.cli.plan import main as plan_main
 from megatron_peakflat.planner.build import build
-from megatron_peakflat.planner.model import GIB, plan
+from megatron_peakflat.planner.model import GIB, RunConfig, plan
+from megatron_peakflat.planner.shapes import PRESETS
 
 # gpt-oss-20b's attention: 64 heads, 8 kv heads of 64 -> (64 + 16) x 64 = 5120 elements a token
 OSS20 = dict(heads=64, kv_heads=8, head_dim=64)
@@ -184,3 +187,240 @@ def test_check_and_start_up_refuse_unfused_scores_that_do_not_fit(capsys, monkey
     peaks._cache.clear()
     peaks.check_transformer_engine(args)
     peaks._cache.clear()
+
+
+# ---- TE's norms: the arithmetic -----------------------------------------------------------------
+
+OSS = PRESETS["gpt-oss-20b"]  # RMSNorm over 2880: no tuned kernel
+QWEN = PRESETS["qwen3-235b-a22b"]  # hidden 4096 (tuned RMSNorm), 64 heads of 128, 128 experts
+RMS = dict(normalization="RMSNorm")
+
+
+def test_the_general_norm_kernels_take_2_31_elements():
+    assert te_limits.norm_max_rows(2880, "RMSNorm", "bf16") == 745_654
+    assert te_limits.norm_fits(745_654, 2880, "RMSNorm", "bf16")
+    assert not te_limits.norm_fits(745_655, 2880, "RMSNorm", "bf16")
+    assert te_limits.norm_fits(448 * 1024, 2880, "RMSNorm", "bf16")  # the 448K run got past its norms
+    assert not te_limits.norm_fits(1 << 20, 2880, "RMSNorm", "bf16")  # 1M tokens: 3.0e9 elements
+    assert "rmsnorm_fwd_general_kernel" in te_limits.norm_kernel("RMSNorm", "bf16", 2880, 1 << 20)
+    assert te_limits.norm_offsets(1 << 20, 2880, "RMSNorm", "bf16") == 3_019_898_880
+
+
+def test_a_tuned_hidden_size_counts_loads_where_the_rows_are_a_multiple_of_4():
+    assert te_limits.norm_elements_per_offset("RMSNorm", "bf16", 4096, 1 << 20) == 8  # 16-byte loads
+    assert te_limits.norm_fits(1 << 20, 4096, "RMSNorm", "bf16")  # 4.3e9 elements, 5.4e8 loads
+    assert te_limits.norm_max_rows(4096, "RMSNorm", "bf16", tuned=True) == 4_194_300
+    assert "rmsnorm_fwd_tuned_kernel" in te_limits.norm_kernel("RMSNorm", "bf16", 4096, 1 << 20)
+    # rows not a multiple of 4: TE runs the general kernel (normalization/common.cpp is_tuned)
+    assert te_limits.norm_elements_per_offset("RMSNorm", "bf16", 4096, (1 << 20) + 2) == 1
+    assert not te_limits.norm_fits((1 << 20) + 2, 4096, "RMSNorm", "bf16")
+    assert te_limits.norm_elements_per_offset("RMSNorm", "fp32", 4096, 4) == 4
+    assert te_limits.norm_elements_per_offset("LayerNorm", "bf16", 2304, 4) == 2  # 4-byte loads in backward
+    assert te_limits.norm_elements_per_offset("LayerNorm", "bf16", 5120, 4) == 8
+    assert te_limits.norm_elements_per_offset("RMSNorm", "bf16", 5120, 4) == 1  # tuned for LayerNorm only
+
+
+def test_the_tuned_kernels_are_taken_only_where_megatron_aligns_the_norm_weight():
+    """TE's tuned kernels need 16-byte-aligned pointers; Megatron's parameter buffer starts each parameter on 64
+    elements under --use-distributed-optimizer only, so without it the general kernel's limit is planned."""
+    run = RunConfig(seq_len=1 << 20)  # 1M x 4096: 4.3e9 elements, 5.4e8 loads
+    assert te_limits.norm_refusal(QWEN, run, ns(**RMS)) is None
+    e = te_limits.norm_refusal(QWEN, dataclasses.replace(run, distributed_optimizer=False), ns(**RMS))
+    assert "rmsnorm_fwd_general_kernel" in e.problem and e.fix.startswith("add --use-distributed-optimizer")
+    assert te_limits.norm_elements_per_offset("RMSNorm", "bf16", 4096, 1 << 20, aligned=False) == 1
+
+
+@pytest.mark.parametrize("run, rows", [
+    (RunConfig(seq_len=1 << 20), 1 << 20),
+    (RunConfig(seq_len=1 << 20, cp=2), 1 << 19),  # CP divides the rank's rows
+    (RunConfig(seq_len=1 << 19, micro_batch=2), 1 << 20),  # the micro-batch multiplies them
+    (RunConfig(seq_len=1 << 20, tp=2), 1 << 19),  # sequence parallel (the planner's default at TP > 1)
+    (RunConfig(seq_len=1 << 20, tp=2, sequence_parallel=False), 1 << 20),
+])
+def test_the_whole_sequence_norms_run_over_the_ranks_tokens(run, rows):
+    (what, got, hidden, name), = te_limits.norm_sites(OSS, run, ns())
+    assert (got, hidden, name) == (rows, 2880, "hidden") and "pre-MLP and final norms" in what
+
+
+def test_the_tile_does_not_shorten_the_whole_sequence_norms():
+    tiled = ns(peakflat_tile_enabled=True, peakflat_tile_tokens=None, **RMS)
+    e = te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), tiled)
+    assert e is not None and (e.flag, e.value) == ("--seq-length", 1 << 20)
+    assert te_limits.norm_refusal(OSS, RunConfig(seq_len=745_654), tiled) is None
+    assert te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20, cp=2), tiled) is None
+
+
+def test_the_norm_refusal_names_the_kernels_the_limit_and_the_fix():
+    e = te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), ns(**RMS))
+    assert "rmsnorm_fwd_general_kernel and rmsnorm_bwd_general_kernel" in e.problem
+    assert "3,019,898,880 elements" in e.problem and "2**31 - 1" in e.problem and "745,654 rows" in e.problem
+    assert e.fix.startswith("raise --context-parallel-size to 2 or more")
+    assert "or lower --micro-batch-size" in te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 19, micro_batch=2),
+                                                                  ns(**RMS)).fix
+    assert te_limits.norm_refusal(OSS, RunConfig(seq_len=4 << 20), ns(**RMS)).fix.startswith(
+        "raise --context-parallel-size to 6 or more")  # 4M / 6 = 699,050 rows
+    assert "ln_fwd_general_kernel" in te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), ns()).problem
+    assert te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), ns(transformer_impl="local")) is None
+
+
+def test_a_command_line_is_layernorm_unless_it_says_and_a_preset_rmsnorm():
+    wide, run = OSS.with_(hidden=5120), RunConfig(seq_len=600_000)  # 3.07e9 elements, rows a multiple of 4
+    assert te_limits.norm_refusal(wide, run, ns()) is None  # Megatron's default LayerNorm: tuned, 16-byte loads
+    assert te_limits.norm_refusal(wide, run, ns(), preset=True) is not None  # RMSNorm: the general kernel
+    assert te_limits.norm_refusal(wide, run, ns(**RMS)) is not None
+
+
+def test_the_qk_layernorm_query_norm_runs_over_heads_and_per_tile():
+    qk = ns(qk_layernorm=True, **RMS)
+    assert te_limits.norm_refusal(QWEN, RunConfig(seq_len=262_143), qk) is None  # x 64 heads x 128 < 2**31
+    e = te_limits.norm_refusal(QWEN, RunConfig(seq_len=262_144), qk)
+    assert (e.flag, e.value) == ("--qk-layernorm", True) and "x head dim 128" in e.problem
+    assert e.fix.startswith("add --peakflat-tile")
+    assert te_limits.norm_refusal(QWEN, RunConfig(seq_len=262_144), ns(**RMS)) is None  # no query norm
+    tiled = ns(qk_layernorm=True, peakflat_tile_enabled=True, peakflat_tile_tokens=16384, **RMS)
+    assert te_limits.norm_refusal(QWEN, RunConfig(seq_len=1 << 20), tiled) is None
+    long_tiles = ns(**{**vars(tiled), "peakflat_tile_tokens": 1 << 19})
+    assert te_limits.norm_refusal(QWEN, RunConfig(seq_len=1 << 20), long_tiles).fix == "lower --peakflat-tile-tokens"
+
+
+# ---- TE's norms: planner, auto, check, start-up --------------------------------------------------
+
+NORM_LINE = ROPE_LINE + " --normalization RMSNorm --no-rope-fusion"
+BIG = dict(hbm_bytes=4096 * GIB, host_bytes_per_node=65536 * GIB)
+
+
+def test_the_planner_refuses_the_norms_past_the_limit(capsys):
+    argv = ["--megatron-args", NORM_LINE, "--hbm-gib", "4096", "--host-gib", "65536"]
+    assert plan_main([*argv, "--gpus", "1", "--seq-len", "1M"]) == 2
+    captured = capsys.readouterr()
+    assert "rmsnorm_fwd_general_kernel" in captured.err and "raise --context-parallel-size to 2" in captured.err
+    assert plan_main([*argv, "--gpus", "1", "--seq-len", "720K"]) == 0
+    assert plan_main(["--megatron-args", NORM_LINE + " --context-parallel-size 2", *argv[2:], "--gpus", "2",
+                      "--seq-len", "1M"]) == 0
+    assert "rmsnorm" not in capsys.readouterr().err
+    # a preset: RMSNorm
+    assert plan_main(["--preset", "gpt-oss-20b", "--seq-len", "1M", "--gpus", "1", *argv[2:]]) == 2
+    assert "rmsnorm_fwd_general_kernel" in capsys.readouterr().err
+    assert plan_main(["--preset", "gpt-oss-20b", "--seq-len", "720K", "--gpus", "1", *argv[2:]]) == 0
+
+
+def test_auto_refuses_the_norms_past_the_limit_and_keeps_a_line_below_it():
+    from megatron_peakflat import auto
+
+    line = NORM_LINE.split() + ["--peakflat", "auto"]
+    with pytest.raises(PeakflatConfigError) as e:
+        auto.resolve([*line, "--seq-length", str(1 << 20)], gpus=1, gpus_per_node=1, **BIG)
+    assert (e.value.flag, e.value.value) == ("--seq-length", 1 << 20)
+    assert "rmsnorm_fwd_general_kernel" in e.value.problem and e.value.fix.startswith("raise --context-parallel-size")
+    choice = auto.resolve([*line, "--seq-length", str(720 * 1024)], gpus=1, gpus_per_node=1, **BIG)
+    assert choice.recommendation.fits
+    choice = auto.resolve([*line, "--seq-length", str(1 << 20), "--context-parallel-size", "2"], gpus=2,
+                          gpus_per_node=2, **BIG)
+    assert choice.recommendation.fits
+
+
+def test_peakflat_check_and_start_up_refuse_the_norms_past_the_limit(capsys, monkeypatch):
+    line = [*NORM_LINE.split(), "--seq-length", str(1 << 20), "--max-position-embeddings", str(1 << 20),
+            "--lr", "1e-4", "--train-iters", "10", "--peakflat-vocab", "ring-dtp"]
+    machine = ["--hbm-gib", "4096", "--host-gib", "65536", "--gpus", "1"]
+    assert check.main([*line, *machine]) == check.REFUSED
+    err = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: "))
+    assert "--seq-length=1048576" in err and "rmsnorm_fwd_general_kernel" in err
+    assert "Fix: raise --context-parallel-size to 2 or more" in err
+    assert check.main([*line, "--seq-length", str(720 * 1024), "--max-position-embeddings", str(720 * 1024),
+                       *machine]) != check.REFUSED
+    _start_up_refuses(monkeypatch, " ".join(line), "rmsnorm_fwd_general_kernel",
+                      " ".join(line).replace(str(1 << 20), str(720 * 1024)))
+
+
+def _start_up_refuses(monkeypatch: pytest.MonkeyPatch, line: str, match: str, below: str) -> None:
+    """Training start-up's check (integration/peaks.py) refuses ``line`` with ``match`` and passes ``below``."""
+    from megatron_peakflat.integration import peaks
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args
+
+    monkeypatch.setattr(peaks, "_hbm_bytes", lambda: 4096 * GIB)
+    monkeypatch.setattr(peaks, "_megatron_fused_adam", lambda: True)
+    peaks._cache.clear()
+    try:
+        with pytest.raises(PeakflatConfigError, match=match):
+            peaks.check_transformer_engine(parse_megatron_args(line)[0])
+        peaks._cache.clear()
+        peaks.check_transformer_engine(parse_megatron_args(below)[0])
+    finally:
+        peaks._cache.clear()
+
+
+# ---- the fused router and the fused permutation -------------------------------------------------
+
+def test_the_fused_router_checks_tokens_x_experts():
+    on = ns(moe_router_fusion=True)
+    assert te_limits.router_fusion_refusal(QWEN, RunConfig(seq_len=16_777_215), on) is None  # x 128 <= INT_MAX
+    e = te_limits.router_fusion_refusal(QWEN, RunConfig(seq_len=1 << 24), on)
+    assert (e.flag, e.value) == ("--moe-router-fusion", True)
+    assert "num_tokens x num_experts <= INT_MAX" in e.problem and "16,777,215 tokens" in e.problem
+    assert e.fix.startswith("drop --moe-router-fusion")
+    assert te_limits.router_fusion_refusal(QWEN, RunConfig(seq_len=1 << 24), ns()) is None  # Megatron's default
+    assert te_limits.router_fusion_refusal(QWEN, RunConfig(seq_len=1 << 24, cp=2), on) is None
+    assert te_limits.router_fusion_refusal(OSS.with_(experts=0), RunConfig(seq_len=1 << 30), on) is None
+
+
+def test_the_fused_permutations_row_id_map_limits():
+    assert te_limits.permute_row_id_map_width(1 << 20, 32) == 32768  # gpt-oss-20b at 1M: far from 2**20
+    assert te_limits.permute_row_id_map_width(4096 * 1024, 256) == 1 << 20
+    assert te_limits.permute_row_id_map_width(4096 * 1024 + 1, 256) == 1 << 21
+    deepseek = PRESETS["deepseek-v3"]  # 256 experts
+    a2a = dict(moe_permute_fusion=True, moe_token_dispatcher_type="alltoall")
+    assert te_limits.permute_fusion_refusal(deepseek, RunConfig(seq_len=4096 * 1024), ns(**a2a)) is None
+    e = te_limits.permute_fusion_refusal(deepseek, RunConfig(seq_len=4097 * 1024), ns(**a2a))
+    assert (e.flag, e.value) == ("--moe-permute-fusion", True) and "2**20" in e.problem
+    assert "4,194,304 tokens" in e.problem and e.fix.startswith("drop --moe-permute-fusion")
+    assert "--peakflat-dispatch pipelined-llep" in e.fix
+    # PipelinedLLEP permutes with its own code; the flag off; other dispatchers
+    assert te_limits.permute_fusion_refusal(deepseek, RunConfig(seq_len=4097 * 1024),
+                                            ns(peakflat_dispatch_impl="pipelined-llep", **a2a)) is None
+    assert te_limits.permute_fusion_refusal(deepseek, RunConfig(seq_len=4097 * 1024),
+                                            ns(moe_token_dispatcher_type="alltoall")) is None
+    # the allgather dispatcher permutes the tokens gathered over TP x EP
+    gather = ns(moe_permute_fusion=True, moe_token_dispatcher_type="allgather")
+    assert te_limits.permute_fusion_refusal(deepseek, RunConfig(seq_len=1 << 20, ep=8), gather) is not None
+    assert te_limits.permute_fusion_refusal(deepseek, RunConfig(seq_len=1 << 20, ep=8), ns(**a2a)) is None
+    # few experts: the first pass's grid, ceil(tokens / 1024) blocks in y, binds first
+    e = te_limits.permute_fusion_refusal(OSS.with_(experts=8), RunConfig(seq_len=65536 * 1024), ns(**a2a))
+    assert e is not None and "65535" in e.problem and "67,107,840 tokens" in e.problem
+    assert te_limits.permute_fusion_refusal(OSS.with_(experts=8), RunConfig(seq_len=65535 * 1024), ns(**a2a)) is None
+
+
+# a line whose norms fit (RMSNorm 4096, tuned) where the router and the permutation do not
+MOE_LINE = ("--num-layers 2 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 4 "
+            "--kv-channels 128 --num-experts 1024 --moe-router-topk 2 --moe-ffn-hidden-size 256 --ffn-hidden-size 4096 "
+            "--vocab-size 32000 --bf16 --use-distributed-optimizer --micro-batch-size 1 --normalization RMSNorm "
+            "--position-embedding-type rope --no-rope-fusion --no-create-attention-mask-in-dataloader "
+            "--moe-token-dispatcher-type alltoall --disable-bias-linear")
+LONG_MOE, SHORT_MOE = 4_000_000, 1_000_000  # x 1024 experts: past INT_MAX and 2**20 blocks; within both
+
+
+def test_start_up_refuses_the_fused_router_and_permutation_and_auto_switches_the_permutation(monkeypatch):
+    from megatron_peakflat import auto
+
+    for flag, match in (("--moe-router-fusion", "fused_topk_with_score_function"),
+                        ("--moe-permute-fusion", "make_row_id_map")):
+        line = f"{MOE_LINE} {flag} --seq-length {LONG_MOE}"
+        _start_up_refuses(monkeypatch, line, match, line.replace(str(LONG_MOE), str(SHORT_MOE)))
+    # --peakflat auto turns PipelinedLLEP on, which never calls TE's permutation: the line runs
+    line = f"{MOE_LINE} --moe-permute-fusion --seq-length {LONG_MOE} --peakflat auto".split()
+    choice = auto.resolve(line, gpus=1, gpus_per_node=1, **BIG)
+    assert "pipelined-llep" in choice.added
+    with pytest.raises(PeakflatConfigError, match="--moe-permute-fusion"):  # the user's own dispatcher: refused
+        auto.resolve([*line, "--peakflat-dispatch", "megatron"], gpus=1, gpus_per_node=1, **BIG)
+    with pytest.raises(PeakflatConfigError, match="--moe-router-fusion"):  # no flag of auto's lifts it
+        auto.resolve(f"{MOE_LINE} --moe-router-fusion --seq-length {LONG_MOE} --peakflat auto".split(), gpus=1,
+                     gpus_per_node=1, **BIG)
+
+
+def test_the_rope_limit_comes_first_and_is_the_only_one_recommend_switches():
+    line = ns(position_embedding_type="rope", **RMS)
+    run = RunConfig(seq_len=1 << 20)
+    assert te_limits.line_refusal(OSS, run, line).flag == "--apply-rope-fusion"
+    assert te_limits.rope_line_refusal(OSS, run, line).flag == "--apply-rope-fusion"
+    assert te_limits.hard_refusal(OSS, run, line).flag == "--seq-length"
+    assert te_limits.line_refusal(OSS, run, ns(apply_rope_fusion=False, **vars(line))).flag == "--seq-length"

@@ -7,6 +7,7 @@ by ``planner.model`` and ``planner.recommend``, and printed by ``planner.report`
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -67,9 +68,11 @@ def _main(argv: Sequence[str] | None, status: list[int]) -> int:
     mns = ns.megatron_namespace
     if mns is not None and is_command_line(mns):
         refusal = te_limits.line_refusal(shape, run, mns)
-        if refusal is not None:
-            print(f"error: {refusal}", file=sys.stderr)
-            return 2
+    else:  # a preset: the recommendation adds --no-rope-fusion where RoPE needs it, and no flag lifts the others
+        refusal = te_limits.hard_refusal(shape, run, mns if mns is not None else argparse.Namespace(), preset=True)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     pl = plan(shape, run, pf)
     rec = recommend(shape, run, pf, mns)
     status[0] = 0 if rec.fits else NOTHING_FITS

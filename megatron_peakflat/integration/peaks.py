@@ -228,8 +228,9 @@ def check_optimizer_host(args: Any) -> str | None:
 
 def check_transformer_engine(args: Any) -> None:
     """Before the model is built: refuse what Transformer Engine would fail on or run out of memory in
-    (``planner.te_limits``): its fused RoPE kernel past its 32-bit limit, and its unfused attention backend where
-    the plan with its s x s scores does not fit this GPU. A plan that cannot be made says nothing."""
+    (``planner.te_limits``): a kernel past its length limit (fused RoPE, the norms, the fused router and
+    permutation: ``line_refusal``), and its unfused attention backend where the plan with its s x s scores does not
+    fit this GPU. A plan that cannot be made says nothing."""
     from ..planner.te_limits import line_refusal, unfused_refusal
 
     try:

@@ -76,6 +76,7 @@ _CHECKED_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     # what Transformer Engine runs (planner/te_limits.py) and the dataloader's mask (planner/dataloader_mask.py)
     ("--position-embedding-type", {}),
     ("--no-rope-fusion", {"dest": "apply_rope_fusion", "action": "store_false"}),
+    ("--normalization", {}),
     ("--softmax-type", {}),
     ("--cp-comm-type", {"nargs": "+"}),
     ("--no-create-attention-mask-in-dataloader", {"dest": "create_attention_mask_in_dataloader",
@@ -85,7 +86,7 @@ _CHECKED_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     "--overlap-dispatch-backward-with-experts-wgrad", "--enable-cuda-graph", "--use-te-activation-func",
     "--use-transformer-engine-op-fuser", "--moe-single-grouped-weight", "--moe-single-grouped-bias",
     "--fine-grained-activation-offloading", "--distribute-saved-activations", "--use-precision-aware-optimizer",
-    "--use-rotary-position-embeddings"))
+    "--use-rotary-position-embeddings", "--qk-layernorm", "--moe-router-fusion", "--moe-permute-fusion"))
 
 PRESET_MARK = "planner_preset"
 """The attribute the planner sets on the flags it parsed beside a --preset (the preset's name): they override

@@ -226,7 +226,7 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
     # the tiled sublayer applies RoPE per tile: the kernel sees the recommended tile, not the sequence
     ns.peakflat_tile_enabled, ns.peakflat_tile_tokens = rec.config.tile.enabled, rec.config.tile.tokens
     preset = megatron_args is None or not is_command_line(megatron_args)
-    rope = te_limits.line_refusal(shape, run, ns, preset=preset)
+    rope = te_limits.rope_line_refusal(shape, run, ns, preset=preset)
     if rope is not None:
         rec.flags.append(te_limits.NO_ROPE_FUSION)
         rec.reasons.append(f"{te_limits.NO_ROPE_FUSION}: {rope.problem}")

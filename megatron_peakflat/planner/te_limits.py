@@ -1,6 +1,8 @@
 """Transformer Engine's limits that decide whether a training line runs, read without importing TE or torch.
 
-Two, both of TE 2.20 under Megatron-Core's TE layers (``--transformer-impl transformer_engine``, Megatron's default):
+Read from Transformer Engine's source at 2.20.0.dev0 (main, d0067d0), the nearest to 2.20 that was at hand; the
+lines quoted below are the same in release_v2.19. Each rule names the kernel, the lines that make the limit, and
+what Megatron-Core's TE layers (``--transformer-impl transformer_engine``, Megatron's default) hand it:
 
 * Fused RoPE (``--apply-rope-fusion``, Megatron's default; ``--no-rope-fusion`` turns it off). TE's
   ``fused_rope_forward_kernel`` (transformer_engine/common/fused_rope/fused_rope.cu) computes each element's
@@ -9,12 +11,70 @@ Two, both of TE 2.20 under Megatron-Core's TE layers (``--transformer-impl trans
   addresses ``tokens x micro_batch x (heads + 2 kv_heads) x head_dim / TP`` elements, which must stay within
   2**31 - 1 (gpt-oss-20b: 5120 elements a token, 419,430 tokens at TP 1; past it the kernel reads out of bounds:
   an illegal memory access in fused_rope.cu). ``tokens`` is the length RoPE is applied to at once: seq / CP, or
-  the tile length where the tiled attention layer (``--peakflat-tile``) applies RoPE per tile.
+  the tile length where the tiled attention layer (``--peakflat-tile``) applies RoPE per tile. Action: auto adds
+  ``--no-rope-fusion``. (``fused_qkv_rope_forward_kernel`` in the same file forms ``s_id * b * h * total_d`` in int,
+  the same bound; Megatron-Core 0.19 exposes no flag for it.)
   Multi-latent attention rotates a separate ``k_pos_emb`` tensor, not a view of the QKV output: not bound here.
+* Normalization (``TENorm``: the pre-MLP norm of MoE layers, the final norm, MTP norms, ``--qk-layernorm``'s query
+  and key norms; ``TELayerNormColumnParallelLinear``: the input norm, a dense layer's pre-MLP norm). TE's
+  ``rmsnorm_fwd_general_kernel`` / ``rmsnorm_bwd_general_kernel`` (normalization/rmsnorm/rmsnorm_fwd_kernels.cuh,
+  rmsnorm_bwd_kernels.cuh) and ``ln_fwd_general_kernel`` / ``ln_bwd_general_kernel`` (normalization/layernorm/)
+  load and store at ``row * params.cols + col``, where ``KernelParamsBase`` (normalization/kernel_params.h) holds
+  ``int rows, cols`` and ``row`` is an int: the product is a 32-bit int and a row past 2**31 / hidden wraps
+  negative (out of bounds). The tuned kernels (``*_tuned_kernel``, same files) form ``index_t idx = row *
+  Ktraits::VEC_COLS + c`` in int, counting vectors of BYTES_PER_LDG bytes; TE picks them only for the hidden sizes
+  registered in ``*_cuda_kernel.cu`` (``TUNED_NORM_LOAD_BYTES``) and a row count that is a multiple of 4
+  (``is_tuned = is_aligned && (batch_size % 4 == 0)``, normalization/common.cpp; ``is_ptr_aligned``: 16 bytes,
+  which Megatron's parameter buffer gives the norm weight under --use-distributed-optimizer, each parameter
+  starting on 64 elements; without it the planner takes the general kernel). So ``rows x hidden`` (general) or
+  ``rows x hidden / elements per load`` (tuned) must stay within 2**31 - 1. Rows: the whole sequence on the rank
+  for the pre-MLP and final norms (seq / CP x micro-batch, / TP under sequence parallelism) whatever the tile
+  does, since they run outside the attention sublayer; the attention's tokens x micro-batch x heads / TP for the
+  query norm of --qk-layernorm (per tile under --peakflat-tile). The input norm runs over no more rows than the
+  pre-MLP norm, and MLA's latent norms over fewer columns: both bounded by the first. gpt-oss-20b (RMSNorm, 2880,
+  no tuned kernel): 745,654 tokens per rank. No Megatron flag runs these norms outside TE on TE's layers
+  (``TESpecProvider.layer_norm`` returns TENorm for both --normalization choices), so start-up refuses, naming
+  --context-parallel-size (and, for the query norm, --peakflat-tile) as the fix.
+* Fused router (``--moe-router-fusion``). ``fused_topk_with_score_function_forward_kernel_launcher``
+  (fused_router/fused_topk_with_score_function.cu) and its aux-loss twin (fused_score_for_moe_aux_loss.cu) check
+  ``static_cast<int64_t>(num_tokens) * num_experts <= INT_MAX`` ("kernel uses int offsets"): the router's tokens
+  (seq / CP x micro-batch, / TP under sequence parallelism; PipelinedLLEP keeps Megatron's router) times the
+  experts. Past it the first forward stops with that error. Start-up refuses; the fix drops the flag.
+* Fused permutation (``--moe-permute-fusion``, on Megatron's own dispatcher; PipelinedLLEP permutes with its own
+  code and never calls it). ``make_row_id_map`` (transformer_engine/pytorch/triton/permutation.py) launches
+  ``_row_id_map_pass_1_kernel`` on a grid (experts, ceil(tokens / 1024)) and ``_row_id_map_pass_2_kernel`` with the
+  compile-time width ``triton.next_power_of_2(num_experts * triton.cdiv(num_tokens, block_size))``, which the
+  kernel passes to ``tl.arange`` (transformer_engine/common/triton/permutation.py): Triton refuses a block of
+  more than 2**20 elements (TRITON_MAX_TENSOR_NUMEL) and CUDA a grid y above 65535. Tokens: the alltoall
+  dispatcher's local tokens, the allgather dispatcher's tokens gathered over TP x EP. The token rows themselves
+  are addressed in int64 (``src_row = pid_t.to(tl.int64)``): no tokens x topk x hidden limit. Start-up refuses;
+  the fix drops the flag or runs PipelinedLLEP.
 * The attention backend. TE's ``DotProductAttention`` falls back to its unfused backend, which materialises
   [b, heads / TP, s_q, s_k] scores and their softmax, where neither flash nor cuDNN's fused attention takes the
   line: fp32 data; a head dimension that is not a multiple of 8 or above 256; a ``--softmax-type`` other than
   vanilla under ``--deterministic-mode``, or under context parallelism unless ``--cp-comm-type a2a``.
+
+Checked and not a length limit, so that nobody has to read them again:
+
+* cuDNN fused attention (fused_attn/fused_attn.cpp ``nvte_get_fused_attn_backend``): the F16 arbitrary-seqlen
+  backend has no sequence-length cap; ``causal_bottom_right`` (the tiled layer's tiles) needs s_q <= s_kv and cuDNN
+  9.3 (9.3 to 9.6 also s_q and s_kv multiples of 64; 9.7 drops that). TE hands cuDNN int64_t dimensions and
+  strides (``generateMatrixStrides``, fused_attn_f16_arbitrary_seqlen.cu); its int32 cu_seqlens and offsets serve
+  padding and THD only. On Hopper TE prefers it to flash attention (``get_attention_backend``, utils.py). cuDNN's
+  own kernels are not TE source.
+* flash_attn.cu's ``prepare_kernel_fwd/bwd`` (QKV repacking for flash attention): size_t offsets; the warp id
+  (one warp per token and sample) comes from a 32-bit thread index, which bounds tokens x micro-batch below 2**27
+  (134M). context_parallel.py calls TE kernels (``tex.thd_*``) for THD only.
+* cuBLASLt GEMM (gemm/cublaslt_gemm.cu ``cublas_gemm``): ``int m, n, k`` per dimension, so one dimension (tokens x
+  micro-batch) below 2**31; the matrix layouts are cuBLASLt's uint64. Grouped GEMM (cublaslt_grouped_gemm.cu):
+  int64 dimensions and offsets, and PipelinedLLEP's experts run torch._grouped_mm, not TE's GroupedLinear.
+* Gated activations (util/vectorized_pointwise.h ``gated_act_kernel``, ``dgated_act_kernel``): size_t; reached only
+  with --use-te-activation-func. Cast and transpose kernels serve fp8 only: a bf16 line's bias gradient is fused
+  into the weight-gradient GEMM (module/base.py ``grad_output_preprocess``).
+* Cross-entropy (common/triton/cross_entropy.py): int64 row offsets (``tl.program_id(0).to(tl.int64)``); Ring-DTP
+  replaces it, and the output layer is Megatron's own ColumnParallelLinear (TE's only under MXFP8), so nothing of
+  TE touches [tokens, vocab] in a bf16 line. The index-map permutation kernels (permutation/permutation.cu) serve
+  ``map_type="index"``, which Megatron does not use.
 """
 
 from __future__ import annotations
@@ -26,7 +86,10 @@ from ..config_base import PeakflatConfigError, format_bytes
 __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_rope_elements", "fused_rope_fits",
            "fused_rope_max_tokens", "rope_fusion_applies", "rope_kernel_tokens", "fused_rope_refusal",
            "NO_ROPE_FUSION", "unfused_attention_condition", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
-           "te_run_fields", "line_refusal"]
+           "te_run_fields", "line_refusal", "rope_line_refusal", "TUNED_NORM_LOAD_BYTES", "norm_kernel",
+           "norm_elements_per_offset", "norm_offsets", "norm_fits", "norm_max_rows", "te_norm_applies", "norm_sites",
+           "norm_refusal", "ROUTER_KERNEL", "router_fusion_refusal", "PERMUTE_KERNEL", "TRITON_MAX_TENSOR_NUMEL",
+           "GRID_Y_MAX", "permute_row_id_map_width", "permute_fusion_refusal", "hard_refusal"]
 
 TE_VERSION = "2.20"
 """The Transformer Engine release whose kernels these limits were read from."""
@@ -81,6 +144,11 @@ def rope_kernel_tokens(seq_len: int, cp: int, args: Any) -> int:
     return seq_len // cp
 
 
+def _kernel_where(tokens: int, seq_len: int, cp: int) -> str:
+    """What a kernel's length is: a tile, the sequence, or the sequence / CP."""
+    return "tile" if tokens != seq_len // cp else ("sequence" if cp == 1 else f"sequence / CP {cp}")
+
+
 def fused_rope_refusal(args: Any, *, seq_len: int, cp: int, micro_batch: int, heads: int, kv_heads: int,
                        head_dim: int, tp: int, preset: bool = False) -> PeakflatConfigError | None:
     """The error for a line whose fused RoPE kernel would address past 2**31 - 1 (naming the kernel, the limit
@@ -91,7 +159,7 @@ def fused_rope_refusal(args: Any, *, seq_len: int, cp: int, micro_batch: int, he
     if fused_rope_fits(tokens, micro_batch, heads, kv_heads, head_dim, tp):
         return None
     limit = fused_rope_max_tokens(micro_batch, heads, kv_heads, head_dim, tp)
-    where = "tile" if tokens != seq_len // cp else ("sequence" if cp == 1 else f"sequence / CP {cp}")
+    where = _kernel_where(tokens, seq_len, cp)
     return PeakflatConfigError(
         "--apply-rope-fusion", True,
         f"{ROPE_KERNEL} addresses the key in 32-bit int: {tokens:,} tokens ({where}) x micro-batch {micro_batch} x "
@@ -165,7 +233,252 @@ def te_run_fields(shape: Any, args: Any, *, precision: str, cp: int) -> dict[str
             "cp_comm_type": tuple(comm if isinstance(comm, (list, tuple)) else [comm])}
 
 
-def line_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> PeakflatConfigError | None:
-    """The fused RoPE refusal (``fused_rope_refusal``) for a planner ``shape`` and ``run``."""
+# ---- normalization ------------------------------------------------------------------------------------
+
+TUNED_NORM_LOAD_BYTES: dict[tuple[str, int], dict[int, int]] = {
+    ("RMSNorm", 2): {512: 16, 768: 16, 1024: 16, 2048: 16, 4096: 16, 8192: 16},
+    ("RMSNorm", 4): {512: 16, 768: 16, 1024: 16, 2048: 16, 4096: 16, 8192: 16},
+    ("LayerNorm", 2): {768: 16, 1024: 16, 1536: 8, 2048: 16, 2304: 4, 3072: 16, 3840: 4, 4096: 16, 5120: 16,
+                       6144: 16, 8192: 16, 10240: 16, 12288: 16, 12800: 4, 15360: 4, 16384: 16, 18432: 8,
+                       20480: 16, 24576: 16, 25600: 8, 30720: 4, 32768: 16, 40960: 16, 49152: 16, 65536: 16},
+    ("LayerNorm", 4): {768: 16, 1024: 16, 1536: 16, 2048: 16, 2304: 8, 3072: 16, 3840: 4, 4096: 16, 5120: 16,
+                       6144: 16, 8192: 16, 10240: 16, 12288: 16, 12800: 4, 15360: 8, 16384: 16, 18432: 16,
+                       20480: 16, 24576: 16, 25600: 4, 30720: 4, 32768: 16, 40960: 16, 49152: 16, 65536: 16},
+}
+"""The hidden sizes with a tuned TE norm kernel, by (normalization, element bytes), and the smaller BYTES_PER_LDG of
+its forward and backward registrations (``REGISTER_NORM_LAUNCHER(..., tuned, HIDDEN, w, i, o, fp32, ...)`` with
+w = i = o in normalization/{rmsnorm/rmsnorm,layernorm/ln}_{fwd,bwd_semi}_cuda_kernel.cu; bf16 and fp16 register
+the same). Every other hidden size runs the general kernel."""
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_NORM_FILES = {"RMSNorm": ("rmsnorm", "normalization/rmsnorm/rmsnorm_{fwd,bwd}_kernels.cuh"),
+               "LayerNorm": ("ln", "normalization/layernorm/ln_{fwd,bwd}_kernels.cuh")}
+
+
+def norm_kernel(normalization: str, precision: str, hidden: int, rows: int, aligned: bool = True) -> str:
+    """The TE kernels that normalize ``rows`` rows of ``hidden``: the tuned pair where this hidden size has one, the
+    rows are a multiple of 4 and the pointers ``aligned`` (normalization/common.cpp ``is_tuned``), else the general
+    pair."""
+    prefix, where = _NORM_FILES[normalization]
+    kind = "tuned" if norm_elements_per_offset(normalization, precision, hidden, rows, aligned) > 1 else "general"
+    return (f"Transformer Engine {TE_VERSION}'s {prefix}_fwd_{kind}_kernel and {prefix}_bwd_{kind}_kernel "
+            f"({where})")
+
+
+def norm_elements_per_offset(normalization: str, precision: str, hidden: int, rows: int, aligned: bool = True) -> int:
+    """Elements per unit of the kernel's 32-bit offset: 1 for the general kernels (``row * params.cols + col``),
+    BYTES_PER_LDG / element size for a tuned one (``row * Ktraits::VEC_COLS + c`` counts vectors)."""
+    size = _DTYPE_BYTES.get(precision, 2)
+    load = TUNED_NORM_LOAD_BYTES.get((normalization, size), {}).get(hidden)
+    return 1 if load is None or rows % 4 or not aligned else load // size
+
+
+def norm_offsets(rows: int, hidden: int, normalization: str, precision: str, aligned: bool = True) -> int:
+    """The largest offset the norm kernels form for ``rows`` x ``hidden``, plus one, in their units."""
+    return rows * hidden // norm_elements_per_offset(normalization, precision, hidden, rows, aligned)
+
+
+def norm_fits(rows: int, hidden: int, normalization: str, precision: str, aligned: bool = True) -> bool:
+    """Whether TE's norm kernels address every element of [rows, hidden] in 32-bit int."""
+    return norm_offsets(rows, hidden, normalization, precision, aligned) <= INT32_MAX
+
+
+def norm_max_rows(hidden: int, normalization: str, precision: str, *, tuned: bool = False) -> int:
+    """The most rows the norm kernels take at once: the general kernels', or with ``tuned`` (a tuned hidden size
+    and rows a multiple of 4) the tuned kernels'."""
+    elements = norm_elements_per_offset(normalization, precision, hidden, 4) if tuned else 1
+    most = INT32_MAX * elements // hidden
+    return most - most % 4 if elements > 1 else most
+
+
+def te_norm_applies(args: Any) -> bool:
+    """Whether the line's norms are Transformer Engine's: its layers (Megatron's default)."""
+    return _get(args, "transformer_impl", "transformer_engine") == "transformer_engine"
+
+
+def _normalization(args: Any, preset: bool) -> str:
+    """--normalization: Megatron's default LayerNorm for a command line; a preset is an RMSNorm model (all are)."""
+    return str(_get(args, "normalization", "RMSNorm" if preset else "LayerNorm"))
+
+
+def _sequence_parallel(run: Any) -> bool:
+    sp = getattr(run, "sequence_parallel", None)
+    return bool(run.tp > 1 if sp is None else sp)
+
+
+def _rank_tokens(run: Any) -> int:
+    """Tokens a rank's MoE layer, router and whole-sequence norms see at once: seq / CP x micro-batch, / TP under
+    sequence parallelism."""
+    return _whole_rows(run, run.cp)
+
+
+def _where(run: Any) -> str:
+    parts = ["sequence" if run.cp == 1 else f"sequence / CP {run.cp}", f"x micro-batch {run.micro_batch}"]
+    if _sequence_parallel(run) and run.tp > 1:
+        parts.append(f"/ TP {run.tp} (sequence parallel)")
+    return " ".join(parts)
+
+
+def norm_sites(shape: Any, run: Any, args: Any) -> list[tuple[str, int, int, str]]:
+    """(what, rows, columns, the columns' name) of the largest TE norm calls of the line: the whole-sequence norms
+    over the hidden size, and with --qk-layernorm the query norm over the head dimension (per tile under
+    --peakflat-tile)."""
+    whole = _rank_tokens(run)
+    sites = [(f"the pre-MLP and final norms run over {whole:,} rows ({_where(run)})", whole, int(shape.hidden),
+              "hidden")]
+    if getattr(args, "qk_layernorm", False) and getattr(shape, "mla", None) is None:
+        tokens = rope_kernel_tokens(run.seq_len, run.cp, args)
+        rows = tokens * run.micro_batch * max(1, shape.heads // run.tp)
+        sites.append((f"the --qk-layernorm query norm runs over {rows:,} rows ({tokens:,} tokens "
+                      f"({_kernel_where(tokens, run.seq_len, run.cp)}) x micro-batch {run.micro_batch} x heads "
+                      f"{shape.heads} / TP {run.tp})", rows, int(shape.head_dim), "head dim"))
+    return sites
+
+
+def _whole_rows(run: Any, cp: int) -> int:
+    return run.seq_len // cp * run.micro_batch // (run.tp if _sequence_parallel(run) else 1)
+
+
+def _cp_that_fits(run: Any, hidden: int, normalization: str, precision: str, aligned: bool) -> int | None:
+    """The smallest --context-parallel-size above the line's at which the whole-sequence norms fit (None: none
+    within reach)."""
+    tuned = aligned and hidden in TUNED_NORM_LOAD_BYTES.get((normalization, _DTYPE_BYTES.get(precision, 2)), {})
+    most = norm_max_rows(hidden, normalization, precision, tuned=tuned)
+    start = max(run.cp + 1, -(-_whole_rows(run, 1) // max(1, most)))
+    return next((cp for cp in range(start, start + 4096)
+                 if norm_fits(_whole_rows(run, cp), hidden, normalization, precision, aligned)), None)
+
+
+def norm_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> PeakflatConfigError | None:
+    """The error for a line whose TE norm kernels would address past 2**31 - 1 (naming the kernels, the rows, the
+    limit and the fix); None where the norms are not TE's or every call fits."""
+    normalization = _normalization(args, preset)
+    if not te_norm_applies(args) or normalization not in _NORM_FILES:
+        return None
+    precision = getattr(run, "precision", "bf16")
+    aligned = bool(getattr(run, "distributed_optimizer", True))
+    for i, (what, rows, hidden, name) in enumerate(norm_sites(shape, run, args)):
+        if norm_fits(rows, hidden, normalization, precision, aligned):
+            continue
+        elements = norm_elements_per_offset(normalization, precision, hidden, rows, aligned)
+        limit = norm_max_rows(hidden, normalization, precision, tuned=elements > 1)
+        offsets = norm_offsets(rows, hidden, normalization, precision, aligned)
+        counted = f"{offsets:,} elements" if elements == 1 else f" / {elements} elements a load = {offsets:,} loads"
+        problem = (f"{norm_kernel(normalization, precision, hidden, rows, aligned)} address [rows, hidden] in 32-bit "
+                   f"int: {what} x {name} {hidden}{' = ' if elements == 1 else ''}{counted}, past 2**31 - 1 (at most "
+                   f"{limit:,} rows at once here); the kernels would address out of bounds (illegal memory access)")
+        if i > 0:
+            fix = ("lower --peakflat-tile-tokens" if getattr(args, "peakflat_tile_enabled", None)
+                   else "add --peakflat-tile (the query norm then runs per tile), or raise --context-parallel-size")
+            return PeakflatConfigError("--qk-layernorm", True, problem, fix)
+        fixes = []
+        if not aligned and norm_fits(rows, hidden, normalization, precision, True):
+            fixes.append("add --use-distributed-optimizer (its parameter buffer aligns the norm weight to 16 bytes, "
+                         "so TE runs its tuned kernels, which count loads)")
+        cp = _cp_that_fits(run, hidden, normalization, precision, aligned)
+        fixes.append(f"raise --context-parallel-size to {cp} or more" if cp else "raise --context-parallel-size")
+        if run.micro_batch > 1:
+            fixes.append("lower --micro-batch-size")
+        fix = (", or ".join(fixes) + "; no flag moves these norms out of Transformer Engine on Megatron's Transformer "
+               "Engine layers (TENorm for both --normalization choices)")
+        return PeakflatConfigError("--seq-length", run.seq_len, problem, fix)
+    return None
+
+
+# ---- MoE router and permutation -----------------------------------------------------------------------
+
+ROUTER_KERNEL = (f"Transformer Engine {TE_VERSION}'s fused router (fused_topk_with_score_function.cu, "
+                 "fused_score_for_moe_aux_loss.cu)")
+PERMUTE_KERNEL = (f"Transformer Engine {TE_VERSION}'s fused permutation (make_row_id_map, "
+                  "transformer_engine/pytorch/triton/permutation.py)")
+TRITON_MAX_TENSOR_NUMEL = 2**20
+"""Triton's largest block (``tl.arange``'s end - start)."""
+GRID_Y_MAX = 65535
+"""CUDA's largest gridDim.y."""
+ROW_ID_MAP_BLOCK = 1024
+"""``make_row_id_map``'s ``block_size``: tokens per program of its first two passes."""
+
+
+def router_fusion_refusal(shape: Any, run: Any, args: Any) -> PeakflatConfigError | None:
+    """The error for --moe-router-fusion where the router's tokens x experts passes INT_MAX, which TE's fused router
+    checks (and stops on at the first forward); None otherwise."""
+    experts = int(getattr(shape, "experts", 0) or 0)
+    if not experts or not getattr(args, "moe_router_fusion", False):
+        return None
+    tokens = _rank_tokens(run)
+    if tokens * experts <= INT32_MAX:
+        return None
+    return PeakflatConfigError(
+        "--moe-router-fusion", True,
+        f"{ROUTER_KERNEL} requires num_tokens x num_experts <= INT_MAX (its offsets are 32-bit int): the router "
+        f"runs over {tokens:,} tokens ({_where(run)}) x {experts} experts = {tokens * experts:,}, past 2**31 - 1 "
+        f"(at most {INT32_MAX // experts:,} tokens here); the first forward would stop there",
+        "drop --moe-router-fusion (Megatron then routes with torch), or raise --context-parallel-size")
+
+
+def _permute_tokens(run: Any, args: Any) -> int:
+    """Tokens Megatron's dispatcher permutes at once: the alltoall dispatcher's own, the allgather dispatcher's
+    gathered over TP x EP."""
+    tokens = _rank_tokens(run)
+    if _get(args, "moe_token_dispatcher_type", "allgather") == "allgather":
+        tokens *= (run.tp if _sequence_parallel(run) else 1) * run.ep
+    return tokens
+
+
+def permute_row_id_map_width(tokens: int, experts: int) -> int:
+    """``make_row_id_map``'s pass-2 block: next_power_of_2(experts x ceil(tokens / 1024))."""
+    blocks = -(-tokens // ROW_ID_MAP_BLOCK)
+    return 1 << max(0, (experts * blocks - 1).bit_length())
+
+
+def permute_fusion_refusal(shape: Any, run: Any, args: Any) -> PeakflatConfigError | None:
+    """The error for --moe-permute-fusion on Megatron's own dispatcher where TE's row-id map cannot be built for
+    this many tokens (Triton's block limit or CUDA's grid); None where it can, where the flag is off, or where
+    PipelinedLLEP dispatches (it never calls TE's permutation)."""
+    experts = int(getattr(shape, "experts", 0) or 0)
+    if not experts or not getattr(args, "moe_permute_fusion", False):
+        return None
+    if _get(args, "peakflat_dispatch_impl", "megatron") == "pipelined-llep":
+        return None
+    if _get(args, "moe_token_dispatcher_type", "allgather") not in ("alltoall", "allgather"):
+        return None
+    tokens = _permute_tokens(run, args)
+    blocks = -(-tokens // ROW_ID_MAP_BLOCK)
+    width = permute_row_id_map_width(tokens, experts)
+    if width <= TRITON_MAX_TENSOR_NUMEL and blocks <= GRID_Y_MAX:
+        return None
+    most = min(TRITON_MAX_TENSOR_NUMEL // experts, GRID_Y_MAX) * ROW_ID_MAP_BLOCK
+    if width > TRITON_MAX_TENSOR_NUMEL:
+        why = (f"compiles a Triton block of next_power_of_2({experts} experts x ceil({tokens:,} tokens / 1024)) = "
+               f"{width:,} elements, past Triton's 2**20")
+    else:
+        why = f"launches a grid of ceil({tokens:,} tokens / 1024) = {blocks:,} blocks in y, past CUDA's 65535"
+    return PeakflatConfigError(
+        "--moe-permute-fusion", True,
+        f"{PERMUTE_KERNEL} {why} (at most {most:,} tokens at once here; the "
+        f"{_get(args, 'moe_token_dispatcher_type', 'allgather')} dispatcher permutes {tokens:,}); the first forward "
+        "would fail there",
+        "drop --moe-permute-fusion (Megatron then permutes with torch), or add --peakflat-dispatch pipelined-llep "
+        "(its own permutation), or raise --context-parallel-size")
+
+
+# ---- the line ---------------------------------------------------------------------------------------
+
+def rope_line_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> PeakflatConfigError | None:
+    """The fused RoPE refusal (``fused_rope_refusal``) for a planner ``shape`` and ``run``: the one limit that
+    ``--peakflat auto`` switches off with a flag (``--no-rope-fusion``)."""
     return fused_rope_refusal(args, seq_len=run.seq_len, cp=run.cp, micro_batch=run.micro_batch, heads=shape.heads,
                               kv_heads=shape.kv_heads, head_dim=shape.head_dim, tp=run.tp, preset=preset)
+
+
+def hard_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> PeakflatConfigError | None:
+    """The first limit for which auto adds no flag: TE's norms, its fused router, its fused permutation
+    (``norm_refusal``, ``router_fusion_refusal``, ``permute_fusion_refusal``; the permutation is not reached where
+    auto turns PipelinedLLEP on); None where all fit."""
+    return (norm_refusal(shape, run, args, preset=preset) or router_fusion_refusal(shape, run, args)
+            or permute_fusion_refusal(shape, run, args))
+
+
+def line_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> PeakflatConfigError | None:
+    """The first of Transformer Engine's length limits that this line (a planner ``shape`` and ``run`` and its
+    flags) passes: fused RoPE, then ``hard_refusal``'s; None where TE runs the line."""
+    return rope_line_refusal(shape, run, args, preset=preset) or hard_refusal(shape, run, args, preset=preset)
