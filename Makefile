@@ -45,7 +45,7 @@ gpu-test: setup
 	$(PY) -m pytest tests/gpu -v $(PYTEST_ARGS)
 
 bench: setup
-	for b in dispatch vocab sco optimizer planner; do $(PY) bench/$$b.py || exit 1; done
+	for b in dispatch vocab sco optimizer tile planner; do $(PY) bench/$$b.py || exit 1; done
 
 plan: setup
 	$(PY) -m megatron_peakflat.plan --preset gpt-oss-120b --seq-len 1048576 --gpus 16
