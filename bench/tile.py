@@ -30,7 +30,7 @@ memory is a row with ``extra.error: OOM`` (no peak, no time), and the next one r
     python bench/tile.py --dry-run                     # CPU, fp32, tiny shapes: rows to a temporary file
 
 ``--dry-run`` runs the same steps on CPU in fp32 with tiny shapes; the attention is the flash-class double of the
-tests (``tests/_flash_double.py``, its scratch passed to the bound as the kernel's workspace), the peak is
+tests (``megatron_peakflat/testing/flash_double.py``, its scratch passed to the bound as the kernel's workspace), the peak is
 LiveBytesMeter's and the time the wall clock. It writes ``--out`` (default: a temporary file), never the
 committed results.
 """
@@ -116,13 +116,13 @@ def reference_sublayer(args: argparse.Namespace, device: str, dtype: torch.dtype
     layer = ReferenceAttentionLayer(args.hidden, args.heads, args.kv_heads, args.head_dim, max(args.seqs), bias=True,
                                     dtype=dtype, seed=0).to(device)
     if args.dry_run:
-        from tests._flash_double import FlashDouble, workspace_bytes
+        from megatron_peakflat.testing.flash_double import FlashDouble, workspace_bytes
 
         block = DRY["block"]
         attend: Callable[..., torch.Tensor] = lambda q, k, v: FlashDouble.apply(q, k, v, block)  # noqa: E731
         workspace = lambda t, seq: workspace_bytes(min(t, seq), args.micro_batch, args.heads, args.head_dim,  # noqa: E731
                                                    block, dtype.itemsize)
-        name = f"flash-class double (tests/_flash_double.py, blocks of {block})"
+        name = f"flash-class double (megatron_peakflat/testing/flash_double.py, blocks of {block})"
     else:
         attend, workspace, name = sdpa_attend, (lambda t, seq: 0), "sdpa"
     ops = TileOps(qkv=layer.qkv, attend=attend, project=layer.project)

@@ -16,7 +16,7 @@ from megatron_peakflat.tile.ops import TileOps, tile_starts
 from megatron_peakflat.tile.bound import (AUTO_MAX_TILE, AUTO_MIN_TILE, auto_tile_tokens,
                                             tiled_attention_peak_bytes, tiled_attention_terms)
 from megatron_peakflat.tile.reference import ReferenceAttentionLayer, causal_attention
-from tests._flash_double import FlashDouble, workspace_bytes
+from megatron_peakflat.testing.flash_double import FlashDouble, workspace_bytes
 
 H, D = 24, 6
 

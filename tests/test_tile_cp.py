@@ -73,7 +73,7 @@ def _measured_peak(rank: int, world: int, c: int, tile: int, dtype: torch.dtype,
     from megatron_peakflat.tile.ops import TileOps
     from megatron_peakflat.tile.context_parallel import TiledSelfAttentionCP
     from megatron_peakflat.tile.reference import ReferenceAttentionLayer
-    from tests._flash_double import FlashDouble
+    from megatron_peakflat.testing.flash_double import FlashDouble
 
     seq = 2 * world * c
     layer = ReferenceAttentionLayer(h, nq, nkv, d, seq, dtype=dtype, seed=1)
@@ -94,7 +94,7 @@ CP_ONLY = ("rank's dK and dV fp32 after the reduce-scatter", "a chunk held while
 
 def _bound_worker(rank: int, world: int) -> list[tuple]:
     from megatron_peakflat.tile.bound import tiled_attention_terms
-    from tests._flash_double import workspace_bytes
+    from megatron_peakflat.testing.flash_double import workspace_bytes
 
     T, b, nq, nkv, d, h, block = 8, 2, 8, 2, 16, 64, 16
     rows = []
