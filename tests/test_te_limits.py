@@ -226,7 +226,8 @@ def test_the_tuned_kernels_are_taken_only_where_megatron_aligns_the_norm_weight(
     run = RunConfig(seq_len=1 << 20)  # 1M x 4096: 4.3e9 elements, 5.4e8 loads
     assert te_limits.norm_refusal(QWEN, run, ns(**RMS)) is None
     e = te_limits.norm_refusal(QWEN, dataclasses.replace(run, distributed_optimizer=False), ns(**RMS))
-    assert "rmsnorm_fwd_general_kernel" in e.problem and e.fix.startswith("add --use-distributed-optimizer")
+    assert "rmsnorm_fwd_general_kernel" in e.problem and e.fix.startswith("add --peakflat-tile")
+    assert ", or add --use-distributed-optimizer" in e.fix
     assert te_limits.norm_elements_per_offset("RMSNorm", "bf16", 4096, 1 << 20, aligned=False) == 1
 
 
@@ -242,23 +243,35 @@ def test_the_whole_sequence_norms_run_over_the_ranks_tokens(run, rows):
     assert (got, hidden, name) == (rows, 2880, "hidden") and "pre-MLP and final norms" in what
 
 
-def test_the_tile_does_not_shorten_the_whole_sequence_norms():
+def test_the_tile_runs_the_whole_sequence_norms_in_row_slices():
+    """With --peakflat-tile the pre-MLP, final and MTP norms run in row slices (integration.norm_rows): no refusal;
+    without it, the same line is refused."""
     tiled = ns(peakflat_tile_enabled=True, peakflat_tile_tokens=None, **RMS)
-    e = te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), tiled)
+    assert te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), tiled) is None
+    e = te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), ns(**RMS))
     assert e is not None and (e.flag, e.value) == ("--seq-length", 1 << 20)
-    assert te_limits.norm_refusal(OSS, RunConfig(seq_len=745_654), tiled) is None
-    assert te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20, cp=2), tiled) is None
+
+
+def test_norm_slice_rows_is_the_rule_both_places_read():
+    assert te_limits.norm_slice_rows(745_654, 2880, "RMSNorm", "bf16") is None
+    assert te_limits.norm_slice_rows(1 << 20, 2880, "RMSNorm", "bf16") == 745_654
+    # a tuned hidden size: the tuned count decides whether to slice, the general limit sizes the slice (it holds
+    # for a last slice whose rows are no multiple of 4, which runs the general kernel)
+    assert te_limits.norm_slice_rows(600_000, 5120, "LayerNorm", "bf16") is None
+    assert te_limits.norm_slice_rows(600_001, 5120, "LayerNorm", "bf16") == te_limits.norm_max_rows(
+        5120, "LayerNorm", "bf16") == 419_430
 
 
 def test_the_norm_refusal_names_the_kernels_the_limit_and_the_fix():
     e = te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), ns(**RMS))
     assert "rmsnorm_fwd_general_kernel and rmsnorm_bwd_general_kernel" in e.problem
     assert "3,019,898,880 elements" in e.problem and "2**31 - 1" in e.problem and "745,654 rows" in e.problem
-    assert e.fix.startswith("raise --context-parallel-size to 2 or more")
+    assert e.fix.startswith("add --peakflat-tile (the pre-MLP, final and MTP norms then run in row slices of at most "
+                            "745,654 rows), or raise --context-parallel-size to 2 or more")
     assert "or lower --micro-batch-size" in te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 19, micro_batch=2),
                                                                   ns(**RMS)).fix
-    assert te_limits.norm_refusal(OSS, RunConfig(seq_len=4 << 20), ns(**RMS)).fix.startswith(
-        "raise --context-parallel-size to 6 or more")  # 4M / 6 = 699,050 rows
+    assert "or raise --context-parallel-size to 6 or more" in te_limits.norm_refusal(
+        OSS, RunConfig(seq_len=4 << 20), ns(**RMS)).fix  # 4M / 6 = 699,050 rows
     assert "ln_fwd_general_kernel" in te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), ns()).problem
     assert te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), ns(transformer_impl="local")) is None
 
@@ -293,25 +306,33 @@ def test_the_planner_refuses_the_norms_past_the_limit(capsys):
     argv = ["--megatron-args", NORM_LINE, "--hbm-gib", "4096", "--host-gib", "65536"]
     assert plan_main([*argv, "--gpus", "1", "--seq-len", "1M"]) == 2
     captured = capsys.readouterr()
-    assert "rmsnorm_fwd_general_kernel" in captured.err and "raise --context-parallel-size to 2" in captured.err
+    assert "rmsnorm_fwd_general_kernel" in captured.err and "Fix: add --peakflat-tile" in captured.err
+    assert "raise --context-parallel-size to 2" in captured.err
+    assert plan_main([*argv[:1], NORM_LINE + " --peakflat-tile", *argv[2:], "--gpus", "1", "--seq-len", "1M"]) == 0
     assert plan_main([*argv, "--gpus", "1", "--seq-len", "720K"]) == 0
     assert plan_main(["--megatron-args", NORM_LINE + " --context-parallel-size 2", *argv[2:], "--gpus", "2",
                       "--seq-len", "1M"]) == 0
     assert "rmsnorm" not in capsys.readouterr().err
-    # a preset: RMSNorm
-    assert plan_main(["--preset", "gpt-oss-20b", "--seq-len", "1M", "--gpus", "1", *argv[2:]]) == 2
-    assert "rmsnorm_fwd_general_kernel" in capsys.readouterr().err
+    # a preset: RMSNorm; the recommendation turns the tiled sublayer on, which slices the norms
+    capsys.readouterr()
+    assert plan_main(["--preset", "gpt-oss-20b", "--seq-len", "1M", "--gpus", "1", *argv[2:]]) == 0
+    out = capsys.readouterr().out
+    assert "rmsnorm_fwd_general_kernel" in out and "--peakflat-tile" in out
     assert plan_main(["--preset", "gpt-oss-20b", "--seq-len", "720K", "--gpus", "1", *argv[2:]]) == 0
 
 
-def test_auto_refuses_the_norms_past_the_limit_and_keeps_a_line_below_it():
+def test_auto_turns_the_tile_on_for_the_norms_past_the_limit_and_not_below_it():
+    """1M tokens on one GPU, hidden 2880, TE's RMSNorm: auto adds --peakflat-tile (the norms then run in row
+    slices) and says why in its table; at 720K (within the limit) the norms are no reason for it."""
     from megatron_peakflat import auto
 
     line = NORM_LINE.split() + ["--peakflat", "auto"]
-    with pytest.raises(PeakflatConfigError) as e:
-        auto.resolve([*line, "--seq-length", str(1 << 20)], gpus=1, gpus_per_node=1, **BIG)
-    assert (e.value.flag, e.value.value) == ("--seq-length", 1 << 20)
-    assert "rmsnorm_fwd_general_kernel" in e.value.problem and e.value.fix.startswith("raise --context-parallel-size")
+    choice = auto.resolve([*line, "--seq-length", str(1 << 20)], gpus=1, gpus_per_node=1, **BIG)
+    assert choice.recommendation.fits and "--peakflat-tile" in choice.added
+    row = next(ln for ln in choice.table().splitlines() if ln.strip().startswith("TiledAttention"))
+    assert "row slices" in row and "rmsnorm_fwd_general_kernel" in row and "1,048,576 rows" in row, row
+    small = auto.resolve([*line, "--seq-length", str(720 * 1024)], gpus=1, gpus_per_node=1, **BIG)
+    assert not any("row slices" in r for r in small.recommendation.reasons)
     choice = auto.resolve([*line, "--seq-length", str(720 * 1024)], gpus=1, gpus_per_node=1, **BIG)
     assert choice.recommendation.fits
     choice = auto.resolve([*line, "--seq-length", str(1 << 20), "--context-parallel-size", "2"], gpus=2,
@@ -326,7 +347,9 @@ def test_peakflat_check_and_start_up_refuse_the_norms_past_the_limit(capsys, mon
     assert check.main([*line, *machine]) == check.REFUSED
     err = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: "))
     assert "--seq-length=1048576" in err and "rmsnorm_fwd_general_kernel" in err
-    assert "Fix: raise --context-parallel-size to 2 or more" in err
+    assert "Fix: add --peakflat-tile" in err and "raise --context-parallel-size to 2 or more" in err
+    assert check.main([*line, "--peakflat-tile", "--hidden-dropout", "0", "--attention-dropout", "0",
+                       *machine]) != check.REFUSED
     assert check.main([*line, "--seq-length", str(720 * 1024), "--max-position-embeddings", str(720 * 1024),
                        *machine]) != check.REFUSED
     _start_up_refuses(monkeypatch, " ".join(line), "rmsnorm_fwd_general_kernel",

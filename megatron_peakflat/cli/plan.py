@@ -68,8 +68,11 @@ def _main(argv: Sequence[str] | None, status: list[int]) -> int:
     mns = ns.megatron_namespace
     if mns is not None and is_command_line(mns):
         refusal = te_limits.line_refusal(shape, run, mns)
-    else:  # a preset: the recommendation adds --no-rope-fusion where RoPE needs it, and no flag lifts the others
-        refusal = te_limits.hard_refusal(shape, run, mns if mns is not None else argparse.Namespace(), preset=True)
+    else:  # a preset: the recommendation adds --no-rope-fusion where RoPE needs it, and turns the tiled sublayer
+        # on where the whole-sequence norms need it (they then run in row slices); no flag lifts the others
+        preset = argparse.Namespace(**vars(mns)) if mns is not None else argparse.Namespace()
+        preset.peakflat_tile_enabled = True
+        refusal = te_limits.hard_refusal(shape, run, preset, preset=True)
     if refusal is not None:
         print(f"error: {refusal}", file=sys.stderr)
         return 2

@@ -220,12 +220,13 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
     The line's position embedding and layers decide; a preset (no command line) is taken as a RoPE model. Both
     flags are recommended whether or not the line already holds them, so that a recommended line planned again
     gives the same recommendation (``--peakflat auto`` keeps what the line holds)."""
-    rec = _recommend(shape, run, base, megatron_args, replace_offload=replace_offload)
+    preset = megatron_args is None or not is_command_line(megatron_args)
+    rec = _recommend(shape, run, base, megatron_args, replace_offload=replace_offload,
+                     norms=_norms_need_tile(shape, run, megatron_args, preset))
     ns = argparse.Namespace(**vars(megatron_args)) if megatron_args is not None else argparse.Namespace()
     ns.apply_rope_fusion = True  # Megatron's default: would the line need the flag
     # the tiled sublayer applies RoPE per tile: the kernel sees the recommended tile, not the sequence
     ns.peakflat_tile_enabled, ns.peakflat_tile_tokens = rec.config.tile.enabled, rec.config.tile.tokens
-    preset = megatron_args is None or not is_command_line(megatron_args)
     rope = te_limits.rope_line_refusal(shape, run, ns, preset=preset)
     if rope is not None:
         rec.flags.append(te_limits.NO_ROPE_FUSION)
@@ -238,8 +239,20 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
     return rec
 
 
+def _norms_need_tile(shape: ModelShape, run: RunConfig, megatron_args: Any, preset: bool) -> str | None:
+    """Why the tiled sublayer must run, where Transformer Engine's whole-sequence norms (pre-MLP, final, MTP) pass
+    their kernels' 32-bit limit with it off (``te_limits.norm_refusal``): with it on they run in row slices."""
+    ns = argparse.Namespace(**vars(megatron_args)) if megatron_args is not None else argparse.Namespace()
+    ns.peakflat_tile_enabled = False
+    refusal = te_limits.norm_refusal(shape, run, ns, preset=preset)
+    if refusal is None or refusal.flag != "--seq-length":  # the query norm's own limit: not lifted by slicing
+        return None
+    return (f"{components.get('tile').label} on: it runs the pre-MLP, final and MTP norms in row slices, where "
+            f"{refusal.problem}")
+
+
 def _recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None,
-               megatron_args: Any = None, *, replace_offload: bool = True) -> Recommendation:
+               megatron_args: Any = None, *, replace_offload: bool = True, norms: str | None = None) -> Recommendation:
     """Knobs that make the worst stage fit ``run.hbm_bytes`` and the host share, with the fewest host components.
 
     Dispatch and vocabulary run whenever they apply. SCO and OffloadStreamAdamW move bytes over PCIe at
@@ -253,7 +266,12 @@ def _recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = 
     to ask whether the run would fit with no offload at all.
     """
     blocked = blockers(shape, run, megatron_args)
-    full = _fit(shape, run, base, blocked, optimizer=True, sco=True, tile=False)
+    need_tile = norms is not None and "tile" not in blocked
+    full = _fit(shape, run, base, blocked, optimizer=True, sco=True, tile=need_tile)
+    if need_tile:
+        full.reasons.insert(0, norms)
+    if not full.fits and need_tile:
+        return full
     if not full.fits:  # the tiled sublayer costs an attention forward per layer: only where nothing fits without
         if "tile" in blocked:
             return full
@@ -273,6 +291,8 @@ def _recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = 
                                    "(no --peakflat-optimizer offload-stream, no --optimizer-cpu-offload)")
             if not sco and full.config.sco.enabled:
                 rec.reasons.append("SCO (--peakflat-sco) left off: the run fits without it")
+            if need_tile:
+                rec.reasons.insert(0, norms)
             return _note_replaced(rec, replaced)
     return _note_replaced(full, replaced)
 

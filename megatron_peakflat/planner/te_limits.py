@@ -33,8 +33,10 @@ what Megatron-Core's TE layers (``--transformer-impl transformer_engine``, Megat
   query norm of --qk-layernorm (per tile under --peakflat-tile). The input norm runs over no more rows than the
   pre-MLP norm, and MLA's latent norms over fewer columns: both bounded by the first. gpt-oss-20b (RMSNorm, 2880,
   no tuned kernel): 745,654 tokens per rank. No Megatron flag runs these norms outside TE on TE's layers
-  (``TESpecProvider.layer_norm`` returns TENorm for both --normalization choices), so start-up refuses, naming
-  --context-parallel-size (and, for the query norm, --peakflat-tile) as the fix.
+  (``TESpecProvider.layer_norm`` returns TENorm for both --normalization choices). With --peakflat-tile on, the
+  pre-MLP, final and MTP norms run in row slices within the limit (``tile.rows``, ``integration.norm_rows``;
+  ``norm_slice_rows`` gives the slice), so the line runs; without it start-up refuses, naming --peakflat-tile,
+  then --context-parallel-size, as the fix (for the query norm: --peakflat-tile, whose tiles bound its rows).
 * Fused router (``--moe-router-fusion``). ``fused_topk_with_score_function_forward_kernel_launcher``
   (fused_router/fused_topk_with_score_function.cu) and its aux-loss twin (fused_score_for_moe_aux_loss.cu) check
   ``static_cast<int64_t>(num_tokens) * num_experts <= INT_MAX`` ("kernel uses int offsets"): the router's tokens
@@ -87,7 +89,8 @@ __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_r
            "fused_rope_max_tokens", "rope_fusion_applies", "rope_kernel_tokens", "fused_rope_refusal",
            "NO_ROPE_FUSION", "unfused_attention_condition", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
            "te_run_fields", "line_refusal", "rope_line_refusal", "TUNED_NORM_LOAD_BYTES", "norm_kernel",
-           "norm_elements_per_offset", "norm_offsets", "norm_fits", "norm_max_rows", "te_norm_applies", "norm_sites",
+           "norm_elements_per_offset", "norm_offsets", "norm_fits", "norm_max_rows", "norm_slice_rows", "te_norm_applies",
+           "norm_sites", "TILE_FLAG",
            "norm_refusal", "ROUTER_KERNEL", "router_fusion_refusal", "PERMUTE_KERNEL", "TRITON_MAX_TENSOR_NUMEL",
            "GRID_Y_MAX", "permute_row_id_map_width", "permute_fusion_refusal", "hard_refusal"]
 
@@ -97,6 +100,8 @@ INT32_MAX = 2**31 - 1
 ROPE_KERNEL = f"Transformer Engine {TE_VERSION}'s fused_rope_forward_kernel (fused_rope.cu)"
 UNFUSED_BACKEND = f"Transformer Engine {TE_VERSION}'s unfused attention backend (UnfusedDotProductAttention)"
 NO_ROPE_FUSION = "--no-rope-fusion"
+TILE_FLAG = "--peakflat-tile"
+"""The tiled attention sublayer's flag: with it on, the whole-sequence norms run in row slices within TE's limit."""
 
 
 def fused_rope_elements(tokens_in_kernel: int, micro_batch: int, heads: int, kv_heads: int, head_dim: int,
@@ -290,6 +295,16 @@ def norm_max_rows(hidden: int, normalization: str, precision: str, *, tuned: boo
     return most - most % 4 if elements > 1 else most
 
 
+def norm_slice_rows(rows: int, hidden: int, normalization: str, precision: str, aligned: bool = True) -> int | None:
+    """None where TE's norm kernels take [rows, hidden] at once (``norm_fits``: the tuned kernels' count where TE
+    picks them); else the most rows a slice may hold: the general kernels' limit, which holds whichever kernel TE
+    picks for a slice (a last slice whose rows are no multiple of 4 runs the general one). The one rule that the
+    start-up checks and the sliced norms (``--peakflat-tile``, ``integration.norm_rows``) both read."""
+    if norm_fits(rows, hidden, normalization, precision, aligned):
+        return None
+    return norm_max_rows(hidden, normalization, precision)
+
+
 def te_norm_applies(args: Any) -> bool:
     """Whether the line's norms are Transformer Engine's: its layers (Megatron's default)."""
     return _get(args, "transformer_impl", "transformer_engine") == "transformer_engine"
@@ -356,8 +371,11 @@ def norm_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> Pe
         return None
     precision = getattr(run, "precision", "bf16")
     aligned = bool(getattr(run, "distributed_optimizer", True))
+    tile = bool(getattr(args, "peakflat_tile_enabled", None))
     for i, (what, rows, hidden, name) in enumerate(norm_sites(shape, run, args)):
-        if norm_fits(rows, hidden, normalization, precision, aligned):
+        if norm_slice_rows(rows, hidden, normalization, precision, aligned) is None:
+            continue
+        if i == 0 and tile:  # --peakflat-tile runs the whole-sequence norms in row slices within the limit
             continue
         elements = norm_elements_per_offset(normalization, precision, hidden, rows, aligned)
         limit = norm_max_rows(hidden, normalization, precision, tuned=elements > 1)
@@ -370,7 +388,8 @@ def norm_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> Pe
             fix = ("lower --peakflat-tile-tokens" if getattr(args, "peakflat_tile_enabled", None)
                    else "add --peakflat-tile (the query norm then runs per tile), or raise --context-parallel-size")
             return PeakflatConfigError("--qk-layernorm", True, problem, fix)
-        fixes = []
+        fixes = [f"add {TILE_FLAG} (the pre-MLP, final and MTP norms then run in row slices of at most "
+                 f"{limit:,} rows)"]
         if not aligned and norm_fits(rows, hidden, normalization, precision, True):
             fixes.append("add --use-distributed-optimizer (its parameter buffer aligns the norm weight to 16 bytes, "
                          "so TE runs its tuned kernels, which count loads)")
@@ -378,8 +397,7 @@ def norm_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> Pe
         fixes.append(f"raise --context-parallel-size to {cp} or more" if cp else "raise --context-parallel-size")
         if run.micro_batch > 1:
             fixes.append("lower --micro-batch-size")
-        fix = (", or ".join(fixes) + "; no flag moves these norms out of Transformer Engine on Megatron's Transformer "
-               "Engine layers (TENorm for both --normalization choices)")
+        fix = ", or ".join(fixes)
         return PeakflatConfigError("--seq-length", run.seq_len, problem, fix)
     return None
 
@@ -471,9 +489,10 @@ def rope_line_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) 
 
 
 def hard_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> PeakflatConfigError | None:
-    """The first limit for which auto adds no flag: TE's norms, its fused router, its fused permutation
-    (``norm_refusal``, ``router_fusion_refusal``, ``permute_fusion_refusal``; the permutation is not reached where
-    auto turns PipelinedLLEP on); None where all fit."""
+    """The first limit for which auto adds no Megatron flag: TE's norms, its fused router, its fused permutation
+    (``norm_refusal``, ``router_fusion_refusal``, ``permute_fusion_refusal``; the whole-sequence norms are not
+    reached where auto turns the tiled sublayer on, nor the permutation where it turns PipelinedLLEP on); None
+    where all fit."""
     return (norm_refusal(shape, run, args, preset=preset) or router_fusion_refusal(shape, run, args)
             or permute_fusion_refusal(shape, run, args))
 
