@@ -192,3 +192,14 @@ def test_the_reason_says_when_the_bound_costs_more_than_megatrons_balanced_term(
     larger, smaller = SimpleNamespace(baseline=0.09, peakflat=0.16), SimpleNamespace(baseline=2.0, peakflat=0.5)
     assert "Megatron's is smaller here with balanced routing" in auto._why("dispatch", rec, None, larger)
     assert auto._why("dispatch", rec, None, smaller) == "bounds this peak at no loss of exactness"
+
+
+def test_the_tile_is_never_recommended_where_start_up_would_refuse_it():
+    """At 1M tokens on one 79 GiB card only the tiled sublayer fits; with Megatron's default dropout (0.1) start-up
+    refuses it, so auto refuses the line naming the dropout fix rather than adding a flag that fails at start-up."""
+    line = MODEL + " --seq-length 1048576" + OFFLOAD
+    with pytest.raises(auto.NothingFits) as e:
+        auto.resolve(shlex.split(line), **MACHINE)
+    assert "--peakflat-tile" in e.value.problem and "--hidden-dropout 0" in e.value.problem
+    choice = auto.resolve(shlex.split(line + " --hidden-dropout 0 --attention-dropout 0"), **MACHINE)
+    assert "--peakflat-tile" in choice.added

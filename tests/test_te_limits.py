@@ -298,7 +298,8 @@ def test_the_qk_layernorm_query_norm_runs_over_heads_and_per_tile():
 
 # ---- TE's norms: planner, auto, check, start-up --------------------------------------------------
 
-NORM_LINE = ROPE_LINE + " --normalization RMSNorm --no-rope-fusion"
+NORM_LINE = ROPE_LINE + " --normalization RMSNorm --no-rope-fusion --hidden-dropout 0 --attention-dropout 0"
+"""Dropout 0: the tiled sublayer, which slices the norms, refuses dropout (Megatron's default is 0.1)."""
 BIG = dict(hbm_bytes=4096 * GIB, host_bytes_per_node=65536 * GIB)
 
 

@@ -81,6 +81,9 @@ _CHECKED_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--cp-comm-type", {"nargs": "+"}),
     ("--no-create-attention-mask-in-dataloader", {"dest": "create_attention_mask_in_dataloader",
                                                    "action": "store_false"}),
+    # what the tiled sublayer refuses (tile/config.py)
+    ("--hidden-dropout", {"type": float}),
+    ("--attention-dropout", {"type": float}),
 ) + tuple((flag, {"action": "store_true"}) for flag in (
     "--moe-pad-expert-input-to-capacity", "--moe-router-padding-for-quantization", "--delay-wgrad-compute",
     "--overlap-dispatch-backward-with-experts-wgrad", "--enable-cuda-graph", "--use-te-activation-func",
@@ -93,9 +96,9 @@ PRESET_MARK = "planner_preset"
 the preset, not stand for a command line of their own."""
 
 MEGATRON_DEFAULTS: dict[str, Any] = {"moe_token_dispatcher_type": "allgather", "add_bias_linear": True,
-                                     "optimizer": "adam"}
+                                     "optimizer": "adam", "hidden_dropout": 0.1, "attention_dropout": 0.1}
 """Megatron's defaults (arguments.py) among the checked flags that a start-up check reads: a command line
-that leaves them out runs the allgather dispatcher, experts with biases, and Adam."""
+that leaves them out runs the allgather dispatcher, experts with biases, Adam, and dropout 0.1."""
 
 
 def is_command_line(ns: Any) -> bool:

@@ -274,6 +274,8 @@ def _recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = 
         return full
     if not full.fits:  # the tiled sublayer costs an attention forward per layer: only where nothing fits without
         if "tile" in blocked:
+            full.reasons.append(f"{components.get('tile').label} (--peakflat-tile) would bound the attention "
+                                f"working set, but start-up refuses it here: {blocked['tile']}")
             return full
         full = _fit(shape, run, base, blocked, optimizer=True, sco=True, tile=True)
         if not full.fits:
