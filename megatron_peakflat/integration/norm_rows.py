@@ -89,38 +89,26 @@ def slice_norm(norm: Any, name: str) -> None:
     norm.forward = forward
 
 
-def wrap_forward_pre_mlp_layernorm(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Replacement for ``TransformerLayer._forward_pre_mlp_layernorm`` (which both the dense and the MoE layer's
-    ``_forward_mlp`` call): the pre-MLP norm sliced where needed."""
+def _slicing_first(norms: tuple[tuple[str, str], ...], what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A registry wrapper of a Megatron method that first gives the module's norms ``norms`` (attribute, log name)
+    their sliced forward where needed, then calls the method."""
 
-    @functools.wraps(original)
-    def _forward_pre_mlp_layernorm(self: Any, *args: Any, **kwargs: Any) -> Any:
-        slice_norm(getattr(self, "pre_mlp_layernorm", None), "pre-MLP norm")
-        return original(self, *args, **kwargs)
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            for attr, name in norms:
+                slice_norm(getattr(self, attr, None), name)
+            return original(self, *args, **kwargs)
 
-    return _forward_pre_mlp_layernorm
+        return method
 
-
-def wrap_block_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Replacement for ``TransformerBlock.forward``: the final norm sliced where needed."""
-
-    @functools.wraps(original)
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        slice_norm(getattr(self, "final_layernorm", None), "final norm")
-        return original(self, *args, **kwargs)
-
-    return forward
+    wrap.__doc__ = f"Replacement for ``{what}``: {', '.join(n for _, n in norms)} sliced where needed."
+    return wrap
 
 
-def wrap_mtp_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Replacement for ``MultiTokenPredictionLayer.forward``: its embedding, hidden and final norms sliced where
-    needed."""
-
-    @functools.wraps(original)
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        for attr, name in (("enorm", "MTP embedding norm"), ("hnorm", "MTP hidden norm"),
-                           ("final_layernorm", "MTP final norm")):
-            slice_norm(getattr(self, attr, None), name)
-        return original(self, *args, **kwargs)
-
-    return forward
+wrap_forward_pre_mlp_layernorm = _slicing_first((("pre_mlp_layernorm", "pre-MLP norm"),),
+                                                "TransformerLayer._forward_pre_mlp_layernorm")
+"""(Both the dense and the MoE layer's ``_forward_mlp`` call ``_forward_pre_mlp_layernorm``.)"""
+wrap_block_forward = _slicing_first((("final_layernorm", "final norm"),), "TransformerBlock.forward")
+wrap_mtp_forward = _slicing_first((("enorm", "MTP embedding norm"), ("hnorm", "MTP hidden norm"),
+                                   ("final_layernorm", "MTP final norm")), "MultiTokenPredictionLayer.forward")
