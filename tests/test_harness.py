@@ -519,3 +519,48 @@ def test_where_ran_marks_a_tree_that_is_not_its_commit(tmp_path, monkeypatch):
     assert mod.where_ran()["commit"] == head
     (repo / "code.py").write_text("x = 2\n")
     assert mod.where_ran()["commit"] == head + "+modified"
+
+
+# ---- testing.forked_module: the CPU dry runs' ranks forked from the preloaded server -------------------------
+
+def _forked(mode: str, nproc: int = 1, timeout: float = 120, **env: str):
+    import os
+
+    from megatron_peakflat.testing.forked_module import run_forked
+    from megatron_peakflat.testing.subproc import ROOT, child_env
+
+    return run_forked("tests._forked_probe", [mode, "--flag"], nproc=nproc, launcher=nproc > 1,
+                      env=child_env(MASTER_PORT="12345", **env), cwd=str(ROOT), timeout=timeout), os.path.realpath(ROOT)
+
+
+def test_forked_ranks_run_the_module_as_torchrun_starts_it(monkeypatch):
+    """Each rank runs the module as __main__ with its argv, the caller's environment at the call, torchrun's rank
+    variables, a session of its own, from the repository root; both ranks' stdout and stderr come back apart."""
+    monkeypatch.setenv("PEAKFLAT_PROBE", "at-the-call")
+    out, root = _forked("ok", nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        assert (f"rank={rank} world=2 port=12345 probe=at-the-call cwd={root} argv=['ok', '--flag'] leads_group=True "
+                f"main=__main__") in out.stdout, out.stdout
+        assert f"stderr of rank {rank}" in out.stderr and f"stderr of rank {rank}" not in out.stdout
+    one, _ = _forked("ok")  # without the launcher: no rank variables, in the caller's process group
+    assert one.returncode == 0 and "rank=None world=None" in one.stdout and "leads_group=False" in one.stdout
+
+
+def test_forked_ranks_exit_as_the_interpreter_would():
+    assert _forked("exit-3")[0].returncode == 3
+    out, _ = _forked("raise-on-1", nproc=2)
+    assert out.returncode == 1 and "ValueError: boom on rank one" in out.stderr, out.stderr[-3000:]
+    assert "rank 1 (pid " in out.stderr and "failed: exit code 1" in out.stderr  # rank 0 was stopped, not waited for
+    out, _ = _forked("sigkill-on-1", nproc=2)
+    assert out.returncode == 1 and "Signal 9 (SIGKILL)" in out.stderr, out.stderr[-3000:]
+
+
+def test_forked_ranks_past_the_timeout_are_killed_and_it_raises():
+    import subprocess
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        _forked("sleep", nproc=2, timeout=5)
+    assert time.monotonic() - started < 60 and "stderr of rank" in e.value.stderr
