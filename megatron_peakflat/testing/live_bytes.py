@@ -29,14 +29,35 @@ __all__ = ["LiveBytesMeter"]
 
 
 def _storages(tree: Any) -> list[torch.UntypedStorage]:
-    out = []
-    for x in tree_iter(tree):
-        if isinstance(x, torch.Tensor):
-            try:
-                out.append(x.untyped_storage())
-            except (RuntimeError, NotImplementedError):
-                pass
+    """The storages of the tensors in ``tree``, in pytree order. An operator's arguments and results are tensors,
+    scalars and lists, tuples or dicts of them: walked here directly (pytree's generic walk was most of the meter's
+    own cost); anything else goes through pytree."""
+    out: list[torch.UntypedStorage] = []
+    _walk(tree, out)
     return out
+
+
+_LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _walk(x: Any, out: list[torch.UntypedStorage]) -> None:
+    # a module-level function, not a closure: a closure calling itself is a reference cycle, which would keep
+    # ``out`` and its storages alive until a garbage collection
+    if isinstance(x, torch.Tensor):
+        try:
+            out.append(x.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            pass
+    elif type(x) in (list, tuple):
+        for y in x:
+            _walk(y, out)
+    elif type(x) is dict:
+        for y in x.values():
+            _walk(y, out)
+    elif not isinstance(x, _LEAVES):  # a namedtuple, a registered container, or a leaf (tree_iter yields it)
+        for y in tree_iter(x):
+            if isinstance(y, torch.Tensor):
+                _walk(y, out)
 
 
 class LiveBytesMeter(TorchDispatchMode):
