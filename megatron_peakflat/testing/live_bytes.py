@@ -82,12 +82,14 @@ class LiveBytesMeter(TorchDispatchMode):
         come back on a new one."""
         return {k: nbytes for k, (nbytes, born) in self._tracked.items() if born > allocations}
 
-    def wait_for(self, condition: Callable[[], bool], timeout_s: float = 2.0) -> bool:
+    def wait_for(self, condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
         """Poll ``condition`` (a count over this meter) until it holds or ``timeout_s`` passes; return it.
 
         gloo's worker thread drops its references to a collective's tensors a moment after the caller's
         ``wait()`` returns, so a storage that the code under test let go of can die late, on that thread. A
         count taken right after a collective waits for that here; a storage that really is kept stays counted.
+        The default wait is long for a machine whose cores other processes keep busy: a condition that holds
+        returns at once (every wait of test_moe_release's 305 did on the first check).
         """
         deadline = time.monotonic() + timeout_s
         while not condition():
