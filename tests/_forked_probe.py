@@ -8,8 +8,12 @@ import time
 
 
 def main(mode: str) -> None:
+    from megatron_peakflat.testing.distributed import _bindable
+
     rank = int(os.environ.get("RANK", "0"))
-    print(f"rank={os.environ.get('RANK')} world={os.environ.get('WORLD_SIZE')} port={os.environ.get('MASTER_PORT')} "
+    port = int(os.environ["MASTER_PORT"])
+    print(f"rank={os.environ.get('RANK')} world={os.environ.get('WORLD_SIZE')} port_held={not _bindable(port)} "
+          f"agent_store={os.environ.get('TORCHELASTIC_USE_AGENT_STORE')} "
           f"probe={os.environ.get('PEAKFLAT_PROBE')} cwd={os.getcwd()} argv={sys.argv[1:]} "
           f"leads_group={os.getpgrp() == os.getpid()} main={__name__}", flush=True)
     print(f"stderr of rank {rank}", file=sys.stderr, flush=True)

@@ -7,8 +7,10 @@ the fork server that ``testing.distributed`` starts (``testing.rank_preload`` im
 
 Guarantees, as ``subprocess.run([python, (-m torch.distributed.run --nproc-per-node N), -m, module, *argv])`` gives:
 - each rank runs ``module`` as ``__main__`` (``runpy``, ``sys.argv`` as ``-m`` sets it) from ``cwd``, with exactly
-  ``env`` as its environment and, under the launcher, torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_*``/``MASTER_*``;
-  only what torch and Megatron read while being imported comes from the fork server's start;
+  ``env`` as its environment and, under the launcher, torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_*``/``MASTER_*``/
+  ``TORCHELASTIC_*``; only what torch and Megatron read while being imported comes from the fork server's start;
+- under the launcher the caller serves the rendezvous store, as torchrun's agent does, on a port the kernel gave
+  it (``testing.distributed.served_store``): no other process can take it before the ranks join;
 - under the launcher each rank leads a session of its own, as torchrun's workers do (a rank that SIGKILLs its
   process group kills itself and its own children, never the caller);
 - every rank writes to one stdout and one stderr, returned as text; the exit status is the rank's own without the
@@ -31,7 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-from .distributed import _HIDDEN, _end_children, _rank_context
+from .distributed import _HIDDEN, _end_children, _rank_context, served_store
 
 __all__ = ["run_forked"]
 
@@ -79,7 +81,8 @@ def _rank(module: str, argv: list[str], rank: int, nproc: int, launcher: bool, e
     if launcher:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                           GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
-                          MASTER_ADDR="127.0.0.1")
+                          ROLE_NAME="default", MASTER_ADDR="127.0.0.1", TORCHELASTIC_RESTART_COUNT="0",
+                          TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none", TORCHELASTIC_USE_AGENT_STORE="True")
     for fd, std in zip(streams, (1, 2)):
         os.dup2(fd, std)
         os.close(fd)
@@ -149,12 +152,21 @@ def _describe(rank: int, pid: int | None, code: int) -> str:
 
 def run_forked(module: str, argv: list[str], *, nproc: int, launcher: bool, env: dict[str, str], cwd: str,
                timeout: float) -> subprocess.CompletedProcess:
-    """``module`` run with ``argv`` on ``nproc`` forked ranks (``launcher``: as torchrun starts them, on
-    ``env['MASTER_PORT']``); the module docstring says what matches a fresh interpreter's run."""
-    from multiprocessing.connection import wait
-
+    """``module`` run with ``argv`` on ``nproc`` forked ranks (``launcher``: as torchrun starts them, its store
+    served here; without, the one rank finds its port in ``env``, as ``python -m`` would); the module docstring says
+    what matches a fresh interpreter's run."""
     if nproc > 1 and not launcher:
         raise ValueError(f"{nproc} ranks need the launcher")
+    if not launcher:
+        return _run(module, argv, nproc, launcher, env, cwd, timeout)
+    with served_store(timeout) as port:
+        return _run(module, argv, nproc, launcher, {**env, "MASTER_PORT": str(port)}, cwd, timeout)
+
+
+def _run(module: str, argv: list[str], nproc: int, launcher: bool, env: dict[str, str], cwd: str,
+         timeout: float) -> subprocess.CompletedProcess:
+    from multiprocessing.connection import wait
+
     ctx, _ = _rank_context(True)
     environ = {**env, **_HIDDEN}
     command = [module, *argv] if not launcher else ["torchrun", "--nproc-per-node", str(nproc), "-m", module, *argv]

@@ -53,7 +53,9 @@ def run_module(module: str, *argv: str, nproc: int = 1, timeout: int = 400,
         from .forked_module import run_forked
 
         env = child_env()
-        return _on_free_port(lambda port: run_forked(module, list(argv), nproc=nproc, launcher=launcher,
+        if launcher:  # the launcher serves the store on a port it holds: nothing to start again
+            return run_forked(module, list(argv), nproc=nproc, launcher=True, env=env, cwd=ROOT, timeout=timeout)
+        return _on_free_port(lambda port: run_forked(module, list(argv), nproc=nproc, launcher=False,
                                                      env={**env, "MASTER_PORT": str(port)}, cwd=ROOT,
                                                      timeout=timeout))
 
