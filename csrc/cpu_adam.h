@@ -1,7 +1,11 @@
 // Multi-threaded, vectorised AdamW over flat fp32 host buffers (the host engine of OffloadStreamAdamW).
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor and check headers only: torch/extension.h (pybind11, all of torch) took ~28 s of CPU to compile
+// here and bindings.cpp alone needs it
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
 
 namespace peakflat {
 

@@ -1,5 +1,7 @@
 #include "host_pool.h"
 
+#include <ATen/ops/from_blob.h>
+
 #include <sys/mman.h>
 
 #include <cerrno>
@@ -74,7 +76,7 @@ at::Tensor HostPool::carve(int64_t numel, at::ScalarType dtype) {
   }
   auto keep = shared_from_this();
   void* ptr = static_cast<char*>(base_) + off;
-  return torch::from_blob(ptr, {numel}, [keep](void*) {}, torch::TensorOptions().dtype(dtype).device(torch::kCPU));
+  return at::from_blob(ptr, {numel}, [keep](void*) {}, at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
 }  // namespace peakflat

@@ -1,7 +1,7 @@
 // One large host allocation, registered (pinned) with CUDA once, carved into aligned buckets.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // not torch/extension.h: bindings.cpp alone needs pybind11 and the rest of torch
 
 #include <memory>
 #include <mutex>

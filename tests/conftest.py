@@ -43,3 +43,13 @@ needs_pretrain_entry = pytest.mark.skipif(
     not _megatron_core_at_least((0, 19)),
     reason="python -m megatron_peakflat.pretrain needs megatron-core >= 0.19: older wheels' pretrain() takes "
            "a model_provider from Megatron-LM's pretrain_gpt.py, which they do not ship")
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection made (torch, Megatron and the test modules, imported): a full garbage collection, as
+    the tests' own ``gc.collect()`` and Python's periodic ones run, then walks only what the tests make (it walked
+    ~450k objects with Megatron imported, 0.24 s each on a 2-core machine)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

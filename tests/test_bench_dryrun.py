@@ -140,12 +140,13 @@ def test_pretrain_compare_timeout_does_not_wait_on_a_process_that_left_the_sessi
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bench.pretrain_compare import run_in_session
 
+    survivor = f"sleep 30.{os.getpid()}"  # a name of its own: the clean-up below stops this one and no other
     t0 = time.monotonic()
-    rc, out = run_in_session(["bash", "-c", "echo started; setsid sleep 30 & sleep 60"], dict(os.environ), 1.0,
+    rc, out = run_in_session(["bash", "-c", f"echo started; setsid {survivor} & sleep 60"], dict(os.environ), 1.0,
                              drain=1.0)
     assert rc == 124 and "killed after --timeout" in out and "the rest is lost" in out
     assert time.monotonic() - t0 < 10
-    subprocess.run(["pkill", "-f", "^sleep 30$"], check=False)
+    subprocess.run(["pkill", "-f", f"^{survivor}$"], check=False)
 
 
 def test_memory_peak_replays_a_snapshot_to_its_highest_point():

@@ -838,7 +838,7 @@ def test_working_set_bound_covers_top8_metadata():
     bank = ReferenceExperts([torch.randn(2 * Fb, Hb, generator=g) for _ in range(E)],
                             [torch.randn(Hb, Fb, generator=g) for _ in range(E)])
     peaks, bounds = {}, {}
-    for T in (8192, 16384):
+    for T in (2048, 4096):  # the growth per token measured 808 B at 1K-8K tokens and 816 B at 8K-16K
         probs, rmap = make_routing(T, E, k, "balanced", 1)
         x = torch.randn(T, Hb, requires_grad=True)
         probs.requires_grad_(True)
@@ -851,7 +851,7 @@ def test_working_set_bound_covers_top8_metadata():
                                       expert_param_bytes=sum(p.numel() * 4 for p in bank.parameters()), dtype_bytes=4)
         peaks[T] = meter.peak
         assert meter.peak <= bounds[T], (T, meter.peak, bounds[T])
-    growth, bound_growth = (peaks[16384] - peaks[8192]) / 8192, (bounds[16384] - bounds[8192]) / 8192
+    growth, bound_growth = (peaks[4096] - peaks[2048]) / 2048, (bounds[4096] - bounds[2048]) / 2048
     assert 0.9 * bound_growth <= growth <= bound_growth, (growth, bound_growth)
 
 

@@ -191,12 +191,15 @@ def test_a_background_length_runs_detached_and_collect_reads_its_rows(tmp_path):
         running = e2e._alive(pid)
         if running:
             assert again.returncode == 1 and "still going" in again.stdout, again.stdout
-        deadline = time.monotonic() + 500
-        while True:
-            res = subprocess.run([*base, "--collect"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-            if res.returncode != 3 or time.monotonic() > deadline:
-                break
-            time.sleep(5)
+        res = subprocess.run([*base, "--collect"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        if res.returncode == 3:
+            assert f"background run pid {pid}" in res.stdout and "running" in res.stdout, res.stdout
+        else:  # it had ended by then
+            assert not e2e._alive(pid), res.stdout + res.stderr
+        deadline = time.monotonic() + 500  # the run's end, watched here rather than by a --collect process a poll
+        while e2e._alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        res = subprocess.run([*base, "--collect"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stdout + res.stderr
         doc = json.loads((ROOT / "bench" / "results" / out).read_text())
         rows = {(r["case"], r["method"]): r for r in doc["rows"]}

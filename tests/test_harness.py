@@ -2,6 +2,7 @@
 and the live-bytes meter."""
 
 import gc
+import os
 
 import pytest
 import torch
@@ -106,10 +107,14 @@ def _sleep_in_a_named_function(rank, world_size):
 
 
 def test_a_timed_out_rank_prints_where_it_hung(capfd):
-    # The deadline counts from the spawn, and the rank must be inside the function by then: importing
-    # torch and this module took over 5 s with another test worker busy on both of this machine's cores.
+    # The deadline counts from the start, and the rank must be inside the function by then: a rank forked from
+    # the server (started by the first call, outside any deadline) only imports this module first (a whole run of
+    # _all_reduce_rank took 0.13 s here), which 15 s covers on cores that other processes keep busy; a spawned one
+    # imports torch too, which took over 5 s with another test worker busy on both of this machine's cores.
+    run_distributed(_all_reduce_rank, 1, timeout=120)
+    timeout = 30 if os.environ.get("PEAKFLAT_TEST_RANKS") == "spawn" else 15
     with pytest.raises(DistributedTestError, match="timed out"):
-        run_distributed(_sleep_in_a_named_function, 1, timeout=30)
+        run_distributed(_sleep_in_a_named_function, 1, timeout=timeout)
     assert "_sleep_in_a_named_function" in capfd.readouterr().err
 
 
@@ -173,21 +178,23 @@ def test_free_port_draws_outside_the_ephemeral_range():
             s.bind(("", port))
 
 
-def test_launcher_starts_again_when_its_port_was_taken(monkeypatch, busy_port):
+def _port_held(rank, world_size):
+    from megatron_peakflat.testing.distributed import _bindable
+
+    return os.environ["TORCHELASTIC_USE_AGENT_STORE"], _bindable(int(os.environ["MASTER_PORT"]))
+
+
+def test_launcher_serves_its_rendezvous_store_on_a_port_it_holds(monkeypatch):
+    """The launcher's store listens before any rank starts and every rank joins it as a client (torchrun's agent
+    store): no port is drawn, so none can be taken between its choice and the rendezvous, nor joined by another
+    launch's ranks; a failed run raises its rank's error."""
     from megatron_peakflat.testing import distributed
 
-    given = _first_busy(monkeypatch, distributed, busy_port)
+    monkeypatch.setattr(distributed, "free_port", lambda: pytest.fail("the launcher drew a port"))
+    assert run_distributed(_port_held, 2, timeout=120) == [("True", False)] * 2
     assert run_distributed(_all_reduce_rank, 2, timeout=120) == [(0, 2, 3.0), (1, 2, 3.0)]
-    assert given[0] == busy_port and len(given) == 2
-
-
-def test_launcher_does_not_start_again_for_other_failures(monkeypatch):
-    from megatron_peakflat.testing import distributed
-
-    given = _first_busy(monkeypatch, distributed, distributed.free_port())
     with pytest.raises(DistributedTestError, match="boom on rank one"):
         run_distributed(_fail_on_rank_one, 2, timeout=120)
-    assert len(given) == 1
 
 
 def test_a_child_run_starts_again_when_its_port_was_taken(monkeypatch, busy_port):
@@ -519,3 +526,53 @@ def test_where_ran_marks_a_tree_that_is_not_its_commit(tmp_path, monkeypatch):
     assert mod.where_ran()["commit"] == head
     (repo / "code.py").write_text("x = 2\n")
     assert mod.where_ran()["commit"] == head + "+modified"
+
+
+# ---- testing.forked_module: the CPU dry runs' ranks forked from the preloaded server -------------------------
+
+def _forked(mode: str, nproc: int = 1, timeout: float = 120, **env: str):
+    import os
+
+    from megatron_peakflat.testing.forked_module import run_forked
+    from megatron_peakflat.testing.subproc import ROOT, child_env
+
+    from megatron_peakflat.testing.distributed import free_port
+
+    return run_forked("tests._forked_probe", [mode, "--flag"], nproc=nproc, launcher=nproc > 1,
+                      env=child_env(MASTER_PORT=str(free_port()), **env), cwd=str(ROOT),
+                      timeout=timeout), os.path.realpath(ROOT)
+
+
+def test_forked_ranks_run_the_module_as_torchrun_starts_it(monkeypatch):
+    """Each rank runs the module as __main__ with its argv, the caller's environment at the call, torchrun's rank
+    variables, a session of its own, from the repository root, its rendezvous store's port already held by the
+    launcher; both ranks' stdout and stderr come back apart."""
+    monkeypatch.setenv("PEAKFLAT_PROBE", "at-the-call")
+    out, root = _forked("ok", nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        assert (f"rank={rank} world=2 port_held=True agent_store=True probe=at-the-call cwd={root} "
+                f"argv=['ok', '--flag'] leads_group=True main=__main__") in out.stdout, out.stdout
+        assert f"stderr of rank {rank}" in out.stderr and f"stderr of rank {rank}" not in out.stdout
+    one, _ = _forked("ok")  # without the launcher: no rank variables, in the caller's process group, its own port
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "rank=None world=None port_held=False agent_store=None" in one.stdout and "leads_group=False" in one.stdout
+
+
+def test_forked_ranks_exit_as_the_interpreter_would():
+    assert _forked("exit-3")[0].returncode == 3
+    out, _ = _forked("raise-on-1", nproc=2)
+    assert out.returncode == 1 and "ValueError: boom on rank one" in out.stderr, out.stderr[-3000:]
+    assert "rank 1 (pid " in out.stderr and "failed: exit code 1" in out.stderr  # rank 0 was stopped, not waited for
+    out, _ = _forked("sigkill-on-1", nproc=2)
+    assert out.returncode == 1 and "Signal 9 (SIGKILL)" in out.stderr, out.stderr[-3000:]
+
+
+def test_forked_ranks_past_the_timeout_are_killed_and_it_raises():
+    import subprocess
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        _forked("sleep", nproc=2, timeout=5)
+    assert time.monotonic() - started < 60 and "stderr of rank" in e.value.stderr

@@ -4,8 +4,6 @@ rank with its rank in front, and --peakflat-log-all-ranks brings back every rank
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import sys
 
 import pytest
@@ -122,13 +120,13 @@ def test_a_refused_apply_leaves_logging_as_it_was():
 def test_pretrain_logs_in_megatrons_format_from_rank_0_only():
     """``python -m megatron_peakflat.pretrain`` sets up logging as Megatron's training does (its handler on stdout,
     ``LEVEL:logger:message``) with the rank filter already on, so that its first lines come from rank 0 only."""
-    code = ("import logging; from megatron_peakflat.cli import pretrain; pretrain._setup_logging([]); "
-            "log = logging.getLogger('megatron_peakflat'); log.info('peakflat: shared'); "
-            "log.info('peakflat: mine', extra={'per_rank': True})")
+    from megatron_peakflat.testing.forked_module import run_forked
+    from megatron_peakflat.testing.subproc import ROOT, child_env
+
     out = {}
-    for rank in ("0", "1"):
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "RANK": rank})
+    for rank in ("0", "1"):  # a process each (logging's set-up is global), forked with torch and Megatron imported
+        res = run_forked("tests._logging_probe", [], nproc=1, launcher=False, env=child_env(RANK=rank), cwd=ROOT,
+                         timeout=120)
         assert res.returncode == 0, res.stderr[-2000:]
         out[rank] = [ln for ln in res.stdout.splitlines() if "megatron_peakflat" in ln]
     assert out["0"] == ["INFO:megatron_peakflat:peakflat: shared", "INFO:megatron_peakflat:[rank 0] peakflat: mine"]

@@ -483,11 +483,11 @@ def test_planner_answers_fast():
     shape, run, pf, _, _ = build(["--preset", "gpt-oss-120b", "--seq-len", "1048576", "--gpus", "16",
                                   "--hbm-gib", "141", "--host-gib", "2048"])
     took = []
-    for _ in range(3):  # the fastest of three: a loaded CI machine can stall any one call
-        t0 = time.perf_counter()
+    for _ in range(3):  # the fastest of three; CPU time of this thread, which other processes' load does not stretch
+        t0 = time.thread_time()
         rec = recommend(shape, run, pf)
         plan(shape, run, pf)
-        took.append(time.perf_counter() - t0)
+        took.append(time.thread_time() - t0)
     assert min(took) < 0.2, took
     assert rec.fits
 
@@ -887,11 +887,11 @@ def test_report_is_off_without_flag(fake):
 def test_region_off_costs_next_to_nothing():
     meter.enable(False)
     n = 100_000
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time of this thread: a machine busy with other work does not stretch it
     for _ in range(n):
         with meter.component_region("dispatch"):
             pass
-    per_call = (time.perf_counter() - t0) / n
+    per_call = (time.thread_time() - t0) / n
     assert per_call < 5e-6, per_call  # a bool test and an empty `with`
 
 

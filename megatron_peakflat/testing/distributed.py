@@ -8,8 +8,10 @@ Guarantees:
 - a rank's own child processes (a checkpoint writer's multiprocessing Manager, say) end with it;
 - the whole run is bounded by ``timeout`` seconds; a rank still running then prints every thread's Python
   stack to stderr before it is terminated, so a hang says where it hung;
-- the rendezvous port is drawn outside the kernel's ephemeral range (``free_port``), and a start that
-  still finds it taken is made again on another port (up to ``PORT_ATTEMPTS`` starts);
+- the rendezvous store is served by the caller on a port the kernel gives it, listening before any rank starts,
+  and every rank joins it as a client (``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's agent serves its workers):
+  no other process can take the port, and no other launch's ranks can join this one's rendezvous (a drawn port
+  could be taken between its choice and rank 0's bind, and two launches drawing one port joined each other's);
 - ranks that are not meant to use CUDA (gloo, the default) start with ``CUDA_VISIBLE_DEVICES=""``: on a
   machine with GPUs the CPU tests' ranks see none, as on a CPU machine (the CPU shim maps Megatron's CUDA
   calls to the CPU, and a visible GPU lets what it does not cover, such as torch.compile's device checks,
@@ -25,6 +27,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import random
@@ -32,17 +35,18 @@ import socket
 import sys
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .._environ import environment
 
-__all__ = ["run_distributed", "DistributedTestError", "free_port", "port_taken", "PORT_ATTEMPTS"]
+__all__ = ["run_distributed", "DistributedTestError", "free_port", "port_taken", "PORT_ATTEMPTS", "served_store"]
 
 PORT_ATTEMPTS = 3
-"""Starts a launcher makes when each one finds its rendezvous port taken (``port_taken``)."""
+"""Starts a launcher that draws its port (``free_port``: torchrun's) makes when each one finds it taken
+(``port_taken``)."""
 
 
 class DistributedTestError(AssertionError):
@@ -123,6 +127,7 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the caller serves the store at MASTER_ADDR:MASTER_PORT
     )
     import faulthandler
     import signal
@@ -190,13 +195,20 @@ def run_distributed(
     Raises DistributedTestError naming every failed rank with its traceback. Results must be
     picklable; they are returned ordered by rank.
     """
-    for attempt in range(1, PORT_ATTEMPTS + 1):
-        try:
-            return _run_once(fn, world_size, args, timeout, backend, cuda, free_port())
-        except DistributedTestError as e:
-            if attempt == PORT_ATTEMPTS or not port_taken(str(e)):
-                raise
-    raise AssertionError("unreachable")
+    with served_store(timeout) as port:
+        return _run_once(fn, world_size, args, timeout, backend, cuda, port)
+
+
+@contextlib.contextmanager
+def served_store(timeout: float) -> Iterator[int]:
+    """A TCPStore server on 127.0.0.1, on a port the kernel gives it, for the block: the port, listening already.
+    Ranks with ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT=<port>`` and ``TORCHELASTIC_USE_AGENT_STORE=True`` join it
+    as clients, as torchrun's workers join its agent's."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
 
 
 _HIDDEN = {"CUDA_VISIBLE_DEVICES": ""}

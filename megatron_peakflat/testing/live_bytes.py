@@ -29,14 +29,35 @@ __all__ = ["LiveBytesMeter"]
 
 
 def _storages(tree: Any) -> list[torch.UntypedStorage]:
-    out = []
-    for x in tree_iter(tree):
-        if isinstance(x, torch.Tensor):
-            try:
-                out.append(x.untyped_storage())
-            except (RuntimeError, NotImplementedError):
-                pass
+    """The storages of the tensors in ``tree``, in pytree order. An operator's arguments and results are tensors,
+    scalars and lists, tuples or dicts of them: walked here directly (pytree's generic walk was most of the meter's
+    own cost); anything else goes through pytree."""
+    out: list[torch.UntypedStorage] = []
+    _walk(tree, out)
     return out
+
+
+_LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _walk(x: Any, out: list[torch.UntypedStorage]) -> None:
+    # a module-level function, not a closure: a closure calling itself is a reference cycle, which would keep
+    # ``out`` and its storages alive until a garbage collection
+    if isinstance(x, torch.Tensor):
+        try:
+            out.append(x.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            pass
+    elif type(x) in (list, tuple):
+        for y in x:
+            _walk(y, out)
+    elif type(x) is dict:
+        for y in x.values():
+            _walk(y, out)
+    elif not isinstance(x, _LEAVES):  # a namedtuple, a registered container, or a leaf (tree_iter yields it)
+        for y in tree_iter(x):
+            if isinstance(y, torch.Tensor):
+                _walk(y, out)
 
 
 class LiveBytesMeter(TorchDispatchMode):
@@ -61,12 +82,14 @@ class LiveBytesMeter(TorchDispatchMode):
         come back on a new one."""
         return {k: nbytes for k, (nbytes, born) in self._tracked.items() if born > allocations}
 
-    def wait_for(self, condition: Callable[[], bool], timeout_s: float = 2.0) -> bool:
+    def wait_for(self, condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
         """Poll ``condition`` (a count over this meter) until it holds or ``timeout_s`` passes; return it.
 
         gloo's worker thread drops its references to a collective's tensors a moment after the caller's
         ``wait()`` returns, so a storage that the code under test let go of can die late, on that thread. A
         count taken right after a collective waits for that here; a storage that really is kept stays counted.
+        The default wait is long for a machine whose cores other processes keep busy: a condition that holds
+        returns at once (every wait of test_moe_release's 305 did on the first check).
         """
         deadline = time.monotonic() + timeout_s
         while not condition():

@@ -32,6 +32,10 @@ def main(argv: list[str]) -> None:
         os.environ["MASTER_PORT"] = str(free_port())
     import torch
 
+    if "torch._dynamo" in sys.modules and os.environ["TORCHDYNAMO_DISABLE"] == "1":
+        # a rank forked with torch and Megatron imported (testing.forked_module): Megatron's fusions were wrapped
+        # by torch.compile before the variable was set, and this turns the wrappers off as it would have
+        torch._dynamo.config.disable = True
     from .megatron_cpu import install_cpu_shim
 
     install_cpu_shim()

@@ -17,7 +17,7 @@ from typing import Callable
 
 from .distributed import PORT_ATTEMPTS, free_port, port_taken
 
-__all__ = ["ROOT", "TINY_GPT_ARGS", "MODEL_BUILT", "child_env", "run_module", "run_on_free_port", "run_interpreted",
+__all__ = ["ROOT", "DRY_RUN", "TINY_GPT_ARGS", "MODEL_BUILT", "child_env", "run_module", "run_on_free_port", "run_interpreted",
            "interpreter_gap", "probe_interpreter", "INTERPRETER_PROBE",
            "logged", "memory_report", "second_resumed_log"]
 
@@ -35,13 +35,29 @@ TINY_GPT_ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-
 """Megatron flags of a tiny MoE GPT on mock data (add --train-iters), small enough for a CPU dry run."""
 
 
+DRY_RUN = "megatron_peakflat.testing.pretrain_dryrun"
+"""The module ``run_module`` runs on ranks forked from the preloaded server (``testing.forked_module``): it hides
+the GPUs and installs the CPU shim itself, as the server's ranks expect."""
+
+
 def run_module(module: str, *argv: str, nproc: int = 1, timeout: int = 400,
                launcher: bool | None = None) -> subprocess.CompletedProcess:
     """``python -m module argv`` from the repository root (on PYTHONPATH, warnings off); with ``nproc`` > 1
     (or ``launcher=True``) under ``torch.distributed.run`` on that many local ranks, on a free port
-    (``run_on_free_port``)."""
+    (``run_on_free_port``). The CPU dry run (``DRY_RUN``) runs so on ranks forked from the server that imported
+    torch and Megatron once (``testing.forked_module``, which says what matches a fresh interpreter); with
+    ``PEAKFLAT_TEST_RANKS=spawn`` it too starts fresh interpreters under torchrun."""
     if launcher is None:
         launcher = nproc > 1
+    if module == DRY_RUN and os.environ.get("PEAKFLAT_TEST_RANKS", "forkserver") != "spawn":
+        from .forked_module import run_forked
+
+        env = child_env()
+        if launcher:  # the launcher serves the store on a port it holds: nothing to start again
+            return run_forked(module, list(argv), nproc=nproc, launcher=True, env=env, cwd=ROOT, timeout=timeout)
+        return _on_free_port(lambda port: run_forked(module, list(argv), nproc=nproc, launcher=False,
+                                                     env={**env, "MASTER_PORT": str(port)}, cwd=ROOT,
+                                                     timeout=timeout))
 
     def command(port: int) -> list[str]:
         launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port)]
@@ -55,10 +71,14 @@ def run_on_free_port(command: Callable[[int], list[str]], env: dict[str, str], *
     """Run ``command(port)`` from the repository root with ``env`` and ``MASTER_PORT=port``, on a port from
     ``free_port``; a run whose output says the port was taken by then runs again on another (up to
     ``PORT_ATTEMPTS`` runs), so that parallel test processes do not fail each other."""
+    return _on_free_port(lambda port: subprocess.run(command(port), capture_output=True, text=True, timeout=timeout,
+                                                     env={**env, "MASTER_PORT": str(port)}, cwd=ROOT))
+
+
+def _on_free_port(start: Callable[[int], subprocess.CompletedProcess]) -> subprocess.CompletedProcess:
+    """``start(port)`` on a port from ``free_port``, again on another while its output says the port was taken."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        port = free_port()
-        res = subprocess.run(command(port), capture_output=True, text=True, timeout=timeout,
-                             env={**env, "MASTER_PORT": str(port)}, cwd=ROOT)
+        res = start(free_port())
         if res.returncode == 0 or attempt == PORT_ATTEMPTS or not port_taken(res.stdout + res.stderr):
             return res
     raise AssertionError("unreachable")
