@@ -20,9 +20,11 @@ pickles them). Test use only.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from megatron_peakflat.testing import max_rel_error
@@ -395,3 +397,15 @@ def sigkill_then_resume(tmp_path, monkeypatch, module: str, args: list[str], *, 
             assert b["batches"] == a["batches"] and b["batches"], where
             assert b["consumed_before"] == a["consumed_before"] == (it - 1) * RESUME_GLOBAL_BATCH, where
             assert {k: b["rng"][k] for k in compared_rng} == {k: a["rng"][k] for k in compared_rng}, where
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+"""CUDA devices on this host: the GPU twins of this driver's cases need 2."""
+needs_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                              reason="Transformer Engine does not import (tools/te_to_device.sh installs it); the "
+                              "local spec's cases run without it")
+
+
+def needs_two_gpus(cpu_twin: str) -> pytest.MarkDecorator:
+    """Skip a GPU test module on fewer than 2 CUDA devices, naming where its CPU twin runs (``cpu_twin``)."""
+    return pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices on one host, found {GPUS} ({cpu_twin})")

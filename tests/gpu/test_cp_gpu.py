@@ -18,21 +18,15 @@ itself.
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
-import torch
 
 from megatron_peakflat.testing import run_distributed
 from tests import _cp_driver as driver
 from tests.conftest import needs_pretrain_entry
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices on one host, found {GPUS} (the same driver runs "
-                                "on two gloo ranks on CPU: tests/test_cp_driver.py)")
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
-needs_te = pytest.mark.skipif(not HAVE_TE, reason="Transformer Engine does not import (tools/te_to_device.sh installs "
-                              "it); the local spec's cases run without it")
+pytestmark = driver.needs_two_gpus("the same driver runs on two gloo ranks on CPU: tests/test_cp_driver.py")
+needs_te = driver.needs_te
 
 CASES = {
     "fp32-local": driver.Case("fp32-local", dtype="fp32", spec="local"),

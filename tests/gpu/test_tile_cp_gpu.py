@@ -15,20 +15,15 @@ Tiles that do not divide a chunk (chunks of 8 tokens at 32, 16 at 64). Fewer tha
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
-import torch
 
 from megatron_peakflat.testing import run_distributed
 from tests import _cp_driver as driver
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices on one host, found {GPUS} (the CP tiling "
-                                "runs on gloo ranks on CPU: tests/test_tile_cp.py, tests/test_tile_cp_megatron.py)")
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
-needs_te = pytest.mark.skipif(not HAVE_TE, reason="Transformer Engine does not import; the local spec's cases run "
-                              "without it")
+pytestmark = driver.needs_two_gpus("the CP tiling runs on gloo ranks on CPU: tests/test_tile_cp.py, "
+                                   "tests/test_tile_cp_megatron.py")
+needs_te = driver.needs_te
 
 TILE_BF16_SLACK = 2 * driver.BF16_SLACK
 """Two bf16 epsilons for the tiled runs in bf16: under CP the tiled backward differentiates each tile twice, once
