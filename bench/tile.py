@@ -11,7 +11,7 @@ weights and inputs, at several sequence lengths:
 ``F.scaled_dot_product_attention`` (``enable_gqa``; causal, aligned bottom right for a tile's queries), whose
 flash kernel keeps no scores and no GQA expansion (``extra.flash``: whether SDPA's flash kernel accepts the
 shapes; where it does not, the kernel's scratch is outside the bound). ``--spec te``: Megatron's
-``TransformerLayer`` on Transformer Engine's spec (built as ``tests/gpu/test_tile_te_gpu.py`` builds it), the
+``TransformerLayer`` on Transformer Engine's spec (built as ``tests/gpu/test_tile_gpu.py`` builds it), the
 untiled method its own ``_forward_attention``, the tiled one ``integration.tile.layer_ops`` on it.
 
 Per (length, method), a row of ``bench/results/tile.json`` (merged by case and method): ``peak_gib``, the
@@ -136,7 +136,7 @@ def reference_sublayer(args: argparse.Namespace, device: str, dtype: torch.dtype
 
 def te_sublayer(args: argparse.Namespace) -> Sublayer:
     """Megatron's TransformerLayer on Transformer Engine's spec (bias on the linears, RMSNorm fused into the QKV
-    projection), as tests/gpu/test_tile_te_gpu.py builds it; its attention sublayer alone."""
+    projection), as tests/gpu/test_tile_gpu.py builds it; its attention sublayer alone."""
     import torch.distributed as dist
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec

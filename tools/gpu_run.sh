@@ -60,7 +60,7 @@ for s in "$@"; do
     tests:*) step tests $PY -m pytest ${s#tests:} -q -ra -p no:cacheprovider ;;
     suite) step suite env PYTHON=$PY bash tools/gpu_full_suite.sh ;;
     tile-tests)
-      step tile_tests $PY -m pytest tests/gpu/test_tile_te_gpu.py -v -rA -p no:cacheprovider
+      step tile_tests $PY -m pytest tests/gpu/test_tile_gpu.py -v -rA -p no:cacheprovider
       step te_bottom_right $PY tools/probes/te_bottom_right.py 16384 1048576 ;;
     reach-start) e2e reach_start --phases reach --methods peakflat-auto --lengths 512K,768K,1M --timeout 1500 --background ;;
     reach-collect) step reach_collect $PY bench/e2e.py --collect ;;

@@ -1,12 +1,14 @@
-"""The tiled attention sublayer on Transformer Engine's layer (one GPU): TE's attention with the bottom-right
-causal mask, its norm fused into the QKV projection, GQA, RoPE, against TE's untiled layer.
+"""The tiled attention sublayer on one GPU, on both specs a Megatron user trains with: Transformer Engine's layer
+(TE's attention with the bottom-right causal mask, its norm fused into the QKV projection) and the local spec with
+the SDPA core attention (``--peakflat-attention sdpa``), with GQA and RoPE, each against its own untiled layer.
 
-One Megatron ``TransformerLayer`` built from ``get_gpt_layer_with_transformer_engine_spec`` (dense MLP), run
-forward and backward with ``--peakflat-tile`` off and on, the same weights and inputs. fp32: the output, dx and
+One Megatron ``TransformerLayer`` built from ``get_gpt_layer_with_transformer_engine_spec`` or
+``get_gpt_layer_local_spec`` (dense MLP), run forward and backward with ``--peakflat-tile`` off and on, the same
+weights and inputs. fp32: the output, dx and
 every parameter's gradient within 1e-5 (relative to each tensor's largest entry) of the untiled layer. bf16:
 each no further from the fp32 untiled layer than the untiled bf16 layer is, plus one bf16 epsilon (2^-8): the
 tiles sum in another order than the whole sequence, and a wrong mask or position is off by O(1).
-CPU: skipped (Transformer Engine runs on CUDA; tests/test_tile_megatron.py runs the SDPA path on CPU).
+CPU: skipped (tests/test_tile_megatron.py runs the SDPA path on CPU in fp32); the TE case also without TE.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import torch
 
 from megatron_peakflat.integration.attention import transformer_engine_available
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU runs the SDPA path "
-                                 "in tests/test_tile_megatron.py)"),
-              pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU runs the SDPA path in "
+                                "tests/test_tile_megatron.py)")
+SPECS = [pytest.param("te", marks=pytest.mark.skipif(not transformer_engine_available(),
+                                                     reason="needs Transformer Engine")), "local"]
+CORE_ATTENTION = {"te": "TEDotProductAttention", "local": "SDPAttention"}
 
 SEQ, MB, HIDDEN, HEADS, GROUPS, TILE = 1000, 2, 256, 8, 2, 256  # 4 tiles, the last one shorter
 
@@ -32,14 +36,26 @@ def _layer_run(layer, x, rope, dy):  # noqa: ANN001
     return [out.detach().float(), x.grad.float()] + [p.grad.float() for p in layer.parameters()]
 
 
-def _worker(rank: int, world: int) -> dict:
+def _layer_spec(spec: str):  # noqa: ANN202
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+
+    if spec == "te":
+        return get_gpt_layer_with_transformer_engine_spec()
+    from megatron_peakflat.integration.attention import sdpa_core_attention_class
+
+    layer_spec = get_gpt_layer_local_spec()
+    layer_spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention_class()
+    return layer_spec
+
+
+def _worker(rank: int, world: int, spec: str) -> dict:
     import megatron_peakflat
     from megatron_peakflat import stats
     from megatron_peakflat.config import PeakflatConfig
     from megatron_peakflat.testing.megatron_cpu import init_megatron_parallel
     from megatron_peakflat.tile.config import TileConfig
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -51,7 +67,7 @@ def _worker(rank: int, world: int) -> dict:
                                    attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
                                    gradient_accumulation_fusion=False, add_bias_linear=True, add_qkv_bias=True)
         torch.manual_seed(5)
-        layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config, layer_number=1).cuda()
+        layer = build_module(_layer_spec(spec), config=config, layer_number=1).cuda()
         if dtype == torch.bfloat16:  # the fp32 layer's weights, rounded
             layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
                                    for k, v in layers[torch.float32].state_dict().items()})  # TE's _extra_state
@@ -70,7 +86,7 @@ def _worker(rank: int, world: int) -> dict:
         finally:
             megatron_peakflat.remove()
     core = layers[torch.float32].self_attention.core_attention
-    assert type(core).__name__ == "TEDotProductAttention", type(core).__name__
+    assert type(core).__name__ == CORE_ATTENTION[spec], type(core).__name__
 
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
@@ -82,10 +98,11 @@ def _worker(rank: int, world: int) -> dict:
     return {"fp32": fp32, "bf16": bf16, "tensors": len(want)}
 
 
-def test_te_tiled_layer_matches_te_untiled_layer():
+@pytest.mark.parametrize("spec", SPECS)
+def test_tiled_layer_matches_untiled_layer(spec: str):
     from megatron_peakflat.testing.distributed import run_distributed
 
-    (out,) = run_distributed(_worker, 1, backend="nccl", timeout=300)
+    (out,) = run_distributed(_worker, 1, spec, backend="nccl", timeout=300)
     assert out["tensors"] > 6
     assert max(out["fp32"]) <= 1e-5, out["fp32"]
     for tiled, untiled in out["bf16"]:
