@@ -898,6 +898,12 @@ BACKGROUND_DIR = Path("/tmp/peakflat_e2e_background")
 copy of the working tree (a remote machine's next command) leaves a running length and its rows alone."""
 
 
+def run_record(out: Path, where: Path) -> Path:
+    """The background run's process record (pid, start, command): a file of its own beside the results file, which
+    the run rewrites row by row."""
+    return where / f"{out.stem}.run.json"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -916,7 +922,7 @@ def background(argv: list[str], out: Path, where: Path) -> int:
     import subprocess
 
     where.mkdir(parents=True, exist_ok=True)
-    record, log, results = where / f"{out.stem}.json", where / f"{out.stem}.log", where / out.name
+    record, log, results = run_record(out, where), where / f"{out.stem}.log", where / out.name
     if record.exists():
         old = json.loads(record.read_text())
         if _alive(old["pid"]):
@@ -941,7 +947,7 @@ def background(argv: list[str], out: Path, where: Path) -> int:
 def collect(out: Path, where: Path, lines: int = 25) -> int:
     """What a ``--background`` run has done: whether it still runs, its log's last lines, and every row of its
     results file (copied to ``out`` and to $OUT). Exit status 0 once it has ended, 3 while it runs, 1 without one."""
-    record, results = where / f"{out.stem}.json", where / out.name
+    record, results = run_record(out, where), where / out.name
     if not record.exists():
         print(f"no background run on {out.name} in {where}", flush=True)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -177,20 +178,24 @@ def test_reach_at_explicit_lengths_stops_at_the_first_that_does_not_train(tmp_pa
 
 def test_a_background_length_runs_detached_and_collect_reads_its_rows(tmp_path):
     """A real dry-run process (Megatron's pretrain on the CPU shim) started with --background: the command returns
-    at once, a second start is refused while it runs, --collect exits 3 while it runs and 0 with its rows after."""
+    at once, a start is refused while an earlier run on the same file lives, --collect exits 3 while it runs and 0
+    with its rows after."""
     out, where = "e2e_bg_test.json", tmp_path / "bg"
     base = [sys.executable, "bench/e2e.py", "--dry-run", "--phases", "reach", "--methods", "megatron-te",
             "--lengths", "64", "--out", out, "--background-dir", str(where)]
     try:
+        # refused while the recorded run lives: this test's own process stands in for it, so that the refusal does
+        # not depend on how long a real run takes on a loaded machine
+        where.mkdir(parents=True)
+        e2e.run_record(Path(out), where).write_text(json.dumps({"pid": os.getpid(), "started": "now"}))
+        again = subprocess.run([*base, "--background"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 1 and "still going" in again.stdout, again.stdout + again.stderr
+        e2e.run_record(Path(out), where).unlink()
         t0 = time.monotonic()
         start = subprocess.run([*base, "--background"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert start.returncode == 0 and "started in the background" in start.stdout, start.stdout + start.stderr
         assert time.monotonic() - t0 < 60
-        again = subprocess.run([*base, "--background"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        pid = json.loads((where / "e2e_bg_test.json").read_text())["pid"]
-        running = e2e._alive(pid)
-        if running:
-            assert again.returncode == 1 and "still going" in again.stdout, again.stdout
+        pid = json.loads(e2e.run_record(Path(out), where).read_text())["pid"]
         res = subprocess.run([*base, "--collect"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         if res.returncode == 3:
             assert f"background run pid {pid}" in res.stdout and "running" in res.stdout, res.stdout
@@ -202,6 +207,7 @@ def test_a_background_length_runs_detached_and_collect_reads_its_rows(tmp_path):
         res = subprocess.run([*base, "--collect"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stdout + res.stderr
         doc = json.loads((ROOT / "bench" / "results" / out).read_text())
+        assert "pid" not in doc  # the rows and the process record are two files
         rows = {(r["case"], r["method"]): r for r in doc["rows"]}
         assert rows[("seq=64,spec=local", "megatron-te")]["extra"]["outcome"] == "ok", res.stdout
         assert rows[("reach,spec=local", "megatron-te")]["reach_tokens"] == 64
