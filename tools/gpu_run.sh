@@ -13,6 +13,10 @@
 #   tests | tests:<pytest args>     tests/gpu                  suite        the whole CPU suite on this machine
 #   tile-tests                      the tiled sublayer on TE, and TE's bottom-right probe at a 16K tile against 1M keys
 #   reach-start, reach-collect      peakflat-auto at 512K, 768K, 1M in the background (~15 min), then its rows
+#   reach-local-start, reach-local-collect
+#                                   the same on the local spec with the SDPA attention: needs no Transformer Engine,
+#                                   so it can start in the set-up call (`setup tests:tests/gpu/test_tile_gpu.py
+#                                   reach-local-start`) -> bench/results/e2e_local_reach.json
 #   time                            e2e 8K-48K, megatron-te and peakflat-auto, 3 runs each -> bench/results/e2e_time.json
 #   same-loss-fp32, same-loss-bf16  50 iterations at 8K: fp32 (TF32 off), and bf16 at lr 1e-5 -> bench/results/e2e.json
 #   calibration                     bench/planner_calibration.py for BUDGET seconds
@@ -64,6 +68,9 @@ for s in "$@"; do
       step te_bottom_right $PY tools/probes/te_bottom_right.py 16384 1048576 ;;
     reach-start) e2e reach_start --phases reach --methods peakflat-auto --lengths 512K,768K,1M --timeout 1500 --background ;;
     reach-collect) step reach_collect $PY bench/e2e.py --collect ;;
+    reach-local-start) e2e reach_local_start --spec local --phases reach --methods peakflat-auto --lengths 512K,768K,1M \
+                         --timeout 1500 --background --out e2e_local_reach.json ;;
+    reach-local-collect) step reach_local_collect $PY bench/e2e.py --collect --out e2e_local_reach.json ;;
     time) e2e time --phases time,summary --methods megatron-te,peakflat-auto --repeats 3 --timeout 300 --budget "$BUDGET" \
             --out e2e_time.json ;;
     same-loss-fp32) e2e same_loss_fp32 --phases same-loss --dtype fp32 --same-loss-seq 8K --same-loss-iters 50 --budget "$BUDGET" ;;
