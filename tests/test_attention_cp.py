@@ -182,3 +182,33 @@ def test_gathered_kv_is_held_once_and_its_backward_builds_no_whole_sequence_buff
     whole-sequence gradient or a rank-major copy of it. The reduced gradients are right too."""
     for held, small, right, sizes in run_distributed(_memory_rank, 3):
         assert held and small and right, sizes
+
+
+@pytest.mark.parametrize("case", ["causal", "bottom-right", "mask"])
+def test_grouped_heads_repeated_where_the_kernel_takes_none(case, monkeypatch):
+    """Where no fused kernel takes grouped K/V heads (CUDA without flash: fp32, an explicit mask), ``_attend``
+    repeats them to the query heads instead of letting torch fall back to its [b, h, L, S] math backend: the
+    same output and the same gradients as the grouped call, in fp32. Off CUDA the heads go as they are."""
+    from megatron_peakflat.attention import context_parallel as cpa
+
+    g = torch.Generator().manual_seed(3)
+    S, L = 40, {"causal": 40, "bottom-right": 16, "mask": 16}[case]
+    q = torch.randn(L, 2, 8, 16, generator=g)
+    k, v = (torch.randn(S, 2, 2, 16, generator=g) for _ in range(2))
+    dy = torch.randn(L, 2, 8, 16, generator=g)
+    bias = torch.randn(2, 1, L, S, generator=g) if case == "mask" else None
+    assert cpa.grouped_heads_taken(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), 0.0)
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = cpa._attend(*leaves, None, 0.0, bias)
+        out.backward(dy)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    grouped = run()
+    repeats = []
+    monkeypatch.setattr(cpa, "grouped_heads_taken", lambda *a: repeats.append(1) or False)
+    repeated = run()
+    assert repeats, "the repeated path did not run"
+    for a, b in zip(repeated, grouped):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6), float((a - b).abs().max())

@@ -225,3 +225,26 @@ def test_the_runtime_report_plans_per_rank_tokens_and_the_attention_that_runs(mo
                                                                              _pf("sdpa")))
     assert got[True] > got[False]
     peaks._cache.clear()
+
+
+def test_repeated_kv_heads_where_flash_does_not_run():
+    """On the local spec in fp32 the SDPA attention repeats grouped K/V heads to the query heads (flash, the one
+    CUDA kernel that takes them, takes no fp32): the gathered K/V under CP and their gradients count heads / kv_heads
+    times, and the tiled sublayer adds the prefix's repeated K and V and their gradients. bf16, Transformer Engine's
+    layers and a model without grouped heads count none."""
+    from megatron_peakflat.tile.config import TileConfig
+
+    shape = preset("gpt-oss-120b")  # 64 query heads over 8 K/V heads
+    S, T = 2**20, 2**20 / 8
+    fp32 = M.RunConfig(seq_len=S, cp=8, precision="fp32", transformer_impl="local")
+    assert M.sdpa_repeats_kv(shape, fp32)
+    for other in (dataclasses.replace(fp32, precision="bf16"), dataclasses.replace(fp32, transformer_impl="transformer_engine")):
+        assert not M.sdpa_repeats_kv(shape, other)
+    assert not M.sdpa_repeats_kv(dataclasses.replace(shape, kv_heads=shape.heads), fp32)
+    per_token = 2 * shape.kv_heads * shape.head_dim * 4  # K and V, fp32
+    assert M.cp_gathered_kv(shape, fp32, _pf("sdpa")) == (8 * S - T) * per_token
+    assert M.cp_gathered_kv_backward(shape, fp32, _pf("sdpa")) == pytest.approx((S + S / 8) * per_token * 8)
+    tiled = PeakflatConfig(tile=TileConfig(enabled=True))
+    repeated = M.tiled_attention_bytes(shape, fp32, tiled) - M.tiled_attention_bytes(
+        shape, dataclasses.replace(fp32, transformer_impl="transformer_engine"), tiled)
+    assert repeated == 4 * S * shape.heads * shape.head_dim * 4

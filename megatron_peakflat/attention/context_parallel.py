@@ -155,14 +155,32 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return _GatherSequence.apply(x, group)
 
 
+def grouped_heads_taken(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                        bias: torch.Tensor | None = None) -> bool:
+    """Whether SDPA runs grouped K/V heads ([b, g, S, d] against [b, h, L, d] queries, ``enable_gqa``) on a fused
+    kernel. On CUDA only flash takes them; where flash cannot (fp32 data, a head dim above 256, an explicit mask)
+    torch hands the call to its math backend, which materialises [b, h, L, S] scores. Off CUDA (the CPU's kernels
+    and math) they are taken as they are."""
+    if q.device.type != "cuda":
+        return True
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(q, k, v, bias, dropout_p, False, True), False)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of queries [L, b, h, d] on keys/values [S, b, g, d] (S >= L), returning [L, b, h, d]: with ``bias``
     (additive, [b, 1 or h, L, S]) that mask alone; else causal, the mask aligned to the last key (query i sees
-    keys up to S - L + i)."""
+    keys up to S - L + i). Grouped K/V heads go to the kernel as they are where it takes them; elsewhere they are
+    repeated to the query heads (O(S) memory) so that the memory-efficient kernel runs, never the O(L S) math
+    backend."""
     L, S = q.shape[0], k.shape[0]
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     gqa = qb.shape[1] != kb.shape[1]
+    if gqa and not grouped_heads_taken(qb, kb, vb, dropout_p, bias):
+        repeats = qb.shape[1] // kb.shape[1]
+        kb, vb, gqa = kb.repeat_interleave(repeats, dim=1), vb.repeat_interleave(repeats, dim=1), False
     if bias is not None:
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, dropout_p=dropout_p, scale=scale,
                                              enable_gqa=gqa)

@@ -8,7 +8,9 @@ DotProductAttention's constructor, parameters and checkpoint layout and replaces
 - causal with no explicit mask -> ``is_causal=True`` (flash / memory-efficient kernels, O(s) memory);
 - ``AttnMaskType.causal_bottom_right`` with fewer queries than keys (the tiled attention sublayer: the queries
   are the last positions of the keys) -> torch's ``causal_lower_right`` bias, grouped K/V heads not repeated
-  (``enable_gqa``), as the context-parallel path attends a chunk; with as many queries as keys it is plain causal;
+  (``enable_gqa``) where flash runs and repeated where it does not (fp32), so that torch never falls back to its
+  [s, s] math backend, as the context-parallel path attends a chunk; with as many queries as keys it is plain
+  causal;
 - an explicit bool mask (True = masked out) -> the same additive -10000 fill that Megatron's
   ``attention_mask_func`` applies, so fully masked rows behave as in Megatron;
 - configurations it does not cover (packed sequences, sliding windows, non-vanilla softmax) hand

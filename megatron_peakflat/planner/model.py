@@ -430,6 +430,20 @@ def cp_gathers_kv(run: RunConfig, pf: PeakflatConfig) -> bool:
     return run.cp > 1 and pf.general.attention == "sdpa"
 
 
+def sdpa_repeats_kv(s: ModelShape, run: RunConfig) -> bool:
+    """Whether the SDPA attention of the tiled sublayer and of CP > 1 (attention/context_parallel.py ``_attend``)
+    repeats grouped K/V heads to the query heads: on the local spec in fp32, where flash (the one CUDA kernel that
+    takes grouped heads) does not run and the memory-efficient kernel takes only as many K/V heads as queries."""
+    return (run.transformer_impl == "local" and run.precision == "fp32" and s.mla is None
+            and s.kv_heads != s.heads)
+
+
+def _kernel_kv_factor(s: ModelShape, run: RunConfig) -> float:
+    """How many times the attention kernel's K and V outnumber the model's (``sdpa_repeats_kv``): 1, or
+    heads / kv_heads."""
+    return s.heads / s.kv_heads if sdpa_repeats_kv(s, run) else 1.0
+
+
 def _kv_rows_per_token(s: ModelShape, run: RunConfig) -> float:
     """Elements of K plus V per token on one TP rank."""
     if s.mla is None:
@@ -445,7 +459,8 @@ def cp_gathered_kv(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
     count (``attention_activations``) already holds."""
     if not cp_gathers_kv(run, pf):
         return 0.0
-    return (run.seq_len * run.micro_batch - run.tokens) * _kv_rows_per_token(s, run) * run.w
+    whole = run.seq_len * run.micro_batch * _kernel_kv_factor(s, run)  # as SDPA saves them
+    return (whole - run.tokens) * _kv_rows_per_token(s, run) * run.w
 
 
 def cp_gathered_kv_backward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> float:
@@ -458,7 +473,7 @@ def cp_gathered_kv_backward(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -
     if not cp_gathers_kv(run, pf):
         return 0.0
     whole = run.seq_len * run.micro_batch
-    return (whole + whole / run.cp) * _kv_rows_per_token(s, run) * run.w
+    return (whole + whole / run.cp) * _kv_rows_per_token(s, run) * _kernel_kv_factor(s, run) * run.w
 
 
 def tiles_attention(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> bool:
@@ -482,8 +497,12 @@ def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> 
     seq = run.seq_len // run.cp
     tile = tile_tokens(run, pf)
     extra_dq = (flash_dq_splits(s, run) - 1) * tile * run.micro_batch * s.heads / run.tp * s.head_dim * 4
+    # repeated K/V heads (sdpa_repeats_kv): the prefix's repeated K and V, and the kernel's gradients of them
+    repeated = 4 * run.seq_len * run.micro_batch * s.heads / run.tp * s.head_dim * run.w if sdpa_repeats_kv(s, run) \
+        else 0
     return tiled_attention_peak_bytes(tile, seq, run.micro_batch, s.hidden, max(1, s.heads // run.tp),
-                                      max(1, s.kv_heads // run.tp), s.head_dim, run.w, cp=run.cp) + extra_dq
+                                      max(1, s.kv_heads // run.tp), s.head_dim, run.w, cp=run.cp,
+                                      attention_workspace_bytes=int(repeated)) + extra_dq
 
 
 MODELLED_RECOMPUTE_MODULES = ("core_attn", "moe", "moe_act", "mlp", "shared_experts")
