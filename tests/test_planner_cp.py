@@ -248,3 +248,17 @@ def test_repeated_kv_heads_where_flash_does_not_run():
     repeated = M.tiled_attention_bytes(shape, fp32, tiled) - M.tiled_attention_bytes(
         shape, dataclasses.replace(fp32, transformer_impl="transformer_engine"), tiled)
     assert repeated == 4 * S * shape.heads * shape.head_dim * 4
+
+
+def test_repeated_kv_heads_at_cp_1():
+    """At CP 1 on the local spec in fp32 the layer keeps the repeated K and V for backward, and its backward their
+    gradients: (heads - kv_heads) x head_dim x 2 more elements per token in each; bf16 adds none."""
+    shape = preset("gpt-oss-20b")
+    fp32 = M.RunConfig(seq_len=2**16, precision="fp32", transformer_impl="local")
+    te = dataclasses.replace(fp32, transformer_impl="transformer_engine")
+    extra = 2**16 * 2 * (shape.heads - shape.kv_heads) * shape.head_dim * 4
+    assert M.attention_activations(shape, fp32) - M.attention_activations(shape, te) == extra
+    assert M.attention_backward_transient(shape, fp32) - M.attention_backward_transient(shape, te) == extra
+    bf16 = dataclasses.replace(fp32, precision="bf16")
+    assert M.attention_activations(shape, bf16) == M.attention_activations(
+        shape, dataclasses.replace(bf16, transformer_impl="transformer_engine"))

@@ -169,10 +169,10 @@ def grouped_heads_taken(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout_p: float,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
+            bias: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """SDPA of queries [L, b, h, d] on keys/values [S, b, g, d] (S >= L), returning [L, b, h, d]: with ``bias``
     (additive, [b, 1 or h, L, S]) that mask alone; else causal, the mask aligned to the last key (query i sees
-    keys up to S - L + i). Grouped K/V heads go to the kernel as they are where it takes them; elsewhere they are
+    keys up to S - L + i); with ``causal`` False and no bias, every query sees every key. Grouped K/V heads go to the kernel as they are where it takes them; elsewhere they are
     repeated to the query heads (O(S) memory) so that the memory-efficient kernel runs, never the O(L S) math
     backend."""
     L, S = q.shape[0], k.shape[0]
@@ -181,7 +181,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | No
     if gqa and not grouped_heads_taken(qb, kb, vb, dropout_p, bias):
         repeats = qb.shape[1] // kb.shape[1]
         kb, vb, gqa = kb.repeat_interleave(repeats, dim=1), vb.repeat_interleave(repeats, dim=1), False
-    if bias is not None:
+    if bias is not None or not causal:
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, dropout_p=dropout_p, scale=scale,
                                              enable_gqa=gqa)
     elif L == S:

@@ -7,10 +7,10 @@ DotProductAttention's constructor, parameters and checkpoint layout and replaces
 
 - causal with no explicit mask -> ``is_causal=True`` (flash / memory-efficient kernels, O(s) memory);
 - ``AttnMaskType.causal_bottom_right`` with fewer queries than keys (the tiled attention sublayer: the queries
-  are the last positions of the keys) -> torch's ``causal_lower_right`` bias, grouped K/V heads not repeated
-  (``enable_gqa``) where flash runs and repeated where it does not (fp32), so that torch never falls back to its
-  [s, s] math backend, as the context-parallel path attends a chunk; with as many queries as keys it is plain
-  causal;
+  are the last positions of the keys) -> torch's ``causal_lower_right`` bias, as the context-parallel path attends
+  a chunk; with as many queries as keys it is plain causal;
+- grouped K/V heads go to the kernel as they are (``enable_gqa``) where flash runs, and are repeated to the query
+  heads where it does not (fp32, an explicit mask), so that torch never falls back to its [s, s] math backend;
 - an explicit bool mask (True = masked out) -> the same additive -10000 fill that Megatron's
   ``attention_mask_func`` applies, so fully masked rows behave as in Megatron;
 - configurations it does not cover (packed sequences, sliding windows, non-vanilla softmax) hand
@@ -32,7 +32,6 @@ import logging
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..attention.context_parallel import _attend as attend_aligned
 from ..attention.context_parallel import context_parallel_attention
@@ -45,6 +44,14 @@ __all__ = ["transformer_engine_available", "wrap_local_core_attention", "sdpa_co
            "check_dataloader_mask"]
 
 _MASK_FILL = -10000.0
+
+
+def additive_mask(attention_mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Megatron's bool mask (True = masked out) as SDPA's additive one, filled as ``attention_mask_func`` fills it."""
+    if attention_mask is None:
+        return None
+    bias = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+    return bias.masked_fill_(attention_mask.to(torch.bool), _MASK_FILL)
 
 
 def transformer_engine_available() -> bool:
@@ -111,6 +118,7 @@ def sdpa_core_attention_class() -> type:
             packed_seq_params: Optional[Any] = None,
         ) -> torch.Tensor:
             reason = self._unsupported(packed_seq_params, attention_bias)
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
             if reason is not None and self.cp_group is not None:
                 raise PeakflatConfigError("--peakflat-attention", "sdpa", f"with --context-parallel-size "
                                           f"{self.config.context_parallel_size} it does not cover {reason}, and "
@@ -123,48 +131,17 @@ def sdpa_core_attention_class() -> type:
                     log.warning("peakflat: sdpa attention hands %s back to Megatron's DotProductAttention", reason)
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
-            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
             if self.cp_group is not None:
                 return self._context_parallel(query, key, value, attention_mask, mask_type)
             sq, b, np_, hn = query.shape
-            if mask_type == AttnMaskType.causal_bottom_right and attention_mask is None:
-                if sq < key.shape[0]:
-                    return self._bottom_right(query, key, value)
-                mask_type = AttnMaskType.causal  # as many queries as keys: the same mask
-            q = query.permute(1, 2, 0, 3)
-            k = key.permute(1, 2, 0, 3)
-            v = value.permute(1, 2, 0, 3)
-            groups = np_ // k.shape[1]
-            if groups > 1:
-                k = k.repeat_interleave(groups, dim=1)
-                v = v.repeat_interleave(groups, dim=1)
-            scale = self._scale()
-            mask = None
-            is_causal = False
-            if attention_mask is None:
-                is_causal = mask_type == AttnMaskType.causal
-            else:
-                mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
-                mask.masked_fill_(attention_mask.to(torch.bool), _MASK_FILL)
-            p = self.attention_dropout.p if self.training else 0.0
-            if p > 0.0 and not self.config.sequence_parallel:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                         is_causal=is_causal, scale=scale)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                     is_causal=is_causal, scale=scale)
-            return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
-
-        def _bottom_right(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-            """The last ``sq`` positions' queries against all keys, causal, the mask aligned bottom right
-            (torch's ``causal_lower_right``: flash / memory-efficient kernels, no mask built where they apply),
-            grouped K/V heads not repeated (``enable_gqa``): the tiled attention sublayer's later tiles."""
-            sq, b, np_, hn = query.shape
+            if mask_type == AttnMaskType.causal_bottom_right:
+                mask_type = AttnMaskType.causal  # attend_aligned aligns fewer queries than keys to the last key
+            bias = additive_mask(attention_mask, query.dtype)
             p = self.attention_dropout.p if self.training else 0.0
             fork = p > 0.0 and not self.config.sequence_parallel
             with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
-                out = attend_aligned(query, key, value, self._scale(), p)
+                out = attend_aligned(query, key, value, self._scale(), p, bias,
+                                     causal=mask_type == AttnMaskType.causal)
             return out.reshape(sq, b, np_ * hn)
 
         def _scale(self) -> float:
@@ -185,11 +162,8 @@ def sdpa_core_attention_class() -> type:
                 log.info("peakflat: sdpa attention gathers K and V over the context-parallel group (all_gather) "
                          "whatever --cp-comm-type says (%s); the results are the same", self.cp_comm_type)
             sq, b, np_, hn = query.shape
-            bias = None
-            if attention_mask is not None:
-                bias = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
-                bias.masked_fill_(attention_mask.to(torch.bool), _MASK_FILL)
-            elif mask_type != AttnMaskType.causal:
+            bias = additive_mask(attention_mask, query.dtype)
+            if bias is None and mask_type != AttnMaskType.causal:
                 raise PeakflatConfigError("--peakflat-attention", "sdpa", f"with --context-parallel-size "
                                           f"{self.config.context_parallel_size} it runs causal attention or an "
                                           f"explicit mask, and got mask type {mask_type} without a mask",

@@ -387,7 +387,16 @@ def attention_activations(s: ModelShape, run: RunConfig) -> float:
         latent = T * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_pos_emb_head_dim) * w
         qkvo = T / t * s.heads * (2 * qk + 2 * m.v_head_dim) * w + latent
     lse = T / t * s.heads * 4
-    return norm + qkvo + lse
+    return norm + qkvo + lse + _repeated_kv(s, run) * w
+
+
+def _repeated_kv(s: ModelShape, run: RunConfig) -> float:
+    """Elements the SDPA attention adds at CP 1 by repeating grouped K and V to the query heads
+    (``sdpa_repeats_kv``): saved for backward, and again as their gradients in it. Under CP the gathered K/V
+    terms count them."""
+    if run.cp > 1 or not sdpa_repeats_kv(s, run):
+        return 0.0
+    return run.tokens / run.tp * 2 * (s.heads - s.kv_heads) * s.head_dim
 
 
 def flash_dq_splits(s: ModelShape, run: RunConfig) -> int:
@@ -418,7 +427,7 @@ def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
         v = T / t * s.heads * m.v_head_dim
         rotated = T / t * (s.heads + 1) * m.qk_pos_emb_head_dim * w
     d_out = T / t * s.heads * (s.head_dim if s.mla is None else s.mla.v_head_dim)
-    return (q + k + v) * w + q * 4 * flash_dq_splits(s, run) + d_out * w + rotated
+    return (q + k + v + _repeated_kv(s, run)) * w + q * 4 * flash_dq_splits(s, run) + d_out * w + rotated
 
 
 def cp_gathers_kv(run: RunConfig, pf: PeakflatConfig) -> bool:
