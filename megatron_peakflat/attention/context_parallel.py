@@ -172,9 +172,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | No
             bias: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """SDPA of queries [L, b, h, d] on keys/values [S, b, g, d] (S >= L), returning [L, b, h, d]: with ``bias``
     (additive, [b, 1 or h, L, S]) that mask alone; else causal, the mask aligned to the last key (query i sees
-    keys up to S - L + i); with ``causal`` False and no bias, every query sees every key. Grouped K/V heads go to the kernel as they are where it takes them; elsewhere they are
-    repeated to the query heads (O(S) memory) so that the memory-efficient kernel runs, never the O(L S) math
-    backend."""
+    keys up to S - L + i); with ``causal`` False and no bias, every query sees every key. Grouped K/V heads go to
+    the kernel as they are where it takes them; elsewhere they are repeated to the query heads (O(S) memory) so
+    that the memory-efficient kernel runs, never the O(L S) math backend."""
     L, S = q.shape[0], k.shape[0]
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     gqa = qb.shape[1] != kb.shape[1]

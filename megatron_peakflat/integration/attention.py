@@ -118,7 +118,6 @@ def sdpa_core_attention_class() -> type:
             packed_seq_params: Optional[Any] = None,
         ) -> torch.Tensor:
             reason = self._unsupported(packed_seq_params, attention_bias)
-            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
             if reason is not None and self.cp_group is not None:
                 raise PeakflatConfigError("--peakflat-attention", "sdpa", f"with --context-parallel-size "
                                           f"{self.config.context_parallel_size} it does not cover {reason}, and "
@@ -131,6 +130,7 @@ def sdpa_core_attention_class() -> type:
                     log.warning("peakflat: sdpa attention hands %s back to Megatron's DotProductAttention", reason)
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
             if self.cp_group is not None:
                 return self._context_parallel(query, key, value, attention_mask, mask_type)
             sq, b, np_, hn = query.shape

@@ -394,9 +394,9 @@ def _repeated_kv(s: ModelShape, run: RunConfig) -> float:
     """Elements the SDPA attention adds at CP 1 by repeating grouped K and V to the query heads
     (``sdpa_repeats_kv``): saved for backward, and again as their gradients in it. Under CP the gathered K/V
     terms count them."""
-    if run.cp > 1 or not sdpa_repeats_kv(s, run):
+    if run.cp > 1:
         return 0.0
-    return run.tokens / run.tp * 2 * (s.heads - s.kv_heads) * s.head_dim
+    return run.tokens * _kv_rows_per_token(s, run) * (_kernel_kv_factor(s, run) - 1)
 
 
 def flash_dq_splits(s: ModelShape, run: RunConfig) -> int:
@@ -507,8 +507,8 @@ def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> 
     tile = tile_tokens(run, pf)
     extra_dq = (flash_dq_splits(s, run) - 1) * tile * run.micro_batch * s.heads / run.tp * s.head_dim * 4
     # repeated K/V heads (sdpa_repeats_kv): the prefix's repeated K and V, and the kernel's gradients of them
-    repeated = 4 * run.seq_len * run.micro_batch * s.heads / run.tp * s.head_dim * run.w if sdpa_repeats_kv(s, run) \
-        else 0
+    repeated = 2 * run.seq_len * run.micro_batch * _kv_rows_per_token(s, run) * _kernel_kv_factor(s, run) * run.w \
+        if sdpa_repeats_kv(s, run) else 0
     return tiled_attention_peak_bytes(tile, seq, run.micro_batch, s.hidden, max(1, s.heads // run.tp),
                                       max(1, s.kv_heads // run.tp), s.head_dim, run.w, cp=run.cp,
                                       attention_workspace_bytes=int(repeated)) + extra_dq
