@@ -50,6 +50,7 @@ step() {  # name, command...
   [[ $rc -eq 0 ]] || status=1
 }
 e2e() { step "$1" $PY bench/e2e.py "${@:2}" ${E2E_ARGS:-}; }
+REACH=(--phases reach --methods peakflat-auto --lengths 512K,768K,1M --timeout 1500 --background)
 for s in "$@"; do
   case "$s" in
     te-receive:*) step "te_receive_${s#te-receive:}" bash tools/te_to_device.sh receive "${s#te-receive:}" ;;
@@ -66,10 +67,9 @@ for s in "$@"; do
     tile-tests)
       step tile_tests $PY -m pytest tests/gpu/test_tile_gpu.py -v -rA -p no:cacheprovider
       step te_bottom_right $PY tools/probes/te_bottom_right.py 16384 1048576 ;;
-    reach-start) e2e reach_start --phases reach --methods peakflat-auto --lengths 512K,768K,1M --timeout 1500 --background ;;
+    reach-start) e2e reach_start "${REACH[@]}" ;;
     reach-collect) step reach_collect $PY bench/e2e.py --collect ;;
-    reach-local-start) e2e reach_local_start --spec local --phases reach --methods peakflat-auto --lengths 512K,768K,1M \
-                         --timeout 1500 --background --out e2e_local_reach.json ;;
+    reach-local-start) e2e reach_local_start --spec local "${REACH[@]}" --out e2e_local_reach.json ;;
     reach-local-collect) step reach_local_collect $PY bench/e2e.py --collect --out e2e_local_reach.json ;;
     time) e2e time --phases time,summary --methods megatron-te,peakflat-auto --repeats 3 --timeout 300 --budget "$BUDGET" \
             --out e2e_time.json ;;

@@ -18,7 +18,6 @@ itself.
 
 from __future__ import annotations
 
-
 import pytest
 
 from megatron_peakflat.testing import run_distributed

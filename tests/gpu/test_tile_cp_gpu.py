@@ -15,7 +15,6 @@ Tiles that do not divide a chunk (chunks of 8 tokens at 32, 16 at 64). Fewer tha
 
 from __future__ import annotations
 
-
 import pytest
 
 from megatron_peakflat.testing import run_distributed
