@@ -26,7 +26,8 @@
 #   vocab-tp2                       bench/vocab.py at TP 2 -> bench/results/vocab.json (rows tp=2, gpus 2)
 #   e2e-cp2-reach, e2e-cp2-time     bench/e2e.py --cp 2 -> bench/results/e2e_cp2.json
 # Output: stdout, docs/evidence/gpu_<step>.log, and $OUT/ when set. Environment: PYTHON (python3), BUDGET (seconds a
-# resumable step may run, default 540), E2E_ARGS (added to every bench/e2e.py step). Wheels missing on the machine
+# resumable step may run, default 540), E2E_ARGS (added to every bench/e2e.py step), REACH_LENGTHS (the reach steps'
+# lengths, default 512K,768K,1M). Wheels missing on the machine
 # (megatron-core, liger-kernel, cut-cross-entropy) come from .whl/ (../shared/tools/device-wheels.sh beforehand).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +51,7 @@ step() {  # name, command...
   [[ $rc -eq 0 ]] || status=1
 }
 e2e() { step "$1" $PY bench/e2e.py "${@:2}" ${E2E_ARGS:-}; }
-REACH=(--phases reach --methods peakflat-auto --lengths 512K,768K,1M --timeout 1500 --background)
+REACH=(--phases reach --methods peakflat-auto --lengths "${REACH_LENGTHS:-512K,768K,1M}" --timeout 1500 --background)
 for s in "$@"; do
   case "$s" in
     te-receive:*) step "te_receive_${s#te-receive:}" bash tools/te_to_device.sh receive "${s#te-receive:}" ;;
