@@ -212,3 +212,52 @@ def test_grouped_heads_repeated_where_the_kernel_takes_none(case, monkeypatch):
     assert repeats, "the repeated path did not run"
     for a, b in zip(repeated, grouped):
         assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("case", ["causal", "bottom-right", "mask", "mask per head", "no mask"])
+def test_one_call_per_kv_head_equals_one_grouped_call(case, monkeypatch):
+    """At long key lengths ``_attend`` runs grouped K/V heads as one SDPA call per K/V head (``kv_head_calls``), so
+    that flash's backward expands dK/dV for one group of query heads at a time: the same output and the same
+    gradients as one call over every head (fp32), and as many calls as K/V heads."""
+    from megatron_peakflat.attention import calls
+    from megatron_peakflat.attention import context_parallel as cpa
+
+    g = torch.Generator().manual_seed(4)
+    S, L, b, heads, groups = 48, {"causal": 48, "bottom-right": 20, "no mask": 20}.get(case, 20), 2, 8, 4
+    q = torch.randn(L, b, heads, 16, generator=g)
+    k, v = (torch.randn(S, b, groups, 16, generator=g) for _ in range(2))
+    dy = torch.randn(L, b, heads, 16, generator=g)
+    bias = {"mask": torch.randn(b, 1, L, S, generator=g),
+            "mask per head": torch.randn(b, heads, L, S, generator=g)}.get(case)
+    sdpa_calls = []
+    real = cpa._sdpa
+    monkeypatch.setattr(cpa, "_sdpa", lambda *a: sdpa_calls.append(1) or real(*a))
+
+    def run() -> list[torch.Tensor]:
+        sdpa_calls.clear()
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = cpa._attend(*leaves, None, 0.0, bias, causal=case != "no mask")
+        out.backward(dy)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    assert calls.kv_head_calls(heads, groups, S * b) == 1  # below the threshold: one call
+    whole = run()
+    assert len(sdpa_calls) == 1
+    monkeypatch.setattr(calls, "GROUPED_CALL_MIN_KEYS", S * b)
+    per_head = run()
+    assert len(sdpa_calls) == groups
+    for a, w in zip(per_head, whole):
+        assert a.shape == w.shape and torch.allclose(a, w, rtol=1e-5, atol=1e-6), float((a - w).abs().max())
+
+
+def test_kv_head_calls():
+    """One call per K/V head only where the heads are grouped and the keys reach the threshold; a head count that
+    does not divide is refused."""
+    from megatron_peakflat.attention.calls import GROUPED_CALL_MIN_KEYS, kv_head_calls
+
+    assert kv_head_calls(64, 8, GROUPED_CALL_MIN_KEYS) == 8
+    assert kv_head_calls(64, 8, GROUPED_CALL_MIN_KEYS - 1) == 1
+    assert kv_head_calls(64, 64, 10 * GROUPED_CALL_MIN_KEYS) == 1
+    assert kv_head_calls(64, 1, GROUPED_CALL_MIN_KEYS) == 1  # one K/V head: nothing to split
+    with pytest.raises(ValueError, match="must divide"):
+        kv_head_calls(64, 6, GROUPED_CALL_MIN_KEYS)

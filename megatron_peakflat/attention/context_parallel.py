@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .calls import kv_head_calls
+
 __all__ = ["chunks_of_rank", "split_sequence", "merge_sequence", "gather_sequence", "context_parallel_attention"]
 
 
@@ -173,26 +175,40 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | No
     """SDPA of queries [L, b, h, d] on keys/values [S, b, g, d] (S >= L), returning [L, b, h, d]: with ``bias``
     (additive, [b, 1 or h, L, S]) that mask alone; else causal, the mask aligned to the last key (query i sees
     keys up to S - L + i); with ``causal`` False and no bias, every query sees every key. Grouped K/V heads go to
-    the kernel as they are where it takes them; elsewhere they are repeated to the query heads (O(S) memory) so
-    that the memory-efficient kernel runs, never the O(L S) math backend."""
-    L, S = q.shape[0], k.shape[0]
+    the kernel as they are where it takes them, one call per K/V head at long key lengths (``calls.kv_head_calls``:
+    flash's backward then expands dK and dV for one group of query heads at a time, not all); elsewhere they are
+    repeated to the query heads (O(S) memory) so that the memory-efficient kernel runs, never the O(L S) math
+    backend."""
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     gqa = qb.shape[1] != kb.shape[1]
     if gqa and not grouped_heads_taken(qb, kb, vb, dropout_p, bias):
         repeats = qb.shape[1] // kb.shape[1]
         kb, vb, gqa = kb.repeat_interleave(repeats, dim=1), vb.repeat_interleave(repeats, dim=1), False
-    if bias is not None or not causal:
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, dropout_p=dropout_p, scale=scale,
-                                             enable_gqa=gqa)
-    elif L == S:
-        out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=True, scale=scale,
-                                             enable_gqa=gqa)
-    else:
-        from torch.nn.attention.bias import causal_lower_right
+    calls = kv_head_calls(qb.shape[1], kb.shape[1], kb.shape[0] * kb.shape[2]) if gqa else 1
+    if calls == 1:
+        return _sdpa(qb, kb, vb, scale, dropout_p, bias, causal, gqa).permute(2, 0, 1, 3)
+    per_call = qb.shape[1] // calls
+    biases = [bias] * calls if bias is None or bias.shape[1] == 1 else bias.split(per_call, dim=1)
+    # split, not slicing: one autograd node gathers the calls' dQ/dK/dV (a slice's backward zero-fills a whole one)
+    outs = [_sdpa(qg, kg, vg, scale, dropout_p, bg, causal, True).permute(2, 0, 1, 3)
+            for qg, kg, vg, bg in zip(qb.split(per_call, dim=1), kb.split(1, dim=1), vb.split(1, dim=1), biases)]
+    return torch.cat(outs, dim=2)
 
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(L, S), dropout_p=dropout_p,
-                                             scale=scale, enable_gqa=gqa)
-    return out.permute(2, 0, 1, 3)
+
+def _sdpa(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, scale: float | None, dropout_p: float,
+          bias: torch.Tensor | None, causal: bool, gqa: bool) -> torch.Tensor:
+    """One SDPA call on [b, heads, len, d] operands, with ``_attend``'s mask rules."""
+    L, S = qb.shape[2], kb.shape[2]
+    if bias is not None or not causal:
+        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=gqa)
+    if L == S:
+        return F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(L, S), dropout_p=dropout_p,
+                                          scale=scale, enable_gqa=gqa)
 
 
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

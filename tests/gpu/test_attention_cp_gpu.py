@@ -116,3 +116,36 @@ def test_chunk_path_uses_no_built_mask_in_bf16():
     mask_bytes = L * S  # a bool [L, S] mask; the scores would be b x h x L x S x 2 bytes more
     assert out.shape == (L, b, h, d)
     assert peak < mask_bytes / 4, (peak, mask_bytes)
+
+
+@pytest.mark.parametrize("L,S", [(2048, 40960), (40960, 40960)])
+def test_one_call_per_kv_head_on_flash_matches_one_call_and_holds_less(L, S):
+    """bf16 on flash at a key length past ``GROUPED_CALL_MIN_KEYS``: ``_attend``'s call per K/V head gives the
+    output and dQ/dK/dV of one call over every head (within one bf16 epsilon of the largest value), and its backward
+    peaks lower, since flash expands dK/dV to the query heads for one call's heads only."""
+    from megatron_peakflat.attention import calls
+    from megatron_peakflat.attention import context_parallel as cpa
+
+    q, k, v, dout = (t.to("cuda", torch.bfloat16) for t in _inputs(L, S, 1, 32, 4, 64, torch.bfloat16, 11))
+
+    def run(min_keys: int) -> tuple[list[torch.Tensor], int]:
+        calls.GROUPED_CALL_MIN_KEYS = min_keys
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = cpa._attend(*leaves, None, 0.0)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out.backward(dout)
+        torch.cuda.synchronize()
+        return [out.detach().float()] + [t.grad.float() for t in leaves], torch.cuda.max_memory_allocated() - base
+
+    saved = calls.GROUPED_CALL_MIN_KEYS
+    try:
+        one, one_peak = run(1 << 62)
+        per_head, per_head_peak = run(1)
+    finally:
+        calls.GROUPED_CALL_MIN_KEYS = saved
+    for a, b in zip(per_head, one):
+        assert float((a - b).abs().max()) <= 2**-8 * float(b.abs().max()), float((a - b).abs().max())
+    expanded = 2 * S * 32 * 64 * 2  # flash's dK/dV at the 32 query heads, bf16
+    assert per_head_peak < one_peak - expanded // 2, (per_head_peak, one_peak, expanded)
