@@ -800,15 +800,18 @@ _WHERE: dict[str, Any] = {}
 
 
 def _where() -> dict[str, Any]:
-    """Where a row ran: the harness's card and commit (``where_ran``), the host's cores and torch's version (kept
-    in every row, so merged files keep them)."""
+    """Where a row ran: the harness's card and commit (``where_ran``), the host's cores, torch's version and the
+    keys from which the SDPA attention runs one call per K/V head (``attention.calls``; the planner needs it to
+    plan the row's run as it ran), kept in every row, so merged files keep them."""
     if not _WHERE:
         import torch
 
         from bench.harness import where_ran
+        from megatron_peakflat.attention.calls import GROUPED_CALL_MIN_KEYS
 
         ran = where_ran()
-        _WHERE.update(card=ran["card"], host_threads=os.cpu_count(), commit=ran["commit"], torch=torch.__version__)
+        _WHERE.update(card=ran["card"], host_threads=os.cpu_count(), commit=ran["commit"], torch=torch.__version__,
+                      grouped_call_min_keys=GROUPED_CALL_MIN_KEYS)
         if os.environ.get(HBM_CAP_ENV):
             _WHERE["hbm_cap_gib"] = float(os.environ[HBM_CAP_ENV])
     return dict(_WHERE)

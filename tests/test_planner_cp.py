@@ -8,6 +8,7 @@ import shlex
 
 import pytest
 
+from megatron_peakflat.attention.calls import GROUPED_CALL_MIN_KEYS
 from megatron_peakflat import PeakflatConfig
 from megatron_peakflat.config import GeneralConfig
 from megatron_peakflat.planner import model as M
@@ -252,13 +253,60 @@ def test_repeated_kv_heads_where_flash_does_not_run():
 
 def test_repeated_kv_heads_at_cp_1():
     """At CP 1 on the local spec in fp32 the layer keeps the repeated K and V for backward, and its backward their
-    gradients: (heads - kv_heads) x head_dim x 2 more elements per token in each; bf16 adds none."""
+    gradients: (heads - kv_heads) x head_dim x 2 more elements per token in each; bf16 repeats none (below the
+    per-K/V-head calls' threshold it keeps what Transformer Engine's layer does)."""
     shape = preset("gpt-oss-20b")
     fp32 = M.RunConfig(seq_len=2**16, precision="fp32", transformer_impl="local")
     te = dataclasses.replace(fp32, transformer_impl="transformer_engine")
     extra = 2**16 * 2 * (shape.heads - shape.kv_heads) * shape.head_dim * 4
     assert M.attention_activations(shape, fp32) - M.attention_activations(shape, te) == extra
     assert M.attention_backward_transient(shape, fp32) - M.attention_backward_transient(shape, te) == extra
-    bf16 = dataclasses.replace(fp32, precision="bf16")
+    bf16 = dataclasses.replace(fp32, precision="bf16", seq_len=GROUPED_CALL_MIN_KEYS // 2)
+    assert M.flash_gqa_calls(shape, bf16) == 1
     assert M.attention_activations(shape, bf16) == M.attention_activations(
         shape, dataclasses.replace(bf16, transformer_impl="transformer_engine"))
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_flash_expands_grouped_dk_dv_per_call(cp):
+    """flash attention's backward on grouped heads (the local spec in bf16) allocates dK and dV at the query heads'
+    count over every key (FlashAttention-2 mha_bwd's dk_expanded, dv_expanded) beside its fp32 dQ accumulator: at
+    long key lengths the SDPA attention runs one call per K/V head, so each holds one head group's worth, and the
+    split then gathers the calls' dQ/dK/dV (attention/context_parallel.py _attend). Transformer Engine's layer and
+    short sequences are one call; the terms below are what those allocate, element by element."""
+    shape = preset("gpt-oss-20b")  # 64 query heads over 8 K/V heads of 64
+    h, g, d, w = shape.heads, shape.kv_heads, shape.head_dim, 2
+    long = M.RunConfig(seq_len=2**19, cp=cp, precision="bf16", transformer_impl="local")
+    te = dataclasses.replace(long, transformer_impl="transformer_engine")
+    keys, T = 2**19, 2**19 // cp
+    assert M.flash_gqa_calls(shape, long) == g and M.flash_gqa_calls(shape, te) == 1
+    assert M.flash_gqa_expansion(shape, long) == 2 * keys * (h // g) * d * w
+    assert M.flash_gqa_expansion(shape, te) == 0
+    q, kv = T * h * d, T * g * d
+    one_call = q / g * 4 + 2 * keys * (h // g) * d * w  # one group's fp32 dQ accumulator and expanded dK/dV
+    gathered = (q + 2 * kv) * w  # the split's concatenated dQ, dK, dV
+    assert M.attention_backward_transient(shape, long) - M.attention_backward_transient(shape, te) == \
+        pytest.approx(max(one_call, gathered) - q * 4)
+    assert M.attention_activations(shape, long) - M.attention_activations(shape, te) == q * w
+    short = dataclasses.replace(long, seq_len=GROUPED_CALL_MIN_KEYS // 2)
+    assert M.flash_gqa_calls(shape, short) == 1
+    assert M.flash_gqa_expansion(shape, short) == 2 * GROUPED_CALL_MIN_KEYS // 2 * h * d * w
+    fp32 = dataclasses.replace(long, precision="fp32")  # repeated K/V heads: the memory-efficient kernel, no expansion
+    assert M.flash_gqa_expansion(shape, fp32) == 0 and M.flash_gqa_calls(shape, fp32) == 1
+
+
+def test_tile_counts_flash_expansion_over_the_prefix():
+    """The tiled sublayer's bound on the local spec in bf16 counts flash's expanded dK/dV of one call over the whole
+    prefix, the split's concatenated dK/dV of the prefix and dQ of a tile, beside what Transformer Engine's tile
+    holds."""
+    from megatron_peakflat.tile.config import TileConfig
+
+    shape = preset("gpt-oss-20b")
+    h, g, d, w = shape.heads, shape.kv_heads, shape.head_dim, 2
+    S = 2**20
+    local = M.RunConfig(seq_len=S, precision="bf16", transformer_impl="local")
+    tiled = PeakflatConfig(tile=TileConfig(enabled=True))
+    tile = M.tile_tokens(local, tiled)
+    extra = M.tiled_attention_bytes(shape, local, tiled) - M.tiled_attention_bytes(
+        shape, dataclasses.replace(local, transformer_impl="transformer_engine"), tiled)
+    assert extra == 2 * S * (h // g) * d * w + 2 * S * g * d * w + tile * h * d * w

@@ -38,6 +38,7 @@ from ..config_base import PeakflatConfigError
 from ..dispatch.bound import (auto_max_foreign, chunk_count, flow_chunk_rows, overlap_on, split_floor,
                               weight_sends_bound, working_set_bound)
 from ..dispatch.config import resolve_membership
+from ..attention.calls import kv_head_calls
 from ..tile.bound import tiled_attention_peak_bytes
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
@@ -387,7 +388,16 @@ def attention_activations(s: ModelShape, run: RunConfig) -> float:
         latent = T * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_pos_emb_head_dim) * w
         qkvo = T / t * s.heads * (2 * qk + 2 * m.v_head_dim) * w + latent
     lse = T / t * s.heads * 4
-    return norm + qkvo + lse + _repeated_kv(s, run) * w
+    return norm + qkvo + lse + _repeated_kv(s, run) * w + _concatenated_output(s, run)
+
+
+def _concatenated_output(s: ModelShape, run: RunConfig) -> float:
+    """Bytes the SDPA attention adds to the saved tensors where it runs one call per K/V head
+    (``flash_gqa_calls``): the calls' outputs, which flash saves for backward, and their concatenation, which the
+    output projection saves, are two tensors where one call's output is one."""
+    if flash_gqa_calls(s, run) == 1:
+        return 0.0
+    return run.tokens / run.tp * s.heads * s.head_dim * run.w
 
 
 def _repeated_kv(s: ModelShape, run: RunConfig) -> float:
@@ -399,15 +409,41 @@ def _repeated_kv(s: ModelShape, run: RunConfig) -> float:
     return run.tokens * _kv_rows_per_token(s, run) * (_kernel_kv_factor(s, run) - 1)
 
 
-def flash_dq_splits(s: ModelShape, run: RunConfig) -> int:
+def flash_dq_splits(s: ModelShape, run: RunConfig, calls: int = 1) -> int:
     """Copies of the fp32 dQ accumulator in flash attention's backward: one, or under deterministic algorithms
-    ceil(SMs / (batch x heads)) (flash_api.cpp mha_bwd), e.g. 5 for 32 heads on an H200. Measured with torch
-    2.11's SDPA at 32K and 128K tokens (docs/evidence/probes/attention_backward_peak.txt): 5.02 units of [s, hidden]
-    bf16 beside the inputs without, 13.02 with; at 8, 16 and 64 heads 37.02, 21.02 and 9.02 with
+    ceil(SMs / (batch x heads)) (flash_api.cpp mha_bwd), e.g. 5 for 32 heads on an H200; ``calls``: the calls the
+    heads are split into (``flash_gqa_calls``), each with its share of the heads. Measured with torch 2.11's SDPA
+    at 32K and 128K tokens (docs/evidence/probes/attention_backward_peak.txt): 5.02 units of [s, hidden] bf16
+    beside the inputs without, 13.02 with; at 8, 16 and 64 heads 37.02, 21.02 and 9.02 with
     (probes/attention_backward_heads.txt), 3 + 2 x this count each time."""
     if not run.deterministic:
         return 1
-    return max(1, -(-run.sm_count // max(1, run.micro_batch * s.heads // run.tp)))
+    return max(1, -(-run.sm_count // max(1, run.micro_batch * s.heads // run.tp // calls)))
+
+
+def flash_takes_grouped_heads(s: ModelShape, run: RunConfig) -> bool:
+    """Whether the SDPA attention (the local spec's) hands grouped K/V heads to flash attention as they are: grouped
+    heads where flash runs (not fp32: ``sdpa_repeats_kv``)."""
+    return (run.transformer_impl == "local" and s.mla is None and s.kv_heads != s.heads
+            and not sdpa_repeats_kv(s, run))
+
+
+def flash_gqa_calls(s: ModelShape, run: RunConfig) -> int:
+    """The SDPA calls one attention of the layer runs as (attention/calls.py ``kv_head_calls``) over the keys of
+    the whole sequence (under CP the gathered one): one per K/V head of this TP rank at long key lengths."""
+    if not flash_takes_grouped_heads(s, run):
+        return 1
+    return kv_head_calls(max(1, s.heads // run.tp), max(1, s.kv_heads // run.tp), run.seq_len * run.micro_batch)
+
+
+def flash_gqa_expansion(s: ModelShape, run: RunConfig) -> float:
+    """Bytes of flash attention's backward dK and dV at the query heads of one call over the whole sequence's keys
+    (FlashAttention-2's mha_bwd ``dk_expanded``, ``dv_expanded``, which it then sums to the K/V heads); 0 where
+    flash does not take grouped heads."""
+    if not flash_takes_grouped_heads(s, run):
+        return 0.0
+    keys = run.seq_len * run.micro_batch
+    return 2 * keys * s.heads / run.tp / flash_gqa_calls(s, run) * s.head_dim * run.w
 
 
 def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
@@ -427,7 +463,11 @@ def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
         v = T / t * s.heads * m.v_head_dim
         rotated = T / t * (s.heads + 1) * m.qk_pos_emb_head_dim * w
     d_out = T / t * s.heads * (s.head_dim if s.mla is None else s.mla.v_head_dim)
-    return (q + k + v + _repeated_kv(s, run)) * w + q * 4 * flash_dq_splits(s, run) + d_out * w + rotated
+    calls = flash_gqa_calls(s, run)
+    # one call's kernel scratch; with several, the split's backward then concatenates the calls' dQ, dK and dV
+    kernel = q / calls * 4 * flash_dq_splits(s, run, calls) + flash_gqa_expansion(s, run)
+    gathered = (q + k + v) * w if calls > 1 else 0.0
+    return (q + k + v + _repeated_kv(s, run)) * w + max(kernel, gathered) + d_out * w + rotated
 
 
 def cp_gathers_kv(run: RunConfig, pf: PeakflatConfig) -> bool:
@@ -507,11 +547,15 @@ def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> 
     tile = tile_tokens(run, pf)
     extra_dq = (flash_dq_splits(s, run) - 1) * tile * run.micro_batch * s.heads / run.tp * s.head_dim * 4
     # repeated K/V heads (sdpa_repeats_kv): the prefix's repeated K and V, and the kernel's gradients of them
-    repeated = 2 * run.seq_len * run.micro_batch * _kv_rows_per_token(s, run) * _kernel_kv_factor(s, run) * run.w \
-        if sdpa_repeats_kv(s, run) else 0
+    prefix_kv = run.seq_len * run.micro_batch * _kv_rows_per_token(s, run)  # K plus V over the longest prefix
+    repeated = 2 * prefix_kv * _kernel_kv_factor(s, run) * run.w if sdpa_repeats_kv(s, run) else 0
+    # flash's expanded dK/dV over the prefix; with a call per K/V head, the split's concatenated gradients
+    expanded = flash_gqa_expansion(s, run)
+    if flash_gqa_calls(s, run) > 1:
+        expanded += prefix_kv * run.w + tile * run.micro_batch * s.heads / run.tp * s.head_dim * run.w
     return tiled_attention_peak_bytes(tile, seq, run.micro_batch, s.hidden, max(1, s.heads // run.tp),
                                       max(1, s.kv_heads // run.tp), s.head_dim, run.w, cp=run.cp,
-                                      attention_workspace_bytes=int(repeated)) + extra_dq
+                                      attention_workspace_bytes=int(repeated + expanded)) + extra_dq
 
 
 MODELLED_RECOMPUTE_MODULES = ("core_attn", "moe", "moe_act", "mlp", "shared_experts")

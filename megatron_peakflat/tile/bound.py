@@ -20,8 +20,9 @@ terms join: the rank's dK and dV in fp32 after the reduce-scatter (its 2c rows),
 (fp32 at most) that the collectives' reordering holds while it swaps two chunks. A tile is then at most c tokens.
 
 Every term is counted at once (they are not all alive together), so the total is an upper bound. An attention
-kernel's scratch beyond these (scores it materialises, a GQA expansion of K and V) is not the schedule's and is
-passed in as ``attention_workspace_bytes`` (0 for flash and cuDNN kernels, which keep scores on chip).
+kernel's scratch beyond these (scores it materialises, K and V repeated to the query heads, flash attention's dK
+and dV expanded to the query heads over the prefix in its backward) is not the schedule's and is passed in as
+``attention_workspace_bytes`` (the planner's ``tiled_attention_bytes`` sizes it for the kernel that runs).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def tiled_attention_peak_bytes(tile: int, seq: int, micro_batch: int, hidden: in
     ``tile``, ``seq``: tokens (``seq``: this rank's); ``micro_batch``: sequences per micro-batch; ``hidden``: the model's hidden size;
     ``q_heads``, ``kv_heads``: attention heads of this rank (after tensor parallelism); ``head_dim``: per head;
     ``dtype_bytes``: the activations' element size (2 for bf16). ``attention_workspace_bytes``: scratch of the
-    attention kernel per tile beyond its output, dq accumulator and log-sum-exp (0 for flash/cuDNN). ``cp``: the
+    attention kernel per tile beyond its output, dq accumulator and log-sum-exp. ``cp``: the
     context-parallel size (``seq`` is then the rank's two chunks of a sequence of ``cp x seq`` tokens)."""
     return tiled_attention_terms(tile, seq, micro_batch, hidden, q_heads, kv_heads, head_dim, dtype_bytes,
                                  attention_workspace_bytes=attention_workspace_bytes, cp=cp).total

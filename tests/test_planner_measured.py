@@ -1,0 +1,65 @@
+"""The planner against GPU rows committed in bench/results: each measured length's own flags (with what
+``--peakflat auto`` added in place of auto), planned for the attention code that ran it (``extra``'s
+``grouped_call_min_keys``: null where every grouped-head attention was one call), on the card it ran on. A row
+that trained is predicted within 5% of its measured peak (max allocated); a row that died of memory is not
+planned to fit."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import planner_calibration as pc  # noqa: E402
+
+CARDS = {"NVIDIA H100 80GB HBM3": pc.Machine("H100", int(79.18 * pc.GIB), 128 * pc.GIB, 132)}
+"""Each card the rows ran on as the planner is told of it: torch's total memory, the GPU machine's RAM, its SMs."""
+FILES = ("e2e_local_reach.json",)
+TOLERANCE = 0.05
+
+
+def _rows() -> list[tuple[str, dict]]:
+    rows = []
+    for name in FILES:
+        for r in json.loads((ROOT / "bench" / "results" / name).read_text())["rows"]:
+            if r["case"].startswith("seq=") and r["extra"].get("outcome") in ("ok", "oom", "error"):
+                rows.append((f"{name}:{r['case']}:{r['method']}", r))
+    return rows
+
+
+def _flags(row: dict) -> list[str]:
+    argv = shlex.split(row["extra"]["command"])
+    flags = argv[argv.index("megatron_peakflat.pretrain") + 1:]
+    if "--peakflat" in flags:
+        i = flags.index("--peakflat")
+        del flags[i:i + 2]
+        flags += shlex.split(row["extra"]["auto"]["added"])
+    return flags
+
+
+def _memory_error(row: dict) -> bool:
+    text = "\n".join(row["extra"].get("error_lines", [])) + "".join(a.get("tail", "")
+                                                                      for a in row["extra"].get("attempts", []))
+    return row["extra"]["outcome"] == "oom" or any(m in text for m in ("out of memory", "Failed to CUDA calloc"))
+
+
+@pytest.mark.parametrize("name,row", _rows(), ids=[n for n, _ in _rows()])
+def test_a_measured_row_is_planned_as_it_ran(name, row, monkeypatch):
+    from megatron_peakflat.attention import calls
+
+    monkeypatch.setattr(calls, "GROUPED_CALL_MIN_KEYS", row["extra"]["grouped_call_min_keys"] or 1 << 62)
+    machine = CARDS[row["extra"]["card"]]
+    machine = pc.Machine(machine.card, int(row["extra"].get("hbm_cap_gib", machine.hbm_bytes / pc.GIB) * pc.GIB),
+                         machine.host_bytes, machine.sm_count)
+    got = pc.predict(_flags(row), machine)
+    if row["extra"]["outcome"] == "ok":
+        assert abs(got.gib / row["peak_gib"] - 1) <= TOLERANCE, (got.gib, row["peak_gib"])
+    else:
+        assert _memory_error(row), "a row that failed for another reason says nothing of the plan"
+        assert not got.fits, (got.gib, "planned to fit a run that ran out of memory")
