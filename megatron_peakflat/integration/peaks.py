@@ -250,6 +250,8 @@ def check_transformer_engine(args: Any) -> None:
 GUARD_MARGIN = 1.05
 """The measured peak may exceed the plan by this factor before the runtime guard warns."""
 GUARD_FROM_ITERATION = 2
+MEANINGFUL_SHARE = 0.1
+"""A measured term is named as the cause where its own excess is at least this share of the whole excess."""
 """The guard compares from this iteration on: the first holds the model build and the allocator's warm-up."""
 _guard: dict[str, bool] = {"warned": False}
 
@@ -258,8 +260,8 @@ def check_against_plan(iteration: int, measured: float, pl: Plan, stage: Any, wh
                        terms: dict[str, float] | None = None) -> str | None:
     """After the second iteration: the warning, once per process, where the measured peak (``measured``: bytes,
     torch.cuda.max_memory_allocated) is more than ``GUARD_MARGIN`` over the plan's (``allocated_prediction``),
-    naming the term whose measurement (``terms``: bytes by planner row) exceeds its row the most, or, without
-    per-term figures, the plan's largest term. The plan's figure is the stage's peak, the model build's included,
+    naming the term whose measurement (``terms``: bytes by planner row) exceeds its row the most where that is a
+    tenth of the excess or more (``MEANINGFUL_SHARE``), else the largest term not measured on its own. The plan's figure is the stage's peak, the model build's included,
     less its reserve. None otherwise (and on every call after the warning)."""
     if _guard["warned"] or iteration < GUARD_FROM_ITERATION:
         return None
@@ -269,16 +271,21 @@ def check_against_plan(iteration: int, measured: float, pl: Plan, stage: Any, wh
     if measured <= planned * GUARD_MARGIN:
         return None
     rows = {n: r for n, r in stage.rows.items() if n != "reserve"}
-    over = {n: v - getattr(rows[n], which) for n, v in (terms or {}).items() if n in rows}
-    over = {n: d for n, d in over.items() if d > 0}
+    measured_rows = {n: v for n, v in (terms or {}).items() if n in rows}
+    over = {n: v - getattr(rows[n], which) for n, v in measured_rows.items()}
+    # a measured term explains the excess only where it holds a tenth of it or more
+    over = {n: d for n, d in over.items() if d > 0 and d >= MEANINGFUL_SHARE * (measured - planned)}
     if over:
         name = max(over, key=over.__getitem__)
         term = (f"the term that differs most is '{name}': measured {over[name] / GIB + getattr(rows[name], which) / GIB:.2f}"
                 f" GiB, planned {getattr(rows[name], which) / GIB:.2f}")
     else:
-        name = max(rows, key=lambda n: getattr(rows[n], which))
-        term = (f"no term was measured on its own; the plan's largest is '{name}' "
-                f"({getattr(rows[name], which) / GIB:.2f} GiB)")
+        rest = {n: r for n, r in rows.items() if n not in measured_rows} or rows
+        name = max(rest, key=lambda n: getattr(rest[n], which))
+        largest = f"'{name}' ({getattr(rest[name], which) / GIB:.2f} GiB)"
+        term = (f"the terms measured on their own ({', '.join(sorted(measured_rows))}) are within their plan, so the "
+                f"difference is in the others, whose largest is {largest}" if measured_rows else
+                f"no term was measured on its own; the plan's largest is {largest}")
     _guard["warned"] = True
     return (f"peakflat plan: at iteration {iteration} the measured peak (max allocated) is {measured / GIB:.2f} GiB, "
             f"{measured / planned - 1:.0%} over the plan's {planned / GIB:.2f} GiB ({stage.stage} stage); {term}. "
