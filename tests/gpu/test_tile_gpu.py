@@ -20,8 +20,10 @@ from megatron_peakflat.integration.attention import transformer_engine_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU runs the SDPA path in "
                                 "tests/test_tile_megatron.py)")
-SPECS = [pytest.param("te", marks=pytest.mark.skipif(not transformer_engine_available(),
-                                                     reason="needs Transformer Engine")), "local"]
+CASES = [pytest.param("te", False, marks=pytest.mark.skipif(not transformer_engine_available(),
+                                                           reason="needs Transformer Engine")),
+         ("local", False), ("local", True)]
+"""(spec, per_kv_head): the local spec also with the SDPA attention's call per K/V head (``attention.calls``)."""
 CORE_ATTENTION = {"te": "TEDotProductAttention", "local": "SDPAttention"}
 
 SEQ, MB, HIDDEN, HEADS, GROUPS, TILE = 1000, 2, 256, 8, 2, 256  # 4 tiles, the last one shorter
@@ -49,8 +51,9 @@ def _layer_spec(spec: str):  # noqa: ANN202
     return layer_spec
 
 
-def _worker(rank: int, world: int, spec: str) -> dict:
+def _worker(rank: int, world: int, spec: str, per_kv_head: bool = False) -> dict:
     import megatron_peakflat
+    from megatron_peakflat.attention import calls
     from megatron_peakflat import stats
     from megatron_peakflat.config import PeakflatConfig
     from megatron_peakflat.testing.megatron_cpu import init_megatron_parallel
@@ -60,6 +63,8 @@ def _worker(rank: int, world: int, spec: str) -> dict:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     init_megatron_parallel(cpu=False, seed=1234)
+    if per_kv_head:  # the SDPA attention's call per K/V head, which runs from GROUPED_CALL_MIN_KEYS keys on
+        calls.GROUPED_CALL_MIN_KEYS = 1
     layers, runs = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
         config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS,
@@ -67,7 +72,8 @@ def _worker(rank: int, world: int, spec: str) -> dict:
                                    attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
                                    gradient_accumulation_fusion=False, add_bias_linear=True, add_qkv_bias=True)
         torch.manual_seed(5)
-        layer = build_module(_layer_spec(spec), config=config, layer_number=1).cuda()
+        # .to(dtype) as Megatron's Float16Module does: the local spec's torch norms ignore params_dtype
+        layer = build_module(_layer_spec(spec), config=config, layer_number=1).cuda().to(dtype)
         if dtype == torch.bfloat16:  # the fp32 layer's weights, rounded
             layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
                                    for k, v in layers[torch.float32].state_dict().items()})  # TE's _extra_state
@@ -98,11 +104,11 @@ def _worker(rank: int, world: int, spec: str) -> dict:
     return {"fp32": fp32, "bf16": bf16, "tensors": len(want)}
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_tiled_layer_matches_untiled_layer(spec: str):
+@pytest.mark.parametrize("spec,per_kv_head", CASES)
+def test_tiled_layer_matches_untiled_layer(spec: str, per_kv_head: bool):
     from megatron_peakflat.testing.distributed import run_distributed
 
-    (out,) = run_distributed(_worker, 1, spec, backend="nccl", timeout=300)
+    (out,) = run_distributed(_worker, 1, spec, per_kv_head, backend="nccl", timeout=300)
     assert out["tensors"] > 6
     assert max(out["fp32"]) <= 1e-5, out["fp32"]
     for tiled, untiled in out["bf16"]:
