@@ -121,3 +121,17 @@ def test_same_loss_table_is_the_measured_gaps(method, label):
     gap = loss_gap(ref, mine)
     assert above == f"iteration {gap['first_above_1e-3']}"
     assert worst == f"{gap['max_rel_diff']:.1%}"
+
+
+def test_local_spec_reach_figures_are_the_measured_ones():
+    """The local-spec bullet: the length that trained, its peak and time, and the length that ran out of memory,
+    as ``bench/results/e2e_local_reach.json`` holds them."""
+    text = " ".join(_results().split())
+    rows = json.loads((ROOT / "bench" / "results" / "e2e_local_reach.json").read_text())["rows"]
+    reach = next(r for r in rows if r["case"] == "reach,spec=local" and r["method"] == "peakflat-auto")
+    ok = next(r for r in rows if r["case"] == f"seq={reach['reach_tokens']},spec=local")
+    assert f"trained {reach['reach_tokens'] // 1024}K tokens at {ok['peak_gib']:.1f} GiB, {ok['ms'] / 1000:.1f} s/iter" \
+        in text
+    failing = reach["extra"]["first_failing"]
+    assert reach["extra"]["limited_by"] == f"error at {failing}" and failing == 2**20
+    assert "At 1M it ran out of memory" in text and ok["extra"]["card"] == "NVIDIA H100 80GB HBM3"
