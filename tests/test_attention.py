@@ -7,17 +7,34 @@ import torch
 from megatron_peakflat.testing import run_distributed
 
 
-def _compare(rank, world_size):
+def _per_kv_head_calls_from_the_first_key() -> list[str]:
+    """Every grouped-head attention as one SDPA call per K/V head (attention/calls.py, normally from 32768 keys);
+    returns the package log's lines, where the attention says so."""
+    import logging
+
+    from megatron_peakflat.attention import calls
+
+    calls.GROUPED_CALL_MIN_KEYS = 1
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("megatron_peakflat").addHandler(handler)
+    logging.getLogger("megatron_peakflat").setLevel(logging.INFO)
+    return lines
+
+
+def _compare(rank, world_size, per_kv_head=False):
     from megatron_peakflat.testing.megatron_cpu import init_megatron_parallel, tiny_transformer_config
 
     init_megatron_parallel(tp=world_size)
+    said = _per_kv_head_calls_from_the_first_key() if per_kv_head else []
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_peakflat.integration.attention import sdpa_core_attention_class
 
     SDPAttention = sdpa_core_attention_class()
-    results = []
+    results, split = [], False
     s, b, hn = 37, 2, 16
     for groups, mask_type, mask_kind in [
         (8, AttnMaskType.causal, None),
@@ -32,6 +49,7 @@ def _compare(rank, world_size):
         ours = SDPAttention(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self")
         np_ = 8 // world_size
         ng = groups // world_size
+        split = split or 1 < ng < np_  # grouped, with more than one K/V head to split over
         g = torch.Generator().manual_seed(7)
         q = torch.randn(s, b, np_, hn, generator=g)
         k = torch.randn(s, b, ng, hn, generator=g)
@@ -55,14 +73,19 @@ def _compare(rank, world_size):
         for gr, go in zip(*grads):
             torch.testing.assert_close(go, gr, rtol=1e-5, atol=1e-5)
         results.append((groups, str(mask_type), mask_kind))
-    return results
+    return results, [ln for ln in said if "SDPA calls" in ln], per_kv_head and split
 
 
+@pytest.mark.parametrize("per_kv_head", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_sdpa_matches_dot_product_attention(world):
-    """At TP = world: 8 heads, 8 or 4 query groups, so each rank holds 8/TP heads and at least one group."""
-    res = run_distributed(_compare, world)
-    assert len(res) == world and all(len(r) == 5 for r in res)
+def test_sdpa_matches_dot_product_attention(world, per_kv_head):
+    """At TP = world: 8 heads, 8 or 4 query groups, so each rank holds 8/TP heads and at least one group; also with
+    grouped heads run as one call per K/V head, which the attention says once."""
+    res = run_distributed(_compare, world, per_kv_head)
+    assert len(res) == world and all(len(r) == 5 for r, _, _ in res)
+    for _, said, split in res:
+        assert len(said) == (1 if split else 0), said
+    assert any(split for _, _, split in res) == (per_kv_head and world < 4)  # at TP 4 each rank has one K/V head
 
 
 def _handed_back(rank, world_size):
@@ -98,7 +121,7 @@ def test_sdpa_hands_a_softmax_it_does_not_reproduce_back_to_megatron():
     assert off_by_one_effect > 1e-4  # the off-by-one softmax differs from vanilla, so the equality says something
 
 
-def _compare_cp(rank, world_size):
+def _compare_cp(rank, world_size, per_kv_head=False):
     """SDPAttention at CP = world (this rank's chunks r and 2CP-1-r) against DotProductAttention on the whole
     sequence at CP = 1: causal (no mask) and with the dataloader's explicit causal mask, MHA and GQA."""
     import copy
@@ -107,6 +130,8 @@ def _compare_cp(rank, world_size):
     from megatron_peakflat.testing.megatron_cpu import init_megatron_parallel, tiny_transformer_config
 
     init_megatron_parallel(context_parallel_size=world_size)
+    if per_kv_head:
+        _per_kv_head_calls_from_the_first_key()
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -142,6 +167,7 @@ def _compare_cp(rank, world_size):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_sdpa_with_context_parallelism_matches_dot_product_attention_on_the_whole_sequence(cp):
-    res = run_distributed(_compare_cp, cp)
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_sdpa_with_context_parallelism_matches_dot_product_attention_on_the_whole_sequence(cp, per_kv_head):
+    res = run_distributed(_compare_cp, cp, per_kv_head)
     assert len(res) == cp and max(res) <= 1e-5, res
