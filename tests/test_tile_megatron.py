@@ -60,9 +60,11 @@ def _compare(what: str, got, ref, tol: float = 1e-5) -> float:  # noqa: ANN001
 
 def _case(rank: int, world: int, name: str, *, experts: int, tile: int, others: dict | None = None,
           attention: str = "sdpa", mask: bool = False, expect_tiled: bool = True, tp: int = 1,
-          **config_over) -> tuple[str, float]:
-    """One model, built with the components of ``others`` on; its loss and gradients with the tile off, then on."""
+          per_kv_head: bool = False, **config_over) -> tuple[str, float]:
+    """One model, built with the components of ``others`` on; its loss and gradients with the tile off, then on.
+    ``per_kv_head``: the SDPA attention runs grouped heads as one call per K/V head at every length."""
     import megatron_peakflat
+    from megatron_peakflat.attention import calls as attention_calls
     from megatron_peakflat import stats
     from megatron_peakflat.config import GeneralConfig, PeakflatConfig
     from megatron_peakflat.testing import megatron_cpu as mc
@@ -88,6 +90,9 @@ def _case(rank: int, world: int, name: str, *, experts: int, tile: int, others: 
     batch = _batch(11 + rank)
     if mask:
         batch["attention_mask"] = mc.gpt_batch(SEQ, MB, VOCAB)["attention_mask"]
+    threshold = attention_calls.GROUPED_CALL_MIN_KEYS
+    if per_kv_head:
+        attention_calls.GROUPED_CALL_MIN_KEYS = 1
     try:
         ref = _loss_and_grads(model, batch)
         megatron_peakflat.apply(PeakflatConfig(general=general, tile=TileConfig(enabled=True, tokens=tile), **others))
@@ -96,6 +101,7 @@ def _case(rank: int, world: int, name: str, *, experts: int, tile: int, others: 
         snap = stats.snapshot().get("tile", {})
     finally:
         megatron_peakflat.remove()
+        attention_calls.GROUPED_CALL_MIN_KEYS = threshold
     # each layer's sublayer runs in the forward and, under full recompute, in the checkpoint's recompute
     calls = (config.num_layers + (config.mtp_num_layers or 0)) * (2 if config.recompute_granularity else 1)
     if expect_tiled:
@@ -193,6 +199,7 @@ def _worker(rank: int, world: int) -> list[tuple[str, float]]:
     if world == 1:
         out.append(_sdpa_bottom_right(rank))
         out.append(_case(rank, world, "gqa4,tile5", experts=4, tile=5))
+        out.append(_case(rank, world, "gqa4,tile5,per-kv-head", experts=4, tile=5, per_kv_head=True))
         out.append(_case(rank, world, "tile1,mha", experts=4, tile=1, num_query_groups=8, num_layers=1))
         out.append(_case(rank, world, "all-components,tile7", experts=4, tile=7, others=others))
         out.append(_case(rank, world, "mtp,tile8", experts=4, tile=8, mtp_num_layers=1, mtp_loss_scaling_factor=0.3))
@@ -204,6 +211,7 @@ def _worker(rank: int, world: int) -> list[tuple[str, float]]:
                          recompute_num_layers=None))
     elif world == 2:
         out.append(_case(rank, world, "ep2,gqa4,tile5", experts=4, tile=5))
+        out.append(_case(rank, world, "ep2,gqa4,tile5,per-kv-head", experts=4, tile=5, per_kv_head=True))
         out.append(_case(rank, world, "ep2,all-components,tile9", experts=4, tile=9, others=others))
         out.append(_ddp_case(rank, world))
         # TP=2 without sequence parallelism: heads split over the ranks, the output projection reduced per tile
