@@ -297,8 +297,8 @@ def test_flash_expands_grouped_dk_dv_per_call(cp):
 
 def test_tile_counts_flash_expansion_over_the_prefix():
     """The tiled sublayer's bound on the local spec in bf16 counts flash's expanded dK/dV of one call over the whole
-    prefix, the split's concatenated dK/dV of the prefix and dQ of a tile, beside what Transformer Engine's tile
-    holds."""
+    prefix, the split's gathered dK/dV of the prefix and dQ of a tile, and the tile's output once more (the calls'
+    and their concatenation), beside what Transformer Engine's tile holds."""
     from megatron_peakflat.tile.config import TileConfig
 
     shape = preset("gpt-oss-20b")
@@ -309,4 +309,4 @@ def test_tile_counts_flash_expansion_over_the_prefix():
     tile = M.tile_tokens(local, tiled)
     extra = M.tiled_attention_bytes(shape, local, tiled) - M.tiled_attention_bytes(
         shape, dataclasses.replace(local, transformer_impl="transformer_engine"), tiled)
-    assert extra == 2 * S * (h // g) * d * w + 2 * S * g * d * w + tile * h * d * w
+    assert extra == 2 * S * (h // g) * d * w + 2 * S * g * d * w + 2 * tile * h * d * w

@@ -549,10 +549,11 @@ def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> 
     # repeated K/V heads (sdpa_repeats_kv): the prefix's repeated K and V, and the kernel's gradients of them
     prefix_kv = run.seq_len * run.micro_batch * _kv_rows_per_token(s, run)  # K plus V over the longest prefix
     repeated = 2 * prefix_kv * _kernel_kv_factor(s, run) * run.w if sdpa_repeats_kv(s, run) else 0
-    # flash's expanded dK/dV over the prefix; with a call per K/V head, the split's concatenated gradients
+    # flash's expanded dK/dV over the prefix; with a call per K/V head, the split's gathered dK/dV of the prefix
+    # and dQ of the tile, and the tile's output twice (the calls' and their concatenation)
     expanded = flash_gqa_expansion(s, run)
     if flash_gqa_calls(s, run) > 1:
-        expanded += prefix_kv * run.w + tile * run.micro_batch * s.heads / run.tp * s.head_dim * run.w
+        expanded += prefix_kv * run.w + 2 * tile * run.micro_batch * s.heads / run.tp * s.head_dim * run.w
     return tiled_attention_peak_bytes(tile, seq, run.micro_batch, s.hidden, max(1, s.heads // run.tp),
                                       max(1, s.kv_heads // run.tp), s.head_dim, run.w, cp=run.cp,
                                       attention_workspace_bytes=int(repeated + expanded)) + extra_dq
