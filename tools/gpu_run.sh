@@ -15,8 +15,10 @@
 #   reach-start, reach-collect      peakflat-auto at 512K, 768K, 1M in the background (~15 min), then its rows
 #   reach-local-start, reach-local-collect
 #                                   the same on the local spec with the SDPA attention: needs no Transformer Engine,
-#                                   so it can start in the set-up call (`setup tests:tests/gpu/test_tile_gpu.py
-#                                   reach-local-start`) -> bench/results/e2e_local_reach.json
+#                                   so it can start in the set-up call (`setup 'tests:tests/gpu/test_tile_gpu.py
+#                                   tests/gpu/test_attention_cp_gpu.py' reach-local-start`; each later call
+#                                   re-sends the tree, so copy the rows to $OUT before the next) ->
+#                                   bench/results/e2e_local_reach.json
 #   time                            e2e 8K-48K, megatron-te and peakflat-auto, 3 runs each -> bench/results/e2e_time.json
 #   same-loss-fp32, same-loss-bf16  50 iterations at 8K: fp32 (TF32 off), and bf16 at lr 1e-5 -> bench/results/e2e.json
 #   calibration                     bench/planner_calibration.py for BUDGET seconds
