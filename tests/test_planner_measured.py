@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import planner_calibration as pc  # noqa: E402
+from bench.e2e import _without_option  # noqa: E402
 
 CARDS = {"NVIDIA H100 80GB HBM3": pc.Machine("H100", int(79.18 * pc.GIB), 128 * pc.GIB, 132)}
 """Each card the rows ran on as the planner is told of it: torch's total memory, the GPU machine's RAM, its SMs."""
@@ -34,13 +35,13 @@ def _rows() -> list[tuple[str, dict]]:
 
 
 def _flags(row: dict) -> list[str]:
+    """The row's training flags, with what ``--peakflat auto`` added in place of auto (so that the plan's fit
+    verdict is that configuration's, not auto's search)."""
     argv = shlex.split(row["extra"]["command"])
     flags = argv[argv.index("megatron_peakflat.pretrain") + 1:]
-    if "--peakflat" in flags:
-        i = flags.index("--peakflat")
-        del flags[i:i + 2]
-        flags += shlex.split(row["extra"]["auto"]["added"])
-    return flags
+    if "auto" not in row["extra"]:
+        return flags
+    return _without_option(flags, "--peakflat") + shlex.split(row["extra"]["auto"]["added"])
 
 
 def _memory_error(row: dict) -> bool:

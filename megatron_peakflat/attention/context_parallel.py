@@ -24,15 +24,19 @@ Plain torch and torch.distributed; no Megatron import.
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .calls import kv_head_calls
+from . import calls as calls_module
 
 __all__ = ["chunks_of_rank", "split_sequence", "merge_sequence", "gather_sequence", "context_parallel_attention"]
+
+log = logging.getLogger("megatron_peakflat")
+_split_said = [False]
 
 
 def chunks_of_rank(cp: int, rank: int) -> tuple[int, int]:
@@ -184,10 +188,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | No
     if gqa and not grouped_heads_taken(qb, kb, vb, dropout_p, bias):
         repeats = qb.shape[1] // kb.shape[1]
         kb, vb, gqa = kb.repeat_interleave(repeats, dim=1), vb.repeat_interleave(repeats, dim=1), False
-    calls = kv_head_calls(qb.shape[1], kb.shape[1], kb.shape[0] * kb.shape[2]) if gqa else 1
+    calls = calls_module.kv_head_calls(qb.shape[1], kb.shape[1], kb.shape[0] * kb.shape[2]) if gqa else 1
     if calls == 1:
         return _sdpa(qb, kb, vb, scale, dropout_p, bias, causal, gqa).permute(2, 0, 1, 3)
     per_call = qb.shape[1] // calls
+    if not _split_said[0]:  # once per process: the first call's keys are what the line can show
+        _split_said[0] = True
+        log.info("peakflat attention: grouped K/V heads run as %d SDPA calls of %d query heads each from %d keys on "
+                 "(%d here), so flash's backward expands dK/dV for one head group at a time", calls, per_call,
+                 calls_module.GROUPED_CALL_MIN_KEYS, kb.shape[0] * kb.shape[2])
     biases = [bias] * calls if bias is None or bias.shape[1] == 1 else bias.split(per_call, dim=1)
     # split, not slicing: one autograd node gathers the calls' dQ/dK/dV (a slice's backward zero-fills a whole one)
     outs = [_sdpa(qg, kg, vg, scale, dropout_p, bg, causal, True).permute(2, 0, 1, 3)

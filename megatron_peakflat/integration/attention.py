@@ -33,12 +33,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..attention import calls as attention_calls
 from ..attention.context_parallel import _attend as attend_aligned
-from ..attention.context_parallel import context_parallel_attention, grouped_heads_taken
+from ..attention.context_parallel import context_parallel_attention
 from ..config_base import PeakflatConfigError
 from ..planner.dataloader_mask import MASK_FAIL_BYTES, MASK_WARN_BYTES, check_dataloader_mask  # noqa: F401 (re-exported)
-from .logs import info_once
 
 log = logging.getLogger("megatron_peakflat")
 
@@ -133,7 +131,6 @@ def sdpa_core_attention_class() -> type:
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-            self._say_calls(query, key, value, attention_mask)
             if self.cp_group is not None:
                 return self._context_parallel(query, key, value, attention_mask, mask_type)
             sq, b, np_, hn = query.shape
@@ -146,19 +143,6 @@ def sdpa_core_attention_class() -> type:
                 out = attend_aligned(query, key, value, self._scale(), p, bias,
                                      causal=mask_type == AttnMaskType.causal)
             return out.reshape(sq, b, np_ * hn)
-
-        def _say_calls(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: Optional[torch.Tensor]) -> None:
-            """Says once, where it first happens, that grouped K/V heads run as one SDPA call per K/V head
-            (``attention.calls``), and why: a user reading the step's memory sees the schedule that bounds it."""
-            cp = self.config.context_parallel_size if self.cp_group is not None else 1
-            keys = key.shape[0] * key.shape[1] * cp
-            calls = attention_calls.kv_head_calls(query.shape[2], key.shape[2], keys)
-            if calls > 1 and grouped_heads_taken(*(t.permute(1, 2, 0, 3) for t in (query, key, value)), 0.0,
-                                                 attention_mask):
-                info_once("peakflat attention: grouped K/V heads run as %d SDPA calls of %d query heads each from "
-                          "%d keys on (%d here), so flash's backward expands dK/dV for one head group at a time",
-                          calls, query.shape[2] // calls, attention_calls.GROUPED_CALL_MIN_KEYS, keys)
 
         def _scale(self) -> float:
             """The scale DotProductAttention's scores get in the end: its softmax_scale, times the layer number under

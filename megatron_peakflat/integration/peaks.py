@@ -250,9 +250,9 @@ def check_transformer_engine(args: Any) -> None:
 GUARD_MARGIN = 1.05
 """The measured peak may exceed the plan by this factor before the runtime guard warns."""
 GUARD_FROM_ITERATION = 2
+"""The guard compares from this iteration on: the first holds the model build and the allocator's warm-up."""
 MEANINGFUL_SHARE = 0.1
 """A measured term is named as the cause where its own excess is at least this share of the whole excess."""
-"""The guard compares from this iteration on: the first holds the model build and the allocator's warm-up."""
 _guard: dict[str, bool] = {"warned": False}
 
 
@@ -261,8 +261,8 @@ def check_against_plan(iteration: int, measured: float, pl: Plan, stage: Any, wh
     """After the second iteration: the warning, once per process, where the measured peak (``measured``: bytes,
     torch.cuda.max_memory_allocated) is more than ``GUARD_MARGIN`` over the plan's (``allocated_prediction``),
     naming the term whose measurement (``terms``: bytes by planner row) exceeds its row the most where that is a
-    tenth of the excess or more (``MEANINGFUL_SHARE``), else the largest term not measured on its own. The plan's figure is the stage's peak, the model build's included,
-    less its reserve. None otherwise (and on every call after the warning)."""
+    tenth of the excess or more (``MEANINGFUL_SHARE``), else the largest term not measured on its own. The plan's
+    figure is the stage's peak, the model build's included, less its reserve. None otherwise (and on every call after the warning)."""
     if _guard["warned"] or iteration < GUARD_FROM_ITERATION:
         return None
     reserve = stage.rows.get("reserve")
@@ -273,7 +273,6 @@ def check_against_plan(iteration: int, measured: float, pl: Plan, stage: Any, wh
     rows = {n: r for n, r in stage.rows.items() if n != "reserve"}
     measured_rows = {n: v for n, v in (terms or {}).items() if n in rows}
     over = {n: v - getattr(rows[n], which) for n, v in measured_rows.items()}
-    # a measured term explains the excess only where it holds a tenth of it or more
     over = {n: d for n, d in over.items() if d > 0 and d >= MEANINGFUL_SHARE * (measured - planned)}
     if over:
         name = max(over, key=over.__getitem__)

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence
 
 from .. import components
+from ..attention.calls import kv_head_calls
 from ..config import PeakflatConfig
 from ..config_base import PeakflatConfigError
 from ..dispatch.bound import (auto_max_foreign, chunk_count, flow_chunk_rows, overlap_on, split_floor,
                               weight_sends_bound, working_set_bound)
 from ..dispatch.config import resolve_membership
-from ..attention.calls import kv_head_calls
 from ..tile.bound import tiled_attention_peak_bytes
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
