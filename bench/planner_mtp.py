@@ -21,8 +21,9 @@ FLAGS = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16 --ffn-hidde
          "--moe-router-topk 2 --moe-ffn-hidden-size 1408 --moe-token-dispatcher-type alltoall --disable-bias-linear "
          "--swiglu --seq-length 32768 --untie-embeddings-and-output-weights --use-distributed-optimizer "
          "--micro-batch-size 1 --global-batch-size 1 --bf16 --recompute-granularity full --recompute-method uniform "
-         "--recompute-num-layers 1 --vocab-size 201088 --deterministic-mode")
-"""examples/pretrain_moe.sh's flags for the env of pretrain_mtp_32k.json."""
+         "--recompute-num-layers 1 --vocab-size 201088 --deterministic-mode --transformer-impl local")
+"""examples/pretrain_moe.sh's flags for the env of pretrain_mtp_32k.json, with the local spec that the pretrain entry
+chose there (no Transformer Engine on that machine)."""
 RUNS = {"off": ("baseline", PeakflatConfig()), "vocab": ("peakflat", PeakflatConfig(vocab=VocabConfig(impl="ring-dtp")))}
 """pretrain_mtp_32k.json's runs: the planner's column and configuration for each."""
 

@@ -123,7 +123,8 @@ def _h200_model_flags(env: dict[str, str]) -> str:
             f"--ffn-hidden-size {env['FFN']} --num-experts {env['EXPERTS']} --moe-router-topk {env['TOPK']} "
             f"--moe-ffn-hidden-size {env['MOE_FFN']} --vocab-size {env['VOCAB']} --seq-length {env['SEQ_LEN']} "
             "--untie-embeddings-and-output-weights --swiglu --bf16 --micro-batch-size 1 --use-distributed-optimizer "
-            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+            "--transformer-impl local")  # no Transformer Engine there: the local spec ran
 
 
 def _h200_results(name: str) -> dict:

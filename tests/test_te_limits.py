@@ -189,6 +189,95 @@ def test_check_and_start_up_refuse_unfused_scores_that_do_not_fit(capsys, monkey
     peaks._cache.clear()
 
 
+# ---- cuDNN's deterministic attention backward -----------------------------------------------------
+
+# 32 heads of 64 over 2 K/V heads, 128 experts of 384 (planner_calibration's moe-e128-top8)
+DET_LINE = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 32 --group-query-attention --num-query-groups 2 "
+            "--kv-channels 64 --ffn-hidden-size 4096 --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 384 "
+            "--moe-token-dispatcher-type alltoall --vocab-size 151552 --bf16 --use-distributed-optimizer --micro-batch-size 1 "
+            "--global-batch-size 1 "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+            "--hidden-dropout 0 --attention-dropout 0 --no-create-attention-mask-in-dataloader --lr 1e-4 "
+            "--train-iters 10 --disable-bias-linear --swiglu --normalization RMSNorm --position-embedding-type rope")
+
+
+def _det_plan(seq: int, *extra: str, cp: int = 1):
+    line = f"{DET_LINE} --seq-length {seq} --max-position-embeddings {seq} {' '.join(extra)}"
+    return build(["--megatron-args", line, "--gpus", str(cp), "--hbm-gib", "80", "--host-gib", "2048"])
+
+
+def test_the_deterministic_workspace_is_dp_for_every_query_against_every_key():
+    # the 640K-token line that asked cuDNN's backward for 25,605 GiB: 32 x 655360^2 x 2 bytes = 25,600 GiB
+    got = te_limits.deterministic_workspace_bytes(micro_batch=1, heads=32, tp=1, q_tokens=640 * 1024,
+                                                  kv_tokens=640 * 1024)
+    assert got == 25_600 * GIB
+    assert te_limits.deterministic_workspace_bytes(micro_batch=1, heads=32, tp=2, q_tokens=100, kv_tokens=1) == \
+        16 * 128 * 64 * 2  # padded to 64
+
+
+@pytest.mark.parametrize("extra, cp, expect", [
+    ((), 1, None),  # non-deterministic: cuDNN's fp32 dQ accumulator, linear in s
+    (("--deterministic-mode",), 1, 32 * 65536 * 65536 * 2),
+    (("--deterministic-mode", "--context-parallel-size 2"), 2, 32 * 32768 * 32768 * 2),  # p2p: s/CP x s/CP
+    (("--deterministic-mode", "--context-parallel-size 2", "--cp-comm-type a2a"), 2, 16 * 65536 * 65536 * 2),
+    (("--deterministic-mode", "--transformer-impl local"), 1, None),  # flash's deterministic backward
+])
+def test_the_plan_counts_the_deterministic_workspace_on_te_only(extra, cp, expect):
+    shape, run, pf, _, _ = _det_plan(65536, *extra, cp=cp)
+    rows = plan(shape, run, pf).stages[0].rows
+    if expect is None:
+        assert "attention scores" not in rows
+    else:
+        assert rows["attention scores"].baseline == expect
+        assert "deterministic" in rows["attention scores"].source
+
+
+def test_under_the_tile_the_workspace_is_one_tile_against_the_sequence():
+    shape, run, pf, _, _ = _det_plan(65536, "--deterministic-mode", "--peakflat-tile", "--peakflat-tile-tokens 4096")
+    row = plan(shape, run, pf).stages[0].rows["attention scores"]
+    assert row.baseline == 32 * 65536 * 65536 * 2 and row.peakflat == 32 * 4096 * 65536 * 2
+
+
+def test_auto_check_and_start_up_refuse_a_deterministic_workspace_that_does_not_fit(capsys, monkeypatch):
+    from megatron_peakflat.auto import resolve
+
+    seq = 640 * 1024
+    line = f"{DET_LINE} --seq-length {seq} --max-position-embeddings {seq}".split()
+    with pytest.raises(PeakflatConfigError, match="--deterministic-mode") as e:
+        resolve([*line, "--deterministic-mode", "--peakflat", "auto"], gpus=1, gpus_per_node=1,
+                hbm_bytes=80 * GIB, host_bytes_per_node=2048 * GIB)
+    assert "cuDNN's deterministic attention backward" in str(e.value)
+    resolve([*line, "--peakflat", "auto"], gpus=1, gpus_per_node=1, hbm_bytes=80 * GIB,
+            host_bytes_per_node=2048 * GIB)  # the same line without it fits
+
+    short = f"{DET_LINE} --seq-length 65536 --max-position-embeddings 65536 --peakflat-vocab ring-dtp".split()
+    opts = ["--gpus", "1", "--hbm-gib", "80", "--host-gib", "2048"]
+    assert check.main([*short, "--deterministic-mode", *opts]) == check.REFUSED
+    err = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: "))
+    assert "--deterministic-mode" in err and "drop --deterministic-mode" in err
+    assert check.main([*short, *opts]) == 0
+
+    from megatron_peakflat.integration import peaks
+    from megatron_peakflat.planner.megatron_args import parse_megatron_args
+
+    args, _ = parse_megatron_args(" ".join([*short, "--deterministic-mode"]))
+    monkeypatch.setattr(peaks, "_hbm_bytes", lambda: 80 * GIB)
+    monkeypatch.setattr(peaks, "_megatron_fused_adam", lambda: True)
+    peaks._cache.clear()
+    with pytest.raises(PeakflatConfigError, match="dP workspace"):
+        peaks.check_transformer_engine(args)
+    args.deterministic_mode = False
+    peaks._cache.clear()
+    peaks.check_transformer_engine(args)
+    peaks._cache.clear()
+
+
+def test_the_header_names_the_deterministic_backend(capsys):
+    line = f"{DET_LINE} --seq-length 8192 --max-position-embeddings 8192 --deterministic-mode"
+    plan_main(["--megatron-args", line, "--gpus", "1", "--hbm-gib", "80"])
+    assert "attention cuDNN deterministic" in capsys.readouterr().out
+
+
 # ---- TE's norms: the arithmetic -----------------------------------------------------------------
 
 OSS = PRESETS["gpt-oss-20b"]  # RMSNorm over 2880: no tuned kernel

@@ -404,9 +404,9 @@ def check_command_line(argv: Sequence[str]) -> int:
     bound = max(s.total("peakflat", guaranteed=True) for s in mine.stages)
     host = max(s.host("peakflat") for s in mine.stages)
     fits = mine.fits("peakflat", guaranteed=True)
-    if not fits and run.unfused_attention and any("attention scores" in st.rows for st in mine.stages):
+    if not fits and any("attention scores" in st.rows for st in mine.stages):
         scores = max(st.rows["attention scores"].peakflat for st in mine.stages if "attention scores" in st.rows)
-        print(f"error: {te_limits.unfused_refusal(run.unfused_attention, scores, run.hbm_bytes)}", file=sys.stderr)
+        print(f"error: {te_limits.scores_refusal(run, scores)}", file=sys.stderr)
         return REFUSED
     print()
     print(f"this command line ({', '.join(on) or 'no component'} on): {expected / _GIB:.1f} GiB per GPU expected, "

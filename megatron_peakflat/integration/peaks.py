@@ -229,9 +229,9 @@ def check_optimizer_host(args: Any) -> str | None:
 def check_transformer_engine(args: Any) -> None:
     """Before the model is built: refuse what Transformer Engine would fail on or run out of memory in
     (``planner.te_limits``): a kernel past its length limit (fused RoPE, the norms, the fused router and
-    permutation: ``line_refusal``), and its unfused attention backend where the plan with its s x s scores does not
-    fit this GPU. A plan that cannot be made says nothing."""
-    from ..planner.te_limits import line_refusal, unfused_refusal
+    permutation: ``line_refusal``), and its unfused attention backend, or cuDNN's deterministic backward, where the
+    plan with its s x s scores or workspace does not fit this GPU. A plan that cannot be made says nothing."""
+    from ..planner.te_limits import line_refusal, scores_refusal
 
     try:
         pl, _ = prediction(args)
@@ -243,8 +243,8 @@ def check_transformer_engine(args: Any) -> None:
         raise refusal
     which = "peakflat" if any(_config(args).enabled.values()) else "baseline"
     scores = [st.rows["attention scores"].peakflat for st in pl.stages if "attention scores" in st.rows]
-    if pl.run.unfused_attention and scores and not pl.fits(which, guaranteed=True):  # type: ignore[arg-type]
-        raise unfused_refusal(pl.run.unfused_attention, max(scores), pl.run.hbm_bytes)
+    if scores and not pl.fits(which, guaranteed=True):  # type: ignore[arg-type]
+        raise scores_refusal(pl.run, max(scores))
 
 
 GUARD_MARGIN = 1.05

@@ -106,7 +106,8 @@ class RunConfig:
     """--cross-entropy-loss-fusion (fused_vocab_parallel_cross_entropy)."""
     deterministic: bool = False
     """--deterministic-mode (torch.use_deterministic_algorithms): torch SDPA's backward is then flash attention's
-    deterministic one, whose fp32 dQ accumulator has one copy per split (``flash_dq_splits``)."""
+    deterministic one, whose fp32 dQ accumulator has one copy per split (``flash_dq_splits``); on TE's layers cuDNN's
+    deterministic one, with an s_q x s_kv workspace (``deterministic_workspace``)."""
     sm_count: int = 132
     """Streaming multiprocessors per GPU (H100/H200: 132), which set that split count."""
     fused_adam: bool = False
@@ -1345,7 +1346,36 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
             "attention scores", scores, scores, phase="attention",
             source="Transformer Engine's unfused attention backend: [b, heads/TP, s, s] scores and softmax of the "
                    f"layer in backward (te_limits.unfused_scores_bytes), because {run.unfused_attention}")
+    workspace = deterministic_workspace(s, run, pf, tiled=False) if layer_act else 0.0
+    if workspace:
+        tiled_ws = deterministic_workspace(s, run, pf, tiled=tiled)
+        rows["attention scores"] = Row(
+            "attention scores", workspace, tiled_ws, phase="attention",
+            source="cuDNN's deterministic attention backward under --deterministic-mode: its dP workspace, "
+                   "[b, heads/TP, s_q, s_kv] bf16 for one call (te_limits.deterministic_workspace_bytes)"
+                   + ("; the tiled sublayer's calls: one tile against its prefix" if tiled else ""))
     return n_ckpt, stored_layers
+
+
+def deterministic_workspace(s: ModelShape, run: RunConfig, pf: PeakflatConfig, *, tiled: bool) -> float:
+    """The dP workspace of the layer's largest attention call under cuDNN's deterministic backward
+    (``te_limits.deterministic_workspace_applies``); 0 where it does not run. A call's queries and keys: the rank's
+    s / CP against as many on TE's p2p ring, the whole sequence at heads / CP with a2a, one tile against the whole
+    (under CP the gathered) sequence in the tiled sublayer."""
+    from .te_limits import deterministic_workspace_applies, deterministic_workspace_bytes
+
+    if not deterministic_workspace_applies(run):
+        return 0.0
+    heads: float = s.heads
+    if tiled:
+        q, kv = tile_tokens(run, pf), run.seq_len
+    elif run.cp > 1 and all(c == "a2a" for c in run.cp_comm_type):
+        q = kv = run.seq_len
+        heads = s.heads / run.cp
+    else:
+        q = kv = run.seq_len // run.cp
+    return deterministic_workspace_bytes(micro_batch=run.micro_batch, heads=heads, tp=run.tp, q_tokens=q,
+                                         kv_tokens=kv)
 
 
 def unfused_scores(s: ModelShape, run: RunConfig) -> float:

@@ -143,7 +143,7 @@ def _why(p: Plan) -> list[str]:
                        "holds the parameters twice while it builds its buffers)",
         "optimizer step": "install Transformer Engine or apex (Megatron's Adam is then their FusedAdam, which "
                           "needs no temporary; the planner's --adam fused), or shard the optimizer over more ranks",
-        "attention scores": f"Transformer Engine runs its unfused attention backend here: {run.unfused_attention}",
+        "attention scores": te_limits.scores_cause(run),
         "sco": "the SCO budget cannot hold the boundaries: raise --host-gib or --context-parallel-size",
         "tile": "raise --context-parallel-size or --tensor-model-parallel-size (attention's backward "
                 "holds this rank's sequence and heads at once)",

@@ -21,6 +21,17 @@ def _gib(x: float | None) -> str:
     return f"{'-':>9s}" if x is None else f"{x / GIB:9.2f}"
 
 
+def _attention_backend(run: Any) -> str:
+    """The attention backend the plan assumes, as the header shows it."""
+    from .te_limits import deterministic_workspace_applies
+
+    if run.unfused_attention:
+        return f"unfused ({run.unfused_attention})"
+    if deterministic_workspace_applies(run):
+        return "cuDNN deterministic (--deterministic-mode: an s_q x s_kv workspace in backward)"
+    return "flash/fused"
+
+
 def render(pl: Plan, rec: Recommendation) -> str:
     """The text report: each stage's rows, totals and binding peak, then the recommended flags and why."""
     s, r = pl.shape, pl.run
@@ -30,7 +41,7 @@ def render(pl: Plan, rec: Recommendation) -> str:
                f"recompute {r.recompute}  HBM {r.hbm_bytes / GIB:.0f} GiB  host {r.host_bytes_per_node / GIB:.0f} GiB/node "
                f"({r.host_bytes_per_rank / GIB:.0f} GiB/rank)")
     out.append(f"assumed: --transformer-impl {r.transformer_impl}, Adam {'fused' if r.fused_adam else 'torch'} "
-               f"(--adam), attention {'unfused (' + r.unfused_attention + ')' if r.unfused_attention else 'flash/fused'}")
+               f"(--adam), attention {_attention_backend(r)}")
     for st in pl.stages:
         out.append("")
         out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight:g} micro-batch(es) in flight;"

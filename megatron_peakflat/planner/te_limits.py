@@ -55,6 +55,16 @@ what Megatron-Core's TE layers (``--transformer-impl transformer_engine``, Megat
   [b, heads / TP, s_q, s_k] scores and their softmax, where neither flash nor cuDNN's fused attention takes the
   line: fp32 data; a head dimension that is not a multiple of 8 or above 256; a ``--softmax-type`` other than
   vanilla under ``--deterministic-mode``, or under context parallelism unless ``--cp-comm-type a2a``.
+* cuDNN's deterministic attention backward. Under ``--deterministic-mode`` Megatron sets
+  NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and TE hands cuDNN ``set_deterministic_algorithm(true)``
+  (fused_attn_f16_arbitrary_seqlen.cu, from cuDNN 9.0). cudnn-frontend's SDPA backward node
+  (scaled_dot_product_flash_attention.h, ``use_dp_workspace``) then always takes its dP-workspace path: no fp32 dQ
+  accumulator, but dP for every query against every key in the plan's workspace, b x heads / TP x s_q x s_kv (each
+  padded to 64) x 2 bytes for one attention call, allocated whole by TE (pytorch/csrc/extensions/attention.cpp) for
+  the call's backward. 32 heads at 640K tokens: 25,600 GiB. The non-deterministic path holds an fp32 dQ
+  accumulator instead, linear in s. (cudnn-frontend's later linear deterministic path on Hopper, for cuDNN 9.25, is
+  not taken as present.) The planner counts it in the 'attention scores' row; start-up, ``peakflat-check`` and
+  ``--peakflat auto`` refuse a line whose plan with it does not fit, naming ``--deterministic-mode``.
 
 Checked and not a length limit, so that nobody has to read them again:
 
@@ -88,6 +98,8 @@ from ..config_base import PeakflatConfigError, format_bytes
 __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_rope_elements", "fused_rope_fits",
            "fused_rope_max_tokens", "rope_fusion_applies", "rope_kernel_tokens", "fused_rope_refusal",
            "NO_ROPE_FUSION", "unfused_attention_condition", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
+           "DETERMINISTIC_BACKWARD", "deterministic_workspace_applies", "deterministic_workspace_bytes",
+           "scores_refusal", "scores_cause",
            "te_run_fields", "line_refusal", "rope_line_refusal", "TUNED_NORM_LOAD_BYTES", "norm_kernel",
            "norm_elements_per_offset", "norm_offsets", "norm_fits", "norm_max_rows", "norm_slice_rows", "te_norm_applies",
            "norm_sites", "TILE_FLAG",
@@ -218,6 +230,51 @@ def unfused_refusal(condition: str, scores: float, hbm_bytes: float) -> Peakflat
         f"{UNFUSED_BACKEND} runs this line and holds its [b, heads/TP, s, s] scores and softmax: "
         f"{format_bytes(scores)} per layer, and the run's plan with them does not fit {format_bytes(hbm_bytes)}",
         f"change what sends it there: {condition}")
+
+
+DETERMINISTIC_BACKWARD = (f"cuDNN's deterministic attention backward (Transformer Engine {TE_VERSION}'s fused "
+                          "attention under --deterministic-mode)")
+DETERMINISTIC_FIX = ("drop --deterministic-mode (the non-deterministic backward holds an fp32 dQ accumulator, linear in "
+                     "the sequence), or run Megatron's local spec (--transformer-impl local --peakflat-attention sdpa), "
+                     "whose deterministic flash backward is linear in the sequence too")
+
+
+def deterministic_workspace_applies(run: Any) -> bool:
+    """Whether cuDNN's deterministic attention backward runs this line's attention: TE's layers, TE's fused
+    attention (not its unfused backend), ``--deterministic-mode``."""
+    return (run.transformer_impl == "transformer_engine" and bool(run.deterministic)
+            and not run.unfused_attention)
+
+
+def deterministic_workspace_bytes(*, micro_batch: int, heads: float, tp: int, q_tokens: int, kv_tokens: int) -> float:
+    """The dP workspace of one attention call's deterministic cuDNN backward: [b, heads / TP, s_q, s_kv] in bf16,
+    s_q and s_kv padded to 64."""
+    def pad(n: int) -> int:
+        return -(-n // 64) * 64
+    return micro_batch * heads / tp * pad(q_tokens) * pad(kv_tokens) * 2
+
+
+def deterministic_refusal(workspace: float, hbm_bytes: float) -> PeakflatConfigError:
+    """The start-up error where cuDNN's deterministic backward's dP workspace does not fit."""
+    return PeakflatConfigError(
+        "--deterministic-mode", True,
+        f"{DETERMINISTIC_BACKWARD} takes a [b, heads/TP, s_q, s_kv] bf16 dP workspace: {format_bytes(workspace)} per "
+        f"attention call, and the run's plan with it does not fit {format_bytes(hbm_bytes)}", DETERMINISTIC_FIX)
+
+
+def scores_cause(run: Any) -> str:
+    """What makes the plan's 'attention scores' row, and what to change: TE's unfused backend or cuDNN's
+    deterministic backward."""
+    if run.unfused_attention:
+        return f"Transformer Engine runs its unfused attention backend here: {run.unfused_attention}"
+    return f"{DETERMINISTIC_BACKWARD} holds an s_q x s_kv workspace: {DETERMINISTIC_FIX}"
+
+
+def scores_refusal(run: Any, scores: float) -> PeakflatConfigError:
+    """The start-up error for a plan that its 'attention scores' row puts past the GPU, naming its cause's flag."""
+    if run.unfused_attention:
+        return unfused_refusal(run.unfused_attention, scores, run.hbm_bytes)
+    return deterministic_refusal(scores, run.hbm_bytes)
 
 
 def attention_head_dim(shape: Any) -> int:
