@@ -173,17 +173,23 @@ def test_check_and_start_up_refuse_unfused_scores_that_do_not_fit(capsys, monkey
     err = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: "))
     assert "unfused attention backend" in err and "add --bf16" in err
     assert check.main([*line, "--bf16", "--gpus", "1", "--hbm-gib", "40", "--host-gib", "2048"]) == 0
+    _start_up_refuses_then_admits(monkeypatch, line, 40, "unfused attention backend", bf16=True)
 
+
+def _start_up_refuses_then_admits(monkeypatch, line: list[str], hbm_gib: int, match: str, **fixed: object) -> None:
+    """Start-up's Transformer Engine check refuses ``line`` on a GPU of ``hbm_gib`` with an error matching
+    ``match``, and admits it once the Megatron arguments in ``fixed`` are set."""
     from megatron_peakflat.integration import peaks
     from megatron_peakflat.planner.megatron_args import parse_megatron_args
 
     args, _ = parse_megatron_args(" ".join(line))
-    monkeypatch.setattr(peaks, "_hbm_bytes", lambda: 40 * GIB)
+    monkeypatch.setattr(peaks, "_hbm_bytes", lambda: hbm_gib * GIB)
     monkeypatch.setattr(peaks, "_megatron_fused_adam", lambda: True)
     peaks._cache.clear()
-    with pytest.raises(PeakflatConfigError, match="unfused attention backend"):
+    with pytest.raises(PeakflatConfigError, match=match):
         peaks.check_transformer_engine(args)
-    args.bf16 = True
+    for name, value in fixed.items():
+        setattr(args, name, value)
     peaks._cache.clear()
     peaks.check_transformer_engine(args)
     peaks._cache.clear()
@@ -256,20 +262,8 @@ def test_auto_check_and_start_up_refuse_a_deterministic_workspace_that_does_not_
     err = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: "))
     assert "--deterministic-mode" in err and "drop --deterministic-mode" in err
     assert check.main([*short, *opts]) == 0
-
-    from megatron_peakflat.integration import peaks
-    from megatron_peakflat.planner.megatron_args import parse_megatron_args
-
-    args, _ = parse_megatron_args(" ".join([*short, "--deterministic-mode"]))
-    monkeypatch.setattr(peaks, "_hbm_bytes", lambda: 80 * GIB)
-    monkeypatch.setattr(peaks, "_megatron_fused_adam", lambda: True)
-    peaks._cache.clear()
-    with pytest.raises(PeakflatConfigError, match="dP workspace"):
-        peaks.check_transformer_engine(args)
-    args.deterministic_mode = False
-    peaks._cache.clear()
-    peaks.check_transformer_engine(args)
-    peaks._cache.clear()
+    _start_up_refuses_then_admits(monkeypatch, [*short, "--deterministic-mode"], 80, "dP workspace",
+                                  deterministic_mode=False)
 
 
 def test_the_header_names_the_deterministic_backend(capsys):
