@@ -256,11 +256,15 @@ def test_auto_check_and_start_up_refuse_a_deterministic_workspace_that_does_not_
     resolve([*line, "--peakflat", "auto"], gpus=1, gpus_per_node=1, hbm_bytes=80 * GIB,
             host_bytes_per_node=2048 * GIB)  # the same line without it fits
 
-    short = f"{DET_LINE} --seq-length 65536 --max-position-embeddings 65536 --peakflat-vocab ring-dtp".split()
     opts = ["--gpus", "1", "--hbm-gib", "80", "--host-gib", "2048"]
-    assert check.main([*short, "--deterministic-mode", *opts]) == check.REFUSED
+    assert check.main([*line, "--peakflat-vocab", "ring-dtp", "--deterministic-mode", *opts]) == check.REFUSED
     err = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: "))
     assert "--deterministic-mode" in err and "drop --deterministic-mode" in err
+    # at 64K the tiled sublayer's calls (a tile against its prefix) fit: the line does not, the recommendation does
+    short = f"{DET_LINE} --seq-length 65536 --max-position-embeddings 65536 --peakflat-vocab ring-dtp".split()
+    assert check.main([*short, "--deterministic-mode", *opts]) == check.DOES_NOT_FIT
+    out = capsys.readouterr().out
+    assert "--peakflat-tile" in out and "the 'recommended' flags above are the planner's way to fit" in out
     assert check.main([*short, *opts]) == 0
     _start_up_refuses_then_admits(monkeypatch, [*short, "--deterministic-mode"], 80, "dP workspace",
                                   deterministic_mode=False)

@@ -404,7 +404,7 @@ def check_command_line(argv: Sequence[str]) -> int:
     bound = max(s.total("peakflat", guaranteed=True) for s in mine.stages)
     host = max(s.host("peakflat") for s in mine.stages)
     fits = mine.fits("peakflat", guaranteed=True)
-    if not fits and any("attention scores" in st.rows for st in mine.stages):
+    if not fits and not rec.fits and any("attention scores" in st.rows for st in mine.stages):
         scores = max(st.rows["attention scores"].peakflat for st in mine.stages if "attention scores" in st.rows)
         print(f"error: {te_limits.scores_refusal(run, scores)}", file=sys.stderr)
         return REFUSED

@@ -236,7 +236,8 @@ DETERMINISTIC_BACKWARD = (f"cuDNN's deterministic attention backward (Transforme
                           "attention under --deterministic-mode)")
 DETERMINISTIC_FIX = ("drop --deterministic-mode (the non-deterministic backward holds an fp32 dQ accumulator, linear in "
                      "the sequence), or run Megatron's local spec (--transformer-impl local --peakflat-attention sdpa), "
-                     "whose deterministic flash backward is linear in the sequence too")
+                     "whose deterministic flash backward is linear in the sequence too, or turn on --peakflat-tile "
+                     "(each call then takes one tile of queries; peakflat-check sizes it)")
 
 
 def deterministic_workspace_applies(run: Any) -> bool:
