@@ -132,6 +132,13 @@ def test_local_spec_reach_figures_are_the_measured_ones():
     ok = next(r for r in rows if r["case"] == f"seq={reach['reach_tokens']},spec=local")
     assert f"trained {reach['reach_tokens'] // 1024}K tokens at {ok['peak_gib']:.1f} GiB (its time is one run" in text
     assert ok["ms"] is None  # one run: no timing until three
+    assert f"{ok['extra']['one_run_ms'] / 1000:.0f} s per iteration" in text
+    planned = ok["extra"]["component_peaks_gib"]["total"][1]
+    assert f"planned {planned:.1f} GiB ({planned / ok['peak_gib'] - 1:+.1%})" in text  # the plan against the run
+    assert "with the tiled attention sublayer on" in text and "--peakflat-tile" in ok["extra"]["auto"]["added"]
+    half = next(r for r in rows if r["case"] == "seq=524288,spec=local")
+    assert f"512K trained at {half['peak_gib']:.1f} GiB with the tile off" in text
+    assert "--peakflat-tile" not in half["extra"]["auto"]["added"]
     failing = reach["extra"]["first_failing"]
     assert reach["extra"]["limited_by"] == f"error at {failing}" and failing == 2**20
     assert "At 1M it ran out of memory" in text and ok["extra"]["card"] == "NVIDIA H100 80GB HBM3"
