@@ -213,7 +213,7 @@ def _det_plan(seq: int, *extra: str, cp: int = 1):
 
 
 def test_the_deterministic_workspace_is_dp_for_every_query_against_every_key():
-    # the 640K-token line that asked cuDNN's backward for 25,605 GiB: 32 x 655360^2 x 2 bytes = 25,600 GiB
+    # 32 heads at 640K tokens: 32 x 655360^2 x 2 bytes = 25,600 GiB
     got = te_limits.deterministic_workspace_bytes(micro_batch=1, heads=32, tp=1, q_tokens=640 * 1024,
                                                   kv_tokens=640 * 1024)
     assert got == 25_600 * GIB
