@@ -13,6 +13,7 @@ from typing import Any
 from ..components import term_label
 from .model import COMPONENTS, GIB, Plan
 from .recommend import Recommendation
+from .te_limits import deterministic_workspace_applies
 
 __all__ = ["render", "to_json", "flags_line", "plot", "plot_available", "FLAGS_LABEL", "TRIED_LABEL"]
 
@@ -23,8 +24,6 @@ def _gib(x: float | None) -> str:
 
 def _attention_backend(run: Any) -> str:
     """The attention backend the plan assumes, as the header shows it."""
-    from .te_limits import deterministic_workspace_applies
-
     if run.unfused_attention:
         return f"unfused ({run.unfused_attention})"
     if deterministic_workspace_applies(run):
