@@ -1348,9 +1348,9 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
                    f"layer in backward (te_limits.unfused_scores_bytes), because {run.unfused_attention}")
     workspace = deterministic_workspace(s, run, pf, tiled=False) if layer_act else 0.0
     if workspace:
-        tiled_ws = deterministic_workspace(s, run, pf, tiled=tiled)
         rows["attention scores"] = Row(
-            "attention scores", workspace, tiled_ws, phase="attention",
+            "attention scores", workspace, deterministic_workspace(s, run, pf, tiled=True) if tiled else workspace,
+            phase="attention",
             source="cuDNN's deterministic attention backward under --deterministic-mode: its dP workspace, "
                    "[b, heads/TP, s_q, s_kv] bf16 for one call (te_limits.deterministic_workspace_bytes)"
                    + ("; the tiled sublayer's calls: one tile against its prefix" if tiled else ""))
@@ -1359,21 +1359,17 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
 
 def deterministic_workspace(s: ModelShape, run: RunConfig, pf: PeakflatConfig, *, tiled: bool) -> float:
     """The dP workspace of the layer's largest attention call under cuDNN's deterministic backward
-    (``te_limits.deterministic_workspace_applies``); 0 where it does not run. A call's queries and keys: the rank's
-    s / CP against as many on TE's p2p ring, the whole sequence at heads / CP with a2a, one tile against the whole
-    (under CP the gathered) sequence in the tiled sublayer."""
-    from .te_limits import deterministic_workspace_applies, deterministic_workspace_bytes
+    (``te_limits.deterministic_workspace_applies``); 0 where it does not run. A call's heads, queries and keys:
+    ``te_limits.attention_call_shape``'s, or in the tiled sublayer one tile against the whole (under CP the
+    gathered) sequence."""
+    from .te_limits import attention_call_shape, deterministic_workspace_applies, deterministic_workspace_bytes
 
     if not deterministic_workspace_applies(run):
         return 0.0
-    heads: float = s.heads
     if tiled:
-        q, kv = tile_tokens(run, pf), run.seq_len
-    elif run.cp > 1 and all(c == "a2a" for c in run.cp_comm_type):
-        q = kv = run.seq_len
-        heads = s.heads / run.cp
+        heads, q, kv = float(s.heads), float(tile_tokens(run, pf)), float(run.seq_len)
     else:
-        q = kv = run.seq_len // run.cp
+        heads, q, kv = attention_call_shape(heads=s.heads, seq_len=run.seq_len, cp=run.cp, cp_comm=run.cp_comm_type)
     return deterministic_workspace_bytes(micro_batch=run.micro_batch, heads=heads, tp=run.tp, q_tokens=q,
                                          kv_tokens=kv)
 

@@ -97,7 +97,7 @@ from ..config_base import PeakflatConfigError, format_bytes
 
 __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_rope_elements", "fused_rope_fits",
            "fused_rope_max_tokens", "rope_fusion_applies", "rope_kernel_tokens", "fused_rope_refusal",
-           "NO_ROPE_FUSION", "unfused_attention_condition", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
+           "NO_ROPE_FUSION", "unfused_attention_condition", "attention_call_shape", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
            "DETERMINISTIC_BACKWARD", "deterministic_workspace_applies", "deterministic_workspace_bytes",
            "scores_refusal", "scores_cause",
            "te_run_fields", "line_refusal", "rope_line_refusal", "TUNED_NORM_LOAD_BYTES", "norm_kernel",
@@ -210,17 +210,22 @@ def unfused_attention_condition(args: Any, *, precision: str, head_dim: int, cp:
     return None
 
 
+def attention_call_shape(*, heads: int, seq_len: int, cp: int, cp_comm: Any) -> tuple[float, float, float]:
+    """(heads, queries, keys) of TE's largest attention call on a rank, before tensor parallelism: under CP with
+    a2a, heads / CP over the whole sequence; otherwise (the p2p ring) a local block of s / CP queries against
+    s / CP keys at a time."""
+    comm = cp_comm if isinstance(cp_comm, (list, tuple)) else [cp_comm or "p2p"]
+    if cp > 1 and all(c == "a2a" for c in comm):
+        return heads / cp, seq_len, seq_len
+    return heads, seq_len / cp, seq_len / cp
+
+
 def unfused_scores_bytes(*, micro_batch: int, heads: int, tp: int, seq_len: int, cp: int, cp_comm: Any,
                          bytes_per_element: int) -> float:
     """What the unfused backend holds for one layer's attention: the [b, heads / TP, s_q, s_k] scores and the
-    softmax probabilities saved for backward. Under CP with a2a each rank takes heads / CP of the whole sequence;
-    otherwise (the p2p ring) a local block of s / CP queries against s / CP keys at a time."""
-    comm = cp_comm if isinstance(cp_comm, (list, tuple)) else [cp_comm or "p2p"]
-    if cp > 1 and all(c == "a2a" for c in comm):
-        one = micro_batch * heads / (tp * cp) * seq_len * seq_len
-    else:
-        one = micro_batch * heads / tp * (seq_len / cp) ** 2
-    return 2 * one * bytes_per_element
+    softmax probabilities saved for backward, for the call ``attention_call_shape`` gives."""
+    h, q, k = attention_call_shape(heads=heads, seq_len=seq_len, cp=cp, cp_comm=cp_comm)
+    return 2 * micro_batch * h / tp * q * k * bytes_per_element
 
 
 def unfused_refusal(condition: str, scores: float, hbm_bytes: float) -> PeakflatConfigError:
@@ -247,10 +252,11 @@ def deterministic_workspace_applies(run: Any) -> bool:
             and not run.unfused_attention)
 
 
-def deterministic_workspace_bytes(*, micro_batch: int, heads: float, tp: int, q_tokens: int, kv_tokens: int) -> float:
+def deterministic_workspace_bytes(*, micro_batch: int, heads: float, tp: int, q_tokens: float,
+                                  kv_tokens: float) -> float:
     """The dP workspace of one attention call's deterministic cuDNN backward: [b, heads / TP, s_q, s_kv] in bf16,
     s_q and s_kv padded to 64."""
-    def pad(n: int) -> int:
+    def pad(n: float) -> float:
         return -(-n // 64) * 64
     return micro_batch * heads / tp * pad(q_tokens) * pad(kv_tokens) * 2
 

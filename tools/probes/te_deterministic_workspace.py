@@ -36,8 +36,10 @@ def one(seq: int) -> None:
         peak = f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.3f} GiB"
     except torch.OutOfMemoryError as e:
         peak = "OOM: " + str(e).splitlines()[0][:160]
+    from megatron_peakflat.planner.te_limits import deterministic_workspace_bytes
+
     det = os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0"
-    dp = HEADS * seq * seq * 2 / 2**30
+    dp = deterministic_workspace_bytes(micro_batch=1, heads=HEADS, tp=1, q_tokens=seq, kv_tokens=seq) / 2**30
     accum = HEADS * seq * DIM * 4 / 2**30
     print(f"seq={seq} deterministic={det}: backward peak beyond inputs {peak}; planner: dP workspace {dp:.3f} GiB "
           f"(deterministic), fp32 dQ accumulator {accum:.3f} GiB (not)", flush=True)
