@@ -18,7 +18,8 @@ micro-batch 1), all on Transformer Engine's layers (TE attention, ``--moe-groupe
 Reach: for each method, the longest sequence that trains ``--iters`` iterations (2): doubling from ``--min-seq``, then
 bisecting at ``--granularity``, up to ``--max-seq``; or, with ``--lengths 512K,768K,1M``, those lengths only, shortest
 first. Every length runs in its own process, so an OOM ends only that length, and every row is written to the results
-file as soon as it is measured; a second invocation resumes from the rows already there. ``--background`` starts the
+file as soon as it is measured; a second invocation resumes from the rows already there. A length's row is one run:
+its peak is the result, its time stays in ``extra.one_run_ms`` with ``ms`` null (a timing is the time phase's). ``--background`` starts the
 command as a detached process and returns (its rows go into ``--background-dir``); ``--collect`` prints what it has
 done and copies its results file back, so a length longer than one shell command can run across several.
 
@@ -397,7 +398,7 @@ class Driver:
                              **({"oom": a.oom} if a.oom else {}), **({"tail": a.tail} if a.outcome == "error" else {}),
                              **({"error_lines": a.error_lines} if a.error_lines else {})})
             row = self._row(method, seq, stock, flags, a, attempts)
-            print(f"    {a.outcome} in {a.wall_s:.0f} s; peak {row['peak_gib']} GiB, {row['ms']} ms/iter", flush=True)
+            print(f"    {a.outcome} in {a.wall_s:.0f} s; peak {row['peak_gib']} GiB, {a.ms} ms/iter (one run)", flush=True)
             if a.outcome in ("ok", "timeout"):
                 break
             self.put({**row, "extra": {**row["extra"], "outcome": "pending"}})
@@ -418,7 +419,7 @@ class Driver:
             "planner_gib": self._planner_gib(method, flags, a), **measured,
             **({"error_lines": a.error_lines} if a.error_lines else {}), **self._added(method),
         }
-        return {"case": self.case(seq), "method": method, **top, "extra": extra}
+        return one_run({"case": self.case(seq), "method": method, **top, "extra": extra})
 
     def _added(self, method: str) -> dict[str, Any]:
         """What a row records of ``--extra-flags`` and of the fp32 environment."""
@@ -781,6 +782,19 @@ def _measured(seq: int, a: Attempt) -> tuple[dict[str, Any], dict[str, Any]]:
     return top, extra
 
 
+def one_run(row: dict[str, Any]) -> dict[str, Any]:
+    """A row measured by one process (a reach length): its time moves from ``ms`` to ``extra.one_run_ms`` and its
+    tokens/s to ``extra.one_run_tokens_per_s``, because a timing is the median of at least three runs (the time
+    phase's rows); its peak stays, since the peak is what the reach measures. Idempotent."""
+    extra = row["extra"]
+    if row.get("ms") is not None:
+        extra["one_run_ms"] = row["ms"]
+    if extra.get("tokens_per_s") is not None:
+        extra["one_run_tokens_per_s"] = extra["tokens_per_s"]
+    row["ms"], extra["tokens_per_s"] = None, None
+    return row
+
+
 HBM_CAP_ENV = "PEAKFLAT_BENCH_HBM_GIB"
 """Set by ``--hbm-cap-gib``: every run goes through ``bench.hbm_cap``, which holds the allocator to that many GiB."""
 
@@ -839,8 +853,8 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
             for s, r in ok:
                 top.annotate(r["extra"]["config"], (s, r["peak_gib"]), fontsize=6, textcoords="offset points",
                              xytext=(0, 5), ha="center", color=line.get_color())
-            bottom.plot([s for s, _ in ok], [r["extra"]["tokens_per_s"] for _, r in ok], marker="o",
-                        color=line.get_color(), label=method)
+            bottom.plot([s for s, _ in ok], [r["extra"].get("one_run_tokens_per_s") for _, r in ok], marker="o",
+                        color=line.get_color(), label=f"{method}, one run")
             color = line.get_color()
         else:
             color = None
@@ -856,7 +870,7 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     top.set_title(f"{doc.get('model', {}).get('layers', '?')}-layer gpt-oss-20b-shaped MoE, one {', '.join(cards)}\n"
                   "longest trained: " + ", ".join(f"{m} {n // 1024}K" for m, n in reach.items()), fontsize=10)
     top.set_ylabel("max allocated, GiB")
-    bottom.set_ylabel("tokens / s (lines: iteration 2)")
+    bottom.set_ylabel("tokens / s (lines: iteration 2 of one run)")
     bottom.set_xlabel("tokens per sequence")
     for ax in (top, bottom):
         ax.set_xscale("log", base=2)
@@ -972,7 +986,7 @@ def collect(out: Path, where: Path, lines: int = 25) -> int:
             if r["case"].startswith(("seq=", "reach,")):
                 outcome = r["extra"].get("outcome", r["extra"].get("limited_by"))
                 print(f"  {r['case']:24s} {r['method']:16s} {outcome!s:10s} peak {r['peak_gib']} GiB "
-                      f"{r['ms']} ms/iter" + (f" reach {r['reach_tokens']}" if "reach_tokens" in r else ""))
+                      f"{r['ms'] or r['extra'].get('one_run_ms')} ms/iter" + (f" reach {r['reach_tokens']}" if "reach_tokens" in r else ""))
         print(f"wrote {out}", flush=True)
     return 3 if running else 0
 
