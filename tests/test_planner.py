@@ -378,7 +378,7 @@ def test_attention_backward_against_the_h200_measurement(seq):
     adds dO and the rotated q and k (3 units) to those, so it is 8 and 16 units."""
     shape = ModelShape(name="h200", hidden=4096, layers=1, heads=32, kv_heads=32, head_dim=128, ffn=16384, vocab=1024)
     unit = seq * 4096 * 2
-    run = RunConfig(seq_len=seq)
+    run = RunConfig(seq_len=seq, transformer_impl="local")  # torch's SDPA, as measured
     assert M.flash_dq_splits(shape, run) == 1
     assert M.attention_backward_transient(shape, run) == pytest.approx((5 + 3) * unit)
     det = replace(run, deterministic=True)
@@ -386,6 +386,11 @@ def test_attention_backward_against_the_h200_measurement(seq):
     assert M.attention_backward_transient(shape, det) == pytest.approx((13 + 3) * unit)
     assert M.flash_dq_splits(shape, replace(det, micro_batch=8)) == 1  # 8 x 32 programs cover 132 SMs
     assert M.flash_dq_splits(shape, replace(det, tp=4)) == 17  # 8 heads per rank
+    # cuDNN's deterministic backward (TE's layers) keeps dP in its workspace and no fp32 dQ accumulator:
+    # docs/evidence/gpu_tile_te_h100.txt, 16.197 GiB beyond the inputs at 16K = 16 GiB of dP plus dQ, dK, dV and
+    # the expanded dK/dV, where the non-deterministic backward adds its accumulator to those
+    te = replace(det, transformer_impl="transformer_engine")
+    assert M.attention_backward_transient(shape, te) == pytest.approx((3 + 3) * unit)
 
 
 def test_layer_backward_meets_attention_or_moe_never_both():
@@ -828,7 +833,7 @@ def test_flash_dq_accumulators_follow_the_head_count(heads, units):
     q and k (3 units)."""
     shape = ModelShape(name="h", hidden=heads * 128, layers=1, heads=heads, kv_heads=heads, head_dim=128, ffn=1,
                        vocab=1024)
-    run = RunConfig(seq_len=32768, deterministic=True)
+    run = RunConfig(seq_len=32768, deterministic=True, transformer_impl="local")  # torch's SDPA, as measured
     assert 3 + 2 * M.flash_dq_splits(shape, run) == units
     unit = 32768 * heads * 128 * 2
     assert M.attention_backward_transient(shape, run) == pytest.approx((units + 3) * unit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 
 import pytest
@@ -46,9 +47,13 @@ def test_demo_command_names_binding_peak(capsys):
     i = flags.index("--recompute-granularity")
     assert flags[i:i + 6] == ["--recompute-granularity", "full", "--recompute-method", "uniform",
                               "--recompute-num-layers", "1"]
-    # one verdict per line: the expected peak fits, the routing-independent bound does not
+    # one verdict per line, the expected peak's and the routing-independent bound's, which can differ: at 768K on 32
+    # GPUs the expected peak fits and the bound does not
     stage = next(line for line in out.splitlines() if line.strip().startswith("binding peak:"))
-    assert "(fits as expected;" in stage and "whatever the routing: OOM)" in stage
+    assert re.search(r"\((fits|OOM) as expected; [\d.]+ GiB whatever the routing: (fits|OOM)\)", stage), stage
+    _, out, _ = run_cli(capsys, "--preset", "gpt-oss-120b", "--seq-len", "786432", "--gpus", "32")
+    stage = next(line for line in out.splitlines() if line.strip().startswith("binding peak:"))
+    assert "(fits as expected;" in stage and "whatever the routing: OOM)" in stage, stage
 
 
 def test_json_output_and_fit_logic(capsys):

@@ -78,6 +78,9 @@ def test_tiled_attention_under_cp_counts_the_gathered_sequence():
     row = M.plan(shape, run, pf).stages[0].rows["tile"]
     want = tiled_attention_peak_bytes(S // 8, S // 4, 1, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                                       2, cp=4)
+    # and cuDNN's dK and dV at the query heads for a tile's call against the gathered sequence (te_gqa_expansion)
+    want += 2 * shape.heads * S * shape.head_dim * 2
+    assert M.te_gqa_expansion(shape, run, S // 8) == 2 * shape.heads * S * shape.head_dim * 2
     assert row.peakflat == row.bound == want and "gathered sequence" in row.source
     kv = shape.kv_heads * shape.head_dim  # elements of K (or V) per token
     terms = tiled_attention_terms(S // 8, S // 4, 1, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, 2,
@@ -246,8 +249,9 @@ def test_repeated_kv_heads_where_flash_does_not_run():
     assert M.cp_gathered_kv(shape, fp32, _pf("sdpa")) == (8 * S - T) * per_token
     assert M.cp_gathered_kv_backward(shape, fp32, _pf("sdpa")) == pytest.approx((S + S / 8) * per_token * 8)
     tiled = PeakflatConfig(tile=TileConfig(enabled=True))
-    repeated = M.tiled_attention_bytes(shape, fp32, tiled) - M.tiled_attention_bytes(
-        shape, dataclasses.replace(fp32, transformer_impl="transformer_engine"), tiled)
+    te = dataclasses.replace(fp32, transformer_impl="transformer_engine")
+    repeated = M.tiled_attention_bytes(shape, fp32, tiled) - (
+        M.tiled_attention_bytes(shape, te, tiled) - M.te_gqa_expansion(shape, te, M.tile_tokens(te, tiled)))
     assert repeated == 4 * S * shape.heads * shape.head_dim * 4
 
 
@@ -260,7 +264,9 @@ def test_repeated_kv_heads_at_cp_1():
     te = dataclasses.replace(fp32, transformer_impl="transformer_engine")
     extra = 2**16 * 2 * (shape.heads - shape.kv_heads) * shape.head_dim * 4
     assert M.attention_activations(shape, fp32) - M.attention_activations(shape, te) == extra
-    assert M.attention_backward_transient(shape, fp32) - M.attention_backward_transient(shape, te) == extra
+    te_own = M.te_gqa_expansion(shape, te)  # cuDNN's expanded dK/dV, which the local spec's kernels do not hold
+    assert te_own == 2 * 2**16 * shape.heads * shape.head_dim * 4
+    assert M.attention_backward_transient(shape, fp32) - (M.attention_backward_transient(shape, te) - te_own) == extra
     bf16 = dataclasses.replace(fp32, precision="bf16", seq_len=GROUPED_CALL_MIN_KEYS // 2)
     assert M.flash_gqa_calls(shape, bf16) == 1
     assert M.attention_activations(shape, bf16) == M.attention_activations(
@@ -285,8 +291,10 @@ def test_flash_expands_grouped_dk_dv_per_call(cp):
     q, kv = T * h * d, T * g * d
     one_call = q / g * 4 + 2 * keys * (h // g) * d * w  # one group's fp32 dQ accumulator and expanded dK/dV
     gathered = (q + 2 * kv) * w  # the split's concatenated dQ, dK, dV
+    te_own = 2 * T * h * d * w  # cuDNN's dK/dV at the query heads over one ring step's keys (te_gqa_expansion)
+    assert M.te_gqa_expansion(shape, te) == te_own
     assert M.attention_backward_transient(shape, long) - M.attention_backward_transient(shape, te) == \
-        pytest.approx(max(one_call, gathered) - q * 4)
+        pytest.approx(max(one_call, gathered) - q * 4 - te_own)
     assert M.attention_activations(shape, long) - M.attention_activations(shape, te) == q * w
     short = dataclasses.replace(long, seq_len=GROUPED_CALL_MIN_KEYS // 2)
     assert M.flash_gqa_calls(shape, short) == 1
@@ -309,4 +317,5 @@ def test_tile_counts_flash_expansion_over_the_prefix():
     tile = M.tile_tokens(local, tiled)
     extra = M.tiled_attention_bytes(shape, local, tiled) - M.tiled_attention_bytes(
         shape, dataclasses.replace(local, transformer_impl="transformer_engine"), tiled)
-    assert extra == 2 * S * (h // g) * d * w + 2 * S * g * d * w + 2 * tile * h * d * w
+    te_own = 2 * S * h * d * w  # cuDNN's dK/dV at every query head over the prefix, which the split calls avoid
+    assert extra == 2 * S * (h // g) * d * w + 2 * S * g * d * w + 2 * tile * h * d * w - te_own

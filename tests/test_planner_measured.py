@@ -1,8 +1,8 @@
 """The planner against GPU rows committed in bench/results (``FILES``): each measured run's own flags (with what
 ``--peakflat auto`` added in place of auto), planned for the attention code that ran it (``extra``'s
 ``grouped_call_min_keys``: null where every grouped-head attention was one call), on the card it ran on. A row
-that trained is predicted within 5% of its measured peak (max allocated); a row that died of memory is not
-planned to fit."""
+that trained is predicted within the calibration's band of its measured peak (max allocated: ``pc.BAND``, 0.95
+to 1.10, over rather than under); a row that died of memory is not planned to fit."""
 
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ from bench.e2e import _without_option  # noqa: E402
 
 CARDS = {"NVIDIA H100 80GB HBM3": pc.Machine("H100", int(79.18 * pc.GIB), 128 * pc.GIB, 132)}
 """Each card the rows ran on as the planner is told of it: torch's total memory, the GPU machine's RAM, its SMs."""
-FILES = (("e2e_local_reach.json", "seq="), ("e2e.json", "same_loss,"))
-"""Each results file and the rows of it planned here: the local spec's reach, and Transformer Engine's same-loss runs
+FILES = (("e2e_local_reach.json", "seq="), ("e2e.json", "same_loss,"), ("e2e.json", "seq="))
+"""Each results file and the rows of it planned here: the local spec's reach; Transformer Engine's same-loss runs
 at 8K under --deterministic-mode, whose peak holds cuDNN's deterministic backward's dP workspace (planned without
-it, peakflat-auto's row read -11.0% and peakflat-all's -23.1%)."""
-TOLERANCE = 0.05
+it, peakflat-auto's row read -11.0% and peakflat-all's -23.1%); and Transformer Engine's reach, both methods, whose
+long rows hold cuDNN's dK and dV at the query heads (planned without them, 768K read -17.8% and the 1M run that
+died of it was planned to fit)."""
 
 
 def _rows() -> list[tuple[str, dict]]:
@@ -63,7 +64,8 @@ def test_a_measured_row_is_planned_as_it_ran(name, row, monkeypatch):
                          machine.host_bytes, machine.sm_count)
     got = pc.predict(_flags(row), machine)
     if row["extra"]["outcome"] == "ok":
-        assert abs(got.gib / row["peak_gib"] - 1) <= TOLERANCE, (got.gib, row["peak_gib"])
+        low, high = pc.BAND
+        assert low <= got.gib / row["peak_gib"] <= high, (got.gib, row["peak_gib"])
     else:
         assert _memory_error(row), "a row that failed for another reason says nothing of the plan"
         assert not got.fits, (got.gib, "planned to fit a run that ran out of memory")

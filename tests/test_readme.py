@@ -93,7 +93,7 @@ def test_results_figures_are_the_measured_ones():
     reach = {m: _row(m, "reach,spec=te")["reach_tokens"] for m in ("megatron-te", "peakflat-auto")}
     assert f"**Reach: {reach['peakflat-auto'] // reach['megatron-te']}x.**" in text
     assert f"Megatron trains {reach['megatron-te'] // 1024}K tokens" in text
-    assert f"trains {reach['peakflat-auto'] // 1024}K, the largest length tried" in text
+    assert f"the same run trains {reach['peakflat-auto'] // 1024}K at" in text
 
     errors = [(r["peak_gib"] - r["extra"]["planner_gib"]) / r["peak_gib"] for r in E2E
               if r["method"] == "peakflat-auto" and r["case"].startswith("seq=") and r["peak_gib"]]
@@ -142,3 +142,22 @@ def test_local_spec_reach_figures_are_the_measured_ones():
     failing = reach["extra"]["first_failing"]
     assert reach["extra"]["limited_by"] == f"error at {failing}" and failing == 2**20
     assert "At 1M it ran out of memory" in text and ok["extra"]["card"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_the_replanned_rows_are_the_planners_figures():
+    """The README's "planned again" range: each TE row that trained, planned now with its own flags on its card
+    (tests/test_planner_measured.py's planning), against its measured peak; and the 1M run planned not to fit."""
+    from tests.test_planner_measured import CARDS, _flags, pc
+
+    text = " ".join(_results().split())
+    ratios, fits_1m = [], None
+    for r in E2E:
+        if not r["case"].startswith("seq=") or r["extra"].get("outcome") not in ("ok", "oom"):
+            continue
+        got = pc.predict(_flags(r), CARDS[r["extra"]["card"]])
+        if r["extra"]["outcome"] == "ok":
+            ratios.append(got.gib / r["peak_gib"] - 1)
+        elif r["case"] == "seq=1048576,spec=te":
+            fits_1m = got.fits
+    assert f"every row of the table lies within {min(ratios):+.1%} to {max(ratios):+.1%} of its run" in text
+    assert fits_1m is False and "the 1M run does not fit" in text

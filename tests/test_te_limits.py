@@ -535,3 +535,96 @@ def test_the_rope_limit_comes_first_and_is_the_only_one_recommend_switches():
     assert te_limits.rope_line_refusal(OSS, run, line).flag == "--apply-rope-fusion"
     assert te_limits.hard_refusal(OSS, run, line).flag == "--seq-length"
     assert te_limits.line_refusal(OSS, run, ns(apply_rope_fusion=False, **vars(line))).flag == "--seq-length"
+
+
+# ---- cuDNN's backward with grouped K/V heads: dK and dV at the query heads ------------------------------------
+
+def _te_1m_oom_row() -> dict:
+    import json
+    from pathlib import Path
+
+    rows = json.loads((Path(__file__).resolve().parent.parent / "bench/results/e2e.json").read_text())["rows"]
+    return next(r for r in rows if r["case"] == "seq=1048576,spec=te" and r["method"] == "peakflat-auto")
+
+
+def test_the_gqa_expansion_is_the_workspace_a_1m_run_asked_for():
+    """The 1M-token run on TE (one H100, TE 2.20.2) died asking cuDNN's backward for one 16.26 GiB workspace: a 16K
+    tile of gpt-oss-20b's 64 query heads against 1M keys of 8 K/V heads. dK and dV at the query heads (16 GiB) and
+    the tile's fp32 dQ accumulator (0.25 GiB) are that workspace."""
+    import re
+
+    row = _te_1m_oom_row()
+    (attempt,) = row["extra"]["attempts"]
+    asked = float(re.search(r"Tried to allocate ([\d.]+) GiB", attempt["oom"]["message"]).group(1))
+    assert any("fused_attn_bwd" in w for w in attempt["oom"]["where"])
+    keys, tile, heads, dim = 1 << 20, 16384, 64, 64
+    expanded = te_limits.gqa_expansion_bytes(micro_batch=1, heads=heads, tp=1, kv_tokens=keys, head_dim=dim,
+                                             bytes_per_element=2)
+    assert expanded == 16 * GIB
+    assert abs((expanded + tile * heads * dim * 4) / GIB - asked) < 0.02
+
+
+def _gqa_plan(seq: int, *extra: str, cp: int = 1, groups: int = 8):
+    line = (ROPE_LINE.replace("--num-query-groups 8", f"--num-query-groups {groups}")
+            + f" --seq-length {seq} --max-position-embeddings {seq} --recompute-granularity full "
+            f"--recompute-method uniform --recompute-num-layers 1 {' '.join(extra)}")
+    return build(["--megatron-args", line, "--gpus", str(cp), "--hbm-gib", "80", "--host-gib", "2048"])
+
+
+@pytest.mark.parametrize("extra, cp, groups, keys, heads", [
+    ((), 1, 8, 65536, 64),  # one call over the whole sequence
+    (("--context-parallel-size 2",), 2, 8, 32768, 64),  # p2p: each ring step's s/CP keys
+    (("--context-parallel-size 2", "--cp-comm-type a2a"), 2, 8, 65536, 32),  # a2a: heads/CP, every key
+    ((), 1, 64, 0, 64),  # no grouped heads: nothing to expand
+    (("--transformer-impl local",), 1, 8, 0, 64),  # flash's own expansion (flash_gqa_expansion) instead
+])
+def test_the_attention_backward_counts_cudnns_expanded_dk_dv(extra, cp, groups, keys, heads, monkeypatch):
+    from megatron_peakflat.planner import model
+
+    shape, run, pf, _, _ = _gqa_plan(65536, *extra, cp=cp, groups=groups)
+    with_it = plan(shape, run, pf).stages[0].rows["tile"].baseline
+    monkeypatch.setattr(model, "te_gqa_expansion", lambda *a, **k: 0.0)
+    without = plan(shape, run, pf).stages[0].rows["tile"].baseline
+    assert with_it - without == 2 * heads * keys * 64 * 2
+
+
+def test_under_the_tile_each_call_expands_over_the_whole_prefix(monkeypatch):
+    from megatron_peakflat.planner import model
+
+    shape, run, pf, _, _ = _gqa_plan(65536, "--peakflat-tile", "--peakflat-tile-tokens 4096", "--hidden-dropout 0",
+                                     "--attention-dropout 0")
+    with_it = plan(shape, run, pf).stages[0].rows["tile"].peakflat
+    monkeypatch.setattr(model, "te_gqa_expansion", lambda *a, **k: 0.0)
+    assert with_it - plan(shape, run, pf).stages[0].rows["tile"].peakflat == 2 * 64 * 65536 * 64 * 2
+
+
+def test_the_1m_run_that_died_is_not_planned_to_fit_and_auto_refuses_it():
+    """The run's own flags, with what auto had added, now plan past the H100; auto finds nothing at 1M."""
+    import shlex
+
+    from megatron_peakflat.auto import resolve
+
+    row = _te_1m_oom_row()
+    argv = shlex.split(row["extra"]["command"])
+    flags = argv[argv.index("megatron_peakflat.pretrain") + 1:]
+    hbm = int(79.18 * GIB)
+    with pytest.raises(PeakflatConfigError):
+        resolve(flags, gpus=1, gpus_per_node=1, hbm_bytes=hbm, host_bytes_per_node=128 * GIB)
+
+
+def test_where_the_expansion_binds_the_refusal_names_the_local_specs_per_head_calls(capsys):
+    """The 1M line that died: peakflat-check refuses it (exit 3), and the tile row's fix names the local spec's SDPA
+    attention beside CP and TP, with the expanded bytes; a line without grouped heads gets no such fix."""
+    import shlex
+
+    row = _te_1m_oom_row()
+    argv = shlex.split(row["extra"]["command"])
+    flags = argv[argv.index("megatron_peakflat.pretrain") + 1:]
+    assert check.main([*flags, "--gpus", "1", "--hbm-gib", "79.18", "--host-gib", "128"]) == 3
+    out = capsys.readouterr()
+    text = " ".join((out.out + out.err).split())
+    assert "--transformer-impl local --peakflat-attention sdpa" in text and "(16.00 GiB here)" in text
+    mha = [f if f != "8" or flags[i - 1] != "--num-query-groups" else "64" for i, f in enumerate(flags)]
+    check.main([*mha, "--gpus", "1", "--hbm-gib", "79.18", "--host-gib", "128"])
+    out = capsys.readouterr()
+    assert "holds dK and dV at every query head" not in out.out + out.err

@@ -447,6 +447,34 @@ def flash_gqa_expansion(s: ModelShape, run: RunConfig) -> float:
     return 2 * keys * s.heads / run.tp / flash_gqa_calls(s, run) * s.head_dim * run.w
 
 
+def te_gqa_expansion(s: ModelShape, run: RunConfig, tile: int | None = None) -> float:
+    """Bytes of dK and dV at the query heads in cuDNN's backward workspace for the layer's largest TE attention call
+    (``te_limits.gqa_expansion_bytes``); 0 where TE's fused attention does not run or the heads are not grouped.
+    The call: ``te_limits.attention_call_shape``'s, or with ``tile`` (the tiled sublayer) every query head against
+    the whole (under CP the gathered) sequence."""
+    from .te_limits import attention_call_shape, gqa_expansion_applies, gqa_expansion_bytes
+
+    if not gqa_expansion_applies(run, heads=s.heads, kv_heads=s.kv_heads, mla=s.mla is not None):
+        return 0.0
+    if tile is not None:
+        heads, keys = float(s.heads), float(run.seq_len)
+    else:
+        heads, _, keys = attention_call_shape(heads=s.heads, seq_len=run.seq_len, cp=run.cp, cp_comm=run.cp_comm_type)
+    return gqa_expansion_bytes(micro_batch=run.micro_batch, heads=heads, tp=run.tp, kv_tokens=keys,
+                               head_dim=s.head_dim, bytes_per_element=run.w)
+
+
+def dq_accumulator_bytes(s: ModelShape, run: RunConfig, q_elements: float, calls: int = 1) -> float:
+    """The attention backward's fp32 dQ accumulator(s) for ``q_elements`` query elements: one per split
+    (``flash_dq_splits``), none in cuDNN's deterministic backward, which keeps dP in its workspace instead
+    (``te_limits.deterministic_workspace_applies``; measured: docs/evidence/gpu_tile_te_h100.txt)."""
+    from .te_limits import deterministic_workspace_applies
+
+    if deterministic_workspace_applies(run):
+        return 0.0
+    return q_elements * 4 * flash_dq_splits(s, run, calls)
+
+
 def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
     """What core attention's backward holds beside the layer's saved tensors, where a long-context layer
     peaks: dQ, dK, dV, flash attention's fp32 dQ accumulator(s) and dO, plus the rotated copies of q and k
@@ -466,7 +494,7 @@ def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
     d_out = T / t * s.heads * (s.head_dim if s.mla is None else s.mla.v_head_dim)
     calls = flash_gqa_calls(s, run)
     # one call's kernel scratch; with several, the split's backward then concatenates the calls' dQ, dK and dV
-    kernel = q / calls * 4 * flash_dq_splits(s, run, calls) + flash_gqa_expansion(s, run)
+    kernel = dq_accumulator_bytes(s, run, q / calls, calls) + flash_gqa_expansion(s, run) + te_gqa_expansion(s, run)
     gathered = (q + k + v) * w if calls > 1 else 0.0
     return (q + k + v + _repeated_kv(s, run)) * w + max(kernel, gathered) + d_out * w + rotated
 
@@ -546,13 +574,14 @@ def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> 
     set, with flash attention's fp32 dQ accumulator counted once per split (``flash_dq_splits``)."""
     seq = run.seq_len // run.cp
     tile = tile_tokens(run, pf)
-    extra_dq = (flash_dq_splits(s, run) - 1) * tile * run.micro_batch * s.heads / run.tp * s.head_dim * 4
+    tile_q = tile * run.micro_batch * s.heads / run.tp * s.head_dim
+    extra_dq = max(0.0, dq_accumulator_bytes(s, run, tile_q) - tile_q * 4)  # the bound counts one accumulator
     # repeated K/V heads (sdpa_repeats_kv): the prefix's repeated K and V, and the kernel's gradients of them
     prefix_kv = run.seq_len * run.micro_batch * _kv_rows_per_token(s, run)  # K plus V over the longest prefix
     repeated = 2 * prefix_kv * _kernel_kv_factor(s, run) * run.w if sdpa_repeats_kv(s, run) else 0
     # flash's expanded dK/dV over the prefix; with a call per K/V head, the split's gathered dK/dV of the prefix
     # and dQ of the tile, and the tile's output twice (the calls' and their concatenation)
-    expanded = flash_gqa_expansion(s, run)
+    expanded = flash_gqa_expansion(s, run) + te_gqa_expansion(s, run, tile)
     if flash_gqa_calls(s, run) > 1:
         expanded += prefix_kv * run.w + 2 * tile * run.micro_batch * s.heads / run.tp * s.head_dim * run.w
     return tiled_attention_peak_bytes(tile, seq, run.micro_batch, s.hidden, max(1, s.heads // run.tp),

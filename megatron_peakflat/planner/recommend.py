@@ -146,7 +146,7 @@ def _why(p: Plan) -> list[str]:
         "attention scores": te_limits.scores_cause(run),
         "sco": "the SCO budget cannot hold the boundaries: raise --host-gib or --context-parallel-size",
         "tile": "raise --context-parallel-size or --tensor-model-parallel-size (attention's backward "
-                "holds this rank's sequence and heads at once)",
+                "holds this rank's sequence and heads at once)" + _te_expansion_fix(p),
         "embedding gradient": "raise --tensor-model-parallel-size, or --pipeline-model-parallel-size so that the "
                               "MTP layers and a tied output layer sit on another stage than the embedding lookup",
         "dispatch": "raise --expert-model-parallel-size (a smaller --peakflat-dispatch-chunk-cap lowers only the MoE "
@@ -166,6 +166,20 @@ def _why(p: Plan) -> list[str]:
         out.append(f"host: {format_bytes(host)} per rank needed, {format_bytes(run.host_bytes_per_rank)} available "
                    "(90% of --host-gib over the local ranks)")
     return out
+
+
+def _te_expansion_fix(p: Plan) -> str:
+    """The tile row's other fix where cuDNN's backward expands dK and dV to the query heads
+    (``model.te_gqa_expansion``): the local spec's SDPA attention, which runs one call per K/V head at long lengths."""
+    from .model import te_gqa_expansion, tile_tokens, tiles_attention
+
+    tiled = tiles_attention(p.shape, p.run, p.peakflat)
+    expanded = te_gqa_expansion(p.shape, p.run, tile_tokens(p.run, p.peakflat) if tiled else None)
+    if not expanded:
+        return ""
+    return (f"; or run Megatron's local spec (--transformer-impl local --peakflat-attention sdpa): on Transformer "
+            f"Engine's layers cuDNN's attention backward holds dK and dV at every query head over the whole "
+            f"sequence ({format_bytes(expanded)} here), where the SDPA attention runs one call per K/V head")
 
 
 def _guaranteed(r: Row) -> float:

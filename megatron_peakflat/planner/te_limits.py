@@ -65,6 +65,12 @@ what Megatron-Core's TE layers (``--transformer-impl transformer_engine``, Megat
   accumulator instead, linear in s. (cudnn-frontend's later linear deterministic path on Hopper, for cuDNN 9.25, is
   not taken as present.) The planner counts it in the 'attention scores' row; start-up, ``peakflat-check`` and
   ``--peakflat auto`` refuse a line whose plan with it does not fit, naming ``--deterministic-mode``.
+* cuDNN's attention backward with grouped K/V heads. Its workspace holds dK and dV at the query heads, [b,
+  heads / TP, s_kv, head dim] each in the data type, which it then sums to the K/V heads; the non-deterministic path
+  adds its fp32 dQ accumulator. Measured on one H100 with TE 2.20.2 (docs/evidence/gpu_tile_te_h100.txt): a 16K
+  tile of 64 heads against 1M keys of 8 K/V heads holds 18.51 GiB beyond its inputs, and a 1M-token run asked for
+  one 16.26 GiB workspace in ``fused_attn_bwd`` (16 GiB of expanded dK and dV, 0.25 GiB of the tile's dQ
+  accumulator). The planner counts it in the attention backward (``gqa_expansion_bytes``), linear in the keys.
 
 Checked and not a length limit, so that nobody has to read them again:
 
@@ -99,6 +105,7 @@ __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_r
            "fused_rope_max_tokens", "rope_fusion_applies", "rope_kernel_tokens", "fused_rope_refusal",
            "NO_ROPE_FUSION", "unfused_attention_condition", "attention_call_shape", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
            "DETERMINISTIC_BACKWARD", "deterministic_workspace_applies", "deterministic_workspace_bytes",
+           "gqa_expansion_applies", "gqa_expansion_bytes",
            "scores_refusal", "scores_cause",
            "te_run_fields", "line_refusal", "rope_line_refusal", "TUNED_NORM_LOAD_BYTES", "norm_kernel",
            "norm_elements_per_offset", "norm_offsets", "norm_fits", "norm_max_rows", "norm_slice_rows", "te_norm_applies",
@@ -259,6 +266,20 @@ def deterministic_workspace_bytes(*, micro_batch: int, heads: float, tp: int, q_
     def pad(n: float) -> float:
         return -(-n // 64) * 64
     return micro_batch * heads / tp * pad(q_tokens) * pad(kv_tokens) * 2
+
+
+def gqa_expansion_applies(run: Any, *, heads: int, kv_heads: int, mla: bool) -> bool:
+    """Whether cuDNN's attention backward (TE's fused attention) expands dK and dV to the query heads: TE's
+    layers, its fused backend, grouped K/V heads (fewer K/V heads than query heads, no multi-latent attention)."""
+    return (run.transformer_impl == "transformer_engine" and not run.unfused_attention and not mla
+            and kv_heads != heads)
+
+
+def gqa_expansion_bytes(*, micro_batch: int, heads: float, tp: int, kv_tokens: float, head_dim: int,
+                        bytes_per_element: float) -> float:
+    """dK and dV at the query heads in one attention call's cuDNN backward workspace: 2 x [b, heads / TP, s_kv,
+    head dim] in the data type."""
+    return 2 * micro_batch * heads / tp * kv_tokens * head_dim * bytes_per_element
 
 
 def deterministic_refusal(workspace: float, hbm_bytes: float) -> PeakflatConfigError:
