@@ -195,9 +195,9 @@ def test_the_reason_says_when_the_bound_costs_more_than_megatrons_balanced_term(
 
 
 def test_the_tile_is_never_recommended_where_start_up_would_refuse_it():
-    """At 1M tokens on one 79 GiB card only the tiled sublayer fits; with Megatron's default dropout (0.1) start-up
+    """At 896K tokens on one 79 GiB card only the tiled sublayer fits; with Megatron's default dropout (0.1) start-up
     refuses it, so auto refuses the line naming the dropout fix rather than adding a flag that fails at start-up."""
-    line = MODEL + " --seq-length 1048576" + OFFLOAD
+    line = MODEL + " --seq-length 917504" + OFFLOAD
     with pytest.raises(auto.NothingFits) as e:
         auto.resolve(shlex.split(line), **MACHINE)
     assert "--peakflat-tile" in e.value.problem and "--hidden-dropout 0" in e.value.problem
