@@ -1359,7 +1359,9 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
     rows["tile"] = Row(
         "tile", attn_bwd, tiled_bwd, bound=tiled_bwd if tiled else None, phase="attention",
         source="dQ, dK, dV, fp32 dQ accumulator x flash_dq_splits, dO, rotated q and k "
-               f"(model.py attention_backward_transient){gathered}; never alive with the MoE's backward"
+               f"(model.py attention_backward_transient){gathered}"
+               + ("; cuDNN's dK and dV at the query heads over the call's keys (te_gqa_expansion)"
+                  if te_gqa_expansion(s, run) else "") + "; never alive with the MoE's backward"
                + (f"; tiled sublayer: whole K, V, their fp32 gradient sums, the incoming gradient and dx, plus one "
                   f"tile of {tile_tokens(run, pf)} tokens (tile/bound.py)" if tiled else "")
                + (f"; at CP {run.cp} K, V and their gradient sums are the gathered sequence's, with the rank's "
