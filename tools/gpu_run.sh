@@ -11,8 +11,9 @@
 #   bash tools/gpu_run.sh te-receive:5 te               # Transformer Engine 2.20.2's build (~2 min)
 # One GPU (rows record the card; on a card above 80 GB, E2E_ARGS="--hbm-cap-gib 79.18" answers for an H100):
 #   tests | tests:<pytest args>     tests/gpu                  suite        the whole CPU suite on this machine
-#   tile-tests                      the tiled sublayer on TE, TE's bottom-right probe at a 16K tile against 1M keys, and
-#                                   what TE's attention backward holds under determinism (4K and 16K tokens)
+#   tile-tests                      the tiled sublayer on TE, TE's bottom-right probe at a 16K tile against 1M keys,
+#                                   what TE's attention backward holds under determinism (4K and 16K tokens), and
+#                                   TE's attention as one call per K/V head against one call (16K tile, 1M keys)
 #   reach-start, reach-collect      peakflat-auto at 512K, 768K, 1M in the background (~15 min), then its rows
 #   reach-local-start, reach-local-collect
 #                                   the same on the local spec with the SDPA attention: needs no Transformer Engine,
@@ -71,7 +72,8 @@ for s in "$@"; do
     tile-tests)
       step tile_tests $PY -m pytest tests/gpu/test_tile_gpu.py -v -rA -p no:cacheprovider
       step te_bottom_right $PY tools/probes/te_bottom_right.py 16384 1048576
-      step te_deterministic_workspace $PY tools/probes/te_deterministic_workspace.py 4096 16384 ;;
+      step te_deterministic_workspace $PY tools/probes/te_deterministic_workspace.py 4096 16384
+      step te_kv_head_calls $PY tools/probes/te_kv_head_calls.py 16384 1048576 ;;
     reach-start) e2e reach_start "${REACH[@]}" ;;
     reach-collect) step reach_collect $PY bench/e2e.py --collect ;;
     reach-local-start) e2e reach_local_start --spec local "${REACH[@]}" --out e2e_local_reach.json ;;
