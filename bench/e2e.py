@@ -19,7 +19,9 @@ Reach: for each method, the longest sequence that trains ``--iters`` iterations 
 bisecting at ``--granularity``, up to ``--max-seq``; or, with ``--lengths 512K,768K,1M``, those lengths only, shortest
 first. Every length runs in its own process, so an OOM ends only that length, and every row is written to the results
 file as soon as it is measured; a second invocation resumes from the rows already there. A length's row is one run:
-its peak is the result, its time stays in ``extra.one_run_ms`` with ``ms`` null (a timing is the time phase's). ``--background`` starts the
+its peak is the result, its time stays in ``extra.one_run_ms`` with ``ms`` null (a timing is the time phase's). A
+length that ``--peakflat auto`` refuses at start-up (nothing fits) is 'refused', with the planner's reason in
+``extra.error_lines``. ``--background`` starts the
 command as a detached process and returns (its rows go into ``--background-dir``); ``--collect`` prints what it has
 done and copies its results file back, so a length longer than one shell command can run across several.
 
@@ -240,6 +242,12 @@ _PEAKS = re.compile(r"peakflat peaks iter \d+ .*?measured/predicted: (.*)$", re.
 _PAIR = re.compile(r"([a-z_ ]+?) ([0-9.]+)/([0-9.]+)")
 
 
+_REFUSED = re.compile(r"--peakflat='auto': nothing fits")
+"""The line ``python -m megatron_peakflat.pretrain`` prints where ``--peakflat auto`` finds nothing that fits."""
+FAILED = ("oom", "refused", "error")
+"""The outcomes of a length that did not train (a timeout is not one: the reach is then bounded by time)."""
+
+
 def parse(text: str, rc: int, wall: float, iters: int) -> Attempt:
     """What one training log says: losses, grad norms, the last iteration's time, Megatron's memory report after
     the second iteration, the runtime peak report's last line, and ``--peakflat auto``'s decision."""
@@ -266,13 +274,15 @@ def parse(text: str, rc: int, wall: float, iters: int) -> Attempt:
         outcome = "oom"
     elif rc == 124:
         outcome = "timeout"
+    elif not losses and _REFUSED.search(text):
+        outcome = "refused"  # --peakflat auto found nothing that fits, at start-up: the planner's verdict
     else:
         outcome = "error"
     timed = times[1:] if len(times) > 1 else times  # the first iteration holds the warm-up
     ms = statistics.median(timed) if timed else None
     return Attempt(outcome, round(wall, 1), losses, logged(text, "grad norm"), ms, mem,
                    peaks, auto, oom, "" if outcome == "ok" else text[-2500:],
-                   error_lines=error_lines(text) if outcome in ("error", "timeout") else [])
+                   error_lines=error_lines(text) if outcome in ("error", "timeout", "refused") else [])
 
 
 class BudgetSpent(Exception):
@@ -504,7 +514,8 @@ class Driver:
         return self.reach_row(method, search)
 
     def lengths(self, method: str) -> dict[int, str]:
-        """Each length measured for ``method`` and its outcome ('ok', 'oom', 'error', 'timeout', 'pending')."""
+        """Each length measured for ``method`` and its outcome ('ok', 'oom', 'refused', 'error', 'timeout',
+        'pending')."""
         out = {}
         for r in self.doc["rows"]:
             m = re.match(r"seq=(\d+),spec=" + re.escape(self.spec) + "$", r["case"])
@@ -518,7 +529,7 @@ class Driver:
         seen = self.lengths(method)
         ok = max((n for n, o in seen.items() if o == "ok"), default=0)
         above = sorted((n, o) for n, o in seen.items() if n > ok and o != "ok")
-        failing = next((n for n, o in above if o in ("oom", "error")), None)
+        failing = next((n for n, o in above if o in FAILED), None)
         if time_bound or any(o == "timeout" for _, o in above):
             limit = "time"
         elif failing is not None:
@@ -863,7 +874,7 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
         if timed:
             bottom.scatter([s for s, _ in timed], [r["extra"]["tokens_per_s"] for _, r in timed], marker="*", s=120,
                            color=color, label=f"{method}, median of iterations 2-{timed[0][1]['extra']['iters']}")
-        failed = [s for s, r in rows if r["extra"]["outcome"] in ("oom", "error")]
+        failed = [s for s, r in rows if r["extra"]["outcome"] in FAILED]
         if failed:
             top.scatter(failed, [0] * len(failed), marker="x", color=color, label=f"{method}: did not fit")
     reach = {r["method"]: r["reach_tokens"] for r in doc["rows"] if r["case"].startswith("reach,")}

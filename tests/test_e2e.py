@@ -266,3 +266,26 @@ def test_warm_up_as_long_as_a_phase_is_refused_at_start_up_naming_the_flag(tmp_p
     err = capsys.readouterr().err
     assert "--lr-warmup-iters 10" in err and "--time-iters" in err and "below 5" in err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_length_that_auto_refuses_is_recorded_as_refused_with_its_reason(tmp_path, monkeypatch):
+    """Where ``--peakflat auto`` finds nothing that fits, the run stops at start-up with the planner's reason: the
+    row says 'refused' (not an error), keeps the reason's lines, and the reach is limited by it."""
+    monkeypatch.setattr(e2e.Driver, "_planner_gib", lambda *a: None)
+    refusal = ("megatron-peakflat: --peakflat='auto': nothing fits in this command line's layout (TP1 PP1 CP1 DP1 "
+               "EP1): the only stage needs 80.21 GiB per GPU\n"
+               "E1207 torch.distributed.elastic.multiprocessing.api: failed (exitcode: 3)\n")
+
+    def runner(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+        if "--peakflat" in cmd and int(_value(cmd, "--seq-length")) > 768 * K:
+            return 1, refusal
+        return FakeMegatron(FITS | {"auto": 1024 * K})(cmd, env, timeout)
+
+    d = _driver(tmp_path, runner)
+    reach = d.reach_lengths("peakflat-auto", [768 * K, 1024 * K])
+    row = d.row(f"seq={1024 * K},spec=te", "peakflat-auto")
+    assert row["extra"]["outcome"] == "refused" and row["peak_gib"] is None
+    assert any("nothing fits" in ln for ln in row["extra"]["error_lines"])
+    assert reach["reach_tokens"] == 768 * K and reach["extra"]["limited_by"] == f"refused at {1024 * K}"
+    # an error that is not the planner's stays an error
+    assert e2e.parse("Traceback (most recent call last):\nValueError: x\n", 1, 1.0, 2).outcome == "error"
