@@ -121,6 +121,9 @@ class RunConfig:
     scores the plan then counts; None: flash or cuDNN's fused attention, which hold none."""
     cp_comm_type: tuple[str, ...] = ("p2p",)
     """--cp-comm-type (the unfused backend's scores under CP depend on it)."""
+    rope_fused: bool = False
+    """Transformer Engine's fused RoPE rotates q and k over the whole sequence (``te_limits.rope_fused_whole``): its
+    autograd function saves only the table, so no pre-rotation copy of q or k is alive in attention's backward."""
     routing_skew: float = 1.0
     """max/mean tokens received per expert-parallel rank (1: balanced)."""
     hbm_bytes: int = 80 * GIB
@@ -485,7 +488,7 @@ def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
     if s.mla is None:
         q = T / t * s.heads * s.head_dim
         k = v = T / t * s.kv_heads * s.head_dim
-        rotated = (q + k) * w
+        rotated = 0.0 if run.rope_fused else (q + k) * w
     else:
         m = s.mla
         q = k = T / t * s.heads * (m.qk_head_dim + m.qk_pos_emb_head_dim)

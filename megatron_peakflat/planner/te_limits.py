@@ -102,7 +102,7 @@ from typing import Any
 from ..config_base import PeakflatConfigError, format_bytes
 
 __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_rope_elements", "fused_rope_fits",
-           "fused_rope_max_tokens", "rope_fusion_applies", "rope_kernel_tokens", "fused_rope_refusal",
+           "fused_rope_max_tokens", "rope_fusion_applies", "rope_fused_whole", "rope_kernel_tokens", "fused_rope_refusal",
            "NO_ROPE_FUSION", "unfused_attention_condition", "attention_call_shape", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
            "DETERMINISTIC_BACKWARD", "deterministic_workspace_applies", "deterministic_workspace_bytes",
            "gqa_expansion_applies", "gqa_expansion_bytes",
@@ -157,6 +157,16 @@ def rope_fusion_applies(args: Any, *, preset: bool = False) -> bool:
     return (rope and bool(_get(args, "apply_rope_fusion", True))
             and _get(args, "transformer_impl", "transformer_engine") == "transformer_engine"
             and not getattr(args, "multi_latent_attention", False))
+
+
+def rope_fused_whole(shape: Any, args: Any, *, seq_len: int, cp: int, tp: int, micro_batch: int,
+                     preset: bool = False) -> bool:
+    """Whether TE's fused RoPE kernel rotates the whole sequence's q and k for this line: it applies
+    (``rope_fusion_applies``) and the rank's sequence is within its 32-bit limit (past it the recommendation and
+    auto add --no-rope-fusion, which rotates with torch)."""
+    if getattr(shape, "mla", None) is not None or not rope_fusion_applies(args, preset=preset):
+        return False
+    return fused_rope_fits(seq_len // cp, micro_batch, shape.heads, shape.kv_heads, shape.head_dim, tp)
 
 
 def rope_kernel_tokens(seq_len: int, cp: int, args: Any) -> int:
