@@ -323,14 +323,17 @@ def attention_head_dim(shape: Any) -> int:
     return max(mla.qk_head_dim + mla.qk_pos_emb_head_dim, mla.v_head_dim)
 
 
-def te_run_fields(shape: Any, args: Any, *, precision: str, cp: int) -> dict[str, Any]:
+def te_run_fields(shape: Any, args: Any, *, precision: str, cp: int, seq_len: int, tp: int, micro_batch: int,
+                  preset: bool = False) -> dict[str, Any]:
     """The planner's RunConfig fields that say what Transformer Engine runs for this line: ``transformer_impl``,
-    ``unfused_attention`` (the condition, or None) and ``cp_comm_type``."""
+    ``unfused_attention`` (the condition, or None), ``cp_comm_type`` and ``rope_fused`` (``rope_fused_whole``)."""
     comm = _get(args, "cp_comm_type", ["p2p"])
     return {"transformer_impl": _get(args, "transformer_impl", "transformer_engine"),
             "unfused_attention": unfused_attention_condition(args, precision=precision,
                                                              head_dim=attention_head_dim(shape), cp=cp),
-            "cp_comm_type": tuple(comm if isinstance(comm, (list, tuple)) else [comm])}
+            "cp_comm_type": tuple(comm if isinstance(comm, (list, tuple)) else [comm]),
+            "rope_fused": rope_fused_whole(shape, args, seq_len=seq_len, cp=cp, tp=tp, micro_batch=micro_batch,
+                                           preset=preset)}
 
 
 # ---- normalization ------------------------------------------------------------------------------------
