@@ -93,7 +93,13 @@ def test_results_figures_are_the_measured_ones():
     reach = {m: _row(m, "reach,spec=te")["reach_tokens"] for m in ("megatron-te", "peakflat-auto")}
     assert f"**Reach: {reach['peakflat-auto'] // reach['megatron-te']}x.**" in text
     assert f"Megatron trains {reach['megatron-te'] // 1024}K tokens" in text
-    assert f"the same run trains {reach['peakflat-auto'] // 1024}K at" in text
+    longest = _row("peakflat-auto", f"seq={reach['peakflat-auto']},spec=te")
+    assert f"the same run trains {reach['peakflat-auto'] // 1024}K at {longest['peak_gib']:.1f} GiB of 80" in text
+    assert f"({longest['extra']['one_run_ms'] / 1000:.0f} s per iteration, one run)" in text and longest["ms"] is None
+    died = _row("peakflat-auto", "seq=1048576,spec=te")
+    asked = re.search(r"Tried to allocate ([\d.]+) GiB", died["extra"]["attempts"][-1]["oom"]["message"]).group(1)
+    assert f"cuDNN asked for one {asked} GiB workspace" in text
+    assert f"Auto had planned {died['extra']['planner_gib']:.1f} GiB and said \"fits\"" in text
 
     errors = [(r["peak_gib"] - r["extra"]["planner_gib"]) / r["peak_gib"] for r in E2E
               if r["method"] == "peakflat-auto" and r["case"].startswith("seq=") and r["peak_gib"]]
