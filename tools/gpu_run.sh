@@ -14,7 +14,7 @@
 #   tile-tests                      the tiled sublayer on TE, TE's bottom-right probe at a 16K tile against 1M keys,
 #                                   what TE's attention backward holds under determinism (4K and 16K tokens), and
 #                                   TE's attention as one call per K/V head against one call (16K tile, 1M keys)
-#   reach-start, reach-collect      peakflat-auto at 512K, 768K, 1M in the background (~15 min), then its rows
+#   reach-start, reach-collect      peakflat-auto at REACH_LENGTHS in the background (~20 min), then its rows
 #   reach-local-start, reach-local-collect
 #                                   the same on the local spec with the SDPA attention: needs no Transformer Engine,
 #                                   so it can start in the set-up call (`setup 'tests:tests/gpu/test_tile_gpu.py
@@ -31,7 +31,7 @@
 #   e2e-cp2-reach, e2e-cp2-time     bench/e2e.py --cp 2 -> bench/results/e2e_cp2.json
 # Output: stdout, docs/evidence/gpu_<step>.log, and $OUT/ when set. Environment: PYTHON (python3), BUDGET (seconds a
 # resumable step may run, default 540), E2E_ARGS (added to every bench/e2e.py step), REACH_LENGTHS (the reach steps'
-# lengths, default 512K,768K,1M). Wheels missing on the machine
+# lengths, default 512K,992K,1M: on TE 992K is the longest that auto admits, and it refuses 1M). Wheels missing on the machine
 # (megatron-core, liger-kernel, cut-cross-entropy) come from .whl/ (../shared/tools/device-wheels.sh beforehand).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +55,7 @@ step() {  # name, command...
   [[ $rc -eq 0 ]] || status=1
 }
 e2e() { step "$1" $PY bench/e2e.py "${@:2}" ${E2E_ARGS:-}; }
-REACH=(--phases reach --methods peakflat-auto --lengths "${REACH_LENGTHS:-512K,768K,1M}" --timeout 1500 --background)
+REACH=(--phases reach --methods peakflat-auto --lengths "${REACH_LENGTHS:-512K,992K,1M}" --timeout 1500 --background)
 for s in "$@"; do
   case "$s" in
     te-receive:*) step "te_receive_${s#te-receive:}" bash tools/te_to_device.sh receive "${s#te-receive:}" ;;
