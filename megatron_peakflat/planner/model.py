@@ -450,16 +450,16 @@ def flash_gqa_expansion(s: ModelShape, run: RunConfig) -> float:
     return 2 * keys * s.heads / run.tp / flash_gqa_calls(s, run) * s.head_dim * run.w
 
 
-def te_gqa_expansion(s: ModelShape, run: RunConfig, tile: int | None = None) -> float:
+def te_gqa_expansion(s: ModelShape, run: RunConfig, *, tiled: bool = False) -> float:
     """Bytes of dK and dV at the query heads in cuDNN's backward workspace for the layer's largest TE attention call
     (``te_limits.gqa_expansion_bytes``); 0 where TE's fused attention does not run or the heads are not grouped.
-    The call: ``te_limits.attention_call_shape``'s, or with ``tile`` (the tiled sublayer) every query head against
+    The call: ``te_limits.attention_call_shape``'s, or in the tiled sublayer (``tiled``) every query head against
     the whole (under CP the gathered) sequence."""
     from .te_limits import attention_call_shape, gqa_expansion_applies, gqa_expansion_bytes
 
     if not gqa_expansion_applies(run, heads=s.heads, kv_heads=s.kv_heads, mla=s.mla is not None):
         return 0.0
-    if tile is not None:
+    if tiled:
         heads, keys = float(s.heads), float(run.seq_len)
     else:
         heads, _, keys = attention_call_shape(heads=s.heads, seq_len=run.seq_len, cp=run.cp, cp_comm=run.cp_comm_type)
@@ -584,7 +584,7 @@ def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> 
     repeated = 2 * prefix_kv * _kernel_kv_factor(s, run) * run.w if sdpa_repeats_kv(s, run) else 0
     # flash's expanded dK/dV over the prefix; with a call per K/V head, the split's gathered dK/dV of the prefix
     # and dQ of the tile, and the tile's output twice (the calls' and their concatenation)
-    expanded = flash_gqa_expansion(s, run) + te_gqa_expansion(s, run, tile)
+    expanded = flash_gqa_expansion(s, run) + te_gqa_expansion(s, run, tiled=True)
     if flash_gqa_calls(s, run) > 1:
         expanded += prefix_kv * run.w + 2 * tile * run.micro_batch * s.heads / run.tp * s.head_dim * run.w
     return tiled_attention_peak_bytes(tile, seq, run.micro_batch, s.hidden, max(1, s.heads // run.tp),
