@@ -80,7 +80,7 @@ def test_tiled_attention_under_cp_counts_the_gathered_sequence():
                                       2, cp=4)
     # and cuDNN's dK and dV at the query heads for a tile's call against the gathered sequence (te_gqa_expansion)
     want += 2 * shape.heads * S * shape.head_dim * 2
-    assert M.te_gqa_expansion(shape, run, tiled=True) == 2 * shape.heads * S * shape.head_dim * 2
+    assert M.te_gqa_expansion(shape, run, S // 8) == 2 * shape.heads * S * shape.head_dim * 2
     assert row.peakflat == row.bound == want and "gathered sequence" in row.source
     kv = shape.kv_heads * shape.head_dim  # elements of K (or V) per token
     terms = tiled_attention_terms(S // 8, S // 4, 1, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, 2,
@@ -251,7 +251,7 @@ def test_repeated_kv_heads_where_flash_does_not_run():
     tiled = PeakflatConfig(tile=TileConfig(enabled=True))
     te = dataclasses.replace(fp32, transformer_impl="transformer_engine")
     repeated = M.tiled_attention_bytes(shape, fp32, tiled) - (
-        M.tiled_attention_bytes(shape, te, tiled) - M.te_gqa_expansion(shape, te, tiled=True))
+        M.tiled_attention_bytes(shape, te, tiled) - M.te_gqa_expansion(shape, te, M.tile_tokens(te, tiled)))
     assert repeated == 4 * S * shape.heads * shape.head_dim * 4
 
 

@@ -450,19 +450,26 @@ def flash_gqa_expansion(s: ModelShape, run: RunConfig) -> float:
     return 2 * keys * s.heads / run.tp / flash_gqa_calls(s, run) * s.head_dim * run.w
 
 
-def te_gqa_expansion(s: ModelShape, run: RunConfig, *, tiled: bool = False) -> float:
+def te_call_shape(s: ModelShape, run: RunConfig, tile: int | None = None) -> tuple[float, float, float]:
+    """(heads, queries, keys) of the layer's largest Transformer Engine attention call, before TP:
+    ``te_limits.attention_call_shape``'s, or in the tiled sublayer (``tile``: its tokens) one tile of every query
+    head against the whole (under CP the gathered) sequence."""
+    from .te_limits import attention_call_shape
+
+    if tile is not None:
+        return float(s.heads), float(tile), float(run.seq_len)
+    return attention_call_shape(heads=s.heads, seq_len=run.seq_len, cp=run.cp, cp_comm=run.cp_comm_type)
+
+
+def te_gqa_expansion(s: ModelShape, run: RunConfig, tile: int | None = None) -> float:
     """Bytes of dK and dV at the query heads in cuDNN's backward workspace for the layer's largest TE attention call
-    (``te_limits.gqa_expansion_bytes``); 0 where TE's fused attention does not run or the heads are not grouped.
-    The call: ``te_limits.attention_call_shape``'s, or in the tiled sublayer (``tiled``) every query head against
-    the whole (under CP the gathered) sequence."""
-    from .te_limits import attention_call_shape, gqa_expansion_applies, gqa_expansion_bytes
+    (``te_call_shape``; ``tile``: the tiled sublayer's tokens) (``te_limits.gqa_expansion_bytes``); 0 where TE's
+    fused attention does not run or the heads are not grouped."""
+    from .te_limits import gqa_expansion_applies, gqa_expansion_bytes
 
     if not gqa_expansion_applies(run, heads=s.heads, kv_heads=s.kv_heads, mla=s.mla is not None):
         return 0.0
-    if tiled:
-        heads, keys = float(s.heads), float(run.seq_len)
-    else:
-        heads, _, keys = attention_call_shape(heads=s.heads, seq_len=run.seq_len, cp=run.cp, cp_comm=run.cp_comm_type)
+    heads, _, keys = te_call_shape(s, run, tile)
     return gqa_expansion_bytes(micro_batch=run.micro_batch, heads=heads, tp=run.tp, kv_tokens=keys,
                                head_dim=s.head_dim, bytes_per_element=run.w)
 
@@ -584,7 +591,7 @@ def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> 
     repeated = 2 * prefix_kv * _kernel_kv_factor(s, run) * run.w if sdpa_repeats_kv(s, run) else 0
     # flash's expanded dK/dV over the prefix; with a call per K/V head, the split's gathered dK/dV of the prefix
     # and dQ of the tile, and the tile's output twice (the calls' and their concatenation)
-    expanded = flash_gqa_expansion(s, run) + te_gqa_expansion(s, run, tiled=True)
+    expanded = flash_gqa_expansion(s, run) + te_gqa_expansion(s, run, tile)
     if flash_gqa_calls(s, run) > 1:
         expanded += prefix_kv * run.w + 2 * tile * run.micro_batch * s.heads / run.tp * s.head_dim * run.w
     return tiled_attention_peak_bytes(tile, seq, run.micro_batch, s.hidden, max(1, s.heads // run.tp),
@@ -1392,18 +1399,13 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
 
 
 def deterministic_workspace(s: ModelShape, run: RunConfig, pf: PeakflatConfig, *, tiled: bool) -> float:
-    """The dP workspace of the layer's largest attention call under cuDNN's deterministic backward
-    (``te_limits.deterministic_workspace_applies``); 0 where it does not run. A call's heads, queries and keys:
-    ``te_limits.attention_call_shape``'s, or in the tiled sublayer one tile against the whole (under CP the
-    gathered) sequence."""
-    from .te_limits import attention_call_shape, deterministic_workspace_applies, deterministic_workspace_bytes
+    """The dP workspace of the layer's largest attention call (``te_call_shape``, tiled or not) under cuDNN's
+    deterministic backward (``te_limits.deterministic_workspace_applies``); 0 where it does not run."""
+    from .te_limits import deterministic_workspace_applies, deterministic_workspace_bytes
 
     if not deterministic_workspace_applies(run):
         return 0.0
-    if tiled:
-        heads, q, kv = float(s.heads), float(tile_tokens(run, pf)), float(run.seq_len)
-    else:
-        heads, q, kv = attention_call_shape(heads=s.heads, seq_len=run.seq_len, cp=run.cp, cp_comm=run.cp_comm_type)
+    heads, q, kv = te_call_shape(s, run, tile_tokens(run, pf) if tiled else None)
     return deterministic_workspace_bytes(micro_batch=run.micro_batch, heads=heads, tp=run.tp, q_tokens=q,
                                          kv_tokens=kv)
 

@@ -171,9 +171,10 @@ def _why(p: Plan) -> list[str]:
 def _te_expansion_fix(p: Plan) -> str:
     """The tile row's other fix where cuDNN's backward expands dK and dV to the query heads
     (``model.te_gqa_expansion``): the local spec's SDPA attention, which runs one call per K/V head at long lengths."""
-    from .model import te_gqa_expansion, tiles_attention
+    from .model import te_gqa_expansion, tile_tokens, tiles_attention
 
-    expanded = te_gqa_expansion(p.shape, p.run, tiled=tiles_attention(p.shape, p.run, p.peakflat))
+    tiled = tiles_attention(p.shape, p.run, p.peakflat)
+    expanded = te_gqa_expansion(p.shape, p.run, tile_tokens(p.run, p.peakflat) if tiled else None)
     if not expanded:
         return ""
     return (f"; or run Megatron's local spec (--transformer-impl local --peakflat-attention sdpa): on Transformer "
