@@ -78,9 +78,14 @@ def test_tiled_attention_under_cp_counts_the_gathered_sequence():
     row = M.plan(shape, run, pf).stages[0].rows["tile"]
     want = tiled_attention_peak_bytes(S // 8, S // 4, 1, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                                       2, cp=4)
-    # and cuDNN's dK and dV at the query heads for a tile's call against the gathered sequence (te_gqa_expansion)
-    want += 2 * shape.heads * S * shape.head_dim * 2
-    assert M.te_gqa_expansion(shape, run, S // 8) == 2 * shape.heads * S * shape.head_dim * 2
+    # and cuDNN's dK and dV at the query heads of one of the tile's calls, one per K/V head (te_tile_calls), against
+    # the gathered sequence (te_gqa_expansion), with the split's K and V copies of that sequence and the tile's
+    # output twice (the calls' and their concatenation)
+    calls = shape.kv_heads
+    assert M.te_tile_calls(shape, run) == calls
+    assert M.te_gqa_expansion(shape, run, S // 8) == 2 * shape.heads // calls * S * shape.head_dim * 2
+    want += 2 * shape.heads // calls * S * shape.head_dim * 2
+    want += 2 * S * shape.kv_heads * shape.head_dim * 2 + 2 * (S // 8) * shape.heads * shape.head_dim * 2
     assert row.peakflat == row.bound == want and "gathered sequence" in row.source
     kv = shape.kv_heads * shape.head_dim  # elements of K (or V) per token
     terms = tiled_attention_terms(S // 8, S // 4, 1, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, 2,
@@ -250,8 +255,10 @@ def test_repeated_kv_heads_where_flash_does_not_run():
     assert M.cp_gathered_kv_backward(shape, fp32, _pf("sdpa")) == pytest.approx((S + S / 8) * per_token * 8)
     tiled = PeakflatConfig(tile=TileConfig(enabled=True))
     te = dataclasses.replace(fp32, transformer_impl="transformer_engine")
+    tile = M.tile_tokens(te, tiled)
+    te_split = 2 * S * shape.kv_heads * shape.head_dim * 4 + 2 * tile * shape.heads * shape.head_dim * 4
     repeated = M.tiled_attention_bytes(shape, fp32, tiled) - (
-        M.tiled_attention_bytes(shape, te, tiled) - M.te_gqa_expansion(shape, te, M.tile_tokens(te, tiled)))
+        M.tiled_attention_bytes(shape, te, tiled) - M.te_gqa_expansion(shape, te, tile) - te_split)
     assert repeated == 4 * S * shape.heads * shape.head_dim * 4
 
 
@@ -303,19 +310,24 @@ def test_flash_expands_grouped_dk_dv_per_call(cp):
     assert M.flash_gqa_expansion(shape, fp32) == 0 and M.flash_gqa_calls(shape, fp32) == 1
 
 
-def test_tile_counts_flash_expansion_over_the_prefix():
+def test_tile_counts_flash_expansion_over_the_prefix(monkeypatch):
     """The tiled sublayer's bound on the local spec in bf16 counts flash's expanded dK/dV of one call over the whole
     prefix, the split's gathered dK/dV of the prefix and dQ of a tile, and the tile's output once more (the calls'
-    and their concatenation), beside what Transformer Engine's tile holds."""
+    and their concatenation), in place of one call's expansion at every query head; on Transformer Engine's layers
+    the sublayer splits its calls the same way (te_tile_calls), and the two count the same."""
+    from megatron_peakflat.attention import calls
     from megatron_peakflat.tile.config import TileConfig
 
     shape = preset("gpt-oss-20b")
     h, g, d, w = shape.heads, shape.kv_heads, shape.head_dim, 2
     S = 2**20
     local = M.RunConfig(seq_len=S, precision="bf16", transformer_impl="local")
+    te = dataclasses.replace(local, transformer_impl="transformer_engine")
     tiled = PeakflatConfig(tile=TileConfig(enabled=True))
     tile = M.tile_tokens(local, tiled)
-    extra = M.tiled_attention_bytes(shape, local, tiled) - M.tiled_attention_bytes(
-        shape, dataclasses.replace(local, transformer_impl="transformer_engine"), tiled)
-    te_own = 2 * S * h * d * w  # cuDNN's dK/dV at every query head over the prefix, which the split calls avoid
-    assert extra == 2 * S * (h // g) * d * w + 2 * S * g * d * w + 2 * tile * h * d * w - te_own
+    split = M.tiled_attention_bytes(shape, local, tiled)
+    assert split == M.tiled_attention_bytes(shape, te, tiled)
+    monkeypatch.setattr(calls, "GROUPED_CALL_MIN_KEYS", 1 << 62)  # one call of every head
+    one_call = M.tiled_attention_bytes(shape, local, tiled)
+    assert M.tiled_attention_bytes(shape, te, tiled) == one_call
+    assert split - one_call == 2 * S * (h // g) * d * w + 2 * S * g * d * w + 2 * tile * h * d * w - 2 * S * h * d * w

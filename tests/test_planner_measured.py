@@ -1,6 +1,7 @@
 """The planner against GPU rows committed in bench/results (``FILES``): each measured run's own flags (with what
 ``--peakflat auto`` added in place of auto), planned for the attention code that ran it (``extra``'s
-``grouped_call_min_keys``: null where every grouped-head attention was one call), on the card it ran on. A row
+``grouped_call_min_keys``: null where every grouped-head attention was one call; ``te_tile_kv_head_calls``: absent
+where the tiled sublayer ran one Transformer Engine call per tile), on the card it ran on. A row
 that trained is predicted within the calibration's band of its measured peak (max allocated: ``pc.BAND``, 0.95
 to 1.10, over rather than under); a row that died of memory is not planned to fit."""
 
@@ -54,11 +55,19 @@ def _memory_error(row: dict) -> bool:
     return row["extra"]["outcome"] == "oom" or any(m in text for m in ("out of memory", "Failed to CUDA calloc"))
 
 
-@pytest.mark.parametrize("name,row", _rows(), ids=[n for n, _ in _rows()])
-def test_a_measured_row_is_planned_as_it_ran(name, row, monkeypatch):
+def attention_as_it_ran(row: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's attention calls set to those of the code that ran ``row`` (its ``extra``)."""
     from megatron_peakflat.attention import calls
+    from megatron_peakflat.planner import model
 
     monkeypatch.setattr(calls, "GROUPED_CALL_MIN_KEYS", row["extra"].get("grouped_call_min_keys") or 1 << 62)
+    if not row["extra"].get("te_tile_kv_head_calls"):
+        monkeypatch.setattr(model, "te_tile_calls", lambda s, run: 1)
+
+
+@pytest.mark.parametrize("name,row", _rows(), ids=[n for n, _ in _rows()])
+def test_a_measured_row_is_planned_as_it_ran(name, row, monkeypatch):
+    attention_as_it_ran(row, monkeypatch)
     machine = CARDS[row["extra"]["card"]]
     machine = pc.Machine(machine.card, int(row["extra"].get("hbm_cap_gib", machine.hbm_bytes / pc.GIB) * pc.GIB),
                          machine.host_bytes, machine.sm_count)

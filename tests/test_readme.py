@@ -150,17 +150,20 @@ def test_local_spec_reach_figures_are_the_measured_ones():
     assert "At 1M it ran out of memory" in text and ok["extra"]["card"] == "NVIDIA H100 80GB HBM3"
 
 
-def test_the_replanned_rows_are_the_planners_figures():
+def test_the_replanned_rows_are_the_planners_figures(monkeypatch):
     """The README's "planned again" range: each TE row that trained, planned now with its own flags on its card
-    (tests/test_planner_measured.py's planning), against its measured peak; and the 1M run planned not to fit."""
-    from tests.test_planner_measured import CARDS, _flags, pc
+    and its attention code (tests/test_planner_measured.py's planning), against its measured peak; and the 1M run
+    planned not to fit."""
+    from tests.test_planner_measured import CARDS, _flags, attention_as_it_ran, pc
 
     text = " ".join(_results().split())
     ratios, fits_1m = [], None
     for r in E2E:
         if not r["case"].startswith("seq=") or r["extra"].get("outcome") not in ("ok", "oom"):
             continue
-        got = pc.predict(_flags(r), CARDS[r["extra"]["card"]])
+        with monkeypatch.context() as m:
+            attention_as_it_ran(r, m)
+            got = pc.predict(_flags(r), CARDS[r["extra"]["card"]])
         if r["extra"]["outcome"] == "ok":
             ratios.append(got.gib / r["peak_gib"] - 1)
         elif r["case"] == "seq=1048576,spec=te":

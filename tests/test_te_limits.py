@@ -238,17 +238,19 @@ def test_the_plan_counts_the_deterministic_workspace_on_te_only(extra, cp, expec
         assert "deterministic" in rows["attention scores"].source
 
 
-def test_under_the_tile_the_workspace_is_one_tile_against_the_sequence():
+def test_under_the_tile_the_workspace_is_one_tile_of_one_calls_heads_against_the_sequence():
+    """The tiled sublayer runs TE's attention as one call per K/V head (2 here, model.te_tile_calls): each call's
+    dP workspace is a tile of 16 of the 32 query heads against every key."""
     shape, run, pf, _, _ = _det_plan(65536, "--deterministic-mode", "--peakflat-tile", "--peakflat-tile-tokens 4096")
     row = plan(shape, run, pf).stages[0].rows["attention scores"]
-    assert row.baseline == 32 * 65536 * 65536 * 2 and row.peakflat == 32 * 4096 * 65536 * 2
+    assert row.baseline == 32 * 65536 * 65536 * 2 and row.peakflat == 16 * 4096 * 65536 * 2
 
 
 def test_auto_check_and_start_up_refuse_a_deterministic_workspace_that_does_not_fit(capsys, monkeypatch):
     from megatron_peakflat.auto import resolve
 
-    seq = 640 * 1024
-    line = f"{DET_LINE} --seq-length {seq} --max-position-embeddings {seq}".split()
+    seq = 1 << 20  # at 640K the tile's calls (2048 queries of 16 heads against every key) fit
+    line = f"{DET_LINE} --seq-length {seq} --max-position-embeddings {seq} --no-rope-fusion".split()
     with pytest.raises(PeakflatConfigError, match="--deterministic-mode") as e:
         resolve([*line, "--deterministic-mode", "--peakflat", "auto"], gpus=1, gpus_per_node=1,
                 hbm_bytes=80 * GIB, host_bytes_per_node=2048 * GIB)
@@ -588,42 +590,67 @@ def test_the_attention_backward_counts_cudnns_expanded_dk_dv(extra, cp, groups, 
     assert with_it - without == 2 * heads * keys * 64 * 2
 
 
-def test_under_the_tile_each_call_expands_over_the_whole_prefix(monkeypatch):
+def test_under_the_tile_each_call_expands_its_heads_over_the_whole_prefix(monkeypatch):
+    """The tiled sublayer runs TE's attention as one call per K/V head (integration/tile.py te_kv_head_calls): one
+    call's 8 query heads expand over the prefix at a time, and the split holds the prefix's K and V copies (or
+    their gradients) and the tile's output twice; at one call per tile, all 64 heads expand."""
     from megatron_peakflat.planner import model
 
     shape, run, pf, _, _ = _gqa_plan(65536, "--peakflat-tile", "--peakflat-tile-tokens 4096", "--hidden-dropout 0",
                                      "--attention-dropout 0")
-    with_it = plan(shape, run, pf).stages[0].rows["tile"].peakflat
+    assert model.te_tile_calls(shape, run) == 8
+    split = plan(shape, run, pf).stages[0].rows["tile"].peakflat
+    monkeypatch.setattr(model, "te_tile_calls", lambda s, r: 1)
+    one_call = plan(shape, run, pf).stages[0].rows["tile"].peakflat
     monkeypatch.setattr(model, "te_gqa_expansion", lambda *a, **k: 0.0)
-    assert with_it - plan(shape, run, pf).stages[0].rows["tile"].peakflat == 2 * 64 * 65536 * 64 * 2
+    assert one_call - plan(shape, run, pf).stages[0].rows["tile"].peakflat == 2 * 64 * 65536 * 64 * 2
+    assert split - one_call == (2 * 8 * 65536 * 64 * 2 - 2 * 64 * 65536 * 64 * 2  # one call's heads, not all
+                                + 2 * 65536 * 8 * 64 * 2 + 2 * 4096 * 64 * 64 * 2)  # K and V copies; output twice
 
 
-def test_the_1m_run_that_died_is_not_planned_to_fit_and_auto_refuses_it():
-    """The run's own flags, with what auto had added, now plan past the H100; auto finds nothing at 1M."""
+def test_the_1m_run_that_died_is_not_planned_to_fit_as_it_ran_and_fits_with_a_call_per_kv_head(monkeypatch):
+    """The run's own flags: with the tile's one TE call per tile that ran it, auto finds nothing at 1M on the H100;
+    with one call per K/V head (model.te_tile_calls) it admits the line."""
     import shlex
 
     from megatron_peakflat.auto import resolve
+    from megatron_peakflat.planner import model
 
     row = _te_1m_oom_row()
+    assert not row["extra"].get("te_tile_kv_head_calls")
     argv = shlex.split(row["extra"]["command"])
     flags = argv[argv.index("megatron_peakflat.pretrain") + 1:]
     hbm = int(79.18 * GIB)
-    with pytest.raises(PeakflatConfigError):
-        resolve(flags, gpus=1, gpus_per_node=1, hbm_bytes=hbm, host_bytes_per_node=128 * GIB)
+    with monkeypatch.context() as m:
+        m.setattr(model, "te_tile_calls", lambda s, r: 1)
+        with pytest.raises(PeakflatConfigError):
+            resolve(flags, gpus=1, gpus_per_node=1, hbm_bytes=hbm, host_bytes_per_node=128 * GIB)
+    assert "--peakflat-tile" in resolve(flags, gpus=1, gpus_per_node=1, hbm_bytes=hbm,
+                                        host_bytes_per_node=128 * GIB).added
 
 
-def test_where_the_expansion_binds_the_refusal_names_the_local_specs_per_head_calls(capsys):
-    """The 1M line that died: peakflat-check refuses it (exit 3), and the tile row's fix names the local spec's SDPA
-    attention beside CP and TP, with the expanded bytes; a line without grouped heads gets no such fix."""
+def test_where_the_expansion_binds_the_refusal_names_the_local_specs_per_head_calls(capsys, monkeypatch):
+    """The 1M line that died, planned with one TE call per tile as it ran: peakflat-check refuses it (exit 3), and
+    the tile row's fix names the local spec's SDPA attention beside CP and TP, with both expansions; with the
+    tile's call per K/V head the line fits, and no fix names the local spec; a line without grouped heads gets no
+    such fix."""
     import shlex
+
+    from megatron_peakflat.planner import model
 
     row = _te_1m_oom_row()
     argv = shlex.split(row["extra"]["command"])
     flags = argv[argv.index("megatron_peakflat.pretrain") + 1:]
-    assert check.main([*flags, "--gpus", "1", "--hbm-gib", "79.18", "--host-gib", "128"]) == 3
+    with monkeypatch.context() as m:
+        m.setattr(model, "te_tile_calls", lambda s, r: 1)
+        assert check.main([*flags, "--gpus", "1", "--hbm-gib", "79.18", "--host-gib", "128"]) == 3
     out = capsys.readouterr()
     text = " ".join((out.out + out.err).split())
     assert "--transformer-impl local --peakflat-attention sdpa" in text and "(16.00 GiB here)" in text
+    assert "one call per K/V head (2.00 GiB)" in text
+    assert check.main([*flags, "--gpus", "1", "--hbm-gib", "79.18", "--host-gib", "128"]) == 0
+    out = capsys.readouterr()
+    assert "--transformer-impl local" not in out.out + out.err
     mha = [f if f != "8" or flags[i - 1] != "--num-query-groups" else "64" for i, f in enumerate(flags)]
     check.main([*mha, "--gpus", "1", "--hbm-gib", "79.18", "--host-gib", "128"])
     out = capsys.readouterr()

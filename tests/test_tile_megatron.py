@@ -58,11 +58,40 @@ def _compare(what: str, got, ref, tol: float = 1e-5) -> float:  # noqa: ANN001
     return max(errs)
 
 
+class TEDotProductAttention(torch.nn.Module):
+    """Transformer Engine's ``DotProductAttention`` as Megatron's layer and the tiled sublayer call it, in torch
+    (TE needs CUDA): sbhd operands, the mask type at each call (``causal_bottom_right`` aligns the queries to the
+    last key), grouped K/V heads checked against ``num_gqa_groups_per_partition`` as TE's forward checks them, and
+    the output [sq, b, heads x head_dim]. ``calls``: the K/V heads of each call."""
+
+    te_forward_mask_type = True
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_gqa_groups_per_partition, self.cp_group, self.calls = groups, None, []
+
+    def forward(self, q, k, v, attention_mask, attn_mask_type, attention_bias=None,  # noqa: ANN001, ANN201
+                packed_seq_params=None):
+        assert attention_mask is None and attention_bias is None and packed_seq_params is None
+        assert k.shape[2] == v.shape[2] == self.num_gqa_groups_per_partition, (k.shape, self.num_gqa_groups_per_partition)
+        assert attn_mask_type.name in ("causal", "causal_bottom_right"), attn_mask_type
+        self.calls.append(k.shape[2])
+        L, S = q.shape[0], k.shape[0]
+        qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        repeats = qb.shape[1] // kb.shape[1]
+        kb, vb = kb.repeat_interleave(repeats, dim=1), vb.repeat_interleave(repeats, dim=1)
+        mask = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+        out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
+        return out.permute(2, 0, 1, 3).reshape(L, q.shape[1], -1)
+
+
 def _case(rank: int, world: int, name: str, *, experts: int, tile: int, others: dict | None = None,
           attention: str = "sdpa", mask: bool = False, expect_tiled: bool = True, tp: int = 1,
-          per_kv_head: bool = False, **config_over) -> tuple[str, float]:
+          per_kv_head: bool = False, te_core: bool = False, **config_over) -> tuple[str, float]:
     """One model, built with the components of ``others`` on; its loss and gradients with the tile off, then on.
-    ``per_kv_head``: the SDPA attention runs grouped heads as one call per K/V head at every length."""
+    ``per_kv_head``: grouped heads run as one call per K/V head at every length (the SDPA attention's own split;
+    with ``te_core``, the tiled sublayer's split of ``TEDotProductAttention``, which each layer's core attention
+    then is)."""
     import megatron_peakflat
     from megatron_peakflat.attention import calls as attention_calls
     from megatron_peakflat import stats
@@ -87,6 +116,11 @@ def _case(rank: int, world: int, name: str, *, experts: int, tile: int, others: 
     model = mc.build_tiny_gpt(config, vocab_size=VOCAB, seq_len=SEQ, moe=experts is not None)
     if experts:
         mc.skew_router(model, "all", seed=5 + rank)  # every token on expert 1 (top-1): other ranks get none
+    cores = []
+    if te_core:
+        for layer in model.decoder.layers:
+            cores.append(TEDotProductAttention(config.num_query_groups // tp))
+            layer.self_attention.core_attention = cores[-1]
     batch = _batch(11 + rank)
     if mask:
         batch["attention_mask"] = mc.gpt_batch(SEQ, MB, VOCAB)["attention_mask"]
@@ -109,6 +143,14 @@ def _case(rank: int, world: int, name: str, *, experts: int, tile: int, others: 
         assert snap.get("tile_tokens") == min(tile, SEQ), (name, snap)
     else:
         assert snap.get("untiled_calls") == calls and "tiled_calls" not in snap, (name, snap)
+    if te_core:
+        groups = config.num_query_groups // tp
+        split = per_kv_head and groups < config.num_attention_heads // tp
+        assert (snap.get("te_kv_head_calls", 0) > 0) == split, (name, snap)
+        for core in cores:  # the untiled layer's calls take every K/V head; the tiled sublayer's one each if split
+            n_ref = 2 if config.recompute_granularity else 1
+            assert core.calls[:n_ref] == [groups] * n_ref and len(core.calls) > n_ref, (name, core.calls)
+            assert set(core.calls[n_ref:]) == ({1} if split else {groups}), (name, core.calls)
     return name, _compare(f"{name} rank {rank}", got, ref)
 
 
@@ -200,6 +242,9 @@ def _worker(rank: int, world: int) -> list[tuple[str, float]]:
         out.append(_sdpa_bottom_right(rank))
         out.append(_case(rank, world, "gqa4,tile5", experts=4, tile=5))
         out.append(_case(rank, world, "gqa4,tile5,per-kv-head", experts=4, tile=5, per_kv_head=True))
+        out.append(_case(rank, world, "gqa4,tile5,te,per-kv-head", experts=4, tile=5, per_kv_head=True,
+                         te_core=True))
+        out.append(_case(rank, world, "gqa4,tile5,te,one-call", experts=4, tile=5, te_core=True))
         out.append(_case(rank, world, "tile1,mha", experts=4, tile=1, num_query_groups=8, num_layers=1))
         out.append(_case(rank, world, "all-components,tile7", experts=4, tile=7, others=others))
         out.append(_case(rank, world, "mtp,tile8", experts=4, tile=8, mtp_num_layers=1, mtp_loss_scaling_factor=0.3))
@@ -212,6 +257,8 @@ def _worker(rank: int, world: int) -> list[tuple[str, float]]:
     elif world == 2:
         out.append(_case(rank, world, "ep2,gqa4,tile5", experts=4, tile=5))
         out.append(_case(rank, world, "ep2,gqa4,tile5,per-kv-head", experts=4, tile=5, per_kv_head=True))
+        out.append(_case(rank, world, "ep2,gqa4,tile5,te,per-kv-head", experts=4, tile=5, per_kv_head=True,
+                         te_core=True))
         out.append(_case(rank, world, "ep2,all-components,tile9", experts=4, tile=9, others=others))
         out.append(_ddp_case(rank, world))
         # TP=2 without sequence parallelism: heads split over the ranks, the output projection reduced per tile
@@ -219,6 +266,8 @@ def _worker(rank: int, world: int) -> list[tuple[str, float]]:
                          num_layers=1))
     else:
         out.append(_case(rank, world, "ep3,3-experts,tile5", experts=3, tile=5))
+        out.append(_case(rank, world, "ep3,3-experts,tile4,te,per-kv-head", experts=3, tile=4, per_kv_head=True,
+                         te_core=True))
         out.append(_case(rank, world, "ep3,6-experts,tile7", experts=6, tile=7))
     mc.destroy_megatron_parallel()
     return out

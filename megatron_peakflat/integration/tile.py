@@ -4,7 +4,8 @@ bound to the layer's own modules.
 The ops are Megatron's: ``input_layernorm`` then ``self_attention.get_query_key_value_tensors`` (the QKV
 projection, with the norm fused into ``linear_qkv`` on Transformer Engine, qk-layernorm and grouped K/V heads),
 ``apply_rotary_pos_emb`` with the rotary table cut to the tile's positions, ``self_attention.core_attention``
-with ``AttnMaskType.causal_bottom_right`` (plain ``causal`` when the tile's queries are all the keys),
+with ``AttnMaskType.causal_bottom_right`` (plain ``causal`` when the tile's queries are all the keys; Transformer
+Engine's, with grouped K/V heads at long key lengths, as one call per K/V head: ``te_kv_head_calls``),
 ``self_attention.linear_proj`` and ``self_attn_bda``. The parameters of the norm and the attention are the
 Function's inputs, so each gets its gradient once per step (DDP's hooks, overlapped reduction included).
 
@@ -32,13 +33,15 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import stats
+from ..attention import calls as calls_module
+from ..attention.kv_head_split import attend_per_kv_head
 from ..tile.api import tiled_self_attention
 from ..tile.ops import TileOps
 from ..tile.context_parallel import group_size
 from . import state
 from .logs import info_once
 
-__all__ = ["wrap_forward_attention", "unsupported_reason", "layer_ops", "layer_params", "cp_group"]
+__all__ = ["wrap_forward_attention", "unsupported_reason", "layer_ops", "layer_params", "cp_group", "te_kv_head_calls"]
 
 
 def wrap_forward_attention(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -168,14 +171,52 @@ def layer_ops(layer: Any, rotary_pos_emb: Any) -> TileOps:
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         mask = AttnMaskType.causal if q.shape[0] == k.shape[0] else AttnMaskType.causal_bottom_right
-        with _without_cp_group(sa.core_attention) if gathered else contextlib.nullcontext():
-            return sa.core_attention(q, k, v, None, attn_mask_type=mask, attention_bias=None,
-                                     packed_seq_params=None)
+        core = sa.core_attention
+
+        def call(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+            return core(qc, kc, vc, None, attn_mask_type=mask, attention_bias=None, packed_seq_params=None)
+
+        calls = te_kv_head_calls(layer, q, k)
+        with _without_cp_group(core) if gathered else contextlib.nullcontext():
+            if calls == 1:
+                return call(q, k, v)
+            info_once(f"peakflat tile: Transformer Engine's attention runs as {calls} calls of {q.shape[2] // calls} "
+                      f"query heads each from {calls_module.GROUPED_CALL_MIN_KEYS} keys on ({k.shape[0] * k.shape[1]} here), so "
+                      "cuDNN's backward expands dK and dV for one K/V head group at a time")
+            stats.add("tile", "te_kv_head_calls", calls)
+            with _kv_heads_per_call(core, k.shape[2] // calls):
+                return attend_per_kv_head(call, q, k, v, calls)
 
     def project(o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return layer.self_attn_bda(layer.training, cfg.bias_dropout_fusion)(sa.linear_proj(o), x, layer.hidden_dropout)
 
     return TileOps(qkv=qkv, attend=attend, project=project)
+
+
+def te_kv_head_calls(layer: Any, q: torch.Tensor, k: torch.Tensor) -> int:
+    """The calls the tiled sublayer runs one attention of ``layer``'s Transformer Engine core attention as
+    (``attention.calls.kv_head_calls`` on this call's heads and keys): one per K/V head where the heads are grouped
+    and the keys are long, else 1; also 1 on another core attention (the SDPA one splits its own calls), and where
+    the attention reports per-head logit maxima (``--qk-clip``, ``--log-max-attention-logit``), which the calls
+    would each report for their own heads."""
+    if type(layer.self_attention.core_attention).__name__ != "TEDotProductAttention":
+        return 1
+    cfg = layer.config
+    if getattr(cfg, "qk_clip", False) or getattr(cfg, "log_max_attention_logit", False):
+        return 1
+    return calls_module.kv_head_calls(q.shape[2], k.shape[2], k.shape[0] * k.shape[1])
+
+
+@contextlib.contextmanager
+def _kv_heads_per_call(core: Any, groups: int) -> Iterator[None]:
+    """Transformer Engine's ``DotProductAttention`` taking ``groups`` K/V heads per call, the one count its forward
+    checks the keys against (``num_gqa_groups_per_partition``); the query heads it reads from the query's shape."""
+    saved = core.num_gqa_groups_per_partition
+    core.num_gqa_groups_per_partition = groups
+    try:
+        yield
+    finally:
+        core.num_gqa_groups_per_partition = saved
 
 
 def cp_group(layer: Any) -> Any:

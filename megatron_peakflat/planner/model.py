@@ -450,14 +450,25 @@ def flash_gqa_expansion(s: ModelShape, run: RunConfig) -> float:
     return 2 * keys * s.heads / run.tp / flash_gqa_calls(s, run) * s.head_dim * run.w
 
 
+def te_tile_calls(s: ModelShape, run: RunConfig) -> int:
+    """The calls the tiled sublayer runs one Transformer Engine attention over the whole (under CP the gathered)
+    sequence's keys as (integration/tile.py ``te_kv_head_calls``): one per K/V head of this TP rank where cuDNN's
+    backward would expand grouped heads (``te_limits.gqa_expansion_applies``) and the keys are long, else 1."""
+    from .te_limits import gqa_expansion_applies
+
+    if not gqa_expansion_applies(run, heads=s.heads, kv_heads=s.kv_heads, mla=s.mla is not None):
+        return 1
+    return kv_head_calls(max(1, s.heads // run.tp), max(1, s.kv_heads // run.tp), run.seq_len * run.micro_batch)
+
+
 def te_call_shape(s: ModelShape, run: RunConfig, tile: int | None = None) -> tuple[float, float, float]:
     """(heads, queries, keys) of the layer's largest Transformer Engine attention call, before TP:
-    ``te_limits.attention_call_shape``'s, or in the tiled sublayer (``tile``: its tokens) one tile of every query
-    head against the whole (under CP the gathered) sequence."""
+    ``te_limits.attention_call_shape``'s, or in the tiled sublayer (``tile``: its tokens) one tile of the query
+    heads of one call (``te_tile_calls``) against the whole (under CP the gathered) sequence."""
     from .te_limits import attention_call_shape
 
     if tile is not None:
-        return float(s.heads), float(tile), float(run.seq_len)
+        return float(s.heads) / te_tile_calls(s, run), float(tile), float(run.seq_len)
     return attention_call_shape(heads=s.heads, seq_len=run.seq_len, cp=run.cp, cp_comm=run.cp_comm_type)
 
 
@@ -589,10 +600,11 @@ def tiled_attention_bytes(s: ModelShape, run: RunConfig, pf: PeakflatConfig) -> 
     # repeated K/V heads (sdpa_repeats_kv): the prefix's repeated K and V, and the kernel's gradients of them
     prefix_kv = run.seq_len * run.micro_batch * _kv_rows_per_token(s, run)  # K plus V over the longest prefix
     repeated = 2 * prefix_kv * _kernel_kv_factor(s, run) * run.w if sdpa_repeats_kv(s, run) else 0
-    # flash's expanded dK/dV over the prefix; with a call per K/V head, the split's gathered dK/dV of the prefix
-    # and dQ of the tile, and the tile's output twice (the calls' and their concatenation)
+    # flash's (cuDNN's) expanded dK/dV over the prefix for one call; with a call per K/V head, the split's
+    # gathered dK/dV of the prefix (with TE: the calls' contiguous K/V copies, which they give up as the gradients
+    # arrive), and the tile's output twice (the calls' and their concatenation)
     expanded = flash_gqa_expansion(s, run) + te_gqa_expansion(s, run, tile)
-    if flash_gqa_calls(s, run) > 1:
+    if flash_gqa_calls(s, run) > 1 or te_tile_calls(s, run) > 1:
         expanded += prefix_kv * run.w + 2 * tile * run.micro_batch * s.heads / run.tp * s.head_dim * run.w
     return tiled_attention_peak_bytes(tile, seq, run.micro_batch, s.hidden, max(1, s.heads // run.tp),
                                       max(1, s.kv_heads // run.tp), s.head_dim, run.w, cp=run.cp,

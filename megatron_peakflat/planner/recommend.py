@@ -169,17 +169,21 @@ def _why(p: Plan) -> list[str]:
 
 
 def _te_expansion_fix(p: Plan) -> str:
-    """The tile row's other fix where cuDNN's backward expands dK and dV to the query heads
-    (``model.te_gqa_expansion``): the local spec's SDPA attention, which runs one call per K/V head at long lengths."""
-    from .model import te_gqa_expansion, tile_tokens, tiles_attention
+    """The tile row's other fix where cuDNN's backward expands dK and dV to more query heads at once
+    (``model.te_gqa_expansion``) than flash's would under the local spec's SDPA attention, which runs one call per
+    K/V head at long lengths (``model.flash_gqa_expansion``): Transformer Engine's own untiled attention. The tiled
+    sublayer splits TE's calls the same way (``model.te_tile_calls``), so there the local spec saves nothing."""
+    from .model import flash_gqa_expansion, te_gqa_expansion, tile_tokens, tiles_attention
 
     tiled = tiles_attention(p.shape, p.run, p.peakflat)
     expanded = te_gqa_expansion(p.shape, p.run, tile_tokens(p.run, p.peakflat) if tiled else None)
-    if not expanded:
+    local = flash_gqa_expansion(p.shape, dataclasses.replace(p.run, transformer_impl="local"))
+    if expanded <= local:
         return ""
     return (f"; or run Megatron's local spec (--transformer-impl local --peakflat-attention sdpa): on Transformer "
             f"Engine's layers cuDNN's attention backward holds dK and dV at every query head over the whole "
-            f"sequence ({format_bytes(expanded)} here), where the SDPA attention runs one call per K/V head")
+            f"sequence ({format_bytes(expanded)} here), where the SDPA attention runs one call per K/V head "
+            f"({format_bytes(local)})")
 
 
 def _guaranteed(r: Row) -> float:

@@ -20,10 +20,11 @@ from megatron_peakflat.integration.attention import transformer_engine_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU runs the SDPA path in "
                                 "tests/test_tile_megatron.py)")
-CASES = [pytest.param("te", False, marks=pytest.mark.skipif(not transformer_engine_available(),
-                                                           reason="needs Transformer Engine")),
+_NEEDS_TE = pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine")
+CASES = [pytest.param("te", False, marks=_NEEDS_TE), pytest.param("te", True, marks=_NEEDS_TE),
          ("local", False), ("local", True)]
-"""(spec, per_kv_head): the local spec also with the SDPA attention's call per K/V head (``attention.calls``)."""
+"""(spec, per_kv_head): each spec also with one call per K/V head (``attention.calls``): the SDPA attention's own
+split, and on TE the tiled sublayer's split of TE's attention (integration/tile.py ``te_kv_head_calls``)."""
 CORE_ATTENTION = {"te": "TEDotProductAttention", "local": "SDPAttention"}
 
 SEQ, MB, HIDDEN, HEADS, GROUPS, TILE = 1000, 2, 256, 8, 2, 256  # 4 tiles, the last one shorter
@@ -63,7 +64,7 @@ def _worker(rank: int, world: int, spec: str, per_kv_head: bool = False) -> dict
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     init_megatron_parallel(cpu=False, seed=1234)
-    if per_kv_head:  # the SDPA attention's call per K/V head, which runs from GROUPED_CALL_MIN_KEYS keys on
+    if per_kv_head:  # the call per K/V head, which runs from GROUPED_CALL_MIN_KEYS keys on
         calls.GROUPED_CALL_MIN_KEYS = 1
     layers, runs = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -88,7 +89,9 @@ def _worker(rank: int, world: int, spec: str, per_kv_head: bool = False) -> dict
         stats.reset()
         try:
             runs[(dtype, True)] = _layer_run(layer, x.to(dtype), rope, dy.to(dtype))
-            assert stats.snapshot().get("tile", {}).get("tiled_calls") == 1, stats.snapshot()
+            snap = stats.snapshot().get("tile", {})
+            assert snap.get("tiled_calls") == 1, snap
+            assert (snap.get("te_kv_head_calls", 0) > 0) == (spec == "te" and per_kv_head), snap
         finally:
             megatron_peakflat.remove()
     core = layers[torch.float32].self_attention.core_attention
