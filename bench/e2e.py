@@ -857,9 +857,10 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
         return False
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     cards = sorted({r["extra"].get("card", "?") for r in doc["rows"] if r["case"].startswith("seq=")})
+    length = re.compile(r"seq=(\d+),spec=[a-z]+$")  # the current code's rows (not a superseded one's)
     for method in ALL_METHODS:
-        rows = sorted(((int(re.match(r"seq=(\d+)", r["case"]).group(1)), r) for r in doc["rows"]
-                       if r["method"] == method and r["case"].startswith("seq=")), key=lambda x: x[0])
+        rows = sorted(((int(length.match(r["case"]).group(1)), r) for r in doc["rows"]
+                       if r["method"] == method and length.match(r["case"])), key=lambda x: x[0])
         ok = [(s, r) for s, r in rows if r["extra"]["outcome"] == "ok"]
         if ok:
             line, = top.plot([s for s, _ in ok], [r["peak_gib"] for _, r in ok], marker="o", label=method)

@@ -73,7 +73,8 @@ class TEDotProductAttention(torch.nn.Module):
     def forward(self, q, k, v, attention_mask, attn_mask_type, attention_bias=None,  # noqa: ANN001, ANN201
                 packed_seq_params=None):
         assert attention_mask is None and attention_bias is None and packed_seq_params is None
-        assert k.shape[2] == v.shape[2] == self.num_gqa_groups_per_partition, (k.shape, self.num_gqa_groups_per_partition)
+        groups = self.num_gqa_groups_per_partition
+        assert k.shape[2] == v.shape[2] == groups, (k.shape, groups)
         assert attn_mask_type.name in ("causal", "causal_bottom_right"), attn_mask_type
         self.calls.append(k.shape[2])
         L, S = q.shape[0], k.shape[0]

@@ -31,7 +31,8 @@
 #   e2e-cp2-reach, e2e-cp2-time     bench/e2e.py --cp 2 -> bench/results/e2e_cp2.json
 # Output: stdout, docs/evidence/gpu_<step>.log, and $OUT/ when set. Environment: PYTHON (python3), BUDGET (seconds a
 # resumable step may run, default 540), E2E_ARGS (added to every bench/e2e.py step), REACH_LENGTHS (the reach steps'
-# lengths, default 512K,992K,1M: on TE 992K is the longest that auto admits, and it refuses 1M). Wheels missing on the machine
+# lengths, default 256K,512K,1M; a length that already has a row in the results file is not run again, so pass
+# E2E_ARGS="--out <new file>" to measure it anew). Wheels missing on the machine
 # (megatron-core, liger-kernel, cut-cross-entropy) come from .whl/ (../shared/tools/device-wheels.sh beforehand).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +56,7 @@ step() {  # name, command...
   [[ $rc -eq 0 ]] || status=1
 }
 e2e() { step "$1" $PY bench/e2e.py "${@:2}" ${E2E_ARGS:-}; }
-REACH=(--phases reach --methods peakflat-auto --lengths "${REACH_LENGTHS:-512K,992K,1M}" --timeout 1500 --background)
+REACH=(--phases reach --methods peakflat-auto --lengths "${REACH_LENGTHS:-256K,512K,1M}" --timeout 1500 --background)
 for s in "$@"; do
   case "$s" in
     te-receive:*) step "te_receive_${s#te-receive:}" bash tools/te_to_device.sh receive "${s#te-receive:}" ;;

@@ -180,9 +180,10 @@ def layer_ops(layer: Any, rotary_pos_emb: Any) -> TileOps:
         with _without_cp_group(core) if gathered else contextlib.nullcontext():
             if calls == 1:
                 return call(q, k, v)
+            keys, first = k.shape[0] * k.shape[1], calls_module.GROUPED_CALL_MIN_KEYS
             info_once(f"peakflat tile: Transformer Engine's attention runs as {calls} calls of {q.shape[2] // calls} "
-                      f"query heads each from {calls_module.GROUPED_CALL_MIN_KEYS} keys on ({k.shape[0] * k.shape[1]} here), so "
-                      "cuDNN's backward expands dK and dV for one K/V head group at a time")
+                      f"query heads each from {first} keys on ({keys} here), so cuDNN's backward expands dK and dV "
+                      "for one K/V head group at a time")
             stats.add("tile", "te_kv_head_calls", calls)
             with _kv_heads_per_call(core, k.shape[2] // calls):
                 return attend_per_kv_head(call, q, k, v, calls)
