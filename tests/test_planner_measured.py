@@ -22,12 +22,23 @@ from bench.e2e import _without_option  # noqa: E402
 
 CARDS = {"NVIDIA H100 80GB HBM3": pc.Machine("H100", int(79.18 * pc.GIB), 128 * pc.GIB, 132)}
 """Each card the rows ran on as the planner is told of it: torch's total memory, the GPU machine's RAM, its SMs."""
-FILES = (("e2e_local_reach.json", "seq="), ("e2e.json", "same_loss,"), ("e2e.json", "seq="))
+FILES = (("e2e_local_reach.json", "seq="), ("e2e.json", "same_loss,"), ("e2e.json", "seq="),
+         ("planner_calibration.json", "shape="))
 """Each results file and the rows of it planned here: the local spec's reach; Transformer Engine's same-loss runs
 at 8K under --deterministic-mode, whose peak holds cuDNN's deterministic backward's dP workspace (planned without
-it, peakflat-auto's row read -11.0% and peakflat-all's -23.1%); and Transformer Engine's reach, both methods, whose
+it, peakflat-auto's row read -11.0% and peakflat-all's -23.1%); Transformer Engine's reach, both methods, whose
 long rows hold cuDNN's dK and dV at the query heads (planned without them, 768K read -17.8% and the 1M run that
-died of it was planned to fit)."""
+died of it was planned to fit); and the calibration's shapes, which no term was fitted to (3 iterations each, the
+peak after the first optimizer step)."""
+
+OVER_PLANNED = {
+    "planner_calibration.json:shape=moe-e8-top2-large,seq=65536,spec=local:planner":
+        "planned 12.5% over: the report's dispatch region read 12.6 GiB against 18.5 planned (8 experts of 14336, "
+        "chunks of 32768 rows); bench/planner.py --dry-run at that shape scaled down traces +0.8% on CPU, so the "
+        "CUDA path allocates less than the traced one there: a GPU trace of that term is due",
+}
+"""Rows whose plan is outside the band, each with what is known of why: strict xfails, which fail once the plan is
+in the band, so that the entry is then removed."""
 
 
 def _rows() -> list[tuple[str, dict]]:
@@ -39,14 +50,21 @@ def _rows() -> list[tuple[str, dict]]:
     return rows
 
 
+def _params() -> list:
+    return [pytest.param(n, r, id=n, marks=pytest.mark.xfail(reason=OVER_PLANNED[n], strict=True))
+            if n in OVER_PLANNED else pytest.param(n, r, id=n) for n, r in _rows()]
+
+
 def _flags(row: dict) -> list[str]:
     """The row's training flags, with what ``--peakflat auto`` added in place of auto (so that the plan's fit
     verdict is that configuration's, not auto's search)."""
     argv = shlex.split(row["extra"]["command"])
     flags = argv[argv.index("megatron_peakflat.pretrain") + 1:]
-    if "auto" not in row["extra"]:
-        return flags
-    return _without_option(flags, "--peakflat") + shlex.split(row["extra"]["auto"]["added"])
+    if "auto" in row["extra"]:  # bench/e2e.py's rows
+        return _without_option(flags, "--peakflat") + shlex.split(row["extra"]["auto"]["added"])
+    if "added" in row["extra"]:  # bench/planner_calibration.py's rows
+        return _without_option(flags, "--peakflat") + list(row["extra"]["added"])
+    return flags
 
 
 def _memory_error(row: dict) -> bool:
@@ -65,7 +83,7 @@ def attention_as_it_ran(row: dict, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(model, "te_tile_calls", lambda s, run: 1)
 
 
-@pytest.mark.parametrize("name,row", _rows(), ids=[n for n, _ in _rows()])
+@pytest.mark.parametrize("name,row", _params())
 def test_a_measured_row_is_planned_as_it_ran(name, row, monkeypatch):
     attention_as_it_ran(row, monkeypatch)
     machine = CARDS[row["extra"]["card"]]
@@ -74,7 +92,8 @@ def test_a_measured_row_is_planned_as_it_ran(name, row, monkeypatch):
     got = pc.predict(_flags(row), machine)
     if row["extra"]["outcome"] == "ok":
         low, high = pc.BAND
-        assert low <= got.gib / row["peak_gib"] <= high, (got.gib, row["peak_gib"])
+        measured = row.get("peak_gib") or row["measured_gib"]
+        assert low <= got.gib / measured <= high, (got.gib, measured)
     else:
         assert _memory_error(row), "a row that failed for another reason says nothing of the plan"
         assert not got.fits, (got.gib, "planned to fit a run that ran out of memory")
