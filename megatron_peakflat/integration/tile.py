@@ -41,7 +41,8 @@ from ..tile.context_parallel import group_size
 from . import state
 from .logs import info_once
 
-__all__ = ["wrap_forward_attention", "unsupported_reason", "layer_ops", "layer_params", "cp_group", "te_kv_head_calls"]
+__all__ = ["wrap_forward_attention", "unsupported_reason", "layer_ops", "layer_params", "cp_group",
+           "te_kv_head_calls"]
 
 
 def wrap_forward_attention(original: Callable[..., Any]) -> Callable[..., Any]:
