@@ -999,8 +999,9 @@ def collect(out: Path, where: Path, lines: int = 25) -> int:
         for r in json.loads(text)["rows"]:
             if r["case"].startswith(("seq=", "reach,")):
                 outcome = r["extra"].get("outcome", r["extra"].get("limited_by"))
-                print(f"  {r['case']:24s} {r['method']:16s} {outcome!s:10s} peak {r['peak_gib']} GiB "
-                      f"{r['ms'] or r['extra'].get('one_run_ms')} ms/iter" + (f" reach {r['reach_tokens']}" if "reach_tokens" in r else ""))
+                ms = r["ms"] or r["extra"].get("one_run_ms")
+                reach = f" reach {r['reach_tokens']}" if "reach_tokens" in r else ""
+                print(f"  {r['case']:24s} {r['method']:16s} {outcome!s:10s} peak {r['peak_gib']} GiB {ms} ms/iter{reach}")
         print(f"wrote {out}", flush=True)
     return 3 if running else 0
 

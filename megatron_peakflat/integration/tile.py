@@ -131,12 +131,17 @@ def _core_attention_reason(core: Any) -> str | None:
 
     if isinstance(core, sdpa_core_attention_class()):
         return None
-    if type(core).__name__ == "TEDotProductAttention":
+    if _is_te_attention(core):
         if getattr(core, "te_forward_mask_type", False):
             return None
         return "Transformer Engine's attention is too old to take the mask type at each call"
     return (f"the core attention is {type(core).__name__}, which takes no bottom-right causal mask "
             "(--peakflat-attention sdpa runs one)")
+
+
+def _is_te_attention(core: Any) -> bool:
+    """Whether ``core`` is Megatron's wrapper of Transformer Engine's attention (by name: TE may be absent)."""
+    return type(core).__name__ == "TEDotProductAttention"
 
 
 def layer_ops(layer: Any, rotary_pos_emb: Any) -> TileOps:
@@ -201,7 +206,7 @@ def te_kv_head_calls(layer: Any, q: torch.Tensor, k: torch.Tensor) -> int:
     and the keys are long, else 1; also 1 on another core attention (the SDPA one splits its own calls), and where
     the attention reports per-head logit maxima (``--qk-clip``, ``--log-max-attention-logit``), which the calls
     would each report for their own heads."""
-    if type(layer.self_attention.core_attention).__name__ != "TEDotProductAttention":
+    if not _is_te_attention(layer.self_attention.core_attention):
         return 1
     cfg = layer.config
     if getattr(cfg, "qk_clip", False) or getattr(cfg, "log_max_attention_logit", False):

@@ -432,12 +432,16 @@ def flash_takes_grouped_heads(s: ModelShape, run: RunConfig) -> bool:
             and not sdpa_repeats_kv(s, run))
 
 
-def flash_gqa_calls(s: ModelShape, run: RunConfig) -> int:
-    """The SDPA calls one attention of the layer runs as (attention/calls.py ``kv_head_calls``) over the keys of
-    the whole sequence (under CP the gathered one): one per K/V head of this TP rank at long key lengths."""
-    if not flash_takes_grouped_heads(s, run):
-        return 1
+def _whole_sequence_kv_head_calls(s: ModelShape, run: RunConfig) -> int:
+    """attention/calls.py ``kv_head_calls`` for one attention of this TP rank's heads over the keys of the whole
+    sequence (under CP the gathered one): one per K/V head at long key lengths, else 1."""
     return kv_head_calls(max(1, s.heads // run.tp), max(1, s.kv_heads // run.tp), run.seq_len * run.micro_batch)
+
+
+def flash_gqa_calls(s: ModelShape, run: RunConfig) -> int:
+    """The SDPA calls one attention of the layer runs as where flash takes grouped heads
+    (``_whole_sequence_kv_head_calls``), else 1."""
+    return _whole_sequence_kv_head_calls(s, run) if flash_takes_grouped_heads(s, run) else 1
 
 
 def flash_gqa_expansion(s: ModelShape, run: RunConfig) -> float:
@@ -456,9 +460,8 @@ def te_tile_calls(s: ModelShape, run: RunConfig) -> int:
     backward would expand grouped heads (``te_limits.gqa_expansion_applies``) and the keys are long, else 1."""
     from .te_limits import gqa_expansion_applies
 
-    if not gqa_expansion_applies(run, heads=s.heads, kv_heads=s.kv_heads, mla=s.mla is not None):
-        return 1
-    return kv_head_calls(max(1, s.heads // run.tp), max(1, s.kv_heads // run.tp), run.seq_len * run.micro_batch)
+    applies = gqa_expansion_applies(run, heads=s.heads, kv_heads=s.kv_heads, mla=s.mla is not None)
+    return _whole_sequence_kv_head_calls(s, run) if applies else 1
 
 
 def te_call_shape(s: ModelShape, run: RunConfig, tile: int | None = None) -> tuple[float, float, float]:

@@ -104,7 +104,8 @@ from ..config_base import PeakflatConfigError, format_bytes
 __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_rope_elements", "fused_rope_fits",
            "fused_rope_max_tokens", "rope_fusion_applies", "rope_fused_whole", "rope_kernel_tokens", "fused_rope_refusal",
            "NO_ROPE_FUSION", "unfused_attention_condition", "attention_call_shape", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
-           "DETERMINISTIC_BACKWARD", "deterministic_workspace_applies", "deterministic_workspace_bytes",
+           "DETERMINISTIC_BACKWARD", "fused_attention_runs", "deterministic_workspace_applies",
+           "deterministic_workspace_bytes",
            "gqa_expansion_applies", "gqa_expansion_bytes",
            "scores_refusal", "scores_cause",
            "te_run_fields", "line_refusal", "rope_line_refusal", "TUNED_NORM_LOAD_BYTES", "norm_kernel",
@@ -262,11 +263,15 @@ DETERMINISTIC_FIX = ("drop --deterministic-mode (the non-deterministic backward 
                      "(each call then takes one tile of queries; peakflat-check sizes it)")
 
 
+def fused_attention_runs(run: Any) -> bool:
+    """Whether TE's fused (cuDNN) attention runs this line's attention: TE's layers, not its unfused backend."""
+    return run.transformer_impl == "transformer_engine" and not run.unfused_attention
+
+
 def deterministic_workspace_applies(run: Any) -> bool:
-    """Whether cuDNN's deterministic attention backward runs this line's attention: TE's layers, TE's fused
-    attention (not its unfused backend), ``--deterministic-mode``."""
-    return (run.transformer_impl == "transformer_engine" and bool(run.deterministic)
-            and not run.unfused_attention)
+    """Whether cuDNN's deterministic attention backward runs this line's attention: TE's fused attention
+    (``fused_attention_runs``) under ``--deterministic-mode``."""
+    return fused_attention_runs(run) and bool(run.deterministic)
 
 
 def deterministic_workspace_bytes(*, micro_batch: int, heads: float, tp: int, q_tokens: float,
@@ -279,10 +284,10 @@ def deterministic_workspace_bytes(*, micro_batch: int, heads: float, tp: int, q_
 
 
 def gqa_expansion_applies(run: Any, *, heads: int, kv_heads: int, mla: bool) -> bool:
-    """Whether cuDNN's attention backward (TE's fused attention) expands dK and dV to the query heads: TE's
-    layers, its fused backend, grouped K/V heads (fewer K/V heads than query heads, no multi-latent attention)."""
-    return (run.transformer_impl == "transformer_engine" and not run.unfused_attention and not mla
-            and kv_heads != heads)
+    """Whether cuDNN's attention backward (TE's fused attention) expands dK and dV to the query heads: TE's fused
+    attention (``fused_attention_runs``), grouped K/V heads (fewer K/V heads than query heads, no multi-latent
+    attention)."""
+    return fused_attention_runs(run) and not mla and kv_heads != heads
 
 
 def gqa_expansion_bytes(*, micro_batch: int, heads: float, tp: int, kv_tokens: float, head_dim: int,
