@@ -75,8 +75,10 @@ def setup(cpu: bool) -> None:
 
 
 def build_layer(hidden: int, experts: int, topk: int, ffn: int, cpu: bool, ddp: bool = True,
-                dtype: torch.dtype | None = None, experts_impl: str = "sequential") -> tuple[Any, Any]:
+                dtype: torch.dtype | None = None, experts_impl: str = "sequential",
+                activation_fusion: bool = False) -> tuple[Any, Any]:
     """(DDP-wrapped MoELayer, the MoELayer) built after ``megatron_peakflat.apply`` (so it holds both dispatchers).
+    ``activation_fusion``: Megatron's fused SwiGLU (its training default; a torch.compile'd function on the GPU).
 
     ``ddp=False`` returns the bare layer twice (weight gradients in ``.grad``). ``experts_impl``:
     SequentialMLP (``"sequential"``), TEGroupedMLP in TE's layout on plain torch (``"grouped"``, see
@@ -94,7 +96,7 @@ def build_layer(hidden: int, experts: int, topk: int, ffn: int, cpu: bool, ddp: 
         num_layers=1, hidden_size=hidden, num_attention_heads=max(1, hidden // 128), ffn_hidden_size=4 * hidden,
         num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, add_bias_linear=False,
-        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
+        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=activation_fusion,
         gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         bf16=not cpu, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=cpu,
         recompute_granularity="selective", recompute_modules=["moe"], moe_permute_fusion=experts_impl == "te")

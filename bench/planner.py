@@ -3,6 +3,7 @@
     python bench/planner.py              # on one H200, about a minute; PYTHONPATH=. when not installed
     python bench/planner.py --dry-run    # tiny shapes on CPU (LiveBytesMeter), ~30 s: checks, no JSON
     python bench/planner.py --terms dispatch,optimizer    # a subset
+    python bench/planner.py --terms dispatch --dispatch-shape 4096x8x2x14336 --dispatch-dtype fp32  # another layer
 
 Each row measures one term of the memory model (``max_memory_allocated`` minus the memory allocated
 before, inputs already on the device; with ``--dry-run``, the peak of LiveBytesMeter on CPU) and records the planner's
@@ -20,7 +21,9 @@ typed here. Terms (``--terms``):
   distributed optimizer's parameter buffer (fp32 main_grad, as in training), at two token counts, so
   that the growth with tokens is checked too, in two regimes: ``recompute=none`` (the layer as is)
   and ``recompute=full`` (inside Megatron's checkpoint, where PipelinedLLEP fuses each chunk's
-  forward and backward into the recompute). Measured: the step's peak above the inputs (the layer
+  forward and backward into the recompute), on the GPU with Megatron's SwiGLU unfused and fused (its training
+  default, a torch.compile'd function; rows ``,fused_act``, planned with ``activation_fusion``). Measured: the
+  step's peak above the inputs (the layer
   output is held through backward). Predicted: the plan's dispatch row for that recompute setting
   (``peakflat``: ``llep_expected_working_set``; ``extra.bound_gib``: ``working_set_bound``), plus,
   under full recompute, the plan's sco row (boundaries) of this one layer (its no-grad output, alive while
@@ -223,9 +226,11 @@ def bench_vocab(N: int = 16384, H: int = 4096, V: int = 201088) -> list[Row]:
 
 
 def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096, experts: int = 64, topk: int = 8,
-                   ffn: int = 1536, chunk_cap: int | None = None, regimes: tuple[str, ...] = ("none", "full")
-                   ) -> list[Row]:
-    """PipelinedLLEP's working set in one Megatron MoELayer forward + backward, measured vs the plan."""
+                   ffn: int = 1536, chunk_cap: int | None = None, regimes: tuple[str, ...] = ("none", "full"),
+                   fusions: tuple[bool, ...] = (False,), dtype: torch.dtype = torch.bfloat16) -> list[Row]:
+    """PipelinedLLEP's working set in one Megatron MoELayer forward + backward, measured vs the plan, for each of
+    ``fusions`` (Megatron's fused SwiGLU off / on: the plan's ``activation_fusion``) and in ``dtype`` (fp32 takes
+    the per-expert path, bf16 the grouped GEMMs)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     import megatron_peakflat
@@ -244,59 +249,64 @@ def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096,
     megatron_peakflat.apply(pf)  # MoELayer gets the PipelinedLLEP dispatcher
     rows: list[Row] = []
     try:
-        _, layer = build_layer(hidden, experts, topk, ffn, DRY, ddp=False, dtype=torch.bfloat16)
-        # As in training: the distributed optimizer's parameter buffer (experts at one stride, so the
-        # grouped GEMMs see one run) and fp32 main_grad buffers that take the weight gradients.
-        ddp = DistributedDataParallel(layer.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True), layer)
-        layer.moe_layer_recompute = False  # PipelinedLLEP recomputes its chunks itself
-        shape = ModelShape(name="moe-layer", hidden=hidden, layers=1, heads=max(1, hidden // 128),
-                           kv_heads=max(1, hidden // 128), head_dim=128, ffn=4 * hidden, vocab=1000, experts=experts,
-                           topk=topk, moe_ffn=ffn, gated=True)
-        for regime in regimes:
-            measured_at: dict[int, tuple[float, float, float]] = {}
-            for T in tokens:
-                g = torch.Generator(device="cpu").manual_seed(T)
-                x = (torch.randn(T, 1, hidden, generator=g) * 0.5).to(DEV, torch.bfloat16).requires_grad_(True)
-                gout = torch.randn(T, 1, hidden, generator=g).to(DEV, torch.bfloat16)
-                step = _moe_step(ddp, x, gout, regime)
-                step()  # warm-up: library workspaces, the router's first call, weight packing
-                ddp.zero_grad_buffer()
-                x.grad = None
-                # Measure a layer's first recompute, the run's peak: it computes the MoE output, which the
-                # later ones skip once the assumed gradient is confirmed (integration/dispatch_recompute.py).
-                layer.token_dispatcher._bank.assumed_grad_confirmed = False
-                stats.reset()
-                measured = peak_of(step)
-                snap = stats.snapshot().get("dispatch", {})
-                run = RunConfig(seq_len=T, precision="bf16", recompute=regime)
-                pr = plan(shape, run, pf).stages[0].rows
-                # Under full recompute the layer's no-grad output (the next checkpoint boundary, the plan's
-                # 'sco' row for this one layer) is alive while the layer recomputes.
-                held = pr["sco"].baseline if regime == "full" else 0.0
-                predicted, bound = pr["dispatch"].peakflat + held, pr["dispatch"].bound + held
-                K, c = M.llep_chunks(shape, run, pf)
-                measured_at[T] = (measured, predicted, bound)
-                rows.append(row(f"recompute={regime},N={T},H={hidden},E={experts},k={topk},F={ffn},ep=1,bf16",
-                                "peakflat", measured, predicted, "dispatch", bound_gib=round(bound / GIB, 4),
-                                within_bound=measured <= bound, boundary_gib=round(held / GIB, 4),
-                                chunk_cap=pf.dispatch.cap(topk), chunks=snap.get("chunks"), chunks_planned=K,
-                                max_chunk_rows=snap.get("max_chunk_rows"), rows_planned=c,
-                                experts_path=snap.get("experts"), dispatch_recompute=M.llep_fused(run, pf),
-                                dispatch_recompute_calls=snap.get("dispatch_recompute_calls", 0)))
-                del x, gout, step
-                ddp.zero_grad_buffer()
-                gc.collect()
-            if len(tokens) >= 2:
-                (m0, p0, b0), (m1, p1, b1) = measured_at[tokens[0]], measured_at[tokens[-1]]
-                growth = {"growth_measured_gib": round((m1 - m0) / GIB, 4),
-                          "growth_predicted_gib": round((p1 - p0) / GIB, 4), "growth_bound_gib": round((b1 - b0) / GIB, 4),
-                          "growth_error_pct": round(100 * ((m1 - m0) - (p1 - p0)) / max(p1 - p0, 1.0), 2)}
-                rows[-1].extra.update(growth)
-                print(f"dispatch growth, recompute={regime}, {tokens[0]} -> {tokens[-1]} tokens: measured "
-                      f"{growth['growth_measured_gib']:.4f} GiB, predicted {growth['growth_predicted_gib']:.4f} GiB, "
-                      f"bound {growth['growth_bound_gib']:.4f} GiB", flush=True)
-        del ddp, layer
+        precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+        for fused in fusions:
+            _, layer = build_layer(hidden, experts, topk, ffn, DRY, ddp=False, dtype=dtype,
+                                   activation_fusion=fused)
+            # As in training: the distributed optimizer's parameter buffer (experts at one stride, so the
+            # grouped GEMMs see one run) and fp32 main_grad buffers that take the weight gradients.
+            ddp = DistributedDataParallel(layer.config, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=True), layer)
+            layer.moe_layer_recompute = False  # PipelinedLLEP recomputes its chunks itself
+            shape = ModelShape(name="moe-layer", hidden=hidden, layers=1, heads=max(1, hidden // 128),
+                               kv_heads=max(1, hidden // 128), head_dim=128, ffn=4 * hidden, vocab=1000,
+                               experts=experts, topk=topk, moe_ffn=ffn, gated=True)
+            for regime in regimes:
+                measured_at: dict[int, tuple[float, float, float]] = {}
+                for T in tokens:
+                    g = torch.Generator(device="cpu").manual_seed(T)
+                    x = (torch.randn(T, 1, hidden, generator=g) * 0.5).to(DEV, dtype).requires_grad_(True)
+                    gout = torch.randn(T, 1, hidden, generator=g).to(DEV, dtype)
+                    step = _moe_step(ddp, x, gout, regime)
+                    step()  # warm-up: library workspaces, the router's first call, weight packing
+                    ddp.zero_grad_buffer()
+                    x.grad = None
+                    # Measure a layer's first recompute, the run's peak: it computes the MoE output, which the
+                    # later ones skip once the assumed gradient is confirmed (integration/dispatch_recompute.py).
+                    layer.token_dispatcher._bank.assumed_grad_confirmed = False
+                    stats.reset()
+                    measured = peak_of(step)
+                    snap = stats.snapshot().get("dispatch", {})
+                    run = RunConfig(seq_len=T, precision=precision, recompute=regime, activation_fusion=fused)
+                    pr = plan(shape, run, pf).stages[0].rows
+                    # Under full recompute the layer's no-grad output (the next checkpoint boundary, the plan's
+                    # 'sco' row for this one layer) is alive while the layer recomputes.
+                    held = pr["sco"].baseline if regime == "full" else 0.0
+                    predicted, bound = pr["dispatch"].peakflat + held, pr["dispatch"].bound + held
+                    K, c = M.llep_chunks(shape, run, pf)
+                    measured_at[T] = (measured, predicted, bound)
+                    rows.append(row(f"recompute={regime},N={T},H={hidden},E={experts},k={topk},F={ffn},ep=1,{precision}"
+                                    f"{',fused_act' if fused else ''}",
+                                    "peakflat", measured, predicted, "dispatch", bound_gib=round(bound / GIB, 4),
+                                    within_bound=measured <= bound, boundary_gib=round(held / GIB, 4),
+                                    chunk_cap=pf.dispatch.cap(topk), chunks=snap.get("chunks"), chunks_planned=K,
+                                    max_chunk_rows=snap.get("max_chunk_rows"), rows_planned=c,
+                                    experts_path=snap.get("experts"), dispatch_recompute=M.llep_fused(run, pf),
+                                    dispatch_recompute_calls=snap.get("dispatch_recompute_calls", 0)))
+                    del x, gout, step
+                    ddp.zero_grad_buffer()
+                    gc.collect()
+                if len(tokens) >= 2:
+                    (m0, p0, b0), (m1, p1, b1) = measured_at[tokens[0]], measured_at[tokens[-1]]
+                    growth = {"growth_measured_gib": round((m1 - m0) / GIB, 4),
+                              "growth_predicted_gib": round((p1 - p0) / GIB, 4),
+                              "growth_bound_gib": round((b1 - b0) / GIB, 4),
+                              "growth_error_pct": round(100 * ((m1 - m0) - (p1 - p0)) / max(p1 - p0, 1.0), 2)}
+                    rows[-1].extra.update(growth)
+                    print(f"dispatch growth, recompute={regime}, fused_act={fused}, {tokens[0]} -> {tokens[-1]} "
+                          f"tokens: measured {growth['growth_measured_gib']:.4f} GiB, predicted "
+                          f"{growth['growth_predicted_gib']:.4f} GiB, bound {growth['growth_bound_gib']:.4f} GiB", flush=True)
+            del ddp, layer
     finally:
         megatron_peakflat.remove()
         gc.collect()
@@ -371,7 +381,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--terms", default=",".join(TERMS), help="comma list of %(default)s")
     ap.add_argument("--tol", type=float, default=10.0,
                     help="--dry-run fails when a dispatch or optimizer row is off by more than this many percent")
+    ap.add_argument("--dispatch-shape", default=None, metavar="HxExKxF",
+                    help="the dispatch term's MoE layer: hidden x experts x top-k x expert FFN "
+                         "(default 4096x64x8x1536)")
+    ap.add_argument("--dispatch-tokens", default=None, metavar="T1,T2", help="its token counts (default 16384,65536)")
+    ap.add_argument("--dispatch-dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="bf16 runs the grouped GEMMs, fp32 the per-expert path (default bf16)")
     args = ap.parse_args(argv)
+    try:
+        layer_shape = tuple(int(v) for v in args.dispatch_shape.split("x")) if args.dispatch_shape else None
+        layer_tokens = tuple(int(v) for v in args.dispatch_tokens.split(",")) if args.dispatch_tokens else None
+    except ValueError:
+        ap.error("--dispatch-shape takes HxExKxF (e.g. 4096x8x2x14336), --dispatch-tokens T1,T2 (e.g. 16384,65536)")
+    if layer_shape is not None and len(layer_shape) != 4:
+        ap.error(f"--dispatch-shape {args.dispatch_shape}: pass four sizes, HxExKxF (e.g. 4096x8x2x14336)")
     terms = [t for t in args.terms.split(",") if t]
     unknown = set(terms) - set(TERMS)
     if unknown:
@@ -395,7 +418,13 @@ def main(argv: list[str] | None = None) -> None:
             elif term == "vocab":
                 rows += bench_vocab(512, 64, 4096) if DRY else bench_vocab()
             elif term == "dispatch":
-                rows += bench_dispatch((2048, 8192), 256, 16, 4, 96, chunk_cap=8192) if DRY else bench_dispatch()
+                dtype = torch.float32 if args.dispatch_dtype == "fp32" else torch.bfloat16
+                if DRY:  # LiveBytesMeter runs torch.compile'd functions as plain ops: the unfused path alone
+                    rows += bench_dispatch(layer_tokens or (2048, 8192), *(layer_shape or (256, 16, 4, 96)),
+                                           chunk_cap=8192, dtype=dtype)
+                else:
+                    rows += bench_dispatch(layer_tokens or (16384, 65536), *(layer_shape or (4096, 64, 8, 1536)),
+                                           fusions=(False, True), dtype=dtype)
             elif term == "optimizer":
                 rows += bench_optimizer(OPT_DRY, (20_000, 6_000)) if DRY else bench_optimizer(OPT, (50_000_000, 16_000_000))
         except Exception:  # noqa: BLE001 - one failing term must not lose the others' rows on the GPU

@@ -18,6 +18,7 @@ from megatron_peakflat.config import PeakflatConfig
 from megatron_peakflat.dispatch.config import DispatchConfig
 from megatron_peakflat.optimizer.config import OptimizerConfig
 from megatron_peakflat.planner import model as M
+from megatron_peakflat.planner.build import build
 from megatron_peakflat.planner.model import GIB, RunConfig, plan
 from megatron_peakflat.planner.shapes import PRESETS, ModelShape
 from megatron_peakflat.sco.config import SCOConfig
@@ -180,35 +181,47 @@ def test_llep_expected_working_set_by_hand():
     per_token = 2 * H * w + E * w + 28 * k
     rows = 2 * H * w + f1 * w + 2 * w  # dispatched rows and their output gradient, fc1 output, prob + gradient
 
-    def moments(rows: int) -> list[int]:
-        return [R * (rows + w * (3 * F + 4 * F)), R * (rows + H * w)]  # activation backward; dX
+    # Megatron's SwiGLU unfused (as the CPU traces run it): its saved tensors (3F) and the activation output, its
+    # gradient and two products (4F); fused (the GPU's default): the activation output, its gradient and fc1's
+    # output gradient (4F), the function saving only fc1's output, which ``rows`` holds
+    for fusion, act in ((False, 3 * F + 4 * F), (True, 4 * F)):
+        def moments(rows: int, act: int = act) -> list[int]:
+            return [R * (rows + w * act), R * (rows + H * w)]  # activation backward; dX
 
-    plain = moments(rows)
-    assert plain.index(max(plain)) == 0  # at these shapes the activation's backward is the peak moment
-    fused = moments(rows + H * w)  # fused recompute (full recompute, the default flag): the chunk's output is held too
-    for recompute, chunk in (("none", max(plain)), ("full", max(fused))):
-        for T in (16384, 65536):
-            run = RunConfig(seq_len=T, recompute=recompute)
-            assert M.llep_chunks(s, run, pf) == (T // 4096, R)
-            assert M.llep_fused(run, pf) == (recompute == "full")
-            got = M.llep_expected_working_set(s, run, pf, R)
-            assert got == T * per_token + chunk
-            row = plan(s, run, pf).stages[0].rows["dispatch"]
-            assert row.peakflat == got and row.peakflat < row.bound  # the expected value sits under the guarantee
-    no_fuse = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", fuse_recompute=False, chunk_cap=32768))
-    assert M.llep_expected_working_set(s, RunConfig(seq_len=16384), no_fuse, R) == 16384 * per_token + max(plain)
+        plain = moments(rows)
+        assert plain.index(max(plain)) == 0  # at these shapes the activation's backward is the peak moment
+        fused = moments(rows + H * w)  # fused recompute (full recompute, the default flag): the chunk's output too
+        for recompute, chunk in (("none", max(plain)), ("full", max(fused))):
+            for T in (16384, 65536):
+                run = RunConfig(seq_len=T, recompute=recompute, activation_fusion=fusion)
+                assert M.llep_chunks(s, run, pf) == (T // 4096, R)
+                assert M.llep_fused(run, pf) == (recompute == "full")
+                got = M.llep_expected_working_set(s, run, pf, R)
+                assert got == T * per_token + chunk
+                row = plan(s, run, pf).stages[0].rows["dispatch"]
+                assert row.peakflat == got and row.peakflat < row.bound  # the expected value sits under the guarantee
+        no_fuse = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", fuse_recompute=False, chunk_cap=32768))
+        run = RunConfig(seq_len=16384, activation_fusion=fusion)
+        assert M.llep_expected_working_set(s, run, no_fuse, R) == 16384 * per_token + max(plain)
+        # the per-expert path (grouped GEMMs off, or not bf16): dX and two [R, H] more and every segment's
+        # activations: unfused as traced (6F); fused, each row's activation output and the largest segment's
+        # activation-output and fc1-output gradients (4F)
+        off = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", grouped_gemm=False))
+        assert M.llep_expected_working_set(s, run, off, R) == 16384 * per_token + R * (
+            rows + w * (3 * H + (4 if fusion else 6) * F))
     # growth with tokens is the per-token term only: the chunk is capped
     a, b = (M.llep_expected_working_set(s, RunConfig(seq_len=T), pf, R) for T in (16384, 65536))
     assert b - a == (65536 - 16384) * per_token
-    # the per-expert path (grouped GEMMs off, or not bf16): dX and two [R, H] more and every segment's activations
     off = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", grouped_gemm=False))
     assert not M.llep_grouped(RunConfig(seq_len=16384), off) and not M.llep_grouped(RunConfig(16384, precision="fp32"), pf)
-    assert M.llep_expected_working_set(s, RunConfig(seq_len=16384), off, R) == 16384 * per_token + R * (
-        rows + w * (3 * H + 6 * F))
+    # a command line's fusion: Megatron's default is fused; --no-bias-swiglu-fusion unfuses it
+    line = "--num-layers 1 --hidden-size 64 --num-attention-heads 1 --seq-length 64 --swiglu"
+    assert build(["--megatron-args", line, "--gpus", "1"])[1].activation_fusion
+    assert not build(["--megatron-args", line + " --no-bias-swiglu-fusion", "--gpus", "1"])[1].activation_fusion
     # a small expert: the block is every local expert's gradient, not 256 MiB
     tiny = ModelShape(name="t", hidden=64, layers=1, heads=1, kv_heads=1, head_dim=64, ffn=64, vocab=10, experts=4,
                       topk=2, moe_ffn=32)
-    got = M.llep_expected_working_set(tiny, RunConfig(seq_len=10, recompute="none"), pf, 4)
+    got = M.llep_expected_working_set(tiny, RunConfig(seq_len=10, recompute="none", activation_fusion=False), pf, 4)
     r = 2 * 64 * 2 + 64 * 2 + 4
     assert got == 10 * (2 * 64 * 2 + 4 * 2 + 56) + max(4 * (r + 2 * 7 * 32), 4 * (r + 128))
 
@@ -269,7 +282,8 @@ def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens,
 
 
 def test_llep_expected_working_set_against_a_megatron_moe_layer():
-    """The planner's dispatch row (peakflat column) against LiveBytesMeter on a Megatron MoELayer (CPU, bf16):
+    """The planner's dispatch row (peakflat column) against LiveBytesMeter on a Megatron MoELayer (CPU, bf16, its
+    SwiGLU unfused: LiveBytesMeter runs torch.compile'd functions as plain ops):
     within 10% at two token counts, with and without full recompute (a layer's first recompute, the
     run's peak), and under the bound; the later recomputes, which skip the MoE output, hold less."""
     from megatron_peakflat.testing.distributed import run_distributed
@@ -285,7 +299,7 @@ def test_llep_expected_working_set_against_a_megatron_moe_layer():
     for (regime, T), got in measured.items():
         if regime == "full-steady":
             continue
-        rows = plan(s, RunConfig(seq_len=T, recompute=regime), pf).stages[0].rows
+        rows = plan(s, RunConfig(seq_len=T, recompute=regime, activation_fusion=False), pf).stages[0].rows
         held = rows["sco"].baseline  # full recompute: the layer's no-grad output is alive in its recompute
         predicted, bound = rows["dispatch"].peakflat + held, rows["dispatch"].bound + held
         assert abs(got - predicted) / predicted < 0.10, (regime, T, got, predicted)

@@ -31,12 +31,7 @@ long rows hold cuDNN's dK and dV at the query heads (planned without them, 768K 
 died of it was planned to fit); and the calibration's shapes, which no term was fitted to (3 iterations each, the
 peak after the first optimizer step)."""
 
-OVER_PLANNED = {
-    "planner_calibration.json:shape=moe-e8-top2-large,seq=65536,spec=local:planner":
-        "planned 12.5% over: the report's dispatch region read 12.6 GiB against 18.5 planned (8 experts of 14336, "
-        "chunks of 32768 rows); bench/planner.py --dry-run at that shape scaled down traces +0.8% on CPU, so the "
-        "CUDA path allocates less than the traced one there: a GPU trace of that term is due",
-}
+OVER_PLANNED: dict[str, str] = {}
 """Rows whose plan is outside the band, each with what is known of why: strict xfails, which fail once the plan is
 in the band, so that the entry is then removed."""
 

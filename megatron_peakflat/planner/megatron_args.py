@@ -45,6 +45,8 @@ def megatron_parser() -> argparse.ArgumentParser:
                  "account-for-embedding-in-pipeline-split", "account-for-loss-in-pipeline-split"]:
         p.add_argument("--" + name, action="store_true", default=None)
     p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None)
+    p.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false", default=None)
+    p.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false", default=None)  # no term
     p.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default=None)
     p.add_argument("--optimizer-offload-fraction", type=float, default=None)
     for name in ("tokenizer-type", "tokenizer-model", "vocab-file", "merge-file"):  # they set the vocabulary
@@ -279,7 +281,7 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
     for src, dst in (("use_distributed_optimizer", "distributed_optimizer"),
                      ("accumulate_allreduce_grads_in_fp32", "grads_fp32"),
                      ("cross_entropy_loss_fusion", "cross_entropy_fusion"),
-                     ("deterministic_mode", "deterministic")):
+                     ("deterministic_mode", "deterministic"), ("bias_swiglu_fusion", "activation_fusion")):
         if getattr(ns, src, None) is not None:
             out[dst] = bool(getattr(ns, src))
     if command_line and getattr(ns, "global_batch_size", None) is None:

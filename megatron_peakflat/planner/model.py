@@ -121,6 +121,11 @@ class RunConfig:
     scores the plan then counts; None: flash or cuDNN's fused attention, which hold none."""
     cp_comm_type: tuple[str, ...] = ("p2p",)
     """--cp-comm-type (the unfused backend's scores under CP depend on it)."""
+    activation_fusion: bool = True
+    """Megatron's fused SwiGLU (``--bias-swiglu-fusion``, on unless ``--no-bias-swiglu-fusion``): on the GPU a
+    torch.compile'd autograd function (fusions/fused_bias_swiglu.py ``WeightedSwiGLUFunction``) whose forward saves
+    only its input and whose backward writes only the input's gradient, so PipelinedLLEP's experts hold none of the
+    unfused ops' intermediates (``llep_expected_working_set``)."""
     rope_fused: bool = False
     """Transformer Engine's fused RoPE rotates q and k over the whole sequence (``te_limits.rope_fused_whole``): its
     autograd function saves only the table, so no pre-rotation copy of q or k is alive in attention's backward."""
@@ -786,6 +791,12 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     code, not measured on GPUs.
     The per-expert path (grouped GEMMs off, or not bf16) keeps the chunk's concatenated output, the
     row-gradient buffer and one slice gradient ([R, H] each) and every segment's activations.
+    Those activation terms are the unfused ops', as traced (the CPU runs Megatron's SwiGLU unfused). With
+    Megatron's fused SwiGLU (``run.activation_fusion``, gated experts) the compiled function saves only its input
+    (fc1's output, already counted) and its backward writes only that input's gradient: the grouped backward holds
+    the activation's output, its gradient and fc1's output gradient (4F); the per-expert path keeps each row's
+    activation output (saved by fc2) and, at the backward of its largest segment (every row of the chunk, whatever
+    the routing), that segment's activation-output gradient and fc1-output gradient (4F in all).
     Not included: the router's own tensors (the 'layer working set' row) and the weights of experts
     that LLEP spills to this rank at EP > 1 under skew (only in the bound).
     """
@@ -795,13 +806,14 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     per_token = 2 * h * w + s.experts * w + 28 * k
     rows = 2 * h * w + f1 * w + 2 * w  # dispatched rows, output gradient; fc1 output; prob + its gradient
     rows += 8 * h * w if llep_overlaps(s, run, pf) else 0  # the all-to-alls in flight around this chunk
+    fused_act = s.gated and run.activation_fusion
     if llep_grouped(run, pf):
         rows += h * w if llep_fused(run, pf) else 0  # the chunk's output, computed in the same pass
-        saved = (3 if s.gated else 1) * f
-        chunk = max(R * (rows + w * (saved + 4 * f)),  # activation backward
-                    R * (rows + h * w))                # dX GEMM result and fc1 weight gradient
+        act = 4 * f if fused_act else (3 if s.gated else 1) * f + 4 * f
+        chunk = max(R * (rows + w * act),  # activation backward
+                    R * (rows + h * w))    # dX GEMM result and fc1 weight gradient
     else:
-        chunk = R * (rows + w * (3 * h + 6 * f))
+        chunk = R * (rows + w * (3 * h + (4 if fused_act else 6) * f))
     return run.layer_rows * per_token + chunk
 
 
