@@ -21,7 +21,8 @@
 #                                   tests/gpu/test_attention_cp_gpu.py' reach-local-start`; each later call
 #                                   re-sends the tree, so copy the rows to $OUT before the next) ->
 #                                   bench/results/e2e_local_reach.json
-#   time                            e2e 8K-48K, megatron-te and peakflat-auto, 3 runs each -> bench/results/e2e_time.json
+#   time                            e2e 48K, 16K, 32K, 8K, megatron-te and peakflat-auto, 3 runs each, megatron-te in the
+#                                   configuration its search rows name -> bench/results/e2e.json (rows time,...)
 #   same-loss-fp32, same-loss-bf16  50 iterations at 8K: fp32 (TF32 off), and bf16 at lr 1e-5 -> bench/results/e2e.json
 #   calibration                     bench/planner_calibration.py for BUDGET seconds
 #   example, demo, mtp-release, e2e[:args], bench-<component>[:args]
@@ -80,7 +81,7 @@ for s in "$@"; do
     reach-local-start) e2e reach_local_start --spec local "${REACH[@]}" --out e2e_local_reach.json ;;
     reach-local-collect) step reach_local_collect $PY bench/e2e.py --collect --out e2e_local_reach.json ;;
     time) e2e time --phases time,summary --methods megatron-te,peakflat-auto --repeats 3 --timeout 300 --budget "$BUDGET" \
-            --out e2e_time.json ;;
+            --time-seqs 48K,16K,32K,8K ;;
     same-loss-fp32) e2e same_loss_fp32 --phases same-loss --dtype fp32 --same-loss-seq 8K --same-loss-iters 50 --budget "$BUDGET" ;;
     same-loss-bf16) e2e same_loss_bf16 --phases same-loss --lr 1e-5 --same-loss-seq 8K --same-loss-iters 50 --budget "$BUDGET" ;;
     calibration) step calibration $PY bench/planner_calibration.py --max-minutes $(( BUDGET / 60 )) ;;
