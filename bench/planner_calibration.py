@@ -27,6 +27,7 @@ file. The summary prints the worst row on each side and whether every ratio lies
 
     python3 bench/planner_calibration.py --max-minutes 9          # one GPU; run again to go on
     python3 bench/planner_calibration.py --shapes moe-e128-top8 --specs local
+    python3 bench/planner_calibration.py --shapes moe-e64-top8 --specs local --methods planner --lengths 64K --rerun
     python3 bench/planner_calibration.py --summary                # the rows already measured, running nothing
     python3 bench/planner_calibration.py --dry-run                # CPU, tiny shapes, the local spec
 """
@@ -47,9 +48,10 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e import _te_importable, _where, parse, tokens  # noqa: E402
+from bench.e2e import _te_importable, _where, parse, tokens, tokens_list  # noqa: E402
 from bench.pretrain_compare import DRAIN_S, run_in_session  # noqa: E402
 from megatron_peakflat.config_base import PeakflatConfigError  # noqa: E402
+from megatron_peakflat.testing.pretrain_dryrun import with_cpu_flags  # noqa: E402
 from megatron_peakflat.testing.subproc import memory_reports  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -245,11 +247,12 @@ class Job:
 
 
 def plan_jobs(shapes: tuple[Shape, ...], specs: list[str], machine: Machine, cap: int, floor: int,
-              methods: tuple[str, ...] = METHODS) -> tuple[list[Job], dict[tuple[str, str, str], int | None]]:
+              methods: tuple[str, ...] = METHODS, lengths: list[int] | None = None
+              ) -> tuple[list[Job], dict[tuple[str, str, str], int | None]]:
     """Every run, most informative first: each shape at its middle length, then its longest, then its shortest
-    (each method's lengths up to the longest the planner says it fits); within one, the ``planner`` rows before
-    the plain ones, TE's spec before the local one, the shapes in order. Also each (shape, spec, method)'s
-    longest fitting length."""
+    (each method's lengths up to the longest the planner says it fits; ``lengths``: those of them, in that order);
+    within one, the ``planner`` rows before the plain ones, TE's spec before the local one, the shapes in order.
+    Also each (shape, spec, method)'s longest fitting length."""
     jobs, longest = [], {}
     for i, shape in enumerate(shapes):
         for s, spec in enumerate(specs):
@@ -257,9 +260,13 @@ def plan_jobs(shapes: tuple[Shape, ...], specs: list[str], machine: Machine, cap
                 n = longest[(shape.name, spec, method)] = longest_fitting(shape, spec, machine, cap, floor, method)
                 if n is None:
                     continue
-                lens = lengths_of(n, floor)
-                rank = {lens[len(lens) // 2]: 0, lens[-1]: 1, lens[0]: 2} if len(lens) == 3 else \
-                    {seq: k for k, seq in enumerate(reversed(lens))}
+                if lengths is not None:
+                    lens = [seq for seq in lengths if seq <= n]
+                    rank = {seq: k for k, seq in enumerate(lens)}
+                else:
+                    lens = lengths_of(n, floor)
+                    rank = {lens[len(lens) // 2]: 0, lens[-1]: 1, lens[0]: 2} if len(lens) == 3 else \
+                        {seq: k for k, seq in enumerate(reversed(lens))}
                 for seq in lens:
                     jobs.append(Job(shape, seq, spec, method, (rank[seq], m, s, i)))
     return sorted(jobs, key=lambda j: j.priority), longest
@@ -269,9 +276,13 @@ class Calibration:
     """Runs jobs and keeps the results file (``runner`` is swapped in tests)."""
 
     def __init__(self, out: Path, machine: Machine, *, dry_run: bool, iters: int, timeout: float,
-                 runner: Callable[[list[str], dict[str, str], float], tuple[int, str]] = run_in_session) -> None:
+                 runner: Callable[[list[str], dict[str, str], float], tuple[int, str]] = run_in_session,
+                 rerun: bool = False) -> None:
         self.out, self.machine, self.dry_run, self.iters, self.timeout, self.runner = \
             out, machine, dry_run, iters, timeout, runner
+        self.rerun = rerun
+        """Measure a job again even where its row is in the file (after a change to the code it measures)."""
+        self._done: set[tuple[str, str]] = set()
         self.doc: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
         self.doc.setdefault("component", "planner_calibration")
         self.doc.setdefault("rows", [])
@@ -307,14 +318,14 @@ class Calibration:
     def run(self, job: Job, deadline: float) -> bool:
         """Measure ``job`` unless its row is in the file; False when the deadline leaves no time for it (nothing
         written, the next invocation runs it)."""
-        if self.row(job.case, job.method) is not None:
+        if (job.case, job.method) in self._done or (self.row(job.case, job.method) is not None and not self.rerun):
             return True
         if job.spec == "te" and not self.dry_run and not _te_importable():
             self.skip(job, "Transformer Engine is not installed: the te spec needs it")
             return True
         flags = [*job.shape.flags(job.seq), *spec_flags(job.spec, job.shape), *method_flags(job.method),
                  "--train-iters", str(self.iters)]
-        before = predict(flags, self.machine)
+        before = predict(with_cpu_flags(flags) if self.dry_run else flags, self.machine)
         if not before.fits:
             self.skip(job, "the planner says plain Megatron does not fit on this card" if job.method != "planner"
                       else f"the planner finds no configuration that fits: {before.reason}",
@@ -337,7 +348,7 @@ class Calibration:
         measured = max((r["max_allocated"] for r in reports.values()), default=None)
         logged_added = a.auto.get("added", "").split() if a.auto.get("added") else []
         pred = before if job.method != "planner" or logged_added == before.added else \
-            predict(flags, self.machine, added=logged_added)
+            predict(with_cpu_flags(flags) if self.dry_run else flags, self.machine, added=logged_added)
         measured_gib = round(measured / 1024, 3) if measured is not None and a.outcome == "ok" else None
         ratio = round(pred.gib / measured_gib, 4) if pred.gib and measured_gib else None
         extra = {**_where(), "outcome": a.outcome, "ratio": ratio, "which": pred.which, "added": pred.added,
@@ -351,6 +362,7 @@ class Calibration:
                  **({"oom": a.oom} if a.oom else {}), **({"error_lines": a.error_lines} if a.error_lines else {})}
         self.put({"case": job.case, "method": job.method, "predicted_gib": pred.gib, "measured_gib": measured_gib,
                   "peak_gib": measured_gib, "ms": None, "exact": None, "extra": extra})  # a memory row: one run is no timing
+        self._done.add((job.case, job.method))
         print(f"    {a.outcome} in {a.wall_s:.0f} s: measured {measured_gib} GiB, predicted {pred.gib} GiB, "
               f"ratio {ratio}", flush=True)
         return True
@@ -388,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--specs", default=None, help="te,local (default: both; dry run local)")
     ap.add_argument("--methods", default=",".join(METHODS), help="default: %(default)s")
     ap.add_argument("--max-seq", type=tokens, default=None, help="longest length considered (default: 1M; dry run 256)")
+    ap.add_argument("--lengths", type=tokens_list, default=None,
+                    help="only these lengths (e.g. 64K,128K), each where the planner says it fits (default: a quarter, "
+                         "a half and all of the longest that fits)")
+    ap.add_argument("--rerun", action="store_true",
+                    help="measure the chosen runs again, replacing their rows (after a change to the code they measure)")
     ap.add_argument("--iters", type=int, default=3, help="iterations per run (default: 3)")
     ap.add_argument("--timeout", type=float, default=480, help="seconds one run may take (default: 480)")
     ap.add_argument("--max-minutes", type=float, default=None,
@@ -417,9 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     cap, floor = a.max_seq or (256 if dry else 1024**2), (64 if dry else 1024)
     t0 = time.monotonic()
     deadline = t0 + a.max_minutes * 60 if a.max_minutes else float("inf")
-    cal = Calibration(out, machine, dry_run=dry, iters=a.iters, timeout=a.timeout)
+    cal = Calibration(out, machine, dry_run=dry, iters=a.iters, timeout=a.timeout, rerun=a.rerun)
     cal.doc["commands"] = list(dict.fromkeys(cal.doc["commands"] + ["python3 " + shlex.join(sys.argv)]))
-    jobs, longest = plan_jobs(tuple(s for s in pool if s.name in names), specs, machine, cap, floor, methods)
+    jobs, longest = plan_jobs(tuple(s for s in pool if s.name in names), specs, machine, cap, floor, methods,
+                              a.lengths)
     cal.doc.setdefault("longest_fitting", {})
     for (shape, spec, method), n in longest.items():
         cal.doc["longest_fitting"][f"{shape},spec={spec},method={method},card={machine.card}"] = n
@@ -430,10 +448,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(cal.row(j.case, j.method) is not None for j in jobs)} already in {out.name}", flush=True)
     started = 0
     for job in jobs:
-        if a.max_runs is not None and started >= a.max_runs and cal.row(job.case, job.method) is None:
+        pending = cal.row(job.case, job.method) is None or (a.rerun and (job.case, job.method) not in cal._done)
+        if a.max_runs is not None and started >= a.max_runs and pending:
             print(f"--max-runs {a.max_runs} reached: run the same command again to go on", flush=True)
             break
-        had = cal.row(job.case, job.method) is not None
+        had = not pending
         if not cal.run(job, deadline):
             print(f"--max-minutes spent after {(time.monotonic() - t0) / 60:.1f} min: run the same command again to "
                   f"go on from the rows in {out.name}", flush=True)

@@ -203,12 +203,16 @@ def test_llep_expected_working_set_by_hand():
         no_fuse = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", fuse_recompute=False, chunk_cap=32768))
         run = RunConfig(seq_len=16384, activation_fusion=fusion)
         assert M.llep_expected_working_set(s, run, no_fuse, R) == 16384 * per_token + max(plain)
-        # the per-expert path (grouped GEMMs off, or not bf16): dX and two [R, H] more and every segment's
-        # activations: unfused as traced (6F); fused, each row's activation output and the largest segment's
-        # activation-output and fc1-output gradients (4F)
+        # the per-expert path (grouped GEMMs off, or not bf16): every row's saved activation (unfused 4F, fused F)
+        # and the largest of the forward's end (fc2 outputs, their concatenation: 2H), the first segment's backward
+        # (the concatenation, and R / 64 experts rows' transients) and the end (the segments' dX and their
+        # concatenation beside the input, output gradient and output rows: 5H)
         off = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", grouped_gemm=False))
-        assert M.llep_expected_working_set(s, run, off, R) == 16384 * per_token + R * (
-            rows + w * (3 * H + (4 if fusion else 6) * F))
+        saved = (1 if fusion else 4) * F
+        moments = [R * (rows + w * (saved + 2 * H)),
+                   R * (rows + w * (saved + H)) + R // 64 * w * ((3 if fusion else 7) * F + H),
+                   R * (rows - f1 * w + 3 * H * w)]
+        assert M.llep_expected_working_set(s, run, off, R) == 16384 * per_token + max(moments)
     # growth with tokens is the per-token term only: the chunk is capped
     a, b = (M.llep_expected_working_set(s, RunConfig(seq_len=T), pf, R) for T in (16384, 65536))
     assert b - a == (65536 - 16384) * per_token
@@ -226,10 +230,12 @@ def test_llep_expected_working_set_by_hand():
     assert got == 10 * (2 * 64 * 2 + 4 * 2 + 56) + max(4 * (r + 2 * 7 * 32), 4 * (r + 128))
 
 
-def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens, chunk_cap):
-    """Peak LiveBytes of one Megatron MoELayer forward + backward with PipelinedLLEP (bf16, DDP with the
-    distributed optimizer's buffers), as bench/planner.py measures it on the GPU: as is, and inside
-    Megatron's checkpoint (full recompute, chunks fused into the recompute). {(regime, T): bytes}."""
+def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens, chunk_cap, grouped=True,
+                           regimes=("none", "full")):
+    """Peak LiveBytes of one Megatron MoELayer forward + backward with PipelinedLLEP (bf16 with grouped GEMMs, or
+    fp32 on the per-expert path; DDP with the distributed optimizer's buffers), as bench/planner.py measures it on
+    the GPU: as is, and inside Megatron's checkpoint (full recompute, chunks fused into the recompute).
+    {(regime, T): bytes}."""
     import gc
 
     from megatron.core import tensor_parallel
@@ -245,18 +251,19 @@ def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens,
     from megatron_peakflat.testing import megatron_cpu
 
     megatron_cpu.init_megatron_parallel(ep=1, cpu=True)
-    pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=chunk_cap),
+    pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=chunk_cap, grouped_gemm=grouped),
                         general=GeneralConfig(attention="local"))
     megatron_peakflat.apply(pf)
-    _, layer = build_layer(hidden, experts, topk, ffn, True, ddp=False, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if grouped else torch.float32
+    _, layer = build_layer(hidden, experts, topk, ffn, True, ddp=False, dtype=dtype)
     ddp = DistributedDataParallel(layer.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), layer)
     layer.moe_layer_recompute = False
     out = {}
-    for regime in ("none", "full"):
+    for regime in regimes:
         for T in tokens:
-            x = torch.randn(T, 1, hidden, dtype=torch.bfloat16).requires_grad_(True)
-            gout = torch.randn(T, 1, hidden, dtype=torch.bfloat16)
+            x = torch.randn(T, 1, hidden, dtype=dtype).requires_grad_(True)
+            gout = torch.randn(T, 1, hidden, dtype=dtype)
 
             def step(x=x, gout=gout, regime=regime):
                 y = tensor_parallel.checkpoint(lambda h: ddp(h)[0], False, x) if regime == "full" else ddp(x)[0]
@@ -277,8 +284,28 @@ def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens,
                 snap = stats.snapshot()["dispatch"]
                 assert snap.get("dispatch_recompute_calls", 0) == (regime == "full")
                 assert snap.get("dispatch_recompute_output_skipped", 0) == steady
+                assert snap.get("experts") == ("grouped" if grouped else "per-expert")
     megatron_peakflat.remove()
     return out
+
+
+@pytest.mark.parametrize("H,E,k,F", [(256, 8, 2, 896), (384, 64, 8, 64)], ids=["wide-experts", "many-experts"])
+def test_llep_per_expert_path_against_a_megatron_moe_layer(H, E, k, F):
+    """The per-expert path (fp32; grouped GEMMs off) against LiveBytesMeter on a Megatron MoELayer (CPU, its SwiGLU
+    unfused), at a shape whose experts are wide (the activations bind) and one with many narrow experts (the
+    segments' dX binds), with one chunk and with four: within 10%, and under the bound."""
+    from megatron_peakflat.testing.distributed import run_distributed
+
+    cap, tokens = 4096, (2048 if k == 8 else 8192,) + ((2048,) if k == 2 else ())
+    measured = run_distributed(_moe_layer_working_set, 1, H, E, k, F, tokens, cap, False, ("none",))[0]
+    s = ModelShape(name="moe", hidden=H, layers=1, heads=2, kv_heads=2, head_dim=128, ffn=4 * H, vocab=1024,
+                   experts=E, topk=k, moe_ffn=F)
+    pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=cap, grouped_gemm=False))
+    for (_, T), got in measured.items():
+        run = RunConfig(seq_len=T, recompute="none", precision="fp32", activation_fusion=False)
+        row = plan(s, run, pf).stages[0].rows["dispatch"]
+        assert abs(got - row.peakflat) / row.peakflat < 0.10, (T, got, row.peakflat)
+        assert got <= row.bound, (T, got, row.bound)
 
 
 def test_llep_expected_working_set_against_a_megatron_moe_layer():
@@ -304,6 +331,37 @@ def test_llep_expected_working_set_against_a_megatron_moe_layer():
         predicted, bound = rows["dispatch"].peakflat + held, rows["dispatch"].bound + held
         assert abs(got - predicted) / predicted < 0.10, (regime, T, got, predicted)
         assert got <= bound, (regime, T, got, bound)
+
+
+def test_dispatch_rows_measured_on_a_gpu_are_planned():
+    """bench/results/planner.json's dispatch rows (one H200; one H100 with Megatron's SwiGLU unfused and fused,
+    ``,fused_act``), replanned, with the router's [T, E] tensors that the measurement holds: the grouped GEMMs (bf16)
+    within -2% to +3%, the per-expert path (fp32) within -3% to +20% (over where one chunk takes the layer's rows
+    and its backward peaks below the planned moment)."""
+    import json
+    import re
+
+    rows = json.loads((Path(__file__).resolve().parent.parent / "bench/results/planner.json").read_text())["rows"]
+    checked = {"grouped": 0, "per-expert": 0}
+    for r in rows:
+        m = re.fullmatch(r"recompute=(\w+),N=(\d+),H=(\d+),E=(\d+),k=(\d+),F=(\d+),ep=1,(\w+)(,fused_act)?", r["case"])
+        if r["extra"].get("term") != "dispatch" or not m:
+            continue
+        regime, prec, fused = m.group(1), m.group(7), bool(m.group(8))
+        T, H, E, k, F = (int(m.group(i)) for i in range(2, 7))
+        shape = ModelShape(name="moe-layer", hidden=H, layers=1, heads=max(1, H // 128), kv_heads=max(1, H // 128),
+                           head_dim=128, ffn=4 * H, vocab=1000, experts=E, topk=k, moe_ffn=F)
+        pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=r["extra"]["chunk_cap"]))
+        run = RunConfig(seq_len=T, precision=prec, recompute=regime, activation_fusion=fused)
+        planned = plan(shape, run, pf).stages[0].rows
+        held = planned["sco"].baseline if regime == "full" else 0.0
+        router = T * E * 9  # the router's [T, E] tensors, which the measurement holds (the plan's layer row)
+        ratio = (planned["dispatch"].peakflat + held + router) / GIB / r["peak_gib"]
+        path = r["extra"]["experts_path"]
+        low, high = (0.98, 1.03) if path == "grouped" else (0.97, 1.20)
+        assert low <= ratio <= high, (r["case"], ratio)
+        checked[path] += 1
+    assert checked["grouped"] >= 8 and checked["per-expert"] >= 16
 
 
 def test_dispatch_baseline_matches_h200_anchor():

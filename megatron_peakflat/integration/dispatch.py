@@ -210,18 +210,21 @@ class ExpertMath(GroupedExperts):
         if self.config.moe_apply_probs_on_input:  # as SequentialMLP.forward and TEGroupedMLP.forward do
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
-        outs, o = [], 0
-        for n, li, w in zip(tokens_per_expert, local, weights):
+        # One split, not a slice per segment: the slice's backward writes a zero-filled [rows, H] gradient for
+        # every segment, the split's one concatenation of the segments' gradients.
+        sizes = [int(n) for n in tokens_per_expert]
+        rest = x.shape[0] - sum(sizes)
+        xs_all, ps_all = torch.split(x, sizes + [rest]), torch.split(probs, sizes + [rest])
+        outs = []
+        for n, li, w, xs, ps in zip(sizes, local, weights, xs_all, ps_all):
             if n == 0:
                 continue
-            xs, ps = x[o:o + n], probs[o:o + n]
             if self.plain:
                 w = self.expert_params(li) if li is not None else w
                 y = self._plain(xs, ps, w[0], w[1])
             else:
                 y = self._module_call(li, w, xs, ps)
             outs.append(y)
-            o += n
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
 

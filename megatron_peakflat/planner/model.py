@@ -789,14 +789,26 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     assumed gradient is confirmed, integration/dispatch_recompute.py). At EP > 1 with overlap (``llep_overlaps``) the next chunk's dispatch (rows and output gradient, sent and received) and the
     previous chunk's combine (dX and output, sent and received) are in flight: 8 [R, H] more, from the
     code, not measured on GPUs.
-    The per-expert path (grouped GEMMs off, or not bf16) keeps the chunk's concatenated output, the
-    row-gradient buffer and one slice gradient ([R, H] each) and every segment's activations.
-    Those activation terms are the unfused ops', as traced (the CPU runs Megatron's SwiGLU unfused). With
-    Megatron's fused SwiGLU (``run.activation_fusion``, gated experts) the compiled function saves only its input
-    (fc1's output, already counted) and its backward writes only that input's gradient: the grouped backward holds
-    the activation's output, its gradient and fc1's output gradient (4F); the per-expert path keeps each row's
-    activation output (saved by fc2) and, at the backward of its largest segment (every row of the chunk, whatever
-    the routing), that segment's activation-output gradient and fc1-output gradient (4F in all).
+    With Megatron's fused SwiGLU (``run.activation_fusion``, gated experts: its default on the GPU) the compiled
+    function saves only its input (fc1's output, already counted) and its backward writes only that input's
+    gradient: the grouped backward holds the activation's output, its gradient and fc1's output gradient (4F)
+    instead of the unfused ops' saved tensors and products (7F). Measured on one H100 (bench/results/planner.json,
+    H 2880, 32 experts top-4, with and without ``,fused_act``): within 0.7% either way.
+    The per-expert path (grouped GEMMs off, or not bf16) runs the chunk's segments (one per expert, split from the
+    chunk's rows) under autograd, then backward. Every row's dispatched input and output gradient and fc1 output
+    are ``rows``; each row's saved activation is 4F unfused gated (silu(a), b + offset, their product, the
+    prob-scaled output), F fused (the output) and 2F not gated. The peak is the largest of three moments: the
+    forward's end (the segments' fc2 outputs and their concatenation, 2H); the backward of the first segment (the
+    concatenation, H, and that segment's transients: the activation-output and elementwise gradients, fc1's output
+    gradient and its dX, 7F + H gated, 3F + H not; the segment is the chunk's rows over the local experts,
+    balanced routing); and the end, where the segments' dX and their concatenation sit beside the input, output
+    gradient and output rows (5H, the activations freed). The fused SwiGLU's backward measured as large as the
+    unfused ops' on this path (one H100, H 4096, F 14336: 10.53 GiB at 64K tokens against 10.41 planned so, 9.47
+    with the compiled function's 3F + H), so its transients are counted alike; it saves less (F). Traced on CPU
+    (LiveBytesMeter: H 256 F 896 with 8 experts, H 384 F 64 with 64) and measured on one H100 (bench/results/
+    planner.json, fp32 rows: H 4096 F 14336 with 8 experts top-2, H 1536 F 256 with 256 top-8): the forward's end
+    to 0.1%; planned / measured 0.98 to 1.14 with the router's tensors, which the measurement holds (over where one
+    chunk takes the layer's rows and backward peaks lower). The grouped rows read 1.00 to 1.003 so.
     Not included: the router's own tensors (the 'layer working set' row) and the weights of experts
     that LLEP spills to this rank at EP > 1 under skew (only in the bound).
     """
@@ -813,7 +825,12 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
         chunk = max(R * (rows + w * act),  # activation backward
                     R * (rows + h * w))    # dX GEMM result and fc1 weight gradient
     else:
-        chunk = R * (rows + w * (3 * h + (4 if fused_act else 6) * f))
+        saved = (f if fused_act else 4 * f) if s.gated else 2 * f
+        segment = math.ceil(R / max(1, s.experts // run.ep))
+        transient = (7 if s.gated else 3) * f + h  # fused or not: measured alike on this path
+        chunk = max(R * (rows + w * (saved + 2 * h)),                       # forward: fc2 outputs, their concatenation
+                    R * (rows + w * (saved + h)) + segment * w * transient,  # backward of the first segment
+                    R * (rows - f1 * w + 3 * h * w))                         # the segments' dX and their concatenation
     return run.layer_rows * per_token + chunk
 
 

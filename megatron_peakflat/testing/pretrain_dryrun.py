@@ -77,9 +77,19 @@ def main(argv: list[str]) -> None:
 
     install()  # the trace, fault and host-memory hooks that PEAKFLAT_TEST_* ask for (none by default)
 
-    extra = [("--distributed-backend", "gloo"), ("--num-workers", "0"), ("--use-cpu-initialization",),
-             ("--no-masked-softmax-fusion",), ("--no-bias-dropout-fusion",), ("--no-bias-swiglu-fusion",)]
-    pretrain.main([*argv, *[a for flag in extra if flag[0] not in argv for a in flag]])
+    pretrain.main(with_cpu_flags(argv))
+
+
+CPU_FLAGS: tuple[tuple[str, ...], ...] = (
+    ("--distributed-backend", "gloo"), ("--num-workers", "0"), ("--use-cpu-initialization",),
+    ("--no-masked-softmax-fusion",), ("--no-bias-dropout-fusion",), ("--no-bias-swiglu-fusion",))
+"""What a dry run adds to the command line where it lacks them: gloo, in-process loading, CPU initialisation, and
+Megatron's fusions off (torch.compile is)."""
+
+
+def with_cpu_flags(argv: list[str]) -> list[str]:
+    """``argv`` as the dry run trains it (``CPU_FLAGS`` added), so that a plan of a dry run plans what runs."""
+    return [*argv, *[a for flag in CPU_FLAGS if flag[0] not in argv for a in flag]]
 
 
 if __name__ == "__main__":
