@@ -404,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these lengths (e.g. 64K,128K), each where the planner says it fits (default: a quarter, "
                          "a half and all of the longest that fits)")
     ap.add_argument("--rerun", action="store_true",
-                    help="measure the chosen runs again, replacing their rows (after a change to the code they measure)")
+                    help="measure the chosen runs again, replacing their rows (after a change to the code they "
+                         "measure)")
     ap.add_argument("--iters", type=int, default=3, help="iterations per run (default: 3)")
     ap.add_argument("--timeout", type=float, default=480, help="seconds one run may take (default: 480)")
     ap.add_argument("--max-minutes", type=float, default=None,
