@@ -288,6 +288,12 @@ class Calibration:
         self.doc.setdefault("rows", [])
         self.doc.setdefault("commands", [])
 
+    def pending(self, job: Job) -> bool:
+        """Whether ``job`` is still to measure: no row for it, or ``rerun`` and not measured in this invocation."""
+        if (job.case, job.method) in self._done:
+            return False
+        return self.row(job.case, job.method) is None or self.rerun
+
     def row(self, case: str, method: str) -> dict[str, Any] | None:
         return next((r for r in self.doc["rows"] if r["case"] == case and r["method"] == method), None)
 
@@ -316,16 +322,17 @@ class Calibration:
         print(f"{job.case:52s} {job.method:17s} skipped: {why}", flush=True)
 
     def run(self, job: Job, deadline: float) -> bool:
-        """Measure ``job`` unless its row is in the file; False when the deadline leaves no time for it (nothing
+        """Measure ``job`` where it is ``pending``; False when the deadline leaves no time for it (nothing
         written, the next invocation runs it)."""
-        if (job.case, job.method) in self._done or (self.row(job.case, job.method) is not None and not self.rerun):
+        if not self.pending(job):
             return True
         if job.spec == "te" and not self.dry_run and not _te_importable():
             self.skip(job, "Transformer Engine is not installed: the te spec needs it")
             return True
         flags = [*job.shape.flags(job.seq), *spec_flags(job.spec, job.shape), *method_flags(job.method),
                  "--train-iters", str(self.iters)]
-        before = predict(with_cpu_flags(flags) if self.dry_run else flags, self.machine)
+        planned = with_cpu_flags(flags) if self.dry_run else flags  # what the dry run trains
+        before = predict(planned, self.machine)
         if not before.fits:
             self.skip(job, "the planner says plain Megatron does not fit on this card" if job.method != "planner"
                       else f"the planner finds no configuration that fits: {before.reason}",
@@ -348,7 +355,7 @@ class Calibration:
         measured = max((r["max_allocated"] for r in reports.values()), default=None)
         logged_added = a.auto.get("added", "").split() if a.auto.get("added") else []
         pred = before if job.method != "planner" or logged_added == before.added else \
-            predict(with_cpu_flags(flags) if self.dry_run else flags, self.machine, added=logged_added)
+            predict(planned, self.machine, added=logged_added)
         measured_gib = round(measured / 1024, 3) if measured is not None and a.outcome == "ok" else None
         ratio = round(pred.gib / measured_gib, 4) if pred.gib and measured_gib else None
         extra = {**_where(), "outcome": a.outcome, "ratio": ratio, "which": pred.which, "added": pred.added,
@@ -449,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(cal.row(j.case, j.method) is not None for j in jobs)} already in {out.name}", flush=True)
     started = 0
     for job in jobs:
-        pending = cal.row(job.case, job.method) is None or (a.rerun and (job.case, job.method) not in cal._done)
+        pending = cal.pending(job)
         if a.max_runs is not None and started >= a.max_runs and pending:
             print(f"--max-runs {a.max_runs} reached: run the same command again to go on", flush=True)
             break
