@@ -225,6 +225,14 @@ def bench_vocab(N: int = 16384, H: int = 4096, V: int = 201088) -> list[Row]:
     return rows
 
 
+def moe_layer_shape(hidden: int, experts: int, topk: int, ffn: int) -> ModelShape:
+    """The planner's shape of the dispatch term's MoE layer (``bench.dispatch.build_layer``: one gated layer, heads of
+    128), so that its rows are planned again as they were measured."""
+    return ModelShape(name="moe-layer", hidden=hidden, layers=1, heads=max(1, hidden // 128),
+                      kv_heads=max(1, hidden // 128), head_dim=128, ffn=4 * hidden, vocab=1000, experts=experts,
+                      topk=topk, moe_ffn=ffn, gated=True)
+
+
 def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096, experts: int = 64, topk: int = 8,
                    ffn: int = 1536, chunk_cap: int | None = None, regimes: tuple[str, ...] = ("none", "full"),
                    fusions: tuple[bool, ...] = (False,), dtype: torch.dtype = torch.bfloat16) -> list[Row]:
@@ -242,7 +250,8 @@ def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096,
 
     _one_rank_group()
     megatron_cpu.init_megatron_parallel(ep=1, cpu=DRY)
-    disp = DispatchConfig(impl="pipelined-llep")
+    # fp32 takes the per-expert path, as on the GPU (torch._grouped_mm takes bf16 there; the CPU would group fp32)
+    disp = DispatchConfig(impl="pipelined-llep", grouped_gemm=dtype == torch.bfloat16)
     if chunk_cap is not None:
         disp = dataclasses.replace(disp, chunk_cap=chunk_cap)
     pf = PeakflatConfig(dispatch=disp, general=GeneralConfig(attention="local"))
@@ -250,6 +259,7 @@ def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096,
     rows: list[Row] = []
     try:
         precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+        shape = moe_layer_shape(hidden, experts, topk, ffn)
         for fused in fusions:
             _, layer = build_layer(hidden, experts, topk, ffn, DRY, ddp=False, dtype=dtype,
                                    activation_fusion=fused)
@@ -258,9 +268,6 @@ def bench_dispatch(tokens: tuple[int, ...] = (16384, 65536), hidden: int = 4096,
             ddp = DistributedDataParallel(layer.config, DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=True), layer)
             layer.moe_layer_recompute = False  # PipelinedLLEP recomputes its chunks itself
-            shape = ModelShape(name="moe-layer", hidden=hidden, layers=1, heads=max(1, hidden // 128),
-                               kv_heads=max(1, hidden // 128), head_dim=128, ffn=4 * hidden, vocab=1000,
-                               experts=experts, topk=topk, moe_ffn=ffn, gated=True)
             for regime in regimes:
                 measured_at: dict[int, tuple[float, float, float]] = {}
                 for T in tokens:

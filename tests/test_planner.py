@@ -341,6 +341,8 @@ def test_dispatch_rows_measured_on_a_gpu_are_planned():
     import json
     import re
 
+    from bench.planner import moe_layer_shape
+
     rows = json.loads((Path(__file__).resolve().parent.parent / "bench/results/planner.json").read_text())["rows"]
     checked = {"grouped": 0, "per-expert": 0}
     for r in rows:
@@ -349,8 +351,7 @@ def test_dispatch_rows_measured_on_a_gpu_are_planned():
             continue
         regime, prec, fused = m.group(1), m.group(7), bool(m.group(8))
         T, H, E, k, F = (int(m.group(i)) for i in range(2, 7))
-        shape = ModelShape(name="moe-layer", hidden=H, layers=1, heads=max(1, H // 128), kv_heads=max(1, H // 128),
-                           head_dim=128, ffn=4 * H, vocab=1000, experts=E, topk=k, moe_ffn=F)
+        shape = moe_layer_shape(H, E, k, F)
         pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=r["extra"]["chunk_cap"]))
         run = RunConfig(seq_len=T, precision=prec, recompute=regime, activation_fusion=fused)
         planned = plan(shape, run, pf).stages[0].rows
