@@ -658,21 +658,22 @@ def test_where_the_expansion_binds_the_refusal_names_the_local_specs_per_head_ca
     assert "holds dK and dV at every query head" not in out.out + out.err
 
 
-@pytest.mark.parametrize("extra, seq, fused", [
-    ((), 65536, True),  # TE's fused RoPE over the whole sequence: it saves only the table
-    (("--no-rope-fusion",), 65536, False),  # torch's RoPE: the copies stay counted
-    (("--transformer-impl local",), 65536, False),
-    (("--position-embedding-type learned_absolute",), 65536, False),
-    ((), 1 << 20, False),  # past the kernel's 32-bit limit the line runs --no-rope-fusion (recommend, auto)
+@pytest.mark.parametrize("extra, seq, freed", [
+    ((), 65536, True),  # TE's fused RoPE over the whole sequence
+    (("--no-rope-fusion",), 65536, True),  # torch's RoPE on TE's layers: TE's layout detection still copies v
+    ((), 1 << 20, True),  # past the kernel's 32-bit limit the line runs --no-rope-fusion (recommend, auto)
+    (("--transformer-impl local",), 65536, False),  # the SDPA attention saves v as a view of the packed buffer
+    (("--position-embedding-type learned_absolute",), 65536, False),  # k and v stay views: not measured, counted
 ])
-def test_fused_rope_leaves_no_rotated_copies_in_attentions_backward(extra, seq, fused):
-    """Planned against TE's reach rows (tests/test_planner_measured.py): with the copies, the untiled rows at 48K-384K
-    read +1.4% to +5.6%; without them -0.5% to +0.8%, as Megatron's own column reads."""
+def test_te_rope_leaves_no_packed_qkv_buffer_in_attentions_backward(extra, seq, freed):
+    """Planned against TE's reach rows (tests/test_planner_measured.py): with the packed buffer's q and k counted,
+    the untiled rows read +1.4% to +5.6% at 48K-384K (fused RoPE) and +5.8% at 512K (--no-rope-fusion); without
+    them -0.5% to +0.8% and -0.7%, as Megatron's own column reads."""
     from megatron_peakflat.planner import model
 
     shape, run, _, _, _ = _gqa_plan(seq, *extra)
-    assert run.rope_fused is fused
+    assert run.qkv_buffer_freed is freed
     copies = run.tokens * (shape.heads + shape.kv_heads) * shape.head_dim * run.w
-    unfused = dataclasses.replace(run, rope_fused=False)
-    assert model.attention_backward_transient(shape, unfused) - model.attention_backward_transient(shape, run) == \
-        (copies if fused else 0)
+    kept = dataclasses.replace(run, qkv_buffer_freed=False)
+    assert model.attention_backward_transient(shape, kept) - model.attention_backward_transient(shape, run) == \
+        (copies if freed else 0)

@@ -108,8 +108,7 @@ def prediction(args: Any) -> tuple[Plan, str]:
         fields["sm_count"] = _sm_count()
         from ..planner.te_limits import te_run_fields
 
-        fields.update(te_run_fields(shape, args, precision=fields.get("precision", "bf16"), cp=cp,
-                                    seq_len=fields["seq_len"], tp=tp, micro_batch=fields.get("micro_batch", 1)))
+        fields.update(te_run_fields(shape, args, precision=fields.get("precision", "bf16"), cp=cp))
         run = RunConfig(**fields)
         _cache["plan"] = plan(shape, run, _as_run(_config(args)))
         _cache["stage"] = _stage_name(_cache["plan"])

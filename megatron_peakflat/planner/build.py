@@ -280,8 +280,7 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     kw["hbm_bytes"] = int(hbm * GIB)
     kw["host_bytes_per_node"] = int(host * GIB)
     kw["gpus_per_node"] = ns.gpus_per_node
-    kw.update(te_limits.te_run_fields(shape, mns, precision=kw.get("precision", "bf16"), cp=par["cp"], seq_len=seq,
-                                      tp=par["tp"], micro_batch=kw.get("micro_batch", 1),
+    kw.update(te_limits.te_run_fields(shape, mns, precision=kw.get("precision", "bf16"), cp=par["cp"],
                                       preset=not (ns.megatron_args and is_command_line(mns))))
     kw["fused_adam"] = (ns.adam or ("fused" if kw["transformer_impl"] == "transformer_engine" else "torch")) == "fused"
     run = RunConfig(**kw)

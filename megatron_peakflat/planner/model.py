@@ -126,9 +126,9 @@ class RunConfig:
     torch.compile'd autograd function (fusions/fused_bias_swiglu.py ``WeightedSwiGLUFunction``) whose forward saves
     only its input and whose backward writes only the input's gradient, so PipelinedLLEP's experts hold none of the
     unfused ops' intermediates (``llep_expected_working_set``)."""
-    rope_fused: bool = False
-    """Transformer Engine's fused RoPE rotates q and k over the whole sequence (``te_limits.rope_fused_whole``): its
-    autograd function saves only the table, so no pre-rotation copy of q or k is alive in attention's backward."""
+    qkv_buffer_freed: bool = False
+    """RoPE on Transformer Engine's layers (``te_limits.te_rope_frees_packed_qkv``): nothing attention saves is a
+    view of the packed QKV projection output, so its q and k parts are not alive in attention's backward."""
     routing_skew: float = 1.0
     """max/mean tokens received per expert-parallel rank (1: balanced)."""
     hbm_bytes: int = 80 * GIB
@@ -507,14 +507,15 @@ def dq_accumulator_bytes(s: ModelShape, run: RunConfig, q_elements: float, calls
 def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
     """What core attention's backward holds beside the layer's saved tensors, where a long-context layer
     peaks: dQ, dK, dV, flash attention's fp32 dQ accumulator(s) and dO, plus the rotated copies of q and k
-    that RoPE makes in the (re)computed forward. Measured at 128K tokens on one H200
+    beside the packed QKV buffer that v's view keeps alive where attention saves that view (not on TE's layers with
+    RoPE: ``RunConfig.qkv_buffer_freed``). Measured at 128K tokens on one H200
     (docs/evidence/memory_peak_128k.txt, under --deterministic-mode): the run's peak sat in this backward."""
     t, w = run.tp, run.w
     T = run.tokens
     if s.mla is None:
         q = T / t * s.heads * s.head_dim
         k = v = T / t * s.kv_heads * s.head_dim
-        rotated = 0.0 if run.rope_fused else (q + k) * w
+        rotated = 0.0 if run.qkv_buffer_freed else (q + k) * w
     else:
         m = s.mla
         q = k = T / t * s.heads * (m.qk_head_dim + m.qk_pos_emb_head_dim)
