@@ -231,11 +231,12 @@ def test_llep_expected_working_set_by_hand():
 
 
 def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens, chunk_cap, grouped=True,
-                           regimes=("none", "full")):
+                           regimes=("none", "full"), one_expert=False, unsplit=False):
     """Peak LiveBytes of one Megatron MoELayer forward + backward with PipelinedLLEP (bf16 with grouped GEMMs, or
     fp32 on the per-expert path; DDP with the distributed optimizer's buffers), as bench/planner.py measures it on
     the GPU: as is, and inside Megatron's checkpoint (full recompute, chunks fused into the recompute).
-    {(regime, T): bytes}."""
+    ``one_expert``: the router sends every token to expert 0 (its other picks tie). ``unsplit``: the per-expert
+    path runs each expert's rows as one call, as before ``segment_piece_rows``. {(regime, T): bytes}."""
     import gc
 
     from megatron.core import tensor_parallel
@@ -254,15 +255,26 @@ def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens,
     pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=chunk_cap, grouped_gemm=grouped),
                         general=GeneralConfig(attention="local"))
     megatron_peakflat.apply(pf)
+    if unsplit:
+        from megatron_peakflat.integration import dispatch as integration_dispatch
+
+        integration_dispatch.segment_piece_rows = lambda rows, experts: max(1, rows)
     dtype = torch.bfloat16 if grouped else torch.float32
     _, layer = build_layer(hidden, experts, topk, ffn, True, ddp=False, dtype=dtype)
+    if one_expert:  # logits: 1000 for expert 0 on every token (its input's first feature is 10), 0 elsewhere
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.router.weight[0, 0] = 100.0
     ddp = DistributedDataParallel(layer.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), layer)
     layer.moe_layer_recompute = False
     out = {}
     for regime in regimes:
         for T in tokens:
-            x = torch.randn(T, 1, hidden, dtype=dtype).requires_grad_(True)
+            x = torch.randn(T, 1, hidden, dtype=dtype)
+            if one_expert:
+                x[..., 0] = 10.0
+            x.requires_grad_(True)
             gout = torch.randn(T, 1, hidden, dtype=dtype)
 
             def step(x=x, gout=gout, regime=regime):
@@ -285,6 +297,7 @@ def _moe_layer_working_set(rank, world_size, hidden, experts, topk, ffn, tokens,
                 assert snap.get("dispatch_recompute_calls", 0) == (regime == "full")
                 assert snap.get("dispatch_recompute_output_skipped", 0) == steady
                 assert snap.get("experts") == ("grouped" if grouped else "per-expert")
+                out["calls_split", T] = snap.get("expert_calls_split", 0)
     megatron_peakflat.remove()
     return out
 
@@ -301,11 +314,33 @@ def test_llep_per_expert_path_against_a_megatron_moe_layer(H, E, k, F):
     s = ModelShape(name="moe", hidden=H, layers=1, heads=2, kv_heads=2, head_dim=128, ffn=4 * H, vocab=1024,
                    experts=E, topk=k, moe_ffn=F)
     pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=cap, grouped_gemm=False))
-    for (_, T), got in measured.items():
+    for (regime, T), got in measured.items():
+        if regime == "calls_split":
+            continue
         run = RunConfig(seq_len=T, recompute="none", precision="fp32", activation_fusion=False)
         row = plan(s, run, pf).stages[0].rows["dispatch"]
         assert abs(got - row.peakflat) / row.peakflat < 0.10, (T, got, row.peakflat)
         assert got <= row.bound, (T, got, row.bound)
+
+
+def test_llep_per_expert_path_is_bounded_when_every_token_picks_one_expert():
+    """Adversarial routing on the per-expert path: every token's first pick is expert 0, so that expert holds half
+    of each chunk's rows (top-2). Its rows run in pieces of ``segment_piece_rows``, and the peak stays within the
+    plan, which holds whatever the routing; one call per expert (``unsplit``) exceeds it by the heavy expert's
+    activation gradients."""
+    from megatron_peakflat.testing.distributed import run_distributed
+
+    H, E, k, F, cap, T = 256, 8, 2, 896, 4096, 8192
+    s = ModelShape(name="moe", hidden=H, layers=1, heads=2, kv_heads=2, head_dim=128, ffn=4 * H, vocab=1024,
+                   experts=E, topk=k, moe_ffn=F)
+    pf = PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep", chunk_cap=cap, grouped_gemm=False))
+    planned = plan(s, RunConfig(seq_len=T, recompute="none", precision="fp32", activation_fusion=False),
+                   pf).stages[0].rows["dispatch"].peakflat
+    split = run_distributed(_moe_layer_working_set, 1, H, E, k, F, (T,), cap, False, ("none",), True)[0]
+    whole = run_distributed(_moe_layer_working_set, 1, H, E, k, F, (T,), cap, False, ("none",), True, True)[0]
+    assert split["calls_split", T] > 0 and whole["calls_split", T] == 0
+    assert split["none", T] <= planned * 1.02, (split["none", T], planned)
+    assert whole["none", T] > planned * 1.10, (whole["none", T], planned)
 
 
 def test_llep_expected_working_set_against_a_megatron_moe_layer():
@@ -324,7 +359,7 @@ def test_llep_expected_working_set_against_a_megatron_moe_layer():
     for T in tokens:
         assert measured["full-steady", T] < measured["full", T]
     for (regime, T), got in measured.items():
-        if regime == "full-steady":
+        if regime in ("full-steady", "calls_split"):
             continue
         rows = plan(s, RunConfig(seq_len=T, recompute=regime, activation_fusion=False), pf).stages[0].rows
         held = rows["sco"].baseline  # full recompute: the layer's no-grad output is alive in its recompute

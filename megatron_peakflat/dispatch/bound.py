@@ -4,11 +4,25 @@ the component (``api.working_set_bound``) and the memory planner (``planner/mode
 from __future__ import annotations
 
 __all__ = ["chunk_count", "split_floor", "overlap_on", "flow_chunk_rows", "working_set_bound", "HOSTED_FRACTION",
+           "SEGMENT_PIECE_MIN_ROWS", "segment_piece_rows",
            "hosted_expert_bytes", "auto_max_foreign", "hosting_capped", "weight_sends_bound"]
 
 HOSTED_FRACTION = 0.25
 """--peakflat-dispatch-max-foreign-experts auto: the experts a rank hosts for other ranks take at most this
 share of one chunk's dispatch and combine rows at the cap (EP x c rows of 12 x hidden elements)."""
+
+
+SEGMENT_PIECE_MIN_ROWS = 256
+"""The per-expert path's smallest expert call: below this many rows a call's fixed cost outweighs its memory."""
+
+
+def segment_piece_rows(chunk_rows: int, num_local_experts: int) -> int:
+    """The most rows one expert call of the per-expert path takes (grouped GEMMs off, or not bf16): the chunk's rows
+    over the rank's local experts, what each gets under balanced routing, and at least ``SEGMENT_PIECE_MIN_ROWS``.
+    An expert with more rows in the chunk runs in pieces of this size, so one call's transients (the activation's
+    gradients, fc1's output gradient, dX) stay bounded whatever the routing; skewed routing costs more calls, not
+    more memory."""
+    return max(SEGMENT_PIECE_MIN_ROWS, -(-int(chunk_rows) // max(1, int(num_local_experts))))
 
 
 def chunk_count(num_pairs: int, chunk_cap: int, max_chunks: int) -> int:

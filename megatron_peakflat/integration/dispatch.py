@@ -35,7 +35,7 @@ from torch.func import functional_call
 
 from .. import stats
 from ..dispatch.api import llep_moe
-from ..dispatch.bound import overlap_on
+from ..dispatch.bound import overlap_on, segment_piece_rows
 from ..dispatch.grouped import GroupedExperts, grouped_supported, pack_expert_weights
 from ..dispatch.config import DispatchConfig, resolve_membership
 from . import dispatch_recompute, state
@@ -211,20 +211,24 @@ class ExpertMath(GroupedExperts):
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
         # One split, not a slice per segment: the slice's backward writes a zero-filled [rows, H] gradient for
-        # every segment, the split's one concatenation of the segments' gradients.
-        sizes = [int(n) for n in tokens_per_expert]
+        # every segment, the split's one concatenation of the segments' gradients. A segment longer than
+        # segment_piece_rows runs in pieces of it, so that skewed routing cannot enlarge one call's transients.
+        piece = segment_piece_rows(x.shape[0], self.num_local_experts)
+        calls = [(min(piece, int(n) - at), li, w) for n, li, w in zip(tokens_per_expert, local, weights)
+                 for at in range(0, int(n), piece)]
+        sizes = [c[0] for c in calls]
         rest = x.shape[0] - sum(sizes)
         xs_all, ps_all = torch.split(x, sizes + [rest]), torch.split(probs, sizes + [rest])
         outs = []
-        for n, li, w, xs, ps in zip(sizes, local, weights, xs_all, ps_all):
-            if n == 0:
-                continue
+        for (_, li, w), xs, ps in zip(calls, xs_all, ps_all):
             if self.plain:
                 w = self.expert_params(li) if li is not None else w
                 y = self._plain(xs, ps, w[0], w[1])
             else:
                 y = self._module_call(li, w, xs, ps)
             outs.append(y)
+        if (extra := len(calls) - sum(int(n) > 0 for n in tokens_per_expert)) > 0:
+            stats.add("dispatch", "expert_calls_split", extra)
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
 

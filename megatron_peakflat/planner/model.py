@@ -36,8 +36,8 @@ from .. import components
 from ..attention.calls import kv_head_calls
 from ..config import PeakflatConfig
 from ..config_base import PeakflatConfigError
-from ..dispatch.bound import (auto_max_foreign, chunk_count, flow_chunk_rows, overlap_on, split_floor,
-                              weight_sends_bound, working_set_bound)
+from ..dispatch.bound import (auto_max_foreign, chunk_count, flow_chunk_rows, overlap_on, segment_piece_rows,
+                              split_floor, weight_sends_bound, working_set_bound)
 from ..dispatch.config import resolve_membership
 from ..tile.bound import tiled_attention_peak_bytes
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
@@ -801,8 +801,9 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
     prob-scaled output), F fused (the output) and 2F not gated. The peak is the largest of three moments: the
     forward's end (the segments' fc2 outputs and their concatenation, 2H); the backward of the first segment (the
     concatenation, H, and that segment's transients: the activation-output and elementwise gradients, fc1's output
-    gradient and its dX, 7F + H gated, 3F + H not; the segment is the chunk's rows over the local experts,
-    balanced routing); and the end, where the segments' dX and their concatenation sit beside the input, output
+    gradient and its dX, 7F + H gated, 3F + H not, for one expert call: at most the chunk's rows over the local
+    experts, or 256, whatever the routing, since a larger segment runs in pieces, dispatch/bound.py
+    ``segment_piece_rows``); and the end, where the segments' dX and their concatenation sit beside the input, output
     gradient and output rows (5H, the activations freed). The fused SwiGLU's backward measured as large as the
     unfused ops' on this path (one H100, H 4096, F 14336: 10.53 GiB at 64K tokens against 10.41 planned so, 9.47
     with the compiled function's 3F + H), so its transients are counted alike; it saves less (F). Traced on CPU
@@ -827,7 +828,7 @@ def llep_expected_working_set(s: ModelShape, run: RunConfig, pf: PeakflatConfig,
                     R * (rows + h * w))    # dX GEMM result and fc1 weight gradient
     else:
         saved = (f if fused_act else 4 * f) if s.gated else 2 * f
-        segment = math.ceil(R / max(1, s.experts // run.ep))
+        segment = min(R, segment_piece_rows(math.ceil(R), max(1, s.experts // run.ep)))  # whatever the routing
         transient = (7 if s.gated else 3) * f + h  # fused or not: measured alike on this path
         chunk = max(R * (rows + w * (saved + 2 * h)),                       # forward: fc2 outputs, their concatenation
                     R * (rows + w * (saved + h)) + segment * w * transient,  # backward of the first segment
