@@ -7,7 +7,8 @@ The loss and the gradient of every parameter (embeddings, attention, router, eve
 layer) must agree to 1e-5 relative, for balanced routing, 95% and 100% of tokens on one expert,
 K = 1, 2, 7 chunks, with ``--recompute-modules moe`` and full recompute, with Megatron's fused
 weighted swiglu, with shared-expert overlap, with token dropping (capacity factor), under
-Megatron DDP with overlapped grad reduce (world 1, 2), and TP=2 + SP with EP=2 (world 4).
+Megatron DDP with overlapped grad reduce (world 1, 2), and TP=2 + SP with EP=2 (world 4); the per-expert path
+with an expert's rows in pieces, at world 1 and 3.
 """
 
 from __future__ import annotations
@@ -234,6 +235,53 @@ def test_exact_against_megatron_alltoall(world):
     _assert_exact(per_rank, world, lambda name: name.startswith("all,"))
     if world > 1:
         assert any("overlap=True" in name for name, _, _ in per_rank[0])
+
+
+def pieces_worker(rank: int, world: int) -> list[tuple[str, float, int, int]]:
+    """The per-expert path with an expert's rows run in pieces (``segment_piece_rows``, its floor lowered to 2 rows
+    in this process so that 32 tokens split): skewed routing, with the plain ops and with the expert modules."""
+    import megatron_peakflat
+    from megatron_peakflat import stats
+    from megatron_peakflat.dispatch import bound
+    from megatron_peakflat.dispatch.config import DispatchConfig
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    mc.install_cpu_shim()
+    bound.SEGMENT_PIECE_MIN_ROWS = 2
+    E = 4 * world
+    out = []
+    for skew, plain in (("all", True), ("hot95", False), ("balanced", True)):
+        megatron_peakflat.remove()
+        torch.manual_seed(4321)
+        mc.init_megatron_parallel(ep=world, seed=4321)
+        config = mc.tiny_transformer_config(num_moe_experts=E)
+        ref, model = _ref_and_patched(config, DispatchConfig(
+            impl="pipelined-llep", chunk_cap=32, max_chunks=8, alpha=1.0, min_spill=0, imbalance_threshold=1.05,
+            grouped_gemm=False, max_foreign_experts=E))
+        for m in _swapped(model, config.num_layers):
+            m.token_dispatcher.plain_experts = plain
+        losses = _steps(ref, model, skew, 13 + rank, 17 + rank, {}, config.num_layers)
+        snap = stats.snapshot()["dispatch"]
+        assert snap.get("experts") == "per-expert", snap
+        name = f"{skew},plain={plain},rank={rank}"
+        out.append((name, _check_grads(name, ref, model, losses), int(snap.get("expert_calls_split", 0)),
+                    int(snap.get("spilled_experts", 0))))
+        megatron_peakflat.remove()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_per_expert_pieces_exact_against_megatron(world):
+    per_rank = run_distributed(pieces_worker, world, timeout=300)
+    for rows in per_rank:
+        for name, err, _, _ in rows:
+            assert err <= 1e-5, (name, err)
+    split: dict[str, int] = {}
+    for rows in per_rank:
+        for name, _, n, _ in rows:
+            key = name.rsplit(",", 1)[0]
+            split[key] = split.get(key, 0) + n
+    assert all(n > 0 for key, n in split.items() if not key.startswith("balanced")), split  # pieces really ran
 
 
 def auto_cap_worker(rank: int, world: int) -> list[tuple[str, float, int, int]]:
