@@ -398,10 +398,13 @@ def _log_first_call(rows: int, cfg: Any, ep: int) -> None:
     overlap = "on" if overlap_on(cfg.overlap, cfg.overlap_min_chunks, s["chunks"], ep) else "off"
     if overlap == "on" and cfg.pack_collectives:
         overlap += f" (over {s.get('transport', cfg.transport)})"
+    pieces = (f", experts one call at a time ({s.get('expert_calls_split', 0)} extra calls where an expert's rows "
+              "passed its balanced share)") if s.get("experts") == "per-expert" else ""
     info_once(f"peakflat dispatch: first MoE layer call: {rows} tokens here, K={s.get('chunks')} chunks of at most "
               f"{s.get('max_chunk_rows')} rows, all-to-all overlap {overlap}, load imbalance {s.get('imbalance')}, "
               f"{s.get('spilled_experts', 0)} experts spilled so far, at most {s.get('max_foreign_experts', 0)} "
-              "experts of other ranks hosted per rank (--peakflat-dispatch-max-foreign-experts)", per_rank=True)
+              f"experts of other ranks hosted per rank (--peakflat-dispatch-max-foreign-experts){pieces}",
+              per_rank=True)
 
 
 @functools.cache
