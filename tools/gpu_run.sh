@@ -30,7 +30,11 @@
 #   cp-tests                        tests/gpu/test_cp_gpu.py and test_tile_cp_gpu.py
 #   vocab-tp2                       bench/vocab.py at TP 2 -> bench/results/vocab.json (rows tp=2, gpus 2)
 #   e2e-cp2-reach, e2e-cp2-time     bench/e2e.py --cp 2 -> bench/results/e2e_cp2.json
-# Output: stdout, docs/evidence/gpu_<step>.log, and $OUT/ when set. Environment: PYTHON (python3), BUDGET (seconds a
+#   time-long                       peakflat-auto's time per iteration at 384K and 512K, 3 runs each -> bench/results/e2e.json
+# Output: stdout, docs/evidence/gpu_<step>.log, and $OUT/ when set (with results/, the result files after each step).
+# KEEP=<dir>: the result files survive a fresh copy of the tree on the same machine: restored from <dir> at the start
+# (they are the newer), saved there after each step, so that a resumable step goes on across invocations.
+# Environment: PYTHON (python3), BUDGET (seconds a
 # resumable step may run, default 540), E2E_ARGS (added to every bench/e2e.py step), REACH_LENGTHS (the reach steps'
 # lengths, default 256K,512K,1M; a length that already has a row in the results file is not run again, so pass
 # E2E_ARGS="--out <new file>" to measure it anew). Wheels missing on the machine
@@ -45,6 +49,15 @@ BUDGET=${BUDGET:-540}
 EVIDENCE=docs/evidence
 mkdir -p "$EVIDENCE" bench/results
 status=0
+if [[ -n "${KEEP:-}" && -d "$KEEP/results" ]]; then
+  cp "$KEEP"/results/*.json bench/results/ 2>/dev/null && echo "=== results restored from $KEEP/results"
+fi
+save_results() {
+  local d
+  for d in ${KEEP:+"$KEEP/results"} ${OUT:+"$OUT/results"}; do
+    mkdir -p "$d" && cp bench/results/*.json "$d/"
+  done
+}
 step() {  # name, command...
   local name=$1; shift
   local log=$EVIDENCE/gpu_$name.log
@@ -54,6 +67,7 @@ step() {  # name, command...
   local rc=${PIPESTATUS[0]}
   echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
   [[ -n "${OUT:-}" ]] && cp "$log" "$OUT/"
+  save_results
   [[ $rc -eq 0 ]] || status=1
 }
 e2e() { step "$1" $PY bench/e2e.py "${@:2}" ${E2E_ARGS:-}; }
@@ -82,6 +96,8 @@ for s in "$@"; do
     reach-local-collect) step reach_local_collect $PY bench/e2e.py --collect --out e2e_local_reach.json ;;
     time) e2e time --phases time,summary --methods megatron-te,peakflat-auto --repeats 3 --timeout 300 --budget "$BUDGET" \
             --time-seqs 48K,16K,32K,8K ;;
+    time-long) e2e time_long --phases time --methods peakflat-auto --repeats 3 --time-iters 2 --timeout 420 \
+                 --budget "$BUDGET" --time-seqs 384K,512K ;;
     same-loss-fp32) e2e same_loss_fp32 --phases same-loss --dtype fp32 --same-loss-seq 8K --same-loss-iters 50 --budget "$BUDGET" ;;
     same-loss-bf16) e2e same_loss_bf16 --phases same-loss --lr 1e-5 --same-loss-seq 8K --same-loss-iters 50 --budget "$BUDGET" ;;
     calibration) step calibration $PY bench/planner_calibration.py --max-minutes $(( BUDGET / 60 )) ;;
