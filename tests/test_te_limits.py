@@ -658,6 +658,75 @@ def test_where_the_expansion_binds_the_refusal_names_the_local_specs_per_head_ca
     assert "holds dK and dV at every query head" not in out.out + out.err
 
 
+def _saved_by_local_attention(rank: int, world: int, min_keys: int) -> dict[str, int]:
+    """Bytes of each storage a Megatron self-attention layer (local spec, peakflat's SDPA attention, torch's RoPE)
+    saves for backward, by what it is: the packed QKV projection output, the rotated q and k, and the rest."""
+    import torch
+
+    import megatron_peakflat
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer import attention as attention_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_peakflat import PeakflatConfig
+    from megatron_peakflat.attention import calls
+    from megatron_peakflat.config import GeneralConfig
+    from megatron_peakflat.testing import megatron_cpu as mc
+
+    calls.GROUPED_CALL_MIN_KEYS = min_keys
+    with mc.megatron_on_cpu(rank, tp=1):
+        megatron_peakflat.apply(PeakflatConfig(general=GeneralConfig(attention="sdpa")))
+        cfg = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=8, num_query_groups=2,
+                                kv_channels=16, ffn_hidden_size=256, add_bias_linear=False, hidden_dropout=0.0,
+                                attention_dropout=0.0, use_cpu_initialization=True, normalization="RMSNorm",
+                                apply_rope_fusion=False)
+        attn = mc.build_tiny_gpt(cfg, vocab_size=64, seq_len=256, moe=False).decoder.layers[0].self_attention
+        made: dict[str, int] = {}
+        split = attn.get_query_key_value_tensors
+
+        def spied(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            q, k, v = split(*args, **kwargs)
+            made["packed"] = v.untyped_storage().data_ptr()
+            return q, k, v
+
+        attn.get_query_key_value_tensors = spied
+        rotated: list[int] = []
+        rope = attention_module.apply_rotary_pos_emb
+
+        def rotating(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            out = rope(*args, **kwargs)
+            rotated.append(out.untyped_storage().data_ptr())
+            return out
+
+        attention_module.apply_rotary_pos_emb = rotating
+        rotary = RotaryEmbedding(kv_channels=16, rotary_percent=1.0)(256)
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(256, 1, 128, requires_grad=True)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                attn(x, attention_mask=None, rotary_pos_emb=rotary)
+        finally:
+            attention_module.apply_rotary_pos_emb = rope
+        megatron_peakflat.remove()
+    return {"packed": storages.get(made["packed"], 0), "rotated": sum(storages.get(p, 0) for p in set(rotated))}
+
+
+@pytest.mark.parametrize("min_keys", [1 << 30, 1], ids=["one-call", "per-kv-head-calls"])
+def test_the_local_spec_saves_the_packed_qkv_buffer_beside_rotated_q_and_k(min_keys):
+    """The other half of ``qkv_buffer_freed``: on the local spec the SDPA attention saves v as a view of the packed
+    QKV output, so the whole buffer (q, k and v) stays alive beside the rotated q and k, one SDPA call or one per
+    K/V head; the planner counts the buffer's q and k there (``attention_backward_transient``)."""
+    from megatron_peakflat.testing import run_distributed
+
+    got = run_distributed(_saved_by_local_attention, 1, min_keys)[0]
+    q, k, v = 256 * 8 * 16 * 4, 256 * 2 * 16 * 4, 256 * 2 * 16 * 4
+    assert got == {"packed": q + k + v, "rotated": q + k}, got
+
+
 @pytest.mark.parametrize("extra, seq, freed", [
     ((), 65536, True),  # TE's fused RoPE over the whole sequence
     (("--no-rope-fusion",), 65536, True),  # torch's RoPE on TE's layers: TE's layout detection still copies v

@@ -166,7 +166,8 @@ def te_rope_frees_packed_qkv(shape: Any, args: Any, *, preset: bool = False) -> 
     (dot_product_attention/utils.py ``get_qkv_layout``) finds no layout for two contiguous tensors and a strided v,
     so it copies v too and nothing saved is a view of the packed buffer. Measured on one H100: with the buffer's
     q and k counted, TE's rows read +1.4% to +5.6% with fused RoPE (48K-384K) and +5.8% without (512K); without,
-    -0.5% to +0.8% and -0.7%. The local spec's SDPA attention saves v as that view (``attention_backward_transient``).
+    -0.5% to +0.8% and -0.7%. The local spec's SDPA attention saves v as that view, so there the buffer stays beside
+    the rotated q and k (traced on CPU, one SDPA call or one per K/V head: tests/test_te_limits.py).
     No multi-latent attention: its rotated parts are planned apart."""
     if getattr(shape, "mla", None) is not None:
         return False
