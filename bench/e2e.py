@@ -826,10 +826,11 @@ _WHERE: dict[str, Any] = {}
 
 def _where() -> dict[str, Any]:
     """Where a row ran: the harness's card and commit (``where_ran``), the host's cores, torch's version, the
-    keys from which the SDPA attention runs one call per K/V head (``attention.calls``) and that the tiled
+    keys from which the SDPA attention runs one call per K/V head (``attention.calls``), that the tiled
     sublayer does the same with Transformer Engine's attention (``te_tile_kv_head_calls``; rows without it ran one
-    TE call per tile), kept in every row, so merged files keep them: the planner needs both to plan the row's run
-    as it ran."""
+    TE call per tile) and that the SDPA attention copies views of the packed QKV output
+    (``sdpa_copies_packed_views``; rows without it saved v's view), kept in every row, so merged files keep them:
+    the planner needs them to plan the row's run as it ran."""
     if not _WHERE:
         import torch
 
@@ -838,7 +839,8 @@ def _where() -> dict[str, Any]:
 
         ran = where_ran()
         _WHERE.update(card=ran["card"], host_threads=os.cpu_count(), commit=ran["commit"], torch=torch.__version__,
-                      grouped_call_min_keys=GROUPED_CALL_MIN_KEYS, te_tile_kv_head_calls=True)
+                      grouped_call_min_keys=GROUPED_CALL_MIN_KEYS, te_tile_kv_head_calls=True,
+                      sdpa_copies_packed_views=True)
         if os.environ.get(HBM_CAP_ENV):
             _WHERE["hbm_cap_gib"] = float(os.environ[HBM_CAP_ENV])
     return dict(_WHERE)

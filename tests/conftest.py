@@ -32,6 +32,26 @@ def triton_interpreter():
     return run_interpreted
 
 
+def plan_sdpa_as_keeping_packed_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan local-spec runs as the SDPA attention ran before it copied views of the packed QKV output
+    (``integration/attention.py`` ``own_storage``): v's view kept the whole buffer alive in attention's backward.
+    For results measured before that copy (rows without ``sdpa_copies_packed_views``)."""
+    from megatron_peakflat.planner import te_limits
+
+    freed = te_limits.packed_qkv_freed
+
+    def as_before(shape, args, preset=False):  # noqa: ANN001, ANN202
+        return freed(shape, args, preset=preset) and getattr(args, "transformer_impl", None) != "local"
+
+    monkeypatch.setattr(te_limits, "packed_qkv_freed", as_before)
+
+
+@pytest.fixture
+def sdpa_kept_packed_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan_sdpa_as_keeping_packed_views`` for a test's whole body."""
+    plan_sdpa_as_keeping_packed_views(monkeypatch)
+
+
 def _megatron_core_at_least(version: tuple[int, ...]) -> bool:
     """From the installed distribution's metadata, without importing Megatron into the test process."""
     from megatron_peakflat.integration import compat

@@ -1,7 +1,8 @@
 """The planner against GPU rows committed in bench/results (``FILES``): each measured run's own flags (with what
 ``--peakflat auto`` added in place of auto), planned for the attention code that ran it (``extra``'s
 ``grouped_call_min_keys``: null where every grouped-head attention was one call; ``te_tile_kv_head_calls``: absent
-where the tiled sublayer ran one Transformer Engine call per tile), on the card it ran on. A row
+where the tiled sublayer ran one Transformer Engine call per tile; ``sdpa_copies_packed_views``: absent where the
+SDPA attention saved v as a view of the packed QKV output), on the card it ran on. A row
 that trained is predicted within the calibration's band of its measured peak (max allocated: ``pc.BAND``, 0.95
 to 1.10, over rather than under); a row that died of memory is not planned to fit."""
 
@@ -19,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import planner_calibration as pc  # noqa: E402
 from bench.e2e import _without_option  # noqa: E402
+from tests.conftest import plan_sdpa_as_keeping_packed_views  # noqa: E402
 
 CARDS = {"NVIDIA H100 80GB HBM3": pc.Machine("H100", int(79.18 * pc.GIB), 128 * pc.GIB, 132)}
 """Each card the rows ran on as the planner is told of it: torch's total memory, the GPU machine's RAM, its SMs."""
@@ -72,6 +74,9 @@ def attention_as_it_ran(row: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's attention calls set to those of the code that ran ``row`` (its ``extra``)."""
     from megatron_peakflat.attention import calls
     from megatron_peakflat.planner import model
+
+    if not row["extra"].get("sdpa_copies_packed_views"):
+        plan_sdpa_as_keeping_packed_views(monkeypatch)
 
     monkeypatch.setattr(calls, "GROUPED_CALL_MIN_KEYS", row["extra"].get("grouped_call_min_keys") or 1 << 62)
     if not row["extra"].get("te_tile_kv_head_calls"):

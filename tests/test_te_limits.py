@@ -658,9 +658,10 @@ def test_where_the_expansion_binds_the_refusal_names_the_local_specs_per_head_ca
     assert "holds dK and dV at every query head" not in out.out + out.err
 
 
-def _saved_by_local_attention(rank: int, world: int, min_keys: int) -> dict[str, int]:
-    """Bytes of each storage a Megatron self-attention layer (local spec, peakflat's SDPA attention, torch's RoPE)
-    saves for backward, by what it is: the packed QKV projection output, the rotated q and k, and the rest."""
+def _saved_by_local_attention(rank: int, world: int, min_keys: int, copies: bool) -> dict[str, int]:
+    """Bytes a Megatron self-attention layer (local spec, peakflat's SDPA attention, torch's RoPE) saves for backward
+    in the packed QKV projection output's storage and in the rotated q's and k's; ``copies=False`` takes out the
+    attention's copy of views (``own_storage``)."""
     import torch
 
     import megatron_peakflat
@@ -673,6 +674,10 @@ def _saved_by_local_attention(rank: int, world: int, min_keys: int) -> dict[str,
     from megatron_peakflat.testing import megatron_cpu as mc
 
     calls.GROUPED_CALL_MIN_KEYS = min_keys
+    if not copies:
+        from megatron_peakflat.integration import attention as sdpa_attention
+
+        sdpa_attention.own_storage = lambda t: t
     with mc.megatron_on_cpu(rank, tp=1):
         megatron_peakflat.apply(PeakflatConfig(general=GeneralConfig(attention="sdpa")))
         cfg = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=8, num_query_groups=2,
@@ -716,25 +721,27 @@ def _saved_by_local_attention(rank: int, world: int, min_keys: int) -> dict[str,
 
 
 @pytest.mark.parametrize("min_keys", [1 << 30, 1], ids=["one-call", "per-kv-head-calls"])
-def test_the_local_spec_saves_the_packed_qkv_buffer_beside_rotated_q_and_k(min_keys):
-    """The other half of ``qkv_buffer_freed``: on the local spec the SDPA attention saves v as a view of the packed
-    QKV output, so the whole buffer (q, k and v) stays alive beside the rotated q and k, one SDPA call or one per
-    K/V head; the planner counts the buffer's q and k there (``attention_backward_transient``)."""
+@pytest.mark.parametrize("copies", [True, False], ids=["as-run", "views-kept"])
+def test_the_local_spec_saves_no_view_of_the_packed_qkv_buffer(min_keys, copies):
+    """The local half of ``qkv_buffer_freed``, traced with saved-tensor hooks: peakflat's SDPA attention copies v out
+    of the packed QKV output before attending, so what it saves is the rotated q and k and that copy, one SDPA call
+    or one per K/V head. Without the copy, v's view keeps the whole buffer (q, k and v) alive beside them."""
     from megatron_peakflat.testing import run_distributed
 
-    got = run_distributed(_saved_by_local_attention, 1, min_keys)[0]
+    got = run_distributed(_saved_by_local_attention, 1, min_keys, copies)[0]
     q, k, v = 256 * 8 * 16 * 4, 256 * 2 * 16 * 4, 256 * 2 * 16 * 4
-    assert got == {"packed": q + k + v, "rotated": q + k}, got
+    assert got == {"packed": 0 if copies else q + k + v, "rotated": q + k}, got
 
 
 @pytest.mark.parametrize("extra, seq, freed", [
     ((), 65536, True),  # TE's fused RoPE over the whole sequence
     (("--no-rope-fusion",), 65536, True),  # torch's RoPE on TE's layers: TE's layout detection still copies v
     ((), 1 << 20, True),  # past the kernel's 32-bit limit the line runs --no-rope-fusion (recommend, auto)
-    (("--transformer-impl local",), 65536, False),  # the SDPA attention saves v as a view of the packed buffer
-    (("--position-embedding-type learned_absolute",), 65536, False),  # k and v stay views: not measured, counted
+    (("--transformer-impl local",), 65536, True),  # peakflat's SDPA attention copies v out of the packed buffer
+    (("--transformer-impl local", "--peakflat-attention local"), 65536, False),  # Megatron's own keeps the views
+    (("--position-embedding-type learned_absolute",), 65536, False),  # TE without RoPE: not measured, counted
 ])
-def test_te_rope_leaves_no_packed_qkv_buffer_in_attentions_backward(extra, seq, freed):
+def test_no_packed_qkv_buffer_in_attentions_backward_where_nothing_saved_views_it(extra, seq, freed):
     """Planned against TE's reach rows (tests/test_planner_measured.py): with the packed buffer's q and k counted,
     the untiled rows read +1.4% to +5.6% at 48K-384K (fused RoPE) and +5.8% at 512K (--no-rope-fusion); without
     them -0.5% to +0.8% and -0.7%, as Megatron's own column reads."""

@@ -14,7 +14,10 @@ DotProductAttention's constructor, parameters and checkpoint layout and replaces
 - an explicit bool mask (True = masked out) -> the same additive -10000 fill that Megatron's
   ``attention_mask_func`` applies, so fully masked rows behave as in Megatron;
 - configurations it does not cover (packed sequences, sliding windows, non-vanilla softmax) hand
-  back to DotProductAttention's own forward, logged once.
+  back to DotProductAttention's own forward, logged once;
+- q, k or v that is a view into a larger buffer (Megatron splits its packed QKV projection output into views; with
+  RoPE, v stays one) is copied first (``own_storage``), as Transformer Engine's layout detection does: saved for
+  backward, the view would keep the whole buffer alive beside the rotated q and k.
 
 With context parallelism (``--context-parallel-size`` > 1, which DotProductAttention refuses) each rank
 holds chunks r and 2CP-1-r of the sequence (Megatron's load-balanced layout); K and V are all-gathered over
@@ -131,6 +134,7 @@ def sdpa_core_attention_class() -> type:
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            query, key, value = own_storage(query), own_storage(key), own_storage(value)
             if self.cp_group is not None:
                 return self._context_parallel(query, key, value, attention_mask, mask_type)
             sq, b, np_, hn = query.shape
@@ -177,6 +181,15 @@ def sdpa_core_attention_class() -> type:
 
     _CLASS = SDPAttention
     return _CLASS
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy of it where it is a view into a larger storage. Attention saves its inputs for
+    backward; a saved view of Megatron's packed QKV projection output keeps all of it alive (q, k and v: with RoPE
+    the q and k parts are dead copies by then), where the copy costs only the view's own size."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def wrap_local_core_attention(original: Callable[[Any], type]) -> Callable[[Any], type]:

@@ -127,8 +127,9 @@ class RunConfig:
     only its input and whose backward writes only the input's gradient, so PipelinedLLEP's experts hold none of the
     unfused ops' intermediates (``llep_expected_working_set``)."""
     qkv_buffer_freed: bool = False
-    """RoPE on Transformer Engine's layers (``te_limits.te_rope_frees_packed_qkv``): nothing attention saves is a
-    view of the packed QKV projection output, so its q and k parts are not alive in attention's backward."""
+    """Nothing attention saves is a view of the packed QKV projection output, so its q and k parts are not alive in
+    attention's backward (``te_limits.packed_qkv_freed``: RoPE on Transformer Engine's layers, or peakflat's SDPA
+    attention on the local spec)."""
     routing_skew: float = 1.0
     """max/mean tokens received per expert-parallel rank (1: balanced)."""
     hbm_bytes: int = 80 * GIB
@@ -507,8 +508,8 @@ def dq_accumulator_bytes(s: ModelShape, run: RunConfig, q_elements: float, calls
 def attention_backward_transient(s: ModelShape, run: RunConfig) -> float:
     """What core attention's backward holds beside the layer's saved tensors, where a long-context layer
     peaks: dQ, dK, dV, flash attention's fp32 dQ accumulator(s) and dO, plus the rotated copies of q and k
-    beside the packed QKV buffer that v's view keeps alive where attention saves that view (not on TE's layers with
-    RoPE: ``RunConfig.qkv_buffer_freed``). Measured at 128K tokens on one H200
+    beside the packed QKV buffer that v's view keeps alive where attention saves that view
+    (``RunConfig.qkv_buffer_freed``). Measured at 128K tokens on one H200
     (docs/evidence/memory_peak_128k.txt, under --deterministic-mode): the run's peak sat in this backward."""
     t, w = run.tp, run.w
     T = run.tokens

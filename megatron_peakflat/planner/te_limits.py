@@ -102,7 +102,7 @@ from typing import Any
 from ..config_base import PeakflatConfigError, format_bytes
 
 __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_rope_elements", "fused_rope_fits",
-           "fused_rope_max_tokens", "rope_fusion_applies", "te_rope_frees_packed_qkv", "rope_kernel_tokens", "fused_rope_refusal",
+           "fused_rope_max_tokens", "rope_fusion_applies", "packed_qkv_freed", "rope_kernel_tokens", "fused_rope_refusal",
            "NO_ROPE_FUSION", "unfused_attention_condition", "attention_call_shape", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
            "DETERMINISTIC_BACKWARD", "fused_attention_runs", "deterministic_workspace_applies",
            "deterministic_workspace_bytes",
@@ -160,20 +160,24 @@ def rope_fusion_applies(args: Any, *, preset: bool = False) -> bool:
             and not getattr(args, "multi_latent_attention", False))
 
 
-def te_rope_frees_packed_qkv(shape: Any, args: Any, *, preset: bool = False) -> bool:
-    """Whether the layer's packed QKV projection output is freed before attention's backward: RoPE on TE's layers,
-    fused or torch's (``--no-rope-fusion``). RoPE writes q and k into fresh tensors, and TE's layout detection
-    (dot_product_attention/utils.py ``get_qkv_layout``) finds no layout for two contiguous tensors and a strided v,
-    so it copies v too and nothing saved is a view of the packed buffer. Measured on one H100: with the buffer's
-    q and k counted, TE's rows read +1.4% to +5.6% with fused RoPE (48K-384K) and +5.8% without (512K); without,
-    -0.5% to +0.8% and -0.7%. The local spec's SDPA attention saves v as that view, so there the buffer stays beside
-    the rotated q and k (traced on CPU, one SDPA call or one per K/V head: tests/test_te_limits.py).
+def packed_qkv_freed(shape: Any, args: Any, *, preset: bool = False) -> bool:
+    """Whether nothing attention saves for backward is a view of the layer's packed QKV projection output, so that
+    its q and k parts are not alive in attention's backward:
+    - RoPE on TE's layers, fused or torch's (``--no-rope-fusion``): RoPE writes q and k into fresh tensors, and TE's
+      layout detection (dot_product_attention/utils.py ``get_qkv_layout``) finds no layout for two contiguous
+      tensors and a strided v, so it copies v too. Measured on one H100: with the buffer's q and k counted, TE's
+      rows read +1.4% to +5.6% with fused RoPE (48K-384K) and +5.8% without (512K); without, -0.5% to +0.8% and
+      -0.7%. Without RoPE the buffer stays counted (not measured).
+    - The local spec with peakflat's SDPA attention, which copies any view into a larger storage before it attends
+      (``integration/attention.py`` ``own_storage``; traced on CPU, tests/test_te_limits.py). Megatron's own
+      DotProductAttention (``--peakflat-attention local``) keeps the views.
     No multi-latent attention: its rotated parts are planned apart."""
     if getattr(shape, "mla", None) is not None:
         return False
-    rope = _get(args, "position_embedding_type", "rope" if preset else "learned_absolute") == "rope" \
+    if _get(args, "transformer_impl", "transformer_engine") == "local":
+        return _get(args, "peakflat_attention", "auto") != "local"
+    return _get(args, "position_embedding_type", "rope" if preset else "learned_absolute") == "rope" \
         or bool(getattr(args, "use_rotary_position_embeddings", False))
-    return rope and _get(args, "transformer_impl", "transformer_engine") == "transformer_engine"
 
 
 def rope_kernel_tokens(seq_len: int, cp: int, args: Any) -> int:
@@ -337,13 +341,13 @@ def attention_head_dim(shape: Any) -> int:
 def te_run_fields(shape: Any, args: Any, *, precision: str, cp: int, preset: bool = False) -> dict[str, Any]:
     """The planner's RunConfig fields that say what Transformer Engine runs for this line: ``transformer_impl``,
     ``unfused_attention`` (the condition, or None), ``cp_comm_type`` and ``qkv_buffer_freed``
-    (``te_rope_frees_packed_qkv``)."""
+    (``packed_qkv_freed``)."""
     comm = _get(args, "cp_comm_type", ["p2p"])
     return {"transformer_impl": _get(args, "transformer_impl", "transformer_engine"),
             "unfused_attention": unfused_attention_condition(args, precision=precision,
                                                              head_dim=attention_head_dim(shape), cp=cp),
             "cp_comm_type": tuple(comm if isinstance(comm, (list, tuple)) else [comm]),
-            "qkv_buffer_freed": te_rope_frees_packed_qkv(shape, args, preset=preset)}
+            "qkv_buffer_freed": packed_qkv_freed(shape, args, preset=preset)}
 
 
 # ---- normalization ------------------------------------------------------------------------------------
