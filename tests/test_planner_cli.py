@@ -1206,18 +1206,22 @@ def test_every_flag_line_the_planner_prints_is_labelled(capsys, hbm, fits):
     assert len(labelled) == 1 and labelled[0].startswith(FLAGS_LABEL if fits else TRIED_LABEL), labelled
 
 
-@pytest.mark.parametrize("rope, fusion, freed", [("rope", True, True), ("rope", False, True),
-                                                 ("learned_absolute", True, False)])
-def test_the_run_time_plan_knows_te_rope_frees_the_packed_qkv_as_the_planner_does(fake, rope, fusion, freed):
-    """The runtime report plans the run from Megatron's parsed args; it reads RoPE on TE's layers (no view of the
-    packed QKV buffer saved for attention's backward) as ``build`` does from the same command line."""
+@pytest.mark.parametrize("rope, fusion, impl, attention, freed", [
+    ("rope", True, "transformer_engine", "auto", True), ("rope", False, "transformer_engine", "auto", True),
+    ("learned_absolute", True, "transformer_engine", "auto", False),
+    ("rope", False, "local", "sdpa", True), ("rope", False, "local", "local", False)])
+def test_the_run_time_plan_knows_where_the_packed_qkv_is_freed_as_the_planner_does(fake, rope, fusion, impl, attention,
+                                                                                  freed):
+    """The runtime report plans the run from Megatron's parsed args; it reads whether attention's backward keeps a
+    view of the packed QKV buffer (RoPE on TE's layers, or peakflat's SDPA attention on the local spec: no) as
+    ``build`` does from the same command line."""
     from megatron_peakflat.integration import peaks
 
     args = _megatron_namespace(world_size=1, data_parallel_size=1, position_embedding_type=rope,
-                               apply_rope_fusion=fusion, transformer_impl="transformer_engine")
+                               apply_rope_fusion=fusion, transformer_impl=impl, peakflat_attention=attention)
     assert peaks.setup(args) is True
     pl, _ = peaks.prediction(args)
     line = (f"--num-layers 4 --hidden-size 256 --ffn-hidden-size 512 --num-attention-heads 4 --seq-length 4096 "
             f"--max-position-embeddings 4096 --vocab-size 32000 --bf16 --position-embedding-type {rope}"
-            + ("" if fusion else " --no-rope-fusion"))
+            f" --transformer-impl {impl} --peakflat-attention {attention}" + ("" if fusion else " --no-rope-fusion"))
     assert pl.run.qkv_buffer_freed is freed is build(["--megatron-args", line, "--gpus", "1"])[1].qkv_buffer_freed
