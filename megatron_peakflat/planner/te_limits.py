@@ -102,7 +102,8 @@ from typing import Any
 from ..config_base import PeakflatConfigError, format_bytes
 
 __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_rope_elements", "fused_rope_fits",
-           "fused_rope_max_tokens", "rope_fusion_applies", "packed_qkv_freed", "rope_kernel_tokens", "fused_rope_refusal",
+           "fused_rope_max_tokens", "rope_applies", "rope_fusion_applies", "packed_qkv_freed", "rope_kernel_tokens",
+           "fused_rope_refusal",
            "NO_ROPE_FUSION", "unfused_attention_condition", "attention_call_shape", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
            "DETERMINISTIC_BACKWARD", "fused_attention_runs", "deterministic_workspace_applies",
            "deterministic_workspace_bytes",
@@ -148,14 +149,19 @@ def _get(args: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def rope_fusion_applies(args: Any, *, preset: bool = False) -> bool:
-    """Whether the line runs TE's fused RoPE kernel: RoPE (``--position-embedding-type rope`` or the legacy
-    ``--use-rotary-position-embeddings``; Megatron's validate_args turns fusion off for every other type, yarn
-    included) with fusion on (Megatron's default) on TE's layers, and no multi-latent attention. ``preset``: the
-    line is a planner preset (a RoPE model) with at most a few flags beside it, so RoPE is taken as on."""
-    rope = _get(args, "position_embedding_type", "rope" if preset else "learned_absolute") == "rope" \
+def rope_applies(args: Any, *, preset: bool = False) -> bool:
+    """Whether the line uses RoPE: ``--position-embedding-type rope`` or the legacy
+    ``--use-rotary-position-embeddings``. ``preset``: the line is a planner preset (a RoPE model) with at most a few
+    flags beside it, so RoPE is taken as on."""
+    return _get(args, "position_embedding_type", "rope" if preset else "learned_absolute") == "rope" \
         or bool(getattr(args, "use_rotary_position_embeddings", False))
-    return (rope and bool(_get(args, "apply_rope_fusion", True))
+
+
+def rope_fusion_applies(args: Any, *, preset: bool = False) -> bool:
+    """Whether the line runs TE's fused RoPE kernel: RoPE (``rope_applies``; Megatron's validate_args turns fusion
+    off for every other type, yarn included) with fusion on (Megatron's default) on TE's layers, and no
+    multi-latent attention."""
+    return (rope_applies(args, preset=preset) and bool(_get(args, "apply_rope_fusion", True))
             and _get(args, "transformer_impl", "transformer_engine") == "transformer_engine"
             and not getattr(args, "multi_latent_attention", False))
 
@@ -176,8 +182,7 @@ def packed_qkv_freed(shape: Any, args: Any, *, preset: bool = False) -> bool:
         return False
     if _get(args, "transformer_impl", "transformer_engine") == "local":
         return _get(args, "peakflat_attention", "auto") != "local"
-    return _get(args, "position_embedding_type", "rope" if preset else "learned_absolute") == "rope" \
-        or bool(getattr(args, "use_rotary_position_embeddings", False))
+    return rope_applies(args, preset=preset)
 
 
 def rope_kernel_tokens(seq_len: int, cp: int, args: Any) -> int:
