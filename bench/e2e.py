@@ -875,10 +875,14 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
         else:
             color = None
         timed = [(int(re.match(r"time,seq=(\d+)", r["case"]).group(1)), r) for r in doc["rows"]
-                 if r["method"] == method and r["case"].startswith("time,") and r["extra"]["tokens_per_s"]]
+                 if r["method"] == method and r["case"].startswith("time,") and r["extra"]["outcome"] == "ok"
+                 and r["extra"].get("runs_ms")]
         if timed:
-            bottom.scatter([s for s, _ in timed], [r["extra"]["tokens_per_s"] for _, r in timed], marker="*", s=120,
-                           color=color, label=f"{method}, median of iterations 2-{timed[0][1]['extra']['iters']}")
+            tps = [[s * 1000 / ms for ms in r["extra"]["runs_ms"]] for s, r in timed]
+            mid = [r["extra"]["tokens_per_s"] for _, r in timed]
+            bottom.errorbar([s for s, _ in timed], mid, fmt="*", markersize=11, color=color, capsize=3,
+                            yerr=[[m - min(t) for m, t in zip(mid, tps)], [max(t) - m for m, t in zip(mid, tps)]],
+                            label=f"{method}, median and range of {len(tps[0])} runs")
         failed = [s for s, r in rows if r["extra"]["outcome"] in FAILED]
         if failed:
             top.scatter(failed, [0] * len(failed), marker="x", color=color, label=f"{method}: did not fit")

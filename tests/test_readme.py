@@ -58,12 +58,24 @@ def _gib(method: str, tokens: int) -> str:
 CONFIGS = {"gpu-optimizer": "optimizer on the GPU", "cpu-offload": "optimizer offloaded"}
 
 
+def _table(header: str) -> list[str]:
+    """The body rows of the results section's table whose header row starts with ``header``."""
+    lines = _results().splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith(header))
+    body = []
+    for ln in lines[at + 2:]:
+        if not ln.startswith("|"):
+            break
+        body.append(ln)
+    return body
+
+
 def test_results_table_is_the_measured_rows():
-    lines = [ln for ln in _results().splitlines() if re.match(r"\| \d+K \|", ln)]
+    lines = _table("| tokens per sequence | megatron-te | peakflat-auto |")
     assert len(lines) >= 8
     for line in lines:
         k, te, auto = (c.strip().replace("**", "") for c in line.strip("|").split("|"))
-        tokens = int(k[:-1]) * 1024
+        tokens = int(k[:-1]) * {"K": 2**10, "M": 2**20}[k[-1]]
         for method, cell in (("megatron-te", te), ("peakflat-auto", auto)):
             rows = [r for r in E2E if r["method"] == method and r["case"] == f"seq={tokens},spec=te"]
             if not cell:
@@ -81,14 +93,46 @@ def test_results_table_is_the_measured_rows():
                 assert CONFIGS[extra["config"]] in cell, (k, method, cell)
 
 
+def _half_up(x: float) -> str:
+    return f"{int(x + 0.5):,}"
+
+
+def test_time_table_is_the_medians_and_ranges_of_three_runs():
+    """Each timed length: both methods' median and range in ms, megatron-te's configuration, peakflat-auto's memory,
+    and the tokens/s ratio with its range, all as the rows hold them; a row with fewer than 3 runs is not shown."""
+    lines = _table("| tokens | megatron-te (its configuration) | peakflat-auto |")
+    assert len(lines) >= 3
+    shown = set()
+    for line in lines:
+        k, te_cell, auto_cell, ratio_cell = (c.strip() for c in line.strip("|").split("|"))
+        case = f"time,seq={int(k[:-1]) * 1024},spec=te,iters=5"
+        te, auto = _row("megatron-te", case), _row("peakflat-auto", case)
+        for row, cell in ((te, te_cell), (auto, auto_cell)):
+            runs = row["extra"]["runs_ms"]
+            assert row["extra"]["outcome"] == "ok" and len(runs) >= 3 and row["ms"] == sorted(runs)[len(runs) // 2]
+            assert cell.startswith(f"{_half_up(row['ms'])} ms [{_half_up(min(runs))}-{_half_up(max(runs))}]"), (k, cell)
+        assert f"({CONFIGS[te['extra']['config']]})" in te_cell and f"{auto['peak_gib']:.1f} GiB" in auto_cell
+        lo, hi = auto["extra"]["tokens_per_s_vs_megatron_te_range"]
+        assert ratio_cell == f"**{auto['extra']['tokens_per_s_vs_megatron_te']:.2f}x** [{lo:.2f}-{hi:.2f}]", ratio_cell
+        assert lo > 1.0  # the README says no range includes 1.0x
+        shown.add(case)
+    complete = {r["case"] for r in E2E if r["case"].startswith("time,seq=") and r["method"] == "peakflat-auto"
+                and r["extra"]["outcome"] == "ok" and len(r["extra"].get("runs_ms", [])) >= 3}
+    assert shown == complete, (shown, complete)
+
+
 def test_results_figures_are_the_measured_ones():
     text = " ".join(_results().split())
     te, auto = _row("megatron-te", "time,seq=49152,spec=te,iters=5"), _row("peakflat-auto", "time,seq=49152,spec=te,iters=5")
     assert f"{te['ms'] / 1000:.2f} s/iter" in text and f"{auto['ms'] / 1000:.2f} s/iter" in text
     speed = auto["extra"]["tokens_per_s"] / te["extra"]["tokens_per_s"]
     assert f"{speed:.2f}x its tokens/s in {auto['peak_gib'] / te['peak_gib']:.2f}x its memory" in text
-    whole = [f"{int(r['extra']['tokens_per_s'] + 0.5):,}" for r in (auto, te)]  # half up, as written
-    assert f"({whole[0]} against {whole[1]} tokens/s)" in text
+    whole = [_half_up(r["extra"]["tokens_per_s"]) for r in (auto, te)]
+    assert f"({whole[0]} against {whole[1]} tokens/s, medians of 3 runs each;" in text
+    lo, hi = auto["extra"]["tokens_per_s_vs_megatron_te_range"]
+    assert f"range {lo:.2f}x to {hi:.2f}x" in text and len(te["extra"]["runs_ms"]) == len(auto["extra"]["runs_ms"]) == 3
+    head = " ".join(README[:README.index("## Install")].split())
+    assert f"at 48K it runs {speed:.2f}x as many tokens per second (median of 3 runs each, range {lo:.2f}x to {hi:.2f}x)" in head
 
     reach = {m: _row(m, "reach,spec=te")["reach_tokens"] for m in ("megatron-te", "peakflat-auto")}
     assert f"**Reach: {reach['peakflat-auto'] // reach['megatron-te']}x.**" in text
