@@ -208,6 +208,8 @@ class Attempt:
     """The command line that ran (its master port is drawn per process)."""
     error_lines: list[str] = dataclasses.field(default_factory=list)
     """A failed run's own error: the lines up to and just after its first exception or CUDA error."""
+    iter_ms: list[float] = dataclasses.field(default_factory=list)
+    """Every iteration's time as Megatron logged it; ``ms`` is the median of all but the first."""
 
 
 _ERROR = re.compile(r"(^|\s|\]:\s?)([\w.]*(Error|Exception)\b(?!:?\s*$)|Traceback \(most recent call last\)|"
@@ -282,7 +284,7 @@ def parse(text: str, rc: int, wall: float, iters: int) -> Attempt:
     ms = statistics.median(timed) if timed else None
     return Attempt(outcome, round(wall, 1), losses, logged(text, "grad norm"), ms, mem,
                    peaks, auto, oom, "" if outcome == "ok" else text[-2500:],
-                   error_lines=error_lines(text) if outcome in ("error", "timeout", "refused") else [])
+                   error_lines=error_lines(text) if outcome in ("error", "timeout", "refused") else [], iter_ms=times)
 
 
 class BudgetSpent(Exception):
@@ -723,8 +725,8 @@ class Driver:
             return
         top, measured = _measured(seq, a)
         if a.outcome == "ok":
-            runs.append({"ms": a.ms, "peak_gib": top["peak_gib"], "wall_s": a.wall_s, "command": a.command,
-                         "losses": a.losses})
+            runs.append({"ms": a.ms, "iter_ms": a.iter_ms, "peak_gib": top["peak_gib"], "wall_s": a.wall_s,
+                         "command": a.command, "losses": a.losses})
         outcome = ("ok" if len(runs) >= repeats else "pending") if a.outcome == "ok" else a.outcome
         out = {"case": case, "method": method, **top, "extra": {
             **measured, "outcome": outcome, "config": stock.name, "iters": iters, "repeats": repeats,
