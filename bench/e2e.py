@@ -19,7 +19,9 @@ Reach: for each method, the longest sequence that trains ``--iters`` iterations 
 bisecting at ``--granularity``, up to ``--max-seq``; or, with ``--lengths 512K,768K,1M``, those lengths only, shortest
 first. Every length runs in its own process, so an OOM ends only that length, and every row is written to the results
 file as soon as it is measured; a second invocation resumes from the rows already there. A length's row is one run:
-its peak is the result, its time stays in ``extra.one_run_ms`` with ``ms`` null (a timing is the time phase's). A
+its peak is the result, its time stays in ``extra.one_run_ms`` with ``ms`` null (a timing is the time phase's). Times
+are each iteration's own, all but the first: Megatron logs iteration 2 as the mean of iterations 1 and 2, which
+``iteration_ms`` undoes. A
 length that ``--peakflat auto`` refuses at start-up (nothing fits) is 'refused', with the planner's reason in
 ``extra.error_lines``. ``--background`` starts the
 command as a detached process and returns (its rows go into ``--background-dir``); ``--collect`` prints what it has
@@ -78,7 +80,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.pretrain_compare import DRAIN_S, loss_gap, oom_of, run_in_session  # noqa: E402
 from megatron_peakflat.config_base import PeakflatConfigError  # noqa: E402
-from megatron_peakflat.testing.subproc import logged, memory_reports  # noqa: E402
+from megatron_peakflat.testing.subproc import iteration_ms, logged, memory_reports  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 METHODS = ("megatron-te", "peakflat-auto", "peakflat-all")
@@ -254,7 +256,7 @@ def parse(text: str, rc: int, wall: float, iters: int) -> Attempt:
     """What one training log says: losses, grad norms, the last iteration's time, Megatron's memory report after
     the second iteration, the runtime peak report's last line, and ``--peakflat auto``'s decision."""
     losses = logged(text, "lm loss")
-    times = logged(text, "elapsed time per iteration (ms)")
+    times = iteration_ms(text)
     mem = memory_reports(text).get(min(2, iters), {})
     peaks: dict[str, tuple[float, float]] = {}
     found = _PEAKS.findall(text)
@@ -832,7 +834,8 @@ def _where() -> dict[str, Any]:
     sublayer does the same with Transformer Engine's attention (``te_tile_kv_head_calls``; rows without it ran one
     TE call per tile) and that the SDPA attention copies views of the packed QKV output
     (``sdpa_copies_packed_views``; rows without it saved v's view), kept in every row, so merged files keep them:
-    the planner needs them to plan the row's run as it ran."""
+    the planner needs them to plan the row's run as it ran. ``iteration_2_own``: iteration 2's time is its own
+    (``iteration_ms``); rows without it took Megatron's figure, the mean of iterations 1 and 2."""
     if not _WHERE:
         import torch
 
@@ -842,7 +845,7 @@ def _where() -> dict[str, Any]:
         ran = where_ran()
         _WHERE.update(card=ran["card"], host_threads=os.cpu_count(), commit=ran["commit"], torch=torch.__version__,
                       grouped_call_min_keys=GROUPED_CALL_MIN_KEYS, te_tile_kv_head_calls=True,
-                      sdpa_copies_packed_views=True)
+                      sdpa_copies_packed_views=True, iteration_2_own=True)
         if os.environ.get(HBM_CAP_ENV):
             _WHERE["hbm_cap_gib"] = float(os.environ[HBM_CAP_ENV])
     return dict(_WHERE)

@@ -161,7 +161,7 @@ def test_parse_reads_megatrons_log_and_the_runtime_reports():
             "[Rank 0] (after 2 iterations) memory (MB) | allocated: 10.0 | max allocated: 20.0 | reserved: 30.0 | max reserved: 40.0\n"
             "peakflat peaks iter 2 (only stage), GiB measured/predicted: dispatch 1.94/2.64, vocab 2.23/2.23, total 22.81/23.00\n")
     a = e2e.parse(text, 0, 12.0, 2)
-    assert a.outcome == "ok" and a.losses == [12.0, 11.0] and a.ms == 600.0  # the first iteration is not timed
+    assert a.outcome == "ok" and a.losses == [12.0, 11.0] and a.ms == 300.0  # iteration 2's own: 600 is the mean of 900 and it
     assert a.memory_mib == {"allocated": 10.0, "max_allocated": 20.0, "reserved": 30.0, "max_reserved": 40.0}
     assert a.peaks == {"dispatch": (1.94, 2.64), "vocab": (2.23, 2.23), "total": (22.81, 23.0)}
     assert a.auto == {"added": "--peakflat-vocab ring-dtp", "planner_total_gib": 29.0, "planner_guaranteed_gib": 33.7}
@@ -195,10 +195,35 @@ def test_dry_run_on_cpu_runs_megatron_and_peakflat_auto_through_the_real_entry_p
 
 
 def test_more_iterations_time_the_median_of_all_but_the_first():
+    """Iterations of 5000 (warm-up), 300, 300 and 310 ms, as Megatron 0.19 logs them: its second figure is the
+    mean of the first two (2650). The median is taken over iterations 2-4 as they ran (300), not over the
+    logged figures (310)."""
     lines = [f" iteration {i}/4 | elapsed time per iteration (ms): {t} | lm loss: 1.0E+01 | grad norm: 1.0 |"
-             for i, t in enumerate((5000.0, 900.0, 300.0, 310.0), 1)]
+             for i, t in enumerate((5000.0, 2650.0, 300.0, 310.0), 1)]
     a = e2e.parse("\n".join(lines), 0, 1.0, 4)
-    assert a.outcome == "ok" and a.ms == 310.0
+    assert a.outcome == "ok" and a.ms == 300.0 and a.iter_ms == [5000.0, 300.0, 300.0, 310.0]
+
+
+def test_iteration_times_undo_megatrons_unreset_first_report():
+    """Five iterations of megatron-te at 32K on one H100 (TE 2.20.2, megatron-core 0.19.2), as logged: the figure
+    at iteration 2 (10189.7 ms) is the mean of iterations 1 and 2; the log lines' own clocks, 2.735 s apart, give
+    iteration 2's time, which ``iteration_ms`` recovers. The later figures match the clocks as logged."""
+    from megatron_peakflat.testing.subproc import iteration_ms
+
+    log = """\
+ [2026-12-07 22:27:17.487104] iteration        1/       5 | consumed samples:            1 | elapsed time per iteration (ms): 17644.2 | learning rate: 3.000000E-04 |
+[Rank 0] (after 1 iterations) memory (MB) | allocated: 17019.31 | max allocated: 54693.21 | reserved: 57352.00 | max reserved: 57352.00
+ [2026-12-07 22:27:20.222315] iteration        2/       5 | consumed samples:            2 | elapsed time per iteration (ms): 10189.7 | learning rate: 2.604594E-04 |
+ [2026-12-07 22:27:23.062486] iteration        3/       5 | consumed samples:            3 | elapsed time per iteration (ms): 2840.1 | learning rate: 1.650000E-04 |
+ [2026-12-07 22:27:25.827372] iteration        4/       5 | consumed samples:            4 | elapsed time per iteration (ms): 2764.7 | learning rate: 6.954058E-05 |
+ [2026-12-07 22:27:28.555340] iteration        5/       5 | consumed samples:            5 | elapsed time per iteration (ms): 2727.9 | learning rate: 3.000000E-05 |
+"""
+    got = iteration_ms(log)
+    assert got[0] == 17644.2 and got[2:] == [2840.1, 2764.7, 2727.9]
+    assert got[1] == pytest.approx(2735.2) and abs(got[1] - 2735.211) < 1.0  # the clocks: 20.222315 - 17.487104 s
+    # a log whose first report is not iteration 1 (a resumed run) is taken as logged
+    assert iteration_ms(log.replace("iteration        1/", "iteration        7/")) == [17644.2, 10189.7, 2840.1,
+                                                                                     2764.7, 2727.9]
 
 
 def test_same_loss_measures_each_method_and_megatrons_own_control_against_megatron(tmp_path, monkeypatch):

@@ -143,6 +143,21 @@ def logged(text: str, key: str) -> list[float]:
     return [float(x) for x in re.findall(re.escape(key) + r": ([0-9.E+-]+)", text)]
 
 
+_ITERATION_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.E+-]+)")
+
+
+def iteration_ms(text: str) -> list[float]:
+    """Each logged iteration's own time in ms, in order. Megatron 0.19's ``training_log`` does not reset its
+    interval timer at a run's first report (``should_reset = not is_first_iteration``), so with
+    ``--log-interval 1`` the figure it logs at iteration 2 is the mean of iterations 1 and 2, the warm-up
+    included; that one is undone here (2 x logged2 - logged1). Other figures are returned as logged."""
+    found = [(int(i), float(ms)) for i, ms in _ITERATION_MS.findall(text)]
+    times = [ms for _, ms in found]
+    if len(found) >= 2 and found[0][0] == 1 and found[1][0] == 2:
+        times[1] = 2 * times[1] - times[0]
+    return times
+
+
 def second_resumed_log(straight: list[float], saved_at: int) -> float:
     """The 'lm loss' Megatron 0.19 logs at the second iteration after resuming from a checkpoint saved
     after ``saved_at`` iterations, for a resume that trains exactly as the uninterrupted run ``straight``
