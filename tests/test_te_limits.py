@@ -48,11 +48,75 @@ def test_the_fused_rope_limit_is_2_31_elements_of_the_key_view():
     (dict(use_rotary_position_embeddings=True), True),  # the legacy flag
     (dict(), False),  # learned_absolute, Megatron's default position embedding: no RoPE
     (dict(position_embedding_type="yarn"), False),  # validate_args turns fusion off for every type but rope
-    (dict(position_embedding_type="rope", transformer_impl="local"), False),
+    # the local spec rotates through the same rope_utils.apply_rotary_pos_emb, TE's kernel while fusion is on
+    (dict(position_embedding_type="rope", transformer_impl="local"), True),
+    (dict(position_embedding_type="rope", transformer_impl="local", apply_rope_fusion=False), False),
     (dict(position_embedding_type="rope", multi_latent_attention=True), False),
 ])
 def test_which_lines_run_the_fused_rope_kernel(flags, applies):
     assert te_limits.rope_fusion_applies(ns(**flags)) is applies
+
+
+def test_megatrons_attention_rotates_with_tes_kernel_on_either_spec_while_fusion_is_on(monkeypatch):
+    """Why the local spec counts as running TE's fused RoPE: Megatron's Attention (both specs build it) rotates
+    through rope_utils.apply_rotary_pos_emb, which calls TE's fused function whenever the config's fusion is on
+    (recorded here in its place), and torch's only with --no-rope-fusion."""
+    import types
+
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention as attention_module
+
+    assert attention_module.apply_rotary_pos_emb is rope_utils.apply_rotary_pos_emb
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb",
+                        lambda t, freqs, interleaved=False: calls.append(tuple(t.shape)) or t)
+    t, freqs = torch.randn(8, 1, 2, 4), torch.randn(8, 1, 1, 4)
+    for fusion in (True, False):
+        config = types.SimpleNamespace(apply_rope_fusion=fusion, multi_latent_attention=False, mrope_section=None,
+                                       rotary_interleaved=False)
+        rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=object())
+    assert calls == [(8, 1, 2, 4)]  # fusion on: TE's kernel; off: torch's
+
+
+@pytest.mark.parametrize("cp, micro_batch, percent", [(1, 1, 1.0), (2, 2, 1.0), (1, 1, 0.5)])
+def test_torch_rope_saves_a_cos_and_a_sin_table_for_each_of_q_and_k(cp, micro_batch, percent):
+    """``rope_tables``, traced: Megatron's unfused rotation of q and k (rope_utils, fusion off) saves, beyond its
+    inputs, four [s / CP, 1, 1, rotated dims] tables in the model's dtype, whatever the micro-batch; and the
+    planner counts them exactly for a --no-rope-fusion line (none with fusion on)."""
+    import types
+
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_peakflat.planner import model
+
+    seq, heads, kv_heads, head_dim = 512, 8, 2, 64
+    s = seq // cp
+    rot = int(head_dim * percent)
+    q = torch.randn(s, micro_batch, heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(s, micro_batch, kv_heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    freqs = torch.randn(s, 1, 1, rot)
+    config = types.SimpleNamespace(apply_rope_fusion=False, multi_latent_attention=False, mrope_section=None,
+                                   rotary_interleaved=False)
+    inputs = {t.untyped_storage().data_ptr() for t in (q, k, freqs)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in inputs:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rotated = [rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=object()) for t in (q, k)]
+    assert len(rotated) == 2 and len(saved) == 4 and sum(saved.values()) == 4 * s * rot * 2
+
+    shape, run, _, _, _ = _gqa_plan(seq, "--no-rope-fusion", f"--rotary-percent {percent}",
+                                    f"--context-parallel-size {cp}", f"--micro-batch-size {micro_batch}", cp=cp)
+    assert (run.cp, run.micro_batch) == (cp, micro_batch)
+    assert run.torch_rope_dim == rot and model.rope_tables(run) == sum(saved.values())
+    fused = _gqa_plan(seq, f"--context-parallel-size {cp}", cp=cp)[1]
+    assert fused.torch_rope_dim == 0 and model.rope_tables(fused) == 0
 
 
 def test_a_preset_is_a_rope_model_unless_its_flags_say_otherwise():
@@ -106,15 +170,16 @@ def test_a_preset_past_the_limit_is_recommended_no_rope_fusion(capsys):
     assert "--no-rope-fusion" not in recommend(shape, run, pf, ns_.megatron_namespace).flags
 
 
-def test_auto_adds_no_rope_fusion_past_the_limit_and_says_why():
+@pytest.mark.parametrize("spec", [[], ["--transformer-impl", "local"]], ids=["te", "local"])
+def test_auto_adds_no_rope_fusion_past_the_limit_and_says_why(spec):
     from megatron_peakflat import auto
 
-    line = ROPE_LINE.split() + ["--seq-length", str(448 * 1024), "--peakflat", "auto"]
+    line = ROPE_LINE.split() + spec + ["--seq-length", str(448 * 1024), "--peakflat", "auto"]
     choice = auto.resolve(line, gpus=1, gpus_per_node=1, hbm_bytes=141 * GIB, host_bytes_per_node=2048 * GIB)
     assert "--no-rope-fusion" in choice.added
     table = choice.table()
     assert "added --no-rope-fusion: Transformer Engine" in table and "fused_rope_forward_kernel" in table
-    short = ROPE_LINE.split() + ["--seq-length", str(384 * 1024), "--peakflat", "auto"]
+    short = ROPE_LINE.split() + spec + ["--seq-length", str(384 * 1024), "--peakflat", "auto"]
     choice = auto.resolve(short, gpus=1, gpus_per_node=1, hbm_bytes=141 * GIB, host_bytes_per_node=2048 * GIB)
     assert "--no-rope-fusion" not in choice.added
 

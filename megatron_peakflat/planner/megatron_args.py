@@ -49,6 +49,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false", default=None)  # no term
     p.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default=None)
     p.add_argument("--optimizer-offload-fraction", type=float, default=None)
+    p.add_argument("--rotary-percent", type=float, default=None)  # torch RoPE's tables (te_limits.torch_rope_dim)
     for name in ("tokenizer-type", "tokenizer-model", "vocab-file", "merge-file"):  # they set the vocabulary
         p.add_argument("--" + name, default=None)
     p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)

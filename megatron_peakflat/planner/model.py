@@ -126,6 +126,10 @@ class RunConfig:
     torch.compile'd autograd function (fusions/fused_bias_swiglu.py ``WeightedSwiGLUFunction``) whose forward saves
     only its input and whose backward writes only the input's gradient, so PipelinedLLEP's experts hold none of the
     unfused ops' intermediates (``llep_expected_working_set``)."""
+    torch_rope_dim: int = 0
+    """The dimensions per head that torch's RoPE rotates (``te_limits.torch_rope_dim``: --no-rope-fusion, head dim x
+    --rotary-percent); 0 where TE's fused kernel rotates or there is no RoPE. Torch's saves a cos and a sin table
+    for each of q and k (``rope_tables``)."""
     qkv_buffer_freed: bool = False
     """Nothing attention saves is a view of the packed QKV projection output, so its q and k parts are not alive in
     attention's backward (``te_limits.packed_qkv_freed``: RoPE on Transformer Engine's layers, or peakflat's SDPA
@@ -398,7 +402,15 @@ def attention_activations(s: ModelShape, run: RunConfig) -> float:
         latent = T * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_pos_emb_head_dim) * w
         qkvo = T / t * s.heads * (2 * qk + 2 * m.v_head_dim) * w + latent
     lse = T / t * s.heads * 4
-    return norm + qkvo + lse + _repeated_kv(s, run) * w + _concatenated_output(s, run)
+    return norm + qkvo + lse + _repeated_kv(s, run) * w + _concatenated_output(s, run) + rope_tables(run)
+
+
+def rope_tables(run: RunConfig) -> float:
+    """What torch's RoPE saves beyond q and k: Megatron's unfused rotation (rope_utils ``_apply_rotary_pos_emb_bshd``)
+    casts cos and sin of the [s, 1, 1, d] frequencies to the model's dtype for each of q and k, and ``t * cos`` and
+    ``rotate_half(t) * sin`` save them: four tables of the rank's sequence (seq / CP) by the rotated dims, whatever the
+    micro-batch and TP. Traced with saved-tensor hooks (tests/test_planner.py)."""
+    return 4 * (run.seq_len // run.cp) * run.torch_rope_dim * run.w
 
 
 def _concatenated_output(s: ModelShape, run: RunConfig) -> float:

@@ -102,7 +102,7 @@ from typing import Any
 from ..config_base import PeakflatConfigError, format_bytes
 
 __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_rope_elements", "fused_rope_fits",
-           "fused_rope_max_tokens", "rope_applies", "rope_fusion_applies", "packed_qkv_freed", "rope_kernel_tokens",
+           "fused_rope_max_tokens", "rope_applies", "rope_fusion_applies", "torch_rope_dim", "packed_qkv_freed", "rope_kernel_tokens",
            "fused_rope_refusal",
            "NO_ROPE_FUSION", "unfused_attention_condition", "attention_call_shape", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
            "DETERMINISTIC_BACKWARD", "fused_attention_runs", "deterministic_workspace_applies",
@@ -159,11 +159,23 @@ def rope_applies(args: Any, *, preset: bool = False) -> bool:
 
 def rope_fusion_applies(args: Any, *, preset: bool = False) -> bool:
     """Whether the line runs TE's fused RoPE kernel: RoPE (``rope_applies``; Megatron's validate_args turns fusion
-    off for every other type, yarn included) with fusion on (Megatron's default) on TE's layers, and no
-    multi-latent attention."""
+    off for every other type, yarn included) with fusion on (Megatron's default), and no multi-latent attention.
+    On the local spec as on TE's layers: Megatron's attention rotates through ``rope_utils.apply_rotary_pos_emb``,
+    which calls TE's kernel whenever fusion is on, and refuses a line with fusion on where TE is absent
+    (TransformerConfig: "apply_rope_fusion is not available"); ``python -m megatron_peakflat.pretrain`` adds
+    ``--no-rope-fusion`` there before the planner reads the line."""
     return (rope_applies(args, preset=preset) and bool(_get(args, "apply_rope_fusion", True))
-            and _get(args, "transformer_impl", "transformer_engine") == "transformer_engine"
             and not getattr(args, "multi_latent_attention", False))
+
+
+def torch_rope_dim(shape: Any, args: Any, *, preset: bool = False) -> int:
+    """The dimensions per head that torch's RoPE rotates for this line: RoPE with fusion off (``--no-rope-fusion``),
+    head dim x ``--rotary-percent``; 0 where TE's fused kernel rotates, there is no RoPE, or multi-latent attention
+    (its rotated parts are planned apart)."""
+    if getattr(shape, "mla", None) is not None or not rope_applies(args, preset=preset) \
+            or rope_fusion_applies(args, preset=preset):
+        return 0
+    return int(int(shape.head_dim) * float(_get(args, "rotary_percent", 1.0)))
 
 
 def packed_qkv_freed(shape: Any, args: Any, *, preset: bool = False) -> bool:
@@ -345,14 +357,15 @@ def attention_head_dim(shape: Any) -> int:
 
 def te_run_fields(shape: Any, args: Any, *, precision: str, cp: int, preset: bool = False) -> dict[str, Any]:
     """The planner's RunConfig fields that say what Transformer Engine runs for this line: ``transformer_impl``,
-    ``unfused_attention`` (the condition, or None), ``cp_comm_type`` and ``qkv_buffer_freed``
-    (``packed_qkv_freed``)."""
+    ``unfused_attention`` (the condition, or None), ``cp_comm_type``, ``qkv_buffer_freed`` (``packed_qkv_freed``)
+    and ``torch_rope_dim``."""
     comm = _get(args, "cp_comm_type", ["p2p"])
     return {"transformer_impl": _get(args, "transformer_impl", "transformer_engine"),
             "unfused_attention": unfused_attention_condition(args, precision=precision,
                                                              head_dim=attention_head_dim(shape), cp=cp),
             "cp_comm_type": tuple(comm if isinstance(comm, (list, tuple)) else [comm]),
-            "qkv_buffer_freed": packed_qkv_freed(shape, args, preset=preset)}
+            "qkv_buffer_freed": packed_qkv_freed(shape, args, preset=preset),
+            "torch_rope_dim": torch_rope_dim(shape, args, preset=preset)}
 
 
 # ---- normalization ------------------------------------------------------------------------------------
