@@ -654,10 +654,22 @@ def mlp_activations(s: ModelShape, run: RunConfig, ffn: int) -> float:
 
 
 def mlp_backward_transient(s: ModelShape, run: RunConfig, ffn: int) -> float:
-    """What a dense MLP's backward builds beside the layer's saved tensors: the gradient of the activation's output
-    [T, ffn/TP] and of fc1's output [T, (2 if gated) x ffn/TP], in the model's dtype (mlp.py's linear_fc2 and
-    bias_swiglu backward). Never alive with attention's backward or a MoE's."""
-    return run.tokens / run.tp * ((2 if s.gated else 1) + 1) * ffn * run.w
+    """What a dense MLP's backward holds beside the layer's saved tensors (``mlp_activations``), in the model's dtype:
+    - the gradient of the activation's output [T, ffn/TP] and of fc1's output [T, f1/TP] (f1: 2 x ffn gated)
+      (mlp.py's linear_fc2 and bias_swiglu backward). Traced on CPU with Megatron's SwiGLU as one fused op, the net
+      is f1 alone (linear_fc2's backward has released the activation's output by then); on one H100 in fp32 a
+      dense tied model's row reads +6.9% with f1 + ffn and -3.9% with f1 (bench/results/planner_calibration.json),
+      so f1 + ffn is kept until the compiled SwiGLU's backward is measured;
+    - under ``--recompute-modules mlp``, whose checkpoint saves only the MLP's input, also what the recomputed
+      forward saves (fc1's and the activation's outputs, f1 + ffn) and the recomputed MLP output [rows, H] that
+      the checkpoint's backward holds while it backpropagates (traced on CPU: 12.52 MiB against 13.52 planned, 8.52
+      before; docs/evidence/cpu_layer_terms_trace.txt).
+    Never alive with attention's backward or a MoE's."""
+    f1 = (2 if s.gated else 1) * ffn
+    held = run.tokens / run.tp * (f1 + ffn) * run.w
+    if recomputes(run, "mlp"):
+        return 2 * held + run.layer_rows * s.hidden * run.w
+    return held
 
 
 def moe_nondispatch_activations(s: ModelShape, run: RunConfig) -> float:
