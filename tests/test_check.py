@@ -239,6 +239,34 @@ def test_a_recommended_line_passes_the_check(capsys, name, seq, gpus, hbm, extra
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("-> fits")
 
 
+def test_a_recommendation_that_counts_full_recompute_says_so_and_passes_the_check(capsys):
+    """A line without recompute, planned with ``--recompute full``: where SCO stays off, the recompute flags are
+    still among the flags to add (Megatron's default keeps every layer's activations), and the line with them fits
+    in the check as it did in the plan."""
+    from megatron_peakflat.planner.build import build
+    from megatron_peakflat.planner.recommend import recommend
+
+    line = ("--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 1024 --num-experts 64 "
+            "--moe-router-topk 8 --moe-ffn-hidden-size 1024 --swiglu --normalization RMSNorm "
+            "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights "
+            "--vocab-size 50304 --seq-length 131072 --max-position-embeddings 131072 --micro-batch-size 1 "
+            "--global-batch-size 8 --bf16 --expert-model-parallel-size 8 --use-distributed-optimizer "
+            "--moe-token-dispatcher-type alltoall --lr 1e-4 --train-iters 10")
+    machine = ["--gpus", "8", "--hbm-gib", "80", "--host-gib", "2048"]
+    shape, run, pf, ns, _ = build(["--megatron-args", line, "--recompute", "full", "--layout", "given", *machine])
+    rec = recommend(shape, run, pf, ns.megatron_namespace)
+    assert rec.fits and not rec.config.sco.enabled and run.recompute == "full"
+    i = rec.flags.index("--recompute-granularity")
+    assert rec.flags[i:i + 6] == ["--recompute-granularity", "full", "--recompute-method", run.recompute_method,
+                                  "--recompute-num-layers", str(run.recompute_num_layers)]
+    assert any(r.startswith("--recompute-granularity full:") for r in rec.reasons)
+    assert check.main([*line.split(), *rec.layout_flags, *rec.flags, *machine]) == 0, capsys.readouterr()
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("-> fits")
+    # without them the same line keeps every layer's activations: the check says it does not fit
+    without = [f for f in rec.flags[:i]] + rec.flags[i + 6:]
+    assert check.main([*line.split(), *rec.layout_flags, *without, *machine]) == check.DOES_NOT_FIT
+
+
 def test_auto_completes_a_long_line_so_that_it_passes_the_check(capsys, monkeypatch):
     from megatron_peakflat import auto
 

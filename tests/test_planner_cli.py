@@ -593,8 +593,12 @@ def _startup_namespace(flags: list[str]) -> argparse.Namespace:
         p.add_argument("--" + name, action="store_true")
     for name in ("no-rope-fusion", "no-create-attention-mask-in-dataloader"):  # past TE's RoPE limit, and the mask's
         p.add_argument("--" + name, action="store_false")
+    for name in ("recompute-granularity", "recompute-method"):  # the full recompute the plan counts
+        p.add_argument("--" + name)
+    p.add_argument("--recompute-num-layers", type=int)
     ns = p.parse_args(flags)
-    ns.num_experts, ns.optimizer, ns.recompute_granularity = 128, "adam", "full"
+    assert ns.recompute_granularity == "full", flags
+    ns.num_experts, ns.optimizer = 128, "adam"
     return ns
 
 

@@ -232,7 +232,8 @@ def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> di
 
 def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None,
               megatron_args: Any = None, *, replace_offload: bool = True) -> Recommendation:
-    """``_recommend``'s knobs, plus the Megatron flags without which the line would not start or would crash:
+    """``_recommend``'s knobs, plus the Megatron flags without which the line would not start, would crash or would
+    not be the run planned: full recompute where the plan counts it (SCO's flags carry it where SCO is on),
     ``--no-rope-fusion`` past Transformer Engine's fused RoPE limit (``te_limits``), and
     ``--no-create-attention-mask-in-dataloader`` where start-up would warn of, or refuse, the dataloader's mask.
     The line's position embedding and layers decide; a preset (no command line) is taken as a RoPE model. Both
@@ -249,6 +250,13 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
     if rope is not None:
         rec.flags.append(te_limits.NO_ROPE_FUSION)
         rec.reasons.append(f"{te_limits.NO_ROPE_FUSION}: {rope.problem}")
+    if run.recompute == "full" and "--recompute-granularity" not in rec.flags:
+        # SCO's flags carry these; without SCO the plan still counts full recompute, which Megatron runs only so
+        rec.flags += ["--recompute-granularity", "full", "--recompute-method", run.recompute_method,
+                      "--recompute-num-layers", str(run.recompute_num_layers)]
+        if getattr(megatron_args, "recompute_granularity", None) != "full":
+            rec.reasons.append("--recompute-granularity full: the plan counts full recompute, and without it "
+                               "Megatron keeps every layer's activations")
     if dataloader_mask.mask_bytes(run.seq_len, run.micro_batch) >= dataloader_mask.MASK_WARN_BYTES:
         rec.flags.append(dataloader_mask.NO_MASK_FLAG)
         rec.reasons.append(f"{dataloader_mask.NO_MASK_FLAG}: Megatron's dataloader would build a "
