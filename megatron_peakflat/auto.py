@@ -38,6 +38,9 @@ _COMPONENT_PREFIXES = {name: (_SWITCHES[name], *(f"--peakflat-{p}-" for p in (_C
                        for name in _SWITCHES}
 """The flags of each component: its switch and its knobs (``--peakflat-<PREFIX>-*``, and their former spellings,
 ``FORMER_PREFIXES``, which a user's command line may still hold)."""
+_COMPONENT_MEGATRON_FLAGS = {name: tuple(getattr(cls, "MEGATRON_FLAGS", ())) for name, cls in _COMPONENTS.items()}
+"""The Megatron flags a component's mode needs (``OptimizerConfig.MEGATRON_FLAGS``): they belong to that component,
+so that a user who sets its switch keeps Megatron's flags as given too."""
 _resolved: list["AutoChoice"] = []
 
 NOTHING_FITS = 3
@@ -273,7 +276,8 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
     added: list[str] = []
     kept: list[str] = []
     for group in _flag_groups(rec.flags):
-        owner = next((n for n, prefixes in _COMPONENT_PREFIXES.items() if group[0].startswith(prefixes)), None)
+        owner = next((n for n, prefixes in _COMPONENT_PREFIXES.items() if group[0].startswith(prefixes)
+                      or group[0] in _COMPONENT_MEGATRON_FLAGS[n]), None)
         if group[0] in given or (owner is not None and owner in user_switched):
             kept.extend(group)
         else:

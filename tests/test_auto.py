@@ -127,6 +127,19 @@ def test_an_off_switch_on_the_line_wins():
     assert "set on the command line (--no-peakflat-sco)" in choice.table()
 
 
+def test_a_component_switched_by_the_line_keeps_megatrons_flags_as_given():
+    """The planner would offload the optimizer at 256K; the line keeps Megatron's optimizer on the GPU
+    (``--peakflat-optimizer megatron``): auto adds neither OffloadStreamAdamW's knobs nor the Megatron flags that
+    only it needs (``--optimizer-cpu-offload``), and says the line as given is predicted not to fit."""
+    line = shlex.split(MODEL + " --seq-length 262144 --peakflat auto")
+    assert "--optimizer-cpu-offload" in auto.resolve(line, **MACHINE).added  # the planner's own choice
+    choice = auto.resolve([*line, "--peakflat-optimizer", "megatron"], **MACHINE)
+    assert not {"--optimizer-cpu-offload", "--use-precision-aware-optimizer"} & set(choice.added), choice.added
+    assert not any(f.startswith("--peakflat-optimizer") for f in choice.added)
+    table = choice.table()
+    assert "set on the command line (--peakflat-optimizer megatron)" in table and "predicted NOT to fit" in table
+
+
 def test_nothing_fits_is_refused_with_the_planners_reason_and_fix():
     with pytest.raises(PeakflatConfigError) as e:
         auto.resolve(shlex.split(MODEL.replace("--num-layers 2", "--num-layers 24") + " --seq-length 8192"),
