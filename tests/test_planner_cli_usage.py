@@ -155,3 +155,43 @@ def test_a_closed_pipe_ends_the_output_without_a_traceback(unbuffered, reader, l
                      f"--gpus 16 --hbm-gib 80 --host-gib 2048 {fmt} | {reader}; echo \"status ${{PIPESTATUS[0]}}\"")
         assert out.stdout.count("\n") == lines + 1 and out.stdout.endswith("status 0\n"), out.stdout
         assert out.stderr == "", out.stderr
+
+
+@pytest.mark.parametrize("extra, named", [
+    ("--num-attention-heads 0", "--num-attention-heads: 0 is not an integer >= 1"),
+    ("--make-vocab-size-divisible-by 0", "--make-vocab-size-divisible-by: 0 is not an integer >= 1"),
+    ("--moe-shared-expert-intermediate-size -5", "--moe-shared-expert-intermediate-size: -5 is not an integer >= 0"),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3",
+     "--num-layers-per-virtual-pipeline-stage=3: does not divide the 4 layers of a pipeline stage"),
+])
+def test_a_size_the_model_cannot_have_exits_2_naming_the_flag(capsys, extra, named):
+    """Zero or negative sizes, and a layout refused only once the layers are laid out, are refused (exit 2) by
+    name, never a traceback."""
+    from megatron_peakflat.cli.plan import main
+
+    line = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 8 --num-experts 8 --moe-router-topk 2 "
+            "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --bf16 " + extra)
+    try:
+        rc = main(["--megatron-args", line, "--gpus", "2"])
+    except SystemExit as e:  # argparse's refusal of the value
+        rc = e.code
+    assert rc == 2 and named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout, gpus", [
+    ("--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --context-parallel-size 1 "
+     "--expert-model-parallel-size 8", 8),  # DP 8 for EP 8
+    ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --context-parallel-size 1 "
+     "--expert-model-parallel-size 4", 16),  # EP 4 x ETP 2 (ETP is TP unless given) divides TP 2 x DP 4
+    ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --context-parallel-size 1", 4),
+])
+def test_without_gpus_the_world_is_the_smallest_the_lines_layout_takes(layout, gpus):
+    """The planner and peakflat-check take the same world for a line without --gpus: the fewest GPUs that its
+    TP, PP and CP and a data-parallel size that EP x ETP divides make."""
+    from megatron_peakflat.cli.check import _smallest_world
+    from megatron_peakflat.planner.megatron_args import megatron_parser
+
+    line = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 8 --num-experts 8 --moe-router-topk 2 "
+            "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --bf16 " + layout)
+    _, run, _, _, _ = build(["--megatron-args", line])
+    assert run.tp * run.pp * run.cp * run.dp == gpus == _smallest_world(megatron_parser().parse_known_args(line.split())[0])

@@ -218,17 +218,14 @@ def _own_parser() -> argparse.ArgumentParser:
 
 
 def _smallest_world(args: Any) -> int:
-    """The fewest GPUs Megatron accepts for these sizes: TP x PP x CP x DP with the smallest DP that lets
-    EP x ETP divide TP x CP x DP."""
+    """The fewest GPUs Megatron accepts for the line's parallel sizes (``planner.build.smallest_world``)."""
+    from ..planner.build import smallest_world
+
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
-    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
-    cp = getattr(args, "context_parallel_size", None) or 1
-    ep = getattr(args, "expert_model_parallel_size", None) or 1
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
-    dp = 1
-    while (tp * cp * dp) % (ep * etp) and dp < ep * etp:
-        dp += 1
-    return tp * pp * cp * dp
+    return smallest_world(tp, getattr(args, "pipeline_model_parallel_size", None) or 1,
+                          getattr(args, "context_parallel_size", None) or 1,
+                          getattr(args, "expert_model_parallel_size", None) or 1,
+                          getattr(args, "expert_tensor_parallel_size", None))
 
 
 class _ShortUsage:

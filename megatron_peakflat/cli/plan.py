@@ -76,8 +76,12 @@ def _main(argv: Sequence[str] | None, status: list[int]) -> int:
     if refusal is not None:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
-    pl = plan(shape, run, pf)
-    rec = recommend(shape, run, pf, mns)
+    try:
+        pl = plan(shape, run, pf)
+        rec = recommend(shape, run, pf, mns)
+    except PeakflatConfigError as e:  # a layout the model refuses once it is laid out (a pipeline stage's layers)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     status[0] = 0 if rec.fits else NOTHING_FITS
     if ns.json:
         doc = to_json(pl, rec)

@@ -222,6 +222,16 @@ def validate(shape: ModelShape, run: RunConfig, gpus: int) -> None:
         raise _err("--routing-skew", run.routing_skew, "max/mean load is never below 1", "pass 1.0 or more")
 
 
+
+def smallest_world(tp: int, pp: int, cp: int, ep: int = 1, etp: int | None = None) -> int:
+    """The fewest GPUs Megatron accepts for these sizes: TP x PP x CP x DP with the smallest DP that lets
+    EP x ETP (ETP: TP unless given) divide TP x CP x DP."""
+    etp = etp or tp
+    dp = 1
+    while (tp * cp * dp) % (ep * etp) and dp < ep * etp:
+        dp += 1
+    return tp * pp * cp * dp
+
 def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, PeakflatConfig, argparse.Namespace, list[str]]:
     """Parse the command line into (shape, run, peakflat knobs, namespace, ignored Megatron flags)."""
     p = _parser()
@@ -258,7 +268,7 @@ def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, Pea
     gpus = ns.gpus
     if gpus is None:
         if all(given.get(k) for k in ("tp", "pp", "cp")):
-            gpus = given["tp"] * given["pp"] * given["cp"]
+            gpus = smallest_world(given["tp"], given["pp"], given["cp"], given.get("ep") or 1, given.get("etp"))
         else:
             gpus = 8
     if gpus < 1:

@@ -13,7 +13,7 @@ import difflib
 import importlib.util
 import re
 import shlex
-from typing import Any
+from typing import Any, Callable
 
 from ..config import add_args
 from ..config_base import PeakflatConfigError
@@ -23,6 +23,19 @@ from .tokenizer import vocab_from_flags
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
            "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS",
            "PRESET_MARK"]
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer no smaller than ``low`` (a size, a count or a parallel degree), so that a zero or
+    negative size is refused by name instead of dividing by zero or planning negative bytes."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not an integer >= {low}")
+        return value
+
+    parse.__name__ = "int"  # argparse's 'invalid int value' for text that is no integer
+    return parse
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -37,8 +50,10 @@ def megatron_parser() -> argparse.ArgumentParser:
             "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers", "make-vocab-size-divisible-by",
             "num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank",
             "microbatch-group-size-per-virtual-pipeline-stage"]
+    may_be_zero = {"num-experts", "moe-shared-expert-intermediate-size", "mtp-num-layers", "q-lora-rank",
+                   "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers"}
     for name in ints:
-        p.add_argument("--" + name, type=int, default=None)
+        p.add_argument("--" + name, type=_at_least(0 if name in may_be_zero else 1), default=None)
     for name in ["group-query-attention", "sequence-parallel", "bf16", "fp16", "use-distributed-optimizer",
                  "optimizer-cpu-offload", "accumulate-allreduce-grads-in-fp32", "untie-embeddings-and-output-weights",
                  "swiglu", "cross-entropy-loss-fusion", "multi-latent-attention", "deterministic-mode",
