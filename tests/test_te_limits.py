@@ -420,8 +420,12 @@ def test_the_norm_refusal_names_the_kernels_the_limit_and_the_fix():
     e = te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), ns(**RMS))
     assert "rmsnorm_fwd_general_kernel and rmsnorm_bwd_general_kernel" in e.problem
     assert "3,019,898,880 elements" in e.problem and "2**31 - 1" in e.problem and "745,654 rows" in e.problem
-    assert e.fix.startswith("add --peakflat-tile (the pre-MLP, final and MTP norms then run in row slices of at most "
-                            "745,654 rows), or raise --context-parallel-size to 2 or more")
+    # with the flags its own start-up check needs that the line (at Megatron's defaults) lacks, all at once
+    assert e.fix.startswith("add --peakflat-tile --hidden-dropout 0 --attention-dropout 0 "
+                            "--no-create-attention-mask-in-dataloader (the pre-MLP, final and MTP norms then run in "
+                            "row slices of at most 745,654 rows), or raise --context-parallel-size to 2 or more")
+    ready = ns(**RMS, hidden_dropout=0.0, attention_dropout=0.0, create_attention_mask_in_dataloader=False)
+    assert te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 20), ready).fix.startswith("add --peakflat-tile (the")
     assert "or lower --micro-batch-size" in te_limits.norm_refusal(OSS, RunConfig(seq_len=1 << 19, micro_batch=2),
                                                                   ns(**RMS)).fix
     assert "or raise --context-parallel-size to 6 or more" in te_limits.norm_refusal(

@@ -111,7 +111,7 @@ __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_r
            "scores_refusal", "scores_cause",
            "te_run_fields", "line_refusal", "rope_line_refusal", "TUNED_NORM_LOAD_BYTES", "norm_kernel",
            "norm_elements_per_offset", "norm_offsets", "norm_fits", "norm_max_rows", "norm_slice_rows", "te_norm_applies",
-           "norm_sites", "TILE_FLAG",
+           "norm_sites", "TILE_FLAG", "tile_prerequisites",
            "norm_refusal", "ROUTER_KERNEL", "router_fusion_refusal", "PERMUTE_KERNEL", "TRITON_MAX_TENSOR_NUMEL",
            "GRID_Y_MAX", "permute_row_id_map_width", "permute_fusion_refusal", "hard_refusal"]
 
@@ -518,8 +518,8 @@ def norm_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> Pe
             fix = ("lower --peakflat-tile-tokens" if getattr(args, "peakflat_tile_enabled", None)
                    else "add --peakflat-tile (the query norm then runs per tile), or raise --context-parallel-size")
             return PeakflatConfigError("--qk-layernorm", True, problem, fix)
-        fixes = [f"add {TILE_FLAG} (the pre-MLP, final and MTP norms then run in row slices of at most "
-                 f"{limit:,} rows)"]
+        fixes = [f"add {' '.join([TILE_FLAG, *tile_prerequisites(args)])} (the pre-MLP, final and MTP norms then run "
+                 f"in row slices of at most {limit:,} rows)"]
         if not aligned and norm_fits(rows, hidden, normalization, precision, True):
             fixes.append("add --use-distributed-optimizer (its parameter buffer aligns the norm weight to 16 bytes, "
                          "so TE runs its tuned kernels, which count loads)")
@@ -530,6 +530,18 @@ def norm_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> Pe
         fix = ", or ".join(fixes)
         return PeakflatConfigError("--seq-length", run.seq_len, problem, fix)
     return None
+
+
+def tile_prerequisites(args: Any) -> list[str]:
+    """The flags that the tiled sublayer's start-up check (``TileConfig.check_against_megatron``) needs beside
+    ``--peakflat-tile`` and the line lacks, at Megatron's defaults where it leaves them out: no dropout (0.1 by
+    default) and no dataloader mask (built by default); so that a fix naming the tile names them all at once."""
+    out = [f"{flag} 0" for dest, flag in (("hidden_dropout", "--hidden-dropout"),
+                                           ("attention_dropout", "--attention-dropout"))
+           if _get(args, dest, 0.1) > 0]
+    if _get(args, "create_attention_mask_in_dataloader", True):
+        out.append("--no-create-attention-mask-in-dataloader")
+    return out
 
 
 # ---- MoE router and permutation -----------------------------------------------------------------------
