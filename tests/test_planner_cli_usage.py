@@ -195,3 +195,18 @@ def test_without_gpus_the_world_is_the_smallest_the_lines_layout_takes(layout, g
             "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --bf16 " + layout)
     _, run, _, _, _ = build(["--megatron-args", line])
     assert run.tp * run.pp * run.cp * run.dp == gpus == _smallest_world(megatron_parser().parse_known_args(line.split())[0])
+
+
+def test_a_fix_never_asks_for_more_expert_parallelism_than_experts(capsys):
+    """Where EP already equals the expert count, the fixes for the weight rows name PP and ETP, not EP."""
+    line = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 "
+            "--kv-channels 128 --ffn-hidden-size 14336 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 14336 "
+            "--swiglu --vocab-size 32000 --untie-embeddings-and-output-weights --seq-length 32768 "
+            "--max-position-embeddings 32768 --micro-batch-size 1 --bf16 --expert-model-parallel-size {ep} "
+            "--use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
+            "--recompute-num-layers 1 --disable-bias-linear")
+    for ep, raise_ep in ((8, False), (4, True)):
+        assert main(["--megatron-args", line.format(ep=ep), "--gpus", "8", "--hbm-gib", "40"]) == NOTHING_FITS
+        fixes = [ln for ln in capsys.readouterr().out.splitlines() if ln.lstrip().startswith("why: gradients")]
+        assert fixes and all(("--expert-model-parallel-size" in ln) is raise_ep for ln in fixes), fixes
+        assert raise_ep or all("EP is already the 8 experts" in ln for ln in fixes)

@@ -133,14 +133,18 @@ def _why(p: Plan) -> list[str]:
     """Name the rows that no knob can shrink, largest first, each with its fix."""
     st = p.worst("peakflat")
     run = p.run
+    # EP cannot pass the expert count: where it is there already, the expert weights split by ETP (and PP) instead
+    sharded = ("--expert-model-parallel-size or --pipeline-model-parallel-size" if p.shape.experts > run.ep else
+               f"--pipeline-model-parallel-size or --expert-tensor-parallel-size (EP is already the "
+               f"{p.shape.experts} experts)" if p.shape.experts else
+               "--pipeline-model-parallel-size or --tensor-model-parallel-size")
     fixes = {
-        "parameters": "raise --expert-model-parallel-size or --pipeline-model-parallel-size, or use more GPUs",
-        "gradients": "raise --expert-model-parallel-size or --pipeline-model-parallel-size, or use more GPUs",
+        "parameters": f"raise {sharded}, or use more GPUs",
+        "gradients": f"raise {sharded}, or use more GPUs",
         "optimizer": "the optimizer shard stays on the GPU because host RAM is short: raise --host-gib or DP",
         "activations": "turn on --recompute-granularity full",
         "layer working set": "raise --context-parallel-size or --tensor-model-parallel-size",
-        "model build": "raise --pipeline-model-parallel-size or --expert-model-parallel-size (Megatron's DDP "
-                       "holds the parameters twice while it builds its buffers)",
+        "model build": f"raise {sharded} (Megatron's DDP holds the parameters twice while it builds its buffers)",
         "optimizer step": "install Transformer Engine or apex (Megatron's Adam is then their FusedAdam, which "
                           "needs no temporary; the planner's --adam fused), or shard the optimizer over more ranks",
         "attention scores": te_limits.scores_cause(run),
@@ -149,8 +153,8 @@ def _why(p: Plan) -> list[str]:
                 "holds this rank's sequence and heads at once)" + _te_expansion_fix(p),
         "embedding gradient": "raise --tensor-model-parallel-size, or --pipeline-model-parallel-size so that the "
                               "MTP layers and a tied output layer sit on another stage than the embedding lookup",
-        "dispatch": "raise --expert-model-parallel-size (a smaller --peakflat-dispatch-chunk-cap lowers only the MoE "
-                    "phase)",
+        "dispatch": (f"raise {'--expert-model-parallel-size' if p.shape.experts > run.ep else '--context-parallel-size'}"
+                     " (a smaller --peakflat-dispatch-chunk-cap lowers only the MoE phase)"),
         "vocab": "raise --tensor-model-parallel-size or --context-parallel-size (a smaller --peakflat-vocab-block-size "
                  "lowers only the loss phase)",
     }
