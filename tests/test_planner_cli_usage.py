@@ -210,3 +210,13 @@ def test_a_fix_never_asks_for_more_expert_parallelism_than_experts(capsys):
         fixes = [ln for ln in capsys.readouterr().out.splitlines() if ln.lstrip().startswith("why: gradients")]
         assert fixes and all(("--expert-model-parallel-size" in ln) is raise_ep for ln in fixes), fixes
         assert raise_ep or all("EP is already the 8 experts" in ln for ln in fixes)
+
+
+def test_the_json_block_size_is_the_one_in_the_flags(capsys):
+    """The recommendation's JSON names Ring-DTP's block as its flags do (the planner's own where none is set)."""
+    import json
+
+    assert main(["--preset", "gpt-oss-20b", "--seq-len", "131072", "--gpus", "8", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)["recommended"]
+    flags = rec["flags"]
+    assert rec["vocab_block_size"] == int(flags[flags.index("--peakflat-vocab-block-size") + 1]) > 0

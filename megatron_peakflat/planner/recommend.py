@@ -71,8 +71,12 @@ def _vocab_flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:
     out = [flag_name(VocabConfig, "impl"), cfg.vocab.impl]
     if vocab_ring_size(plan_.run, cfg) > 1:  # one rank holding the whole vocabulary runs no schedule
         out += [flag_name(VocabConfig, "schedule"), plan_.vocab_schedule]
-    return out + [flag_name(VocabConfig, "block_size"),
-                  str(cfg.vocab.block_size or vocab_block(plan_.run.tp_tokens, plan_.run.w, 0))]
+    return out + [flag_name(VocabConfig, "block_size"), str(vocab_block_size(cfg, plan_.run))]
+
+
+def vocab_block_size(cfg: PeakflatConfig, run: RunConfig) -> int:
+    """Ring-DTP's vocabulary block as recommended: the configured one, else the planner's for this run."""
+    return cfg.vocab.block_size or vocab_block(run.tp_tokens, run.w, 0)
 
 
 def _sco_flags(cfg: PeakflatConfig, plan_: Plan) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..components import term_label
 from .model import COMPONENTS, GIB, Plan
-from .recommend import Recommendation
+from .recommend import Recommendation, vocab_block_size
 from .te_limits import deterministic_workspace_applies
 
 __all__ = ["render", "to_json", "flags_line", "plot", "plot_available", "FLAGS_LABEL", "TRIED_LABEL"]
@@ -125,7 +125,7 @@ def to_json(pl: Plan, rec: Recommendation) -> dict[str, Any]:
         "peakflat": {"fits": pl.fits("peakflat", guaranteed=True), "binding": pl.worst("peakflat").binding("peakflat"),
                      "total_gib": pl.worst("peakflat").total("peakflat") / GIB},
         "recommended": {"fits": rec.fits, "flags": rec.flags, "layout_flags": rec.layout_flags, "reasons": rec.reasons,
-                        "chunk_cap": rec.config.dispatch.cap(pl.shape.topk), "vocab_block_size": rec.config.vocab.block_size,
+                        "chunk_cap": rec.config.dispatch.cap(pl.shape.topk), "vocab_block_size": vocab_block_size(rec.config, pl.run) if rec.config.enabled["vocab"] else None,
                         "vocab_schedule": rec.plan.vocab_schedule, "sco_budget_gib": (rec.config.sco.budget or 0) / GIB,
                         "optimizer_bucket": rec.config.optimizer.bucket, "optimizer_slots": rec.config.optimizer.slots,
                         "total_gib": rec.plan.worst("peakflat").total("peakflat") / GIB,
