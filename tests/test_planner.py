@@ -994,3 +994,17 @@ def test_selective_moe_recompute_moves_the_dispatch_into_the_moe_phase():
     assert "probs at step" not in p_none and "dispatcher probs" not in p_moe
     noted = plan(TINY, replace(none, recompute_modules=("moe", "layernorm")), PeakflatConfig()).stages[0].notes
     assert any("--recompute-modules layernorm: not modelled" in n for n in noted), noted
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_without_full_recompute_no_layer_is_counted_twice(recompute):
+    """Every layer keeps its saved tensors in the 'activations' row; no 'layer working set' adds one of them again,
+    as it does under full recompute, where one checkpointed layer is re-materialised at a time."""
+    s = ModelShape(name="dense", hidden=512, layers=4, heads=8, kv_heads=2, head_dim=64, ffn=1536, vocab=32000,
+                   experts=0, topk=1, moe_ffn=0)
+    rows = plan(s, RunConfig(seq_len=4096, recompute=recompute), PeakflatConfig()).stages[0].rows
+    assert rows["layer working set"].baseline == 0 and rows["activations"].baseline > 0
+    full = plan(s, RunConfig(seq_len=4096, recompute="full"), PeakflatConfig()).stages[0].rows
+    assert full["layer working set"].baseline > 0 and full["activations"].baseline == 0
+    one_layer = rows["activations"].baseline / s.layers
+    assert full["layer working set"].baseline == pytest.approx(one_layer)  # the same layer, re-materialised

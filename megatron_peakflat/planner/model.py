@@ -1383,9 +1383,12 @@ def boundary_bytes(s: ModelShape, run: RunConfig) -> float:
 
 
 def _checkpointing(run: RunConfig, n_layers: int) -> tuple[int, int, int]:
-    """(full-recompute checkpoints, layers that keep their saved tensors, layers re-materialised at once)."""
+    """(full-recompute checkpoints, layers that keep their saved tensors, layers re-materialised at once). Without
+    full recompute no layer is re-materialised: each keeps its saved tensors (the 'activations' row), and its
+    backward adds only the inner phases' transients (traced on CPU: one layer's saved tensors counted again as a
+    working set counted 17.0 MiB for a layer that saves 9.0, docs/evidence/cpu_layer_terms_trace.txt)."""
     if run.recompute != "full":
-        return 0, n_layers, 1
+        return 0, n_layers, 0
     n = max(1, run.recompute_num_layers)
     if run.recompute_method == "uniform":
         return math.ceil(n_layers / n), 0, min(n, n_layers)
