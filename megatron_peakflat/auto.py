@@ -302,10 +302,9 @@ def _check_transformer_engine(argv: Sequence[str], added: list[str], rec: Any) -
 def _training_flags() -> dict[str, str]:
     """The planner's own flags (its RunConfig fields' names: ``--tp``, ``--seq-len``), which auto sets from the
     training command line, by the training flag they stand for."""
-    from .planner.megatron_args import RUN_FIELDS
+    from .planner.megatron_args import training_flag_names
 
-    out = {"--" + field.replace("_", "-"): "--" + dest.replace("_", "-") for dest, field in RUN_FIELDS.items()}
-    return {**out, "--gpus": "the world size"}
+    return {**training_flag_names(), "--gpus": "the world size"}
 
 
 def _training_words(text: str) -> str:

@@ -220,3 +220,15 @@ def test_the_json_block_size_is_the_one_in_the_flags(capsys):
     rec = json.loads(capsys.readouterr().out)["recommended"]
     flags = rec["flags"]
     assert rec["vocab_block_size"] == int(flags[flags.index("--peakflat-vocab-block-size") + 1]) > 0
+
+
+def test_an_error_about_a_megatron_args_value_names_the_megatron_flag(capsys):
+    """A value read from --megatron-args is refused under the flag the user wrote (--expert-model-parallel-size),
+    a planner flag passed as such under its own name (--ep)."""
+    line = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 8 --num-experts 8 --moe-router-topk 2 "
+            "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --bf16 ")
+    assert main(["--megatron-args", line + "--expert-model-parallel-size 3", "--gpus", "6"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --expert-model-parallel-size=3: does not divide the 8 experts" in err and "--ep" not in err
+    assert main(["--megatron-args", line, "--ep", "3", "--gpus", "6"]) == 2
+    assert "error: --ep=3: does not divide the 8 experts" in capsys.readouterr().err

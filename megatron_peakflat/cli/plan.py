@@ -16,7 +16,7 @@ from typing import Sequence
 from ..config_base import PeakflatConfigError
 from ..planner import te_limits
 from ..planner.build import build
-from ..planner.megatron_args import is_command_line
+from ..planner.megatron_args import in_training_words, is_command_line
 from ..planner.model import plan
 from ..planner.recommend import recommend
 from ..planner.report import plot, plot_available, render, to_json
@@ -57,6 +57,9 @@ def _main(argv: Sequence[str] | None, status: list[int]) -> int:
             raise PeakflatConfigError("--plot", ns.plot, "needs matplotlib, which is not installed here",
                                       "pip install 'megatron-peakflat[plot]' (or pip install matplotlib), or drop --plot")
     except PeakflatConfigError as e:
+        given = list(argv if argv is not None else sys.argv[1:])
+        if "--megatron-args" in given or any(a.startswith("--megatron-args=") for a in given):
+            e = in_training_words(e, keep=[a.split("=")[0] for a in given if a.startswith("--")])
         print(f"error: {e}", file=sys.stderr)
         return 2
     if ns.list_presets:

@@ -13,7 +13,7 @@ import difflib
 import importlib.util
 import re
 import shlex
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..config import add_args
 from ..config_base import PeakflatConfigError
@@ -21,7 +21,7 @@ from .shapes import MLA, ModelShape
 from .tokenizer import vocab_from_flags
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
-           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS",
+           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS", "in_training_words", "training_flag_names",
            "PRESET_MARK"]
 
 
@@ -267,6 +267,24 @@ RUN_FIELDS: dict[str, str] = {
     "microbatch_group_size_per_virtual_pipeline_stage": "vp_group"}
 """Megatron's args (dests) that set a RunConfig field, by that field; the planner's own flags are the fields' names
 (``--tp``, ``--micro-batch``, ``--seq-len``)."""
+
+
+def training_flag_names() -> dict[str, str]:
+    """The planner's own flags (its RunConfig fields' names: ``--tp``, ``--seq-len``) by the Megatron flag each
+    stands for (``RUN_FIELDS``)."""
+    return {"--" + field.replace("_", "-"): "--" + dest.replace("_", "-") for dest, field in RUN_FIELDS.items()}
+
+
+def in_training_words(e: PeakflatConfigError, keep: Sequence[str] = ()) -> PeakflatConfigError:
+    """``e`` in the words of the training command line: each planner flag that stands for a Megatron one
+    (``--ep`` for ``--expert-model-parallel-size``, ``--seq-len`` for ``--seq-length``) named by the Megatron flag,
+    except those in ``keep`` (planner flags the user passed as such)."""
+    names = {k: v for k, v in training_flag_names().items() if k not in keep}
+
+    def words(text: str) -> str:
+        return re.sub(r"--[a-z-]+", lambda m: names.get(m.group(0), m.group(0)), text)
+
+    return PeakflatConfigError(names.get(e.flag, e.flag), e.value, words(e.problem), words(e.fix))
 
 
 def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
