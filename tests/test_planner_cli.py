@@ -462,7 +462,7 @@ def test_offload_fraction_without_cpu_offload_keeps_the_optimizer_on_the_gpu():
     (["--preset", "gpt-oss-120b", "--gpus", "8", "--ep", "4", "--etp", "4"], "--ep", "EPxETP = 16"),
     (["--preset", "gpt-oss-120b", "--routing-skew", "0.5"], "--routing-skew", "0.5"),
     (["--seq-len", "4096"], "--preset", "no model given"),
-    (["--megatron-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 --vocab-size 1000 --ffn-hidden-size 128 --expert-model-parallel-size 2"], "--ep", "no experts"),
+    (["--megatron-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 --vocab-size 1000 --ffn-hidden-size 128 --expert-model-parallel-size 2"], "--expert-model-parallel-size", "no experts"),
     (["--megatron-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 --vocab-size 1000 --num-experts 4 --moe-router-topk 8"], "--moe-router-topk", "8"),
 ])
 def test_bad_flags_name_flag_value_and_fix(capsys, argv, flag, value):
