@@ -232,3 +232,17 @@ def test_an_error_about_a_megatron_args_value_names_the_megatron_flag(capsys):
     assert "error: --expert-model-parallel-size=3: does not divide the 8 experts" in err and "--ep" not in err
     assert main(["--megatron-args", line, "--ep", "3", "--gpus", "6"]) == 2
     assert "error: --ep=3: does not divide the 8 experts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, source", [
+    ("", "GPT-2's vocabulary (Megatron's default tokenizer, GPT2BPETokenizer)"),
+    ("--tokenizer-type NullTokenizer --vocab-size 32000", "the tokenizer (NullTokenizer)"),
+    ("--padded-vocab-size 65536", "--padded-vocab-size"),
+])
+def test_the_header_says_where_the_vocabulary_came_from(capsys, flags, source):
+    """The vocabulary term grows with the vocabulary, so the header names its source (never silent)."""
+    line = ("--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --seq-length 4096 "
+            "--max-position-embeddings 4096 --micro-batch-size 1 --bf16 " + flags)
+    assert main(["--megatron-args", line, "--gpus", "1"]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header.startswith("assumed: ") and header.endswith(f"as padded (from {source})"), header

@@ -225,7 +225,7 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
     # Megatron's default width (arguments.py): 4h, or for swiglu 8h/3 rounded down to a multiple of 64
     ffn = get("ffn_hidden_size", b.ffn if b else (int((4 * hidden * 2 / 3) / 64) * 64 if gated else 4 * hidden))
     experts = get("num_experts", b.experts if b else 0) or 0
-    vocab, _ = vocab_from_flags(ns, b.vocab if b else None)
+    vocab, vocab_source = vocab_from_flags(ns, b.vocab if b else None)
     mla = b.mla if b else None
     if getattr(ns, "multi_latent_attention", None):
         mla = MLA(q_lora_rank=get("q_lora_rank", None), kv_lora_rank=get("kv_lora_rank", 512),
@@ -245,7 +245,7 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
         dense_layers=b.dense_layers if b else 0, moe_pattern=pattern, gated=gated,
         mtp_layers=get("mtp_num_layers", b.mtp_layers if b else 0) or 0,
         tied_embeddings=(not untie) if untie is not None else (b.tied_embeddings if b else True),
-        mla=mla, source=(b.source + " + " if b else "") + "Megatron flags")
+        mla=mla, source=(b.source + " + " if b else "") + "Megatron flags", vocab_source=vocab_source)
 
 
 def fused_adam_importable() -> bool:

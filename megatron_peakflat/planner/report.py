@@ -40,7 +40,8 @@ def render(pl: Plan, rec: Recommendation) -> str:
                f"recompute {r.recompute}  HBM {r.hbm_bytes / GIB:.0f} GiB  host {r.host_bytes_per_node / GIB:.0f} GiB/node "
                f"({r.host_bytes_per_rank / GIB:.0f} GiB/rank)")
     out.append(f"assumed: --transformer-impl {r.transformer_impl}, Adam {'fused' if r.fused_adam else 'torch'} "
-               f"(--adam), attention {_attention_backend(r)}")
+               f"(--adam), attention {_attention_backend(r)}, vocabulary {s.vocab:,} as padded (from "
+               f"{s.vocab_source or 'the preset'})")
     for st in pl.stages:
         out.append("")
         out.append(f"stage {st.stage}: {st.layers} layers ({st.moe_layers} MoE), {st.inflight:g} micro-batch(es) in flight;"

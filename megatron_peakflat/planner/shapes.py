@@ -76,6 +76,9 @@ class ModelShape:
     """True unless --untie-embeddings-and-output-weights."""
     mla: MLA | None = None
     source: str = ""
+    vocab_source: str = ""
+    """Where the vocabulary came from (``tokenizer.vocab_from_flags``: the tokenizer's files, --vocab-size, GPT-2's
+    default...), shown in the plan's header; empty for a preset's own."""
 
     def __post_init__(self) -> None:
         if self.moe_pattern is not None:
