@@ -246,3 +246,16 @@ def test_the_header_says_where_the_vocabulary_came_from(capsys, flags, source):
     assert main(["--megatron-args", line, "--gpus", "1"]) == 0
     header = capsys.readouterr().out.splitlines()[1]
     assert header.startswith("assumed: ") and header.endswith(f"as padded (from {source})"), header
+
+
+@pytest.mark.parametrize("extra, named", [
+    ("--fp16", "--fp16=True: is given with --bf16"),
+    ("--global-batch-size 3", "--global-batch-size=3: is not a multiple of micro-batch 1 x DP 2"),
+])
+def test_a_line_megatron_would_refuse_is_refused_by_the_planner_too(capsys, extra, named):
+    """The planner no longer plans (or recommends a layout for) a line whose Megatron run would stop at start-up."""
+    line = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 8 --seq-length 4096 "
+            "--max-position-embeddings 4096 --micro-batch-size 1 --bf16 " + extra)
+    assert main(["--megatron-args", line, "--gpus", "2"]) == 2
+    assert named in capsys.readouterr().err
+    assert main(["--megatron-args", line.replace(extra, ""), "--gpus", "2"]) == 0

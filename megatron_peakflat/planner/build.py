@@ -215,6 +215,10 @@ def validate(shape: ModelShape, run: RunConfig, gpus: int) -> None:
     if run.cp > 1 and run.seq_len % (2 * run.cp):
         raise _err("--seq-len", run.seq_len, f"context parallelism {run.cp} needs a multiple of 2xCP",
                    f"pass a multiple of {2 * run.cp}")
+    if run.global_batch is not None and run.global_batch % (run.micro_batch * run.dp):
+        raise _err("--global-batch", run.global_batch, f"is not a multiple of micro-batch {run.micro_batch} x DP "
+                   f"{run.dp}, which Megatron refuses", f"pass a multiple of {run.micro_batch * run.dp}, or another "
+                   "data-parallel size (--gpus, or the line's parallel sizes)")
     if shape.experts and not 1 <= shape.topk <= shape.experts:
         raise _err("--moe-router-topk", shape.topk, f"must be between 1 and the {shape.experts} experts",
                    "pass a top-k no larger than --num-experts")

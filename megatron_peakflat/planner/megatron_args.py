@@ -306,6 +306,9 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
         out["recompute_modules"] = tuple(ns.recompute_modules)
     if getattr(ns, "sequence_parallel", None):
         out["sequence_parallel"] = True
+    if getattr(ns, "fp16", None) and getattr(ns, "bf16", None):  # Megatron's validate_args: assert not args.bf16
+        raise PeakflatConfigError("--fp16", True, "is given with --bf16, and Megatron refuses the pair",
+                                  "pass one of them")
     if getattr(ns, "fp16", None):
         out["precision"] = "fp16"
     elif getattr(ns, "bf16", None):
