@@ -259,3 +259,18 @@ def test_a_line_megatron_would_refuse_is_refused_by_the_planner_too(capsys, extr
     assert main(["--megatron-args", line, "--gpus", "2"]) == 2
     assert named in capsys.readouterr().err
     assert main(["--megatron-args", line.replace(extra, ""), "--gpus", "2"]) == 0
+
+
+def test_a_preset_recommendation_says_what_a_default_megatron_line_also_needs(capsys):
+    """A preset's model has no biases and no dropout; the recommendation names what the user's own line needs for
+    each recommended component to start where it keeps Megatron's defaults, and a line that already says so
+    (a command line, not a preset) is told nothing."""
+    assert main(["--preset", "gpt-oss-20b", "--seq-len", "1M", "--gpus", "1", "--megatron-args", "--num-layers 2"]) == 0
+    why = [ln for ln in capsys.readouterr().out.splitlines() if "on your own line" in ln]
+    assert any(ln.strip().startswith("why: PipelinedLLEP") and "--disable-bias-linear" in ln for ln in why), why
+    assert any(ln.strip().startswith("why: TiledAttention") and "--hidden-dropout 0 --attention-dropout 0" in ln
+               for ln in why), why
+    line = ("--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --num-experts 8 --moe-router-topk 2 "
+            "--seq-length 65536 --max-position-embeddings 65536 --micro-batch-size 1 --bf16 --disable-bias-linear")
+    assert main(["--megatron-args", line, "--gpus", "1"]) == 0
+    assert "on your own line" not in capsys.readouterr().out

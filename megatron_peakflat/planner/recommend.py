@@ -265,12 +265,42 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
         if getattr(megatron_args, "recompute_granularity", None) != "full":
             rec.reasons.append("--recompute-granularity full: the plan counts full recompute, and without it "
                                "Megatron keeps every layer's activations")
+    if preset:
+        rec.reasons += _preset_prerequisites(shape, run, rec)
     if dataloader_mask.mask_bytes(run.seq_len, run.micro_batch) >= dataloader_mask.MASK_WARN_BYTES:
         rec.flags.append(dataloader_mask.NO_MASK_FLAG)
         rec.reasons.append(f"{dataloader_mask.NO_MASK_FLAG}: Megatron's dataloader would build a "
                            f"[{run.micro_batch}, 1, {run.seq_len}, {run.seq_len}] mask per micro-batch "
                            "(start-up warns from 256 MiB and refuses from 4 GiB); a causal model needs none")
     return rec
+
+
+def _preset_prerequisites(shape: ModelShape, run: RunConfig, rec: Recommendation) -> list[str]:
+    """For a preset, whose model has no linear biases and no dropout: what a Megatron line at its own defaults
+    (``MEGATRON_DEFAULTS``: biases, dropout 0.1) must also pass for each recommended component to start, so that
+    the flags to add are not refused on the user's own line."""
+    ns = startup_namespace(shape, run, None)
+    vars(ns).update({k: v for k, v in MEGATRON_DEFAULTS.items() if k != "moe_token_dispatcher_type"})
+    ns.optimizer_cpu_offload = False
+    out = []
+    for name, alone in (("dispatch", PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep"))),
+                        ("tile", PeakflatConfig(tile=TileConfig(enabled=True)))):
+        if not rec.config.enabled[name]:
+            continue
+        if name == "tile":
+            flags = [f for f in te_limits.tile_prerequisites(ns) if not f.startswith("--no-create-attention-mask")]
+            needs = [f"add {' '.join(flags)}"] if flags else []
+        else:
+            try:
+                alone.validate(ns)
+                compat.check_args(alone, ns)
+                needs = []
+            except PeakflatConfigError as e:
+                needs = [e.fix]
+        if needs:
+            out.append(f"{components.get(name).label} on your own line: the preset's model has no linear biases and "
+                       f"no dropout; with Megatron's defaults for them, {' '.join(needs)}")
+    return out
 
 
 def _norms_need_tile(shape: ModelShape, run: RunConfig, megatron_args: Any, preset: bool) -> str | None:
