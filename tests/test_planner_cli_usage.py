@@ -234,6 +234,12 @@ def test_an_error_about_a_megatron_args_value_names_the_megatron_flag(capsys):
     assert "error: --ep=3: does not divide the 8 experts" in capsys.readouterr().err
 
 
+def _dense_line(layers: int, extra: str) -> str:
+    """A small dense bf16 model's Megatron line at 4K tokens, with ``extra`` appended."""
+    return (f"--num-layers {layers} --hidden-size 1024 --num-attention-heads 8 --seq-length 4096 "
+            f"--max-position-embeddings 4096 --micro-batch-size 1 --bf16 {extra}")
+
+
 @pytest.mark.parametrize("flags, source", [
     ("", "GPT-2's vocabulary (Megatron's default tokenizer, GPT2BPETokenizer)"),
     ("--tokenizer-type NullTokenizer --vocab-size 32000", "the tokenizer (NullTokenizer)"),
@@ -241,8 +247,7 @@ def test_an_error_about_a_megatron_args_value_names_the_megatron_flag(capsys):
 ])
 def test_the_header_says_where_the_vocabulary_came_from(capsys, flags, source):
     """The vocabulary term grows with the vocabulary, so the header names its source (never silent)."""
-    line = ("--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --seq-length 4096 "
-            "--max-position-embeddings 4096 --micro-batch-size 1 --bf16 " + flags)
+    line = _dense_line(2, flags)
     assert main(["--megatron-args", line, "--gpus", "1"]) == 0
     header = capsys.readouterr().out.splitlines()[1]
     assert header.startswith("assumed: ") and header.endswith(f"as padded (from {source})"), header
@@ -254,8 +259,7 @@ def test_the_header_says_where_the_vocabulary_came_from(capsys, flags, source):
 ])
 def test_a_line_megatron_would_refuse_is_refused_by_the_planner_too(capsys, extra, named):
     """The planner no longer plans (or recommends a layout for) a line whose Megatron run would stop at start-up."""
-    line = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 8 --seq-length 4096 "
-            "--max-position-embeddings 4096 --micro-batch-size 1 --bf16 " + extra)
+    line = _dense_line(8, extra)
     assert main(["--megatron-args", line, "--gpus", "2"]) == 2
     assert named in capsys.readouterr().err
     assert main(["--megatron-args", line.replace(extra, ""), "--gpus", "2"]) == 0
