@@ -278,3 +278,20 @@ def test_a_preset_recommendation_says_what_a_default_megatron_line_also_needs(ca
             "--seq-length 65536 --max-position-embeddings 65536 --micro-batch-size 1 --bf16 --disable-bias-linear")
     assert main(["--megatron-args", line, "--gpus", "1"]) == 0
     assert "on your own line" not in capsys.readouterr().out
+
+
+def test_a_length_planned_over_the_lines_own_is_among_the_flags_to_add(capsys):
+    """--seq-len over a line's --seq-length: the recommended flags carry the planned length (and a
+    --max-position-embeddings that admits it), so that the line they complete runs the length planned; a line
+    whose --max-position-embeddings is below its own --seq-length is refused, as Megatron refuses it."""
+    import json
+
+    line = _dense_line(2, "")
+    assert main(["--megatron-args", line, "--seq-len", "64K", "--gpus", "1", "--json"]) == 0
+    flags = json.loads(capsys.readouterr().out)["recommended"]["flags"]
+    assert flags[flags.index("--seq-length") + 1] == flags[flags.index("--max-position-embeddings") + 1] == "65536"
+    assert main(["--megatron-args", line, "--gpus", "1", "--json"]) == 0
+    assert "--seq-length" not in json.loads(capsys.readouterr().out)["recommended"]["flags"]
+    assert main(["--megatron-args", line.replace("--max-position-embeddings 4096", "--max-position-embeddings 2048"),
+                 "--gpus", "1"]) == 2
+    assert "--max-position-embeddings=2048: is below --seq-length 4096" in capsys.readouterr().err

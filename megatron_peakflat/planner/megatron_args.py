@@ -42,7 +42,8 @@ def megatron_parser() -> argparse.ArgumentParser:
     """The memory-relevant subset of Megatron's flags, plus every --peakflat-* flag."""
     p = argparse.ArgumentParser(prog="--megatron-args", add_help=False, allow_abbrev=False)
     ints = ["num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "num-query-groups", "kv-channels",
-            "padded-vocab-size", "vocab-size", "seq-length", "micro-batch-size", "global-batch-size",
+            "padded-vocab-size", "vocab-size", "seq-length", "max-position-embeddings", "micro-batch-size",
+            "global-batch-size",
             "tensor-model-parallel-size", "pipeline-model-parallel-size", "expert-model-parallel-size",
             "expert-tensor-parallel-size", "context-parallel-size", "num-experts", "moe-router-topk",
             "moe-ffn-hidden-size", "moe-shared-expert-intermediate-size", "recompute-num-layers",
@@ -306,6 +307,10 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
         out["recompute_modules"] = tuple(ns.recompute_modules)
     if getattr(ns, "sequence_parallel", None):
         out["sequence_parallel"] = True
+    longest, seq = getattr(ns, "max_position_embeddings", None), getattr(ns, "seq_length", None)
+    if longest is not None and seq is not None and longest < seq:  # Megatron's validate_args asserts it
+        raise PeakflatConfigError("--max-position-embeddings", longest, f"is below --seq-length {seq}, which "
+                                  "Megatron refuses", f"pass --max-position-embeddings {seq} or more")
     if getattr(ns, "fp16", None) and getattr(ns, "bf16", None):  # Megatron's validate_args: assert not args.bf16
         raise PeakflatConfigError("--fp16", True, "is given with --bf16, and Megatron refuses the pair",
                                   "pass one of them")

@@ -267,6 +267,12 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
                                "Megatron keeps every layer's activations")
     if preset:
         rec.reasons += _preset_prerequisites(shape, run, rec)
+    elif getattr(megatron_args, "seq_length", None) not in (None, run.seq_len):  # the planner's --seq-len over it
+        rec.flags += ["--seq-length", str(run.seq_len)]
+        if (getattr(megatron_args, "max_position_embeddings", None) or run.seq_len) < run.seq_len:
+            rec.flags += ["--max-position-embeddings", str(run.seq_len)]
+        rec.reasons.append(f"--seq-length {run.seq_len}: the length planned (--seq-len), in place of the line's "
+                           f"{megatron_args.seq_length}")
     if dataloader_mask.mask_bytes(run.seq_len, run.micro_batch) >= dataloader_mask.MASK_WARN_BYTES:
         rec.flags.append(dataloader_mask.NO_MASK_FLAG)
         rec.reasons.append(f"{dataloader_mask.NO_MASK_FLAG}: Megatron's dataloader would build a "
