@@ -295,3 +295,11 @@ def test_a_length_planned_over_the_lines_own_is_among_the_flags_to_add(capsys):
     assert main(["--megatron-args", line.replace("--max-position-embeddings 4096", "--max-position-embeddings 2048"),
                  "--gpus", "1"]) == 2
     assert "--max-position-embeddings=2048: is below --seq-length 4096" in capsys.readouterr().err
+
+
+def test_heads_that_do_not_divide_the_hidden_size_are_refused_without_kv_channels(capsys):
+    """Megatron takes the head dim as hidden / heads unless --kv-channels sets it, and refuses a remainder."""
+    line = _dense_line(2, "").replace("--num-attention-heads 8", "--num-attention-heads 7")
+    assert main(["--megatron-args", line, "--gpus", "1"]) == 2
+    assert "--num-attention-heads=7: does not divide --hidden-size 1024" in capsys.readouterr().err
+    assert main(["--megatron-args", line + " --kv-channels 128", "--gpus", "1"]) == 0

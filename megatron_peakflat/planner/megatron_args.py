@@ -217,6 +217,11 @@ def shape_from_namespace(ns: Any, base: ModelShape | None = None) -> ModelShape:
                if v is None]
     if missing:
         raise MissingModelFlags(missing)
+    if b is None and getattr(ns, "kv_channels", None) is None and hidden % heads:
+        # Megatron's validate_args: the head dim is hidden / heads unless --kv-channels sets it
+        raise PeakflatConfigError("--num-attention-heads", heads, f"does not divide --hidden-size {hidden}, which "
+                                  "Megatron refuses where --kv-channels is not given",
+                                  "pass a head count that divides the hidden size, or --kv-channels")
     # Megatron reads --num-query-groups only under --group-query-attention (argument_utils.py); its parsed
     # args carry num_query_groups=1 by default, which without the flag means nothing.
     gqa = getattr(ns, "group_query_attention", None)
