@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import shlex
 from typing import Any, Sequence
 
@@ -236,7 +235,7 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
     PeakflatConfigError naming ``--peakflat auto`` when nothing fits, with the planner's reasons and fixes, or when
     the planner cannot read the command line."""
     from .planner.build import build
-    from .planner.megatron_args import MissingModelFlags
+    from .planner.megatron_args import MissingModelFlags, in_training_words
     from .planner.recommend import recommend
 
     if None in (gpus, gpus_per_node, hbm_bytes, host_bytes_per_node):
@@ -261,10 +260,10 @@ def resolve(argv: Sequence[str], *, gpus: int | None = None, gpus_per_node: int 
         raise PeakflatConfigError(FLAG, "auto", f"the command line names no {' '.join(e.missing)}, so the planner "
                                   "has no model to plan", "add them, or drop --peakflat auto") from e
     except PeakflatConfigError as e:
-        flag = _training_flags().get(e.flag, e.flag)
-        value = "" if e.value is None else f"={e.value!r}"
-        raise PeakflatConfigError(FLAG, "auto", f"the planner cannot read this command line: {flag}{value} "
-                                  f"{_training_words(e.problem)}", f"{_training_words(e.fix)}; or pass the "
+        said = in_training_words(e, extra={"--gpus": "the world size"})  # auto sets the planner's flags itself
+        value = "" if said.value is None else f"={said.value!r}"
+        raise PeakflatConfigError(FLAG, "auto", f"the planner cannot read this command line: {said.flag}{value} "
+                                  f"{said.problem}", f"{said.fix}; or pass the "
                                   f"--peakflat-* flags yourself in place of {FLAG} auto") from e
     rec = recommend(shape, run, pf, ns.megatron_namespace)
     if not rec.fits:
@@ -297,20 +296,6 @@ def _check_transformer_engine(argv: Sequence[str], added: list[str], rec: Any) -
     refusal = te_limits.line_refusal(rec.plan.shape, rec.plan.run, ns)
     if refusal is not None:
         raise refusal
-
-
-def _training_flags() -> dict[str, str]:
-    """The planner's own flags (its RunConfig fields' names: ``--tp``, ``--seq-len``), which auto sets from the
-    training command line, by the training flag they stand for."""
-    from .planner.megatron_args import training_flag_names
-
-    return {**training_flag_names(), "--gpus": "the world size"}
-
-
-def _training_words(text: str) -> str:
-    """The planner's message in the training command line's words: its own flags named by the training flags."""
-    names = _training_flags()
-    return re.sub(r"--[a-z-]+", lambda m: names.get(m.group(0), m.group(0)), text)
 
 
 def _layout(run: Any) -> str:

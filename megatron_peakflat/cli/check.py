@@ -346,31 +346,25 @@ def check_command_line(argv: Sequence[str]) -> int:
             print(f"error: {PeakflatConfigError(flag, value, 'must be a positive number', fix)}", file=sys.stderr)
             return REFUSED
     auto_table = None
-    given = list(flags)
+    nothing_fits: auto.NothingFits | None = None
     try:
         if auto.wants_auto(flags):  # resolved before Megatron parses, as pretraining does
-            flags, own.gpus, auto_table = _resolve_auto(flags, own)
+            try:
+                flags, own.gpus, auto_table = _resolve_auto(flags, own)
+            except auto.NothingFits as e:  # Megatron's own checks below still refuse a line they refuse
+                nothing_fits, flags = e, auto._without_auto(flags)
         args, world, note = _megatron_args(flags, own.gpus)
     except SystemExit as e:  # argparse's error, printed already
         return int(e.code) if isinstance(e.code, int) and e.code else REFUSED
-    except auto.NothingFits as e:
-        # a line that Megatron itself refuses is refused, with or without --peakflat auto; else it does not fit
-        try:
-            _megatron_args(auto._without_auto(given), own.gpus)
-        except SystemExit as refused:
-            return int(refused.code) if isinstance(refused.code, int) and refused.code else REFUSED
-        except Exception as refused:  # noqa: BLE001 - Megatron's own checks, as below
-            print(f"error: Megatron refused the command line: {type(refused).__name__}: {_said(refused)}",
-                  file=sys.stderr)
-            return REFUSED
-        print(f"error: {e}", file=sys.stderr)
-        return DOES_NOT_FIT
     except PeakflatConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return REFUSED
     except Exception as e:  # noqa: BLE001 - Megatron's own checks (assertions mostly): as they are
         print(f"error: Megatron refused the command line: {type(e).__name__}: {_said(e)}", file=sys.stderr)
         return REFUSED
+    if nothing_fits is not None:  # the line is accepted; it does not fit, as without --peakflat auto
+        print(f"error: {nothing_fits}", file=sys.stderr)
+        return DOES_NOT_FIT
     try:
         # the ranks per host, which start-up reads from the launcher
         with environment({"LOCAL_WORLD_SIZE": str(min(own.gpus_per_node or 8, world))}):

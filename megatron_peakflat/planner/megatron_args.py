@@ -21,7 +21,8 @@ from .shapes import MLA, ModelShape
 from .tokenizer import vocab_from_flags
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
-           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS", "in_training_words", "training_flag_names",
+           "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS",
+           "in_training_words", "training_flag_names",
            "PRESET_MARK"]
 
 
@@ -281,11 +282,12 @@ def training_flag_names() -> dict[str, str]:
     return {"--" + field.replace("_", "-"): "--" + dest.replace("_", "-") for dest, field in RUN_FIELDS.items()}
 
 
-def in_training_words(e: PeakflatConfigError, keep: Sequence[str] = ()) -> PeakflatConfigError:
+def in_training_words(e: PeakflatConfigError, keep: Sequence[str] = (),
+                      extra: dict[str, str] | None = None) -> PeakflatConfigError:
     """``e`` in the words of the training command line: each planner flag that stands for a Megatron one
     (``--ep`` for ``--expert-model-parallel-size``, ``--seq-len`` for ``--seq-length``) named by the Megatron flag,
-    except those in ``keep`` (planner flags the user passed as such)."""
-    names = {k: v for k, v in training_flag_names().items() if k not in keep}
+    except those in ``keep`` (planner flags the user passed as such); ``extra`` names more (``--gpus``)."""
+    names = {k: v for k, v in {**training_flag_names(), **(extra or {})}.items() if k not in keep}
 
     def words(text: str) -> str:
         return re.sub(r"--[a-z-]+", lambda m: names.get(m.group(0), m.group(0)), text)

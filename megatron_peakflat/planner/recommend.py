@@ -138,7 +138,8 @@ def _why(p: Plan) -> list[str]:
     st = p.worst("peakflat")
     run = p.run
     # EP cannot pass the expert count: where it is there already, the expert weights split by ETP (and PP) instead
-    sharded = ("--expert-model-parallel-size or --pipeline-model-parallel-size" if p.shape.experts > run.ep else
+    ep_can_grow = p.shape.experts > run.ep
+    sharded = ("--expert-model-parallel-size or --pipeline-model-parallel-size" if ep_can_grow else
                f"--pipeline-model-parallel-size or --expert-tensor-parallel-size (EP is already the "
                f"{p.shape.experts} experts)" if p.shape.experts else
                "--pipeline-model-parallel-size or --tensor-model-parallel-size")
@@ -157,7 +158,7 @@ def _why(p: Plan) -> list[str]:
                 "holds this rank's sequence and heads at once)" + _te_expansion_fix(p),
         "embedding gradient": "raise --tensor-model-parallel-size, or --pipeline-model-parallel-size so that the "
                               "MTP layers and a tied output layer sit on another stage than the embedding lookup",
-        "dispatch": (f"raise {'--expert-model-parallel-size' if p.shape.experts > run.ep else '--context-parallel-size'}"
+        "dispatch": (f"raise {'--expert-model-parallel-size' if ep_can_grow else '--context-parallel-size'}"
                      " (a smaller --peakflat-dispatch-chunk-cap lowers only the MoE phase)"),
         "vocab": "raise --tensor-model-parallel-size or --context-parallel-size (a smaller --peakflat-vocab-block-size "
                  "lowers only the loss phase)",
@@ -230,12 +231,20 @@ def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> di
              "tile": PeakflatConfig(tile=TileConfig(enabled=True))}
     out: dict[str, str] = {}
     for name, cfg in alone.items():
-        try:
-            cfg.validate(ns)
-            compat.check_args(cfg, ns)
-        except PeakflatConfigError as e:
+        e = _startup_refusal(cfg, ns)
+        if e is not None:
             out[name] = f"{e.problem} (fix: {e.fix})"
     return out
+
+
+def _startup_refusal(cfg: PeakflatConfig, ns: argparse.Namespace) -> PeakflatConfigError | None:
+    """What start-up (``PeakflatConfig.validate`` and Megatron's compatibility checks) says of ``cfg`` on ``ns``."""
+    try:
+        cfg.validate(ns)
+        compat.check_args(cfg, ns)
+    except PeakflatConfigError as e:
+        return e
+    return None
 
 
 def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = None,
@@ -288,25 +297,17 @@ def _preset_prerequisites(shape: ModelShape, run: RunConfig, rec: Recommendation
     ns = startup_namespace(shape, run, None)
     vars(ns).update({k: v for k, v in MEGATRON_DEFAULTS.items() if k != "moe_token_dispatcher_type"})
     ns.optimizer_cpu_offload = False
-    out = []
-    for name, alone in (("dispatch", PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep"))),
-                        ("tile", PeakflatConfig(tile=TileConfig(enabled=True)))):
-        if not rec.config.enabled[name]:
-            continue
-        if name == "tile":
-            flags = [f for f in te_limits.tile_prerequisites(ns) if not f.startswith("--no-create-attention-mask")]
-            needs = [f"add {' '.join(flags)}"] if flags else []
-        else:
-            try:
-                alone.validate(ns)
-                compat.check_args(alone, ns)
-                needs = []
-            except PeakflatConfigError as e:
-                needs = [e.fix]
-        if needs:
-            out.append(f"{components.get(name).label} on your own line: the preset's model has no linear biases and "
-                       f"no dropout; with Megatron's defaults for them, {' '.join(needs)}")
-    return out
+    needs: dict[str, str] = {}
+    if rec.config.enabled["dispatch"]:
+        refusal = _startup_refusal(PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep")), ns)
+        if refusal is not None:
+            needs["dispatch"] = refusal.fix
+    if rec.config.enabled["tile"]:  # the dataloader's mask is among the flags to add already
+        flags = [f for f in te_limits.tile_prerequisites(ns) if not f.startswith("--no-create-attention-mask")]
+        if flags:
+            needs["tile"] = f"add {' '.join(flags)}"
+    return [f"{components.get(name).label} on your own line: the preset's model has no linear biases and no "
+            f"dropout; with Megatron's defaults for them, {fix}" for name, fix in needs.items()]
 
 
 def _norms_need_tile(shape: ModelShape, run: RunConfig, megatron_args: Any, preset: bool) -> str | None:
