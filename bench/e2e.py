@@ -211,7 +211,8 @@ class Attempt:
     error_lines: list[str] = dataclasses.field(default_factory=list)
     """A failed run's own error: the lines up to and just after its first exception or CUDA error."""
     iter_ms: list[float] = dataclasses.field(default_factory=list)
-    """Every iteration's time as Megatron logged it; ``ms`` is the median of all but the first."""
+    """Every iteration's own time (``iteration_ms``: iteration 2's taken out of Megatron's mean of 1 and 2);
+    ``ms`` is the median of all but the first."""
 
 
 _ERROR = re.compile(r"(^|\s|\]:\s?)([\w.]*(Error|Exception)\b(?!:?\s*$)|Traceback \(most recent call last\)|"

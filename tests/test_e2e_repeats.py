@@ -47,7 +47,7 @@ def test_the_time_phase_repeats_each_method_in_turn_and_records_every_run(tmp_pa
     assert te["ms"] == 205.0 and te["extra"]["runs_ms"] == [200.0, 210.0, 205.0]
     assert te["extra"]["spread"] == round(10.0 / 205.0, 4) and te["extra"]["outcome"] == "ok"
     assert auto["ms"] == 102.0 and len(auto["extra"]["runs"]) == 3
-    for run in (*te["extra"]["runs"], *auto["extra"]["runs"]):  # every iteration's logged time is kept
+    for run in (*te["extra"]["runs"], *auto["extra"]["runs"]):  # every iteration's own time is kept
         assert len(run["iter_ms"]) == 5 and run["ms"] == statistics.median(run["iter_ms"][1:])
     assert auto["extra"]["tokens_per_s_vs_megatron_te"] == round(205.0 / 102.0, 3)
     assert auto["extra"]["tokens_per_s_vs_megatron_te_range"] == [round(200.0 / 104.0, 3), round(210.0 / 100.0, 3)]
