@@ -97,3 +97,21 @@ def test_component_config_alone():
     TileConfig(enabled=True, tokens=1).validate()
     with pytest.raises(PeakflatConfigError):
         TileConfig(enabled=True, tokens=-3).validate()
+
+
+def test_the_planners_fix_names_what_the_start_up_check_refuses():
+    """One table (``PREREQUISITES``) behind both: every setting the start-up check refuses is in the planner's fix
+    for a line that leaves it on (or out, at Megatron's default), and a line meeting the fix is accepted."""
+    from megatron_peakflat.planner.te_limits import tile_prerequisites
+    from megatron_peakflat.tile.config import PREREQUISITES
+
+    assert tile_prerequisites(SimpleNamespace()) == [fix for _, _, _, fix, _ in PREREQUISITES]
+    met = dict(create_attention_mask_in_dataloader=False)
+    assert tile_prerequisites(_megatron(**met)) == []
+    TileConfig(enabled=True).check_against_megatron(_megatron(**met))
+    for dest, _, default, fix, _ in PREREQUISITES:
+        line = _megatron(**{**met, dest: default})
+        with pytest.raises(PeakflatConfigError) as e:
+            TileConfig(enabled=True).check_against_megatron(line)
+        assert f"pass {fix}" in str(e.value)
+        assert tile_prerequisites(line) == [fix]

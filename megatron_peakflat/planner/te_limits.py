@@ -533,15 +533,12 @@ def norm_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> Pe
 
 
 def tile_prerequisites(args: Any) -> list[str]:
-    """The flags that the tiled sublayer's start-up check (``TileConfig.check_against_megatron``) needs beside
-    ``--peakflat-tile`` and the line lacks, at Megatron's defaults where it leaves them out: no dropout (0.1 by
-    default) and no dataloader mask (built by default); so that a fix naming the tile names them all at once."""
-    out = [f"{flag} 0" for dest, flag in (("hidden_dropout", "--hidden-dropout"),
-                                           ("attention_dropout", "--attention-dropout"))
-           if _get(args, dest, 0.1) > 0]
-    if _get(args, "create_attention_mask_in_dataloader", True):
-        out.append("--no-create-attention-mask-in-dataloader")
-    return out
+    """The flags that the tiled sublayer's start-up check needs beside ``--peakflat-tile`` and the line lacks, at
+    Megatron's defaults where it leaves them out (``tile.config.PREREQUISITES``), so that a fix naming the tile names
+    them all at once."""
+    from ..tile.config import unmet_prerequisites
+
+    return [fix for _, _, _, fix in unmet_prerequisites(args)]
 
 
 # ---- MoE router and permutation -----------------------------------------------------------------------

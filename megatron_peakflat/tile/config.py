@@ -61,12 +61,10 @@ class TileConfig(ComponentConfig):
             raise PeakflatConfigError(flag, value, "--sequence-parallel splits the layer's input over the "
                                       "tensor-parallel ranks, and the tiles cut the whole sequence",
                                       f"drop --sequence-parallel, or drop {flag}")
-        for dest, name in (("hidden_dropout", "--hidden-dropout"), ("attention_dropout", "--attention-dropout")):
-            p = _get(args, dest, 0.0) or 0.0
-            if p > 0:
-                raise PeakflatConfigError(flag, value, f"{name} is {p} (Megatron's default is 0.1), and backward "
-                                          "recomputes each tile, which would draw other dropout masks than the "
-                                          "forward", f"pass {name} 0, or drop {flag}")
+        unmet = unmet_prerequisites(args, missing_as_default=False)
+        if unmet:
+            name, setting, why, fix = unmet[0]
+            raise PeakflatConfigError(flag, value, f"{name} is {setting} {why}", f"pass {fix}, or drop {flag}")
         if _get(args, "multi_latent_attention", False):
             raise PeakflatConfigError(flag, value, "multi-latent attention projects queries, keys and values "
                                       "differently from the self-attention it tiles",
@@ -75,11 +73,6 @@ class TileConfig(ComponentConfig):
         if graphs:
             raise PeakflatConfigError(flag, value, f"{graphs} captures the layers, whose tiled sublayer recomputes "
                                       "in backward outside any graph", f"drop {graphs.split()[0]}, or drop {flag}")
-        if _get(args, "create_attention_mask_in_dataloader", False):
-            raise PeakflatConfigError(flag, value, "Megatron's dataloader builds an explicit attention mask "
-                                      "(--create-attention-mask-in-dataloader, its default), and a layer given a mask "
-                                      "runs Megatron's own attention sublayer, untiled",
-                                      "pass --no-create-attention-mask-in-dataloader (a causal model needs no mask)")
         attention = _get(args, "peakflat_attention", "auto") or "auto"
         if _get(args, "transformer_impl") == "local" and not _local_spec_runs_sdpa(attention):
             raise PeakflatConfigError(flag, value, "Megatron's local DotProductAttention (--transformer-impl local "
@@ -87,6 +80,34 @@ class TileConfig(ComponentConfig):
                                       "queries as keys, and a tile's queries are the last of its keys",
                                       "pass --peakflat-attention sdpa (torch SDPA aligns the mask to the tile), or "
                                       "use --transformer-impl transformer_engine")
+
+
+PREREQUISITES: tuple[tuple[str, str, Any, str, str], ...] = (
+    ("hidden_dropout", "--hidden-dropout", 0.1, "--hidden-dropout 0",
+     "(Megatron's default is 0.1), and backward recomputes each tile, which would draw other dropout masks than the "
+     "forward"),
+    ("attention_dropout", "--attention-dropout", 0.1, "--attention-dropout 0",
+     "(Megatron's default is 0.1), and backward recomputes each tile, which would draw other dropout masks than the "
+     "forward"),
+    ("create_attention_mask_in_dataloader", "--create-attention-mask-in-dataloader", True,
+     "--no-create-attention-mask-in-dataloader",
+     "(Megatron's default), so its dataloader builds an explicit attention mask, and a layer given a mask runs "
+     "Megatron's own attention sublayer, untiled (a causal model needs no mask)"),
+)
+"""The Megatron settings the tiled sublayer needs off: (args dest, flag, Megatron's default, the flag that turns it
+off, why). The one table behind the start-up check and the planner's fixes that name the tile."""
+
+
+def unmet_prerequisites(args: Any, *, missing_as_default: bool = True) -> list[tuple[str, Any, str, str]]:
+    """(flag, its value, why, the fix) for each of ``PREREQUISITES`` that ``args`` leaves on, in the table's order.
+    A setting absent from ``args`` is Megatron's default where ``missing_as_default`` (a planner's partial line),
+    else off (a namespace that never had it)."""
+    out = []
+    for dest, name, default, fix, why in PREREQUISITES:
+        value = _get(args, dest, default if missing_as_default else None)
+        if value:
+            out.append((name, value, why, fix))
+    return out
 
 
 def _local_spec_runs_sdpa(attention: str) -> bool:
