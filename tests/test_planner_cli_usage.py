@@ -266,12 +266,13 @@ def test_a_line_megatron_would_refuse_is_refused_by_the_planner_too(capsys, extr
 
 
 def test_a_preset_recommendation_says_what_a_default_megatron_line_also_needs(capsys):
-    """A preset's model has no biases and no dropout; the recommendation names what the user's own line needs for
+    """A preset's model has no biases, no dropout and the alltoall dispatcher; the recommendation names what the user's own line needs for
     each recommended component to start where it keeps Megatron's defaults, and a line that already says so
     (a command line, not a preset) is told nothing."""
     assert main(["--preset", "gpt-oss-20b", "--seq-len", "1M", "--gpus", "1", "--megatron-args", "--num-layers 2"]) == 0
     why = [ln for ln in capsys.readouterr().out.splitlines() if "on your own line" in ln]
-    assert any(ln.strip().startswith("why: PipelinedLLEP") and "--disable-bias-linear" in ln for ln in why), why
+    assert any(ln.strip().startswith("why: PipelinedLLEP") and "--disable-bias-linear" in ln
+               and "--moe-token-dispatcher-type alltoall" in ln for ln in why), why
     assert any(ln.strip().startswith("why: TiledAttention") and "--hidden-dropout 0 --attention-dropout 0" in ln
                for ln in why), why
     line = ("--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --num-experts 8 --moe-router-topk 2 "

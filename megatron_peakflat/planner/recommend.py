@@ -291,23 +291,27 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
 
 
 def _preset_prerequisites(shape: ModelShape, run: RunConfig, rec: Recommendation) -> list[str]:
-    """For a preset, whose model has no linear biases and no dropout: what a Megatron line at its own defaults
-    (``MEGATRON_DEFAULTS``: biases, dropout 0.1) must also pass for each recommended component to start, so that
-    the flags to add are not refused on the user's own line."""
-    ns = startup_namespace(shape, run, None)
-    vars(ns).update({k: v for k, v in MEGATRON_DEFAULTS.items() if k != "moe_token_dispatcher_type"})
-    ns.optimizer_cpu_offload = False
-    needs: dict[str, str] = {}
+    """For a preset, whose model has no linear biases, no dropout and the alltoall dispatcher: what a Megatron line
+    at its own defaults (``MEGATRON_DEFAULTS``: biases, dropout 0.1, the allgather dispatcher) must also pass for
+    each recommended component to start, so that the flags to add are not refused on the user's own line. Each
+    default is tried on its own, so that every one a component refuses is named, not the first."""
+    base = startup_namespace(shape, run, None)
+    base.optimizer_cpu_offload = False
+    needs: dict[str, list[str]] = {}
     if rec.config.enabled["dispatch"]:
-        refusal = _startup_refusal(PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep")), ns)
-        if refusal is not None:
-            needs["dispatch"] = refusal.fix
+        for dest, default in MEGATRON_DEFAULTS.items():
+            ns = argparse.Namespace(**{**vars(base), dest: default})
+            refusal = _startup_refusal(PeakflatConfig(dispatch=DispatchConfig(impl="pipelined-llep")), ns)
+            if refusal is not None and refusal.fix not in needs.setdefault("dispatch", []):
+                needs["dispatch"].append(refusal.fix)
     if rec.config.enabled["tile"]:  # the dataloader's mask is among the flags to add already
+        ns = argparse.Namespace(**{**vars(base), **MEGATRON_DEFAULTS})
         flags = [f for f in te_limits.tile_prerequisites(ns) if not f.startswith("--no-create-attention-mask")]
         if flags:
-            needs["tile"] = f"add {' '.join(flags)}"
-    return [f"{components.get(name).label} on your own line: the preset's model has no linear biases and no "
-            f"dropout; with Megatron's defaults for them, {fix}" for name, fix in needs.items()]
+            needs["tile"] = [f"add {' '.join(flags)}"]
+    return [f"{components.get(name).label} on your own line: the preset's model has no linear biases, no dropout "
+            f"and the alltoall dispatcher; with Megatron's defaults for them, {'; '.join(fixes)}"
+            for name, fixes in needs.items() if fixes]
 
 
 def _norms_need_tile(shape: ModelShape, run: RunConfig, megatron_args: Any, preset: bool) -> str | None:
