@@ -218,17 +218,24 @@ class Attempt:
 _ERROR = re.compile(r"(^|\s|\]:\s?)([\w.]*(Error|Exception)\b(?!:?\s*$)|Traceback \(most recent call last\)|"
                     r"CUDA error|illegal memory access|device-side assert|Segmentation fault|core dumped|"
                     r"terminate called|Fatal Python error)")
+_REFUSAL = re.compile(r"^(?:\[rank\d+\]:\s?)?megatron-peakflat: .* Fix: ")
+"""A start-up refusal (``PeakflatConfigError`` as ``megatron_peakflat.pretrain`` prints it): 'megatron-peakflat:
+<flag>=<value>: <why>. Fix: <fix>'."""
 _LAUNCHER = re.compile(r"ChildFailedError|torch\.distributed\.elastic|torch/distributed/run\.py|torchrun|"
                        r"Root Cause|error_file|exitcode|To enable traceback|elastic/multiprocessing|"
                        r"^\s*(time|host|rank|local_rank)\s*:|^=+$|Failures:")
 
 
 def error_lines(text: str, lines: int = 30) -> list[str]:
-    """The failing rank's own error, not the launcher's summary after it: up to ``lines`` lines ending a few
+    """The failing rank's own error, not the launcher's summary after it: peakflat's start-up refusal where it
+    stopped the run (``_REFUSAL``; the launcher's traceback below it is not the failure); else up to ``lines`` lines ending a few
     lines after the first exception or CUDA error line that torchrun's report did not write, after the first
     traceback of the run's own (a warning naming an ImportError before it is not the failure), with that
     traceback above it; the last ``lines`` lines where none is found."""
     all_lines = text.splitlines()
+    refusal = [ln for ln in all_lines if _REFUSAL.match(ln)]
+    if refusal:  # peakflat's start-up refusal: flag, value, why and fix in one line, then a clean exit
+        return refusal[:lines]
     own = [i for i, ln in enumerate(all_lines) if not _LAUNCHER.search(ln)]
     traceback = next((i for i in own if "Traceback (most recent call last)" in all_lines[i]), -1)
     final = next((i for i in own if i > traceback and re.search(r"(^|\s|\]:\s?)[\w.]*(Error|Exception)\b:|CUDA error|"
@@ -587,7 +594,7 @@ class Driver:
         self.put({"case": case, "method": method, **top,
                   "extra": {"outcome": a.outcome, "config": stock.name, "iters": iters, **measured,
                             "planner_gib": self._planner_gib(method, flags, a),
-                            **({"tail": a.tail} if a.outcome != "ok" else {}),
+                            **({"tail": a.tail} if a.outcome != "ok" else {}), **({"oom": a.oom} if a.oom else {}),
                             **({"error_lines": a.error_lines} if a.error_lines else {}), **self._added(method)}})
         print(f"    {a.outcome} in {a.wall_s:.0f} s: {a.ms} ms/iter, losses {a.losses[:2]}...{a.losses[-2:]}",
               flush=True)
@@ -624,10 +631,12 @@ class Driver:
                 stock = next(s for s in LADDER if s.name == te["extra"]["config"])
             flags = self.flags(seq, stock, [*method_flags(method), "--deterministic-mode"], iters, method)
             runs[method] = self._fixed(case, method, stock, flags, iters)
-            if method == "megatron-te" and runs[method].outcome == "error" and not self.model.bf16 \
-                    and self.spec == "te":
-                print("    megatron-te did not train in fp32 on Transformer Engine's layers (its error is in the row's "
-                      "error_lines): run this phase with --spec local", flush=True)
+            if method == "megatron-te" and runs[method].outcome != "ok":
+                if not self.model.bf16 and self.spec == "te":
+                    print("    megatron-te did not train in fp32 on Transformer Engine's layers (its error is in the "
+                          "row's error_lines): run this phase with --spec local", flush=True)
+                print("    nothing to compare with: the other methods are not run", flush=True)
+                break
         ref = runs["megatron-te"]
         control = None
         if ref.losses and CONTROL in runs and runs[CONTROL].losses:

@@ -49,6 +49,11 @@ class Row:
     """GPUs the measurement ran on (the benchmark's ranks, ``world()``); a row without it ran on one."""
 
 
+COMMIT_ENV = "PEAKFLAT_COMMIT"
+"""The commit a row names where the tree that ran is a copy whose git metadata is another commit's (a copy of a
+checkout sent to a GPU machine): set by the caller to the commit the copy was made from, and taken as given."""
+
+
 def where_ran() -> dict[str, Any]:
     """This process's card (``torch.cuda.get_device_name()`` or 'cpu'), host threads and commit ('unknown'
     outside a git checkout; '+modified' appended where tracked files outside bench/results differ from it, so a
@@ -60,9 +65,9 @@ def where_ran() -> dict[str, Any]:
                               text=True, timeout=10).stdout.strip()
 
     try:
-        commit = git("rev-parse", "--short", "HEAD") or "unknown"
-        if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                                       ":(exclude)bench/results"):
+        commit = os.environ.get(COMMIT_ENV) or git("rev-parse", "--short", "HEAD") or "unknown"
+        if commit != "unknown" and not os.environ.get(COMMIT_ENV) and git(
+                "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results"):
             commit += "+modified"
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"

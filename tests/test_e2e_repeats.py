@@ -96,6 +96,19 @@ def test_same_loss_in_fp32_records_the_gaps_beside_their_targets_with_tf32_off(t
     assert every["extra"]["vs_megatron_te"]["loss"]["max_rel_diff"] == pytest.approx(49e-4, rel=1e-2)
 
 
+def test_same_loss_runs_nothing_more_where_megatron_te_did_not_train(tmp_path, monkeypatch):
+    """Without megatron-te's losses there is nothing to compare with: the other methods are not run (in fp32 on
+    Transformer Engine's layers start-up refuses megatron-te, whose unfused attention holds [s, s] tensors)."""
+    monkeypatch.setattr(e2e.Driver, "_planner_gib", lambda *a: None)
+    fake = Noisy({**FITS, "gpu-optimizer": 4 * K}, {})
+    d = e2e.Driver(tmp_path / "e2e.json", e2e.dataclasses.replace(e2e.TINY, bf16=False), "te", False, 100.0,
+                   runner=fake)
+    d.same_loss(8 * K, 50)
+    assert [k for _, k in fake.calls] == ["gpu-optimizer"]
+    case = f"same_loss,seq={8 * K},spec=te,iters=50,dtype=fp32"
+    assert d.row(case, "megatron-te")["extra"]["outcome"] == "oom" and d.row(case, "peakflat-auto") is None
+
+
 def test_same_loss_cases_name_dtype_and_a_learning_rate_other_than_the_default(tmp_path):
     d = _driver(tmp_path, FakeMegatron(FITS))
     assert d.same_loss_case(8192, 50) == "same_loss,seq=8192,spec=te,iters=50"  # the committed rows' name
@@ -135,6 +148,25 @@ def test_an_error_row_keeps_the_failing_ranks_own_lines_not_the_launchers_summar
     assert not any("ChildFailedError" in ln or "Root Cause" in ln for ln in lines)
     assert row["extra"]["attempts"][0]["error_lines"] == lines
     assert e2e.error_lines("a\nb\n") == ["a", "b"]  # no error line found: the last lines
+
+
+def test_a_start_up_refusal_is_the_rows_error_not_the_launchers_traceback_below_it():
+    """A run that peakflat refused at start-up exits cleanly and torchrun then prints its own traceback: the row keeps
+    the refusal (flag, value, why, fix), as the fp32 same-loss run on Transformer Engine's layers logged it."""
+    refusal = ("megatron-peakflat: --transformer-impl='transformer_engine': Transformer Engine 2.20's unfused attention "
+               "backend (UnfusedDotProductAttention) runs this line and holds its [b, heads/TP, s, s] scores and "
+               "softmax: 32.00 GiB per layer, and the run's plan with them does not fit 79.18 GiB. Fix: change what "
+               "sends it there: fp32 data (flash and fused attention take bf16 and fp16): add --bf16")
+    log = "\n".join([
+        "WARNING: one_logger package is required to enable e2e metrics tracking.", refusal,
+        "E1208 00:47:05.546000 3049 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: 1)",
+        "Traceback (most recent call last):",
+        '  File "<frozen runpy>", line 198, in _run_module_as_main',
+        '  File "<frozen runpy>", line 88, in _run_code',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+    ])
+    assert e2e.error_lines(log) == [refusal]
+    assert e2e.error_lines("[rank0]: " + refusal) == ["[rank0]: " + refusal]
 
 
 def test_extra_flags_are_appended_to_their_method_and_recorded(tmp_path, monkeypatch):

@@ -118,7 +118,15 @@ def test_time_table_is_the_medians_and_ranges_of_three_runs():
         shown.add(case)
     complete = {r["case"] for r in E2E if r["case"].startswith("time,seq=") and r["method"] == "peakflat-auto"
                 and r["extra"]["outcome"] == "ok" and len(r["extra"].get("runs_ms", [])) >= 3}
-    assert shown == complete, (shown, complete)
+    paired = {r["case"] for r in E2E if r["case"] in complete and r["method"] == "megatron-te"
+              and r["extra"].get("runs_ms")}
+    assert shown == paired, (shown, paired)
+    for case in sorted(complete - paired):  # beyond Megatron's reach: peakflat-auto's own time, in seconds
+        row = _row("peakflat-auto", case)
+        runs = row["extra"]["runs_ms"]
+        said = (f"at {int(case.split('seq=')[1].split(',')[0]) // 1024}K is {row['ms'] / 1000:.1f} s per iteration "
+                f"[{min(runs) / 1000:.1f}-{max(runs) / 1000:.1f}] ({len(runs)} runs")
+        assert said in " ".join(README.split()), said
 
 
 def test_results_figures_are_the_measured_ones():

@@ -220,14 +220,21 @@ def test_the_unfused_scores_are_planned():
     shape, run, pf, _, _ = build(["--megatron-args", fp32, "--gpus", "1", "--hbm-gib", "80"])
     assert run.unfused_attention and "fp32" in run.unfused_attention
     row = plan(shape, run, pf).stages[0].rows["attention scores"]
-    assert row.peakflat == 2 * 8 * 8192 * 8192 * 4  # scores and softmax, [1, 8, s, s] fp32
+    # torch's fp32 softmax: probabilities, their gradient and the softmax's input gradient, [1, 8, s, s] fp32 each
+    assert row.peakflat == 3 * 8 * 8192 * 8192 * 4
     shape, run, pf, _, _ = build(["--megatron-args", fp32 + " --bf16", "--gpus", "1", "--hbm-gib", "80"])
     assert run.unfused_attention is None and "attention scores" not in plan(shape, run, pf).stages[0].rows
     a2a = te_limits.unfused_scores_bytes(micro_batch=1, heads=8, tp=1, seq_len=8192, cp=2, cp_comm=["a2a"],
                                          bytes_per_element=2)
     p2p = te_limits.unfused_scores_bytes(micro_batch=1, heads=8, tp=1, seq_len=8192, cp=2, cp_comm=["p2p"],
                                          bytes_per_element=2)
-    assert a2a == 2 * 4 * 8192 * 8192 * 2 and p2p == 2 * 8 * 4096 * 4096 * 2
+    assert a2a == 3 * 4 * 8192 * 8192 * 2 and p2p == 3 * 8 * 4096 * 4096 * 2  # bf16 through TE's fused softmax
+    # past the fused kernel's 16K keys, torch's softmax in fp32 even for bf16 data: 12 bytes an element in backward,
+    # and 4 + 2 saved (the fp32 probabilities and their bf16 cast)
+    long = dict(micro_batch=1, heads=8, tp=1, seq_len=32768, cp=1, cp_comm=["p2p"], bytes_per_element=2)
+    assert te_limits.unfused_scores_bytes(**long) == 12 * 8 * 32768 ** 2
+    assert te_limits.unfused_scores_bytes(**long, saved=True) == 6 * 8 * 32768 ** 2
+    assert te_limits.unfused_scores_bytes(**{**long, "bytes_per_element": 4}, saved=True) == 4 * 8 * 32768 ** 2
 
 
 def test_check_and_start_up_refuse_unfused_scores_that_do_not_fit(capsys, monkeypatch):

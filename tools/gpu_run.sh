@@ -23,7 +23,9 @@
 #                                   bench/results/e2e_local_reach.json
 #   time                            e2e 48K, 16K, 32K, 8K, megatron-te and peakflat-auto, 3 runs each, megatron-te in the
 #                                   configuration its search rows name -> bench/results/e2e.json (rows time,...)
-#   same-loss-fp32, same-loss-bf16  50 iterations at 8K: fp32 (TF32 off), and bf16 at lr 1e-5 -> bench/results/e2e.json
+#   same-loss-fp32, same-loss-bf16  50 iterations at 8K: fp32 (TF32 off) on the local spec (TE's layers run fp32
+#                                   through their unfused backend, whose [s, s] tensors do not fit), and bf16 at lr 1e-5
+#                                   -> bench/results/e2e.json
 #   calibration                     bench/planner_calibration.py for BUDGET seconds
 #   example, demo, mtp-release, e2e[:args], bench-<component>[:args]
 # Two GPUs of one host:
@@ -34,7 +36,8 @@
 # Output: stdout, docs/evidence/gpu_<step>.log, and $OUT/ when set (with results/, the result files after each step).
 # KEEP=<dir>: the result files survive a fresh copy of the tree on the same machine: restored from <dir> at the start
 # (they are the newer), saved there after each step, so that a resumable step goes on across invocations.
-# Environment: PYTHON (python3), BUDGET (seconds a
+# Environment: PEAKFLAT_COMMIT (the commit the rows name, where the tree here is a copy whose git metadata is another
+# commit's: pass the commit the copy was made from), PYTHON (python3), BUDGET (seconds a
 # resumable step may run, default 540), E2E_ARGS (added to every bench/e2e.py step), REACH_LENGTHS (the reach steps'
 # lengths, default 256K,512K,1M; a length that already has a row in the results file is not run again, so pass
 # E2E_ARGS="--out <new file>" to measure it anew). Wheels missing on the machine
@@ -98,7 +101,8 @@ for s in "$@"; do
             --time-seqs 48K,16K,32K,8K ;;
     time-long) e2e time_long --phases time --methods peakflat-auto --repeats 3 --time-iters 2 --timeout 420 \
                  --budget "$BUDGET" --time-seqs 384K,512K ;;
-    same-loss-fp32) e2e same_loss_fp32 --phases same-loss --dtype fp32 --same-loss-seq 8K --same-loss-iters 50 --budget "$BUDGET" ;;
+    same-loss-fp32) e2e same_loss_fp32 --phases same-loss --dtype fp32 --spec local --same-loss-seq 8K --same-loss-iters 50 \
+                      --budget "$BUDGET" ;;
     same-loss-bf16) e2e same_loss_bf16 --phases same-loss --lr 1e-5 --same-loss-seq 8K --same-loss-iters 50 --budget "$BUDGET" ;;
     calibration) step calibration $PY bench/planner_calibration.py --max-minutes $(( BUDGET / 60 )) ;;
     example)

@@ -1404,7 +1404,7 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
     scores = unfused_scores(s, run)
     # the unfused backend saves its softmax probabilities for backward, unless core attention is recomputed
     attn = attention_activations(s, run) + cp_gathered_kv(s, run, pf) + \
-        (0.0 if recomputes(run, "core_attn") else scores / 2)
+        (0.0 if recomputes(run, "core_attn") else unfused_scores(s, run, saved=True))
     tiled = tiles_attention(s, run, pf)
     # the tiled sublayer saves only its input, the layer's (checkpoint) input, which the sco row counts
     attn_pf = 0.0 if tiled else attn
@@ -1459,8 +1459,9 @@ def _activation_rows(rows: dict[str, Row], s: ModelShape, run: RunConfig, pf: Pe
     if scores:
         rows["attention scores"] = Row(
             "attention scores", scores, scores, phase="attention",
-            source="Transformer Engine's unfused attention backend: [b, heads/TP, s, s] scores and softmax of the "
-                   f"layer in backward (te_limits.unfused_scores_bytes), because {run.unfused_attention}")
+            source="Transformer Engine's unfused attention backend: [b, heads/TP, s, s] probabilities, their gradient "
+                   "and the softmax's input gradient of the layer in backward (te_limits.unfused_scores_bytes), "
+                   f"because {run.unfused_attention}")
     workspace = deterministic_workspace(s, run, pf, tiled=False) if layer_act else 0.0
     if workspace:
         rows["attention scores"] = Row(
@@ -1484,15 +1485,16 @@ def deterministic_workspace(s: ModelShape, run: RunConfig, pf: PeakflatConfig, *
                                          kv_tokens=kv)
 
 
-def unfused_scores(s: ModelShape, run: RunConfig) -> float:
-    """One layer's [b, heads/TP, s_q, s_k] scores and softmax under Transformer Engine's unfused attention
-    backend (``run.unfused_attention``); 0 where flash or fused attention runs."""
+def unfused_scores(s: ModelShape, run: RunConfig, *, saved: bool = False) -> float:
+    """One layer's [b, heads/TP, s_q, s_k] scores, probabilities and their gradients in backward under Transformer
+    Engine's unfused attention backend (``run.unfused_attention``; ``saved``: what it keeps for backward instead;
+    ``te_limits.unfused_scores_bytes``); 0 where flash or fused attention runs."""
     if not run.unfused_attention:
         return 0.0
     from .te_limits import unfused_scores_bytes
 
     return unfused_scores_bytes(micro_batch=run.micro_batch, heads=s.heads, tp=run.tp, seq_len=run.seq_len,
-                                cp=run.cp, cp_comm=list(run.cp_comm_type), bytes_per_element=run.w)
+                                cp=run.cp, cp_comm=list(run.cp_comm_type), bytes_per_element=run.w, saved=saved)
 
 
 def _boundary_rows(rows: dict[str, Row], notes: list[str], s: ModelShape, run: RunConfig, pf: PeakflatConfig,

@@ -265,19 +265,49 @@ def attention_call_shape(*, heads: int, seq_len: int, cp: int, cp_comm: Any) -> 
     return heads, seq_len / cp, seq_len / cp
 
 
+SOFTMAX_KERNEL_MAX_KEYS = 16384
+"""TE's fused masked softmax (``FusedScaleMaskSoftmax.is_kernel_available``) takes fewer keys than this."""
+
+
+def fused_softmax_runs(*, micro_batch: int, heads: float, q: float, k: float, bytes_per_element: int) -> bool:
+    """Whether TE's unfused backend runs its fused masked-softmax kernel (``is_kernel_available``, causal self-
+    attention): fp16/bf16 data, 16 < s_k < 16384 keys, a multiple of 8, as many queries as keys, s_q and b x heads
+    multiples of 4, s_q a multiple of the kernel's batches per block. Otherwise it runs torch's softmax in fp32."""
+    q, k, batches = int(q), int(k), int(micro_batch * heads)
+    if bytes_per_element != 2 or not 16 < k < SOFTMAX_KERNEL_MAX_KEYS or k % 8 or q != k or q % 4 or batches % 4:
+        return False
+    pow2 = 1 << (k - 1).bit_length()
+    warp = min(pow2, 32)
+    return q % ((128 // warp) * (2 if pow2 <= 128 else 1)) == 0
+
+
 def unfused_scores_bytes(*, micro_batch: int, heads: int, tp: int, seq_len: int, cp: int, cp_comm: Any,
-                         bytes_per_element: int) -> float:
-    """What the unfused backend holds for one layer's attention: the [b, heads / TP, s_q, s_k] scores and the
-    softmax probabilities saved for backward, for the call ``attention_call_shape`` gives."""
+                         bytes_per_element: int, saved: bool = False) -> float:
+    """What TE's unfused backend (``UnfusedDotProductAttention``) holds for one layer's attention call
+    (``attention_call_shape``), per element of its [b, heads / TP, s_q, s_k] scores, from its code path:
+
+    - torch's softmax in fp32 (fp32 data, or past the fused kernel's limits, ``fused_softmax_runs``): the scores
+      (cast to fp32 where the data is half) and the fp32 probabilities in forward; it saves the fp32 probabilities
+      (and their cast to the data's dtype for the value GEMM); in backward the saved probabilities, their gradient
+      and the softmax's input gradient are alive together: 3 fp32 elements (12 bytes), in half data too;
+    - the fused kernel (half data): probabilities saved in the data's dtype; in backward the probabilities, their
+      gradient and the kernel's input gradient: 3 elements of the data's dtype.
+
+    ``saved``: what a layer keeps from forward to backward (where its core attention is not recomputed) instead
+    of the backward's peak."""
     h, q, k = attention_call_shape(heads=heads, seq_len=seq_len, cp=cp, cp_comm=cp_comm)
-    return 2 * micro_batch * h / tp * q * k * bytes_per_element
+    elements = micro_batch * h / tp * q * k
+    w = bytes_per_element
+    if fused_softmax_runs(micro_batch=micro_batch, heads=h / tp, q=q, k=k, bytes_per_element=w):
+        return elements * (w if saved else 3 * w)
+    return elements * ((4 + (w if w != 4 else 0)) if saved else 3 * 4)
 
 
 def unfused_refusal(condition: str, scores: float, hbm_bytes: float) -> PeakflatConfigError:
     """The start-up error where the unfused backend's scores do not fit: the backend and the condition to change."""
     return PeakflatConfigError(
         "--transformer-impl", "transformer_engine",
-        f"{UNFUSED_BACKEND} runs this line and holds its [b, heads/TP, s, s] scores and softmax: "
+        f"{UNFUSED_BACKEND} runs this line and holds [b, heads/TP, s, s] scores, softmax and their gradients: "
         f"{format_bytes(scores)} per layer, and the run's plan with them does not fit {format_bytes(hbm_bytes)}",
         f"change what sends it there: {condition}")
 
