@@ -1019,7 +1019,7 @@ def test_etp_defaults_to_tp_and_pipelinedllep_is_left_off_where_it_cannot_run():
     assert run.etp == 1 and "dispatch" not in blockers(shape, run) and pf.dispatch.impl == "pipelined-llep"
     assert recommend(shape, run, pf).config.dispatch.impl == "pipelined-llep"
     _, run, _, _, _ = build(["--megatron-args", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
-                             "--num-experts 8 --tensor-model-parallel-size 2", "--gpus", "2"])
+                             "--num-experts 8 --tensor-model-parallel-size 2 --sequence-parallel", "--gpus", "2"])
     assert run.etp == 2
 
 

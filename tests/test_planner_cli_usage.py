@@ -192,7 +192,7 @@ def test_without_gpus_the_world_is_the_smallest_the_lines_layout_takes(layout, g
     from megatron_peakflat.planner.megatron_args import megatron_parser
 
     line = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 8 --num-experts 8 --moe-router-topk 2 "
-            "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --bf16 " + layout)
+            "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --bf16 --sequence-parallel " + layout)
     _, run, _, _, _ = build(["--megatron-args", line])
     assert run.tp * run.pp * run.cp * run.dp == gpus == _smallest_world(megatron_parser().parse_known_args(line.split())[0])
 
@@ -304,3 +304,22 @@ def test_heads_that_do_not_divide_the_hidden_size_are_refused_without_kv_channel
     assert main(["--megatron-args", line, "--gpus", "1"]) == 2
     assert "--num-attention-heads=7: does not divide --hidden-size 1024" in capsys.readouterr().err
     assert main(["--megatron-args", line + " --kv-channels 128", "--gpus", "1"]) == 0
+
+
+def test_sequence_parallelism_is_the_lines_own_and_megatrons_moe_refusal_without_it_is_the_planners():
+    """A Megatron line at TP > 1 runs sequence parallelism only where it says --sequence-parallel (Megatron's default
+    is off): without it each TP rank holds every token's activations, and a MoE line is refused as Megatron's MoE
+    layer refuses it at its first training step."""
+    dense = ("--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 14336 --seq-length 131072 "
+             "--max-position-embeddings 131072 --micro-batch-size 1 --bf16 --vocab-size 32000 "
+             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+             "--tensor-model-parallel-size 4")
+    _, off, _, _, _ = build(["--megatron-args", dense, "--gpus", "4"])
+    _, on, _, _, _ = build(["--megatron-args", dense + " --sequence-parallel", "--gpus", "4"])
+    assert not off.sp and on.sp and off.layer_rows == 4 * on.layer_rows
+    moe = dense + " --num-experts 8 --moe-router-topk 2"
+    assert main(["--megatron-args", moe, "--gpus", "4"]) == 2
+    with pytest.raises(Exception) as e:
+        build(["--megatron-args", moe, "--gpus", "4"])
+    assert "add --sequence-parallel" in str(e.value) and "--tensor-model-parallel-size" in str(e.value)
+    assert main(["--megatron-args", moe + " --sequence-parallel", "--gpus", "4"]) in (0, 3)

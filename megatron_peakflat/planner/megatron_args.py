@@ -312,8 +312,15 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
         out["recompute"] = "none"  # a Megatron command line without --recompute-granularity recomputes nothing
     if getattr(ns, "recompute_modules", None) is not None:
         out["recompute_modules"] = tuple(ns.recompute_modules)
+    tp = getattr(ns, "tensor_model_parallel_size", None) or 1
     if getattr(ns, "sequence_parallel", None):
         out["sequence_parallel"] = True
+    elif command_line and tp > 1:  # Megatron's default: off, so each TP rank holds every token's activations
+        out["sequence_parallel"] = False
+        if getattr(ns, "num_experts", None):  # MoELayer.forward raises in training
+            raise PeakflatConfigError("--tensor-model-parallel-size", tp, "with --num-experts, Megatron's MoE layer "
+                                      "refuses to train at tensor parallelism above 1 without sequence parallelism "
+                                      "(MoELayer.forward raises at the first step)", "add --sequence-parallel")
     longest, seq = getattr(ns, "max_position_embeddings", None), getattr(ns, "seq_length", None)
     if longest is not None and seq is not None and longest < seq:  # Megatron's validate_args asserts it
         raise PeakflatConfigError("--max-position-embeddings", longest, f"is below --seq-length {seq}, which "
