@@ -241,9 +241,12 @@ def test_check_and_start_up_refuse_unfused_scores_that_do_not_fit(capsys, monkey
     line = ("--num-layers 2 --hidden-size 512 --num-attention-heads 8 --seq-length 32768 --max-position-embeddings "
             "32768 --micro-batch-size 1 --vocab-size 32000 --lr 1e-4 --train-iters 10 "
             "--no-create-attention-mask-in-dataloader --peakflat-vocab ring-dtp").split()
-    assert check.main([*line, "--gpus", "1", "--hbm-gib", "40", "--host-gib", "2048"]) == check.REFUSED
+    # does not fit (3), with the error naming what sends it past the GPU; the same status with auto
+    assert check.main([*line, "--gpus", "1", "--hbm-gib", "40", "--host-gib", "2048"]) == check.DOES_NOT_FIT
     err = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: "))
     assert "unfused attention backend" in err and "add --bf16" in err
+    assert check.main([*line, "--gpus", "1", "--hbm-gib", "40", "--host-gib", "2048", "--peakflat", "auto"]) \
+        == check.DOES_NOT_FIT
     assert check.main([*line, "--bf16", "--gpus", "1", "--hbm-gib", "40", "--host-gib", "2048"]) == 0
     _start_up_refuses_then_admits(monkeypatch, line, 40, "unfused attention backend", bf16=True)
 
@@ -331,7 +334,7 @@ def test_auto_check_and_start_up_refuse_a_deterministic_workspace_that_does_not_
             host_bytes_per_node=2048 * GIB)  # the same line without it fits
 
     opts = ["--gpus", "1", "--hbm-gib", "80", "--host-gib", "2048"]
-    assert check.main([*line, "--peakflat-vocab", "ring-dtp", "--deterministic-mode", *opts]) == check.REFUSED
+    assert check.main([*line, "--peakflat-vocab", "ring-dtp", "--deterministic-mode", *opts]) == check.DOES_NOT_FIT
     err = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: "))
     assert "--deterministic-mode" in err and "drop --deterministic-mode" in err
     # at 64K the tiled sublayer's calls (a tile against its prefix) fit: the line does not, the recommendation does

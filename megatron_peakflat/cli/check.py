@@ -408,7 +408,7 @@ def check_command_line(argv: Sequence[str]) -> int:
     if not fits and not rec.fits and any("attention scores" in st.rows for st in mine.stages):
         scores = max(st.rows["attention scores"].peakflat for st in mine.stages if "attention scores" in st.rows)
         print(f"error: {te_limits.scores_refusal(run, scores)}", file=sys.stderr)
-        return REFUSED
+        return DOES_NOT_FIT  # the line does not fit; the error names what sends it past the GPU
     print()
     print(f"this command line ({', '.join(on) or 'no component'} on): {expected / _GIB:.1f} GiB per GPU expected, "
           f"{bound / _GIB:.1f} GiB whatever the routing, of {run.hbm_bytes / _GIB:.0f} GiB; {host / _GIB:.1f} GiB "
