@@ -142,3 +142,29 @@ def test_pretraining_exits_3_where_auto_finds_nothing_that_fits(monkeypatch, cap
         pretrain.main([*CHECK_MODEL, "--peakflat", "auto"])
     assert e.value.code == 3
     assert "nothing fits" in capsys.readouterr().err
+
+
+def test_under_fp16_an_offloaded_optimizer_is_recommended_with_fp32_gradients_and_the_line_passes_the_check():
+    """Megatron's gradient clipping refuses fp16 gradients from an offloaded optimizer, and peakflat's start-up says
+    so: under --fp16 the recommendation adds --accumulate-allreduce-grads-in-fp32 and plans fp32 gradients, so
+    that the line it completes passes peakflat-check (it recommended the offload alone, which the check refused)."""
+    import shlex
+
+    from megatron_peakflat.cli import check
+    from megatron_peakflat.planner.recommend import recommend
+
+    line = ("--num-layers 16 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 "
+            "--num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 6400 --ffn-hidden-size 6400 --vocab-size 32064 "
+            "--untie-embeddings-and-output-weights --normalization LayerNorm --mock-data --tokenizer-type NullTokenizer "
+            "--hidden-dropout 0 --attention-dropout 0 --disable-bias-linear --moe-token-dispatcher-type alltoall "
+            "--use-distributed-optimizer --position-embedding-type rope --swiglu --fp16 --seq-length 32768 "
+            "--max-position-embeddings 32768 --micro-batch-size 1 --expert-model-parallel-size 4 "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    machine = ["--gpus", "4", "--hbm-gib", "80", "--host-gib", "2048"]
+    shape, run, pf, ns, _ = build(["--megatron-args", line, *machine, "--layout", "given"])
+    rec = recommend(shape, run, pf, ns.megatron_namespace)
+    assert rec.fits and rec.config.optimizer.impl == "offload-stream"
+    assert "--accumulate-allreduce-grads-in-fp32" in rec.flags and rec.plan.run.grads_fp32
+    assert check.main([*shlex.split(line), *rec.layout_flags, *rec.flags, *machine]) == 0
+    assert check.main([*shlex.split(line), *rec.layout_flags,
+                       *[f for f in rec.flags if f != "--accumulate-allreduce-grads-in-fp32"], *machine]) == check.REFUSED

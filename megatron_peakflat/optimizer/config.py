@@ -107,8 +107,18 @@ def _check_offload_stream_megatron_knobs(flag: str, impl: str, args: Any) -> Non
                                       f"it keeps fp32 master weights and moments ({name} is {_get(args, dest)})",
                                       f"drop {name}, or drop {flag}")
     clip = _get(args, "clip_grad", 1.0)
-    if _get(args, "fp16") and not _get(args, "accumulate_allreduce_grads_in_fp32") and clip:
+    if fp16_grads_clipped(bool(_get(args, "fp16")), bool(_get(args, "accumulate_allreduce_grads_in_fp32")), clip):
         raise PeakflatConfigError(flag, impl,
                                   f"with --fp16 Megatron keeps fp16 gradients, and its gradient clipping (--clip-grad "
                                   f"{clip}) refuses fp16 gradients of an offloaded optimizer at the first step",
                                   "add --accumulate-allreduce-grads-in-fp32, or train with --bf16 (or --clip-grad 0)")
+
+
+FP32_GRADS_FLAG = "--accumulate-allreduce-grads-in-fp32"
+
+
+def fp16_grads_clipped(fp16: bool, grads_fp32: bool, clip_grad: float | None) -> bool:
+    """Whether an offloaded optimizer would meet fp16 gradients in Megatron's gradient clipping, which refuses them
+    at the first step: --fp16 without ``FP32_GRADS_FLAG`` and with clipping on. The start-up check refuses such a
+    line, and the planner's recommendation adds the flag (and plans fp32 gradients) instead."""
+    return fp16 and not grads_fp32 and bool(clip_grad)

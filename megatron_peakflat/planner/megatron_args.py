@@ -66,6 +66,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false", default=None)  # no term
     p.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default=None)
     p.add_argument("--optimizer-offload-fraction", type=float, default=None)
+    p.add_argument("--clip-grad", type=float, default=None)  # whether an offloaded step under fp16 needs fp32 grads
     p.add_argument("--rotary-percent", type=float, default=None)  # torch RoPE's tables (te_limits.torch_rope_dim)
     for name in ("tokenizer-type", "tokenizer-model", "vocab-file", "merge-file"):  # they set the vocabulary
         p.add_argument("--" + name, default=None)
@@ -265,7 +266,7 @@ RUN_FIELDS: dict[str, str] = {
     "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
     "expert_model_parallel_size": "ep", "context_parallel_size": "cp", "expert_tensor_parallel_size": "etp",
     "recompute_method": "recompute_method", "recompute_num_layers": "recompute_num_layers",
-    "optimizer_offload_fraction": "optimizer_offload_fraction",
+    "optimizer_offload_fraction": "optimizer_offload_fraction", "clip_grad": "clip_grad",
     "decoder_first_pipeline_num_layers": "first_stage_layers", "decoder_last_pipeline_num_layers": "last_stage_layers",
     "account_for_embedding_in_pipeline_split": "embedding_in_split",
     "account_for_loss_in_pipeline_split": "loss_in_split", "make_vocab_size_divisible_by": "vocab_divisible_by",

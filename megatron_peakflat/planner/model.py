@@ -100,6 +100,8 @@ class RunConfig:
     """--accumulate-allreduce-grads-in-fp32 (grad buffer in fp32). None: Megatron's default, which is fp32 for
     bf16 training (megatron/training/arguments.py turns the flag on unless --grad-reduce-in-bf16 or
     --main-grads-dtype bf16) and the parameters' dtype otherwise."""
+    clip_grad: float = 1.0
+    """--clip-grad (Megatron's default 1.0; 0 turns clipping off)."""
     optimizer_offload_fraction: float = 0.0
     """--optimizer-cpu-offload with --optimizer-offload-fraction (Megatron's HybridDeviceOptimizer)."""
     cross_entropy_fusion: bool = False

@@ -21,7 +21,7 @@ from ..config import PeakflatConfig
 from ..config_base import PeakflatConfigError, flag_name, format_bytes, shown_default
 from ..integration import compat
 from ..dispatch.config import DispatchConfig
-from ..optimizer.config import OptimizerConfig
+from ..optimizer.config import FP32_GRADS_FLAG, OptimizerConfig, fp16_grads_clipped
 from ..sco.config import SCOConfig
 from ..tile.config import TileConfig
 from ..vocab.config import VocabConfig
@@ -406,8 +406,12 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
     tile_cfg = dataclasses.replace(base.tile, enabled=tile and "tile" not in blocked)
     cfg = PeakflatConfig(dispatch=disp, vocab=voc, sco=sco_cfg, optimizer=opt, tile=tile_cfg, general=base.general)
     asked = run
+    extra: list[str] = []
     if optimizer:  # its flags (OptimizerConfig.MEGATRON_FLAGS) make Megatron's optimizer the distributed one
         run = dataclasses.replace(run, distributed_optimizer=True)
+        if fp16_grads_clipped(run.precision == "fp16", bool(run.grads_fp32), run.clip_grad):
+            run = dataclasses.replace(run, grads_fp32=True)
+            extra = [FP32_GRADS_FLAG]
 
     probe = plan(shape, run, cfg)
     opt_host = max(s.rows["optimizer"].host_peakflat for s in probe.stages) if optimizer else 0.0
@@ -425,6 +429,10 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
         opt_host = 0.0
     if cfg.optimizer.impl == "megatron":  # on the GPU: not Megatron's own CPU offload either
         run = dataclasses.replace(asked, optimizer_offload_fraction=0.0)
+        extra = []
+    elif extra:
+        reasons.append(f"{FP32_GRADS_FLAG}: under --fp16 Megatron keeps fp16 gradients, which its gradient clipping "
+                       "refuses from an offloaded optimizer; planned with fp32 gradients")
     if cfg.sco.enabled:
         need = max(s.rows["sco"].baseline for s in probe.stages)
         avail = max(0.0, run.host_bytes_per_rank - opt_host)
@@ -434,7 +442,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
     for _ in range(64):
         p = plan(shape, run, cfg)
         if p.fits("peakflat", guaranteed=True):
-            return Recommendation(True, cfg, p, _flags(cfg, p), reasons, layout_flags(p.run))
+            return Recommendation(True, cfg, p, _flags(cfg, p) + extra, reasons, layout_flags(p.run))
         st = max(p.stages, key=lambda x: x.total("peakflat", guaranteed=True))
         live = st.live_phases("peakflat", guaranteed=True)
         candidates = []
@@ -465,4 +473,4 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
         else:
             cfg.optimizer = dataclasses.replace(cfg.optimizer, slots=2)
     p = plan(shape, run, cfg)
-    return Recommendation(False, cfg, p, _flags(cfg, p), reasons + _why(p), layout_flags(p.run))
+    return Recommendation(False, cfg, p, _flags(cfg, p) + extra, reasons + _why(p), layout_flags(p.run))
