@@ -196,7 +196,7 @@ def predict(flags: list[str], machine: Machine, added: list[str] | None = None) 
         added = list(choice.added) if added is None else added
         final = planner_argv(flags, gpus=1, gpus_per_node=1, hbm_bytes=machine.hbm_bytes,
                              host_bytes_per_node=machine.host_bytes)
-        final = [*shlex.split(final[1]), *added]  # planner_argv: ["--megatron-args", the line without auto, ...]
+        final = [*shlex.split(final[0].split("=", 1)[1]), *added]  # planner_argv: ["--megatron-args=<line>", ...]
     shape, run, _, _, _ = build(planner_argv(final, gpus=1, gpus_per_node=1, hbm_bytes=machine.hbm_bytes,
                                              host_bytes_per_node=machine.host_bytes))
     run = dataclasses.replace(run, sm_count=machine.sm_count)

@@ -195,7 +195,8 @@ def planner_argv(argv: Sequence[str], *, gpus: int, gpus_per_node: int, hbm_byte
                  host_bytes_per_node: int) -> list[str]:
     """The arguments of ``python -m megatron_peakflat.plan`` that plan this Megatron command line on this machine,
     in the parallel layout the line runs (``--layout given``: Megatron's sizes where it sets none)."""
-    return ["--megatron-args", shlex.join(_without_auto(argv)), "--gpus", str(gpus),
+    # one argument, so that a line that is a single flag ('--bf16') is not read as a planner flag
+    return [f"--megatron-args={shlex.join(_without_auto(argv))}", "--gpus", str(gpus),
             "--gpus-per-node", str(gpus_per_node), "--hbm-gib", repr(hbm_bytes / 2**30),
             "--host-gib", repr(host_bytes_per_node / 2**30), "--layout", "given"]
 

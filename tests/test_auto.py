@@ -50,8 +50,9 @@ def test_the_choice_is_what_the_planner_cli_recommends_for_that_line(capsys, lin
     given = {a for a in argv if a.startswith("--")}
     assert not {g[0] for g in _groups(choice.added)} & given
     # the planner read the line as written: its --megatron-args is the line without --peakflat auto
-    assert shlex.split(choice.planner_args[1]) == shlex.split(line)
-    assert choice.planner_args[2:] == ["--gpus", "1", "--gpus-per-node", "1", "--hbm-gib", "79.0", "--host-gib", "128.0",
+    assert choice.planner_args[0].startswith("--megatron-args=")
+    assert shlex.split(choice.planner_args[0].split("=", 1)[1]) == shlex.split(line)
+    assert choice.planner_args[1:] == ["--gpus", "1", "--gpus-per-node", "1", "--hbm-gib", "79.0", "--host-gib", "128.0",
                                        "--layout", "given"]
 
 

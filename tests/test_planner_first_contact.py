@@ -168,3 +168,44 @@ def test_under_fp16_an_offloaded_optimizer_is_recommended_with_fp32_gradients_an
     assert check.main([*shlex.split(line), *rec.layout_flags, *rec.flags, *machine]) == 0
     assert check.main([*shlex.split(line), *rec.layout_flags,
                        *[f for f in rec.flags if f != "--accumulate-allreduce-grads-in-fp32"], *machine]) == check.REFUSED
+
+
+NEMO = ("--num-layers 40 --hidden-size 5120 --num-attention-heads 32 --group-query-attention --num-query-groups 8 "
+        "--kv-channels 128 --ffn-hidden-size 14336 --swiglu --normalization RMSNorm --position-embedding-type rope "
+        "--disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 131072 --bf16 "
+        "--use-distributed-optimizer --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+        "--hidden-dropout 0 --attention-dropout 0 --no-create-attention-mask-in-dataloader --lr 1e-4 --train-iters 10 "
+        "--mock-data --tokenizer-type NullTokenizer --tensor-model-parallel-size 4 --sequence-parallel "
+        "--max-position-embeddings 1048576")
+
+
+def test_the_check_plans_what_megatron_validated_and_speaks_the_lines_words(capsys):
+    """--encoder-seq-length is the sequence length where --seq-length is absent (Megatron's validate_args), so the
+    check plans that length (it planned 4,096 and said 'fits'); a planner error names the line's flag, not the
+    planner's (--tp); a flag Megatron's bare assert needs is named as the fix."""
+    from megatron_peakflat.cli import check
+
+    machine = ["--gpus", "64", "--hbm-gib", "80", "--host-gib", "2048"]
+    long = [*NEMO.split(), "--micro-batch-size", "1", "--context-parallel-size", "4"]
+    enc = check.main([*long, "--encoder-seq-length", "1048576", *machine])
+    out = capsys.readouterr().out
+    assert "seq 1,048,576" in out
+    assert enc == check.main([*long, "--seq-length", "1048576", *machine]) == check.DOES_NOT_FIT
+    capsys.readouterr()
+    assert check.main([*NEMO.split(), "--micro-batch-size", "1", "--seq-length", "4096", "--num-query-groups", "3",
+                       *machine]) == check.REFUSED
+    err = capsys.readouterr().err
+    assert "--tensor-model-parallel-size=4" in err and "--tp" not in err.replace("--tp-", "")
+    assert check.main([*NEMO.split(), "--seq-length", "4096", *machine]) == check.REFUSED
+    assert "Fix: pass --micro-batch-size" in capsys.readouterr().err
+
+
+def test_auto_reads_a_line_of_one_flag_as_the_line():
+    """A line that is a single flag reaches the planner as the line (it was read as a planner flag, and argparse
+    exited the caller); it is refused for naming no model, as any line without one."""
+    from megatron_peakflat.auto import resolve
+    from megatron_peakflat.config_base import PeakflatConfigError
+
+    with pytest.raises(PeakflatConfigError, match="names no --hidden-size"):
+        resolve(["--bf16", "--peakflat", "auto"], gpus=8, gpus_per_node=8, hbm_bytes=80 * 2**30,
+                host_bytes_per_node=2**40)

@@ -29,6 +29,7 @@ import io
 import math
 import os
 import platform
+import re
 import shlex
 import sys
 import traceback
@@ -326,13 +327,17 @@ def _said(e: BaseException) -> str:
     if not frames:
         return "(no message)"
     last = frames[-1]
-    return f"{(last.line or '').strip()} ({Path(last.filename).name}:{last.lineno})"
+    line = (last.line or "").strip()
+    missing = re.fullmatch(r"assert args\.(\w+) is not None", line)
+    fix = f". Fix: pass --{missing.group(1).replace('_', '-')}" if missing else ""  # a flag Megatron needs given
+    return f"{line} ({Path(last.filename).name}:{last.lineno}){fix}"
 
 
 def check_command_line(argv: Sequence[str]) -> int:
     """Check a training command line without a GPU; prints the planner's table and the verdict; returns the
     exit status (0 fits, ``REFUSED``, ``DOES_NOT_FIT``)."""
     from ..planner.build import build
+    from ..planner.megatron_args import in_training_words
     from ..planner.model import plan
     from ..planner.recommend import recommend
     from ..planner.report import render
@@ -383,7 +388,7 @@ def check_command_line(argv: Sequence[str]) -> int:
     print(f"peakflat flags: accepted; components on: {', '.join(on) or alone}")
     for line in notes:
         print(f"note: {line}")
-    planner = ["--megatron-args", shlex.join(flags), "--gpus", str(world), "--layout", "given"]
+    planner = [f"--megatron-args={shlex.join(flags)}", "--gpus", str(world), "--layout", "given"]
     for flag, value in (("--gpus-per-node", own.gpus_per_node), ("--hbm-gib", own.hbm_gib),
                         ("--host-gib", own.host_gib)):
         if value is not None:
@@ -395,8 +400,8 @@ def check_command_line(argv: Sequence[str]) -> int:
             raise refusal
         pl_all = plan(shape, run, pf_all)
         rec = recommend(shape, run, pf_all, ns.megatron_namespace)
-    except PeakflatConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except PeakflatConfigError as e:  # in the line's words: the planner's --tp is the line's TP flag
+        print(f"error: {in_training_words(e, extra={'--gpus': 'the world size'})}", file=sys.stderr)
         return REFUSED
     print()
     print(render(pl_all, rec))

@@ -66,6 +66,9 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false", default=None)  # no term
     p.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default=None)
     p.add_argument("--optimizer-offload-fraction", type=float, default=None)
+    # Megatron's validate_args takes --encoder-seq-length as the sequence length where --seq-length is absent
+    p.add_argument("--encoder-seq-length", dest="seq_length", type=_at_least(1), default=None)
+    p.add_argument("--decoder-seq-length", type=int, default=None)  # an encoder-decoder's decoder: no GPT term
     p.add_argument("--clip-grad", type=float, default=None)  # whether an offloaded step under fp16 needs fp32 grads
     p.add_argument("--rotary-percent", type=float, default=None)  # torch RoPE's tables (te_limits.torch_rope_dim)
     for name in ("tokenizer-type", "tokenizer-model", "vocab-file", "merge-file"):  # they set the vocabulary
