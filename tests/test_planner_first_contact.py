@@ -209,3 +209,23 @@ def test_auto_reads_a_line_of_one_flag_as_the_line():
     with pytest.raises(PeakflatConfigError, match="names no --hidden-size"):
         resolve(["--bf16", "--peakflat", "auto"], gpus=8, gpus_per_node=8, hbm_bytes=80 * 2**30,
                 host_bytes_per_node=2**40)
+
+
+def test_a_flag_that_changes_memory_and_is_not_modelled_is_named_so(capsys):
+    """Megatron flags that change memory but that the planner does not model are named with what the plan assumes,
+    by the planner and the check, not listed as flags 'taken as not changing memory'; a flag at the value planned
+    is not named."""
+    from megatron_peakflat.cli import check
+    from megatron_peakflat.cli.plan import main
+
+    extra = " --optimizer sgd --exp-avg-dtype bf16 --exp-avg-sq-dtype fp32 --num-distributed-optimizer-instances 2"
+    line = NEMO + " --micro-batch-size 1 --seq-length 8192" + extra
+    main(["--megatron-args", line, "--gpus", "8"])
+    out = capsys.readouterr().out
+    warned = [ln for ln in out.splitlines() if ln.startswith("warning: not modelled, ")]
+    assert [w.split(",", 1)[1].split(":")[0].strip() for w in warned] == [
+        "--optimizer sgd", "--exp-avg-dtype bf16", "--num-distributed-optimizer-instances 2"]
+    unread = next(ln for ln in out.splitlines() if "taken as not changing memory" in ln)
+    assert "--optimizer" not in unread and "--exp-avg-dtype" not in unread and "--num-distributed" not in unread
+    check.main([*line.split(), "--gpus", "8", "--hbm-gib", "80", "--host-gib", "2048"])
+    assert sum(ln.startswith("warning: not modelled, ") for ln in capsys.readouterr().out.splitlines()) == 3

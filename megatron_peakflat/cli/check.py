@@ -337,7 +337,7 @@ def check_command_line(argv: Sequence[str]) -> int:
     """Check a training command line without a GPU; prints the planner's table and the verdict; returns the
     exit status (0 fits, ``REFUSED``, ``DOES_NOT_FIT``)."""
     from ..planner.build import build
-    from ..planner.megatron_args import in_training_words
+    from ..planner.megatron_args import in_training_words, unmodelled
     from ..planner.model import plan
     from ..planner.recommend import recommend
     from ..planner.report import render
@@ -388,6 +388,8 @@ def check_command_line(argv: Sequence[str]) -> int:
     print(f"peakflat flags: accepted; components on: {', '.join(on) or alone}")
     for line in notes:
         print(f"note: {line}")
+    for line in unmodelled(flags):
+        print(f"warning: not modelled, {line}")
     planner = [f"--megatron-args={shlex.join(flags)}", "--gpus", str(world), "--layout", "given"]
     for flag, value in (("--gpus-per-node", own.gpus_per_node), ("--hbm-gib", own.hbm_gib),
                         ("--host-gib", own.host_gib)):

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from typing import Sequence
 
 from ..config_base import PeakflatConfigError
 from ..planner import te_limits
 from ..planner.build import build
-from ..planner.megatron_args import in_training_words, is_command_line
+from ..planner.megatron_args import in_training_words, is_command_line, unmodelled
 from ..planner.model import plan
 from ..planner.recommend import recommend
 from ..planner.report import plot, plot_available, render, to_json
@@ -86,12 +87,19 @@ def _main(argv: Sequence[str] | None, status: list[int]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     status[0] = 0 if rec.fits else NOTHING_FITS
+    line = shlex.split(ns.megatron_args) if ns.megatron_args else []
+    not_modelled = unmodelled(line)
+    named = {n.split(":")[0].split()[0] for n in not_modelled}
+    ignored = [f for f in ignored if f.split("=")[0] not in named]
     if ns.json:
         doc = to_json(pl, rec)
         doc["ignored_megatron_flags"] = ignored
+        doc["unmodelled_megatron_flags"] = not_modelled
         print(json.dumps(doc, indent=2))
     else:
         print(render(pl, rec))
+        for note in not_modelled:
+            print(f"warning: not modelled, {note}")
         if ignored:
             print(f"(Megatron flags the planner does not read, taken as not changing memory: {' '.join(ignored)})")
     if ns.plot:

@@ -22,7 +22,7 @@ from .tokenizer import vocab_from_flags
 
 __all__ = ["megatron_parser", "parse_megatron_args", "shape_from_namespace", "run_fields_from_namespace",
            "fused_adam_importable", "layout_stage_layers", "is_command_line", "MEGATRON_DEFAULTS", "RUN_FIELDS",
-           "in_training_words", "training_flag_names",
+           "in_training_words", "training_flag_names", "UNMODELLED", "unmodelled",
            "PRESET_MARK"]
 
 
@@ -141,6 +141,38 @@ class MissingModelFlags(PeakflatConfigError):
         self.missing = missing
         super().__init__("--megatron-args", " ".join(missing), "these model flags are missing and no --preset "
                          "supplies them", "pass them in --megatron-args or add --preset NAME")
+
+
+UNMODELLED: dict[str, tuple[str | None, str]] = {
+    "--optimizer": ("adam", "an optimizer other than Adam: its state is planned as Adam's (12 bytes per parameter "
+                            "with fp32 master weights)"),
+    "--exp-avg-dtype": ("fp32", "Adam's first moment in another dtype: planned in fp32"),
+    "--exp-avg-sq-dtype": ("fp32", "Adam's second moment in another dtype: planned in fp32"),
+    "--main-params-dtype": ("fp32", "master weights in another dtype: planned in fp32"),
+    "--use-megatron-fsdp": (None, "parameters and gradients sharded over data parallelism: planned whole on each "
+                                  "rank (an over-plan)"),
+    "--use-torch-fsdp2": (None, "parameters and gradients sharded over data parallelism: planned whole on each rank "
+                                "(an over-plan)"),
+    "--num-distributed-optimizer-instances": ("1", "the optimizer state sharded over a part of the data-parallel "
+                                                   "group: planned over all of it (an under-plan)"),
+}
+"""Megatron flags that change memory and that the planner does not model, each with the value it plans (None: a
+switch, planned off) and what that means; a line that sets one is told so, not that the flag changes nothing."""
+
+
+def unmodelled(line: Sequence[str]) -> list[str]:
+    """'flag value: what the plan assumes' for each flag of ``UNMODELLED`` that the command line ``line`` (its
+    tokens) sets to a value other than the one planned."""
+    out = []
+    for i, token in enumerate(line):
+        flag, _, inline = token.partition("=")
+        if flag not in UNMODELLED:
+            continue
+        planned, what = UNMODELLED[flag]
+        value = inline or (line[i + 1] if planned is not None and i + 1 < len(line) else "")
+        if planned is None or value != planned:
+            out.append(f"{flag}{' ' + value if value else ''}: {what}")
+    return out
 
 
 TYPO_CUTOFF = 0.9
