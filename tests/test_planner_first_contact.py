@@ -229,3 +229,23 @@ def test_a_flag_that_changes_memory_and_is_not_modelled_is_named_so(capsys):
     assert "--optimizer" not in unread and "--exp-avg-dtype" not in unread and "--num-distributed" not in unread
     check.main([*line.split(), "--gpus", "8", "--hbm-gib", "80", "--host-gib", "2048"])
     assert sum(ln.startswith("warning: not modelled, ") for ln in capsys.readouterr().out.splitlines()) == 3
+
+
+@pytest.mark.parametrize("extra, named", [
+    ("--optimizer sgd", "pass --optimizer adam"),
+    ("--use-precision-aware-optimizer --exp-avg-dtype bf16", "drop --exp-avg-dtype"),
+])
+def test_offloadstreamadamw_is_never_recommended_where_its_start_up_refuses_the_line(extra, named):
+    """A line with another optimizer or other Adam state dtypes: start-up refuses OffloadStreamAdamW there, so
+    neither the 'peakflat' column nor a recommendation turns it on, and the reason names the fix."""
+    from megatron_peakflat.planner.recommend import blockers, recommend
+
+    line = NEMO + " --micro-batch-size 1 --seq-length 65536 " + extra
+    shape, run, pf, ns, _ = build(["--megatron-args", line, "--gpus", "4", "--hbm-gib", "40", "--host-gib", "2048"])
+    assert named in blockers(shape, run, ns.megatron_namespace)["optimizer"] and pf.optimizer.impl == "megatron"
+    rec = recommend(shape, run, pf, ns.megatron_namespace)
+    assert rec.config.optimizer.impl == "megatron" and "--peakflat-optimizer" not in rec.flags
+    assert any(r.startswith("OffloadStreamAdamW left off") and named in r for r in rec.reasons), rec.reasons
+    plain = NEMO + " --micro-batch-size 1 --seq-length 65536"
+    shape, run, pf, ns, _ = build(["--megatron-args", plain, "--gpus", "4", "--hbm-gib", "40", "--host-gib", "2048"])
+    assert "optimizer" not in blockers(shape, run, ns.megatron_namespace) and pf.optimizer.impl == "offload-stream"

@@ -323,6 +323,6 @@ def _all_on(pf: PeakflatConfig, shape: ModelShape, run: RunConfig, megatron_args
         dispatch=pf.dispatch if "dispatch" in off else dataclasses.replace(pf.dispatch, impl="pipelined-llep"),
         vocab=pf.vocab if "vocab" in off else dataclasses.replace(pf.vocab, impl="ring-dtp"),
         sco=dataclasses.replace(pf.sco, enabled="sco" not in off),
-        optimizer=dataclasses.replace(pf.optimizer, impl="offload-stream"),
+        optimizer=pf.optimizer if "optimizer" in off else dataclasses.replace(pf.optimizer, impl="offload-stream"),
         tile=dataclasses.replace(pf.tile, enabled="tile" not in off),
         general=pf.general)

@@ -89,6 +89,9 @@ def megatron_parser() -> argparse.ArgumentParser:
 _CHECKED_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--moe-token-dispatcher-type", {}),
     ("--optimizer", {}),
+    ("--exp-avg-dtype", {}),  # what OffloadStreamAdamW refuses (optimizer/config.py)
+    ("--exp-avg-sq-dtype", {}),
+    ("--main-params-dtype", {}),
     ("--disable-bias-linear", {"dest": "add_bias_linear", "action": "store_false"}),
     ("--fp8-format", {"dest": "fp8"}),
     ("--fp4-format", {"dest": "fp4"}),

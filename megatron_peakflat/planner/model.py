@@ -1370,7 +1370,8 @@ def _optimizer_rows(rows: dict[str, Row], run: RunConfig, pf: PeakflatConfig, g:
                                  source="torch.optim.adam _multi_tensor_adam: _foreach_sqrt(exp_avg_sq), 4 B/param "
                                         "of the GPU shard, when Megatron falls back to torch's AdamW (no TE or apex)")
     rows["optimizer"] = Row(
-        "optimizer", opt_gpu_base, opt_pf, bound=len(instances) * slots * bucket * 16 if gpu_engine else 0.0,
+        "optimizer", opt_gpu_base, opt_pf,
+        bound=(len(instances) * slots * bucket * 16 if gpu_engine else 0.0) if pf.enabled["optimizer"] else None,
         host_baseline=(shard * per_param + 4 * shard) * f, host_peakflat=opt_host_pf,
         source="distrib_optimizer.py fp32 master + Adam moments (12 B/param shard); "
                "OffloadStreamAdamW: slots x bucket x 16 B staging per chained optimizer (dense, expert; "

@@ -217,7 +217,8 @@ def startup_namespace(shape: ModelShape, run: RunConfig, megatron_args: Any = No
 
 
 def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> dict[str, str]:
-    """Why each of PipelinedLLEP, Ring-DTP and SCO cannot run here ('dispatch', 'vocab', 'sco'): the refusal
+    """Why each of PipelinedLLEP, Ring-DTP, SCO, the tiled sublayer and OffloadStreamAdamW cannot run here
+    ('dispatch', 'vocab', 'sco', 'tile', 'optimizer'): the refusal
     that its own start-up check (``PeakflatConfig.validate``) gives on ``startup_namespace``, so that the
     plan never turns on, nor a recommendation names, a component that start-up would refuse. Without
     ``megatron_args`` (a preset) only the model and run decide."""
@@ -234,6 +235,13 @@ def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> di
         e = _startup_refusal(cfg, ns)
         if e is not None:
             out[name] = f"{e.problem} (fix: {e.fix})"
+    # OffloadStreamAdamW with the Megatron flags a recommendation adds beside it (OptimizerConfig.MEGATRON_FLAGS,
+    # and fp32 gradients under --fp16): what is left is the line's own (another optimizer, other state dtypes)
+    adds = {f.lstrip("-").replace("-", "_"): True for f in (*OptimizerConfig.MEGATRON_FLAGS, FP32_GRADS_FLAG)}
+    e = _startup_refusal(PeakflatConfig(optimizer=OptimizerConfig(impl="offload-stream")),
+                         argparse.Namespace(**{**vars(ns), **adds}))
+    if e is not None:
+        out["optimizer"] = f"{e.problem} (fix: {e.fix})"
     return out
 
 
@@ -400,6 +408,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
                                chunk_cap=STARTS["chunk_cap"], max_chunks=DispatchConfig().max_chunks)
     voc = dataclasses.replace(base.vocab, impl="megatron" if "vocab" in blocked else "ring-dtp",
                               block_size=STARTS["block_size"])
+    asked_offload, optimizer = optimizer, optimizer and "optimizer" not in blocked
     opt = dataclasses.replace(base.optimizer, impl="offload-stream" if optimizer else "megatron",
                               bucket=STARTS["bucket"], slots=3)
     sco_cfg = dataclasses.replace(base.sco, enabled=sco and "sco" not in blocked, budget=None)
@@ -419,7 +428,7 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
     # Without experts there is nothing to dispatch, and without full recompute SCO has nothing to keep: no news.
     for name, why in blocked.items():
         if (name == "dispatch" and not shape.experts) or (name == "sco" and (not sco or run.recompute != "full")) \
-                or (name == "tile" and not tile):
+                or (name == "tile" and not tile) or (name == "optimizer" and not asked_offload):
             continue
         reasons.append(f"{components.get(name).label} left off: {why}")
     if opt_host > run.host_bytes_per_rank:
