@@ -25,7 +25,8 @@
 #                                   configuration its search rows name -> bench/results/e2e.json (rows time,...)
 #   same-loss-fp32, same-loss-bf16  50 iterations at 8K: fp32 (TF32 off) on the local spec (TE's layers run fp32
 #                                   through their unfused backend, whose [s, s] tensors do not fit), and bf16 at lr 1e-5
-#                                   -> bench/results/e2e.json
+#                                   -> bench/results/e2e.json. same-loss-fp32 needs no Transformer Engine: it can run
+#                                   in the set-up call (`te-receive:1 setup same-loss-fp32`)
 #   calibration                     bench/planner_calibration.py for BUDGET seconds
 #   example, demo, mtp-release, e2e[:args], bench-<component>[:args]
 # Two GPUs of one host:
