@@ -25,7 +25,8 @@
 #                                   configuration its search rows name -> bench/results/e2e.json (rows time,...)
 #   same-loss-fp32, same-loss-bf16  50 iterations at 8K: fp32 (TF32 off) on the local spec (TE's layers run fp32
 #                                   through their unfused backend, whose [s, s] tensors do not fit), and bf16 at lr 1e-5
-#                                   -> bench/results/e2e.json. same-loss-fp32 needs no Transformer Engine: it can run
+#                                   -> bench/results/e2e_local_same_loss.json (fp32; a results file keeps one spec) and
+#                                   bench/results/e2e.json (bf16). same-loss-fp32 needs no Transformer Engine: it can run
 #                                   in the set-up call (`te-receive:1 setup same-loss-fp32`)
 #   calibration                     bench/planner_calibration.py for BUDGET seconds
 #   example, demo, mtp-release, e2e[:args], bench-<component>[:args]
@@ -103,7 +104,7 @@ for s in "$@"; do
     time-long) e2e time_long --phases time --methods peakflat-auto --repeats 3 --time-iters 2 --timeout 420 \
                  --budget "$BUDGET" --time-seqs 384K,512K ;;
     same-loss-fp32) e2e same_loss_fp32 --phases same-loss --dtype fp32 --spec local --same-loss-seq 8K --same-loss-iters 50 \
-                      --budget "$BUDGET" ;;
+                      --out e2e_local_same_loss.json --budget "$BUDGET" ;;
     same-loss-bf16) e2e same_loss_bf16 --phases same-loss --lr 1e-5 --same-loss-seq 8K --same-loss-iters 50 --budget "$BUDGET" ;;
     calibration) step calibration $PY bench/planner_calibration.py --max-minutes $(( BUDGET / 60 )) ;;
     example)
