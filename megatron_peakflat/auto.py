@@ -37,7 +37,8 @@ _COMPONENT_PREFIXES = {name: (_SWITCHES[name], *(f"--peakflat-{p}-" for p in (_C
                        for name in _SWITCHES}
 """The flags of each component: its switch and its knobs (``--peakflat-<PREFIX>-*``, and their former spellings,
 ``FORMER_PREFIXES``, which a user's command line may still hold)."""
-_COMPONENT_MEGATRON_FLAGS = {name: tuple(getattr(cls, "MEGATRON_FLAGS", ())) for name, cls in _COMPONENTS.items()}
+_COMPONENT_MEGATRON_FLAGS = {name: (*getattr(cls, "MEGATRON_FLAGS", ()), *getattr(cls, "MEGATRON_FLAGS_WHERE_NEEDED", ()))
+                             for name, cls in _COMPONENTS.items()}
 """The Megatron flags a component's mode needs (``OptimizerConfig.MEGATRON_FLAGS``): they belong to that component,
 so that a user who sets its switch keeps Megatron's flags as given too."""
 _resolved: list["AutoChoice"] = []

@@ -132,7 +132,7 @@ REPLICATED_OPTIMIZER = (
     "--disable-bias-linear --recompute-granularity selective")
 MANY_CHUNKS = ("--num-layers 16 --hidden-size 2048 --num-attention-heads 8 --kv-channels 64 --ffn-hidden-size 2880 "
                "--num-experts 8 --moe-router-topk 5 --moe-ffn-hidden-size 768 --vocab-size 128256 --swiglu "
-               "--untie-embeddings-and-output-weights --seq-length 1048576 --micro-batch-size 4 "
+               "--untie-embeddings-and-output-weights --seq-length 1048576 --micro-batch-size 4 --bf16 "
                "--moe-token-dispatcher-type alltoall --disable-bias-linear --use-distributed-optimizer "
                "--expert-model-parallel-size 1 --recompute-granularity full --recompute-method uniform "
                "--recompute-num-layers 1")

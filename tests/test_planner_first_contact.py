@@ -249,3 +249,44 @@ def test_offloadstreamadamw_is_never_recommended_where_its_start_up_refuses_the_
     plain = NEMO + " --micro-batch-size 1 --seq-length 65536"
     shape, run, pf, ns, _ = build(["--megatron-args", plain, "--gpus", "4", "--hbm-gib", "40", "--host-gib", "2048"])
     assert "optimizer" not in blockers(shape, run, ns.megatron_namespace) and pf.optimizer.impl == "offload-stream"
+
+
+def test_the_seq_len_override_speaks_the_lines_length_flag_and_both_flags_are_refused(capsys):
+    """A line that gives its length as --encoder-seq-length gets the planned length in that flag (Megatron refuses
+    --seq-length beside it, so the completed line failed the check), and a line with both is refused as Megatron
+    refuses it."""
+    from megatron_peakflat.cli.plan import main
+
+    line = NEMO + " --micro-batch-size 1 --encoder-seq-length 16384"
+    main(["--megatron-args", line, "--gpus", "4", "--layout", "given", "--seq-len", "32768"])
+    add = next(ln for ln in capsys.readouterr().out.splitlines() if "flags to add:" in ln)
+    assert "--encoder-seq-length 32768" in add and "--seq-length" not in add
+    assert main(["--megatron-args", line + " --seq-length 16384", "--gpus", "4"]) == 2
+    assert "--encoder-seq-length=16384: is given with --seq-length 16384" in capsys.readouterr().err
+
+
+def test_under_fp16_the_peakflat_column_plans_the_fp32_gradients_its_optimizer_needs():
+    """The 'every component' column runs OffloadStreamAdamW, which under --fp16 runs only with fp32 gradients: its
+    gradients row is planned at 4 bytes per parameter there (it read the fp16 buffer, 34.9 against 44.5 GiB)."""
+    from megatron_peakflat.planner.model import plan
+
+    line = NEMO.replace("--bf16", "--fp16") + " --micro-batch-size 1 --seq-length 16384"
+    shape, run, pf, _, _ = build(["--megatron-args", line, "--gpus", "4"])
+    rows = plan(shape, run, pf).stages[0].rows["gradients"]
+    assert pf.optimizer.impl == "offload-stream" and rows.peakflat == 2 * rows.baseline
+    shape, run, pf, _, _ = build(["--megatron-args", line + " --clip-grad 0", "--gpus", "4"])
+    rows = plan(shape, run, pf).stages[0].rows["gradients"]
+    assert rows.peakflat == rows.baseline
+
+
+def test_auto_leaves_a_user_set_optimizer_to_the_user_under_fp16_too(capsys):
+    """A user who sets --peakflat-optimizer keeps its Megatron flags as given, the fp32 gradients it needs under
+    --fp16 among them: with auto the line is refused as without it, not completed."""
+    from megatron_peakflat.cli import check
+
+    line = [*NEMO.replace("--bf16", "--fp16").split(), "--micro-batch-size", "1", "--seq-length", "16384",
+            "--peakflat-optimizer", "offload-stream", "--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+    machine = ["--gpus", "4", "--hbm-gib", "80", "--host-gib", "2048"]
+    assert check.main([*line, *machine]) == check.REFUSED
+    assert check.main([*line, *machine, "--peakflat", "auto"]) == check.REFUSED
+    assert "--accumulate-allreduce-grads-in-fp32" in capsys.readouterr().err

@@ -832,3 +832,25 @@ def test_no_packed_qkv_buffer_in_attentions_backward_where_nothing_saved_views_i
     kept = dataclasses.replace(run, qkv_buffer_freed=False)
     assert model.attention_backward_transient(shape, kept) - model.attention_backward_transient(shape, run) == \
         (copies if freed else 0)
+
+
+@pytest.mark.parametrize("extra, fix", [
+    ("--kv-channels 100", "choose --kv-channels a multiple of 8"),
+    ("--fp32-placeholder", "add --bf16"),
+])
+def test_a_line_only_the_unfused_backend_takes_is_refused_under_context_parallelism(capsys, extra, fix):
+    """TE's unfused backend does not support context parallelism (get_attention_backend disables it), and flash and
+    fused attention do not take the line: TE has no backend for it, so the check and auto refuse it at start-up,
+    naming --context-parallel-size and the condition's fix (both had said it fits)."""
+    line = ("--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --seq-length 16384 --max-position-embeddings "
+            "16384 --micro-batch-size 1 --vocab-size 32000 --lr 1e-4 --train-iters 10 --bf16 "
+            "--no-create-attention-mask-in-dataloader --context-parallel-size 2 " + extra).split()
+    if "--fp32-placeholder" in line:
+        line = [a for a in line if a not in ("--fp32-placeholder", "--bf16")]
+    machine = ["--gpus", "2", "--hbm-gib", "80", "--host-gib", "2048"]
+    for auto in ([], ["--peakflat", "auto"]):
+        assert check.main([*line, *machine, *auto]) == check.REFUSED
+        err = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: "))
+        assert "--context-parallel-size=2" in err and "does not support context parallelism" in err and fix in err
+    cp1 = [a if a != "2" or line[i - 1] != "--context-parallel-size" else "1" for i, a in enumerate(line)]
+    assert check.main([*cp1, "--gpus", "1", "--hbm-gib", "80", "--host-gib", "2048"]) != check.REFUSED

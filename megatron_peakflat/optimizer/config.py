@@ -11,6 +11,10 @@ from ..config_base import Count, ComponentConfig, PeakflatConfigError, megatron_
 log = logging.getLogger("megatron_peakflat")
 
 
+FP32_GRADS_FLAG = "--accumulate-allreduce-grads-in-fp32"
+"""The Megatron flag OffloadStreamAdamW needs under --fp16 with clipping on (``fp16_grads_clipped``)."""
+
+
 @dataclass(kw_only=True)
 class OptimizerConfig(ComponentConfig):
     PREFIX: ClassVar[str] = "optimizer"
@@ -23,6 +27,9 @@ class OptimizerConfig(ComponentConfig):
                                                  "--use-precision-aware-optimizer")
     """Megatron's flags that 'offload-stream' needs: only with them does Megatron build the
     HybridDeviceOptimizer that OffloadStreamAdamW takes the place of (start-up checks them)."""
+    MEGATRON_FLAGS_WHERE_NEEDED: ClassVar[tuple[str, ...]] = (FP32_GRADS_FLAG,)
+    """Megatron's flags that 'offload-stream' needs on some lines (fp32 gradients under --fp16): a recommendation
+    adds them there, and like ``MEGATRON_FLAGS`` they belong to the component."""
 
     impl: Literal["megatron", "offload-stream"] = "megatron"
     """Offloaded optimizer. 'offload-stream' keeps fp32 master weights and Adam moments in pinned
@@ -112,9 +119,6 @@ def _check_offload_stream_megatron_knobs(flag: str, impl: str, args: Any) -> Non
                                   f"with --fp16 Megatron keeps fp16 gradients, and its gradient clipping (--clip-grad "
                                   f"{clip}) refuses fp16 gradients of an offloaded optimizer at the first step",
                                   "add --accumulate-allreduce-grads-in-fp32, or train with --bf16 (or --clip-grad 0)")
-
-
-FP32_GRADS_FLAG = "--accumulate-allreduce-grads-in-fp32"
 
 
 def fp16_grads_clipped(fp16: bool, grads_fp32: bool, clip_grad: float | None) -> bool:

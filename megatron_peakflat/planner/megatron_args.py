@@ -67,7 +67,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--main-grads-dtype", choices=["fp32", "bf16"], default=None)
     p.add_argument("--optimizer-offload-fraction", type=float, default=None)
     # Megatron's validate_args takes --encoder-seq-length as the sequence length where --seq-length is absent
-    p.add_argument("--encoder-seq-length", dest="seq_length", type=_at_least(1), default=None)
+    p.add_argument("--encoder-seq-length", type=_at_least(1), default=None)  # parse_megatron_args: the length
     p.add_argument("--decoder-seq-length", type=int, default=None)  # an encoder-decoder's decoder: no GPT term
     p.add_argument("--clip-grad", type=float, default=None)  # whether an offloaded step under fp16 needs fp32 grads
     p.add_argument("--rotary-percent", type=float, default=None)  # torch RoPE's tables (te_limits.torch_rope_dim)
@@ -203,6 +203,12 @@ def parse_megatron_args(text: str) -> tuple[argparse.Namespace, list[str]]:
         if close:
             raise PeakflatConfigError(name, None, f"is not a Megatron flag, and {close[0]} is one that changes memory",
                                       f"did you mean {close[0]}?")
+    encoder = getattr(ns, "encoder_seq_length", None)
+    if encoder is not None:  # Megatron's validate_args: the sequence length, and never beside --seq-length
+        if ns.seq_length is not None:
+            raise PeakflatConfigError("--encoder-seq-length", encoder, f"is given with --seq-length {ns.seq_length}, "
+                                      "and Megatron refuses the pair", "pass one of them")
+        ns.seq_length = encoder
     return ns, ignored
 
 

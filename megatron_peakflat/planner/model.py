@@ -39,6 +39,7 @@ from ..config_base import PeakflatConfigError
 from ..dispatch.bound import (auto_max_foreign, chunk_count, flow_chunk_rows, overlap_on, segment_piece_rows,
                               split_floor, weight_sends_bound, working_set_bound)
 from ..dispatch.config import resolve_membership
+from ..optimizer.config import fp16_grads_clipped
 from ..tile.bound import tiled_attention_peak_bytes
 from ..vocab.sizes import auto_block_size, auto_chunk_tokens
 from .shapes import ModelShape
@@ -1285,7 +1286,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                    stage_params(s, run, n_dense, n_moe, embedding, last, vocab_ep_shards(run, pf), mtp=mtps[st]))
         rows: dict[str, Row] = {}
         notes: list[str] = []
-        _parameter_rows(rows, run, g)
+        _parameter_rows(rows, run, pf, g)
         _optimizer_rows(rows, run, pf, g)
         n_ckpt, stored_layers = _activation_rows(rows, s, run, pf, g)
         budget_used = _boundary_rows(rows, notes, s, run, pf, g, n_ckpt)
@@ -1310,7 +1311,7 @@ def plan(s: ModelShape, run: RunConfig, pf: PeakflatConfig | None = None) -> Pla
                 stage_of=tuple(_stage_label(c, run.pp) for c in cover))
 
 
-def _parameter_rows(rows: dict[str, Row], run: RunConfig, g: _Stage) -> None:
+def _parameter_rows(rows: dict[str, Row], run: RunConfig, pf: PeakflatConfig, g: _Stage) -> None:
     """Rows ``parameters``, ``model build`` and ``gradients``; the peakflat column holds the output layer's EP
     shard (``--peakflat-vocab-shard-over-ep``)."""
     w = run.w
@@ -1324,8 +1325,13 @@ def _parameter_rows(rows: dict[str, Row], run: RunConfig, g: _Stage) -> None:
                               source="distributed_data_parallel.py: the module's parameters, alive while "
                                      "_ParamAndGradBuffer is built and filled")
     gbytes = run.grad_bytes
-    rows["gradients"] = Row("gradients", params * gbytes, params_pf * gbytes,
-                            source="param_and_grad_buffer.py grad_data, full size even with the distributed optimizer")
+    # OffloadStreamAdamW under --fp16 runs only with fp32 gradients (what start-up asks, and a recommendation adds)
+    fp32_for_offload = pf.enabled["optimizer"] and fp16_grads_clipped(run.precision == "fp16", bool(run.grads_fp32),
+                                                                       run.clip_grad)
+    rows["gradients"] = Row("gradients", params * gbytes, params_pf * (4 if fp32_for_offload else gbytes),
+                            source="param_and_grad_buffer.py grad_data, full size even with the distributed optimizer"
+                                   + ("; fp32 in the peakflat column: OffloadStreamAdamW under --fp16 needs "
+                                      "--accumulate-allreduce-grads-in-fp32" if fp32_for_offload else ""))
 
 
 def _optimizer_shards(run: RunConfig, dense: float, expert: float) -> list[float]:

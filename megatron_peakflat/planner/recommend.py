@@ -133,8 +133,9 @@ def layout_flags(run: RunConfig) -> list[str]:
     return out
 
 
-def _why(p: Plan) -> list[str]:
-    """Name the rows that no knob can shrink, largest first, each with its fix."""
+def _why(p: Plan, optimizer_off: str | None = None) -> list[str]:
+    """Name the rows that no knob can shrink, largest first, each with its fix; ``optimizer_off``: why the
+    optimizer stays on the GPU (host RAM short where None)."""
     st = p.worst("peakflat")
     run = p.run
     # EP cannot pass the expert count: where it is there already, the expert weights split by ETP (and PP) instead
@@ -146,7 +147,8 @@ def _why(p: Plan) -> list[str]:
     fixes = {
         "parameters": f"raise {sharded}, or use more GPUs",
         "gradients": f"raise {sharded}, or use more GPUs",
-        "optimizer": "the optimizer shard stays on the GPU because host RAM is short: raise --host-gib or DP",
+        "optimizer": (f"the optimizer shard stays on the GPU because {optimizer_off}" if optimizer_off else
+                      "the optimizer shard stays on the GPU because host RAM is short: raise --host-gib or DP"),
         "activations": "turn on --recompute-granularity full",
         "layer working set": "raise --context-parallel-size or --tensor-model-parallel-size",
         "model build": f"raise {sharded} (Megatron's DDP holds the parameters twice while it builds its buffers)",
@@ -285,7 +287,9 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
     if preset:
         rec.reasons += _preset_prerequisites(shape, run, rec)
     elif getattr(megatron_args, "seq_length", None) not in (None, run.seq_len):  # the planner's --seq-len over it
-        rec.flags += ["--seq-length", str(run.seq_len)]
+        # in the line's own flag: Megatron refuses --seq-length beside --encoder-seq-length
+        rec.flags += ["--encoder-seq-length" if getattr(megatron_args, "encoder_seq_length", None) else "--seq-length",
+                      str(run.seq_len)]
         if (getattr(megatron_args, "max_position_embeddings", None) or run.seq_len) < run.seq_len:
             rec.flags += ["--max-position-embeddings", str(run.seq_len)]
         rec.reasons.append(f"--seq-length {run.seq_len}: the length planned (--seq-len), in place of the line's "
@@ -482,4 +486,5 @@ def _fit(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None, blocked
         else:
             cfg.optimizer = dataclasses.replace(cfg.optimizer, slots=2)
     p = plan(shape, run, cfg)
-    return Recommendation(False, cfg, p, _flags(cfg, p) + extra, reasons + _why(p), layout_flags(p.run))
+    off = f"start-up refuses OffloadStreamAdamW here: {blocked['optimizer']}" if "optimizer" in blocked else None
+    return Recommendation(False, cfg, p, _flags(cfg, p) + extra, reasons + _why(p, off), layout_flags(p.run))

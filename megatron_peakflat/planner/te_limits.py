@@ -104,7 +104,7 @@ from ..config_base import PeakflatConfigError, format_bytes
 __all__ = ["TE_VERSION", "INT32_MAX", "ROPE_KERNEL", "UNFUSED_BACKEND", "fused_rope_elements", "fused_rope_fits",
            "fused_rope_max_tokens", "rope_applies", "rope_fusion_applies", "torch_rope_dim", "packed_qkv_freed", "rope_kernel_tokens",
            "fused_rope_refusal",
-           "NO_ROPE_FUSION", "unfused_attention_condition", "attention_call_shape", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
+           "NO_ROPE_FUSION", "unfused_attention_condition", "unfused_cp_refusal", "attention_call_shape", "unfused_scores_bytes", "unfused_refusal", "attention_head_dim",
            "DETERMINISTIC_BACKWARD", "fused_attention_runs", "deterministic_workspace_applies",
            "deterministic_workspace_bytes",
            "gqa_expansion_applies", "gqa_expansion_bytes",
@@ -657,13 +657,27 @@ def rope_line_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) 
                               kv_heads=shape.kv_heads, head_dim=shape.head_dim, tp=run.tp, preset=preset)
 
 
+def unfused_cp_refusal(run: Any) -> PeakflatConfigError | None:
+    """The error where a line that only TE's unfused backend could run (``run.unfused_attention``) asks for context
+    parallelism, which that backend does not support (``get_attention_backend`` disables it under CP): TE then has
+    no attention backend for the line and stops at the first step. None otherwise."""
+    if not getattr(run, "unfused_attention", None) or run.cp <= 1:
+        return None
+    return PeakflatConfigError(
+        "--context-parallel-size", run.cp,
+        f"Transformer Engine {TE_VERSION} runs no attention backend for this line: flash and fused attention do not "
+        f"take it ({run.unfused_attention.split(':')[0]}), and its unfused backend does not support context "
+        "parallelism; the first step would stop there",
+        f"{run.unfused_attention.split(': ', 1)[-1]}, or pass --context-parallel-size 1")
+
+
 def hard_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> PeakflatConfigError | None:
     """The first limit for which auto adds no Megatron flag: TE's norms, its fused router, its fused permutation
     (``norm_refusal``, ``router_fusion_refusal``, ``permute_fusion_refusal``; the whole-sequence norms are not
     reached where auto turns the tiled sublayer on, nor the permutation where it turns PipelinedLLEP on); None
     where all fit."""
-    return (norm_refusal(shape, run, args, preset=preset) or router_fusion_refusal(shape, run, args)
-            or permute_fusion_refusal(shape, run, args))
+    return (unfused_cp_refusal(run) or norm_refusal(shape, run, args, preset=preset)
+            or router_fusion_refusal(shape, run, args) or permute_fusion_refusal(shape, run, args))
 
 
 def line_refusal(shape: Any, run: Any, args: Any, *, preset: bool = False) -> PeakflatConfigError | None:
