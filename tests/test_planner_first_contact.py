@@ -218,17 +218,42 @@ def test_a_flag_that_changes_memory_and_is_not_modelled_is_named_so(capsys):
     from megatron_peakflat.cli import check
     from megatron_peakflat.cli.plan import main
 
-    extra = " --optimizer sgd --exp-avg-dtype bf16 --exp-avg-sq-dtype fp32 --num-distributed-optimizer-instances 2"
+    extra = " --optimizer muon --use-megatron-fsdp --num-distributed-optimizer-instances 2"
     line = NEMO + " --micro-batch-size 1 --seq-length 8192" + extra
     main(["--megatron-args", line, "--gpus", "8"])
     out = capsys.readouterr().out
     warned = [ln for ln in out.splitlines() if ln.startswith("warning: not modelled, ")]
     assert [w.split(",", 1)[1].split(":")[0].strip() for w in warned] == [
-        "--optimizer sgd", "--exp-avg-dtype bf16", "--num-distributed-optimizer-instances 2"]
+        "--optimizer muon", "--use-megatron-fsdp", "--num-distributed-optimizer-instances 2"]
     unread = next(ln for ln in out.splitlines() if "taken as not changing memory" in ln)
-    assert "--optimizer" not in unread and "--exp-avg-dtype" not in unread and "--num-distributed" not in unread
-    check.main([*line.split(), "--gpus", "8", "--hbm-gib", "80", "--host-gib", "2048"])
-    assert sum(ln.startswith("warning: not modelled, ") for ln in capsys.readouterr().out.splitlines()) == 3
+    assert "--optimizer" not in unread and "--use-megatron-fsdp" not in unread and "--num-distributed" not in unread
+    # Megatron refuses its FSDP beside muon: the check takes a line it accepts
+    check.main([*(NEMO + " --micro-batch-size 1 --seq-length 8192 --optimizer muon").split(), "--gpus", "8",
+                "--hbm-gib", "80", "--host-gib", "2048"])
+    assert [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning: not modelled, ")] == [
+        warned[0]]
+    main(["--megatron-args", NEMO + " --micro-batch-size 1 --seq-length 8192 --optimizer sgd --exp-avg-dtype bf16",
+          "--gpus", "8"])
+    assert "not modelled" not in capsys.readouterr().out  # SGD and the state dtypes are planned (below)
+
+
+@pytest.mark.parametrize("extra, per_param", [
+    ("", 4 + 4 + 4),  # Adam: fp32 master weights and two fp32 moments
+    ("--optimizer sgd", 4 + 4),  # SGD: master weights and an fp32 momentum buffer
+    ("--optimizer sgd --sgd-momentum 0", 4),
+    ("--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype fp8 --main-params-dtype fp16", 2 + 2 + 1),
+    ("--exp-avg-dtype bf16", 4 + 4 + 4),  # Megatron reads the state dtypes only with the precision-aware optimizer
+])
+def test_the_optimizer_state_is_the_one_the_line_asks_for(extra, per_param):
+    """Megatron's optimizer state per parameter, from the line: SGD's momentum buffer, and under
+    --use-precision-aware-optimizer the dtypes of Adam's moments and of the master weights."""
+    from megatron_peakflat.planner.model import plan
+
+    line = NEMO + " --micro-batch-size 1 --seq-length 8192 " + extra
+    adam = plan(*build(["--megatron-args", NEMO + " --micro-batch-size 1 --seq-length 8192", "--gpus", "8"])[:3])
+    shape, run, pf, _, _ = build(["--megatron-args", line, "--gpus", "8"])
+    got = plan(shape, run, pf).stages[0].rows["optimizer"].baseline
+    assert got == pytest.approx(adam.stages[0].rows["optimizer"].baseline * per_param / 12)
 
 
 @pytest.mark.parametrize("extra, named", [

@@ -69,7 +69,8 @@ def megatron_parser() -> argparse.ArgumentParser:
     # Megatron's validate_args takes --encoder-seq-length as the sequence length where --seq-length is absent
     p.add_argument("--encoder-seq-length", type=_at_least(1), default=None)  # parse_megatron_args: the length
     p.add_argument("--decoder-seq-length", type=int, default=None)  # an encoder-decoder's decoder: no GPT term
-    p.add_argument("--clip-grad", type=float, default=None)  # whether an offloaded step under fp16 needs fp32 grads
+    p.add_argument("--clip-grad", type=float, default=None)
+    p.add_argument("--sgd-momentum", type=float, default=None)  # SGD's momentum buffer (none at 0)  # whether an offloaded step under fp16 needs fp32 grads
     p.add_argument("--rotary-percent", type=float, default=None)  # torch RoPE's tables (te_limits.torch_rope_dim)
     for name in ("tokenizer-type", "tokenizer-model", "vocab-file", "merge-file"):  # they set the vocabulary
         p.add_argument("--" + name, default=None)
@@ -147,11 +148,8 @@ class MissingModelFlags(PeakflatConfigError):
 
 
 UNMODELLED: dict[str, tuple[str | None, str]] = {
-    "--optimizer": ("adam", "an optimizer other than Adam: its state is planned as Adam's (12 bytes per parameter "
-                            "with fp32 master weights)"),
-    "--exp-avg-dtype": ("fp32", "Adam's first moment in another dtype: planned in fp32"),
-    "--exp-avg-sq-dtype": ("fp32", "Adam's second moment in another dtype: planned in fp32"),
-    "--main-params-dtype": ("fp32", "master weights in another dtype: planned in fp32"),
+    "--optimizer": ("adam", "an optimizer other than Adam and SGD: its state is planned as Adam's (12 bytes per "
+                            "parameter with fp32 master weights)"),
     "--use-megatron-fsdp": (None, "parameters and gradients sharded over data parallelism: planned whole on each "
                                   "rank (an over-plan)"),
     "--use-torch-fsdp2": (None, "parameters and gradients sharded over data parallelism: planned whole on each rank "
@@ -159,6 +157,8 @@ UNMODELLED: dict[str, tuple[str | None, str]] = {
     "--num-distributed-optimizer-instances": ("1", "the optimizer state sharded over a part of the data-parallel "
                                                    "group: planned over all of it (an under-plan)"),
 }
+MODELLED_VALUES: dict[str, tuple[str, ...]] = {"--optimizer": ("sgd",)}
+"""Values of an ``UNMODELLED`` flag that the planner does model."""
 """Megatron flags that change memory and that the planner does not model, each with the value it plans (None: a
 switch, planned off) and what that means; a line that sets one is told so, not that the flag changes nothing."""
 
@@ -173,7 +173,7 @@ def unmodelled(line: Sequence[str]) -> list[str]:
             continue
         planned, what = UNMODELLED[flag]
         value = inline or (line[i + 1] if planned is not None and i + 1 < len(line) else "")
-        if planned is None or value != planned:
+        if planned is None or value not in (planned, *MODELLED_VALUES.get(flag, ())):
             out.append(f"{flag}{' ' + value if value else ''}: {what}")
     return out
 
@@ -340,6 +340,13 @@ def in_training_words(e: PeakflatConfigError, keep: Sequence[str] = (),
     return PeakflatConfigError(names.get(e.flag, e.flag), e.value, words(e.problem), words(e.fix))
 
 
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a Megatron dtype flag's value: 'fp32', 'bf16', 'fp16', 'fp8' as given, or the
+    torch dtype validate_args maps it to (fp8 is stored as uint8)."""
+    name = str(dtype).removeprefix("torch.")
+    return {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "uint8": 1}[name]
+
+
 def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
     """RunConfig fields that Megatron flags set (only those present)."""
     out: dict[str, Any] = {dst: getattr(ns, src) for src, dst in RUN_FIELDS.items() if getattr(ns, src, None) is not None}
@@ -393,6 +400,16 @@ def run_fields_from_namespace(ns: Any) -> dict[str, Any]:
     main_grads = str(getattr(ns, "main_grads_dtype", None) or "")  # 'bf16' on a command line, a torch dtype once validated
     if getattr(ns, "grad_reduce_in_bf16", None) or main_grads in ("bf16", "torch.bfloat16"):
         out["grads_fp32"] = False
+    optimizer = getattr(ns, "optimizer", None)
+    if optimizer is not None:
+        out["optimizer"] = optimizer
+    if getattr(ns, "sgd_momentum", None) is not None:
+        out["sgd_momentum"] = ns.sgd_momentum
+    if getattr(ns, "use_precision_aware_optimizer", None):  # Megatron reads the state dtypes only with it
+        for src, dst in (("exp_avg_dtype", "exp_avg_bytes"), ("exp_avg_sq_dtype", "exp_avg_sq_bytes"),
+                         ("main_params_dtype", "main_params_bytes")):
+            if getattr(ns, src, None) is not None:
+                out[dst] = dtype_bytes(getattr(ns, src))
     if getattr(ns, "optimizer_cpu_offload", None) and "optimizer_offload_fraction" not in out:
         out["optimizer_offload_fraction"] = 1.0
     if not getattr(ns, "optimizer_cpu_offload", None) and "optimizer_offload_fraction" in out:

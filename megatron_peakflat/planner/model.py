@@ -103,6 +103,15 @@ class RunConfig:
     --main-grads-dtype bf16) and the parameters' dtype otherwise."""
     clip_grad: float = 1.0
     """--clip-grad (Megatron's default 1.0; 0 turns clipping off)."""
+    optimizer: str = "adam"
+    """--optimizer: Adam's state is planned, and SGD's; another is planned as Adam (and named as not modelled)."""
+    sgd_momentum: float = 0.9
+    """--sgd-momentum: SGD keeps a momentum buffer unless it is 0."""
+    exp_avg_bytes: int = 4
+    exp_avg_sq_bytes: int = 4
+    main_params_bytes: int = 4
+    """Adam's moments and the master weights per parameter (--exp-avg-dtype, --exp-avg-sq-dtype,
+    --main-params-dtype under --use-precision-aware-optimizer; fp32 otherwise)."""
     optimizer_offload_fraction: float = 0.0
     """--optimizer-cpu-offload with --optimizer-offload-fraction (Megatron's HybridDeviceOptimizer)."""
     cross_entropy_fusion: bool = False
@@ -1354,7 +1363,11 @@ def _optimizer_rows(rows: dict[str, Row], run: RunConfig, pf: PeakflatConfig, g:
     (--peakflat-vocab-shard-over-ep) as the expert parameter it becomes: the same state per rank under the
     distributed optimizer, V/EP rows without it."""
     w = run.w
-    per_param = (4 if w < 4 else 0) + 8
+    if run.optimizer == "sgd":  # torch's SGD: a momentum buffer of the fp32 gradient's size, none without momentum
+        state = 4 if run.sgd_momentum else 0
+    else:
+        state = run.exp_avg_bytes + run.exp_avg_sq_bytes
+    per_param = (run.main_params_bytes if w < 4 else 0) + state
     f = run.optimizer_offload_fraction
     slots, bucket = pf.optimizer.slots, pf.optimizer.bucket
     gpu_engine = getattr(pf.optimizer, "engine", "auto") != "cpu"
