@@ -288,11 +288,11 @@ def recommend(shape: ModelShape, run: RunConfig, base: PeakflatConfig | None = N
         rec.reasons += _preset_prerequisites(shape, run, rec)
     elif getattr(megatron_args, "seq_length", None) not in (None, run.seq_len):  # the planner's --seq-len over it
         # in the line's own flag: Megatron refuses --seq-length beside --encoder-seq-length
-        rec.flags += ["--encoder-seq-length" if getattr(megatron_args, "encoder_seq_length", None) else "--seq-length",
-                      str(run.seq_len)]
+        length = "--encoder-seq-length" if getattr(megatron_args, "encoder_seq_length", None) else "--seq-length"
+        rec.flags += [length, str(run.seq_len)]
         if (getattr(megatron_args, "max_position_embeddings", None) or run.seq_len) < run.seq_len:
             rec.flags += ["--max-position-embeddings", str(run.seq_len)]
-        rec.reasons.append(f"--seq-length {run.seq_len}: the length planned (--seq-len), in place of the line's "
+        rec.reasons.append(f"{length} {run.seq_len}: the length planned (--seq-len), in place of the line's "
                            f"{megatron_args.seq_length}")
     if dataloader_mask.mask_bytes(run.seq_len, run.micro_batch) >= dataloader_mask.MASK_WARN_BYTES:
         rec.flags.append(dataloader_mask.NO_MASK_FLAG)
