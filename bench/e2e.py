@@ -228,10 +228,10 @@ _LAUNCHER = re.compile(r"ChildFailedError|torch\.distributed\.elastic|torch/dist
 
 def error_lines(text: str, lines: int = 30) -> list[str]:
     """The failing rank's own error, not the launcher's summary after it: peakflat's start-up refusal where it
-    stopped the run (``_REFUSAL``; the launcher's traceback below it is not the failure); else up to ``lines`` lines ending a few
-    lines after the first exception or CUDA error line that torchrun's report did not write, after the first
-    traceback of the run's own (a warning naming an ImportError before it is not the failure), with that
-    traceback above it; the last ``lines`` lines where none is found."""
+    stopped the run (``_REFUSAL``; the launcher's traceback below it is not the failure); else up to ``lines``
+    lines ending a few lines after the first exception or CUDA error line that torchrun's report did not write,
+    after the first traceback of the run's own (a warning naming an ImportError before it is not the failure), with
+    that traceback above it; the last ``lines`` lines where none is found."""
     all_lines = text.splitlines()
     refusal = [ln for ln in all_lines if _REFUSAL.match(ln)]
     if refusal:  # peakflat's start-up refusal: flag, value, why and fix in one line, then a clean exit

@@ -388,7 +388,7 @@ def check_command_line(argv: Sequence[str]) -> int:
     print(f"peakflat flags: accepted; components on: {', '.join(on) or alone}")
     for line in notes:
         print(f"note: {line}")
-    for line in unmodelled(flags):
+    for _, line in unmodelled(flags):
         print(f"warning: not modelled, {line}")
     planner = [f"--megatron-args={shlex.join(flags)}", "--gpus", str(world), "--layout", "given"]
     for flag, value in (("--gpus-per-node", own.gpus_per_node), ("--hbm-gib", own.hbm_gib),

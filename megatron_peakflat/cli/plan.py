@@ -88,8 +88,8 @@ def _main(argv: Sequence[str] | None, status: list[int]) -> int:
         return 2
     status[0] = 0 if rec.fits else NOTHING_FITS
     line = shlex.split(ns.megatron_args) if ns.megatron_args else []
-    not_modelled = unmodelled(line)
-    named = {n.split(":")[0].split()[0] for n in not_modelled}
+    named = dict(unmodelled(line))
+    not_modelled = list(named.values())
     ignored = [f for f in ignored if f.split("=")[0] not in named]
     if ns.json:
         doc = to_json(pl, rec)

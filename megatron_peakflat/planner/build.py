@@ -226,7 +226,6 @@ def validate(shape: ModelShape, run: RunConfig, gpus: int) -> None:
         raise _err("--routing-skew", run.routing_skew, "max/mean load is never below 1", "pass 1.0 or more")
 
 
-
 def smallest_world(tp: int, pp: int, cp: int, ep: int = 1, etp: int | None = None) -> int:
     """The fewest GPUs Megatron accepts for these sizes: TP x PP x CP x DP with the smallest DP that lets
     EP x ETP (ETP: TP unless given) divide TP x CP x DP."""
@@ -235,6 +234,7 @@ def smallest_world(tp: int, pp: int, cp: int, ep: int = 1, etp: int | None = Non
     while (tp * cp * dp) % (ep * etp) and dp < ep * etp:
         dp += 1
     return tp * pp * cp * dp
+
 
 def build(argv: Sequence[str] | None = None) -> tuple[ModelShape, RunConfig, PeakflatConfig, argparse.Namespace, list[str]]:
     """Parse the command line into (shape, run, peakflat knobs, namespace, ignored Megatron flags)."""

@@ -69,8 +69,8 @@ def megatron_parser() -> argparse.ArgumentParser:
     # Megatron's validate_args takes --encoder-seq-length as the sequence length where --seq-length is absent
     p.add_argument("--encoder-seq-length", type=_at_least(1), default=None)  # parse_megatron_args: the length
     p.add_argument("--decoder-seq-length", type=int, default=None)  # an encoder-decoder's decoder: no GPT term
-    p.add_argument("--clip-grad", type=float, default=None)
-    p.add_argument("--sgd-momentum", type=float, default=None)  # SGD's momentum buffer (none at 0)  # whether an offloaded step under fp16 needs fp32 grads
+    p.add_argument("--clip-grad", type=float, default=None)  # whether an offloaded step under fp16 needs fp32 grads
+    p.add_argument("--sgd-momentum", type=float, default=None)  # SGD's momentum buffer (none at 0)
     p.add_argument("--rotary-percent", type=float, default=None)  # torch RoPE's tables (te_limits.torch_rope_dim)
     for name in ("tokenizer-type", "tokenizer-model", "vocab-file", "merge-file"):  # they set the vocabulary
         p.add_argument("--" + name, default=None)
@@ -157,15 +157,15 @@ UNMODELLED: dict[str, tuple[str | None, str]] = {
     "--num-distributed-optimizer-instances": ("1", "the optimizer state sharded over a part of the data-parallel "
                                                    "group: planned over all of it (an under-plan)"),
 }
-MODELLED_VALUES: dict[str, tuple[str, ...]] = {"--optimizer": ("sgd",)}
-"""Values of an ``UNMODELLED`` flag that the planner does model."""
 """Megatron flags that change memory and that the planner does not model, each with the value it plans (None: a
 switch, planned off) and what that means; a line that sets one is told so, not that the flag changes nothing."""
+MODELLED_VALUES: dict[str, tuple[str, ...]] = {"--optimizer": ("sgd",)}
+"""Values of an ``UNMODELLED`` flag that the planner does model."""
 
 
-def unmodelled(line: Sequence[str]) -> list[str]:
-    """'flag value: what the plan assumes' for each flag of ``UNMODELLED`` that the command line ``line`` (its
-    tokens) sets to a value other than the one planned."""
+def unmodelled(line: Sequence[str]) -> list[tuple[str, str]]:
+    """(flag, 'flag value: what the plan assumes') for each flag of ``UNMODELLED`` that the command line ``line``
+    (its tokens) sets to a value other than the one planned."""
     out = []
     for i, token in enumerate(line):
         flag, _, inline = token.partition("=")
@@ -174,7 +174,7 @@ def unmodelled(line: Sequence[str]) -> list[str]:
         planned, what = UNMODELLED[flag]
         value = inline or (line[i + 1] if planned is not None and i + 1 < len(line) else "")
         if planned is None or value not in (planned, *MODELLED_VALUES.get(flag, ())):
-            out.append(f"{flag}{' ' + value if value else ''}: {what}")
+            out.append((flag, f"{flag}{' ' + value if value else ''}: {what}"))
     return out
 
 

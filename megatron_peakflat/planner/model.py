@@ -1392,7 +1392,8 @@ def _optimizer_rows(rows: dict[str, Row], run: RunConfig, pf: PeakflatConfig, g:
         "optimizer", opt_gpu_base, opt_pf,
         bound=(len(instances) * slots * bucket * 16 if gpu_engine else 0.0) if pf.enabled["optimizer"] else None,
         host_baseline=(shard * per_param + 4 * shard) * f, host_peakflat=opt_host_pf,
-        source="distrib_optimizer.py fp32 master + Adam moments (12 B/param shard); "
+        source=f"distrib_optimizer.py master weights + {'SGD momentum' if run.optimizer == 'sgd' else 'Adam moments'} "
+               f"({per_param} B/param shard); "
                "OffloadStreamAdamW: slots x bucket x 16 B staging per chained optimizer (dense, expert; "
                "engine 'auto' may use less: it can send every bucket to the host); pinned host: 12 B/param, plus "
                "slots x bucket x (4 + param bytes) for the host kernel unless the engine is 'gpu'")

@@ -239,7 +239,8 @@ def blockers(shape: ModelShape, run: RunConfig, megatron_args: Any = None) -> di
             out[name] = f"{e.problem} (fix: {e.fix})"
     # OffloadStreamAdamW with the Megatron flags a recommendation adds beside it (OptimizerConfig.MEGATRON_FLAGS,
     # and fp32 gradients under --fp16): what is left is the line's own (another optimizer, other state dtypes)
-    adds = {f.lstrip("-").replace("-", "_"): True for f in (*OptimizerConfig.MEGATRON_FLAGS, FP32_GRADS_FLAG)}
+    adds = {f.lstrip("-").replace("-", "_"): True
+            for f in (*OptimizerConfig.MEGATRON_FLAGS, *OptimizerConfig.MEGATRON_FLAGS_WHERE_NEEDED)}
     e = _startup_refusal(PeakflatConfig(optimizer=OptimizerConfig(impl="offload-stream")),
                          argparse.Namespace(**{**vars(ns), **adds}))
     if e is not None:
@@ -317,8 +318,8 @@ def _preset_prerequisites(shape: ModelShape, run: RunConfig, rec: Recommendation
             if refusal is not None and refusal.fix not in needs.setdefault("dispatch", []):
                 needs["dispatch"].append(refusal.fix)
     if rec.config.enabled["tile"]:  # the dataloader's mask is among the flags to add already
-        ns = argparse.Namespace(**{**vars(base), **MEGATRON_DEFAULTS})
-        flags = [f for f in te_limits.tile_prerequisites(ns) if not f.startswith("--no-create-attention-mask")]
+        # a preset's namespace leaves dropout and the mask out: tile_prerequisites takes Megatron's defaults for them
+        flags = [f for f in te_limits.tile_prerequisites(base) if not f.startswith("--no-create-attention-mask")]
         if flags:
             needs["tile"] = [f"add {' '.join(flags)}"]
     return [f"{components.get(name).label} on your own line: the preset's model has no linear biases, no dropout "
